@@ -1,0 +1,1 @@
+"""The investigation engine's domain library (no Celery, kombu or Redis here)."""

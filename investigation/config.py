@@ -1,0 +1,259 @@
+"""Configuration models: one pydantic model per component, validated at load.
+
+``InvestigationConfig.load(path)`` reads a TOML file (all sections optional) and fails
+with ``ConfigError`` (code ``CONFIG_INVALID`` or ``CONFIG_UNREADABLE``) on anything it
+cannot use. Units are in field names (``_s`` seconds, ``_bytes`` bytes, ``_units``
+investigation budget units).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from investigation.constants import OPERATIONS
+from investigation.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoopConfig(_Strict):
+    """Loop bounds (seed 000, "Budget and stopping"). Frozen per analysis revision."""
+
+    max_iterations_per_hypothesis: int = Field(50, ge=1)
+    """Research-producing model iterations per hypothesis; one final assessment follows. Default 50."""
+    max_invalid_responses: int = Field(3, ge=1)
+    """Consecutive rejected replies before BLOCKED/INVALID_LLM_RESPONSES. Default 3."""
+    max_questions_per_hypothesis: int = Field(30, ge=0)
+    """Bound on accumulated question records per hypothesis. Default 30."""
+    test_deadline_seconds: int = Field(21600, ge=1)
+    """Controller-owned external test deadline in seconds. Default 21600 (6 h)."""
+    max_steps_per_dispatch: int = Field(8, ge=1)
+    """Steps per dispatch before it yields to other cases. Default 8."""
+    max_results_without_novelty: int = Field(3, ge=1)
+    """Consecutive evidence records without new items that make an account low-information
+    (terminal). Default 3."""
+
+
+class BudgetConfig(_Strict):
+    """Per-hypothesis credit and per-action costs, in investigation units."""
+
+    credit_units: int = Field(60, ge=1)
+    """Initial credit of each hypothesis account. Default 60."""
+    costs: dict[str, int] = Field(
+        default_factory=lambda: {
+            "source.list": 2,
+            "source.search": 3,
+            "source.read": 2,
+            "symbol.occurrences": 3,
+            "db.tables": 1,
+            "db.schema": 1,
+            "db.query": 4,
+            "logs.search": 3,
+        }
+    )
+    """Cost per snapshot operation; every operation needs a positive cost."""
+    test_costs: dict[Literal["human", "automated"], int] = Field(default_factory=dict)
+    """Cost per external test kind. Empty by default: a test action then is rejected
+    (seed: test descriptors require explicitly configured costs)."""
+    max_refund_percent: int = Field(80, ge=0, le=99)
+    """Upper bound of a refund as a percentage of the action's cost (always < 100). Default 80."""
+
+    @field_validator("costs")
+    @classmethod
+    def _costs_positive(cls, value: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(value) - set(OPERATIONS))
+        if unknown:
+            raise ValueError(f"unknown operations in budget.costs: {unknown}")
+        missing = sorted(set(OPERATIONS) - set(value))
+        if missing:
+            raise ValueError(f"budget.costs lacks a cost for: {missing}")
+        bad = sorted(k for k, v in value.items() if v <= 0)
+        if bad:
+            raise ValueError(f"costs must be positive integers: {bad}")
+        return value
+
+    @field_validator("test_costs")
+    @classmethod
+    def _test_costs_positive(cls, value: dict[str, int]) -> dict[str, int]:
+        bad = sorted(k for k, v in value.items() if v <= 0)
+        if bad:
+            raise ValueError(f"test costs must be positive integers: {bad}")
+        return value
+
+
+class LimitsConfig(_Strict):
+    """InvestigationLimits (seed 000, "Persistence and recovery"): adjustable safety bounds."""
+
+    max_context_bytes: int = Field(1 << 20, ge=4096)
+    """Bound of one serialized context. Default 1 MiB."""
+    max_artifact_bytes: int = Field(4 << 20, ge=4096)
+    """Bound of one JSON artifact. Default 4 MiB."""
+    max_checkpoints: int = Field(10_000, ge=1)
+    """Bound of state checkpoints per case. Default 10,000."""
+    max_report_bytes: int = Field(64 << 10, ge=1024)
+    """Bytes of the bug report placed into each context. Default 64 KiB."""
+    full_evidence_in_context: int = Field(6, ge=1)
+    """How many of the selected hypothesis's latest evidence records carry full findings in
+    the context; older ones appear as compact references. Default 6."""
+
+
+class PackageLimits(_Strict):
+    """PackageReader bounds, checked before any entry is read."""
+
+    max_entries: int = Field(20_000, ge=1)
+    max_entry_bytes: int = Field(32 << 20, ge=1)
+    """Largest uncompressed entry. Default 32 MiB."""
+    max_total_bytes: int = Field(512 << 20, ge=1)
+    """Sum of uncompressed sizes. Default 512 MiB."""
+    max_compression_ratio: int = Field(200, ge=1)
+    """Largest uncompressed/compressed ratio of one entry. Default 200."""
+    max_name_bytes: int = Field(1024, ge=1)
+    cache_entries: int = Field(8, ge=0)
+    """Validated packages kept in the in-process cache (by sha256). Default 8."""
+
+
+class ToolLimits(_Strict):
+    """Bounds of the snapshot operations."""
+
+    max_results: int = Field(200, ge=1)
+    """Hard cap on items of one result (a caller may ask for fewer). Default 200."""
+    max_output_bytes: int = Field(64 << 10, ge=1024)
+    """Hard cap on the serialized findings of one result. Default 64 KiB."""
+    max_line_bytes: int = Field(500, ge=40)
+    """Quoted lines longer than this are cut (with a warning). Default 500."""
+    max_read_lines: int = Field(400, ge=1)
+    """Largest ``source.read`` range. Default 400 lines."""
+    sql_timeout_s: float = Field(2.0, gt=0)
+    """Wall-clock deadline of one ``db.query`` (progress handler). Default 2 s."""
+    search_timeout_s: float = Field(5.0, gt=0)
+    """Deadline of one search over the snapshot. Default 5 s."""
+    max_pattern_bytes: int = Field(1000, ge=1)
+
+
+class ProviderConfig(_Strict):
+    """One entry of the ordered failover list (``[[providers]]``)."""
+
+    name: str
+    kind: Literal["openai", "scripted"]
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = None
+    """Name of the environment variable holding the key; the key never reaches the store."""
+    timeout_s: float = Field(60.0, gt=0)
+    structured_output: Literal["json_schema", "json_object_schema", "none"] = "json_schema"
+    path: str | None = None
+    """JSON Lines reply file of a scripted provider (relative to the providers file)."""
+    temperature: float | None = None
+    max_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("provider name must not be empty")
+        return value
+
+
+class GatewayConfig(_Strict):
+    """Retry timing of the LLM gateway; failover order is the providers list."""
+
+    attempts: int = Field(10, ge=1)
+    """Attempts per provider operation over all providers. Default 10 (seed)."""
+    delay_s: float = Field(2.0, ge=0)
+    """First backoff after a full failover round failed. Default 2 s."""
+    backoff_factor: float = Field(2.0, ge=1)
+    max_delay_s: float = Field(300.0, ge=0)
+
+
+class ProvidersConfig(_Strict):
+    """The providers file (TOML): ``[gateway]`` and ``[[providers]]``."""
+
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    providers: list[ProviderConfig] = Field(min_length=1)
+    base_dir: str = "."
+    """Directory that relative ``path`` values resolve against (set by ``load``)."""
+
+    @classmethod
+    def load(cls, path: str | Path) -> ProvidersConfig:
+        """Load and validate a providers file.
+
+        Raises:
+            ConfigError: ``CONFIG_UNREADABLE`` or ``CONFIG_INVALID``.
+        """
+        data = _read_toml(path)
+        data.setdefault("base_dir", str(Path(path).resolve().parent))
+        return _validate(cls, data, path)
+
+    def identity(self) -> dict[str, Any]:
+        """A secret-free description of the providers (for records and logs)."""
+        return {
+            "gateway": self.gateway.model_dump(),
+            "providers": [
+                {"name": p.name, "kind": p.kind, "model": p.model, "base_url": p.base_url}
+                for p in self.providers
+            ],
+        }
+
+
+class InvestigationConfig(_Strict):
+    """The investigation policy file (``--config``): loop, budget, limits, tools, package."""
+
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    tools: ToolLimits = Field(default_factory=ToolLimits)
+    package: PackageLimits = Field(default_factory=PackageLimits)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> InvestigationConfig:
+        """Load a TOML policy file; ``None`` gives the defaults.
+
+        Raises:
+            ConfigError: ``CONFIG_UNREADABLE`` or ``CONFIG_INVALID``.
+        """
+        if path is None:
+            return cls()
+        return _validate(cls, _read_toml(path), path)
+
+    def policy(self) -> dict[str, Any]:
+        """The part frozen per analysis revision: loop bounds and budget rules."""
+        return {"loop": self.loop.model_dump(), "budget": self.budget.model_dump()}
+
+    def policy_hash(self) -> str:
+        """sha256 of the canonical JSON of :meth:`policy`."""
+        return hashlib.sha256(canonical_json(self.policy())).hexdigest()
+
+
+def canonical_json(value: Any) -> bytes:
+    """Canonical JSON bytes: sorted keys, no spaces, UTF-8, no NaN."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError("CONFIG_UNREADABLE", f"cannot read {path}: {exc}", path=str(path)) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("CONFIG_INVALID", f"{path} is not valid TOML: {exc}", path=str(path)) from exc
+
+
+def _validate(model: type[Any], data: dict[str, Any], path: str | Path) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError("CONFIG_INVALID", f"{path}: {errors}", path=str(path)) from exc

@@ -1,0 +1,78 @@
+"""Names and patterns shared across the engine: one place for every key and path."""
+
+from __future__ import annotations
+
+#: Prompt/contract version written into every context and plan.
+PROMPT_VERSION = "investigation-v1"
+#: Version of the reply JSON schema (see ``investigation.loop.contract``).
+REPLY_SCHEMA_VERSION = "reply-v1"
+#: Case package manifest format.
+PACKAGE_FORMAT = "investigation-case/1"
+
+#: Logical artifact paths (seed 000, "Persistence and recovery").
+ARTIFACT_STEP_DIR = "analysis/investigation/{seq:04d}"
+ARTIFACT_CONTEXT = ARTIFACT_STEP_DIR + "/context.json"
+ARTIFACT_REQUEST = ARTIFACT_STEP_DIR + "/llm/{operation}/attempt-{attempt:02d}.request.json"
+ARTIFACT_RESPONSE = ARTIFACT_STEP_DIR + "/llm/{operation}/attempt-{attempt:02d}.response"
+ARTIFACT_PLAN = ARTIFACT_STEP_DIR + "/plan.json"
+ARTIFACT_RAW_RESULT = ARTIFACT_STEP_DIR + "/result.json"
+ARTIFACT_EVIDENCE = ARTIFACT_STEP_DIR + "/evidence.json"
+ARTIFACT_STATE = ARTIFACT_STEP_DIR + "/state.json"
+ARTIFACT_SUMMARY = "analysis/investigation/summary.md"
+#: Manifest pointer names.
+POINTER_STATE = "investigation_state"
+POINTER_SUMMARY = "investigation_summary"
+
+#: The eight stages of one step, in order (DESIGN.md "One step, eight stages").
+STAGES = (
+    "build_context",
+    "llm_call",
+    "validate",
+    "persist_plan",
+    "settle_reserve",
+    "execute_tool",
+    "record_evidence",
+    "publish",
+)
+
+#: Redis key patterns and Celery names.
+REDIS_LOCK_KEY = "investigation:lock:{case_id}"
+CELERY_QUEUE = "cases"
+TASK_PREFIX = "investigation."
+
+#: Scheduling outcomes.
+PROGRESSED = "PROGRESSED"
+REJECTED = "REJECTED"
+YIELDED = "YIELDED"
+RETRY_PENDING = "RETRY_PENDING"
+DEFERRED = "DEFERRED"
+BLOCKED = "BLOCKED"
+COMPLETED = "COMPLETED"
+OUTCOMES = (PROGRESSED, REJECTED, YIELDED, RETRY_PENDING, DEFERRED, BLOCKED, COMPLETED)
+
+#: Case states.
+CASE_INVESTIGATING = "INVESTIGATING"
+CASE_BLOCKED = "BLOCKED"
+CASE_BUILDING_DIAGNOSIS = "BUILDING_DIAGNOSIS"
+
+#: Blocked reasons.
+BLOCK_INVALID_LLM_RESPONSES = "INVALID_LLM_RESPONSES"
+BLOCK_PROVIDER_EXHAUSTED = "PROVIDER_EXHAUSTED"
+BLOCK_PROVIDER_CONFIGURATION = "PROVIDER_CONFIGURATION"
+BLOCK_PROVIDER_CREDENTIALS = "PROVIDER_CREDENTIALS"
+BLOCK_AWAITING_TEST_FEEDBACK = "AWAITING_TEST_FEEDBACK"
+
+#: Confidence labels, lowest to highest for scheduling (see docs/investigation-loop.md).
+CONFIDENCE_ORDER = ("weakened", "unassessed", "weak", "plausible", "supported", "strongly_supported")
+
+#: Snapshot operations (DESIGN.md "Fixed interfaces").
+OPERATIONS = (
+    "source.list",
+    "source.search",
+    "source.read",
+    "symbol.occurrences",
+    "db.tables",
+    "db.schema",
+    "db.query",
+    "logs.search",
+)

@@ -1,0 +1,163 @@
+"""Engine factory and the ``Store`` facade over SQLModel sessions.
+
+SQLite (WAL, busy timeout, foreign keys) is the embedded default; any SQLAlchemy
+PostgreSQL URL (``postgresql+psycopg://...``) works the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.pool import NullPool
+from sqlmodel import Session, SQLModel, create_engine, select
+
+from investigation.errors import StoreError
+from investigation.store import models
+from investigation.store.models import Artifact, ManifestPointer
+
+#: SQLite busy timeout: writers wait for each other instead of failing at once.
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def sha256_hex(data: bytes) -> str:
+    """Lower-case hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def make_engine(url: str) -> Engine:
+    """Create an engine for ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``).
+
+    SQLite gets WAL journaling, a busy timeout and foreign keys on every connection;
+    no connection pool is shared across processes (NullPool), so prefork children
+    never share a connection.
+    """
+    if url.startswith("sqlite"):
+        if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            url,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False},
+            poolclass=NullPool,
+        )
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # Let SQLAlchemy's own BEGIN handling work with pysqlite (see its docs on
+            # "Serializable isolation / Savepoints / Transactional DDL").
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn: Any) -> None:
+            # BEGIN IMMEDIATE: take the write lock at the start, so two writers never
+            # deadlock upgrading read locks (a "database is locked" the busy timeout
+            # cannot resolve).
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+class Store:
+    """The SQL store: sessions, schema creation and artifact bytes.
+
+    Args:
+        url: SQLAlchemy database URL.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+
+    def create_schema(self) -> None:
+        """Create every table that does not exist yet (idempotent)."""
+        _ = models  # the import registers the tables
+        SQLModel.metadata.create_all(self.engine)
+
+    def dispose(self) -> None:
+        """Close pooled connections (call after fork or at shutdown)."""
+        self.engine.dispose()
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """One transaction: commits on success, rolls back on any exception."""
+        with Session(self.engine, expire_on_commit=False) as session:
+            try:
+                yield session
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+
+    # -- artifacts -------------------------------------------------------------------------
+
+    @staticmethod
+    def put_artifact(
+        session: Session, case_id: str, path: str, data: bytes,
+        media_type: str = "application/json",
+    ) -> str:
+        """Store ``data`` under ``path`` once; return its sha256.
+
+        Writing the same bytes again is a no-op (idempotent stages rely on it).
+
+        Raises:
+            StoreError: ``STORE_ARTIFACT_CONFLICT`` when different bytes exist at ``path``.
+        """
+        digest = sha256_hex(data)
+        existing = session.exec(
+            select(Artifact).where(Artifact.case_id == case_id, Artifact.path == path)
+        ).first()
+        if existing is not None:
+            if existing.sha256 != digest:
+                raise StoreError(
+                    "STORE_ARTIFACT_CONFLICT",
+                    f"artifact {path} of case {case_id} already holds other bytes",
+                    path=path,
+                )
+            return digest
+        session.add(Artifact(case_id=case_id, path=path, sha256=digest, media_type=media_type,
+                             data=data))
+        session.flush()
+        return digest
+
+    @staticmethod
+    def get_artifact(session: Session, case_id: str, path: str) -> Artifact | None:
+        """The artifact at ``path``, or ``None``."""
+        return session.exec(
+            select(Artifact).where(Artifact.case_id == case_id, Artifact.path == path)
+        ).first()
+
+    @staticmethod
+    def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:
+        """Point manifest pointer ``name`` at an artifact."""
+        row = session.exec(
+            select(ManifestPointer).where(
+                ManifestPointer.case_id == case_id, ManifestPointer.name == name
+            )
+        ).first()
+        if row is None:
+            session.add(ManifestPointer(case_id=case_id, name=name, path=path, sha256=sha256))
+        else:
+            row.path, row.sha256 = path, sha256
+            session.add(row)
+        session.flush()
+
+
+def is_unique_violation(exc: BaseException) -> bool:
+    """True when ``exc`` is a unique-constraint violation on SQLite or PostgreSQL."""
+    if not isinstance(exc, IntegrityError):
+        return False
+    text = str(exc.orig).lower()
+    return "unique" in text or "duplicate key" in text

@@ -1,0 +1,309 @@
+"""SQLModel tables: the single source of truth (DESIGN.md "Storage").
+
+Every mutable investigation fact lives here; Redis holds only queue messages and locks.
+Uniqueness constraints carry the idempotency and fencing rules:
+
+* ``stage_run`` (case_id, revision, step_seq, stage): a finished stage is recorded once.
+* ``checkpoint`` (case_id, seq): publishing is a compare-and-set on the head.
+* ``ledger_entry`` (case_id, revision, hypothesis_id, step_seq, kind): one charge/refund per step.
+* ``evidence`` (case_id, evidence_id) and (case_id, revision, step_seq): one record per plan.
+* ``artifact`` (case_id, path): exact bytes written once under a logical path.
+
+JSON columns hold canonical JSON text (``str``), so rows compare byte for byte across
+SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import Column, LargeBinary, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now (UTC). Wall-clock times are audit data, never hashed."""
+    return datetime.now(UTC)
+
+
+class PackageRecord(SQLModel, table=True):
+    """A validated case package: the ZIP's exact bytes, keyed by their sha256."""
+
+    __tablename__ = "package"
+    id: str = Field(primary_key=True, max_length=64)
+    size_bytes: int
+    manifest_json: str
+    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class CaseRecord(SQLModel, table=True):
+    """A registered case and its current scheduling head."""
+
+    __tablename__ = "case"
+    id: str = Field(primary_key=True, max_length=64)
+    package_id: str = Field(foreign_key="package.id", max_length=64)
+    current_revision: int = 1
+    state: str = "INVESTIGATING"
+    blocked_reason: str | None = None
+    head_seq: int = 0
+    head_hash: str | None = None
+    last_outcome: str | None = None
+    last_reason: str | None = None
+    retry_not_before: datetime | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
+
+
+class RevisionRecord(SQLModel, table=True):
+    """An analysis revision: accepted interpretation, hypothesis batch, frozen policy."""
+
+    __tablename__ = "revision"
+    __table_args__ = (UniqueConstraint("case_id", "revision"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(foreign_key="case.id", index=True, max_length=64)
+    revision: int
+    interpretation_json: str
+    hypotheses_sha256: str = Field(max_length=64)
+    policy_json: str | None = None
+    policy_sha256: str | None = Field(default=None, max_length=64)
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class HypothesisBirth(SQLModel, table=True):
+    """Immutable birth record of one accepted hypothesis."""
+
+    __tablename__ = "hypothesis_birth"
+    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(foreign_key="case.id", index=True, max_length=64)
+    revision: int
+    hypothesis_id: int
+    statement: str
+    record_json: str
+    record_sha256: str = Field(max_length=64)
+
+
+class BudgetAccount(SQLModel, table=True):
+    """One hypothesis's budget account and qualitative state.
+
+    ``status`` is ``active`` or a terminal disposition: ``investigation_finished``,
+    ``rejected``, ``exhausted``, ``low_information``.
+    """
+
+    __tablename__ = "budget_account"
+    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(foreign_key="case.id", index=True, max_length=64)
+    revision: int
+    hypothesis_id: int
+    credit_units: int
+    balance_units: int
+    status: str = "active"
+    disposition_reason: str | None = None
+    confidence: str = "unassessed"
+    turns: int = 0
+    iterations: int = 0
+    invalid_streak: int = 0
+    no_novelty_streak: int = 0
+    pending_evidence_id: str | None = None
+    notes_json: str = "[]"
+
+
+class LedgerEntry(SQLModel, table=True):
+    """One budget movement. ``amount_units`` is signed (credit +, reserve -, refund +)."""
+
+    __tablename__ = "ledger_entry"
+    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id", "step_seq", "kind"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(foreign_key="case.id", index=True, max_length=64)
+    revision: int
+    hypothesis_id: int
+    step_seq: int
+    kind: str
+    amount_units: int
+    balance_after_units: int
+    reference: str | None = None
+
+
+class Artifact(SQLModel, table=True):
+    """Exact bytes under a logical path, with their sha256."""
+
+    __tablename__ = "artifact"
+    __table_args__ = (UniqueConstraint("case_id", "path"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(index=True, max_length=64)
+    path: str = Field(max_length=512)
+    sha256: str = Field(max_length=64)
+    media_type: str = "application/json"
+    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class ManifestPointer(SQLModel, table=True):
+    """Mutable pointers of the case manifest (``investigation_state``, ``investigation_summary``)."""
+
+    __tablename__ = "manifest_pointer"
+    __table_args__ = (UniqueConstraint("case_id", "name"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(index=True, max_length=64)
+    name: str
+    path: str
+    sha256: str = Field(max_length=64)
+
+
+class Checkpoint(SQLModel, table=True):
+    """A hash-chained state checkpoint; unique per (case, seq) for fencing."""
+
+    __tablename__ = "checkpoint"
+    __table_args__ = (UniqueConstraint("case_id", "seq"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(index=True, max_length=64)
+    revision: int
+    seq: int
+    parent_hash: str | None = Field(default=None, max_length=64)
+    hash: str = Field(max_length=64)
+    state_path: str
+    context_sha256: str | None = Field(default=None, max_length=64)
+    hypothesis_id: int | None = None
+    outcome: str
+    reason: str | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class StageRun(SQLModel, table=True):
+    """Completion marker and recorded output of one stage of one step."""
+
+    __tablename__ = "stage_run"
+    __table_args__ = (UniqueConstraint("case_id", "revision", "step_seq", "stage"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(index=True, max_length=64)
+    revision: int
+    step_seq: int
+    stage: str
+    output_json: str
+    completed_at: datetime = Field(default_factory=utcnow)
+
+
+class LLMOperation(SQLModel, table=True):
+    """One persisted provider operation (all attempts for one model decision)."""
+
+    __tablename__ = "llm_operation"
+    __table_args__ = (UniqueConstraint("case_id", "revision", "step_seq", "retry_id"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(index=True, max_length=64)
+    revision: int
+    step_seq: int
+    retry_id: str = ""
+    call_index: int
+    """Ordinal of this decision call within the case (0-based); scripted replies use it."""
+    status: str = "pending"
+    """``pending``, ``retry_pending``, ``succeeded``, ``exhausted``, ``failed``."""
+    attempts_made: int = 0
+    next_provider_index: int = 0
+    round_index: int = 0
+    retry_not_before: datetime | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    succeeded_attempt: int | None = None
+    response_sha256: str | None = Field(default=None, max_length=64)
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class LLMAttempt(SQLModel, table=True):
+    """One request to one provider; the request is stored before it is sent."""
+
+    __tablename__ = "llm_attempt"
+    __table_args__ = (UniqueConstraint("operation_id", "attempt"),)
+    id: int | None = Field(default=None, primary_key=True)
+    operation_id: int = Field(foreign_key="llm_operation.id", index=True)
+    attempt: int
+    provider: str
+    request_path: str
+    request_sha256: str = Field(max_length=64)
+    response_path: str | None = None
+    response_sha256: str | None = Field(default=None, max_length=64)
+    status: str = "sent"
+    """``sent``, ``succeeded``, ``failed``."""
+    http_status: int | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    started_at: datetime = Field(default_factory=utcnow)
+    finished_at: datetime | None = None
+
+
+class Plan(SQLModel, table=True):
+    """An accepted decision, stored before any effect, bound to its call and context."""
+
+    __tablename__ = "plan"
+    __table_args__ = (UniqueConstraint("case_id", "revision", "step_seq"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(index=True, max_length=64)
+    revision: int
+    step_seq: int
+    hypothesis_id: int
+    action: str
+    operation: str | None = None
+    arguments_json: str | None = None
+    decision_json: str
+    llm_operation_id: int
+    llm_attempt: int
+    request_sha256: str = Field(max_length=64)
+    output_sha256: str = Field(max_length=64)
+    context_sha256: str = Field(max_length=64)
+    prompt_version: str
+    schema_version: str
+    plan_path: str
+    plan_sha256: str = Field(max_length=64)
+
+
+class Evidence(SQLModel, table=True):
+    """One evidence record with a controller-assigned id (``E1``, ``E2``, ... per case)."""
+
+    __tablename__ = "evidence"
+    __table_args__ = (
+        UniqueConstraint("case_id", "evidence_id"),
+        UniqueConstraint("case_id", "revision", "step_seq"),
+    )
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(index=True, max_length=64)
+    revision: int
+    step_seq: int
+    ordinal: int
+    evidence_id: str
+    hypothesis_id: int
+    operation: str
+    arguments_json: str
+    findings_json: str
+    item_keys_json: str
+    warnings_json: str
+    fingerprint: str = Field(max_length=64)
+    item_count: int
+    new_item_count: int
+    duplicate: bool = False
+    cost_units: int
+    assessed: bool = False
+    assessment_score: int | None = None
+    refund_units: int | None = None
+    artifact_path: str
+    artifact_sha256: str = Field(max_length=64)
+
+
+class Question(SQLModel, table=True):
+    """A question record (``Q1``, ``Q2``, ... per case). History is append-only."""
+
+    __tablename__ = "question"
+    __table_args__ = (UniqueConstraint("case_id", "question_id"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(index=True, max_length=64)
+    revision: int
+    ordinal: int
+    question_id: str
+    hypothesis_id: int
+    text: str
+    status: str = "open"
+    created_step: int
+    resolved_step: int | None = None
+    resolution_evidence_json: str | None = None

@@ -1,0 +1,1 @@
+"""Celery workers, runtimes and the investigate command."""
