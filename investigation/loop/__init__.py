@@ -1,1 +1,2 @@
-"""loop"""
+"""Investigator: scheduler, context builder, reply contract, validation, stages,
+checkpoints, summary."""

@@ -51,6 +51,8 @@ class CaseRecord(SQLModel, table=True):
     last_outcome: str | None = None
     last_reason: str | None = None
     retry_not_before: datetime | None = None
+    llm_retry_id: str = ""
+    """The operator's current ``retry_id`` (``resume --retry-id``); opens a new LLM operation."""
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
 
@@ -108,6 +110,8 @@ class BudgetAccount(SQLModel, table=True):
     no_novelty_streak: int = 0
     pending_evidence_id: str | None = None
     notes_json: str = "[]"
+    last_rejection_json: str | None = None
+    """The latest rejection ``{"code", "detail", "step_seq"}`` of this hypothesis's replies."""
 
 
 class LedgerEntry(SQLModel, table=True):

@@ -1,0 +1,222 @@
+"""BudgetManager: accounts and ledger in the store (seed 000, "Budget and stopping").
+
+Every balance change is a ledger row unique per (case, revision, hypothesis, step, kind),
+so a re-run stage cannot charge or refund twice, and ``balance_units`` always equals
+``credit - reservations + refunds`` over the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlmodel import Session, select
+
+from investigation.budget import rules
+from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig, canonical_json
+from investigation.errors import InvestigationError
+from investigation.store.engine import sha256_hex
+from investigation.store.models import BudgetAccount, Evidence, LedgerEntry, RevisionRecord
+
+
+class BudgetManager:
+    """Applies the frozen budget policy to hypothesis accounts.
+
+    Args:
+        budget: the frozen budget policy of the revision.
+        loop: the frozen loop bounds of the revision.
+    """
+
+    def __init__(self, budget: BudgetConfig, loop: LoopConfig) -> None:
+        self.budget = budget
+        self.loop = loop
+
+    # -- policy --------------------------------------------------------------------------
+
+    @staticmethod
+    def freeze_policy(session: Session, revision: RevisionRecord, config: InvestigationConfig,
+                      explicit: bool) -> InvestigationConfig:
+        """Freeze the policy of ``revision`` on first use and return the effective config.
+
+        When no config was given explicitly, the stored policy is adopted. An explicit
+        config whose policy differs from the stored one is refused.
+
+        Raises:
+            InvestigationError: ``POLICY_CHANGED`` for an explicit, different policy.
+        """
+        wanted = config.policy()
+        if revision.policy_json is None:
+            data = canonical_json(wanted)
+            revision.policy_json = data.decode("utf-8")
+            revision.policy_sha256 = sha256_hex(data)
+            session.add(revision)
+            session.flush()
+            return config
+        stored = json.loads(revision.policy_json)
+        if explicit and sha256_hex(canonical_json(wanted)) != revision.policy_sha256:
+            raise InvestigationError(
+                "POLICY_CHANGED",
+                "the budget/loop policy of this revision is frozen and differs from the given "
+                "config; run without --config to adopt the stored policy",
+                stored_sha256=revision.policy_sha256,
+            )
+        return config.model_copy(update={
+            "loop": LoopConfig.model_validate(stored["loop"]),
+            "budget": BudgetConfig.model_validate(stored["budget"]),
+        })
+
+    # -- accounts ------------------------------------------------------------------------
+
+    def ensure_accounts(self, session: Session, case_id: str, revision: int,
+                        hypothesis_ids: list[int]) -> list[BudgetAccount]:
+        """Create missing accounts with the configured credit; existing ones are reused,
+        never refilled. Returns all accounts of the revision ordered by hypothesis id."""
+        existing = {
+            a.hypothesis_id: a
+            for a in session.exec(select(BudgetAccount).where(
+                BudgetAccount.case_id == case_id, BudgetAccount.revision == revision))
+        }
+        for hid in hypothesis_ids:
+            if hid in existing:
+                continue
+            credit = self.budget.credit_units
+            account = BudgetAccount(case_id=case_id, revision=revision, hypothesis_id=hid,
+                                    credit_units=credit, balance_units=credit)
+            session.add(account)
+            session.add(LedgerEntry(case_id=case_id, revision=revision, hypothesis_id=hid,
+                                    step_seq=0, kind="credit", amount_units=credit,
+                                    balance_after_units=credit, reference="initial credit"))
+            existing[hid] = account
+        session.flush()
+        return [existing[h] for h in sorted(existing)]
+
+    def verify_origins(self, session: Session, account: BudgetAccount) -> None:
+        """Check that the account balance equals its ledger sum.
+
+        Raises:
+            InvestigationError: ``BUDGET_ORIGIN_MISMATCH`` when they differ.
+        """
+        rows = session.exec(select(LedgerEntry).where(
+            LedgerEntry.case_id == account.case_id, LedgerEntry.revision == account.revision,
+            LedgerEntry.hypothesis_id == account.hypothesis_id)).all()
+        total = sum(r.amount_units for r in rows)
+        credits = [r for r in rows if r.kind == "credit"]
+        if total != account.balance_units or len(credits) != 1 or \
+                credits[0].amount_units != account.credit_units:
+            raise InvestigationError(
+                "BUDGET_ORIGIN_MISMATCH",
+                f"hypothesis {account.hypothesis_id}: balance {account.balance_units} does not "
+                f"match its ledger ({total}); the store was changed outside the engine",
+                hypothesis_id=account.hypothesis_id,
+            )
+
+    # -- movements -----------------------------------------------------------------------
+
+    def _entry(self, session: Session, account: BudgetAccount, step_seq: int, kind: str,
+               amount: int, reference: str) -> None:
+        account.balance_units += amount
+        session.add(LedgerEntry(case_id=account.case_id, revision=account.revision,
+                                hypothesis_id=account.hypothesis_id, step_seq=step_seq,
+                                kind=kind, amount_units=amount,
+                                balance_after_units=account.balance_units, reference=reference))
+        session.add(account)
+
+    def settle(self, session: Session, account: BudgetAccount, evidence: Evidence, score: int,
+               step_seq: int) -> int:
+        """Settle a pending finding with the model's semantic score; returns the refund.
+
+        The refund follows :func:`rules.refund_units` and is strictly below the cost.
+        """
+        novelty = rules.novelty_permille(evidence.item_count, evidence.new_item_count,
+                                         evidence.duplicate)
+        refund = rules.refund_units(evidence.cost_units, score, novelty,
+                                    self.budget.max_refund_percent)
+        evidence.assessed = True
+        evidence.assessment_score = score
+        evidence.refund_units = refund
+        session.add(evidence)
+        if refund:
+            self._entry(session, account, step_seq, "refund", refund, evidence.evidence_id)
+        if account.pending_evidence_id == evidence.evidence_id:
+            account.pending_evidence_id = None
+        session.add(account)
+        return refund
+
+    def reserve(self, session: Session, account: BudgetAccount, cost_units: int, step_seq: int,
+                reference: str) -> None:
+        """Reserve (charge) ``cost_units`` before the action runs.
+
+        Raises:
+            InvestigationError: ``BUDGET_INSUFFICIENT`` if the balance cannot cover it
+            (validation rejects such replies first, so this is a guard).
+        """
+        if cost_units <= 0:
+            raise InvestigationError("BUDGET_COST_INVALID", f"cost must be positive: {cost_units}")
+        if account.balance_units < cost_units:
+            raise InvestigationError(
+                "BUDGET_INSUFFICIENT",
+                f"hypothesis {account.hypothesis_id} cannot afford {cost_units} units",
+                balance_units=account.balance_units,
+            )
+        self._entry(session, account, step_seq, "reserve", -cost_units, reference)
+
+    @staticmethod
+    def complete(account: BudgetAccount, reason: str) -> None:
+        """BudgetManager ``complete``: ``investigation_finished``, balance kept.
+
+        Raises:
+            InvestigationError: ``BUDGET_PENDING_ACTION`` if a finding is still unassessed.
+        """
+        if account.pending_evidence_id is not None:
+            raise InvestigationError(
+                "BUDGET_PENDING_ACTION",
+                f"hypothesis {account.hypothesis_id} has unassessed evidence "
+                f"{account.pending_evidence_id}; assess it before completing",
+            )
+        account.status = rules.FINISHED
+        account.disposition_reason = reason
+
+    @staticmethod
+    def reject(account: BudgetAccount, reason: str) -> None:
+        """Close the account as ``rejected`` (the model's ``reject`` action)."""
+        if account.pending_evidence_id is not None:
+            raise InvestigationError(
+                "BUDGET_PENDING_ACTION",
+                f"hypothesis {account.hypothesis_id} has unassessed evidence "
+                f"{account.pending_evidence_id}; assess it before rejecting",
+            )
+        account.status = rules.REJECTED
+        account.disposition_reason = reason
+
+    def closing_reason(self, account: BudgetAccount) -> str | None:
+        """Why the account's next turn may only close it, or ``None`` if it may act.
+
+        ``iteration_cap`` after ``max_iterations_per_hypothesis`` research iterations;
+        ``low_information`` after ``max_results_without_novelty`` results without new items;
+        ``budget_exhausted`` when the balance is below the cheapest action.
+        """
+        if account.iterations >= self.loop.max_iterations_per_hypothesis:
+            return "iteration_cap"
+        if account.no_novelty_streak >= self.loop.max_results_without_novelty:
+            return "low_information"
+        if account.balance_units < rules.cheapest_action_cost(self.budget) and \
+                account.pending_evidence_id is None:
+            return "budget_exhausted"
+        return None
+
+    def apply_automatic_disposition(self, account: BudgetAccount) -> None:
+        """Make an account terminal without a model turn when nothing is left to assess
+        and it cannot act: ``exhausted`` (balance below the cheapest action)."""
+        if account.status != rules.ACTIVE or account.pending_evidence_id is not None:
+            return
+        if account.balance_units < rules.cheapest_action_cost(self.budget):
+            account.status = rules.EXHAUSTED
+            account.disposition_reason = "balance below the cheapest configured action"
+
+    def describe(self) -> dict[str, Any]:
+        """Policy facts shown to the model: costs and refund cap (units)."""
+        return {
+            "costs_units": dict(sorted(self.budget.costs.items())),
+            "test_costs_units": dict(sorted(self.budget.test_costs.items())),
+            "max_refund_percent": self.budget.max_refund_percent,
+        }

@@ -1,0 +1,355 @@
+"""Case inputs and registration (``investigate case add``).
+
+Inputs (DESIGN.md "Fixed interfaces"):
+
+* the interpretation: a JSON object with at least ``"summary"``, a non-empty string;
+  other keys are kept exactly as given;
+* the hypotheses: a non-empty JSON array of ``{"id": int, "statement": str, ...}`` objects,
+  ids positive and unique (``true``/``false`` are not integers), statements non-empty;
+  other keys are kept, and the order given is the batch order.
+
+JSON with duplicate object keys or non-finite numbers (``NaN``, ``Infinity``) is refused,
+so every accepted input has exactly one canonical JSON form.
+
+Registration stores, in one transaction, the package bytes (:class:`PackageRecord`,
+shared by every case of the same package), the :class:`CaseRecord`, analysis revision 1
+(:class:`RevisionRecord`) and one immutable :class:`HypothesisBirth` per hypothesis. The
+case id is derived from the inputs::
+
+    "case-" + sha256(canonical_json([package_id, interpretation, hypotheses]))[:16]
+
+so registering the same inputs again returns the same id and changes nothing.
+
+Error codes (:class:`~investigation.errors.InvestigationError`):
+``CASE_INTERPRETATION_INVALID``, ``CASE_HYPOTHESES_INVALID``, ``CASE_NOT_FOUND``,
+``CASE_ID_CONFLICT`` (an existing case with this id holds other inputs - a hash
+collision or a tampered store), ``CASE_PACKAGE_CORRUPT`` (stored package bytes no longer
+match their id); package validation raises :class:`~investigation.errors.PackageError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, select
+
+from investigation.cases.reader import PackageReader
+from investigation.cases.snapshot import Snapshot
+from investigation.config import canonical_json
+from investigation.errors import InvestigationError
+from investigation.store.engine import Store, is_unique_violation
+from investigation.store.models import CaseRecord, HypothesisBirth, PackageRecord, RevisionRecord
+
+__all__ = [
+    "case_id_for",
+    "load_hypotheses",
+    "load_interpretation",
+    "load_snapshot",
+    "register_case",
+    "validate_hypotheses",
+    "validate_interpretation",
+]
+
+#: Revision number of a newly registered case.
+FIRST_REVISION = 1
+#: Largest interpretation/hypotheses input file read, in bytes.
+MAX_INPUT_BYTES = 4 << 20
+
+#: Deepest nesting accepted in an input.
+_MAX_DEPTH = 64
+
+_INTERPRETATION = "CASE_INTERPRETATION_INVALID"
+_HYPOTHESES = "CASE_HYPOTHESES_INVALID"
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+def load_interpretation(path: str | Path) -> dict[str, Any]:
+    """Read and validate an interpretation file.
+
+    Args:
+        path: a UTF-8 JSON file holding one object with a non-empty ``"summary"`` string.
+
+    Returns:
+        The object as parsed (all keys kept).
+
+    Raises:
+        InvestigationError: ``CASE_INTERPRETATION_INVALID`` (unreadable, not JSON, wrong
+            shape).
+    """
+    return validate_interpretation(_load_json(path, _INTERPRETATION, "interpretation"))
+
+
+def load_hypotheses(path: str | Path) -> list[dict[str, Any]]:
+    """Read and validate a hypotheses file.
+
+    Args:
+        path: a UTF-8 JSON file holding a non-empty array of hypothesis objects.
+
+    Returns:
+        The hypotheses as parsed, in the given order (all keys kept).
+
+    Raises:
+        InvestigationError: ``CASE_HYPOTHESES_INVALID`` (unreadable, not JSON, wrong shape,
+            duplicate or non-positive ids, empty statements).
+    """
+    return validate_hypotheses(_load_json(path, _HYPOTHESES, "hypotheses"))
+
+
+def validate_interpretation(value: Any) -> dict[str, Any]:
+    """Check an interpretation object (see the module docstring).
+
+    Returns:
+        ``value`` unchanged.
+
+    Raises:
+        InvestigationError: ``CASE_INTERPRETATION_INVALID``.
+    """
+    if not isinstance(value, dict):
+        raise InvestigationError(_INTERPRETATION, "the interpretation must be a JSON object")
+    summary = value.get("summary")
+    if not isinstance(summary, str) or not summary.strip():
+        raise InvestigationError(
+            _INTERPRETATION, 'the interpretation needs "summary": a non-empty string'
+        )
+    _check_canonical(value, _INTERPRETATION, "the interpretation")
+    return value
+
+
+def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
+    """Check a hypothesis batch (see the module docstring).
+
+    Returns:
+        ``value`` unchanged.
+
+    Raises:
+        InvestigationError: ``CASE_HYPOTHESES_INVALID``.
+    """
+    if not isinstance(value, list) or not value:
+        raise InvestigationError(_HYPOTHESES, "the hypotheses must be a non-empty JSON array")
+    seen: set[int] = set()
+    for index, item in enumerate(value):
+        where = f"hypothesis #{index + 1}"
+        if not isinstance(item, dict):
+            raise InvestigationError(_HYPOTHESES, f"{where} must be a JSON object")
+        ident = item.get("id")
+        if type(ident) is not int or ident <= 0:
+            raise InvestigationError(
+                _HYPOTHESES, f'{where} needs "id": a positive integer (got {ident!r})'
+            )
+        if ident in seen:
+            raise InvestigationError(_HYPOTHESES, f"hypothesis id {ident} is used twice",
+                                     hypothesis_id=ident)
+        seen.add(ident)
+        statement = item.get("statement")
+        if not isinstance(statement, str) or not statement.strip():
+            raise InvestigationError(
+                _HYPOTHESES, f'hypothesis {ident} needs "statement": a non-empty string',
+                hypothesis_id=ident,
+            )
+    _check_canonical(value, _HYPOTHESES, "the hypotheses")
+    return value
+
+
+def case_id_for(package_id: str, interpretation: dict[str, Any],
+                hypotheses: Sequence[dict[str, Any]]) -> str:
+    """The deterministic case id of these inputs (``"case-"`` + 16 hex digits)."""
+    digest = hashlib.sha256(canonical_json([package_id, interpretation, list(hypotheses)]))
+    return "case-" + digest.hexdigest()[:16]
+
+
+# -- registration ----------------------------------------------------------------------------
+
+
+def register_case(
+    store: Store,
+    package: bytes,
+    interpretation: dict[str, Any],
+    hypotheses: list[dict[str, Any]],
+    reader: PackageReader,
+) -> str:
+    """Validate and register a case in one transaction; idempotent for the same inputs.
+
+    Args:
+        store: the SQL store (schema created).
+        package: the case package ZIP bytes.
+        interpretation: the accepted interpretation (see :func:`validate_interpretation`).
+        hypotheses: the initial hypothesis batch (see :func:`validate_hypotheses`).
+        reader: validates the package within its limits.
+
+    Returns:
+        The case id. Registering the same inputs again returns it and writes nothing.
+
+    Raises:
+        PackageError: the package fails validation (nothing is stored).
+        InvestigationError: ``CASE_INTERPRETATION_INVALID``, ``CASE_HYPOTHESES_INVALID``,
+            ``CASE_ID_CONFLICT``. On any error nothing is stored.
+    """
+    validate_interpretation(interpretation)
+    validate_hypotheses(hypotheses)
+    data = bytes(package)
+    snapshot = reader.read(data)
+    package_id = snapshot.package_id
+    case_id = case_id_for(package_id, interpretation, hypotheses)
+    interpretation_json = canonical_json(interpretation).decode("utf-8")
+    hypotheses_sha256 = hashlib.sha256(canonical_json(hypotheses)).hexdigest()
+    try:
+        with store.session() as session:
+            existing = session.get(CaseRecord, case_id)
+            if existing is not None:
+                _check_same_case(session, existing, package_id, interpretation_json,
+                                 hypotheses_sha256)
+                return case_id
+            if session.get(PackageRecord, package_id) is None:
+                session.add(PackageRecord(
+                    id=package_id, size_bytes=len(data),
+                    manifest_json=canonical_json(dict(snapshot.manifest)).decode("utf-8"),
+                    data=data,
+                ))
+                session.flush()
+            session.add(CaseRecord(id=case_id, package_id=package_id,
+                                   current_revision=FIRST_REVISION))
+            session.flush()
+            session.add(RevisionRecord(
+                case_id=case_id, revision=FIRST_REVISION,
+                interpretation_json=interpretation_json, hypotheses_sha256=hypotheses_sha256,
+            ))
+            for hypothesis in hypotheses:
+                session.add(_birth_record(case_id, FIRST_REVISION, hypothesis))
+            session.flush()
+    except IntegrityError as exc:
+        if not is_unique_violation(exc):
+            raise
+        # A concurrent registration of the same inputs won the race: verify and reuse it.
+        with store.session() as session:
+            existing = session.get(CaseRecord, case_id)
+            if existing is None:
+                raise
+            _check_same_case(session, existing, package_id, interpretation_json,
+                             hypotheses_sha256)
+    return case_id
+
+
+def load_snapshot(store: Store, case_id: str, reader: PackageReader) -> Snapshot:
+    """Open the package of a registered case.
+
+    Args:
+        store: the SQL store.
+        case_id: a registered case id.
+        reader: validates the stored bytes (cached per hash and limits).
+
+    Returns:
+        The case's :class:`~investigation.cases.reader.PackageSnapshot`.
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``, ``CASE_PACKAGE_CORRUPT``.
+        PackageError: the stored package fails validation under ``reader``'s limits.
+    """
+    with store.session() as session:
+        case = session.get(CaseRecord, case_id)
+        if case is None:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id!r}; see `case add`",
+                                     case_id=case_id)
+        record = session.get(PackageRecord, case.package_id)
+        if record is None:
+            raise InvestigationError("CASE_PACKAGE_CORRUPT",
+                                     f"the package of case {case_id} is missing from the store",
+                                     case_id=case_id)
+        data = bytes(record.data)
+    snapshot = reader.read(data)
+    if snapshot.package_id != case.package_id:
+        raise InvestigationError(
+            "CASE_PACKAGE_CORRUPT",
+            f"the stored package of case {case_id} no longer matches its sha256 id",
+            case_id=case_id,
+        )
+    return snapshot
+
+
+# -- internals -------------------------------------------------------------------------------
+
+
+def _birth_record(case_id: str, revision: int, hypothesis: dict[str, Any]) -> HypothesisBirth:
+    record = canonical_json(hypothesis)
+    return HypothesisBirth(
+        case_id=case_id, revision=revision, hypothesis_id=hypothesis["id"],
+        statement=hypothesis["statement"], record_json=record.decode("utf-8"),
+        record_sha256=hashlib.sha256(record).hexdigest(),
+    )
+
+
+def _check_same_case(session: Session, case: CaseRecord, package_id: str,
+                     interpretation_json: str, hypotheses_sha256: str) -> None:
+    first = session.exec(
+        select(RevisionRecord).where(RevisionRecord.case_id == case.id,
+                                     RevisionRecord.revision == FIRST_REVISION)
+    ).first()
+    if (case.package_id != package_id or first is None
+            or first.interpretation_json != interpretation_json
+            or first.hypotheses_sha256 != hypotheses_sha256):
+        raise InvestigationError(
+            "CASE_ID_CONFLICT",
+            f"case {case.id} exists with other inputs; the store may have been altered",
+            case_id=case.id,
+        )
+
+
+def _load_json(path: str | Path, code: str, what: str) -> Any:
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_INPUT_BYTES + 1)
+    except OSError as exc:
+        raise InvestigationError(code, f"cannot read the {what} file {path}: {exc.strerror}",
+                                 path=str(path)) from exc
+    if len(raw) > MAX_INPUT_BYTES:
+        raise InvestigationError(code, f"the {what} file {path} exceeds {MAX_INPUT_BYTES} bytes",
+                                 path=str(path))
+    try:
+        return json.loads(raw.decode("utf-8", "strict"), object_pairs_hook=_unique_object,
+                          parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InvestigationError(code, f"the {what} file {path} is not valid UTF-8 JSON: {exc}",
+                                 path=str(path)) from exc
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(token: str) -> Any:
+    raise ValueError(f"non-finite number {token}")
+
+
+def _check_canonical(value: Any, code: str, what: str) -> None:
+    """Refuse values that are not plain JSON (non-string keys, NaN, tuples, sets, ...)."""
+    if not _plain_json(value):
+        raise InvestigationError(
+            code, f"{what} must hold plain JSON values only (objects with string keys, "
+            "arrays, strings, finite numbers, booleans, null)"
+        )
+
+
+def _plain_json(value: Any, depth: int = 0) -> bool:
+    if depth > _MAX_DEPTH:
+        return False
+    if value is None or isinstance(value, (str, bool, int)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_plain_json(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_json(v, depth + 1) for k, v in value.items())
+    return False

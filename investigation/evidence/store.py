@@ -1,0 +1,97 @@
+"""EvidenceStore: normalised findings, fingerprints and deterministic novelty.
+
+A finding is the ``items`` list of a tool result; every item carries a stable ``key``.
+Novelty is counted per hypothesis over the current revision: an item is new when no
+earlier evidence record of that hypothesis had its key. A record whose fingerprint
+equals an earlier record's is a duplicate and earns no novelty.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import func
+from sqlmodel import Session, select
+
+from investigation.config import canonical_json
+from investigation.constants import ARTIFACT_EVIDENCE
+from investigation.store.engine import Store, sha256_hex
+from investigation.store.models import Evidence
+
+
+def fingerprint(operation: str, arguments: dict[str, Any], items: list[dict[str, Any]]) -> str:
+    """sha256 over the canonical operation, normalised arguments and findings."""
+    return sha256_hex(canonical_json({"operation": operation, "arguments": arguments,
+                                      "items": items}))
+
+
+class EvidenceStore:
+    """Records evidence and accounts its novelty (seed 000 cycle step 8)."""
+
+    @staticmethod
+    def record(session: Session, *, case_id: str, revision: int, step_seq: int,
+               hypothesis_id: int, result: dict[str, Any], cost_units: int) -> Evidence:
+        """Store one evidence record for a step; idempotent per (case, revision, step).
+
+        Args:
+            result: the tool result JSON (``operation``, ``arguments``, ``items``,
+                ``warnings``, ``stats``).
+            cost_units: what the action was charged.
+
+        Returns:
+            The new record (or the existing one for this step), with a controller-assigned
+            id ``E<n>`` (n = 1, 2, ... per case in creation order).
+        """
+        existing = session.exec(select(Evidence).where(
+            Evidence.case_id == case_id, Evidence.revision == revision,
+            Evidence.step_seq == step_seq)).first()
+        if existing is not None:
+            return existing
+        items: list[dict[str, Any]] = list(result.get("items", []))
+        keys = [str(i["key"]) for i in items]
+        operation = str(result["operation"])
+        arguments = dict(result.get("arguments", {}))
+        fp = fingerprint(operation, arguments, items)
+        prior = session.exec(select(Evidence).where(
+            Evidence.case_id == case_id, Evidence.revision == revision,
+            Evidence.hypothesis_id == hypothesis_id).order_by(Evidence.ordinal)).all()
+        seen: set[str] = set()
+        for row in prior:
+            seen.update(json.loads(row.item_keys_json))
+        duplicate = any(row.fingerprint == fp for row in prior)
+        new_count = 0 if duplicate else len(set(keys) - seen)
+        ordinal = (session.exec(select(func.max(Evidence.ordinal)).where(
+            Evidence.case_id == case_id)).one() or 0) + 1
+        evidence_id = f"E{ordinal}"
+        record = {
+            "evidence_id": evidence_id, "hypothesis_id": hypothesis_id, "revision": revision,
+            "step_seq": step_seq, "operation": operation, "arguments": arguments,
+            "items": items, "warnings": list(result.get("warnings", [])),
+            "stats": result.get("stats", {}), "fingerprint": fp, "item_count": len(items),
+            "new_item_count": new_count, "duplicate": duplicate, "cost_units": cost_units,
+        }
+        path = ARTIFACT_EVIDENCE.format(seq=step_seq)
+        data = canonical_json(record)
+        digest = Store.put_artifact(session, case_id, path, data)
+        row = Evidence(
+            case_id=case_id, revision=revision, step_seq=step_seq, ordinal=ordinal,
+            evidence_id=evidence_id, hypothesis_id=hypothesis_id, operation=operation,
+            arguments_json=canonical_json(arguments).decode(),
+            findings_json=canonical_json(items).decode(),
+            item_keys_json=canonical_json(keys).decode(),
+            warnings_json=canonical_json(record["warnings"]).decode(),
+            fingerprint=fp, item_count=len(items), new_item_count=new_count,
+            duplicate=duplicate, cost_units=cost_units, artifact_path=path,
+            artifact_sha256=digest,
+        )
+        session.add(row)
+        session.flush()
+        return row
+
+    @staticmethod
+    def for_case(session: Session, case_id: str, revision: int) -> list[Evidence]:
+        """All current-revision evidence of a case, in creation order."""
+        return list(session.exec(select(Evidence).where(
+            Evidence.case_id == case_id, Evidence.revision == revision)
+            .order_by(Evidence.ordinal)).all())

@@ -1,0 +1,781 @@
+"""LLMGateway: persisted provider operations, ordered failover and retry timing as data.
+
+One model decision is one ``LLMOperation`` row, keyed by
+``(case_id, revision, step_seq, retry_id)``. Each try is an ``LLMAttempt`` row plus two
+artifacts: the request bytes (stored and committed *before* sending) and the response
+bytes (stored byte for byte after). The gateway never sleeps: a backoff ends the call
+with :class:`~investigation.llm.types.RetryPending` and a ``retry_not_before`` instant,
+and the caller comes back later (Celery countdown, or the embedded runtime returning
+``RETRY_PENDING``).
+
+Operation life cycle::
+
+    pending ──success──────────────────────────────> succeeded   (returned again, never re-sent)
+       │  ──transient, another provider left──> next provider, same call
+       │  ──transient, round over───────────────> retry_pending (retry_not_before, round + 1)
+       │  ──attempts used up────────────────────> exhausted     Blocked(PROVIDER_EXHAUSTED)
+       │  ──credentials─────────────────────────> failed        Blocked(PROVIDER_CREDENTIALS)
+       └──configuration / unexpected / all providers rejected the request
+                                                 ─> failed        Blocked(PROVIDER_CONFIGURATION)
+
+Timing: a round tries every provider once, in list order, starting at provider 0.
+After a failed round ``r`` (0-based) the next round waits
+``min(max_delay_s, delay_s * backoff_factor ** r)`` seconds, raised to the largest
+``Retry-After`` a provider gave in that round (capped at :data:`RETRY_AFTER_CAP_S`).
+At most ``GatewayConfig.attempts`` attempts are made over all providers and rounds.
+
+Decisions beyond the brief, kept here so callers can rely on them:
+
+* Any succeeded operation of the step is returned whatever ``retry_id`` is passed:
+  a stored success is never asked again.
+* A ``retry_id`` opens a new operation only when the step's latest operation is
+  ``exhausted`` or ``failed``. While it is ``pending``/``retry_pending`` that operation
+  continues, so a ``retry_id`` can never override an ordinary backoff (seed 000).
+* A provider that rejected the request (``ProviderRequestRejected``) is skipped for the
+  rest of the operation (attempt status ``rejected``): the same bytes are never resent
+  to it.
+* An attempt left ``sent`` by a crash is marked ``failed``/``PROVIDER_INTERRUPTED`` on the
+  next call, counts as an attempt, and the next attempt goes to the same provider at
+  once (the crash was ours, not the provider's). ``in_flight_grace_s`` (default 0) can
+  make the gateway wait that long after an attempt started before declaring it
+  interrupted, for deployments where a lock may expire under a live worker.
+* Finishing writes are compare-and-set: a worker whose attempt was meanwhile declared
+  interrupted (or whose operation moved on) gets ``StaleStateError`` and its answer is
+  discarded, never merged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import col, select
+
+from investigation.config import GatewayConfig, ProvidersConfig
+from investigation.constants import (
+    ARTIFACT_REQUEST,
+    ARTIFACT_RESPONSE,
+    BLOCK_PROVIDER_CONFIGURATION,
+    BLOCK_PROVIDER_CREDENTIALS,
+    BLOCK_PROVIDER_EXHAUSTED,
+)
+from investigation.errors import (
+    ProviderConfigurationError,
+    ProviderCredentialsError,
+    ProviderError,
+    ProviderRequestRejected,
+    StaleStateError,
+    TransientProviderError,
+)
+from investigation.llm.openai import OpenAIProvider, parse_chat_completion
+from investigation.llm.scripted import ScriptedProvider
+from investigation.llm.types import (
+    PROVIDER_BAD_CONFIG,
+    PROVIDER_CREDENTIALS,
+    PROVIDER_INTERRUPTED,
+    PROVIDER_REQUEST_REJECTED,
+    PROVIDER_UNEXPECTED,
+    Blocked,
+    ChatRequest,
+    GatewayOutcome,
+    Provider,
+    ProviderReply,
+    RetryPending,
+    Succeeded,
+    response_of,
+)
+from investigation.store.engine import Store, is_unique_violation
+from investigation.store.models import LLMAttempt, LLMOperation
+
+__all__ = [
+    "Blocked",
+    "GatewayOutcome",
+    "LLMGateway",
+    "RetryPending",
+    "Succeeded",
+    "build_providers",
+]
+
+log = logging.getLogger(__name__)
+
+#: ``LLMOperation.status`` values.
+OP_PENDING = "pending"
+OP_RETRY_PENDING = "retry_pending"
+OP_SUCCEEDED = "succeeded"
+OP_EXHAUSTED = "exhausted"
+OP_FAILED = "failed"
+#: ``LLMAttempt.status`` values (``rejected``: the provider can never accept this request).
+ATTEMPT_SENT = "sent"
+ATTEMPT_SUCCEEDED = "succeeded"
+ATTEMPT_FAILED = "failed"
+ATTEMPT_REJECTED = "rejected"
+#: Upper bound on a provider's ``Retry-After`` honoured, in seconds (1 day).
+RETRY_AFTER_CAP_S = 86_400.0
+#: Characters of a message stored in ``error_message`` columns.
+MAX_MESSAGE_CHARS = 2000
+#: Media type of stored response bytes (exact, whatever the server sent).
+RESPONSE_MEDIA_TYPE = "application/octet-stream"
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _aware(value: datetime) -> datetime:
+    """SQLite returns naive datetimes; every stored time is UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "..."
+
+
+@dataclass
+class _Failure:
+    """One failed attempt, classified for the failover decision."""
+
+    kind: str  # "transient" | "rejected" | "credentials" | "configuration"
+    code: str
+    message: str
+    retry_after_s: float | None = None
+    http_status: int | None = None
+    raw: bytes | None = None
+
+
+@dataclass
+class _OpState:
+    """The operation fields the attempt loop advances (mirrors the row)."""
+
+    id: int
+    attempts_made: int
+    next_provider_index: int
+    round_index: int
+    rejected: set[str] = field(default_factory=set)
+
+
+class LLMGateway:
+    """Calls providers for one model decision with persisted attempts, failover and backoff.
+
+    Args:
+        store: the SQL store (operations, attempts, artifacts).
+        providers: the ordered failover list; names must be unique.
+        config: attempts and backoff timing.
+        clock: timezone-aware UTC "now". Tests pass a fake clock; nothing ever sleeps.
+        in_flight_grace_s: seconds after an attempt started during which a ``sent``
+            attempt is presumed still running (the call returns ``RetryPending``)
+            rather than interrupted. Default 0: a ``sent`` attempt found by a call is
+            interrupted (the per-case lock guarantees no live worker holds it).
+
+    Raises:
+        ValueError: no providers, or duplicate provider names.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        providers: Sequence[Provider],
+        config: GatewayConfig,
+        clock: Callable[[], datetime] = _utcnow,
+        *,
+        in_flight_grace_s: float = 0.0,
+    ) -> None:
+        if not providers:
+            raise ValueError("LLMGateway needs at least one provider")
+        names = [p.name for p in providers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"provider names must be unique, got {names}")
+        self.store = store
+        self.providers = list(providers)
+        self.config = config
+        self._clock = clock
+        self.in_flight_grace_s = in_flight_grace_s
+
+    # -- public ------------------------------------------------------------------------------
+
+    def call(
+        self,
+        case_id: str,
+        revision: int,
+        step_seq: int,
+        request: ChatRequest,
+        retry_id: str = "",
+    ) -> GatewayOutcome:
+        """Get the model's answer for one decision, or say when/why not.
+
+        Returns at once in every case: a stored success or block is returned without
+        contacting any provider, and a pending backoff returns ``RetryPending`` until
+        ``clock() >= retry_not_before``. Otherwise providers are tried in order (each
+        request committed to the store before it is sent) until one answers, a round
+        fails (``RetryPending``), attempts run out or a failure blocks (``Blocked``).
+
+        Args:
+            case_id: the case.
+            revision: the analysis revision.
+            step_seq: the step sequence number (artifact directory ``NNNN``).
+            request: the provider-independent request.
+            retry_id: operator-supplied id that opens a new operation after an
+                exhausted/failed one (see the module docstring); ``""`` by default.
+
+        Returns:
+            ``Succeeded``, ``RetryPending`` or ``Blocked``. Provider failures never raise.
+
+        Raises:
+            StaleStateError: another worker advanced this operation concurrently (its
+                write won; rerun the stage to read the recorded result).
+        """
+        op = self._open_operation(case_id, revision, step_seq, request, retry_id)
+        if op.status == OP_SUCCEEDED:
+            return self._stored_success(op)
+        if op.status in (OP_EXHAUSTED, OP_FAILED):
+            return self._stored_block(op)
+        assert op.id is not None
+        now = self._now()
+        if op.status == OP_RETRY_PENDING and op.retry_not_before is not None:
+            not_before = _aware(op.retry_not_before)
+            if now < not_before:
+                log.info("llm operation %s: retry pending until %s", op.id, not_before.isoformat())
+                return RetryPending(op.id, not_before, op.error_code or "")
+        in_flight = self._recover_interrupted(case_id, op.id, now)
+        if in_flight is not None:
+            return in_flight
+        return self._attempt_loop(case_id, step_seq, request, op.id)
+
+    # -- operation row -----------------------------------------------------------------------
+
+    def _open_operation(
+        self, case_id: str, revision: int, step_seq: int, request: ChatRequest, retry_id: str
+    ) -> LLMOperation:
+        existing = self._find_operation(case_id, revision, step_seq, retry_id)
+        if existing is not None:
+            return existing
+        try:
+            with self.store.session() as session:
+                op = LLMOperation(
+                    case_id=case_id,
+                    revision=revision,
+                    step_seq=step_seq,
+                    retry_id=retry_id,
+                    call_index=request.call_index,
+                    status=OP_PENDING,
+                    created_at=self._now(),
+                )
+                session.add(op)
+                session.flush()
+                return op
+        except IntegrityError as exc:
+            if not is_unique_violation(exc):
+                raise
+        # Another worker created it between our read and insert: use theirs.
+        existing = self._find_operation(case_id, revision, step_seq, retry_id)
+        if existing is None:  # pragma: no cover - the unique row must exist now
+            raise StaleStateError(
+                f"llm operation for case {case_id} step {step_seq} vanished after a conflict",
+                case_id=case_id,
+                step_seq=step_seq,
+            )
+        return existing
+
+    def _find_operation(
+        self, case_id: str, revision: int, step_seq: int, retry_id: str
+    ) -> LLMOperation | None:
+        with self.store.session() as session:
+            ops = list(
+                session.exec(
+                    select(LLMOperation)
+                    .where(
+                        LLMOperation.case_id == case_id,
+                        LLMOperation.revision == revision,
+                        LLMOperation.step_seq == step_seq,
+                    )
+                    .order_by(col(LLMOperation.id))
+                )
+            )
+        for op in ops:
+            if op.status == OP_SUCCEEDED:
+                return op
+        for op in ops:
+            if op.retry_id == retry_id:
+                return op
+        if ops and ops[-1].status in (OP_PENDING, OP_RETRY_PENDING):
+            # A retry_id never overrides an ordinary backoff: continue the live operation.
+            return ops[-1]
+        return None
+
+    def _stored_success(self, op: LLMOperation) -> Succeeded:
+        assert op.id is not None
+        with self.store.session() as session:
+            attempt = session.exec(
+                select(LLMAttempt).where(
+                    LLMAttempt.operation_id == op.id, LLMAttempt.attempt == op.succeeded_attempt
+                )
+            ).one()
+            assert attempt.response_path is not None
+            artifact = Store.get_artifact(session, op.case_id, attempt.response_path)
+        if artifact is None:
+            raise StaleStateError(
+                f"llm operation {op.id}: response artifact {attempt.response_path} is missing",
+                operation_id=op.id,
+            )
+        return Succeeded(
+            operation_id=op.id,
+            attempt=attempt.attempt,
+            provider=attempt.provider,
+            content=self._content_from_raw(attempt.provider, artifact.data),
+            response_sha256=artifact.sha256,
+            request_sha256=attempt.request_sha256,
+        )
+
+    def _content_from_raw(self, provider_name: str, raw: bytes) -> str:
+        """Re-derive content from stored bytes, even when the provider list changed."""
+        for provider in self.providers:
+            if provider.name == provider_name:
+                try:
+                    return provider.content_from_raw(raw)
+                except ProviderError:
+                    break  # the provider's kind changed since; fall through
+        try:
+            return parse_chat_completion(raw, 200, provider_name).content
+        except TransientProviderError:
+            return raw.decode("utf-8", "replace")
+
+    @staticmethod
+    def _stored_block(op: LLMOperation) -> Blocked:
+        assert op.id is not None
+        code = op.error_code or PROVIDER_UNEXPECTED
+        if op.status == OP_EXHAUSTED:
+            reason = BLOCK_PROVIDER_EXHAUSTED
+        elif code.startswith(PROVIDER_CREDENTIALS):
+            reason = BLOCK_PROVIDER_CREDENTIALS
+        else:
+            reason = BLOCK_PROVIDER_CONFIGURATION
+        return Blocked(op.id, reason, code, op.error_message or "")
+
+    # -- interrupted attempts ----------------------------------------------------------------
+
+    def _recover_interrupted(self, case_id: str, op_id: int, now: datetime) -> RetryPending | None:
+        with self.store.session() as session:
+            sent = list(
+                session.exec(
+                    select(LLMAttempt).where(
+                        LLMAttempt.operation_id == op_id, LLMAttempt.status == ATTEMPT_SENT
+                    )
+                )
+            )
+            for attempt in sent:
+                started = _aware(attempt.started_at)
+                if self.in_flight_grace_s > 0:
+                    until = started + timedelta(seconds=self.in_flight_grace_s)
+                    if now < until:
+                        log.info(
+                            "llm operation %s attempt %s may still be in flight until %s",
+                            op_id, attempt.attempt, until.isoformat(),
+                        )
+                        return RetryPending(op_id, until, PROVIDER_INTERRUPTED)
+                message = (
+                    f"attempt {attempt.attempt} to provider {attempt.provider!r} was stored as "
+                    "sent but no response was recorded (the worker stopped); it counts as an "
+                    "attempt"
+                )
+                result = session.exec(
+                    update(LLMAttempt)
+                    .where(col(LLMAttempt.id) == attempt.id, col(LLMAttempt.status) == ATTEMPT_SENT)
+                    .values(
+                        status=ATTEMPT_FAILED,
+                        error_code=PROVIDER_INTERRUPTED,
+                        error_message=message,
+                        finished_at=now,
+                    )
+                )
+                if result.rowcount != 1:
+                    raise StaleStateError(
+                        f"llm operation {op_id}: attempt {attempt.attempt} changed concurrently",
+                        operation_id=op_id,
+                    )
+                session.exec(
+                    update(LLMOperation)
+                    .where(col(LLMOperation.id) == op_id)
+                    .values(error_code=PROVIDER_INTERRUPTED, error_message=message)
+                )
+                log.warning("llm operation %s (case %s): %s", op_id, case_id, message)
+        return None
+
+    # -- the attempt loop --------------------------------------------------------------------
+
+    def _load_state(self, op_id: int) -> tuple[LLMOperation, _OpState]:
+        with self.store.session() as session:
+            op = session.exec(select(LLMOperation).where(LLMOperation.id == op_id)).one()
+            rejected = set(
+                session.exec(
+                    select(LLMAttempt.provider).where(
+                        LLMAttempt.operation_id == op_id, LLMAttempt.status == ATTEMPT_REJECTED
+                    )
+                )
+            )
+        state = _OpState(op_id, op.attempts_made, op.next_provider_index, op.round_index, rejected)
+        return op, state
+
+    def _next_index(self, start: int, rejected: set[str]) -> int | None:
+        for index in range(start, len(self.providers)):
+            if self.providers[index].name not in rejected:
+                return index
+        return None
+
+    def _attempt_loop(
+        self, case_id: str, step_seq: int, request: ChatRequest, op_id: int
+    ) -> GatewayOutcome:
+        op, state = self._load_state(op_id)
+        round_retry_after: float | None = None
+        while True:
+            if state.attempts_made >= self.config.attempts:
+                # Only reachable when recovery used up the last attempt.
+                return self._finish_without_attempt(
+                    op_id, state, OP_EXHAUSTED, op.error_code or PROVIDER_INTERRUPTED,
+                    self._exhausted_message(op.error_message or "interrupted"),
+                )
+            index = self._next_index(state.next_provider_index, state.rejected)
+            if index is None:
+                index = self._next_index(0, state.rejected)
+            if index is None:
+                return self._finish_without_attempt(
+                    op_id, state, OP_FAILED, PROVIDER_REQUEST_REJECTED,
+                    "every configured provider rejected this request as too large; use a "
+                    "provider with a larger context or lower limits.max_context_bytes, then "
+                    "resume with a new retry id",
+                )
+            provider = self.providers[index]
+            try:
+                request_bytes = provider.build_request_bytes(request)
+            except Exception as exc:  # a provider that cannot even encode: configuration
+                failure = self._classify(provider.name, exc)
+                kind = "credentials" if failure.kind == "credentials" else "configuration"
+                return self._finish_without_attempt(
+                    op_id, state, OP_FAILED, failure.code, failure.message, kind=kind
+                )
+            attempt_no, request_sha = self._begin_attempt(
+                case_id, step_seq, state, index, provider.name, request_bytes
+            )
+            reply: ProviderReply | None = None
+            failure = None
+            try:
+                reply = provider.send(request_bytes, request)  # outside any transaction
+            except Exception as exc:
+                failure = self._classify(provider.name, exc)
+            now = self._now()
+            if reply is not None:
+                return self._finish_success(
+                    case_id, step_seq, state, attempt_no, provider.name, request_sha, reply, now
+                )
+            assert failure is not None
+            state.attempts_made = attempt_no
+            if failure.kind == "credentials":
+                code = failure.code if failure.code.startswith(PROVIDER_CREDENTIALS) else (
+                    PROVIDER_CREDENTIALS
+                )
+                self._finish_failure(case_id, step_seq, state, attempt_no, failure, now, {
+                    "status": OP_FAILED, "error_code": code, "error_message": failure.message,
+                })
+                return self._blocked(op_id, BLOCK_PROVIDER_CREDENTIALS, code, failure.message)
+            if failure.kind == "configuration":
+                self._finish_failure(case_id, step_seq, state, attempt_no, failure, now, {
+                    "status": OP_FAILED, "error_code": failure.code,
+                    "error_message": failure.message,
+                })
+                return self._blocked(
+                    op_id, BLOCK_PROVIDER_CONFIGURATION, failure.code, failure.message
+                )
+            # transient or rejected: fail over, back off, or give up.
+            if failure.kind == "rejected":
+                state.rejected.add(provider.name)
+            elif failure.retry_after_s is not None:
+                round_retry_after = max(round_retry_after or 0.0, failure.retry_after_s)
+            if state.attempts_made >= self.config.attempts:
+                message = self._exhausted_message(failure.message)
+                self._finish_failure(case_id, step_seq, state, attempt_no, failure, now, {
+                    "status": OP_EXHAUSTED, "error_code": failure.code, "error_message": message,
+                })
+                return self._blocked(op_id, BLOCK_PROVIDER_EXHAUSTED, failure.code, message)
+            following = self._next_index(index + 1, state.rejected)
+            if following is not None:
+                state.next_provider_index = following
+                self._finish_failure(case_id, step_seq, state, attempt_no, failure, now, {
+                    "status": OP_PENDING, "next_provider_index": following,
+                    "error_code": failure.code, "error_message": failure.message,
+                })
+                log.info(
+                    "llm operation %s: provider %r failed (%s); failing over to %r",
+                    op_id, provider.name, failure.code, self.providers[following].name,
+                )
+                continue
+            first = self._next_index(0, state.rejected)
+            if first is None:
+                message = (
+                    f"{failure.message} (every configured provider rejected this request; use "
+                    "a provider with a larger context or lower limits.max_context_bytes)"
+                )
+                self._finish_failure(case_id, step_seq, state, attempt_no, failure, now, {
+                    "status": OP_FAILED, "error_code": failure.code, "error_message": message,
+                })
+                return self._blocked(op_id, BLOCK_PROVIDER_CONFIGURATION, failure.code, message)
+            delay_s = self._round_delay_s(state.round_index, round_retry_after)
+            not_before = now + timedelta(seconds=delay_s)
+            self._finish_failure(case_id, step_seq, state, attempt_no, failure, now, {
+                "status": OP_RETRY_PENDING, "next_provider_index": first,
+                "round_index": state.round_index + 1, "retry_not_before": not_before,
+                "error_code": failure.code, "error_message": failure.message,
+            })
+            log.info(
+                "llm operation %s: round %s failed (%s); retry not before %s",
+                op_id, state.round_index, failure.code, not_before.isoformat(),
+            )
+            return RetryPending(op_id, not_before, failure.code)
+
+    def _round_delay_s(self, round_index: int, retry_after_s: float | None) -> float:
+        cfg = self.config
+        try:
+            delay = min(cfg.max_delay_s, cfg.delay_s * cfg.backoff_factor**round_index)
+        except OverflowError:
+            delay = cfg.max_delay_s
+        if retry_after_s is not None:
+            delay = max(delay, min(retry_after_s, RETRY_AFTER_CAP_S))
+        return delay
+
+    def _exhausted_message(self, last: str) -> str:
+        names = ", ".join(p.name for p in self.providers)
+        return _short(
+            f"all {self.config.attempts} attempts over providers [{names}] failed; last: {last}. "
+            "Fix the provider, then resume the case with a new retry id"
+        )
+
+    @staticmethod
+    def _classify(provider: str, exc: BaseException) -> _Failure:
+        raw, status = response_of(exc)
+        if isinstance(exc, TransientProviderError):
+            return _Failure("transient", exc.code, _short(exc.message), exc.retry_after_s,
+                            status, raw)
+        if isinstance(exc, ProviderRequestRejected):
+            return _Failure("rejected", exc.code, _short(exc.message), None, status, raw)
+        if isinstance(exc, ProviderCredentialsError):
+            return _Failure("credentials", exc.code, _short(exc.message), None, status, raw)
+        if isinstance(exc, ProviderError):
+            # ProviderConfigurationError, or a ProviderError subclass we do not know.
+            return _Failure("configuration", exc.code, _short(exc.message), None, status, raw)
+        log.error("provider %r raised an unexpected %s", provider, type(exc).__name__,
+                  exc_info=exc)
+        return _Failure(
+            "configuration",
+            PROVIDER_UNEXPECTED,
+            _short(f"provider {provider!r} failed unexpectedly ({type(exc).__name__}: {exc}); "
+                   "this is a bug in the provider adapter, see the worker log"),
+        )
+
+    # -- transactions ------------------------------------------------------------------------
+
+    def _begin_attempt(
+        self,
+        case_id: str,
+        step_seq: int,
+        state: _OpState,
+        index: int,
+        provider: str,
+        request_bytes: bytes,
+    ) -> tuple[int, str]:
+        """Store the request bytes and a ``sent`` attempt, and commit, before sending."""
+        attempt_no = state.attempts_made + 1
+        path = ARTIFACT_REQUEST.format(seq=step_seq, operation=state.id, attempt=attempt_no)
+        try:
+            with self.store.session() as session:
+                moved = session.exec(
+                    update(LLMOperation)
+                    .where(
+                        col(LLMOperation.id) == state.id,
+                        col(LLMOperation.attempts_made) == state.attempts_made,
+                        col(LLMOperation.status).in_([OP_PENDING, OP_RETRY_PENDING]),
+                    )
+                    .values(
+                        attempts_made=attempt_no,
+                        next_provider_index=index,
+                        status=OP_PENDING,
+                        retry_not_before=None,
+                    )
+                )
+                if moved.rowcount != 1:
+                    raise self._stale(state.id, attempt_no)
+                digest = Store.put_artifact(session, case_id, path, request_bytes)
+                session.add(
+                    LLMAttempt(
+                        operation_id=state.id,
+                        attempt=attempt_no,
+                        provider=provider,
+                        request_path=path,
+                        request_sha256=digest,
+                        status=ATTEMPT_SENT,
+                        started_at=self._now(),
+                    )
+                )
+                session.flush()
+        except IntegrityError as exc:
+            if is_unique_violation(exc):
+                raise self._stale(state.id, attempt_no) from exc
+            raise
+        state.next_provider_index = index
+        return attempt_no, digest
+
+    def _store_response(
+        self, session: Any, case_id: str, step_seq: int, op_id: int, attempt_no: int,
+        raw: bytes | None,
+    ) -> tuple[str | None, str | None]:
+        if raw is None:
+            return None, None
+        path = ARTIFACT_RESPONSE.format(seq=step_seq, operation=op_id, attempt=attempt_no)
+        digest = Store.put_artifact(session, case_id, path, raw, media_type=RESPONSE_MEDIA_TYPE)
+        return path, digest
+
+    def _close_attempt(
+        self, session: Any, op_id: int, attempt_no: int, values: Mapping[str, Any]
+    ) -> None:
+        result = session.exec(
+            update(LLMAttempt)
+            .where(
+                col(LLMAttempt.operation_id) == op_id,
+                col(LLMAttempt.attempt) == attempt_no,
+                col(LLMAttempt.status) == ATTEMPT_SENT,
+            )
+            .values(**values)
+        )
+        if result.rowcount != 1:
+            raise self._stale(op_id, attempt_no)
+
+    def _update_operation(
+        self, session: Any, op_id: int, attempt_no: int, values: Mapping[str, Any]
+    ) -> None:
+        result = session.exec(
+            update(LLMOperation)
+            .where(col(LLMOperation.id) == op_id, col(LLMOperation.attempts_made) == attempt_no)
+            .values(**values)
+        )
+        if result.rowcount != 1:
+            raise self._stale(op_id, attempt_no)
+
+    def _finish_success(
+        self,
+        case_id: str,
+        step_seq: int,
+        state: _OpState,
+        attempt_no: int,
+        provider: str,
+        request_sha: str,
+        reply: ProviderReply,
+        now: datetime,
+    ) -> Succeeded:
+        with self.store.session() as session:
+            path, digest = self._store_response(
+                session, case_id, step_seq, state.id, attempt_no, reply.raw
+            )
+            self._close_attempt(session, state.id, attempt_no, {
+                "status": ATTEMPT_SUCCEEDED, "response_path": path, "response_sha256": digest,
+                "http_status": reply.http_status, "prompt_tokens": reply.prompt_tokens,
+                "completion_tokens": reply.completion_tokens, "finished_at": now,
+            })
+            self._update_operation(session, state.id, attempt_no, {
+                "status": OP_SUCCEEDED, "succeeded_attempt": attempt_no,
+                "response_sha256": digest, "retry_not_before": None,
+                "error_code": None, "error_message": None,
+            })
+        assert digest is not None
+        return Succeeded(state.id, attempt_no, provider, reply.content, digest, request_sha)
+
+    def _finish_failure(
+        self,
+        case_id: str,
+        step_seq: int,
+        state: _OpState,
+        attempt_no: int,
+        failure: _Failure,
+        now: datetime,
+        op_values: Mapping[str, Any],
+    ) -> None:
+        with self.store.session() as session:
+            path, digest = self._store_response(
+                session, case_id, step_seq, state.id, attempt_no, failure.raw
+            )
+            self._close_attempt(session, state.id, attempt_no, {
+                "status": ATTEMPT_REJECTED if failure.kind == "rejected" else ATTEMPT_FAILED,
+                "response_path": path, "response_sha256": digest,
+                "http_status": failure.http_status, "error_code": failure.code,
+                "error_message": failure.message, "finished_at": now,
+            })
+            self._update_operation(session, state.id, attempt_no, op_values)
+
+    def _finish_without_attempt(
+        self, op_id: int, state: _OpState, status: str, code: str, message: str,
+        kind: str = "configuration",
+    ) -> Blocked:
+        message = _short(message)
+        with self.store.session() as session:
+            self._update_operation(session, op_id, state.attempts_made, {
+                "status": status, "error_code": code, "error_message": message,
+            })
+        if status == OP_EXHAUSTED:
+            reason = BLOCK_PROVIDER_EXHAUSTED
+        elif kind == "credentials":
+            reason = BLOCK_PROVIDER_CREDENTIALS
+        else:
+            reason = BLOCK_PROVIDER_CONFIGURATION
+        return self._blocked(op_id, reason, code, message)
+
+    @staticmethod
+    def _blocked(op_id: int, reason: str, code: str, message: str) -> Blocked:
+        log.warning("llm operation %s blocked: %s (%s): %s", op_id, reason, code, message)
+        return Blocked(op_id, reason, code, message)
+
+    @staticmethod
+    def _stale(op_id: int, attempt_no: int) -> StaleStateError:
+        return StaleStateError(
+            f"llm operation {op_id} moved on while attempt {attempt_no} was in progress "
+            "(another worker handled it); rerun the stage to read the recorded result",
+            operation_id=op_id,
+            attempt=attempt_no,
+        )
+
+    def _now(self) -> datetime:
+        now = self._clock()
+        if now.tzinfo is None:
+            raise ValueError("the gateway clock must return timezone-aware datetimes")
+        return now.astimezone(UTC)
+
+
+def build_providers(config: ProvidersConfig, env: Mapping[str, str] = os.environ) -> list[Provider]:
+    """Instantiate the ordered failover list of a providers file.
+
+    Args:
+        config: the loaded providers file; ``base_dir`` resolves scripted paths.
+        env: where API key variables are looked up (at send time).
+
+    Returns:
+        One provider per ``[[providers]]`` entry, in file order.
+
+    Raises:
+        ProviderConfigurationError: ``PROVIDER_BAD_CONFIG`` for duplicate names, an
+            OpenAI entry without ``base_url``/``model`` or a scripted entry without ``path``.
+    """
+    names = [p.name for p in config.providers]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ProviderConfigurationError(
+            PROVIDER_BAD_CONFIG,
+            f"provider names must be unique in the providers file; repeated: {duplicates}",
+            names=duplicates,
+        )
+    providers: list[Provider] = []
+    for entry in config.providers:
+        if entry.kind == "openai":
+            providers.append(OpenAIProvider(entry, env))
+        else:
+            providers.append(ScriptedProvider(entry, config.base_dir))
+    return providers

@@ -1,0 +1,514 @@
+"""The OpenAI-compatible chat-completions provider (hosted APIs, vLLM, llama.cpp, Ollama, LiteLLM).
+
+One request is one ``POST {base_url}/chat/completions`` over httpx with a canonical JSON
+body. Every httpx exception and every HTTP status is classified here, once, into the
+:mod:`investigation.errors` provider tree (table in :mod:`investigation.llm.types`).
+
+The API key is read from the environment variable named by ``api_key_env`` at send
+time. It is sent only in the ``Authorization`` header: it is never part of the request
+bytes the gateway stores, and it is redacted from every error message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from investigation.config import ProviderConfig, canonical_json
+from investigation.errors import (
+    ProviderConfigurationError,
+    ProviderCredentialsError,
+    ProviderError,
+    ProviderRequestRejected,
+    TransientProviderError,
+)
+from investigation.llm.types import (
+    PROVIDER_BAD_CONFIG,
+    PROVIDER_CREDENTIALS,
+    PROVIDER_CREDENTIALS_MISSING,
+    PROVIDER_HTTP_CLIENT_ERROR,
+    PROVIDER_MALFORMED_RESPONSE,
+    PROVIDER_NETWORK_ERROR,
+    PROVIDER_RATE_LIMITED,
+    PROVIDER_REQUEST_TOO_LARGE,
+    PROVIDER_RETRYABLE_STATUS,
+    PROVIDER_SERVER_ERROR,
+    PROVIDER_TIMEOUT,
+    PROVIDER_TRUNCATED_RESPONSE,
+    PROVIDER_UNEXPECTED_STATUS,
+    PROVIDER_UNREACHABLE,
+    ChatRequest,
+    ProviderReply,
+    attach_response,
+    redact,
+)
+
+#: Statuses worth retrying later (besides every 5xx).
+RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
+#: Every exception httpx raises from a request (``HTTPError`` is not the root of all).
+HTTPX_ERRORS = (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, httpx.CookieConflict)
+#: Error ``code``/``type`` values that mean "this request is too large for the model".
+CONTEXT_LENGTH_CODES = frozenset(
+    {
+        "context_length_exceeded",
+        "string_above_max_length",
+        "request_too_large",
+        "exceed_context_size_error",
+    }
+)
+_CONTEXT_LENGTH_MESSAGE = re.compile(
+    r"context[ _-]?(length|window|size)|maximum context|prompt is too long"
+    r"|request (entity )?(is )?too large|too many (input )?tokens",
+    re.IGNORECASE,
+)
+#: Characters of a server's error message quoted in our error messages.
+ERROR_EXCERPT_CHARS = 300
+
+
+class OpenAIProvider:
+    """An OpenAI-compatible chat-completions provider.
+
+    Args:
+        config: the provider entry (``kind = "openai"``; ``base_url`` and ``model``
+            required). ``timeout_s`` bounds the connect, each read, each write and the
+            pool wait separately (httpx semantics), in seconds.
+        env: where the API key variable named by ``config.api_key_env`` is looked up at
+            send time. Defaults to ``os.environ``.
+        transport: an httpx transport to use instead of the network (tests pass
+            ``httpx.MockTransport``). It is never closed by the provider.
+        clock: timezone-aware "now", used to turn an HTTP-date ``Retry-After`` into
+            seconds. Defaults to the system clock (UTC).
+
+    Raises:
+        ProviderConfigurationError: ``PROVIDER_BAD_CONFIG`` when ``base_url`` is not an
+            ``http(s)://`` URL or ``model`` is missing.
+    """
+
+    def __init__(
+        self,
+        config: ProviderConfig,
+        env: Mapping[str, str] = os.environ,
+        transport: httpx.BaseTransport | None = None,
+        *,
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
+        if not config.base_url or not config.base_url.startswith(("http://", "https://")):
+            raise ProviderConfigurationError(
+                PROVIDER_BAD_CONFIG,
+                f"provider {config.name!r}: base_url must be an http:// or https:// URL "
+                f"(e.g. http://127.0.0.1:8000/v1), got {config.base_url!r}",
+                provider=config.name,
+            )
+        if not config.model:
+            raise ProviderConfigurationError(
+                PROVIDER_BAD_CONFIG,
+                f"provider {config.name!r}: set `model` to the model name the server serves",
+                provider=config.name,
+            )
+        self.config = config
+        self._env = env
+        self._transport = transport
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self.url = config.base_url.rstrip("/") + "/chat/completions"
+
+    @property
+    def name(self) -> str:
+        """The configured provider name."""
+        return self.config.name
+
+    @property
+    def timeout_s(self) -> float:
+        """The configured per-phase timeout in seconds."""
+        return self.config.timeout_s
+
+    # -- request -----------------------------------------------------------------------------
+
+    def request_body(self, req: ChatRequest) -> dict[str, Any]:
+        """The JSON body for ``req``: model, messages, options and the schema by dialect.
+
+        ``structured_output`` selects how the reply schema is sent:
+        ``"json_schema"`` -> ``{"type": "json_schema", "json_schema": {"name", "schema",
+        "strict": true}}`` (OpenAI); ``"json_object_schema"`` -> ``{"type": "json_object",
+        "schema": ...}`` (llama.cpp server); ``"none"`` -> no ``response_format``.
+        """
+        body: dict[str, Any] = {
+            "model": self.config.model,
+            "messages": [{"role": m["role"], "content": m["content"]} for m in req.messages],
+        }
+        if self.config.temperature is not None:
+            body["temperature"] = self.config.temperature
+        if self.config.max_tokens is not None:
+            body["max_tokens"] = self.config.max_tokens
+        dialect = self.config.structured_output
+        if dialect == "json_schema":
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": req.schema_name,
+                    "schema": req.response_schema,
+                    "strict": True,
+                },
+            }
+        elif dialect == "json_object_schema":
+            body["response_format"] = {"type": "json_object", "schema": req.response_schema}
+        return body
+
+    def build_request_bytes(self, req: ChatRequest) -> bytes:
+        """Canonical JSON of :meth:`request_body` (sorted keys, UTF-8): deterministic.
+
+        Raises:
+            ProviderConfigurationError: ``PROVIDER_BAD_CONFIG`` when the request holds
+                values JSON cannot carry (NaN, non-string keys, objects).
+        """
+        try:
+            return canonical_json(self.request_body(req))
+        except (TypeError, ValueError) as exc:
+            raise ProviderConfigurationError(
+                PROVIDER_BAD_CONFIG,
+                f"provider {self.name!r}: the request cannot be encoded as JSON: {exc}",
+                provider=self.name,
+            ) from exc
+
+    # -- send --------------------------------------------------------------------------------
+
+    def send(self, request_bytes: bytes, req: ChatRequest) -> ProviderReply:
+        """POST ``request_bytes`` and parse the chat completion.
+
+        Raises:
+            ProviderCredentialsError: the key variable is unset/empty
+                (``PROVIDER_CREDENTIALS_MISSING``) or HTTP 401/403 (``PROVIDER_CREDENTIALS``).
+            TransientProviderError: timeouts, network failures, 408/409/425/429/5xx (with
+                ``retry_after_s`` from ``Retry-After``), malformed or truncated answers.
+            ProviderRequestRejected: HTTP 413 or a context-length error.
+            ProviderConfigurationError: any other 4xx, a 1xx/3xx status, a bad URL.
+        """
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        key = self._api_key()
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        secrets = [key]
+        try:
+            with self._client() as client:
+                response = client.post(self.url, content=request_bytes, headers=headers)
+                raw = response.content
+        except HTTPX_ERRORS as exc:
+            raise classify_httpx_error(exc, self.name, secrets) from exc
+        return parse_http_response(
+            response.status_code, response.headers, raw, self.name, self._clock(), secrets
+        )
+
+    def content_from_raw(self, raw: bytes) -> str:
+        """The assistant content of a stored successful chat-completion body.
+
+        Raises:
+            TransientProviderError: ``raw`` is malformed or truncated.
+        """
+        return parse_chat_completion(raw, 200, self.name).content
+
+    def _api_key(self) -> str | None:
+        var = self.config.api_key_env
+        if not var:
+            return None
+        key = self._env.get(var)
+        if not key:
+            raise ProviderCredentialsError(
+                PROVIDER_CREDENTIALS_MISSING,
+                f"provider {self.name!r}: environment variable {var} is not set; export the "
+                f"API key in {var} for the worker (the providers file names only the variable)",
+                provider=self.name,
+                api_key_env=var,
+            )
+        return key
+
+    @contextlib.contextmanager
+    def _client(self) -> Iterator[httpx.Client]:
+        timeout = httpx.Timeout(self.config.timeout_s)
+        if self._transport is not None:
+            # An injected transport belongs to the caller: do not close it.
+            yield httpx.Client(transport=self._transport, timeout=timeout)
+            return
+        with httpx.Client(timeout=timeout, follow_redirects=False) as client:
+            yield client
+
+
+# -- classification ------------------------------------------------------------------------
+
+
+def classify_httpx_error(
+    exc: Exception, provider: str, secrets: list[str | None] | None = None
+) -> ProviderError:
+    """Map an httpx exception to the provider error tree (no response was received).
+
+    ================================================  =====================================
+    httpx exception                                   result
+    ================================================  =====================================
+    ``TimeoutException`` (connect/read/write/pool)    transient ``PROVIDER_TIMEOUT``
+    ``ConnectError``, ``ProxyError``                  transient ``PROVIDER_UNREACHABLE``
+    ``ReadError``, ``WriteError``, ``CloseError``,    transient ``PROVIDER_NETWORK_ERROR``
+    ``RemoteProtocolError``, ``DecodingError``,
+    other ``NetworkError``/``TransportError``
+    ``UnsupportedProtocol``, ``LocalProtocolError``,  configuration ``PROVIDER_BAD_CONFIG``
+    ``TooManyRedirects``, ``InvalidURL``, stream
+    misuse, ``CookieConflict``
+    ================================================  =====================================
+
+    Args:
+        exc: the exception httpx raised.
+        provider: provider name for the message.
+        secrets: values to redact from the message.
+
+    Returns:
+        The classified error (the caller raises it ``from exc``).
+    """
+    text = redact(f"{type(exc).__name__}: {exc}", secrets or [])
+    details = {"provider": provider, "exception": type(exc).__name__}
+    if isinstance(exc, httpx.TimeoutException):
+        return TransientProviderError(
+            PROVIDER_TIMEOUT, f"provider {provider!r} timed out ({text})", **details
+        )
+    if isinstance(exc, httpx.ConnectError | httpx.ProxyError):
+        return TransientProviderError(
+            PROVIDER_UNREACHABLE,
+            f"provider {provider!r} is unreachable ({text}); check that the server runs",
+            **details,
+        )
+    if isinstance(
+        exc,
+        httpx.UnsupportedProtocol
+        | httpx.LocalProtocolError
+        | httpx.TooManyRedirects
+        | httpx.InvalidURL
+        | httpx.StreamError
+        | httpx.CookieConflict,
+    ):
+        return ProviderConfigurationError(
+            PROVIDER_BAD_CONFIG,
+            f"provider {provider!r} cannot be used as configured ({text}); check base_url",
+            **details,
+        )
+    # NetworkError (read/write/close), RemoteProtocolError, DecodingError, any other
+    # transport or request error: the exchange broke; trying again may work.
+    return TransientProviderError(
+        PROVIDER_NETWORK_ERROR, f"provider {provider!r}: connection failed ({text})", **details
+    )
+
+
+def parse_http_response(
+    status: int,
+    headers: Mapping[str, str],
+    raw: bytes,
+    provider: str,
+    now: datetime,
+    secrets: list[str | None] | None = None,
+) -> ProviderReply:
+    """Classify an HTTP answer and parse a successful chat completion.
+
+    Args:
+        status: HTTP status code.
+        headers: response headers (case-insensitive mapping).
+        raw: the exact response body.
+        provider: provider name for messages.
+        now: timezone-aware now, for an HTTP-date ``Retry-After``.
+        secrets: values to redact from messages.
+
+    Returns:
+        The parsed reply for a 2xx with a complete message content.
+
+    Raises:
+        ProviderError: see :class:`OpenAIProvider.send`; ``raw`` and ``status`` are
+            attached (:func:`~investigation.llm.types.attach_response`).
+    """
+    if 200 <= status < 300:
+        return parse_chat_completion(raw, status, provider)
+    excerpt = redact(_error_excerpt(raw), secrets or [])
+    details = {"provider": provider, "http_status": status}
+    error: ProviderError
+    if status in (401, 403):
+        error = ProviderCredentialsError(
+            PROVIDER_CREDENTIALS,
+            f"provider {provider!r} refused the credentials (HTTP {status}: {excerpt}); "
+            "check the key in the variable named by api_key_env",
+            **details,
+        )
+    elif status in RETRYABLE_STATUSES or 500 <= status < 600:
+        code = (
+            PROVIDER_RATE_LIMITED
+            if status == 429
+            else PROVIDER_SERVER_ERROR
+            if status >= 500
+            else PROVIDER_RETRYABLE_STATUS
+        )
+        error = TransientProviderError(
+            code,
+            f"provider {provider!r} answered HTTP {status}: {excerpt}",
+            retry_after_s=retry_after_seconds(headers, now),
+            **details,
+        )
+    elif status == 413 or (status == 400 and _is_context_length_error(raw)):
+        error = ProviderRequestRejected(
+            PROVIDER_REQUEST_TOO_LARGE,
+            f"provider {provider!r} cannot accept a request this large (HTTP {status}: "
+            f"{excerpt}); use a model with a larger context or lower limits.max_context_bytes",
+            **details,
+        )
+    elif 400 <= status < 500:
+        error = ProviderConfigurationError(
+            PROVIDER_HTTP_CLIENT_ERROR,
+            f"provider {provider!r} rejected the request (HTTP {status}: {excerpt}); check "
+            "base_url, model and structured_output for this server",
+            **details,
+        )
+    else:
+        error = ProviderConfigurationError(
+            PROVIDER_UNEXPECTED_STATUS,
+            f"provider {provider!r} answered HTTP {status}, which is neither success nor "
+            "error; check base_url (redirects are not followed)",
+            **details,
+        )
+    raise attach_response(error, raw, status)
+
+
+def parse_chat_completion(raw: bytes, status: int | None, provider: str) -> ProviderReply:
+    """Parse a chat-completion body into a :class:`ProviderReply`.
+
+    Raises:
+        TransientProviderError: ``PROVIDER_MALFORMED_RESPONSE`` when the body is not JSON
+            or lacks ``choices[0].message.content`` as a string;
+            ``PROVIDER_TRUNCATED_RESPONSE`` when ``finish_reason`` is ``"length"``.
+    """
+
+    def malformed(why: str) -> TransientProviderError:
+        error = TransientProviderError(
+            PROVIDER_MALFORMED_RESPONSE,
+            f"provider {provider!r} sent a malformed chat completion: {why}",
+            provider=provider,
+            http_status=status,
+        )
+        attach_response(error, raw, status)
+        return error
+
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise malformed(f"body is not JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise malformed("body is not a JSON object")
+    choices = doc.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise malformed("no choices[0]")
+    choice = choices[0]
+    if choice.get("finish_reason") == "length":
+        error = TransientProviderError(
+            PROVIDER_TRUNCATED_RESPONSE,
+            f"provider {provider!r} cut the reply off at its token limit (finish_reason "
+            "'length'); raise max_tokens",
+            provider=provider,
+            http_status=status,
+        )
+        raise attach_response(error, raw, status)
+    message = choice.get("message")
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str):
+        refusal = message.get("refusal") if isinstance(message, dict) else None
+        why = "the model refused" if refusal else "choices[0].message.content is not a string"
+        raise malformed(why)
+    usage = doc.get("usage") if isinstance(doc.get("usage"), dict) else {}
+    return ProviderReply(
+        content=content,
+        raw=raw,
+        http_status=status,
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        completion_tokens=_count(usage.get("completion_tokens")),
+    )
+
+
+def retry_after_seconds(headers: Mapping[str, str], now: datetime) -> float | None:
+    """Seconds to wait from ``Retry-After`` (delta-seconds or HTTP-date) or ``retry-after-ms``.
+
+    Args:
+        headers: response headers (case-insensitive mapping).
+        now: timezone-aware now; an HTTP-date in the past gives ``0.0``.
+
+    Returns:
+        Non-negative seconds, or ``None`` when no usable header is present.
+    """
+    value = (headers.get("retry-after") or "").strip()
+    if value:
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = None
+        if seconds is not None:
+            return seconds if math.isfinite(seconds) and seconds >= 0 else None
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            when = None
+        if when is not None:
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=UTC)
+            return max(0.0, (when - now).total_seconds())
+    millis = (headers.get("retry-after-ms") or "").strip()
+    if millis:
+        try:
+            ms = float(millis)
+        except ValueError:
+            return None
+        return ms / 1000.0 if math.isfinite(ms) and ms >= 0 else None
+    return None
+
+
+def _is_context_length_error(raw: bytes) -> bool:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return bool(_CONTEXT_LENGTH_MESSAGE.search(raw[:4096].decode("utf-8", "replace")))
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(error, dict):
+        for key in ("code", "type"):
+            if str(error.get(key, "")).lower() in CONTEXT_LENGTH_CODES:
+                return True
+        message = str(error.get("message", ""))
+    elif isinstance(error, str):
+        message = error
+    elif isinstance(doc, dict):
+        message = str(doc.get("message") or doc.get("detail") or "")
+    else:
+        message = ""
+    return bool(_CONTEXT_LENGTH_MESSAGE.search(message[:4096]))
+
+
+def _error_excerpt(raw: bytes) -> str:
+    """The server's error message (OpenAI ``{"error": {"message"}}`` or raw text), bounded."""
+    text: str
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        text = raw[: ERROR_EXCERPT_CHARS * 4].decode("utf-8", "replace")
+    else:
+        error = doc.get("error") if isinstance(doc, dict) else None
+        if isinstance(error, dict) and error.get("message"):
+            text = str(error["message"])
+        elif isinstance(error, str):
+            text = error
+        elif isinstance(doc, dict) and (doc.get("detail") or doc.get("message")):
+            text = str(doc.get("detail") or doc.get("message"))
+        else:
+            text = raw[: ERROR_EXCERPT_CHARS * 4].decode("utf-8", "replace")
+    text = " ".join(text.split())
+    if len(text) > ERROR_EXCERPT_CHARS:
+        text = text[:ERROR_EXCERPT_CHARS] + "..."
+    return text or "(empty body)"
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

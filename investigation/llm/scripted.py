@@ -1,0 +1,137 @@
+"""The scripted provider: replays recorded model replies from a JSON Lines file.
+
+A real provider (demos, tests, reproducing a recorded investigation), not a test hack:
+it goes through the same gateway, persistence and validation as an HTTP provider.
+
+File format (DESIGN.md "Fixed interfaces"): JSON Lines, one reply per line, served in
+order. Decisions made here:
+
+* Line ``i`` (0-based, counting only non-blank lines) answers the decision call with
+  ``ChatRequest.call_index == i``; a replayed case therefore gets the same reply for
+  the same call however often a call is retried.
+* Lines end with ``\\n`` or ``\\r\\n``; the terminator is not part of the reply.
+  Whitespace-only lines are ignored. There are no comment lines: every other line is a
+  reply, so any JSON Lines tool reads the file unchanged.
+* A line is served as-is, even when it is not valid JSON or not a valid reply: the
+  loop's validation judges it, so recorded invalid replies replay faithfully.
+* The file is read on every call (it is small); nothing is cached between calls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from investigation.config import ProviderConfig, canonical_json
+from investigation.errors import ProviderConfigurationError
+from investigation.llm.types import (
+    PROVIDER_BAD_CONFIG,
+    PROVIDER_SCRIPT_EXHAUSTED,
+    PROVIDER_SCRIPT_UNREADABLE,
+    ChatRequest,
+    ProviderReply,
+)
+
+
+def read_script_lines(path: Path) -> list[bytes]:
+    """The reply lines of a JSON Lines file: exact bytes, terminators and blank lines dropped.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    data = path.read_bytes()
+    lines = []
+    for line in data.split(b"\n"):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if line.strip():
+            lines.append(line)
+    return lines
+
+
+class ScriptedProvider:
+    """Serves reply line ``call_index`` of a JSON Lines file.
+
+    Args:
+        config: the provider entry (``kind = "scripted"``, ``path`` required).
+        base_dir: directory a relative ``config.path`` resolves against (the providers
+            file's directory).
+
+    Raises:
+        ProviderConfigurationError: ``PROVIDER_BAD_CONFIG`` when ``path`` is missing.
+    """
+
+    def __init__(self, config: ProviderConfig, base_dir: str | Path) -> None:
+        if not config.path:
+            raise ProviderConfigurationError(
+                PROVIDER_BAD_CONFIG,
+                f"provider {config.name!r}: a scripted provider needs `path` (a JSON Lines "
+                "file of replies, relative to the providers file)",
+                provider=config.name,
+            )
+        self.config = config
+        self.path = Path(base_dir) / config.path
+
+    @property
+    def name(self) -> str:
+        """The configured provider name."""
+        return self.config.name
+
+    def build_request_bytes(self, req: ChatRequest) -> bytes:
+        """Canonical JSON of ``{"call_index", "messages", "schema_name"}``.
+
+        The schema itself is left out: its name identifies it, and the reply does not
+        depend on it.
+        """
+        return canonical_json(
+            {"messages": req.messages, "schema_name": req.schema_name, "call_index": req.call_index}
+        )
+
+    def send(self, request_bytes: bytes, req: ChatRequest) -> ProviderReply:
+        """Return line ``req.call_index`` of the script.
+
+        Returns:
+            ``ProviderReply`` whose ``raw`` is the line's exact bytes (no terminator),
+            ``content`` its UTF-8 text, ``http_status`` and token counts ``None``.
+
+        Raises:
+            ProviderConfigurationError: ``PROVIDER_SCRIPT_UNREADABLE`` (missing file, not
+                UTF-8) or ``PROVIDER_SCRIPT_EXHAUSTED`` (fewer lines than ``call_index + 1``).
+        """
+        try:
+            lines = read_script_lines(self.path)
+        except OSError as exc:
+            raise ProviderConfigurationError(
+                PROVIDER_SCRIPT_UNREADABLE,
+                f"provider {self.name!r}: cannot read script {self.path}: {exc.strerror or exc}",
+                provider=self.name,
+                path=str(self.path),
+            ) from exc
+        if req.call_index >= len(lines):
+            raise ProviderConfigurationError(
+                PROVIDER_SCRIPT_EXHAUSTED,
+                f"provider {self.name!r}: script {self.path} has {len(lines)} replies but call "
+                f"{req.call_index} (0-based) needs reply {req.call_index + 1}; add replies or "
+                "configure another provider",
+                provider=self.name,
+                path=str(self.path),
+                call_index=req.call_index,
+                lines=len(lines),
+            )
+        raw = lines[req.call_index]
+        return ProviderReply(content=self.content_from_raw(raw), raw=raw)
+
+    def content_from_raw(self, raw: bytes) -> str:
+        """The reply text of a stored line.
+
+        Raises:
+            ProviderConfigurationError: ``PROVIDER_SCRIPT_UNREADABLE`` when it is not UTF-8.
+        """
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ProviderConfigurationError(
+                PROVIDER_SCRIPT_UNREADABLE,
+                f"provider {self.name!r}: a reply line of {self.path} is not UTF-8 ({exc})",
+                provider=self.name,
+                path=str(self.path),
+            ) from exc

@@ -1,0 +1,129 @@
+"""The bounded context of one decision (seed 000, "Deterministic cycle", step 2).
+
+The context is a JSON document built only from stored facts, so the same store gives
+the same bytes. Its shape (keys in canonical order when serialised):
+
+``contract``          prompt and schema versions
+``case``              id, revision, package id, the report (at most ``max_report_bytes``)
+                      and a snapshot overview (file counts, databases)
+``interpretation``    the accepted interpretation, as given
+``hypothesis``        the selected hypothesis: statement, confidence, balance, credit,
+                      iterations and their cap, turn number, notes
+``other_hypotheses``  id, statement, status and confidence of the others
+``budget``            configured costs and the refund cap
+``allowed_actions``   the actions this turn may take; ``closing_reason`` says why it is
+                      restricted (iteration cap, low information, exhausted budget)
+``previous_result``   the selected hypothesis's pending evidence with full findings and
+                      its novelty, or null (first turn / nothing pending)
+``evidence``          every current-revision evidence record; the selected hypothesis's
+                      latest ``full_evidence_in_context`` carry their findings, the rest
+                      are compact references (id, operation, arguments, counts, warnings)
+``questions``         every question with its status
+``last_rejection``    the code and detail of this hypothesis's last rejected reply, or null
+``operations``        the snapshot operations with their argument schemas
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from investigation.budget import BudgetManager, novelty_permille
+from investigation.cases.snapshot import Snapshot
+from investigation.config import InvestigationConfig
+from investigation.constants import PROMPT_VERSION, REPLY_SCHEMA_VERSION
+from investigation.loop.outcome import StepKey
+from investigation.store.models import (
+    BudgetAccount,
+    CaseRecord,
+    Evidence,
+    HypothesisBirth,
+    Question,
+    RevisionRecord,
+)
+from investigation.tools import ToolRouter
+
+
+def _evidence_entry(e: Evidence, full: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "evidence_id": e.evidence_id, "hypothesis_id": e.hypothesis_id,
+        "operation": e.operation, "arguments": json.loads(e.arguments_json),
+        "item_count": e.item_count, "new_item_count": e.new_item_count,
+        "duplicate": e.duplicate, "warnings": json.loads(e.warnings_json),
+        "assessed": e.assessed,
+    }
+    if full:
+        entry["items"] = json.loads(e.findings_json)
+    return entry
+
+
+def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationConfig,
+          budget: BudgetManager, selected: int, accounts: list[BudgetAccount],
+          births: list[HypothesisBirth], router: ToolRouter,
+          snapshot: Snapshot) -> dict[str, Any]:
+    """Build the context document for ``selected`` (see the module docstring)."""
+    rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == key.case_id,
+                                              RevisionRecord.revision == key.revision)).one()
+    statements = {b.hypothesis_id: b.statement for b in births}
+    account = next(a for a in accounts if a.hypothesis_id == selected)
+    evidence = list(s.exec(select(Evidence).where(
+        Evidence.case_id == key.case_id, Evidence.revision == key.revision)
+        .order_by(col(Evidence.ordinal))).all())
+    own = [e for e in evidence if e.hypothesis_id == selected]
+    full_ids = {e.evidence_id for e in own[-config.limits.full_evidence_in_context:]}
+    pending = next((e for e in own if e.evidence_id == account.pending_evidence_id), None)
+    previous = None
+    if pending is not None:
+        previous = _evidence_entry(pending, True)
+        previous["cost_units"] = pending.cost_units
+        previous["novelty_permille"] = novelty_permille(
+            pending.item_count, pending.new_item_count, pending.duplicate)
+        full_ids.add(pending.evidence_id)
+    questions = s.exec(select(Question).where(Question.case_id == key.case_id)
+                       .order_by(col(Question.ordinal))).all()
+    closing = budget.closing_reason(account)
+    allowed = ["finish", "reject"] if closing else ["query", "test", "finish", "reject"]
+    report = snapshot.report_text()
+    report_bytes = report.encode("utf-8")
+    limit = config.limits.max_report_bytes
+    truncated = len(report_bytes) > limit
+    if truncated:
+        report = report_bytes[:limit].decode("utf-8", errors="ignore")
+    return {
+        "contract": {"prompt_version": PROMPT_VERSION, "schema_version": REPLY_SCHEMA_VERSION},
+        "case": {
+            "case_id": key.case_id, "revision": key.revision, "step_seq": key.step_seq,
+            "package_id": case.package_id, "report": report, "report_truncated": truncated,
+            "snapshot": {"source_files": len(snapshot.source_paths()),
+                         "databases": snapshot.db_names(),
+                         "log_files": len(snapshot.log_paths())},
+        },
+        "interpretation": json.loads(rev.interpretation_json),
+        "hypothesis": {
+            "id": selected, "statement": statements[selected],
+            "confidence": account.confidence, "balance_units": account.balance_units,
+            "credit_units": account.credit_units, "iterations": account.iterations,
+            "max_iterations": config.loop.max_iterations_per_hypothesis,
+            "turn": account.turns + 1, "notes": json.loads(account.notes_json),
+        },
+        "other_hypotheses": [
+            {"id": a.hypothesis_id, "statement": statements[a.hypothesis_id],
+             "status": a.status, "confidence": a.confidence}
+            for a in accounts if a.hypothesis_id != selected
+        ],
+        "budget": budget.describe(),
+        "allowed_actions": allowed,
+        "closing_reason": closing,
+        "previous_result": previous,
+        "evidence": [_evidence_entry(e, e.evidence_id in full_ids) for e in evidence],
+        "questions": [
+            {"question_id": q.question_id, "hypothesis_id": q.hypothesis_id, "text": q.text,
+             "status": q.status}
+            for q in questions
+        ],
+        "last_rejection": json.loads(account.last_rejection_json)
+        if account.last_rejection_json else None,
+        "operations": router.describe(),
+    }

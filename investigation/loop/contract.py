@@ -1,0 +1,151 @@
+"""The model/controller reply contract (seed 000, "Model/controller contract").
+
+A reply is exactly one JSON object ``{"assessment", "update", "next"}``. The models here
+are strict: unknown keys, missing keys, wrong types (no coercion) and duplicate JSON
+keys are refused. The controller owns every id, deadline, cost, refund and balance: no
+field of the reply can set one.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from investigation.constants import CONFIDENCE_ORDER
+
+Confidence = Literal["unassessed", "weak", "plausible", "supported", "strongly_supported",
+                     "weakened"]
+assert set(CONFIDENCE_ORDER) == set(Confidence.__args__)  # type: ignore[attr-defined]
+
+_Text = Annotated[str, Field(min_length=1, max_length=4000)]
+_Id = Annotated[str, Field(min_length=1, max_length=32)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Assessment(_Strict):
+    """Semantic assessment of the previous result (null on a hypothesis's first turn)."""
+
+    score: int = Field(ge=0, le=100)
+    reason: _Text
+    evidence_ids: list[_Id] = Field(min_length=1, max_length=50)
+
+
+class Update(_Strict):
+    """Qualitative update of the selected hypothesis."""
+
+    confidence: Confidence
+    evidence_ids: list[_Id] = Field(max_length=50)
+    resolve_questions: list[_Id] = Field(max_length=50)
+    new_questions: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
+        max_length=10)
+    note: Annotated[str, Field(max_length=4000)]
+
+
+class QueryAction(_Strict):
+    """One read-only snapshot operation."""
+
+    action: Literal["query"]
+    operation: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: dict[str, Any]
+
+
+class TestDescriptor(_Strict):
+    """An external test handed to a human or an automated rig."""
+
+    kind: Literal["human", "automated"]
+    title: Annotated[str, Field(min_length=1, max_length=200)]
+    instructions: _Text
+    expected_observation: _Text
+
+
+class TestAction(_Strict):
+    """Hand a test descriptor out (``AWAITING_TEST_FEEDBACK``)."""
+
+    action: Literal["test"]
+    test: TestDescriptor
+
+
+class FinishAction(_Strict):
+    """Finish the hypothesis's investigation (``investigation_finished``)."""
+
+    action: Literal["finish"]
+    reason: _Text
+
+
+class RejectAction(_Strict):
+    """Reject the hypothesis (``rejected``)."""
+
+    action: Literal["reject"]
+    reason: _Text
+
+
+NextAction = Annotated[QueryAction | TestAction | FinishAction | RejectAction,
+                       Field(discriminator="action")]
+
+
+class Reply(_Strict):
+    """The whole reply: exactly ``assessment``, ``update`` and ``next``."""
+
+    assessment: Assessment | None
+    update: Update
+    next: NextAction
+
+
+class ReplyRejected(Exception):
+    """A reply that breaks the contract. ``code`` is carried into the next prompt.
+
+    Args:
+        code: stable rejection code (see ``docs/investigation-loop.md``).
+        detail: short, safe explanation (no snapshot contents).
+    """
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail[:500]
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise ReplyRejected("REPLY_DUPLICATE_KEYS", "a JSON object repeats a key")
+    return dict(pairs)
+
+
+def _reject_constant(value: str) -> Any:
+    raise ReplyRejected("REPLY_NOT_JSON", f"non-standard JSON constant {value}")
+
+
+def parse_reply(text: str) -> Reply:
+    """Parse and schema-check one reply text.
+
+    Raises:
+        ReplyRejected: ``REPLY_NOT_JSON``, ``REPLY_DUPLICATE_KEYS`` or ``REPLY_SCHEMA_INVALID``.
+    """
+    try:
+        data = json.loads(text.strip(), object_pairs_hook=_no_duplicate_keys,
+                          parse_constant=_reject_constant)
+    except ReplyRejected:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise ReplyRejected("REPLY_NOT_JSON", f"the reply is not one JSON object: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ReplyRejected("REPLY_NOT_JSON", "the reply must be a JSON object")
+    try:
+        return Reply.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ReplyRejected("REPLY_SCHEMA_INVALID", f"{where}: {first['msg']}") from exc
+
+
+@lru_cache(maxsize=1)
+def reply_json_schema() -> dict[str, Any]:
+    """The reply's JSON Schema (sent to providers with structured output)."""
+    return Reply.model_json_schema()

@@ -1,0 +1,585 @@
+"""The eight stages of one step (DESIGN.md "One step, eight stages"; seed 000 cycle).
+
+Each stage is written once and called by both runtimes (``Investigator.step`` in process,
+one Celery task per stage in ``workers``). Rules every stage follows:
+
+* Idempotent by ``(case_id, revision, step_seq, stage)``: a finished stage has a
+  ``stage_run`` row holding its output, written in the same transaction as its effects.
+  Running it again returns that output and changes nothing.
+* Fenced: every write transaction first checks that the case head is still
+  ``step_seq - 1`` on the same revision; a stale worker gets ``StaleStateError``.
+  Publishing is a compare-and-set on the head, backed by the unique ``(case_id, seq)``.
+* No sleeping: provider backoff ends ``llm_call`` with ``RETRY_PENDING`` and a
+  ``retry_not_before``; the runtime decides when to come back.
+* External effects (the model call, the snapshot query) happen outside transactions;
+  their results are stored before anything depends on them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from investigation.budget import BudgetManager, rules
+from investigation.cases.reader import PackageReader
+from investigation.cases.registry import load_snapshot
+from investigation.cases.snapshot import Snapshot
+from investigation.config import InvestigationConfig, canonical_json
+from investigation.constants import (
+    ARTIFACT_CONTEXT,
+    ARTIFACT_PLAN,
+    ARTIFACT_RAW_RESULT,
+    BLOCK_INVALID_LLM_RESPONSES,
+    BLOCKED,
+    CASE_BLOCKED,
+    CASE_BUILDING_DIAGNOSIS,
+    CASE_INVESTIGATING,
+    COMPLETED,
+    POINTER_STATE,
+    PROGRESSED,
+    PROMPT_VERSION,
+    REJECTED,
+    REPLY_SCHEMA_VERSION,
+    RETRY_PENDING,
+    STAGES,
+)
+from investigation.errors import InvestigationError, StaleStateError, ToolError
+from investigation.evidence import EvidenceStore
+from investigation.llm.gateway import Blocked, LLMGateway, RetryPending, Succeeded
+from investigation.llm.types import ChatRequest
+from investigation.loop import checkpoints
+from investigation.loop import context as context_builder
+from investigation.loop.contract import ReplyRejected, parse_reply, reply_json_schema
+from investigation.loop.outcome import Outcome, StageResult, StepKey
+from investigation.loop.prompt import build_messages
+from investigation.loop.scheduler import select_hypothesis
+from investigation.loop.summary import write_summary
+from investigation.loop.validation import validate_reply
+from investigation.store.engine import Store, is_unique_violation
+from investigation.store.models import (
+    BudgetAccount,
+    CaseRecord,
+    Evidence,
+    HypothesisBirth,
+    Plan,
+    Question,
+    RevisionRecord,
+    StageRun,
+    utcnow,
+)
+from investigation.tools import ToolRouter
+
+log = logging.getLogger(__name__)
+
+SKIPPED: dict[str, Any] = {"skipped": True}
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text)
+
+
+@dataclass
+class StageEnv:
+    """What the stages need: the store, the policy, the gateway and the package reader.
+
+    Args:
+        store: the SQL store.
+        config: the investigation config given by the operator (or the defaults).
+        gateway_factory: builds the LLM gateway on first use (only ``llm_call`` needs it),
+            so a step that resumes after its model call works without provider config.
+        reader: the package reader (validation cache shared across steps).
+        explicit_config: True when the operator passed ``--config``; a different stored
+            policy is then refused instead of adopted.
+    """
+
+    store: Store
+    config: InvestigationConfig
+    gateway_factory: Callable[[], LLMGateway] | None
+    reader: PackageReader
+    explicit_config: bool = False
+
+    def __post_init__(self) -> None:
+        self._gateway: LLMGateway | None = None
+        self._routers: dict[str, tuple[Snapshot, ToolRouter]] = {}
+
+    @property
+    def gateway(self) -> LLMGateway:
+        if self._gateway is None:
+            if self.gateway_factory is None:
+                raise InvestigationError(
+                    "PROVIDER_CONFIGURATION",
+                    "this step needs a model call but no providers are configured; "
+                    "pass --providers FILE")
+            self._gateway = self.gateway_factory()
+        return self._gateway
+
+    def snapshot(self, case_id: str) -> Snapshot:
+        """The case's validated package snapshot (cached per case)."""
+        if case_id not in self._routers:
+            snapshot = load_snapshot(self.store, case_id, self.reader)
+            self._routers[case_id] = (snapshot, ToolRouter(snapshot, self.config.tools))
+        return self._routers[case_id][0]
+
+    def router(self, case_id: str) -> ToolRouter:
+        """The ToolRouter over the case's snapshot (cached per case)."""
+        self.snapshot(case_id)
+        return self._routers[case_id][1]
+
+
+class Stages:
+    """The stage functions. ``run(stage, key)`` is the only entry point runtimes use."""
+
+    def __init__(self, env: StageEnv) -> None:
+        self.env = env
+        self.store = env.store
+
+    # -- framework -----------------------------------------------------------------------
+
+    def run(self, stage: str, key: StepKey) -> StageResult:
+        """Run ``stage`` of step ``key`` once; a finished stage returns its recorded output.
+
+        Raises:
+            StaleStateError: the case head moved past this step (a newer worker won).
+            InvestigationError: unsafe input, exceeded limits or a changed policy.
+        """
+        if stage not in STAGES:
+            raise InvestigationError("STAGE_UNKNOWN", f"unknown stage {stage!r}")
+        with self.store.session() as s:
+            done = self._marker(s, key, stage)
+            if done is not None:
+                return StageResult(done, self._recorded_halt(stage, key, done))
+            case = s.get(CaseRecord, key.case_id)
+            if case is None:
+                raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
+            if case.head_seq >= key.step_seq or case.current_revision != key.revision:
+                raise StaleStateError(
+                    f"step {key.step_seq} of {key.case_id} is already published",
+                    head_seq=case.head_seq)
+        fn: Callable[[StepKey], StageResult] = getattr(self, "_" + stage)
+        try:
+            return fn(key)
+        except IntegrityError as exc:
+            if not is_unique_violation(exc):
+                raise
+            # A concurrent duplicate finished this stage first: return its output.
+            with self.store.session() as s:
+                done = self._marker(s, key, stage)
+            if done is None:
+                raise
+            return StageResult(done, self._recorded_halt(stage, key, done))
+
+    @staticmethod
+    def _marker(s: Session, key: StepKey, stage: str) -> dict[str, Any] | None:
+        row = s.exec(select(StageRun).where(
+            StageRun.case_id == key.case_id, StageRun.revision == key.revision,
+            StageRun.step_seq == key.step_seq, StageRun.stage == stage)).first()
+        return None if row is None else dict(_loads(row.output_json))
+
+    def _output(self, s: Session, key: StepKey, stage: str) -> dict[str, Any]:
+        out = self._marker(s, key, stage)
+        if out is None:
+            raise InvestigationError(
+                "STAGE_ORDER", f"stage {stage} of step {key.step_seq} has not finished")
+        return out
+
+    @staticmethod
+    def _complete(s: Session, key: StepKey, stage: str, output: dict[str, Any]) -> StageResult:
+        s.add(StageRun(case_id=key.case_id, revision=key.revision, step_seq=key.step_seq,
+                       stage=stage, output_json=canonical_json(output).decode()))
+        s.flush()
+        return StageResult(output)
+
+    @staticmethod
+    def _fence(s: Session, key: StepKey, *, active: bool = True) -> CaseRecord:
+        stmt = select(CaseRecord).where(CaseRecord.id == key.case_id)
+        if s.get_bind().dialect.name == "postgresql":
+            stmt = stmt.with_for_update()
+        case = s.exec(stmt).first()
+        if case is None:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
+        if case.head_seq != key.step_seq - 1 or case.current_revision != key.revision:
+            raise StaleStateError(
+                f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",
+                head_seq=case.head_seq)
+        if active and case.state != CASE_INVESTIGATING:
+            raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
+        return case
+
+    @staticmethod
+    def _recorded_halt(stage: str, key: StepKey, out: dict[str, Any]) -> Outcome | None:
+        if stage == "publish":
+            return Outcome(out["outcome"], key.case_id, key.step_seq, out.get("reason"),
+                           hypothesis_id=out.get("hypothesis_id"))
+        return None
+
+    def _policy(self, s: Session, key: StepKey) -> tuple[InvestigationConfig, BudgetManager]:
+        rev = s.exec(select(RevisionRecord).where(
+            RevisionRecord.case_id == key.case_id,
+            RevisionRecord.revision == key.revision)).one()
+        cfg = BudgetManager.freeze_policy(s, rev, self.env.config, self.env.explicit_config)
+        return cfg, BudgetManager(cfg.budget, cfg.loop)
+
+    @staticmethod
+    def _accounts(s: Session, key: StepKey) -> list[BudgetAccount]:
+        return list(s.exec(select(BudgetAccount).where(
+            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision)
+            .order_by(col(BudgetAccount.hypothesis_id))).all())
+
+    @staticmethod
+    def _account(s: Session, key: StepKey, hid: int) -> BudgetAccount:
+        return s.exec(select(BudgetAccount).where(
+            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision,
+            BudgetAccount.hypothesis_id == hid)).one()
+
+    def _context_doc(self, s: Session, key: StepKey) -> tuple[dict[str, Any], dict[str, Any]]:
+        built = self._output(s, key, "build_context")
+        art = Store.get_artifact(s, key.case_id, built["context_path"])
+        if art is None or art.sha256 != built["context_sha256"]:
+            raise InvestigationError(
+                "CONTEXT_IDENTITY", f"the stored context of step {key.step_seq} was changed")
+        return built, dict(_loads(art.data))
+
+    # -- 1. build_context ----------------------------------------------------------------
+
+    def _build_context(self, key: StepKey) -> StageResult:
+        router = self.env.router(key.case_id)
+        with self.store.session() as s:
+            case = self._fence(s, key)
+            checkpoints.verify_head(s, case)
+            cfg, budget = self._policy(s, key)
+            if key.step_seq > cfg.limits.max_checkpoints:
+                raise InvestigationError(
+                    "CHECKPOINT_LIMIT",
+                    f"case {key.case_id} reached {cfg.limits.max_checkpoints} checkpoints; "
+                    "raise limits.max_checkpoints to continue")
+            births = s.exec(select(HypothesisBirth).where(
+                HypothesisBirth.case_id == key.case_id,
+                HypothesisBirth.revision == key.revision)).all()
+            accounts = budget.ensure_accounts(
+                s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births))
+            for account in accounts:
+                budget.verify_origins(s, account)
+                budget.apply_automatic_disposition(account)
+                s.add(account)
+            selected = select_hypothesis(accounts)
+            if selected is None:
+                return self._complete(s, key, "build_context", {"finalize": True})
+            llm_steps = s.exec(select(StageRun).where(
+                StageRun.case_id == key.case_id, StageRun.stage == "llm_call")).all()
+            doc = context_builder.build(
+                s, key=key, case=case, config=cfg, budget=budget, selected=selected,
+                accounts=accounts, births=list(births), router=router,
+                snapshot=self.env.snapshot(key.case_id))
+            data = canonical_json(doc)
+            if len(data) > cfg.limits.max_context_bytes:
+                raise InvestigationError(
+                    "CONTEXT_TOO_LARGE",
+                    f"the context is {len(data)} bytes, over limits.max_context_bytes="
+                    f"{cfg.limits.max_context_bytes}; align context, gateway request and "
+                    "artifact limits", context_bytes=len(data))
+            path = ARTIFACT_CONTEXT.format(seq=key.step_seq)
+            digest = Store.put_artifact(s, key.case_id, path, data)
+            return self._complete(s, key, "build_context", {
+                "finalize": False, "hypothesis_id": selected, "context_path": path,
+                "context_sha256": digest, "call_index": len(llm_steps),
+            })
+
+    # -- 2. llm_call ---------------------------------------------------------------------
+
+    def _llm_call(self, key: StepKey) -> StageResult:
+        with self.store.session() as s:
+            built = self._output(s, key, "build_context")
+            if built["finalize"]:
+                return self._complete(s, key, "llm_call", SKIPPED)
+            _, doc = self._context_doc(s, key)
+            case = self._fence(s, key)
+            retry_id = case.llm_retry_id
+        context_bytes = canonical_json(doc)
+        request = ChatRequest(
+            messages=build_messages(context_bytes), response_schema=reply_json_schema(),
+            schema_name="investigation_reply", call_index=int(built["call_index"]),
+            case_id=key.case_id,
+            metadata={"case_id": key.case_id, "step_seq": str(key.step_seq),
+                      "prompt_version": PROMPT_VERSION})
+        result = self.env.gateway.call(key.case_id, key.revision, key.step_seq, request,
+                                       retry_id=retry_id)
+        hid = int(built["hypothesis_id"])
+        if isinstance(result, RetryPending):
+            with self.store.session() as s:
+                case = self._fence(s, key)
+                case.retry_not_before = result.retry_not_before
+                case.last_outcome, case.last_reason = RETRY_PENDING, result.error_code
+                case.updated_at = utcnow()
+                s.add(case)
+            return StageResult({}, Outcome(RETRY_PENDING, key.case_id, key.step_seq,
+                                           result.error_code, result.retry_not_before, hid))
+        if isinstance(result, Blocked):
+            with self.store.session() as s:
+                case = self._fence(s, key)
+                case.state, case.blocked_reason = CASE_BLOCKED, result.reason
+                case.last_outcome, case.last_reason = BLOCKED, result.reason
+                case.updated_at = utcnow()
+                s.add(case)
+            log.info("case %s blocked: %s (%s)", key.case_id, result.reason, result.error_code)
+            return StageResult({}, Outcome(BLOCKED, key.case_id, key.step_seq, result.reason,
+                                           hypothesis_id=hid,
+                                           details={"error_code": result.error_code,
+                                                    "message": result.message}))
+        assert isinstance(result, Succeeded)
+        with self.store.session() as s:
+            self._fence(s, key)
+            return self._complete(s, key, "llm_call", {
+                "operation_id": result.operation_id, "attempt": result.attempt,
+                "provider": result.provider, "content": result.content,
+                "response_sha256": result.response_sha256,
+                "request_sha256": result.request_sha256,
+            })
+
+    # -- 3. validate ---------------------------------------------------------------------
+
+    def _validate(self, key: StepKey) -> StageResult:
+        router = self.env.router(key.case_id)
+        with self.store.session() as s:
+            self._fence(s, key)
+            call = self._output(s, key, "llm_call")
+            if call.get("skipped"):
+                return self._complete(s, key, "validate", SKIPPED)
+            built, doc = self._context_doc(s, key)
+            cfg, _ = self._policy(s, key)
+            account = self._account(s, key, int(built["hypothesis_id"]))
+            try:
+                decision = validate_reply(parse_reply(call["content"]), doc, cfg.budget, router,
+                                          cfg.loop.max_questions_per_hypothesis)
+            except ReplyRejected as rej:
+                account.invalid_streak += 1
+                account.last_rejection_json = canonical_json(
+                    {"code": rej.code, "detail": rej.detail, "step_seq": key.step_seq}).decode()
+                s.add(account)
+                log.info("case %s step %s: reply rejected (%s)", key.case_id, key.step_seq,
+                         rej.code)
+                return self._complete(s, key, "validate", {
+                    "accepted": False, "code": rej.code, "detail": rej.detail})
+            account.invalid_streak = 0
+            account.last_rejection_json = None
+            s.add(account)
+            return self._complete(s, key, "validate",
+                                  {"accepted": True, "decision": decision.to_dict()})
+
+    # -- 4. persist_plan -----------------------------------------------------------------
+
+    def _persist_plan(self, key: StepKey) -> StageResult:
+        with self.store.session() as s:
+            self._fence(s, key)
+            verdict = self._output(s, key, "validate")
+            if not verdict.get("accepted"):
+                return self._complete(s, key, "persist_plan", SKIPPED)
+            built = self._output(s, key, "build_context")
+            call = self._output(s, key, "llm_call")
+            decision = verdict["decision"]
+            nxt = decision["reply"]["next"]
+            plan = {
+                "case_id": key.case_id, "revision": key.revision, "step_seq": key.step_seq,
+                "hypothesis_id": built["hypothesis_id"], "decision": decision,
+                "llm_operation_id": call["operation_id"], "llm_attempt": call["attempt"],
+                "request_sha256": call["request_sha256"],
+                "output_sha256": call["response_sha256"],
+                "context_sha256": built["context_sha256"], "prompt_version": PROMPT_VERSION,
+                "schema_version": REPLY_SCHEMA_VERSION,
+            }
+            data = canonical_json(plan)
+            path = ARTIFACT_PLAN.format(seq=key.step_seq)
+            digest = Store.put_artifact(s, key.case_id, path, data)
+            s.add(Plan(
+                case_id=key.case_id, revision=key.revision, step_seq=key.step_seq,
+                hypothesis_id=int(built["hypothesis_id"]), action=nxt["action"],
+                operation=nxt.get("operation"),
+                arguments_json=canonical_json(nxt["arguments"]).decode()
+                if "arguments" in nxt else None,
+                decision_json=canonical_json(decision).decode(),
+                llm_operation_id=call["operation_id"], llm_attempt=call["attempt"],
+                request_sha256=call["request_sha256"], output_sha256=call["response_sha256"],
+                context_sha256=built["context_sha256"], prompt_version=PROMPT_VERSION,
+                schema_version=REPLY_SCHEMA_VERSION, plan_path=path, plan_sha256=digest))
+            return self._complete(s, key, "persist_plan",
+                                  {"plan_path": path, "plan_sha256": digest})
+
+    # -- 5. settle_reserve ---------------------------------------------------------------
+
+    def _settle_reserve(self, key: StepKey) -> StageResult:
+        with self.store.session() as s:
+            self._fence(s, key)
+            if self._output(s, key, "persist_plan").get("skipped"):
+                return self._complete(s, key, "settle_reserve", SKIPPED)
+            built = self._output(s, key, "build_context")
+            decision = self._output(s, key, "validate")["decision"]
+            reply, projection = decision["reply"], decision["projection"]
+            _, budget = self._policy(s, key)
+            hid = int(built["hypothesis_id"])
+            account = self._account(s, key, hid)
+            refund = 0
+            if reply["assessment"] is not None:
+                pending = s.exec(select(Evidence).where(
+                    Evidence.case_id == key.case_id,
+                    Evidence.evidence_id == account.pending_evidence_id)).one()
+                refund = budget.settle(s, account, pending, int(reply["assessment"]["score"]),
+                                       key.step_seq)
+            if refund != projection["refund_units"]:
+                raise InvestigationError(
+                    "SETTLEMENT_MISMATCH",
+                    f"refund {refund} differs from the validated projection "
+                    f"{projection['refund_units']}")
+            self._apply_update(s, key, account, reply["update"])
+            account.turns += 1
+            nxt = reply["next"]
+            if nxt["action"] in ("query", "test"):
+                budget.reserve(s, account, int(decision["cost_units"]), key.step_seq,
+                               f"step {key.step_seq} {nxt.get('operation', 'test')}")
+                account.iterations += 1
+            elif nxt["action"] == "finish":
+                budget.complete(account, nxt["reason"])
+            else:
+                budget.reject(account, nxt["reason"])
+            s.add(account)
+            return self._complete(s, key, "settle_reserve", {
+                "refund_units": refund, "reserved_units": projection["reserve_units"],
+                "balance_units": account.balance_units, "status": account.status})
+
+    def _apply_update(self, s: Session, key: StepKey, account: BudgetAccount,
+                      upd: dict[str, Any]) -> None:
+        account.confidence = upd["confidence"]
+        if upd["note"]:
+            notes = _loads(account.notes_json)
+            notes.append({"step_seq": key.step_seq, "note": upd["note"]})
+            account.notes_json = canonical_json(notes).decode()
+        for qid in upd["resolve_questions"]:
+            q = s.exec(select(Question).where(Question.case_id == key.case_id,
+                                              Question.question_id == qid)).one()
+            if q.status == "open":  # re-confirming a resolved question is idempotent
+                q.status = "resolved"
+                q.resolved_step = key.step_seq
+                q.resolution_evidence_json = canonical_json(upd["evidence_ids"]).decode()
+                s.add(q)
+        if upd["new_questions"]:
+            count = len(s.exec(select(Question.id).where(
+                Question.case_id == key.case_id)).all())
+            for text in upd["new_questions"]:
+                count += 1
+                s.add(Question(case_id=key.case_id, revision=key.revision, ordinal=count,
+                               question_id=f"Q{count}", hypothesis_id=account.hypothesis_id,
+                               text=text, created_step=key.step_seq))
+        s.flush()
+
+    # -- 6. execute_tool -----------------------------------------------------------------
+
+    def _execute_tool(self, key: StepKey) -> StageResult:
+        with self.store.session() as s:
+            self._fence(s, key)
+            if self._output(s, key, "settle_reserve").get("skipped"):
+                return self._complete(s, key, "execute_tool", SKIPPED)
+            nxt = self._output(s, key, "validate")["decision"]["reply"]["next"]
+        if nxt["action"] != "query":
+            with self.store.session() as s:
+                self._fence(s, key)
+                return self._complete(s, key, "execute_tool", {"action": nxt["action"]})
+        try:
+            result = self.env.router(key.case_id).execute(nxt["operation"], nxt["arguments"])
+            data = result.to_json_bytes()
+        except ToolError as exc:
+            # A runtime failure after a valid plan: recorded as an empty finding with the
+            # failure's code, so the reservation is settled like any other result.
+            data = canonical_json({
+                "operation": nxt["operation"], "arguments": nxt["arguments"], "items": [],
+                "warnings": ["TOOL_FAILED"],
+                "stats": {"error_code": exc.code, "error": exc.message}})
+        with self.store.session() as s:
+            self._fence(s, key)
+            path = ARTIFACT_RAW_RESULT.format(seq=key.step_seq)
+            digest = Store.put_artifact(s, key.case_id, path, data)
+            return self._complete(s, key, "execute_tool",
+                                  {"action": "query", "result_path": path,
+                                   "result_sha256": digest})
+
+    # -- 7. record_evidence --------------------------------------------------------------
+
+    def _record_evidence(self, key: StepKey) -> StageResult:
+        with self.store.session() as s:
+            self._fence(s, key)
+            executed = self._output(s, key, "execute_tool")
+            if executed.get("skipped") or executed.get("action") != "query":
+                return self._complete(s, key, "record_evidence", SKIPPED)
+            built = self._output(s, key, "build_context")
+            decision = self._output(s, key, "validate")["decision"]
+            art = Store.get_artifact(s, key.case_id, executed["result_path"])
+            if art is None or art.sha256 != executed["result_sha256"]:
+                raise InvestigationError("RESULT_IDENTITY", "the stored tool result changed")
+            hid = int(built["hypothesis_id"])
+            ev = EvidenceStore.record(
+                s, case_id=key.case_id, revision=key.revision, step_seq=key.step_seq,
+                hypothesis_id=hid, result=_loads(art.data),
+                cost_units=int(decision["cost_units"]))
+            account = self._account(s, key, hid)
+            account.pending_evidence_id = ev.evidence_id
+            account.no_novelty_streak = 0 if ev.new_item_count > 0 else \
+                account.no_novelty_streak + 1
+            s.add(account)
+            return self._complete(s, key, "record_evidence", {
+                "evidence_id": ev.evidence_id, "item_count": ev.item_count,
+                "new_item_count": ev.new_item_count, "duplicate": ev.duplicate})
+
+    # -- 8. publish ----------------------------------------------------------------------
+
+    def _publish(self, key: StepKey) -> StageResult:
+        with self.store.session() as s:
+            case = self._fence(s, key)
+            cfg, budget = self._policy(s, key)
+            built = self._output(s, key, "build_context")
+            verdict = self._output(s, key, "validate")
+            hid = built.get("hypothesis_id")
+            reason: str | None = None
+            if built["finalize"]:
+                outcome = COMPLETED
+            elif not verdict.get("accepted"):
+                account = self._account(s, key, int(hid))
+                outcome, reason = REJECTED, verdict["code"]
+                if account.invalid_streak >= cfg.loop.max_invalid_responses:
+                    outcome, reason = BLOCKED, BLOCK_INVALID_LLM_RESPONSES
+                    case.state, case.blocked_reason = CASE_BLOCKED, BLOCK_INVALID_LLM_RESPONSES
+            else:
+                outcome = PROGRESSED
+            accounts = self._accounts(s, key)
+            for account in accounts:
+                budget.apply_automatic_disposition(account)
+                s.add(account)
+            if outcome != BLOCKED and all(a.status != rules.ACTIVE for a in accounts):
+                outcome = COMPLETED
+            state = checkpoints.state_document(s, key, case, accounts, outcome, reason,
+                                               hid, built.get("context_sha256"))
+            if outcome == COMPLETED:
+                state["case_state"] = CASE_BUILDING_DIAGNOSIS
+            cp = checkpoints.publish(s, key, case, state, built.get("context_sha256"), hid,
+                                     outcome, reason)
+            res = s.execute(
+                update(CaseRecord)
+                .where(col(CaseRecord.id) == key.case_id,
+                       col(CaseRecord.head_seq) == key.step_seq - 1)
+                .values(head_seq=key.step_seq, head_hash=cp.hash, last_outcome=outcome,
+                        last_reason=reason, retry_not_before=None, updated_at=utcnow(),
+                        state=state["case_state"], blocked_reason=state["blocked_reason"]))
+            if res.rowcount != 1:  # type: ignore[attr-defined]
+                raise StaleStateError(f"case {key.case_id} head moved during publish")
+            Store.set_pointer(s, key.case_id, POINTER_STATE, cp.state_path,
+                              state["_state_sha256"])
+            if outcome == COMPLETED:
+                write_summary(s, key.case_id, key.revision)
+            out = {"outcome": outcome, "reason": reason, "hypothesis_id": hid,
+                   "checkpoint_hash": cp.hash}
+            self._complete(s, key, "publish", out)
+            return StageResult(out, Outcome(outcome, key.case_id, key.step_seq, reason,
+                                            hypothesis_id=hid))

@@ -1,0 +1,164 @@
+"""The deterministic ``summary.md`` (seed 000, "Budget and stopping").
+
+Built only from stored rows (no clock, no randomness, fixed ordering), so the same
+store gives the same bytes. It reports balances, confidence, dispositions, evidence
+(quoting the snapshot's text) and outstanding questions, and a countercheck marker per
+hypothesis that records the actions taken on its alternatives. It does not diagnose,
+select a root cause or say an alternative was disproved.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from investigation.constants import ARTIFACT_SUMMARY, POINTER_SUMMARY
+from investigation.store.engine import Store
+from investigation.store.models import (
+    BudgetAccount,
+    CaseRecord,
+    Checkpoint,
+    Evidence,
+    HypothesisBirth,
+    LedgerEntry,
+    Question,
+    RevisionRecord,
+)
+
+#: Findings quoted per evidence record.
+MAX_QUOTED_ITEMS = 12
+MAX_QUOTE_CHARS = 300
+
+
+def _quote(item: dict[str, Any]) -> str:
+    if "text" in item:
+        text = str(item["text"])
+    elif "row" in item:
+        text = json.dumps(item["row"], sort_keys=True, ensure_ascii=False)
+    else:
+        text = json.dumps({k: v for k, v in item.items() if k != "key"}, sort_keys=True,
+                          ensure_ascii=False)
+    text = text.replace("`", "'")
+    if len(text) > MAX_QUOTE_CHARS:
+        text = text[:MAX_QUOTE_CHARS] + " ..."
+    return f"    - `{item['key']}`: `{text}`"
+
+
+def render_summary(s: Session, case_id: str, revision: int) -> bytes:
+    """Render ``summary.md`` for a case from the store (UTF-8 bytes, LF line ends)."""
+    case = s.get(CaseRecord, case_id)
+    assert case is not None
+    rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == case_id,
+                                              RevisionRecord.revision == revision)).one()
+    births = {b.hypothesis_id: b for b in s.exec(select(HypothesisBirth).where(
+        HypothesisBirth.case_id == case_id, HypothesisBirth.revision == revision))}
+    accounts = s.exec(select(BudgetAccount).where(
+        BudgetAccount.case_id == case_id, BudgetAccount.revision == revision)
+        .order_by(col(BudgetAccount.hypothesis_id))).all()
+    evidence = s.exec(select(Evidence).where(Evidence.case_id == case_id,
+                                             Evidence.revision == revision)
+                      .order_by(col(Evidence.ordinal))).all()
+    questions = s.exec(select(Question).where(Question.case_id == case_id)
+                       .order_by(col(Question.ordinal))).all()
+    ledger = s.exec(select(LedgerEntry).where(LedgerEntry.case_id == case_id,
+                                              LedgerEntry.revision == revision)).all()
+    checkpoints = s.exec(select(Checkpoint).where(Checkpoint.case_id == case_id)
+                         .order_by(col(Checkpoint.seq))).all()
+    interpretation = json.loads(rev.interpretation_json)
+    actions = {a.hypothesis_id: a.iterations for a in accounts}
+
+    out: list[str] = [
+        f"# Investigation summary: {case_id}",
+        "",
+        f"- Package: `{case.package_id}`",
+        f"- Revision: {revision}",
+        "- State: BUILDING_DIAGNOSIS",
+        f"- Steps published: {len(checkpoints)}",
+        f"- Evidence records: {len(evidence)}",
+        f"- Interpretation: {interpretation.get('summary', '')}",
+        "",
+        "This summary reports an investigation, not a diagnosis: it selects no root cause. "
+        "Confidence labels are the model's qualitative assessments, grounded in the cited "
+        "evidence; countercheck markers record actions taken on alternatives, not proof that "
+        "an alternative was disproved.",
+        "",
+        "## Hypotheses",
+        "",
+        "| id | disposition | confidence | balance (units) | charged | refunded | iterations "
+        "| evidence | countercheck |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a in accounts:
+        rows = [e for e in ledger if e.hypothesis_id == a.hypothesis_id]
+        charged = -sum(e.amount_units for e in rows if e.kind == "reserve")
+        refunded = sum(e.amount_units for e in rows if e.kind == "refund")
+        own = [e for e in evidence if e.hypothesis_id == a.hypothesis_id]
+        others = sum(n for h, n in actions.items() if h != a.hypothesis_id)
+        marker = f"{others} action(s) on alternatives" if len(actions) > 1 else "no alternatives"
+        out.append(f"| {a.hypothesis_id} | {a.status} | {a.confidence} | {a.balance_units} of "
+                   f"{a.credit_units} | {charged} | {refunded} | {a.iterations} | {len(own)} "
+                   f"| {marker} |")
+    out.append("")
+    for a in accounts:
+        birth = births[a.hypothesis_id]
+        out += [f"### Hypothesis {a.hypothesis_id}", "", f"> {birth.statement}", "",
+                f"- Disposition: {a.status}"
+                + (f" ({a.disposition_reason})" if a.disposition_reason else ""),
+                f"- Confidence: {a.confidence}",
+                f"- Balance: {a.balance_units} of {a.credit_units} units",
+                f"- Turns: {a.turns}; research iterations: {a.iterations}"]
+        alt = [f"H{h}: {n}" for h, n in sorted(actions.items()) if h != a.hypothesis_id]
+        out.append("- Countercheck (actions on alternatives): " + (", ".join(alt) or "none"))
+        notes = json.loads(a.notes_json)
+        if notes:
+            out.append("- Notes:")
+            out += [f"    - step {n['step_seq']}: {n['note']}" for n in notes]
+        out += ["", "#### Evidence", ""]
+        own = [e for e in evidence if e.hypothesis_id == a.hypothesis_id]
+        if not own:
+            out.append("- none")
+        for e in own:
+            args = json.dumps(json.loads(e.arguments_json), sort_keys=True, ensure_ascii=False)
+            assessed = (f"assessed {e.assessment_score}/100, refund {e.refund_units}"
+                        if e.assessed else "not assessed")
+            warn = json.loads(e.warnings_json)
+            out.append(f"- **{e.evidence_id}** (step {e.step_seq}) `{e.operation}` `{args}`: "
+                       f"{e.item_count} item(s), {e.new_item_count} new"
+                       + (", duplicate" if e.duplicate else "")
+                       + f"; cost {e.cost_units}; {assessed}"
+                       + (f"; warnings: {', '.join(warn)}" if warn else ""))
+            items = json.loads(e.findings_json)
+            out += [_quote(i) for i in items[:MAX_QUOTED_ITEMS]]
+            if len(items) > MAX_QUOTED_ITEMS:
+                out.append(f"    - ... {len(items) - MAX_QUOTED_ITEMS} more item(s)")
+        qs = [q for q in questions if q.hypothesis_id == a.hypothesis_id]
+        if qs:
+            out += ["", "#### Questions", ""]
+            for q in qs:
+                if q.status == "resolved":
+                    ev = ", ".join(json.loads(q.resolution_evidence_json or "[]"))
+                    out.append(f"- {q.question_id} (resolved at step {q.resolved_step} "
+                               f"with {ev}): {q.text}")
+                else:
+                    out.append(f"- {q.question_id} (open): {q.text}")
+        out.append("")
+    open_qs = [q for q in questions if q.status == "open"]
+    out += ["## Outstanding questions", ""]
+    out += [f"- {q.question_id} (hypothesis {q.hypothesis_id}): {q.text}" for q in open_qs] \
+        or ["- none"]
+    out.append("")
+    return "\n".join(out).encode("utf-8")
+
+
+def write_summary(s: Session, case_id: str, revision: int) -> str:
+    """Render and store ``summary.md`` and point ``investigation_summary`` at it.
+
+    Returns:
+        The sha256 of the stored bytes. Re-rendering a finished case yields the same bytes.
+    """
+    data = render_summary(s, case_id, revision)
+    digest = Store.put_artifact(s, case_id, ARTIFACT_SUMMARY, data, media_type="text/markdown")
+    Store.set_pointer(s, case_id, POINTER_SUMMARY, ARTIFACT_SUMMARY, digest)
+    return digest

@@ -1,0 +1,159 @@
+"""Operator actions over the store: status, resume, summary and export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from sqlmodel import col, select
+
+from investigation.constants import (
+    ARTIFACT_SUMMARY,
+    BLOCK_PROVIDER_CONFIGURATION,
+    BLOCK_PROVIDER_CREDENTIALS,
+    BLOCK_PROVIDER_EXHAUSTED,
+    CASE_BLOCKED,
+    CASE_INVESTIGATING,
+)
+from investigation.errors import InvestigationError
+from investigation.store.engine import Store, sha256_hex
+from investigation.store.models import (
+    Artifact,
+    BudgetAccount,
+    CaseRecord,
+    Evidence,
+    ManifestPointer,
+    Question,
+    utcnow,
+)
+
+_PROVIDER_BLOCKS = (BLOCK_PROVIDER_EXHAUSTED, BLOCK_PROVIDER_CONFIGURATION,
+                    BLOCK_PROVIDER_CREDENTIALS)
+
+
+def _case(store: Store, case_id: str) -> CaseRecord:
+    with store.session() as s:
+        case = s.get(CaseRecord, case_id)
+    if case is None:
+        raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+    return case
+
+
+def status(store: Store, case_id: str) -> dict[str, Any]:
+    """State, last outcome, blocked reason, balances and evidence count of a case."""
+    case = _case(store, case_id)
+    with store.session() as s:
+        accounts = s.exec(select(BudgetAccount).where(
+            BudgetAccount.case_id == case_id, BudgetAccount.revision == case.current_revision)
+            .order_by(col(BudgetAccount.hypothesis_id))).all()
+        evidence = s.exec(select(Evidence.id).where(Evidence.case_id == case_id)).all()
+        questions = s.exec(select(Question).where(Question.case_id == case_id)).all()
+        pointers = {p.name: p.path for p in s.exec(
+            select(ManifestPointer).where(ManifestPointer.case_id == case_id))}
+    return {
+        "case_id": case.id, "package_id": case.package_id, "revision": case.current_revision,
+        "state": case.state, "blocked_reason": case.blocked_reason,
+        "last_outcome": case.last_outcome, "last_reason": case.last_reason,
+        "retry_not_before": case.retry_not_before.isoformat() if case.retry_not_before
+        else None,
+        "steps": case.head_seq, "head_hash": case.head_hash,
+        "evidence_count": len(evidence),
+        "open_questions": sum(1 for q in questions if q.status == "open"),
+        "accounts": [
+            {"hypothesis_id": a.hypothesis_id, "status": a.status, "confidence": a.confidence,
+             "balance_units": a.balance_units, "credit_units": a.credit_units,
+             "iterations": a.iterations, "pending_evidence_id": a.pending_evidence_id}
+            for a in accounts
+        ],
+        "pointers": pointers,
+    }
+
+
+def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str, Any]:
+    """Operator resume of a blocked case.
+
+    A ``retry_id`` opens a new provider operation for a call that was exhausted or
+    failed on configuration/credentials; it resets no iteration, credit, evidence or
+    invalid-reply counter. It is refused for other block reasons.
+
+    Raises:
+        InvestigationError: ``CASE_NOT_BLOCKED``, ``RETRY_ID_NOT_APPLICABLE``,
+        ``RETRY_ID_REUSED``.
+    """
+    with store.session() as s:
+        case = s.get(CaseRecord, case_id)
+        if case is None:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+        if case.state != CASE_BLOCKED:
+            raise InvestigationError("CASE_NOT_BLOCKED",
+                                     f"case {case_id} is {case.state}; only a blocked case "
+                                     "resumes")
+        if retry_id is not None:
+            if case.blocked_reason not in _PROVIDER_BLOCKS:
+                raise InvestigationError(
+                    "RETRY_ID_NOT_APPLICABLE",
+                    f"a retry id opens a new provider operation; this case is blocked for "
+                    f"{case.blocked_reason}")
+            if retry_id == case.llm_retry_id or not retry_id.strip():
+                raise InvestigationError("RETRY_ID_REUSED",
+                                         "give a new, non-empty retry id for the new operation")
+            case.llm_retry_id = retry_id
+        elif case.blocked_reason in _PROVIDER_BLOCKS:
+            raise InvestigationError(
+                "RETRY_ID_REQUIRED",
+                f"the provider call failed ({case.blocked_reason}); after fixing the cause, "
+                "resume with --retry-id ID to open a new provider operation")
+        previous = case.blocked_reason
+        case.state, case.blocked_reason = CASE_INVESTIGATING, None
+        case.last_outcome, case.last_reason = "RESUMED", previous
+        case.updated_at = utcnow()
+        s.add(case)
+    return {"case_id": case_id, "resumed_from": previous, "retry_id": retry_id}
+
+
+def summary_bytes(store: Store, case_id: str) -> bytes:
+    """The stored ``summary.md``.
+
+    Raises:
+        InvestigationError: ``SUMMARY_NOT_READY`` before the case is complete.
+    """
+    _case(store, case_id)
+    with store.session() as s:
+        art = Store.get_artifact(s, case_id, ARTIFACT_SUMMARY)
+    if art is None:
+        raise InvestigationError("SUMMARY_NOT_READY",
+                                 f"case {case_id} has no summary yet (it is written when "
+                                 "every hypothesis account is terminal)")
+    return bytes(art.data)
+
+
+def export(store: Store, case_id: str, directory: Path) -> list[str]:
+    """Write every artifact of the case under ``directory`` byte for byte, plus
+    ``manifest.json`` with the pointers and each artifact's sha256. Returns the paths."""
+    _case(store, case_id)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    with store.session() as s:
+        artifacts = s.exec(select(Artifact).where(Artifact.case_id == case_id)
+                           .order_by(col(Artifact.path))).all()
+        pointers = s.exec(select(ManifestPointer).where(ManifestPointer.case_id == case_id)
+                          .order_by(col(ManifestPointer.name))).all()
+    root = directory.resolve()
+    for art in artifacts:
+        rel = PurePosixPath(art.path)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise InvestigationError("EXPORT_UNSAFE_PATH", f"artifact path {art.path} is unsafe")
+        if sha256_hex(art.data) != art.sha256:
+            raise InvestigationError("ARTIFACT_CORRUPT", f"artifact {art.path} fails its sha256")
+        target = root.joinpath(*rel.parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(art.data)
+        written.append(art.path)
+    manifest = {
+        "case_id": case_id,
+        "artifacts": {p.name: {"path": p.path, "sha256": p.sha256} for p in pointers},
+        "files": [{"path": a.path, "sha256": a.sha256} for a in artifacts],
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return written

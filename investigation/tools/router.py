@@ -1,0 +1,491 @@
+"""ToolRouter: validate and run the eight read-only snapshot operations.
+
+Outcome contract:
+
+* a refusal raises :class:`~investigation.errors.ToolError` with a stable code
+  (``TOOL_UNKNOWN_OPERATION``, ``TOOL_INVALID_ARGUMENTS``, ``TOOL_PATH_ESCAPE``,
+  ``TOOL_PATTERN_TOO_LONG``, ``TOOL_REGEX_INVALID``, ``TOOL_NOT_FOUND``,
+  ``TOOL_NO_DATABASE``, ``TOOL_SQL_NOT_READ_ONLY``, ``TOOL_SQL_MULTIPLE_STATEMENTS``,
+  ``TOOL_SQL_ERROR``, ``TOOL_SQL_TIMEOUT``);
+* anything else is a :class:`~investigation.tools.models.ToolResult` whose items have
+  stable keys and whose warnings say when it is empty, truncated, partial or cut.
+
+Determinism: files are visited in the snapshot's sorted order, lines in file order, SQL
+rows in the statement's order, and no timing value is recorded. The only
+timing-dependent outcome is a deadline (``PARTIAL`` / ``TOOL_SQL_TIMEOUT``); the loop
+persists every raw result, so a recorded run replays byte for byte.
+
+Several databases: ``db.tables`` lists all of them, ``db.schema`` accepts
+``"<database>.<table>"`` (needed only when a name is ambiguous), and ``db.query`` runs
+on the first database in sorted order (named in ``stats["database"]``); the fixed
+interface has no database argument, and ATTACH is refused by design.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from investigation.cases.snapshot import Snapshot
+from investigation.config import ToolLimits, canonical_json
+from investigation.constants import OPERATIONS
+from investigation.errors import ToolError
+from investigation.tools import text as tx
+from investigation.tools.models import (
+    ARGUMENT_MODELS,
+    BINARY_SKIPPED,
+    EMPTY_RESULT,
+    LINE_CUT,
+    PARTIAL,
+    RANGE_CLIPPED,
+    TEXTUAL_SCOPE,
+    TRUNCATED,
+    DbQueryArgs,
+    DbSchemaArgs,
+    LogsSearchArgs,
+    SourceListArgs,
+    SourceReadArgs,
+    SourceSearchArgs,
+    SymbolOccurrencesArgs,
+    ToolResult,
+    ordered_warnings,
+)
+from investigation.tools.sqlite import ReadOnlyDatabase, render_value
+
+_Outcome = tuple[list[dict[str, Any]], set[str], dict[str, Any]]
+#: Skipped file paths listed in ``stats["skipped_paths"]`` (the count is always exact).
+_MAX_SKIPPED_LISTED = 20
+#: Lines between two deadline checks inside one file.
+_DEADLINE_EVERY_LINES = 2048
+
+
+class ToolRouter:
+    """The read-only snapshot operations of one case package.
+
+    Args:
+        snapshot: the immutable case snapshot to read.
+        limits: result caps, line and output bounds, deadlines.
+
+    A router caches one private in-memory copy per packed database; it is safe to share
+    between threads (database access is serialised). Call :meth:`close` to free them.
+    """
+
+    def __init__(self, snapshot: Snapshot, limits: ToolLimits) -> None:
+        self._snapshot = snapshot
+        self._limits = limits
+        self._dbs: dict[str, ReadOnlyDatabase] = {}
+        self._dbs_lock = threading.Lock()
+        self._handlers: dict[str, Callable[[Any], _Outcome]] = {
+            "source.list": self._source_list,
+            "source.search": self._source_search,
+            "source.read": self._source_read,
+            "symbol.occurrences": self._symbol_occurrences,
+            "db.tables": self._db_tables,
+            "db.schema": self._db_schema,
+            "db.query": self._db_query,
+            "logs.search": self._logs_search,
+        }
+
+    # -- public API ---------------------------------------------------------------
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The operations as shown to the model, in :data:`OPERATIONS` order.
+
+        Returns:
+            ``[{"operation": str, "description": str, "arguments_schema": dict}]`` where
+            the schema is the JSON Schema of the operation's pydantic argument model.
+        """
+        lim = self._limits
+        cap = lim.max_results
+        descriptions = {
+            "source.list": f"List source files (path, size_bytes) whose path starts with "
+                           f"prefix, sorted; at most {cap}.",
+            "source.search": f"Find source lines containing pattern (substring, or RE2 regex "
+                             f"matched per line); at most {cap} lines, each quoted.",
+            "source.read": f"Quote lines start_line..end_line (1-based, inclusive) of one "
+                           f"source file; at most {lim.max_read_lines} lines.",
+            "symbol.occurrences": f"Find an identifier at identifier boundaries in the "
+                                  f"source (textual, not semantic); at most {cap}.",
+            "db.tables": "List the tables and views of every packed SQLite database.",
+            "db.schema": "Columns, DDL, indexes and triggers of one table or view.",
+            "db.query": f"Run one read-only SELECT on the packed SQLite database; at most "
+                        f"{cap} rows, {lim.sql_timeout_s:g} s deadline; no PRAGMA, ATTACH, "
+                        f"writes, random() or 'now'.",
+            "logs.search": f"Find log lines containing pattern (substring, or RE2 regex "
+                           f"matched per line); at most {cap} lines, each quoted.",
+        }
+        result = []
+        for op in OPERATIONS:
+            schema = ARGUMENT_MODELS[op].model_json_schema()
+            schema.pop("description", None)  # the class docstring; the operation says it
+            result.append({"operation": op, "description": descriptions[op],
+                           "arguments_schema": schema})
+        return result
+
+    def validate(self, operation: str, arguments: dict[str, Any]) -> BaseModel:
+        """Preflight one operation without running it.
+
+        Applies the argument model, the path, pattern and regex rules, cheap snapshot
+        lookups (file and table existence) and, for ``db.query``, compiles the statement
+        under the read-only authorizer without running it.
+
+        Args:
+            operation: one of :data:`investigation.constants.OPERATIONS`.
+            arguments: the model-supplied JSON object.
+
+        Returns:
+            The validated argument model with defaults filled and ``limit`` /
+            ``max_results`` / ``max_rows`` set to their effective (capped) value.
+
+        Raises:
+            ToolError: a ``TOOL_*`` code listed in the module docstring (never
+                ``TOOL_SQL_TIMEOUT``).
+        """
+        model_type = ARGUMENT_MODELS.get(operation) if isinstance(operation, str) else None
+        if model_type is None:
+            raise ToolError("TOOL_UNKNOWN_OPERATION",
+                            f"unknown operation {operation!r}; use one of {list(OPERATIONS)}",
+                            operation=str(operation))
+        if not isinstance(arguments, dict):
+            raise ToolError("TOOL_INVALID_ARGUMENTS", "arguments must be a JSON object",
+                            operation=operation)
+        try:
+            args = model_type.model_validate(arguments)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}"
+                for err in exc.errors(include_url=False, include_input=False))
+            raise ToolError("TOOL_INVALID_ARGUMENTS", f"{operation}: {problems}",
+                            operation=operation) from exc
+        return self._check(operation, args)
+
+    def execute(self, operation: str, arguments: dict[str, Any]) -> ToolResult:
+        """Validate, then run one operation.
+
+        Returns:
+            The :class:`ToolResult`; equal arguments on an equal snapshot give an equal
+            result unless a deadline was hit (``PARTIAL``).
+
+        Raises:
+            ToolError: any code of :meth:`validate`, and ``TOOL_SQL_TIMEOUT`` /
+                ``TOOL_SQL_ERROR`` from running a statement.
+        """
+        args = self.validate(operation, arguments)
+        items, codes, stats = self._handlers[operation](args)
+        items, over = self._bound_output(items)
+        if over:
+            codes.add(TRUNCATED)
+            stats["output_bytes_capped"] = True
+        if not items:
+            codes.add(EMPTY_RESULT)
+        stats["items"] = len(items)
+        return ToolResult(operation=operation, arguments=args.model_dump(mode="json"),
+                          items=items, warnings=ordered_warnings(codes), stats=stats)
+
+    def close(self) -> None:
+        """Free the cached database copies (the router stays usable; they reopen)."""
+        with self._dbs_lock:
+            dbs, self._dbs = self._dbs, {}
+        for db in dbs.values():
+            db.close()
+
+    # -- validation ---------------------------------------------------------------
+
+    def _cap(self, value: int | None) -> int:
+        cap = self._limits.max_results
+        return cap if value is None else min(value, cap)
+
+    def _check(self, operation: str, args: Any) -> BaseModel:
+        max_pattern = self._limits.max_pattern_bytes
+        if isinstance(args, SourceListArgs):
+            tx.check_relative_path(args.prefix, "prefix", allow_empty=True)
+            tx.check_pattern_length(args.prefix, "prefix", max_pattern)
+            return args.model_copy(update={"limit": self._cap(args.limit)})
+        if isinstance(args, SourceSearchArgs | LogsSearchArgs):
+            tx.check_pattern_length(args.pattern, "pattern", max_pattern)
+            if args.regex:
+                tx.compile_regex(args.pattern)
+            if isinstance(args, SourceSearchArgs) and args.path_glob is not None:
+                tx.check_relative_path(args.path_glob, "path_glob")
+                tx.check_pattern_length(args.path_glob, "path_glob", max_pattern)
+                tx.PathGlob(args.path_glob)
+            return args.model_copy(update={"max_results": self._cap(args.max_results)})
+        if isinstance(args, SourceReadArgs):
+            tx.check_relative_path(args.path, "path")
+            if args.path not in set(self._snapshot.source_paths()):
+                raise ToolError("TOOL_NOT_FOUND",
+                                f"no source file {args.path!r}; use source.list to find paths",
+                                argument="path")
+            return args
+        if isinstance(args, SymbolOccurrencesArgs):
+            tx.check_symbol(args.symbol)
+            return args.model_copy(update={"max_results": self._cap(args.max_results)})
+        if isinstance(args, DbSchemaArgs):
+            self._resolve_table(args.table)
+            return args
+        if isinstance(args, DbQueryArgs):
+            self._first_db().preflight(args.sql, args.params)
+            return args.model_copy(update={"max_rows": self._cap(args.max_rows)})
+        for name in self._require_db():  # db.tables: every database must open
+            self._db(name)
+        return args
+
+    # -- databases ----------------------------------------------------------------
+
+    def _require_db(self) -> list[str]:
+        names = self._snapshot.db_names()
+        if not names:
+            raise ToolError("TOOL_NO_DATABASE", "this case package has no database snapshot; "
+                            "use the source and log operations")
+        return names
+
+    def _db(self, name: str) -> ReadOnlyDatabase:
+        with self._dbs_lock:
+            db = self._dbs.get(name)
+            if db is None:
+                db = ReadOnlyDatabase(name, self._snapshot.db_bytes(name))
+                self._dbs[name] = db
+            return db
+
+    def _first_db(self) -> ReadOnlyDatabase:
+        return self._db(self._require_db()[0])
+
+    def _resolve_table(self, table: str) -> tuple[str, str, str]:
+        """``(database, table, type)`` for a plain or ``database.table`` name."""
+        candidates = [(db, name, kind) for db in self._require_db()
+                      for name, kind in self._db(db).objects()]
+
+        def pick(norm: Callable[[str], str]) -> list[tuple[str, str, str]]:
+            wanted = norm(table)
+            return [c for c in candidates
+                    if norm(c[1]) == wanted or norm(f"{c[0]}.{c[1]}") == wanted]
+
+        found = pick(lambda s: s) or pick(_ascii_lower)
+        if not found:
+            raise ToolError("TOOL_NOT_FOUND",
+                            f"no table or view {table!r}; use db.tables to list them",
+                            argument="table")
+        if len(found) > 1:
+            names = sorted(f"{db}.{name}" for db, name, _ in found)
+            raise ToolError("TOOL_INVALID_ARGUMENTS",
+                            f"table {table!r} is ambiguous; qualify it as one of {names}",
+                            argument="table")
+        return found[0]
+
+    def _db_tables(self, _args: Any) -> _Outcome:
+        items = [
+            {"key": f"{db}:{name}", "database": db, "table": name, "type": kind}
+            for db in self._require_db() for name, kind in self._db(db).objects()
+        ]
+        return items, set(), {"databases": self._require_db()}
+
+    def _db_schema(self, args: DbSchemaArgs) -> _Outcome:
+        db, table, kind = self._resolve_table(args.table)
+        info = self._db(db).schema(table)
+        base = f"{db}:{table}"
+        items: list[dict[str, Any]] = [
+            {"key": f"{base}.{name}", "column": name, "type": ctype, "notnull": bool(notnull),
+             "default": default, "pk": pk}
+            for _cid, name, ctype, notnull, default, pk in info["columns"]
+        ]
+        items.append({"key": f"{base}#ddl", "ddl": info["ddl"]})
+        for name, unique, origin, columns, ddl in info["indexes"]:
+            items.append({"key": f"{base}#index:{name}", "index": name, "unique": unique,
+                          "origin": origin, "columns": columns, "ddl": ddl})
+        for name, ddl in info["triggers"]:
+            items.append({"key": f"{base}#trigger:{name}", "trigger": name, "ddl": ddl})
+        return items, set(), {"database": db, "table": table, "type": kind}
+
+    def _db_query(self, args: DbQueryArgs) -> _Outcome:
+        db = self._first_db()
+        max_rows = self._cap(args.max_rows)
+        columns, rows, truncated, deadline_hit = db.query(
+            args.sql, args.params, max_rows, self._limits.sql_timeout_s)
+        names = _unique_names(columns)
+        codes: set[str] = set()
+        items = []
+        seen: dict[str, int] = {}
+        for row in rows:
+            full = [render_value(v) for v in row]
+            digest = hashlib.sha256(canonical_json(full)).hexdigest()[:16]
+            seen[digest] = seen.get(digest, 0) + 1
+            key = f"row:{digest}" if seen[digest] == 1 else f"row:{digest}:{seen[digest]}"
+            shown = {}
+            for name, value in zip(names, full, strict=True):
+                shown[name], was_cut = self._cut_value(value)
+                if was_cut:
+                    codes.add(LINE_CUT)
+            items.append({"key": key, "row": shown})
+        if truncated:
+            codes.add(TRUNCATED)
+        if deadline_hit:
+            codes.add(PARTIAL)
+        return items, codes, {"database": db.name, "columns": columns, "rows": len(rows)}
+
+    def _cut_value(self, value: Any) -> tuple[Any, bool]:
+        limit = self._limits.max_line_bytes
+        if isinstance(value, str):
+            return tx.cut_text(value, limit)
+        if isinstance(value, dict) and "$hex" in value and len(value["$hex"]) > limit:
+            return {"$hex": value["$hex"][:limit - limit % 2]}, True
+        return value, False
+
+    # -- files --------------------------------------------------------------------
+
+    def _source_list(self, args: SourceListArgs) -> _Outcome:
+        limit = self._cap(args.limit)
+        matching = [p for p in self._snapshot.source_paths() if p.startswith(args.prefix)]
+        items = [{"key": p, "path": p, "size_bytes": len(self._snapshot.read_source(p))}
+                 for p in matching[:limit]]
+        codes = {TRUNCATED} if len(matching) > limit else set()
+        return items, codes, {"total_matches": len(matching)}
+
+    def _source_read(self, args: SourceReadArgs) -> _Outcome:
+        text = tx.decode_text(self._snapshot.read_source(args.path))
+        if text is None:
+            return [], {BINARY_SKIPPED}, {"total_lines": None, "start_line": None,
+                                          "end_line": None}
+        lines = tx.split_lines(text)
+        codes: set[str] = set()
+        end = args.end_line
+        if end - args.start_line + 1 > self._limits.max_read_lines:
+            end = args.start_line + self._limits.max_read_lines - 1
+            codes.add(RANGE_CLIPPED)
+        if end > len(lines):
+            end = len(lines)
+            codes.add(RANGE_CLIPPED)
+        items = []
+        for number in range(args.start_line, end + 1):
+            quoted, was_cut = tx.cut_text(lines[number - 1], self._limits.max_line_bytes)
+            if was_cut:
+                codes.add(LINE_CUT)
+            items.append({"key": f"{args.path}:{number}", "path": args.path, "line": number,
+                          "text": quoted})
+        shown = end >= args.start_line
+        return items, codes, {"total_lines": len(lines),
+                              "start_line": args.start_line if shown else None,
+                              "end_line": end if shown else None}
+
+    def _source_search(self, args: SourceSearchArgs) -> _Outcome:
+        paths = self._snapshot.source_paths()
+        if args.path_glob is not None:
+            glob = tx.PathGlob(args.path_glob)
+            paths = [p for p in paths if glob.matches(p)]
+        return self._scan(paths, self._snapshot.read_source, _line_matcher(args),
+                          self._cap(args.max_results))
+
+    def _logs_search(self, args: LogsSearchArgs) -> _Outcome:
+        return self._scan(self._snapshot.log_paths(), self._snapshot.read_log,
+                          _line_matcher(args), self._cap(args.max_results))
+
+    def _symbol_occurrences(self, args: SymbolOccurrencesArgs) -> _Outcome:
+        symbol = args.symbol
+
+        def columns(line: str) -> list[int | None]:
+            if symbol not in line:
+                return []
+            return [col + 1 for col in tx.find_symbol(line, symbol)]
+
+        items, codes, stats = self._scan(self._snapshot.source_paths(),
+                                         self._snapshot.read_source, columns,
+                                         self._cap(args.max_results))
+        codes.add(TEXTUAL_SCOPE)
+        return items, codes, stats
+
+    def _scan(self, paths: list[str], read: Callable[[str], bytes],
+              matcher: Callable[[str], list[int | None]], cap: int) -> _Outcome:
+        """Match every line of ``paths`` in order; stop after ``cap`` items or the deadline.
+
+        ``matcher(line)`` returns one entry per item: ``None`` for a line item, a 1-based
+        column for an occurrence item.
+        """
+        deadline = time.monotonic() + self._limits.search_timeout_s
+        max_line = self._limits.max_line_bytes
+        items: list[dict[str, Any]] = []
+        codes: set[str] = set()
+        skipped: list[str] = []
+        scanned = 0
+        stop = False
+        for path in paths:
+            if time.monotonic() >= deadline:
+                codes.add(PARTIAL)
+                break
+            text = tx.decode_text(read(path))
+            if text is None:
+                skipped.append(path)
+                continue
+            scanned += 1
+            for number, line in enumerate(tx.split_lines(text), start=1):
+                if number % _DEADLINE_EVERY_LINES == 0 and time.monotonic() >= deadline:
+                    codes.add(PARTIAL)
+                    stop = True
+                    break
+                hits = matcher(line)
+                if not hits:
+                    continue
+                quoted, was_cut = tx.cut_text(line, max_line)
+                for column in hits:
+                    if len(items) >= cap:
+                        codes.add(TRUNCATED)
+                        stop = True
+                        break
+                    if was_cut:
+                        codes.add(LINE_CUT)
+                    if column is None:
+                        items.append({"key": f"{path}:{number}", "path": path, "line": number,
+                                      "text": quoted})
+                    else:
+                        items.append({"key": f"{path}:{number}:{column}", "path": path,
+                                      "line": number, "column": column, "text": quoted})
+                if stop:
+                    break
+            if stop:
+                break
+        if skipped:
+            codes.add(BINARY_SKIPPED)
+        stats = {"files_total": len(paths), "files_scanned": scanned,
+                 "files_skipped": len(skipped), "skipped_paths": skipped[:_MAX_SKIPPED_LISTED]}
+        return items, codes, stats
+
+    def _bound_output(self, items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+        """Keep the longest prefix of ``items`` whose canonical JSON array fits the bound."""
+        budget = self._limits.max_output_bytes - 2  # the brackets
+        used = 0
+        for index, item in enumerate(items):
+            used += len(canonical_json(item)) + (1 if index else 0)
+            if used > budget:
+                return items[:index], True
+        return items, False
+
+
+def _line_matcher(args: SourceSearchArgs | LogsSearchArgs) -> Callable[[str], list[int | None]]:
+    hit: list[int | None] = [None]
+    if args.regex:
+        regex = tx.compile_regex(args.pattern)
+        return lambda line: hit if regex.search(line) is not None else []
+    pattern = args.pattern
+    return lambda line: hit if pattern in line else []
+
+
+def _ascii_lower(value: str) -> str:
+    """SQLite's case folding of identifiers (ASCII only)."""
+    return "".join(ch.lower() if ch.isascii() else ch for ch in value)
+
+
+def _unique_names(columns: Iterable[str]) -> list[str]:
+    """Result column names made unique for the row objects: ``a``, ``a:2``, ``a:3``."""
+    used: set[str] = set()
+    names = []
+    for column in columns:
+        name, n = column, 1
+        while name in used:
+            n += 1
+            name = f"{column}:{n}"
+        used.add(name)
+        names.append(name)
+    return names

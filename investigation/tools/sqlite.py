@@ -1,0 +1,380 @@
+"""Read-only access to a packed SQLite database ("defense against the dark arts").
+
+Read-only by construction, in layers:
+
+1. The snapshot bytes are copied into a private in-memory database
+   (``sqlite3.connect(":memory:")`` + ``Connection.deserialize``): nothing can reach the
+   snapshot, the file system or another database. A WAL-mode header is rewritten to
+   rollback mode in the private copy (an in-memory database cannot read WAL mode).
+2. ``PRAGMA query_only=1`` and ``PRAGMA trusted_schema=OFF``; extension loading is off
+   (this Python's ``sqlite3`` has no ``enable_load_extension``, so it can never be turned
+   on); limits are lowered (:data:`SQLITE_LIMITS`, ``SQLITE_LIMIT_ATTACHED=0``).
+3. Every model-supplied statement is compiled under an **allow-list** authorizer:
+   ``SQLITE_SELECT``, ``SQLITE_READ``, ``SQLITE_RECURSIVE`` and ``SQLITE_FUNCTION`` for
+   the pure, deterministic builtins in :data:`ALLOWED_FUNCTIONS`. Everything else
+   (INSERT, UPDATE, DELETE, CREATE_*, DROP_*, ATTACH, DETACH, PRAGMA, TRANSACTION,
+   SAVEPOINT, ANALYZE, ALTER, REINDEX, load_extension, random, ...) is ``SQLITE_DENY``.
+   An allow-list, not a deny-list: a function added by a future SQLite is refused until
+   someone reviews it. Table-valued functions (``json_each``, ``pragma_*``) are refused
+   too, since SQLite registers them with a schema change the authorizer denies.
+4. A progress handler enforces the wall-clock deadline.
+
+Determinism: ``random()``, ``changes()`` etc. are not on the allow-list, and the date and
+time functions are replaced by wrappers that refuse ``'now'``, ``'localtime'``, ``'utc'``
+and the zero-argument forms, so a statement's rows depend only on the snapshot bytes.
+
+Preflight ("prepare, do not step"): :meth:`ReadOnlyDatabase.preflight` compiles the
+statement under the same authorizer with a progress handler that interrupts the virtual
+machine at its first check, before any row, function call or loop runs. Python 3.11's
+``sqlite3`` offers no bare ``sqlite3_prepare``; this is the closest faithful equivalent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from investigation.errors import ToolError
+
+#: Lowered SQLite limits applied to every snapshot connection.
+SQLITE_LIMITS: dict[int, int] = {
+    sqlite3.SQLITE_LIMIT_LENGTH: 1_000_000,
+    sqlite3.SQLITE_LIMIT_SQL_LENGTH: 100_000,
+    sqlite3.SQLITE_LIMIT_COLUMN: 1_000,
+    sqlite3.SQLITE_LIMIT_EXPR_DEPTH: 100,
+    sqlite3.SQLITE_LIMIT_COMPOUND_SELECT: 20,
+    sqlite3.SQLITE_LIMIT_VDBE_OP: 50_000,
+    sqlite3.SQLITE_LIMIT_FUNCTION_ARG: 32,
+    sqlite3.SQLITE_LIMIT_ATTACHED: 0,
+    sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH: 1_000,
+    sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER: 100,
+    sqlite3.SQLITE_LIMIT_TRIGGER_DEPTH: 1,
+    sqlite3.SQLITE_LIMIT_WORKER_THREADS: 0,
+}
+
+#: Date/time functions served by deterministic wrappers (see module docstring).
+DATE_FUNCTIONS = ("date", "time", "datetime", "julianday", "strftime", "unixepoch")
+
+#: Pure builtins a query may call (lower case, as the authorizer reports them).
+ALLOWED_FUNCTIONS = frozenset({
+    # core scalar
+    "abs", "char", "coalesce", "format", "glob", "hex", "ifnull", "iif", "instr", "length",
+    "like", "likelihood", "likely", "lower", "ltrim", "max", "min", "nullif", "printf",
+    "quote", "replace", "round", "rtrim", "sign", "soundex", "substr", "substring", "trim",
+    "typeof", "unicode", "unlikely", "upper", "zeroblob",
+    # aggregate and window
+    "avg", "count", "group_concat", "sum", "total", "row_number", "rank", "dense_rank",
+    "percent_rank", "cume_dist", "ntile", "lag", "lead", "first_value", "last_value",
+    "nth_value",
+    # json (pure functions on JSON text, not writes)
+    "json", "json_array", "json_array_length", "json_extract", "json_insert", "json_object",
+    "json_patch", "json_remove", "json_replace", "json_set", "json_type", "json_valid",
+    "json_quote", "json_group_array", "json_group_object", "->", "->>",
+    # math
+    "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "ceil", "ceiling", "cos",
+    "cosh", "degrees", "exp", "floor", "ln", "log", "log10", "log2", "mod", "pi", "pow",
+    "power", "radians", "sin", "sinh", "sqrt", "tan", "tanh", "trunc",
+    *DATE_FUNCTIONS,
+})
+
+_ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ,
+                              sqlite3.SQLITE_RECURSIVE})
+_ACTION_NAMES = {
+    getattr(sqlite3, name): name
+    for name in dir(sqlite3)
+    if name.startswith("SQLITE_") and name.isupper() and not name.startswith("SQLITE_LIMIT")
+    and name not in {"SQLITE_OK", "SQLITE_DENY", "SQLITE_IGNORE"}
+    and isinstance(getattr(sqlite3, name), int)
+}
+_NONDETERMINISTIC_ARGS = frozenset({"now", "localtime", "utc"})
+_PROGRESS_OPS = 1_000
+
+
+class InvalidText:
+    """A TEXT value that is not valid UTF-8 (rendered like a blob, as ``{"$hex": ...}``)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _text_factory(data: bytes) -> str | InvalidText:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return InvalidText(data)
+
+
+class _Interrupted(Exception):
+    """The progress handler stopped the statement (deadline or preflight)."""
+
+
+class ReadOnlyDatabase:
+    """One packed database opened as a private, read-only, in-memory copy.
+
+    Args:
+        name: the database name (file name under ``db/``).
+        data: the packed SQLite file bytes (never modified; SQLite works on a copy).
+
+    Raises:
+        ToolError: ``TOOL_SQL_ERROR`` if the bytes are not a readable SQLite database.
+    """
+
+    def __init__(self, name: str, data: bytes) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._denials: list[str] = []
+        self._function_errors: list[str] = []
+        if len(data) >= 20 and data[18:20] == b"\x02\x02":
+            data = data[:18] + b"\x01\x01" + data[20:]
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        try:
+            conn.deserialize(data)
+            conn.execute("PRAGMA query_only=1")
+            conn.execute("PRAGMA trusted_schema=OFF")
+            for limit, value in SQLITE_LIMITS.items():
+                conn.setlimit(limit, value)
+            conn.text_factory = _text_factory
+            self._clock = sqlite3.connect(":memory:", isolation_level=None,
+                                          check_same_thread=False)
+            for fn in DATE_FUNCTIONS:
+                conn.create_function(fn, -1, self._date_wrapper(fn), deterministic=True)
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.Error as exc:
+            conn.close()
+            raise ToolError("TOOL_SQL_ERROR", f"database {name!r} cannot be opened: {exc}",
+                            database=name) from exc
+        self._conn = conn
+
+    def _date_wrapper(self, fn: str) -> Callable[..., Any]:
+        min_args = 2 if fn == "strftime" else 1
+
+        def wrapper(*args: Any) -> Any:
+            bad = [a for a in args if isinstance(a, str)
+                   and a.strip().lower() in _NONDETERMINISTIC_ARGS]
+            if len(args) < min_args or bad:
+                message = (f"{fn}() needs an explicit time value; 'now', 'localtime' and "
+                           "'utc' are refused so that results are reproducible")
+                self._function_errors.append(message)
+                raise ValueError(message)
+            placeholders = ",".join("?" * len(args))
+            return self._clock.execute(f"SELECT {fn}({placeholders})", args).fetchone()[0]
+
+        return wrapper
+
+    def close(self) -> None:
+        """Close the private connections."""
+        with self._lock:
+            self._conn.close()
+            self._clock.close()
+
+    # -- trusted metadata (our own fixed SQL; no authorizer needed, still query_only) --
+
+    def objects(self) -> list[tuple[str, str]]:
+        """``(name, type)`` of every table and view, sorted by name."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT name, type FROM sqlite_master WHERE type IN ('table', 'view') "
+                "ORDER BY name").fetchall()
+        return [(str(name), str(kind)) for name, kind in rows]
+
+    def schema(self, table: str) -> dict[str, Any]:
+        """Columns, DDL, indexes and triggers of one table or view (exact name).
+
+        Returns:
+            ``{"columns": [(cid, name, type, notnull, default, pk)], "ddl": str | None,
+            "indexes": [(name, unique, origin, columns, ddl)], "triggers": [(name, ddl)]}``.
+        """
+        with self._lock:
+            conn = self._conn
+            columns = conn.execute(
+                'SELECT cid, name, type, "notnull", dflt_value, pk '
+                "FROM pragma_table_info(?) ORDER BY cid", (table,)).fetchall()
+            ddl_row = conn.execute(
+                "SELECT sql FROM sqlite_master WHERE name = ? AND type IN ('table', 'view')",
+                (table,)).fetchone()
+            indexes = []
+            for name, unique, origin in conn.execute(
+                    'SELECT name, "unique", origin FROM pragma_index_list(?) ORDER BY name',
+                    (table,)).fetchall():
+                cols = [row[0] for row in conn.execute(
+                    "SELECT name FROM pragma_index_info(?) ORDER BY seqno", (name,))]
+                idx_ddl = conn.execute(
+                    "SELECT sql FROM sqlite_master WHERE type = 'index' AND name = ?",
+                    (name,)).fetchone()
+                indexes.append((name, bool(unique), origin, cols,
+                                idx_ddl[0] if idx_ddl else None))
+            triggers = conn.execute(
+                "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = ? "
+                "ORDER BY name", (table,)).fetchall()
+        return {"columns": columns, "ddl": ddl_row[0] if ddl_row else None,
+                "indexes": indexes, "triggers": triggers}
+
+    # -- untrusted statements ------------------------------------------------------
+
+    def _authorize(self, action: int, arg1: str | None, arg2: str | None,
+                   _db: str | None, _trigger: str | None) -> int:
+        if action in _ALLOWED_ACTIONS:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in ALLOWED_FUNCTIONS:
+            return sqlite3.SQLITE_OK
+        what = _ACTION_NAMES.get(action, str(action))
+        target = arg2 if action == sqlite3.SQLITE_FUNCTION else arg1
+        self._denials.append(f"{what}({target})" if target else what)
+        return sqlite3.SQLITE_DENY
+
+    @contextlib.contextmanager
+    def _guarded(self, progress: Callable[[], int], every_ops: int) -> Iterator[None]:
+        with self._lock:
+            self._denials.clear()
+            self._function_errors.clear()
+            self._conn.set_authorizer(self._authorize)
+            self._conn.set_progress_handler(progress, every_ops)
+            try:
+                yield
+            finally:
+                self._conn.set_progress_handler(None, 0)
+                self._conn.set_authorizer(None)
+
+    def _translate(self, exc: sqlite3.Error) -> ToolError:
+        if self._denials:
+            denied = ", ".join(sorted(set(self._denials)))
+            return ToolError("TOOL_SQL_NOT_READ_ONLY",
+                             f"not a read-only query (allowed: one SELECT using pure builtin "
+                             f"functions); denied: {denied}",
+                             database=self.name, denied=sorted(set(self._denials)))
+        message = str(exc)
+        if isinstance(exc, sqlite3.ProgrammingError) and "one statement" in message:
+            return ToolError("TOOL_SQL_MULTIPLE_STATEMENTS",
+                             "exactly one SQL statement is allowed; remove the others",
+                             database=self.name)
+        if self._function_errors:
+            message = self._function_errors[-1]
+        return ToolError("TOOL_SQL_ERROR", f"SQLite refused the statement: {message}",
+                         database=self.name)
+
+    def preflight(self, sql: str, params: Sequence[Any]) -> list[str]:
+        """Compile ``sql`` under the authorizer without running it.
+
+        Returns:
+            The result column names.
+
+        Raises:
+            ToolError: ``TOOL_SQL_NOT_READ_ONLY`` (a denied action, or a statement that
+                returns no rows), ``TOOL_SQL_MULTIPLE_STATEMENTS``,
+                ``TOOL_SQL_ERROR`` (syntax, unknown table, wrong parameter count), or
+                ``TOOL_INVALID_ARGUMENTS`` for text without a statement (only comments).
+        """
+        columns: list[str] | None = None
+        stopped = [False]
+
+        def stop_at_once() -> int:
+            stopped[0] = True
+            return 1
+
+        with self._guarded(stop_at_once, 1):
+            cursor = self._conn.cursor()
+            try:
+                cursor.execute(sql, list(params))
+                if cursor.description is not None:
+                    columns = [d[0] for d in cursor.description]
+            except sqlite3.OperationalError as exc:
+                if not stopped[0] or self._denials:
+                    raise self._translate(exc) from exc
+                if cursor.description is None:
+                    # Compiled, but returns no rows: VACUUM and friends, which act (and
+                    # consult the authorizer) only when stepped.
+                    raise ToolError("TOOL_SQL_NOT_READ_ONLY",
+                                    "not a query: the statement returns no rows; use one "
+                                    "SELECT", database=self.name) from exc
+                columns = [d[0] for d in cursor.description]
+            except sqlite3.Error as exc:
+                raise self._translate(exc) from exc
+            finally:
+                cursor.close()
+        if columns is None:
+            raise ToolError("TOOL_INVALID_ARGUMENTS", "sql holds no statement",
+                            argument="sql")
+        return columns
+
+    def query(self, sql: str, params: Sequence[Any], max_rows: int,
+              timeout_s: float) -> tuple[list[str], list[tuple[Any, ...]], bool, bool]:
+        """Run one statement under the authorizer and a wall-clock deadline.
+
+        Args:
+            sql: one read-only statement.
+            params: values for its ``?`` placeholders.
+            max_rows: rows to keep; one more is fetched to detect truncation.
+            timeout_s: deadline in seconds (checked every 1,000 VM instructions).
+
+        Returns:
+            ``(columns, rows, truncated, deadline_hit)``; ``rows`` holds at most
+            ``max_rows`` tuples in the statement's own order. On a deadline hit the rows
+            are a prefix of the full result; Python's ``sqlite3`` discards the row fetched
+            together with the interrupted step, so the prefix is one row shorter than
+            what SQLite had produced.
+
+        Raises:
+            ToolError: the codes of :meth:`preflight`, and ``TOOL_SQL_TIMEOUT`` when the
+                deadline passes before the first row.
+        """
+        deadline = time.monotonic() + timeout_s
+        hit = [False]
+
+        def check_deadline() -> int:
+            if time.monotonic() >= deadline:
+                hit[0] = True
+                return 1
+            return 0
+
+        columns: list[str] = []
+        rows: list[tuple[Any, ...]] = []
+        truncated = False
+        with self._guarded(check_deadline, _PROGRESS_OPS):
+            cursor = self._conn.cursor()
+            try:
+                cursor.execute(sql, list(params))
+                if cursor.description is None:
+                    raise ToolError("TOOL_INVALID_ARGUMENTS", "sql holds no statement",
+                                    argument="sql")
+                columns = [d[0] for d in cursor.description]
+                while True:
+                    row = cursor.fetchone()
+                    if row is None:
+                        break
+                    if len(rows) >= max_rows:
+                        truncated = True
+                        break
+                    rows.append(tuple(row))
+            except sqlite3.OperationalError as exc:
+                if not hit[0] or self._denials:
+                    raise self._translate(exc) from exc
+                if not rows:
+                    raise ToolError(
+                        "TOOL_SQL_TIMEOUT",
+                        f"the statement produced no row within {timeout_s:g} s; "
+                        "narrow it (WHERE, LIMIT, fewer joins)",
+                        database=self.name, timeout_s=timeout_s) from exc
+            except sqlite3.Error as exc:
+                raise self._translate(exc) from exc
+            finally:
+                cursor.close()
+        return columns, rows, truncated, hit[0]
+
+
+def render_value(value: Any) -> Any:
+    """JSON form of one SQLite value: blobs and invalid text as ``{"$hex": ...}``,
+    infinities as ``{"$float": "Infinity" | "-Infinity"}``; others unchanged."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"$hex": bytes(value).hex()}
+    if isinstance(value, InvalidText):
+        return {"$hex": value.data.hex()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"$float": "Infinity" if value > 0 else "-Infinity"}
+    return value

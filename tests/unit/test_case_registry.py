@@ -1,0 +1,197 @@
+"""Tests of case inputs and registration (investigation.cases.registry)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlmodel import select
+
+from investigation.cases import registry
+from investigation.cases.builder import build_package
+from investigation.cases.reader import PackageReader
+from investigation.cases.registry import (
+    load_hypotheses,
+    load_interpretation,
+    load_snapshot,
+    register_case,
+)
+from investigation.config import PackageLimits, canonical_json
+from investigation.errors import InvestigationError, PackageError
+from investigation.store import Store
+from investigation.store.models import CaseRecord, HypothesisBirth, PackageRecord, RevisionRecord
+
+INTERPRETATION: dict[str, Any] = {"summary": "Checkout double-charges", "scope": ["billing"]}
+HYPOTHESES: list[dict[str, Any]] = [
+    {"id": 1, "statement": "The retry loop resubmits the charge", "origin": "triage"},
+    {"id": 2, "statement": "The idempotency key is not stored"},
+]
+TABLES = (PackageRecord, CaseRecord, RevisionRecord, HypothesisBirth)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store("sqlite:///" + str(tmp_path / "s.db"))
+    s.create_schema()
+    yield s
+    s.dispose()
+
+
+@pytest.fixture
+def package(tmp_path: Path) -> bytes:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pay.py").write_bytes(b"def charge():\n    pass\n")
+    (tmp_path / "report.md").write_text("Customers are charged twice.\n", encoding="utf-8")
+    build_package(src, tmp_path / "report.md", tmp_path / "case.zip")
+    return (tmp_path / "case.zip").read_bytes()
+
+
+@pytest.fixture
+def reader() -> PackageReader:
+    return PackageReader(PackageLimits())
+
+
+def _counts(store: Store) -> dict[str, int]:
+    with store.session() as session:
+        return {t.__tablename__: len(session.exec(select(t)).all()) for t in TABLES}
+
+
+def _write(tmp_path: Path, name: str, value: Any) -> Path:
+    path = tmp_path / name
+    path.write_text(value if isinstance(value, str) else json.dumps(value), encoding="utf-8")
+    return path
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+def test_load_inputs_keep_extra_keys(tmp_path: Path) -> None:
+    assert load_interpretation(_write(tmp_path, "i.json", INTERPRETATION)) == INTERPRETATION
+    assert load_hypotheses(_write(tmp_path, "h.json", HYPOTHESES)) == HYPOTHESES
+
+
+@pytest.mark.parametrize("value", [
+    [], "text", {}, {"summary": ""}, {"summary": "   "}, {"summary": 3},
+    '{"summary": "a", "summary": "b"}', '{"summary": "a", "x": NaN}', "{broken",
+])
+def test_bad_interpretation(tmp_path: Path, value: Any) -> None:
+    with pytest.raises(InvestigationError) as err:
+        load_interpretation(_write(tmp_path, "i.json", value))
+    assert err.value.code == "CASE_INTERPRETATION_INVALID"
+
+
+@pytest.mark.parametrize("value", [
+    [], {}, [1], [{"statement": "s"}], [{"id": 0, "statement": "s"}],
+    [{"id": -1, "statement": "s"}], [{"id": True, "statement": "s"}],
+    [{"id": 1.0, "statement": "s"}], [{"id": "1", "statement": "s"}],
+    [{"id": 1, "statement": ""}], [{"id": 1}],
+    [{"id": 1, "statement": "a"}, {"id": 1, "statement": "b"}], "[1,",
+])
+def test_bad_hypotheses(tmp_path: Path, value: Any) -> None:
+    with pytest.raises(InvestigationError) as err:
+        load_hypotheses(_write(tmp_path, "h.json", value))
+    assert err.value.code == "CASE_HYPOTHESES_INVALID"
+
+
+def test_unreadable_input_files(tmp_path: Path) -> None:
+    with pytest.raises(InvestigationError) as err:
+        load_interpretation(tmp_path / "missing.json")
+    assert err.value.code == "CASE_INTERPRETATION_INVALID"
+    with pytest.raises(InvestigationError) as err:
+        load_hypotheses(tmp_path / "missing.json")
+    assert err.value.code == "CASE_HYPOTHESES_INVALID"
+
+
+# -- registration ----------------------------------------------------------------------------
+
+
+def test_register_round_trip(store: Store, package: bytes, reader: PackageReader) -> None:
+    case_id = register_case(store, package, INTERPRETATION, HYPOTHESES, reader)
+    assert case_id.startswith("case-") and len(case_id) == 21
+    package_id = hashlib.sha256(package).hexdigest()
+    with store.session() as session:
+        record = session.get(PackageRecord, package_id)
+        assert record is not None and bytes(record.data) == package
+        assert record.size_bytes == len(package)
+        assert json.loads(record.manifest_json)["source_root"] == "source/"
+        case = session.get(CaseRecord, case_id)
+        assert case is not None and case.package_id == package_id
+        assert case.current_revision == 1
+        revisions = session.exec(select(RevisionRecord)).all()
+        assert [(r.case_id, r.revision) for r in revisions] == [(case_id, 1)]
+        assert revisions[0].interpretation_json == canonical_json(INTERPRETATION).decode()
+        assert revisions[0].hypotheses_sha256 == hashlib.sha256(
+            canonical_json(HYPOTHESES)).hexdigest()
+        births = session.exec(select(HypothesisBirth).order_by(HypothesisBirth.hypothesis_id)
+                              ).all()
+        assert [(b.hypothesis_id, b.statement) for b in births] == [
+            (1, HYPOTHESES[0]["statement"]), (2, HYPOTHESES[1]["statement"])]
+        assert births[0].record_json == canonical_json(HYPOTHESES[0]).decode()
+        assert births[0].record_sha256 == hashlib.sha256(
+            canonical_json(HYPOTHESES[0])).hexdigest()
+
+    snap = load_snapshot(store, case_id, reader)
+    assert snap.package_id == package_id
+    assert snap.read_source("pay.py") == b"def charge():\n    pass\n"
+    assert snap.report_text() == "Customers are charged twice.\n"
+
+
+def test_register_is_idempotent(store: Store, package: bytes, reader: PackageReader) -> None:
+    first = register_case(store, package, INTERPRETATION, HYPOTHESES, reader)
+    before = _counts(store)
+    # A fresh reader (no cache) and equal-but-distinct objects give the same id.
+    again = register_case(store, bytearray(package), json.loads(json.dumps(INTERPRETATION)),
+                          json.loads(json.dumps(HYPOTHESES)), PackageReader())
+    assert again == first
+    assert _counts(store) == before == {"package": 1, "case": 1, "revision": 1,
+                                        "hypothesis_birth": 2}
+    other = register_case(store, package, {"summary": "another reading"}, HYPOTHESES, reader)
+    assert other != first
+    assert _counts(store) == {"package": 1, "case": 2, "revision": 2, "hypothesis_birth": 4}
+
+
+def test_bad_package_stores_nothing(store: Store, package: bytes, reader: PackageReader) -> None:
+    with pytest.raises(PackageError) as err:
+        register_case(store, package[:-5], INTERPRETATION, HYPOTHESES, reader)
+    assert err.value.code == "PKG_NOT_ZIP"
+    with pytest.raises(InvestigationError) as err:
+        register_case(store, package, {"summary": ""}, HYPOTHESES, reader)
+    assert err.value.code == "CASE_INTERPRETATION_INVALID"
+    with pytest.raises(InvestigationError) as err:
+        register_case(store, package, INTERPRETATION, [{"id": 1, "statement": "x", "v": {1}}],
+                      reader)
+    assert err.value.code == "CASE_HYPOTHESES_INVALID"
+    assert _counts(store) == dict.fromkeys(("package", "case", "revision", "hypothesis_birth"), 0)
+
+
+def test_failure_mid_transaction_rolls_back_everything(
+    store: Store, package: bytes, reader: PackageReader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = registry._birth_record
+    calls: list[int] = []
+
+    def failing(case_id: str, revision: int, hypothesis: dict[str, Any]) -> HypothesisBirth:
+        calls.append(hypothesis["id"])
+        if len(calls) == 2:
+            raise RuntimeError("disk on fire")
+        return real(case_id, revision, hypothesis)
+
+    monkeypatch.setattr(registry, "_birth_record", failing)
+    with pytest.raises(RuntimeError):
+        register_case(store, package, INTERPRETATION, HYPOTHESES, reader)
+    assert calls == [1, 2]
+    assert _counts(store) == dict.fromkeys(("package", "case", "revision", "hypothesis_birth"), 0)
+    monkeypatch.setattr(registry, "_birth_record", real)
+    case_id = register_case(store, package, INTERPRETATION, HYPOTHESES, reader)
+    assert load_snapshot(store, case_id, reader).source_paths() == ["pay.py"]
+
+
+def test_load_snapshot_unknown_case(store: Store, reader: PackageReader) -> None:
+    with pytest.raises(InvestigationError) as err:
+        load_snapshot(store, "case-0000000000000000", reader)
+    assert err.value.code == "CASE_NOT_FOUND"

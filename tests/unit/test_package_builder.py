@@ -1,0 +1,202 @@
+"""Tests of the deterministic case package builder (investigation.cases.builder)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from investigation.cases.builder import build_package
+from investigation.cases.reader import PackageReader
+from investigation.config import PackageLimits
+from investigation.constants import PACKAGE_FORMAT
+from investigation.errors import PackageError
+
+
+def _tree(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    return root
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> dict[str, Path]:
+    source = _tree(tmp_path / "src", {
+        "app/main.py": b"def main():\n    return 1\n",
+        "app/util.py": b"X = 2\n",
+        "README.md": "caf\u00e9\n".encode(),
+        "empty.txt": b"",
+    })
+    report = tmp_path / "bug.txt"
+    report.write_text("The app crashes on start.\n", encoding="utf-8")
+    db = tmp_path / "app.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
+        conn.execute("INSERT INTO t (v) VALUES ('x')")
+    conn.close()
+    logs = _tree(tmp_path / "logs", {"app.log": b"ERROR boom\n", "sub/worker.log": b"ok\n"})
+    return {"source": source, "report": report, "db": db, "logs": logs}
+
+
+def _names(data: bytes) -> list[str]:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return archive.namelist()
+
+
+def test_build_is_deterministic_and_readable(inputs: dict[str, Path], tmp_path: Path) -> None:
+    first = build_package(inputs["source"], inputs["report"], tmp_path / "a.zip",
+                          db=inputs["db"], logs=inputs["logs"])
+    os.utime(inputs["source"] / "app/main.py", (1_000_000, 1_000_000))
+    second = build_package(inputs["source"], inputs["report"], tmp_path / "out/b.zip",
+                           db=inputs["db"], logs=inputs["logs"])
+    a, b = (tmp_path / "a.zip").read_bytes(), (tmp_path / "out/b.zip").read_bytes()
+    assert a == b
+    assert first.package_id == second.package_id == hashlib.sha256(a).hexdigest()
+    assert first.size_bytes == len(a)
+    assert first.file_count == 8  # report + 4 source + 1 db + 2 logs
+
+    names = _names(a)
+    assert names == sorted(names)
+    with zipfile.ZipFile(io.BytesIO(a)) as archive:
+        for info in archive.infolist():
+            assert info.date_time == (1980, 1, 1, 0, 0, 0)
+            assert info.external_attr >> 16 == 0o100644
+
+    manifest = json.loads(zipfile.ZipFile(io.BytesIO(a)).read("manifest.json"))
+    assert manifest["format"] == PACKAGE_FORMAT
+    assert manifest["report"] == "report.md"
+    assert manifest["source_root"] == "source/"
+    assert manifest["databases"] == ["app.sqlite"]
+    assert manifest["logs_root"] == "logs/"
+    assert [f["path"] for f in manifest["files"]] == sorted(n for n in names
+                                                             if n != "manifest.json")
+
+    snap = PackageReader(PackageLimits()).read(a)
+    assert snap.source_paths() == ["README.md", "app/main.py", "app/util.py", "empty.txt"]
+    assert snap.read_source("README.md") == "caf\u00e9\n".encode()
+    assert snap.read_source("empty.txt") == b""
+    assert snap.db_names() == ["app.sqlite"]
+    assert snap.db_bytes("app.sqlite") == inputs["db"].read_bytes()
+    assert snap.log_paths() == ["app.log", "sub/worker.log"]
+    assert snap.report_text() == "The app crashes on start.\n"
+
+
+def test_vcs_metadata_and_output_are_excluded(inputs: dict[str, Path], tmp_path: Path) -> None:
+    source = inputs["source"]
+    _tree(source, {
+        ".hg/store/data": b"hg", ".svn/entries": b"svn", "sub/.git": b"gitdir: ../x\n",
+        "pkg/.svn/wc.db": b"x", ".gitignore": b"*.tmp\n",
+    })
+    out = source / "case.zip"
+    build_package(source, inputs["report"], out)
+    again = build_package(source, inputs["report"], out)  # the old output is not packed
+    names = _names(out.read_bytes())
+    assert not [n for n in names if any(p in (".git", ".hg", ".svn") for p in n.split("/"))]
+    assert "source/case.zip" not in names
+    assert "source/.gitignore" in names  # not a git checkout: a plain walk packs it
+    assert again.file_count == 6
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_git_checkout_honours_gitignore(inputs: dict[str, Path], tmp_path: Path) -> None:
+    source = inputs["source"]
+    _tree(source, {".gitignore": b"*.tmp\nbuild/\n", "scratch.tmp": b"x",
+                   "build/out.bin": b"y", "new_untracked.py": b"z = 1\n"})
+    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tmp_path)}
+    git = ["git", "-C", str(source), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True, env=env)
+    subprocess.run([*git, "add", "app", "README.md", ".gitignore", "empty.txt"], check=True,
+                   env=env)
+    subprocess.run([*git, "commit", "-q", "-m", "init"], check=True, env=env)
+    assert (source / ".git").is_dir()
+    info = build_package(source, inputs["report"], tmp_path / "g.zip")
+    names = _names((tmp_path / "g.zip").read_bytes())
+    sources = sorted(n.removeprefix("source/") for n in names if n.startswith("source/"))
+    assert sources == [".gitignore", "README.md", "app/main.py", "app/util.py", "empty.txt",
+                       "new_untracked.py"]
+    assert info.file_count == 7
+
+
+def test_symlink_outside_tree_is_refused(inputs: dict[str, Path], tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"secret")
+    (inputs["source"] / "leak.txt").symlink_to(secret)
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_SYMLINK"
+    assert not (tmp_path / "p.zip").exists()
+
+
+def test_symlink_inside_tree_packs_target_bytes(inputs: dict[str, Path], tmp_path: Path) -> None:
+    (inputs["source"] / "alias.py").symlink_to(inputs["source"] / "app/util.py")
+    build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    snap = PackageReader().read((tmp_path / "p.zip").read_bytes())
+    assert snap.read_source("alias.py") == b"X = 2\n"
+
+
+def test_directory_symlink_is_refused(inputs: dict[str, Path], tmp_path: Path) -> None:
+    (inputs["source"] / "loop").symlink_to(inputs["source"])
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_SYMLINK"
+
+
+def test_db_must_be_sqlite(inputs: dict[str, Path], tmp_path: Path) -> None:
+    fake = tmp_path / "fake.sqlite"
+    fake.write_bytes(b"not a database")
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip", db=fake)
+    assert err.value.code == "PKG_DB_NOT_SQLITE"
+
+
+def test_bad_inputs(inputs: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(PackageError) as err:
+        build_package(tmp_path / "missing", inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_BUILD_INPUT"
+    bad_report = tmp_path / "r.bin"
+    bad_report.write_bytes(b"\xff\xfe")
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], bad_report, tmp_path / "p.zip")
+    assert err.value.code == "PKG_REPORT_INVALID"
+    (inputs["source"] / "back\\slash.py").write_bytes(b"")
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_BAD_NAME"
+
+
+def test_case_collision_is_refused(inputs: dict[str, Path], tmp_path: Path) -> None:
+    (inputs["source"] / "readme.md").write_bytes(b"lower")
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_DUPLICATE_ENTRY"
+
+
+def test_limits_are_applied_while_building(inputs: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip",
+                      limits=PackageLimits(max_entries=3))
+    assert err.value.code == "PKG_TOO_MANY_ENTRIES"
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip",
+                      limits=PackageLimits(max_entry_bytes=10))
+    assert err.value.code == "PKG_ENTRY_TOO_LARGE"
+
+
+def test_highly_compressible_file_is_stored(inputs: dict[str, Path], tmp_path: Path) -> None:
+    (inputs["source"] / "zeros.bin").write_bytes(bytes(1 << 20))
+    build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    data = (tmp_path / "p.zip").read_bytes()
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        assert archive.getinfo("source/zeros.bin").compress_type == zipfile.ZIP_STORED
+        assert archive.getinfo("source/app/main.py").compress_type == zipfile.ZIP_DEFLATED
+    assert PackageReader().read(data).read_source("zeros.bin") == bytes(1 << 20)

@@ -1,0 +1,400 @@
+"""Tests of PackageReader: raw ZIP validation, manifest checks, caching and the snapshot."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from investigation.cases.builder import build_package, package_bytes
+from investigation.cases.reader import PackageReader, PackageSnapshot
+from investigation.cases.snapshot import Snapshot
+from investigation.config import PackageLimits, canonical_json
+from investigation.constants import PACKAGE_FORMAT
+from investigation.errors import PackageError
+
+SQLITE = b"SQLite format 3\x00" + bytes(84)
+
+
+# -- a hand-written ZIP writer with full control over every field -----------------------------
+
+
+@dataclass
+class Entry:
+    name: bytes
+    data: bytes = b""
+    method: int = 0
+    mode: int = 0o100644
+    flags: int = 0
+    declared_size: int | None = None  # overrides the uncompressed size in both headers
+    local_name: bytes | None = None  # overrides the name in the local header
+
+
+def craft(entries: list[Entry], extra_central: list[tuple[Entry, int]] | None = None,
+          comment: bytes = b"", prefix: bytes = b"") -> bytes:
+    """Write a ZIP; ``extra_central`` adds central records pointing at ``entries[i]``."""
+    out = bytearray(prefix)
+    records: list[tuple[Entry, int, int, int, int]] = []
+    for entry in entries:
+        payload = entry.data
+        if entry.method == 8:
+            packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+            payload = packer.compress(entry.data) + packer.flush()
+        crc = zlib.crc32(entry.data)
+        usize = len(entry.data) if entry.declared_size is None else entry.declared_size
+        offset = len(out)
+        local_name = entry.name if entry.local_name is None else entry.local_name
+        out += struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, entry.flags, entry.method, 0,
+                           0x21, crc, len(payload), usize, len(local_name), 0)
+        out += local_name + payload
+        records.append((entry, offset, crc, len(payload), usize))
+    for extra, index in extra_central or []:
+        _, offset, crc, csize, usize = records[index]
+        records.append((extra, offset, crc, csize, usize))
+    central = bytearray()
+    for entry, offset, crc, csize, usize in records:
+        central += struct.pack("<4sBBHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 3, 20, entry.flags,
+                               entry.method, 0, 0x21, crc, csize, usize, len(entry.name), 0,
+                               0, 0, 0, entry.mode << 16, offset)
+        central += entry.name
+    cd_offset = len(out)
+    out += central
+    out += struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(records), len(records),
+                       len(central), cd_offset, len(comment)) + comment
+    return bytes(out)
+
+
+def manifest_for(files: dict[str, bytes], overrides: dict[str, Any] | None = None) -> bytes:
+    manifest: dict[str, Any] = {
+        "format": PACKAGE_FORMAT, "report": "report.md", "source_root": "source/",
+        "databases": sorted(n[3:] for n in files if n.startswith("db/")),
+        "logs_root": "logs/" if any(n.startswith("logs/") for n in files) else None,
+        "files": [{"path": n, "sha256": hashlib.sha256(d).hexdigest(), "size": len(d)}
+                  for n, d in sorted(files.items())],
+    }
+    manifest.update(overrides or {})
+    return canonical_json(manifest)
+
+
+BASE = {"report.md": b"# Bug\nIt breaks.\n", "source/a.py": b"print('a')\n"}
+
+
+def package(extra: list[Entry] | None = None, files: dict[str, bytes] | None = None,
+            overrides: dict[str, Any] | None = None) -> bytes:
+    """A crafted package whose manifest lists ``files`` (default BASE) plus ``extra``."""
+    files = dict(BASE if files is None else files)
+    entries = [Entry(n.encode(), d, method=8) for n, d in sorted(files.items())]
+    entries += extra or []
+    listed = {**files, **{e.name.decode("utf-8", "replace"): e.data for e in extra or []
+                          if not e.name.endswith(b"/")}}
+    return craft([Entry(b"manifest.json", manifest_for(listed, overrides)),
+                  *entries])
+
+
+def code_of(data: bytes, limits: PackageLimits | None = None) -> str:
+    with pytest.raises(PackageError) as err:
+        PackageReader(limits or PackageLimits()).read(data)
+    return err.value.code
+
+
+# -- acceptance ------------------------------------------------------------------------------
+
+
+def test_crafted_package_is_accepted_and_serves_exact_bytes() -> None:
+    files = {**BASE, "db/app.sqlite": SQLITE, "logs/x/app.log": b"ERR\n",
+             "source/pkg/\u00e9t\u00e9.py": b"\x00\xffbinary"}
+    data = package(files=files, extra=[Entry(b"source/pkg/", mode=0o40755)])
+    snap = PackageReader().read(data)
+    assert isinstance(snap, Snapshot)
+    assert snap.package_id == hashlib.sha256(data).hexdigest()
+    assert snap.source_paths() == ["a.py", "pkg/\u00e9t\u00e9.py"]
+    assert snap.read_source("pkg/\u00e9t\u00e9.py") == b"\x00\xffbinary"
+    assert snap.db_names() == ["app.sqlite"]
+    assert snap.db_bytes("app.sqlite") == SQLITE
+    assert snap.log_paths() == ["x/app.log"]
+    assert snap.read_log("x/app.log") == b"ERR\n"
+    assert snap.report_text() == "# Bug\nIt breaks.\n"
+    assert snap.manifest["format"] == PACKAGE_FORMAT
+    for missing in (lambda: snap.read_source("nope"), lambda: snap.db_bytes("a.py"),
+                    lambda: snap.read_log("../report.md"), lambda: snap.read_source("../report.md")):
+        with pytest.raises(KeyError):
+            missing()
+
+
+def test_built_package_round_trips(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "lib").mkdir(parents=True)
+    (src / "lib/m.py").write_bytes(b"A = 1\r\nB = 2\n")
+    (tmp_path / "r.md").write_text("report", encoding="utf-8")
+    info = build_package(src, tmp_path / "r.md", tmp_path / "p.zip")
+    reader = PackageReader(PackageLimits())
+    snap = reader.read((tmp_path / "p.zip").read_bytes())
+    assert isinstance(snap, PackageSnapshot)
+    assert snap.package_id == info.package_id
+    assert snap.read_source("lib/m.py") == b"A = 1\r\nB = 2\n"
+    assert snap.read_source("lib/m.py") is snap.read_source("lib/m.py")  # entry cache
+
+
+def test_validation_cache_is_bounded_and_keyed_by_hash_and_limits() -> None:
+    reader = PackageReader(PackageLimits(cache_entries=2))
+    packages = [package(files={**BASE, "source/n.py": str(i).encode()}) for i in range(3)]
+    ids = [reader.read(p).package_id for p in packages]
+    assert reader.cached_ids() == ids[1:]
+    reader.read(packages[1])
+    assert reader.cached_ids() == [ids[2], ids[1]]
+    # The same bytes under tighter limits are validated again, not served from a cache.
+    with pytest.raises(PackageError) as err:
+        PackageReader(PackageLimits(max_entries=2)).read(packages[0])
+    assert err.value.code == "PKG_TOO_MANY_ENTRIES"
+    assert PackageReader(PackageLimits(cache_entries=0)).read(packages[0]).package_id == ids[0]
+
+
+def test_reader_is_thread_safe() -> None:
+    reader = PackageReader(PackageLimits(cache_entries=1))
+    data = package()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(20):
+                assert reader.read(data).read_source("a.py") == b"print('a')\n"
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+# -- hostile archives ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "code"), [
+    (b"source/../x", "PKG_PATH_TRAVERSAL"),
+    (b"../x", "PKG_PATH_TRAVERSAL"),
+    (b"/etc/passwd", "PKG_ABSOLUTE_PATH"),
+    (b"C:/windows/x", "PKG_ABSOLUTE_PATH"),
+    (b"source\\..\\x", "PKG_BAD_NAME"),
+    (b"source/a\\b.py", "PKG_BAD_NAME"),
+    (b"source//x", "PKG_BAD_NAME"),
+    (b"source/./x", "PKG_BAD_NAME"),
+    (b"source/x\x00.py", "PKG_BAD_NAME"),
+    (b"source/x\n.py", "PKG_BAD_NAME"),
+    (b"source/\xff.py", "PKG_BAD_NAME"),
+    (b"source/" + b"a" * 2000, "PKG_BAD_NAME"),
+])
+def test_hostile_names(name: bytes, code: str) -> None:
+    assert code_of(package(extra=[Entry(name, b"x")])) == code
+
+
+def test_symlink_entry() -> None:
+    data = package(extra=[Entry(b"source/link", b"/etc/passwd", mode=0o120777)])
+    assert code_of(data) == "PKG_SYMLINK"
+
+
+def test_special_file_entry() -> None:
+    assert code_of(package(extra=[Entry(b"source/fifo", mode=0o010644)])) == (
+        "PKG_UNSUPPORTED_ENTRY_TYPE")
+
+
+@pytest.mark.parametrize("second", [b"source/a.py", b"source/A.PY", b"source/a.py/"])
+def test_duplicate_entries(second: bytes) -> None:
+    mode = 0o40755 if second.endswith(b"/") else 0o100644
+    assert code_of(package(extra=[Entry(second, b"", mode=mode)])) == "PKG_DUPLICATE_ENTRY"
+
+
+def test_directory_entry_must_look_like_one() -> None:
+    assert code_of(package(extra=[Entry(b"source/d/", b"")])) == "PKG_UNSUPPORTED_ENTRY_TYPE"
+    assert code_of(package(extra=[Entry(b"source/d/", b"data", mode=0o40755)])) == (
+        "PKG_UNSUPPORTED_ENTRY_TYPE")
+
+
+def test_duplicate_after_unicode_normalisation() -> None:
+    composed, decomposed = "source/\u00e9.py", "source/e\u0301.py"
+    files = {**BASE, composed: b"1", decomposed: b"2"}
+    assert code_of(package(files=files)) == "PKG_DUPLICATE_ENTRY"
+
+
+def test_file_used_as_directory() -> None:
+    files = {**BASE, "source/a.py/b.py": b"x"}
+    assert code_of(package(files=files)) == "PKG_DUPLICATE_ENTRY"
+
+
+def test_two_central_records_for_one_local_header() -> None:
+    files = [Entry(b"manifest.json", manifest_for(BASE)),
+             *[Entry(n.encode(), d) for n, d in sorted(BASE.items())]]
+    data = craft(files, extra_central=[(Entry(b"source/b.py"), 2)])
+    assert code_of(data) == "PKG_OVERLAPPING_ENTRIES"
+
+
+def test_local_header_name_must_match() -> None:
+    data = package(extra=[Entry(b"source/ok.py", b"x", local_name=b"../evil.py")])
+    assert code_of(data) == "PKG_LOCAL_HEADER_MISMATCH"
+
+
+def test_zip_bomb_ratio() -> None:
+    data = package(extra=[Entry(b"source/bomb.txt", bytes(4 << 20), method=8)])
+    assert code_of(data) == "PKG_COMPRESSION_RATIO"
+
+
+def test_size_limits() -> None:
+    big = package(extra=[Entry(b"source/big.txt", b"y" * 5000)])
+    assert code_of(big, PackageLimits(max_entry_bytes=4000)) == "PKG_ENTRY_TOO_LARGE"
+    assert code_of(big, PackageLimits(max_total_bytes=5010)) == "PKG_TOO_LARGE"
+
+
+def test_declared_size_lie_is_caught() -> None:
+    # The data inflates to more than declared; the reader stops at declared + 1 byte.
+    entries = [Entry(n.encode(), d, method=8) for n, d in sorted(BASE.items())]
+    entries.append(Entry(b"source/lie.txt", b"z" * 1000, method=8, declared_size=10))
+    listed = {**BASE, "source/lie.txt": b"z" * 10}
+    crafted = craft([Entry(b"manifest.json", manifest_for(listed)), *entries])
+    assert code_of(crafted) == "PKG_CORRUPT"
+
+
+def test_too_many_entries() -> None:
+    extra = [Entry(f"source/f{i}.py".encode(), b"") for i in range(10)]
+    assert code_of(package(extra=extra), PackageLimits(max_entries=5)) == "PKG_TOO_MANY_ENTRIES"
+
+
+def test_encrypted_and_unsupported_compression() -> None:
+    assert code_of(package(extra=[Entry(b"source/e.py", b"x", flags=1)])) == "PKG_ENCRYPTED"
+    assert code_of(package(extra=[Entry(b"source/b.py", b"x", method=12)])) == (
+        "PKG_UNSUPPORTED_COMPRESSION")
+
+
+@pytest.mark.parametrize("blob", [b"", b"hello world", b"PK\x03\x04" + bytes(100),
+                                  b"%PDF-1.4\n" + bytes(4000)])
+def test_not_a_zip(blob: bytes) -> None:
+    assert code_of(blob) == "PKG_NOT_ZIP"
+
+
+def test_hidden_data() -> None:
+    assert code_of(craft([Entry(b"manifest.json", manifest_for({}))], comment=b"hi")) == (
+        "PKG_HIDDEN_DATA")
+    good = package()
+    assert code_of(b"MZ-prefix" + good) in {"PKG_HIDDEN_DATA", "PKG_NOT_ZIP"}
+    assert code_of(craft([Entry(b"report.md", b"r")], prefix=b"junk")) == "PKG_HIDDEN_DATA"
+
+
+def test_zip64_and_multidisk_are_refused() -> None:
+    good = bytearray(package())
+    eocd = good.rfind(b"PK\x05\x06")
+    multi = bytearray(good)
+    struct.pack_into("<H", multi, eocd + 4, 1)
+    assert code_of(bytes(multi)) == "PKG_UNSUPPORTED_ZIP"
+    z64 = bytearray(good)
+    struct.pack_into("<I", z64, eocd + 16, 0xFFFFFFFF)
+    assert code_of(bytes(z64)) == "PKG_UNSUPPORTED_ZIP"
+
+
+def test_crc_mismatch() -> None:
+    # Flip one byte of a stored entry's data after the headers were written.
+    raw = craft([Entry(b"manifest.json", manifest_for({**BASE, "source/s.txt": b"abc"})),
+                 *[Entry(n.encode(), d) for n, d in sorted(BASE.items())],
+                 Entry(b"source/s.txt", b"abc")])
+    data = bytearray(raw)
+    at = data.find(b"abc", data.find(b"source/s.txt") + 12)
+    data[at] = ord("x")
+    assert code_of(bytes(data)) == "PKG_CRC_MISMATCH"
+
+
+# -- manifest --------------------------------------------------------------------------------
+
+
+def test_manifest_missing() -> None:
+    data = craft([Entry(n.encode(), d) for n, d in sorted(BASE.items())])
+    assert code_of(data) == "PKG_MANIFEST_MISSING"
+
+
+@pytest.mark.parametrize("overrides", [
+    {"format": "investigation-case/0"},
+    {"files": "nope"},
+    {"source_root": "src/"},
+    {"report": "source/a.py"},
+    {"databases": ["../x.sqlite"]},
+])
+def test_manifest_invalid(overrides: dict[str, Any]) -> None:
+    assert code_of(package(overrides=overrides)) == "PKG_MANIFEST_INVALID"
+
+
+def test_manifest_not_json() -> None:
+    data = craft([Entry(b"manifest.json", b"{not json"),
+                  *[Entry(n.encode(), d) for n, d in sorted(BASE.items())]])
+    assert code_of(data) == "PKG_MANIFEST_INVALID"
+
+
+def test_entry_outside_layout() -> None:
+    assert code_of(package(files={**BASE, "evil.sh": b"rm -rf /"})) == "PKG_MANIFEST_INVALID"
+
+
+def test_manifest_mismatch() -> None:
+    # Listed sha256 differs from the entry's bytes.
+    listed = {**BASE, "source/a.py": b"print('b')\n"}
+    data = craft([Entry(b"manifest.json", manifest_for(listed)),
+                  *[Entry(n.encode(), d) for n, d in sorted(BASE.items())]])
+    assert code_of(data) == "PKG_MANIFEST_MISMATCH"
+    # An entry that the manifest does not list.
+    data = craft([Entry(b"manifest.json", manifest_for(BASE)),
+                  *[Entry(n.encode(), d) for n, d in sorted(BASE.items())],
+                  Entry(b"source/extra.py", b"x")])
+    assert code_of(data) == "PKG_MANIFEST_MISMATCH"
+    # A listed file that is absent.
+    data = craft([Entry(b"manifest.json", manifest_for({**BASE, "source/gone.py": b"g"})),
+                  *[Entry(n.encode(), d) for n, d in sorted(BASE.items())]])
+    assert code_of(data) == "PKG_MANIFEST_MISMATCH"
+
+
+def test_db_entry_must_be_sqlite() -> None:
+    assert code_of(package(files={**BASE, "db/x.sqlite": b"nope"})) == "PKG_DB_NOT_SQLITE"
+
+
+def test_report_must_be_utf8() -> None:
+    assert code_of(package(files={**BASE, "report.md": b"\xff\xfe"})) == "PKG_REPORT_INVALID"
+
+
+def test_package_bytes_output_is_accepted() -> None:
+    data, manifest = package_bytes({"report.md": b"r", "source/x.py": b"x"}, [], False)
+    snap = PackageReader().read(data)
+    assert dict(snap.manifest) == manifest
+    assert snap.log_paths() == []
+
+
+class _Unseekable:
+    """A write-only stream: zipfile then writes data descriptors (flag bit 3)."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.buffer += data
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_data_descriptors_from_a_streaming_writer_are_accepted() -> None:
+    stream = _Unseekable()
+    with zipfile.ZipFile(stream, "w", zipfile.ZIP_DEFLATED) as archive:  # type: ignore[arg-type]
+        archive.writestr("manifest.json", manifest_for(BASE))
+        for name, content in sorted(BASE.items()):
+            archive.writestr(name, content)
+    data = bytes(stream.buffer)
+    assert struct.unpack_from("<H", data, 6)[0] & 0x08
+    assert PackageReader().read(data).read_source("a.py") == b"print('a')\n"
+    # A descriptor that disagrees with the central directory is refused.
+    tampered = bytearray(data)
+    at = tampered.find(b"PK\x07\x08")
+    tampered[at + 4] ^= 0xFF
+    assert code_of(bytes(tampered)) == "PKG_LOCAL_HEADER_MISMATCH"

@@ -1,0 +1,306 @@
+"""db.tables, db.schema and db.query: happy paths and the read-only construction."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from investigation.cases.snapshot import DictSnapshot
+from investigation.config import ToolLimits
+from investigation.errors import ToolError
+from investigation.tools import ToolRouter
+
+
+def build_db(*statements: str) -> bytes:
+    conn = sqlite3.connect(":memory:")
+    try:
+        for statement in statements:
+            conn.execute(statement)
+        conn.commit()
+        return conn.serialize()
+    finally:
+        conn.close()
+
+
+APP_DB = build_db(
+    "CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT NOT NULL DEFAULT 'anon', "
+    "email TEXT UNIQUE, avatar BLOB)",
+    "CREATE INDEX users_name ON users(name)",
+    "CREATE TRIGGER users_ai AFTER INSERT ON users BEGIN SELECT 1; END",
+    "CREATE VIEW named AS SELECT id, name FROM users WHERE name <> 'anon'",
+    "INSERT INTO users VALUES (1, 'ada', 'ada@example.org', x'00ff')",
+    "INSERT INTO users VALUES (2, 'bob', NULL, NULL)",
+    "INSERT INTO users VALUES (3, 'bob', NULL, NULL)",
+)
+AUDIT_DB = build_db("CREATE TABLE events (id INTEGER, kind TEXT)",
+                    "CREATE TABLE users (uid INTEGER)")
+
+
+def make_router(dbs: dict[str, bytes] | None = None, **limits: object) -> ToolRouter:
+    snapshot = DictSnapshot({"a.py": b"x\n"}, dbs={"app.sqlite": APP_DB} if dbs is None else dbs)
+    return ToolRouter(snapshot, ToolLimits(**limits))
+
+
+def refusal(router: ToolRouter, operation: str, arguments: dict[str, object]) -> ToolError:
+    with pytest.raises(ToolError) as info:
+        router.validate(operation, arguments)
+    with pytest.raises(ToolError) as again:
+        router.execute(operation, arguments)
+    assert again.value.code == info.value.code
+    return info.value
+
+
+def row_key(values: list[object]) -> str:
+    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "row:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+# -- db.tables / db.schema -----------------------------------------------------------
+
+
+def test_db_tables_every_database_sorted() -> None:
+    router = make_router({"app.sqlite": APP_DB, "audit.sqlite": AUDIT_DB})
+    result = router.execute("db.tables", {})
+    assert result.items == [
+        {"key": "app.sqlite:named", "database": "app.sqlite", "table": "named", "type": "view"},
+        {"key": "app.sqlite:users", "database": "app.sqlite", "table": "users", "type": "table"},
+        {"key": "audit.sqlite:events", "database": "audit.sqlite", "table": "events",
+         "type": "table"},
+        {"key": "audit.sqlite:users", "database": "audit.sqlite", "table": "users",
+         "type": "table"},
+    ]
+    assert result.warnings == []
+
+
+def test_db_schema_columns_ddl_indexes_triggers() -> None:
+    result = make_router().execute("db.schema", {"table": "users"})
+    assert result.items == [
+        {"key": "app.sqlite:users.id", "column": "id", "type": "INTEGER", "notnull": False,
+         "default": None, "pk": 1},
+        {"key": "app.sqlite:users.name", "column": "name", "type": "TEXT", "notnull": True,
+         "default": "'anon'", "pk": 0},
+        {"key": "app.sqlite:users.email", "column": "email", "type": "TEXT", "notnull": False,
+         "default": None, "pk": 0},
+        {"key": "app.sqlite:users.avatar", "column": "avatar", "type": "BLOB",
+         "notnull": False, "default": None, "pk": 0},
+        {"key": "app.sqlite:users#ddl",
+         "ddl": "CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT NOT NULL DEFAULT "
+                "'anon', email TEXT UNIQUE, avatar BLOB)"},
+        {"key": "app.sqlite:users#index:sqlite_autoindex_users_1",
+         "index": "sqlite_autoindex_users_1", "unique": True, "origin": "u",
+         "columns": ["email"], "ddl": None},
+        {"key": "app.sqlite:users#index:users_name", "index": "users_name", "unique": False,
+         "origin": "c", "columns": ["name"], "ddl": "CREATE INDEX users_name ON users(name)"},
+        {"key": "app.sqlite:users#trigger:users_ai", "trigger": "users_ai",
+         "ddl": "CREATE TRIGGER users_ai AFTER INSERT ON users BEGIN SELECT 1; END"},
+    ]
+    assert result.stats == {"database": "app.sqlite", "table": "users", "type": "table",
+                            "items": 8}
+
+
+def test_db_schema_view_and_case_insensitive_name() -> None:
+    result = make_router().execute("db.schema", {"table": "NAMED"})
+    assert [i["key"] for i in result.items] == ["app.sqlite:named.id", "app.sqlite:named.name",
+                                                "app.sqlite:named#ddl"]
+    assert result.stats["type"] == "view"
+
+
+def test_db_schema_several_databases() -> None:
+    router = make_router({"app.sqlite": APP_DB, "audit.sqlite": AUDIT_DB})
+    result = router.execute("db.schema", {"table": "events"})
+    assert [i["key"] for i in result.items] == ["audit.sqlite:events.id",
+                                                "audit.sqlite:events.kind",
+                                                "audit.sqlite:events#ddl"]
+    result = router.execute("db.schema", {"table": "audit.sqlite.users"})
+    assert [i["key"] for i in result.items] == ["audit.sqlite:users.uid",
+                                                "audit.sqlite:users#ddl"]
+    assert refusal(router, "db.schema", {"table": "users"}).code == "TOOL_INVALID_ARGUMENTS"
+
+
+def test_db_schema_unknown_table() -> None:
+    assert refusal(make_router(), "db.schema", {"table": "nope"}).code == "TOOL_NOT_FOUND"
+
+
+@pytest.mark.parametrize(("operation", "arguments"), [
+    ("db.tables", {}), ("db.schema", {"table": "t"}), ("db.query", {"sql": "SELECT 1"})])
+def test_no_database(operation: str, arguments: dict[str, object]) -> None:
+    assert refusal(make_router({}), operation, arguments).code == "TOOL_NO_DATABASE"
+
+
+# -- db.query ------------------------------------------------------------------------
+
+
+def test_db_query_rows_keys_and_columns() -> None:
+    result = make_router().execute(
+        "db.query", {"sql": "SELECT id, name, avatar FROM users ORDER BY id"})
+    assert result.items == [
+        {"key": row_key([1, "ada", {"$hex": "00ff"}]),
+         "row": {"id": 1, "name": "ada", "avatar": {"$hex": "00ff"}}},
+        {"key": row_key([2, "bob", None]), "row": {"id": 2, "name": "bob", "avatar": None}},
+        {"key": row_key([3, "bob", None]), "row": {"id": 3, "name": "bob", "avatar": None}},
+    ]
+    assert result.stats == {"database": "app.sqlite", "columns": ["id", "name", "avatar"],
+                            "rows": 3, "items": 3}
+    assert result.warnings == []
+    assert result.arguments == {"sql": "SELECT id, name, avatar FROM users ORDER BY id",
+                                "params": [], "max_rows": 200}
+
+
+def test_db_query_duplicate_rows_get_distinct_keys_and_names() -> None:
+    result = make_router().execute(
+        "db.query", {"sql": "SELECT name, name FROM users WHERE name = ? ORDER BY id",
+                     "params": ["bob"]})
+    base = row_key(["bob", "bob"])
+    assert result.items == [{"key": base, "row": {"name": "bob", "name:2": "bob"}},
+                            {"key": base + ":2", "row": {"name": "bob", "name:2": "bob"}}]
+    assert result.stats["columns"] == ["name", "name"]
+
+
+def test_db_query_truncated_and_empty() -> None:
+    router = make_router()
+    result = router.execute("db.query", {"sql": "SELECT id FROM users ORDER BY id",
+                                         "max_rows": 2})
+    assert [i["row"]["id"] for i in result.items] == [1, 2]
+    assert result.warnings == ["TRUNCATED"]
+    result = router.execute("db.query", {"sql": "SELECT id FROM users WHERE id > 99"})
+    assert result.items == []
+    assert result.warnings == ["EMPTY_RESULT"]
+    assert result.stats["columns"] == ["id"]
+
+
+def test_db_query_line_cut_and_special_values() -> None:
+    result = make_router(max_line_bytes=40).execute(
+        "db.query", {"sql": "SELECT printf('%.60c', 'x') AS s, 1e999 AS inf, "
+                            "CAST(x'ff' AS TEXT) AS bad"})
+    assert result.items[0]["row"] == {"s": "x" * 40, "inf": {"$float": "Infinity"},
+                                      "bad": {"$hex": "ff"}}
+    assert result.items[0]["key"] == row_key(["x" * 60, {"$float": "Infinity"}, {"$hex": "ff"}])
+    assert result.warnings == ["LINE_CUT"]
+
+
+def test_db_query_dates_are_deterministic_only() -> None:
+    router = make_router()
+    result = router.execute("db.query", {"sql": "SELECT date('2024-02-28', '+1 day') AS d"})
+    assert result.items[0]["row"] == {"d": "2024-02-29"}
+    for sql in ["SELECT date('now')", "SELECT datetime()", "SELECT time(0, 'localtime')"]:
+        with pytest.raises(ToolError) as info:
+            router.execute("db.query", {"sql": sql})
+        assert info.value.code == "TOOL_SQL_ERROR"
+        assert "'now'" in info.value.message
+
+
+WRITES_AND_ESCAPES = [
+    "INSERT INTO users (name) VALUES ('eve')",
+    "UPDATE users SET name = 'eve'",
+    "DELETE FROM users",
+    "CREATE TABLE t (x)",
+    "CREATE TEMP TABLE t (x)",
+    "DROP TABLE users",
+    "DROP VIEW named",
+    "ALTER TABLE users ADD COLUMN x",
+    "ATTACH DATABASE ':memory:' AS x",
+    "DETACH DATABASE main",
+    "PRAGMA table_info(users)",
+    "PRAGMA writable_schema=1",
+    "PRAGMA query_only=0",
+    "SELECT load_extension('x')",
+    "WITH x AS (SELECT 1) DELETE FROM users",
+    "WITH x AS (SELECT 1) INSERT INTO users (name) SELECT * FROM x",
+    "REPLACE INTO users (id, name) VALUES (1, 'eve')",
+    "BEGIN",
+    "SAVEPOINT s",
+    "ANALYZE",
+    "REINDEX",
+    "VACUUM",
+    "SELECT random()",
+    "SELECT * FROM pragma_table_info('users')",
+    "SELECT CURRENT_TIMESTAMP",
+]
+
+
+@pytest.mark.parametrize("sql", WRITES_AND_ESCAPES)
+def test_db_query_refuses_anything_but_reads(sql: str) -> None:
+    snapshot_bytes = bytes(APP_DB)
+    dbs = {"app.sqlite": snapshot_bytes}
+    router = make_router(dbs)
+    error = refusal(router, "db.query", {"sql": sql})
+    assert error.code == "TOOL_SQL_NOT_READ_ONLY", error
+    assert dbs["app.sqlite"] == APP_DB
+    after = router.execute("db.query", {"sql": "SELECT count(*) AS n FROM users"})
+    assert after.items[0]["row"] == {"n": 3}
+    assert [i["table"] for i in router.execute("db.tables", {}).items] == ["named", "users"]
+
+
+@pytest.mark.parametrize("sql", ["SELECT 1; SELECT 2", "SELECT 1; DELETE FROM users",
+                                 "SELECT id FROM users;\nDROP TABLE users;"])
+def test_db_query_one_statement_only(sql: str) -> None:
+    router = make_router()
+    assert refusal(router, "db.query", {"sql": sql}).code == "TOOL_SQL_MULTIPLE_STATEMENTS"
+    assert router.execute("db.query", {"sql": "SELECT count(*) AS n FROM users"}).items[0][
+        "row"] == {"n": 3}
+
+
+def test_db_query_trailing_semicolon_and_comment_are_one_statement() -> None:
+    result = make_router().execute("db.query", {"sql": "SELECT 1 AS one; -- done"})
+    assert result.items[0]["row"] == {"one": 1}
+
+
+@pytest.mark.parametrize(("sql", "params", "code"), [
+    ("SELEC 1", [], "TOOL_SQL_ERROR"),
+    ("SELECT * FROM missing", [], "TOOL_SQL_ERROR"),
+    ("SELECT * FROM users WHERE id = ?", [], "TOOL_SQL_ERROR"),
+    ("-- only a comment", [], "TOOL_INVALID_ARGUMENTS"),
+    ("", [], "TOOL_INVALID_ARGUMENTS"),
+])
+def test_db_query_errors(sql: str, params: list[object], code: str) -> None:
+    assert refusal(make_router(), "db.query", {"sql": sql, "params": params}).code == code
+
+
+def test_db_query_params_must_be_scalars() -> None:
+    error = refusal(make_router(), "db.query", {"sql": "SELECT ?", "params": [[1]]})
+    assert error.code == "TOOL_INVALID_ARGUMENTS"
+
+
+def test_runaway_query_without_rows_times_out() -> None:
+    router = make_router(sql_timeout_s=0.2)
+    sql = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) "
+           "SELECT count(*) FROM c")
+    router.validate("db.query", {"sql": sql})  # preflight does not run it
+    with pytest.raises(ToolError) as info:
+        router.execute("db.query", {"sql": sql})
+    assert info.value.code == "TOOL_SQL_TIMEOUT"
+
+
+def test_runaway_query_with_rows_is_partial() -> None:
+    router = make_router(sql_timeout_s=0.2)
+    sql = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) "
+           "SELECT x FROM c WHERE x <= 2 OR x = 0")
+    result = router.execute("db.query", {"sql": sql})
+    assert result.items == [{"key": row_key([1]), "row": {"x": 1}}]
+    assert result.warnings == ["PARTIAL"]
+    # The connection stays usable after an interrupt.
+    assert router.execute("db.query", {"sql": "SELECT 2 AS y"}).items[0]["row"] == {"y": 2}
+
+
+def test_wal_mode_database_is_readable(tmp_path: Path) -> None:
+    path = tmp_path / "wal.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("INSERT INTO t VALUES (7)")
+    conn.commit()
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    data = path.read_bytes()
+    assert data[18:20] == b"\x02\x02"
+    result = make_router({"wal.sqlite": data}).execute("db.query", {"sql": "SELECT x FROM t"})
+    assert result.items[0]["row"] == {"x": 7}
+
+
+def test_corrupt_database_is_a_sql_error() -> None:
+    error = refusal(make_router({"bad.sqlite": b"not a database" * 100}), "db.tables", {})
+    assert error.code == "TOOL_SQL_ERROR"

@@ -1,0 +1,281 @@
+"""The ``investigate`` command (DESIGN.md "Fixed interfaces": command line).
+
+Exit codes: 0 success; 1 the investigation ended blocked; 2 a controlled error
+(``error CODE: message`` on stderr); 3 ``LockBusy``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from investigation.cases.builder import build_package
+from investigation.cases.reader import PackageReader
+from investigation.cases.registry import load_hypotheses, load_interpretation, register_case
+from investigation.config import InvestigationConfig
+from investigation.constants import BLOCKED, COMPLETED
+from investigation.errors import InvestigationError, LockBusy
+from investigation.loop.outcome import Outcome
+from investigation.operations import export, resume, status, summary_bytes
+from investigation.store import Store
+from workers.settings import Settings
+
+app = typer.Typer(help="Investigate software bug cases with a language model.",
+                  no_args_is_help=True, add_completion=False)
+case_app = typer.Typer(help="Build and register case packages.", no_args_is_help=True)
+app.add_typer(case_app, name="case")
+out = Console(soft_wrap=True)
+err = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _controlled(fn: F) -> F:
+    """Turn controlled errors into one stderr line and a stable exit code."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LockBusy as exc:
+            err.print(f"[bold red]error[/] LOCK_BUSY: {exc}", markup=True, highlight=False)
+            raise typer.Exit(3) from None
+        except InvestigationError as exc:
+            err.print(f"[bold red]error[/] {exc.code}: {exc.message}", markup=True,
+                      highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _settings() -> Settings:
+    try:
+        return Settings()
+    except Exception as exc:  # pydantic ValidationError: a broken environment
+        raise InvestigationError("CONFIG_INVALID", f"bad INVESTIGATE_* setting: {exc}") from exc
+
+
+def _store(settings: Settings) -> Store:
+    store = Store(settings.effective_database_url)
+    store.create_schema()
+    return store
+
+
+def _print_outcome(o: Outcome) -> None:
+    extra = f" until {o.retry_not_before.isoformat()}" if o.retry_not_before else ""
+    hyp = f" H{o.hypothesis_id}" if o.hypothesis_id is not None else ""
+    out.print(f"step {o.step_seq:>3}{hyp}: {o.outcome}"
+              + (f" ({o.reason})" if o.reason else "") + extra, highlight=False)
+
+
+# -- case ----------------------------------------------------------------------------------
+
+
+@case_app.command("build")
+@_controlled
+def case_build(
+    source: Annotated[Path, typer.Option("--source", help="directory or git checkout")],
+    report: Annotated[Path, typer.Option("--report", help="bug report file")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="package ZIP to write")],
+    db: Annotated[Path | None, typer.Option("--db", help="SQLite database")] = None,
+    logs: Annotated[Path | None, typer.Option("--logs", help="logs directory")] = None,
+) -> None:
+    """Make a case package (ZIP with manifest) from a source tree and a report."""
+    info = build_package(source, report, output, db=db, logs=logs)
+    out.print(f"package {info.package_id}")
+    out.print(f"wrote {info.path} ({info.size_bytes} bytes, {info.file_count} files)")
+
+
+@case_app.command("add")
+@_controlled
+def case_add(
+    package: Annotated[Path, typer.Argument(help="package ZIP")],
+    interpretation: Annotated[Path, typer.Option("--interpretation")],
+    hypotheses: Annotated[Path, typer.Option("--hypotheses")],
+    config: Annotated[Path | None, typer.Option("--config")] = None,
+) -> None:
+    """Register a case (revision 1); prints its id."""
+    settings = _settings()
+    cfg = InvestigationConfig.load(config)
+    try:
+        data = package.read_bytes()
+    except OSError as exc:
+        raise InvestigationError("PKG_UNREADABLE", f"cannot read {package}: {exc}") from exc
+    case_id = register_case(_store(settings), data, load_interpretation(interpretation),
+                            load_hypotheses(hypotheses), PackageReader(cfg.package))
+    out.print(case_id)
+
+
+# -- investigate ---------------------------------------------------------------------------
+
+
+def _run_embedded(settings: Settings, case_id: str, config: Path | None,
+                  providers: Path | None, max_steps: int | None, wait: bool) -> Outcome:
+    from workers import runtime
+    from workers.embedded import run_case
+
+    rt = runtime.embedded(settings, config, providers)
+    return run_case(rt, case_id, max_steps=max_steps, wait=wait, on_step=_print_outcome)
+
+
+def _finish(settings: Settings, case_id: str, outcome: Outcome) -> None:
+    out.print(f"case {case_id}: {outcome.outcome}"
+              + (f" ({outcome.reason})" if outcome.reason else ""), highlight=False)
+    if outcome.outcome == COMPLETED:
+        target = settings.home / "exports" / case_id
+        shutil.rmtree(target, ignore_errors=True)
+        export(_store(settings), case_id, target)
+        path = (target / "analysis" / "investigation" / "summary.md").resolve()
+        out.print(f"summary: {path}", highlight=False, soft_wrap=True)
+    elif outcome.outcome == BLOCKED:
+        raise typer.Exit(1)
+
+
+@app.command("run")
+@_controlled
+def run(
+    case_id: Annotated[str, typer.Argument(metavar="CASE")],
+    config: Annotated[Path | None, typer.Option("--config", help="policy TOML")] = None,
+    providers: Annotated[Path | None, typer.Option("--providers", help="providers TOML")] = None,
+    max_steps: Annotated[int | None, typer.Option("--max-steps", min=1)] = None,
+    wait: Annotated[bool, typer.Option(help="wait out provider backoff in this process")] = True,
+) -> None:
+    """Investigate on the embedded runtime until a terminal or blocked outcome."""
+    settings = _settings()
+    outcome = _run_embedded(settings, case_id, config, providers, max_steps, wait)
+    _finish(settings, case_id, outcome)
+
+
+@app.command("dispatch")
+@_controlled
+def dispatch_cmd(
+    case_id: Annotated[str, typer.Argument(metavar="CASE")],
+    max_steps: Annotated[int | None, typer.Option("--max-steps", min=1)] = None,
+) -> None:
+    """Enqueue a dispatch for the distributed workers (takes the case lock, never waits)."""
+    from workers.tasks import start_dispatch
+
+    token = start_dispatch(case_id, max_steps)
+    out.print(f"dispatched {case_id} (lock token {token[:8]}...)", highlight=False)
+
+
+@app.command("worker")
+def worker(
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 2,
+    loglevel: Annotated[str, typer.Option("--loglevel")] = "INFO",
+    pool: Annotated[str, typer.Option("--pool")] = "prefork",
+) -> None:
+    """Start a Celery worker on the configured broker and case queue."""
+    from workers.celery_app import app as celery_app
+
+    settings = _settings()
+    celery_app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}",
+                            f"--pool={pool}", "-Q", settings.queue, "-E"])
+
+
+# -- operator ------------------------------------------------------------------------------
+
+
+@app.command("status")
+@_controlled
+def status_cmd(
+    case_id: Annotated[str, typer.Argument(metavar="CASE")],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """State, outcome, blocked reason, balances, evidence count."""
+    info = status(_store(_settings()), case_id)
+    if as_json:
+        sys.stdout.write(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        return
+    out.print(f"case {info['case_id']}  state {info['state']}"
+              + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
+              + f"  steps {info['steps']}  evidence {info['evidence_count']}"
+              + f"  open questions {info['open_questions']}", highlight=False)
+    if info["last_outcome"]:
+        out.print(f"last outcome {info['last_outcome']}"
+                  + (f" ({info['last_reason']})" if info["last_reason"] else ""),
+                  highlight=False)
+    table = Table("hypothesis", "status", "confidence", "balance", "iterations", "pending")
+    for a in info["accounts"]:
+        table.add_row(str(a["hypothesis_id"]), a["status"], a["confidence"],
+                      f"{a['balance_units']}/{a['credit_units']}", str(a["iterations"]),
+                      a["pending_evidence_id"] or "")
+    out.print(table)
+
+
+@app.command("resume")
+@_controlled
+def resume_cmd(
+    case_id: Annotated[str, typer.Argument(metavar="CASE")],
+    retry_id: Annotated[str | None, typer.Option("--retry-id")] = None,
+) -> None:
+    """Operator resume of a blocked case (then `run` or `dispatch` it)."""
+    info = resume(_store(_settings()), case_id, retry_id)
+    out.print(f"resumed {case_id} (was {info['resumed_from']})", highlight=False)
+
+
+@app.command("summary")
+@_controlled
+def summary_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
+    """Print summary.md."""
+    sys.stdout.buffer.write(summary_bytes(_store(_settings()), case_id))
+    sys.stdout.flush()
+
+
+@app.command("export")
+@_controlled
+def export_cmd(
+    case_id: Annotated[str, typer.Argument(metavar="CASE")],
+    directory: Annotated[Path, typer.Argument(metavar="DIR")],
+) -> None:
+    """Write the case's artifact tree byte for byte."""
+    paths = export(_store(_settings()), case_id, directory)
+    out.print(f"wrote {len(paths)} artifacts under {directory}", highlight=False)
+
+
+@app.command("demo")
+@_controlled
+def demo() -> None:
+    """The real demo case (sqlite-utils 3.35, a real bug), end to end, embedded runtime."""
+    from workers import demo as demo_mod
+
+    settings = _settings()
+    work = settings.home / "demo"
+    settings = settings.model_copy(update={
+        "home": work, "database_url": f"sqlite:///{(work / 'investigation.db').resolve()}"})
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in ("investigation.db", "investigation.db-wal", "investigation.db-shm"):
+        (work / stale).unlink(missing_ok=True)
+    out.print("fetching the pinned sqlite-utils 3.35 source from the package registry ...")
+    case = demo_mod.prepare_case(_store(settings), PackageReader(InvestigationConfig().package),
+                                 work)
+    out.print(f"case {case.case_id} registered from {case.package_path}", highlight=False)
+    with demo_mod.replay_server() as server:
+        providers = work / "providers.toml"
+        providers.write_text(demo_mod.providers_toml(server.base_url))
+        out.print(f"model replies served by {server.base_url} (OpenAI-compatible, loopback)",
+                  highlight=False)
+        outcome = _run_embedded(settings, case.case_id, None, providers, None, True)
+    _finish(settings, case.case_id, outcome)
+    if outcome.outcome != COMPLETED:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    """Console entry point."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    main()

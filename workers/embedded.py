@@ -1,0 +1,56 @@
+"""The embedded runtime's driver: one process, eager Celery chains, no server."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from investigation.constants import PROGRESSED, REJECTED, RETRY_PENDING, YIELDED
+from investigation.loop.outcome import Outcome
+from workers.runtime import Runtime
+from workers.tasks import run_embedded_step
+
+log = logging.getLogger(__name__)
+
+
+def run_case(rt: Runtime, case_id: str, max_steps: int | None = None, wait: bool = True,
+             on_step: Callable[[Outcome], None] | None = None) -> Outcome:
+    """Run the case until a terminal or blocked outcome (or ``max_steps`` steps).
+
+    A ``RETRY_PENDING`` outcome is returned at once when ``wait`` is False; otherwise this
+    CLI process (not a worker) waits until ``retry_not_before`` and continues.
+
+    Raises:
+        LockBusy: another dispatch of this case is running.
+        InvestigationError: unsafe input, stale state, exceeded limits, changed policy.
+    """
+    token = rt.lock.acquire(case_id)
+    steps = 0
+    last: Outcome | None = None
+    try:
+        while max_steps is None or steps < max_steps:
+            outcome = run_embedded_step(case_id, token)
+            if outcome is None:
+                from workers.tasks import Investigator
+
+                nxt = Investigator(rt.env).next_step(case_id)
+                assert isinstance(nxt, Outcome)
+                return nxt
+            if on_step is not None:
+                on_step(outcome)
+            last = outcome
+            if outcome.outcome in (PROGRESSED, REJECTED):
+                steps += 1
+                continue
+            if outcome.outcome == RETRY_PENDING and wait and outcome.retry_not_before:
+                delay = (outcome.retry_not_before - datetime.now(UTC)).total_seconds()
+                log.info("case %s: provider backoff, retrying in %.1fs", case_id, delay)
+                time.sleep(max(0.0, delay))
+                continue
+            return outcome
+    finally:
+        rt.lock.release(case_id, token)
+    assert last is not None
+    return Outcome(YIELDED, case_id, last.step_seq, "MAX_STEPS", hypothesis_id=last.hypothesis_id)

@@ -1,0 +1,138 @@
+"""Per-case dispatch locks: Redis for the distributed runtime, a file lock for the embedded one.
+
+A lock is a lease with a random token. ``acquire`` never blocks (a held lock raises
+``LockBusy``); ``hold`` renews the lease only for its owner and re-takes an expired one;
+``release`` deletes the key only if it still holds the caller's token. Correctness never
+rests on the lock: stages are fenced on the checkpoint head in SQL. The lock only keeps
+two dispatches from doing the same work twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import threading
+from pathlib import Path
+from typing import IO, Protocol
+
+import redis
+
+from investigation.constants import REDIS_LOCK_KEY
+from investigation.errors import LockBusy
+
+_RENEW = """
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+elseif not v then
+  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class CaseLock(Protocol):
+    """The lock protocol both runtimes use."""
+
+    def acquire(self, case_id: str) -> str:
+        """Take the lock; returns the token. Raises ``LockBusy`` at once if held."""
+        ...
+
+    def hold(self, case_id: str, token: str) -> bool:
+        """Renew the lease for ``token``; True while the caller owns the lock."""
+        ...
+
+    def release(self, case_id: str, token: str) -> bool:
+        """Release if ``token`` still owns it; never deletes another holder's key."""
+        ...
+
+
+class RedisCaseLock:
+    """Redis lease lock: ``SET key token NX PX ttl``; renew and release by Lua compare.
+
+    Args:
+        client: a redis-py client.
+        ttl_s: lease length in seconds; every stage renews it.
+    """
+
+    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+        self.client = client
+        self.ttl_ms = ttl_s * 1000
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+
+    @classmethod
+    def from_url(cls, url: str, ttl_s: int) -> RedisCaseLock:
+        return cls(redis.Redis.from_url(url), ttl_s)
+
+    def acquire(self, case_id: str) -> str:
+        token = secrets.token_hex(16)
+        if not self.client.set(REDIS_LOCK_KEY.format(case_id=case_id), token, nx=True,
+                               px=self.ttl_ms):
+            raise LockBusy(case_id)
+        return token
+
+    def hold(self, case_id: str, token: str) -> bool:
+        return bool(self._renew(keys=[REDIS_LOCK_KEY.format(case_id=case_id)],
+                                args=[token, self.ttl_ms]))
+
+    def release(self, case_id: str, token: str) -> bool:
+        return bool(self._release(keys=[REDIS_LOCK_KEY.format(case_id=case_id)], args=[token]))
+
+    def holder(self, case_id: str) -> str | None:
+        """The current token, if any (for status and tests)."""
+        value = self.client.get(REDIS_LOCK_KEY.format(case_id=case_id))
+        return value.decode() if isinstance(value, bytes) else value
+
+
+class FileCaseLock:
+    """``flock`` on ``<dir>/<case>.lock``: one embedded dispatch per case per machine.
+
+    The OS drops the lock when the holding process dies, so there is no lease to expire.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._held: dict[str, tuple[str, IO[bytes]]] = {}
+        self._mutex = threading.Lock()
+
+    def acquire(self, case_id: str) -> str:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self._mutex:
+            if case_id in self._held:
+                raise LockBusy(case_id)
+            fh = open(self.directory / f"{case_id}.lock", "ab")  # noqa: SIM115
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.close()
+                raise LockBusy(case_id) from None
+            token = secrets.token_hex(16)
+            self._held[case_id] = (token, fh)
+            return token
+
+    def hold(self, case_id: str, token: str) -> bool:
+        with self._mutex:
+            held = self._held.get(case_id)
+            return held is not None and held[0] == token
+
+    def release(self, case_id: str, token: str) -> bool:
+        with self._mutex:
+            held = self._held.get(case_id)
+            if held is None or held[0] != token:
+                return False
+            del self._held[case_id]
+            fcntl.flock(held[1].fileno(), fcntl.LOCK_UN)
+            held[1].close()
+            return True
+
+
+def process_id() -> str:
+    """Host-unique id of this process (logs)."""
+    return f"{os.uname().nodename}:{os.getpid()}"

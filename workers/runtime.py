@@ -1,0 +1,102 @@
+"""Composition root: builds the store, gateway, reader and lock for a process.
+
+Two runtimes run the same Celery tasks:
+
+* ``embedded``: the CLI process runs each step's chain with Celery's eager mode
+  (no broker, no server), SQLite by default, a file lock per case.
+* ``distributed``: ``investigate worker`` consumes the case queue from Redis; per-case
+  Redis lease locks; any SQL URL (PostgreSQL across hosts).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from investigation.cases.reader import PackageReader
+from investigation.config import InvestigationConfig, ProvidersConfig
+from investigation.llm.gateway import LLMGateway, build_providers
+from investigation.loop.stages import StageEnv
+from investigation.store import Store
+from workers.locks import CaseLock, FileCaseLock, RedisCaseLock
+from workers.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """Everything a task needs in one process."""
+
+    mode: str
+    settings: Settings
+    env: StageEnv
+    lock: CaseLock
+
+
+def build_env(settings: Settings, config_path: Path | None = None,
+              providers_path: Path | None = None) -> StageEnv:
+    """Build the stage environment from files and settings.
+
+    Raises:
+        ConfigError: a broken config or providers file.
+    """
+    config_file = config_path or settings.config
+    config = InvestigationConfig.load(config_file)
+    providers_file = providers_path or settings.providers
+    factory: Callable[[], LLMGateway] | None = None
+    if providers_file is not None:
+        providers_config = ProvidersConfig.load(providers_file)
+        store_holder: list[Store] = []
+
+        def factory() -> LLMGateway:
+            return LLMGateway(store_holder[0], build_providers(providers_config),
+                              providers_config.gateway)
+    store = Store(settings.effective_database_url)
+    store.create_schema()
+    if providers_file is not None:
+        store_holder.append(store)
+    return StageEnv(store=store, config=config, gateway_factory=factory,
+                    reader=PackageReader(config.package),
+                    explicit_config=config_file is not None)
+
+
+_current: Runtime | None = None
+_mutex = threading.Lock()
+
+
+def configure(runtime: Runtime | None) -> None:
+    """Install the runtime tasks use in this process (``None`` resets it)."""
+    global _current
+    with _mutex:
+        _current = runtime
+
+
+def current() -> Runtime:
+    """The process runtime; a worker builds the distributed one from its environment."""
+    global _current
+    with _mutex:
+        if _current is None:
+            settings = Settings()
+            _current = Runtime("distributed", settings, build_env(settings),
+                               RedisCaseLock.from_url(settings.effective_redis_url,
+                                                      settings.lock_ttl_s))
+            log.info("distributed runtime ready (store %s)",
+                     settings.effective_database_url.split("@")[-1])
+        return _current
+
+
+def embedded(settings: Settings, config_path: Path | None = None,
+             providers_path: Path | None = None) -> Runtime:
+    """Build and install the embedded runtime (eager Celery, file locks)."""
+    from workers.celery_app import app
+
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    runtime = Runtime("embedded", settings, build_env(settings, config_path, providers_path),
+                      FileCaseLock(settings.home / "locks"))
+    configure(runtime)
+    return runtime

@@ -1,0 +1,54 @@
+"""Process settings from the environment (pydantic-settings), prefix ``INVESTIGATE_``.
+
+| variable | default | meaning |
+|---|---|---|
+| ``INVESTIGATE_HOME`` | ``./.investigate`` | data directory of the embedded runtime |
+| ``INVESTIGATE_DATABASE_URL`` | ``sqlite:///$HOME/investigation.db`` | the SQL store |
+| ``INVESTIGATE_BROKER_URL`` | ``redis://127.0.0.1:6379/0`` | Celery broker |
+| ``INVESTIGATE_REDIS_URL`` | the broker URL | per-case locks |
+| ``INVESTIGATE_CONFIG`` | none | investigation policy TOML for workers |
+| ``INVESTIGATE_PROVIDERS`` | none | providers TOML for workers |
+| ``INVESTIGATE_LOCK_TTL_S`` | 300 | per-case lock lease, renewed by every stage |
+| ``INVESTIGATE_VISIBILITY_TIMEOUT_S`` | 3600 | broker visibility timeout |
+| ``INVESTIGATE_MAX_COUNTDOWN_S`` | 1800 | longest countdown scheduled (< visibility timeout) |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Runtime settings of one process (CLI or worker)."""
+
+    model_config = SettingsConfigDict(env_prefix="INVESTIGATE_", extra="ignore")
+
+    home: Path = Path(".investigate")
+    database_url: str | None = None
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str | None = None
+    config: Path | None = None
+    providers: Path | None = None
+    lock_ttl_s: int = Field(300, ge=5)
+    visibility_timeout_s: int = Field(3600, ge=60)
+    max_countdown_s: int = Field(1800, ge=1)
+    queue: str = "cases"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.max_countdown_s >= self.visibility_timeout_s:
+            raise ValueError("INVESTIGATE_MAX_COUNTDOWN_S must be below the visibility timeout")
+        return self
+
+    @property
+    def effective_database_url(self) -> str:
+        """The store URL (SQLite under ``home`` unless set)."""
+        return self.database_url or f"sqlite:///{self.home.resolve() / 'investigation.db'}"
+
+    @property
+    def effective_redis_url(self) -> str:
+        """The Redis URL for locks (the broker's unless set)."""
+        return self.redis_url or self.broker_url
