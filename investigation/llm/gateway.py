@@ -433,7 +433,8 @@ class LLMGateway:
         round_retry_after: float | None = None
         while True:
             if state.attempts_made >= self.config.attempts:
-                # Only reachable when recovery used up the last attempt.
+                # Reached when an interrupted attempt used up the last one (or the
+                # configured attempts were lowered since).
                 return self._finish_without_attempt(
                     op_id, state, OP_EXHAUSTED, op.error_code or PROVIDER_INTERRUPTED,
                     self._exhausted_message(op.error_message or "interrupted"),
@@ -452,16 +453,16 @@ class LLMGateway:
             try:
                 request_bytes = provider.build_request_bytes(request)
             except Exception as exc:  # a provider that cannot even encode: configuration
-                failure = self._classify(provider.name, exc)
-                kind = "credentials" if failure.kind == "credentials" else "configuration"
+                build_failure = self._classify(provider.name, exc)
+                kind = "credentials" if build_failure.kind == "credentials" else "configuration"
                 return self._finish_without_attempt(
-                    op_id, state, OP_FAILED, failure.code, failure.message, kind=kind
+                    op_id, state, OP_FAILED, build_failure.code, build_failure.message, kind=kind
                 )
             attempt_no, request_sha = self._begin_attempt(
                 case_id, step_seq, state, index, provider.name, request_bytes
             )
             reply: ProviderReply | None = None
-            failure = None
+            failure: _Failure | None = None
             try:
                 reply = provider.send(request_bytes, request)  # outside any transaction
             except Exception as exc:
@@ -717,6 +718,8 @@ class LLMGateway:
         kind: str = "configuration",
     ) -> Blocked:
         message = _short(message)
+        if kind == "credentials" and not code.startswith(PROVIDER_CREDENTIALS):
+            code = PROVIDER_CREDENTIALS  # the stored code alone must say "credentials"
         with self.store.session() as session:
             self._update_operation(session, op_id, state.attempts_made, {
                 "status": status, "error_code": code, "error_message": message,

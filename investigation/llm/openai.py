@@ -270,16 +270,17 @@ def classify_httpx_error(
         The classified error (the caller raises it ``from exc``).
     """
     text = redact(f"{type(exc).__name__}: {exc}", secrets or [])
-    details = {"provider": provider, "exception": type(exc).__name__}
+    name = type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return TransientProviderError(
-            PROVIDER_TIMEOUT, f"provider {provider!r} timed out ({text})", **details
+            PROVIDER_TIMEOUT, f"provider {provider!r} timed out ({text})",
+            provider=provider, exception=name,
         )
     if isinstance(exc, httpx.ConnectError | httpx.ProxyError):
         return TransientProviderError(
             PROVIDER_UNREACHABLE,
             f"provider {provider!r} is unreachable ({text}); check that the server runs",
-            **details,
+            provider=provider, exception=name,
         )
     if isinstance(
         exc,
@@ -293,12 +294,13 @@ def classify_httpx_error(
         return ProviderConfigurationError(
             PROVIDER_BAD_CONFIG,
             f"provider {provider!r} cannot be used as configured ({text}); check base_url",
-            **details,
+            provider=provider, exception=name,
         )
     # NetworkError (read/write/close), RemoteProtocolError, DecodingError, any other
     # transport or request error: the exchange broke; trying again may work.
     return TransientProviderError(
-        PROVIDER_NETWORK_ERROR, f"provider {provider!r}: connection failed ({text})", **details
+        PROVIDER_NETWORK_ERROR, f"provider {provider!r}: connection failed ({text})",
+        provider=provider, exception=name,
     )
 
 
@@ -421,7 +423,8 @@ def parse_chat_completion(raw: bytes, status: int | None, provider: str) -> Prov
         refusal = message.get("refusal") if isinstance(message, dict) else None
         why = "the model refused" if refusal else "choices[0].message.content is not a string"
         raise malformed(why)
-    usage = doc.get("usage") if isinstance(doc.get("usage"), dict) else {}
+    usage_doc = doc.get("usage")
+    usage: dict[str, Any] = usage_doc if isinstance(usage_doc, dict) else {}
     return ProviderReply(
         content=content,
         raw=raw,

@@ -172,7 +172,7 @@ class Provider(Protocol):
         """Re-derive the assistant content from stored response bytes of a success.
 
         Raises:
-            TransientProviderError: ``raw`` is not a complete successful answer.
+            ProviderError: ``raw`` is not a complete successful answer of this provider.
         """
         ...
 

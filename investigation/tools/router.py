@@ -162,7 +162,7 @@ class ToolRouter:
                 for err in exc.errors(include_url=False, include_input=False))
             raise ToolError("TOOL_INVALID_ARGUMENTS", f"{operation}: {problems}",
                             operation=operation) from exc
-        return self._check(operation, args)
+        return self._check(args)
 
     def execute(self, operation: str, arguments: dict[str, Any]) -> ToolResult:
         """Validate, then run one operation.
@@ -200,7 +200,7 @@ class ToolRouter:
         cap = self._limits.max_results
         return cap if value is None else min(value, cap)
 
-    def _check(self, operation: str, args: Any) -> BaseModel:
+    def _check(self, args: BaseModel) -> BaseModel:
         max_pattern = self._limits.max_pattern_bytes
         if isinstance(args, SourceListArgs):
             tx.check_relative_path(args.prefix, "prefix", allow_empty=True)

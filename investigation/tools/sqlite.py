@@ -25,8 +25,10 @@ and the zero-argument forms, so a statement's rows depend only on the snapshot b
 
 Preflight ("prepare, do not step"): :meth:`ReadOnlyDatabase.preflight` compiles the
 statement under the same authorizer with a progress handler that interrupts the virtual
-machine at its first check, before any row, function call or loop runs. Python 3.11's
-``sqlite3`` offers no bare ``sqlite3_prepare``; this is the closest faithful equivalent.
+machine at its first check, before any row, function call or loop runs, then lists its
+compiled program with ``EXPLAIN`` and refuses any program that writes or returns no rows.
+Python 3.11's ``sqlite3`` offers no bare ``sqlite3_prepare``; this is the closest
+faithful equivalent.
 """
 
 from __future__ import annotations
@@ -93,6 +95,15 @@ _ACTION_NAMES = {
 }
 _NONDETERMINISTIC_ARGS = frozenset({"now", "localtime", "utc"})
 _PROGRESS_OPS = 1_000
+#: VDBE opcodes that write the database or change the schema: the ones that clear
+#: ``sqlite3_stmt_readonly`` (Vacuum, JournalMode; write transactions are checked apart)
+#: plus every opcode that only a write or schema change emits. ``Insert``/``IdxInsert``
+#: are absent on purpose: a SELECT uses them on its private ephemeral tables.
+_WRITE_OPCODES = frozenset({
+    "OpenWrite", "Vacuum", "IncrVacuum", "JournalMode", "VUpdate", "VCreate", "VDestroy",
+    "Destroy", "Clear", "CreateBtree", "ParseSchema", "SqlExec", "DropTable", "DropIndex",
+    "DropTrigger", "Expire", "LoadAnalysis", "ResetCount",
+})
 
 
 class InvalidText:
@@ -259,19 +270,29 @@ class ReadOnlyDatabase:
         return ToolError("TOOL_SQL_ERROR", f"SQLite refused the statement: {message}",
                          database=self.name)
 
-    def preflight(self, sql: str, params: Sequence[Any]) -> list[str]:
-        """Compile ``sql`` under the authorizer without running it.
+    def preflight(self, sql: str, params: Sequence[Any]) -> None:
+        """Compile ``sql`` under the authorizer and inspect its program; never run it.
 
-        Returns:
-            The result column names.
+        Two compilations, both under the authorizer:
+
+        1. the statement itself, with its parameters bound, interrupted by the progress
+           handler at the virtual machine's first check: denied actions, syntax errors,
+           unknown names, parameter counts and extra statements surface here;
+        2. ``EXPLAIN <sql>``, whose rows are the compiled program (listing it runs
+           nothing). The program must return rows (``ResultRow``) and hold no opcode
+           that writes or changes the schema (:data:`_WRITE_OPCODES`, a write
+           transaction) -- the test ``sqlite3_stmt_readonly`` makes. This catches
+           statements whose only authorizer check happens when they run (``VACUUM``).
+
+        A statement that is itself an ``EXPLAIN`` is a listing: it is never interrupted
+        in step 1 and needs no step 2.
 
         Raises:
-            ToolError: ``TOOL_SQL_NOT_READ_ONLY`` (a denied action, or a statement that
-                returns no rows), ``TOOL_SQL_MULTIPLE_STATEMENTS``,
+            ToolError: ``TOOL_SQL_NOT_READ_ONLY`` (a denied action, or a program that
+                writes or returns no rows), ``TOOL_SQL_MULTIPLE_STATEMENTS``,
                 ``TOOL_SQL_ERROR`` (syntax, unknown table, wrong parameter count), or
                 ``TOOL_INVALID_ARGUMENTS`` for text without a statement (only comments).
         """
-        columns: list[str] | None = None
         stopped = [False]
 
         def stop_at_once() -> int:
@@ -282,26 +303,31 @@ class ReadOnlyDatabase:
             cursor = self._conn.cursor()
             try:
                 cursor.execute(sql, list(params))
-                if cursor.description is not None:
-                    columns = [d[0] for d in cursor.description]
+                if cursor.description is None:
+                    raise ToolError("TOOL_INVALID_ARGUMENTS", "sql holds no statement",
+                                    argument="sql")
+                return  # an EXPLAIN listing: it ran to its first row, nothing else
             except sqlite3.OperationalError as exc:
                 if not stopped[0] or self._denials:
                     raise self._translate(exc) from exc
-                if cursor.description is None:
-                    # Compiled, but returns no rows: VACUUM and friends, which act (and
-                    # consult the authorizer) only when stepped.
-                    raise ToolError("TOOL_SQL_NOT_READ_ONLY",
-                                    "not a query: the statement returns no rows; use one "
-                                    "SELECT", database=self.name) from exc
-                columns = [d[0] for d in cursor.description]
             except sqlite3.Error as exc:
                 raise self._translate(exc) from exc
             finally:
                 cursor.close()
-        if columns is None:
-            raise ToolError("TOOL_INVALID_ARGUMENTS", "sql holds no statement",
-                            argument="sql")
-        return columns
+            try:
+                program = self._conn.execute("EXPLAIN " + sql, list(params)).fetchall()
+            except sqlite3.Error as exc:
+                raise self._translate(exc) from exc
+        opcodes = {str(row[1]) for row in program}
+        writes = sorted(opcodes & _WRITE_OPCODES)
+        if any(row[1] == "Transaction" and row[3] for row in program):
+            writes.append("Transaction(write)")
+        if writes or "ResultRow" not in opcodes:
+            reason = f"its program writes ({', '.join(writes)})" if writes else \
+                "it returns no rows"
+            raise ToolError("TOOL_SQL_NOT_READ_ONLY",
+                            f"not a read-only query: {reason}; use one SELECT",
+                            database=self.name)
 
     def query(self, sql: str, params: Sequence[Any], max_rows: int,
               timeout_s: float) -> tuple[list[str], list[tuple[Any, ...]], bool, bool]:

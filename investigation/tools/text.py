@@ -234,7 +234,7 @@ def check_symbol(symbol: str) -> None:
 
 def find_symbol(line: str, symbol: str) -> list[int]:
     """0-based columns (code points) of ``symbol`` in ``line`` at identifier boundaries."""
-    columns = []
+    columns: list[int] = []
     start = 0
     while True:
         col = line.find(symbol, start)

@@ -452,7 +452,7 @@ def test_operations_are_per_step_and_case(store: Store) -> None:
 
 def test_clock_must_be_aware(store: Store) -> None:
     gw = LLMGateway(store, [FakeProvider("a", [ok()])], GatewayConfig(),
-                    clock=lambda: datetime(2030, 1, 1))  # noqa: DTZ001
+                    clock=lambda: datetime(2030, 1, 1))
     with pytest.raises(ValueError):
         gw.call(CASE, 1, 1, request())
 

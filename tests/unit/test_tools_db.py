@@ -304,3 +304,25 @@ def test_wal_mode_database_is_readable(tmp_path: Path) -> None:
 def test_corrupt_database_is_a_sql_error() -> None:
     error = refusal(make_router({"bad.sqlite": b"not a database" * 100}), "db.tables", {})
     assert error.code == "TOOL_SQL_ERROR"
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT DISTINCT name FROM users ORDER BY name",
+    "SELECT name, count(*) AS n FROM users GROUP BY name HAVING n > 0",
+    "SELECT id FROM users UNION SELECT id + 10 FROM users",
+    "SELECT * FROM named",
+    "SELECT u.id FROM users u JOIN (SELECT id FROM users WHERE id > 1) s ON s.id = u.id",
+    "WITH t(x) AS (SELECT id FROM users) SELECT max(x) FROM t",
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 5) "
+    "SELECT sum(x) FROM c",
+    "SELECT id, row_number() OVER (ORDER BY id DESC) AS r FROM users",
+    "SELECT json_extract('{\"a\": 2}', '$.a') AS a, '{\"b\":1}' ->> '$.b' AS b",
+    "SELECT name FROM users WHERE name LIKE 'b%' AND email IS NULL",
+    "SELECT type, name FROM sqlite_master",
+    "SELECT hex(avatar), upper(name), substr(name, 1, 1) FROM users",
+    "EXPLAIN QUERY PLAN SELECT * FROM users WHERE name = 'bob'",
+])
+def test_db_query_accepts_reads(sql: str) -> None:
+    result = make_router().execute("db.query", {"sql": sql})
+    assert result.items
+    assert "EMPTY_RESULT" not in result.warnings

@@ -1,0 +1,131 @@
+"""A whole investigation on the embedded runtime, as a user runs it: `case build`,
+`case add`, `run --providers FILE`, `status`, `summary`, `export` through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from investigation.config import InvestigationConfig
+from investigation.constants import COMPLETED
+from investigation.loop.checkpoints import verify_chain
+from investigation.operations import summary_bytes
+from tests import casekit
+from tests.casekit import make_case
+from workers.cli import app
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "home"
+    monkeypatch.setenv("INVESTIGATE_HOME", str(home))
+    monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return home
+
+
+def test_user_flow_through_the_cli(tmp_path: Path, cli_env: Path) -> None:
+    runner = CliRunner()
+    root = tmp_path / "work"
+    root.mkdir()
+    casekit.build_tiny_package(root)  # writes src/, report.md, shop.sqlite, logs/
+    built = runner.invoke(app, ["case", "build", "--source", str(root / "src"), "--report",
+                                str(root / "report.md"), "--db", str(root / "shop.sqlite"),
+                                "--logs", str(root / "logs"), "-o", str(tmp_path / "p.zip")])
+    assert built.exit_code == 0, built.output
+    (tmp_path / "i.json").write_text(json.dumps(casekit.INTERPRETATION))
+    (tmp_path / "h.json").write_text(json.dumps(casekit.HYPOTHESES))
+    added = runner.invoke(app, ["case", "add", str(tmp_path / "p.zip"), "--interpretation",
+                                str(tmp_path / "i.json"), "--hypotheses", str(tmp_path / "h.json")])
+    assert added.exit_code == 0, added.output
+    case_id = added.output.strip()
+    assert case_id.startswith("case-")
+    (tmp_path / "replies.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in casekit.HAPPY_REPLIES) + "\n")
+    (tmp_path / "providers.toml").write_text(
+        '[[providers]]\nname = "replay"\nkind = "scripted"\npath = "replies.jsonl"\n')
+    ran = runner.invoke(app, ["run", case_id, "--providers", str(tmp_path / "providers.toml")])
+    assert ran.exit_code == 0, ran.output
+    assert "COMPLETED" in ran.output
+    summary_line = next(line for line in ran.output.splitlines() if line.startswith("summary:"))
+    summary_path = Path(summary_line.split(":", 1)[1].strip())
+    text = summary_path.read_text()
+    assert "return total - total * percent / 10" in text  # the snapshot's real line
+    st = runner.invoke(app, ["status", case_id, "--json"])
+    info = json.loads(st.output)
+    assert info["state"] == "BUILDING_DIAGNOSIS"
+    assert info["evidence_count"] == 3
+    assert [a["status"] for a in info["accounts"]] == ["investigation_finished", "rejected"]
+    printed = runner.invoke(app, ["summary", case_id])
+    assert printed.output == text
+    exported = runner.invoke(app, ["export", case_id, str(tmp_path / "export")])
+    assert exported.exit_code == 0
+    manifest = json.loads((tmp_path / "export" / "manifest.json").read_text())
+    assert manifest["artifacts"]["investigation_summary"]["path"] == \
+        "analysis/investigation/summary.md"
+    again = runner.invoke(app, ["run", case_id, "--providers", str(tmp_path / "providers.toml")])
+    assert again.exit_code == 0 and "COMPLETED" in again.output
+
+
+def test_bad_inputs_change_nothing(tmp_path: Path, cli_env: Path) -> None:
+    runner = CliRunner()
+    (tmp_path / "bad.zip").write_bytes(b"PK\x03\x04 not really a zip")
+    (tmp_path / "i.json").write_text("{}")
+    (tmp_path / "h.json").write_text("[]")
+    res = runner.invoke(app, ["case", "add", str(tmp_path / "bad.zip"), "--interpretation",
+                              str(tmp_path / "i.json"), "--hypotheses", str(tmp_path / "h.json")])
+    assert res.exit_code == 2
+    assert "CASE_INTERPRETATION_INVALID" in res.output
+    res = runner.invoke(app, ["status", "case-nope"])
+    assert res.exit_code == 2 and "CASE_NOT_FOUND" in res.output
+    (tmp_path / "broken.toml").write_text("[[providers]]\nname = 1\n")
+    res = runner.invoke(app, ["run", "case-nope", "--providers", str(tmp_path / "broken.toml")])
+    assert res.exit_code == 2 and "CONFIG_INVALID" in res.output
+
+
+def test_replay_is_deterministic_and_chain_verifies(tmp_path: Path) -> None:
+    first = make_case(tmp_path / "a")
+    second = make_case(tmp_path / "b")
+    for case in (first, second):
+        assert case.investigator().run(case.case_id, max_steps=50).outcome == COMPLETED
+        with case.store.session() as s:
+            assert verify_chain(s, case.case_id) == 5
+    assert summary_bytes(first.store, first.case_id) == summary_bytes(second.store,
+                                                                      second.case_id)
+
+
+def test_policy_is_frozen_per_revision(tmp_path: Path) -> None:
+    case = make_case(tmp_path / "c")
+    case.investigator().step(case.case_id)
+    changed = InvestigationConfig.model_validate({"budget": {"credit_units": 99}})
+    from investigation.errors import InvestigationError
+    from investigation.loop.investigator import Investigator
+
+    with pytest.raises(InvestigationError) as err:
+        Investigator(case.env(changed, explicit=True)).step(case.case_id)
+    assert err.value.code == "POLICY_CHANGED"
+    # Without an explicit config the stored policy is adopted and the run completes.
+    out = Investigator(case.env(changed, explicit=False)).run(case.case_id, max_steps=50)
+    assert out.outcome == COMPLETED
+
+
+def test_provider_blocking_and_resume_with_retry_id(tmp_path: Path) -> None:
+    from investigation.operations import resume
+    from investigation.constants import BLOCKED
+
+    case = make_case(tmp_path / "d", replies=casekit.HAPPY_REPLIES[:2])
+    outcome = case.investigator().run(case.case_id, max_steps=50)
+    assert outcome.outcome == BLOCKED and outcome.reason == "PROVIDER_CONFIGURATION"
+    # The operator supplies the missing replies, then resumes with a new retry id.
+    case.replies_path.write_text(
+        "\n".join(json.dumps(r) for r in casekit.HAPPY_REPLIES) + "\n")
+    with pytest.raises(Exception) as err:
+        resume(case.store, case.case_id)
+    assert getattr(err.value, "code", None) == "RETRY_ID_REQUIRED"
+    resume(case.store, case.case_id, retry_id="fix-1")
+    assert case.investigator().run(case.case_id, max_steps=50).outcome == COMPLETED
+    assert os.path.exists(case.replies_path)

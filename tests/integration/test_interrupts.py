@@ -1,0 +1,120 @@
+"""Interrupt a step at every stage, rerun it, and show the same stored state.
+
+For each stage: (a) the step stops right after the stage committed (its completion
+marker is stored), a new process rebuilds everything and reruns the step; (b) the process
+dies inside the stage's transaction, after the stage's work but before its commit. Both
+must end with the checkpoint hashes, ``summary.md`` bytes, evidence records and charges of
+an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlmodel import col, select
+
+from investigation.constants import COMPLETED, STAGES
+from investigation.loop.investigator import Investigator
+from investigation.loop.outcome import StepKey
+from investigation.loop.stages import Stages
+from investigation.operations import summary_bytes
+from investigation.store.models import Checkpoint, Evidence, LedgerEntry, LLMOperation, Plan
+from tests.casekit import Case, make_case
+
+
+def fingerprint(case: Case) -> dict[str, Any]:
+    """Everything that must be identical between an interrupted and a clean run."""
+    with case.store.session() as s:
+        hashes = [c.hash for c in s.exec(select(Checkpoint).where(
+            Checkpoint.case_id == case.case_id).order_by(col(Checkpoint.seq)))]
+        evidence = s.exec(select(Evidence).where(Evidence.case_id == case.case_id)).all()
+        plans = s.exec(select(Plan).where(Plan.case_id == case.case_id)).all()
+        ledger = s.exec(select(LedgerEntry).where(LedgerEntry.case_id == case.case_id)
+                        .order_by(col(LedgerEntry.hypothesis_id), col(LedgerEntry.step_seq),
+                                  col(LedgerEntry.kind))).all()
+        ops = s.exec(select(LLMOperation).where(LLMOperation.case_id == case.case_id)).all()
+    return {
+        "hashes": hashes,
+        "summary": summary_bytes(case.store, case.case_id),
+        "evidence": sorted((e.evidence_id, e.step_seq, e.fingerprint) for e in evidence),
+        "query_plans": sum(1 for p in plans if p.action == "query"),
+        "ledger": [(r.hypothesis_id, r.step_seq, r.kind, r.amount_units) for r in ledger],
+        "llm_operations": len(ops),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    case = make_case(tmp_path_factory.mktemp("reference"))
+    outcome = case.investigator().run(case.case_id, max_steps=50)
+    assert outcome.outcome == COMPLETED
+    ref = fingerprint(case)
+    assert ref["query_plans"] == len(ref["evidence"]) == 3
+    assert sum(1 for r in ref["ledger"] if r[2] == "reserve") == 3
+    return ref
+
+
+def _complete(case: Case) -> None:
+    outcome = Investigator(case.env()).run(case.case_id, max_steps=50)
+    assert outcome.outcome == COMPLETED, outcome
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_interrupt_after_stage(stage: str, tmp_path: Path, reference: dict[str, Any]) -> None:
+    case = make_case(tmp_path / "case")
+    upto = STAGES.index(stage)
+    for _ in range(5):  # every step of the investigation is interrupted
+        inv = Investigator(case.env())
+        key = inv.next_step(case.case_id)
+        if not isinstance(key, StepKey):
+            break
+        outputs = {}
+        for name in STAGES[: upto + 1]:
+            result = Stages(case.env()).run(name, key)
+            assert result.halt is None or name == "publish"
+            outputs[name] = result.output
+        # A new process: the finished stage, run again, returns its recorded output and
+        # changes nothing; the rest of the step then continues where it stopped.
+        again = Stages(case.env()).run(stage, key)
+        assert json.dumps(again.output, sort_keys=True) == \
+            json.dumps(outputs[stage], sort_keys=True)
+        if stage != "publish":
+            Investigator(case.env()).step(case.case_id)
+    _complete(case)
+    assert fingerprint(case) == reference
+
+
+class Crash(Exception):
+    """Stands for a process that dies inside a stage's transaction."""
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_crash_inside_stage_before_commit(stage: str, tmp_path: Path,
+                                          reference: dict[str, Any],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case(tmp_path / "case")
+    original = Stages._complete
+    crashes = {"left": 3}
+
+    def crashing(s: Any, key: StepKey, name: str, output: dict[str, Any]) -> Any:
+        result = original(s, key, name, output)
+        if name == stage and crashes["left"] > 0:
+            crashes["left"] -= 1
+            s.flush()  # the stage's writes reached the database ...
+            raise Crash(f"killed inside {name} of step {key.step_seq}")  # ... uncommitted
+        return result
+
+    monkeypatch.setattr(Stages, "_complete", staticmethod(crashing))
+    for _ in range(30):
+        try:
+            outcome = Investigator(case.env()).step(case.case_id)
+        except Crash:
+            continue
+        if outcome.outcome == COMPLETED:
+            break
+    assert crashes["left"] == 0
+    monkeypatch.setattr(Stages, "_complete", staticmethod(original))
+    assert fingerprint(case) == reference
