@@ -12,7 +12,7 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -249,7 +249,10 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("CONFIG_INVALID", f"{path} is not valid TOML: {exc}", path=str(path)) from exc
 
 
-def _validate(model: type[Any], data: dict[str, Any], path: str | Path) -> Any:
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validate(model: type[_M], data: dict[str, Any], path: str | Path) -> _M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -9,7 +9,7 @@ Task arguments carry ids only: never prompts, snapshot contents or secrets.
 from __future__ import annotations
 
 from celery import Celery
-from kombu import Queue
+from kombu import Queue  # type: ignore[attr-defined]
 
 from workers.settings import Settings
 

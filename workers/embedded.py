@@ -33,7 +33,7 @@ def run_case(rt: Runtime, case_id: str, max_steps: int | None = None, wait: bool
         while max_steps is None or steps < max_steps:
             outcome = run_embedded_step(case_id, token)
             if outcome is None:
-                from workers.tasks import Investigator
+                from investigation.loop.investigator import Investigator
 
                 nxt = Investigator(rt.env).next_step(case_id)
                 assert isinstance(nxt, Outcome)

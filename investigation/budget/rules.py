@@ -70,7 +70,8 @@ def action_cost(budget: BudgetConfig, action: str, operation: str | None = None,
     if action == "query":
         return budget.costs.get(operation or "")
     if action == "test":
-        return budget.test_costs.get(test_kind or "")  # type: ignore[call-overload]
+        costs: dict[str, int] = dict(budget.test_costs)
+        return costs.get(test_kind or "")
     return None
 
 

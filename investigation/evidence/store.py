@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from sqlalchemy import func
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from investigation.config import canonical_json
 from investigation.constants import ARTIFACT_EVIDENCE
@@ -55,7 +55,7 @@ class EvidenceStore:
         fp = fingerprint(operation, arguments, items)
         prior = session.exec(select(Evidence).where(
             Evidence.case_id == case_id, Evidence.revision == revision,
-            Evidence.hypothesis_id == hypothesis_id).order_by(Evidence.ordinal)).all()
+            Evidence.hypothesis_id == hypothesis_id).order_by(col(Evidence.ordinal))).all()
         seen: set[str] = set()
         for row in prior:
             seen.update(json.loads(row.item_keys_json))
@@ -94,4 +94,4 @@ class EvidenceStore:
         """All current-revision evidence of a case, in creation order."""
         return list(session.exec(select(Evidence).where(
             Evidence.case_id == case_id, Evidence.revision == revision)
-            .order_by(Evidence.ordinal)).all())
+            .order_by(col(Evidence.ordinal))).all())

@@ -81,7 +81,7 @@ log = logging.getLogger(__name__)
 SKIPPED: dict[str, Any] = {"skipped": True}
 
 
-def _loads(text: str) -> Any:
+def _loads(text: str | bytes) -> Any:
     return json.loads(text)
 
 
@@ -546,6 +546,7 @@ class Stages:
             if built["finalize"]:
                 outcome = COMPLETED
             elif not verdict.get("accepted"):
+                assert hid is not None
                 account = self._account(s, key, int(hid))
                 outcome, reason = REJECTED, verdict["code"]
                 if account.invalid_streak >= cfg.loop.max_invalid_responses:

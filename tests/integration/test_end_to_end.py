@@ -114,8 +114,8 @@ def test_policy_is_frozen_per_revision(tmp_path: Path) -> None:
 
 
 def test_provider_blocking_and_resume_with_retry_id(tmp_path: Path) -> None:
-    from investigation.operations import resume
     from investigation.constants import BLOCKED
+    from investigation.operations import resume
 
     case = make_case(tmp_path / "d", replies=casekit.HAPPY_REPLIES[:2])
     outcome = case.investigator().run(case.case_id, max_steps=50)

@@ -1,0 +1,268 @@
+"""The reply contract: ``parse_reply`` accepts exactly one strict JSON reply object and
+refuses everything else with a stable code (seed 000, "Model/controller contract")."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from investigation.loop.contract import (
+    FinishAction,
+    QueryAction,
+    RejectAction,
+    Reply,
+    ReplyRejected,
+    parse_reply,
+    reply_json_schema,
+)
+from investigation.loop.contract import (
+    TestAction as TestActionModel,
+)
+
+
+def reply(**overrides: Any) -> dict[str, Any]:
+    """A valid reply document (an assessed query); ``overrides`` replace top-level keys."""
+    doc: dict[str, Any] = {
+        "assessment": {"score": 80, "reason": "the search found the divisor",
+                       "evidence_ids": ["E1"]},
+        "update": {"confidence": "plausible", "evidence_ids": ["E1"], "resolve_questions": [],
+                   "new_questions": ["Who calls apply_discount?"], "note": "looks like /10"},
+        "next": {"action": "query", "operation": "source.read",
+                 "arguments": {"path": "shop/pricing.py", "start_line": 1, "end_line": 3}},
+    }
+    doc.update(overrides)
+    return doc
+
+
+def code_of(text: str) -> str:
+    with pytest.raises(ReplyRejected) as info:
+        parse_reply(text)
+    assert info.value.detail  # a rejection always says why
+    return info.value.code
+
+
+def with_path(path: tuple[str, ...], value: Any) -> str:
+    """The valid reply with one nested value replaced, as JSON text."""
+    doc = reply()
+    target = doc
+    for part in path[:-1]:
+        target = target[part]
+    target[path[-1]] = value
+    return json.dumps(doc)
+
+
+def without(path: tuple[str, ...]) -> str:
+    doc = reply()
+    target = doc
+    for part in path[:-1]:
+        target = target[part]
+    del target[path[-1]]
+    return json.dumps(doc)
+
+
+# -- accepted replies --------------------------------------------------------------------
+
+
+def test_valid_query_reply_parses_into_the_typed_models() -> None:
+    parsed = parse_reply(json.dumps(reply()))
+    assert isinstance(parsed, Reply)
+    assert parsed.assessment is not None
+    assert parsed.assessment.score == 80
+    assert parsed.assessment.evidence_ids == ["E1"]
+    assert parsed.update.confidence == "plausible"
+    assert parsed.update.new_questions == ["Who calls apply_discount?"]
+    assert isinstance(parsed.next, QueryAction)
+    assert parsed.next.operation == "source.read"
+    assert parsed.next.arguments == {"path": "shop/pricing.py", "start_line": 1, "end_line": 3}
+
+
+@pytest.mark.parametrize(("nxt", "model"), [
+    ({"action": "finish", "reason": "enough evidence"}, FinishAction),
+    ({"action": "reject", "reason": "contradicted by E2"}, RejectAction),
+    ({"action": "test", "test": {"kind": "human", "title": "Order with 10%",
+                                 "instructions": "Place an order of 100 with 10% off",
+                                 "expected_observation": "total is 90"}}, TestActionModel),
+])
+def test_every_next_action_kind_is_discriminated(nxt: dict[str, Any], model: type) -> None:
+    parsed = parse_reply(json.dumps(reply(assessment=None, next=nxt)))
+    assert parsed.assessment is None
+    assert isinstance(parsed.next, model)
+    assert parsed.next.action == nxt["action"]
+
+
+def test_surrounding_whitespace_is_tolerated() -> None:
+    assert parse_reply("\n  " + json.dumps(reply()) + "\n\t ").update.note == "looks like /10"
+
+
+def test_score_bounds_are_inclusive() -> None:
+    assert parse_reply(with_path(("assessment", "score"), 0)).assessment.score == 0  # type: ignore[union-attr]
+    assert parse_reply(with_path(("assessment", "score"), 100)).assessment.score == 100  # type: ignore[union-attr]
+
+
+# -- REPLY_NOT_JSON ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "I think the bug is in apply_discount.",
+    "```json\n" + json.dumps(reply()) + "\n```",
+    json.dumps(reply()) + "\nHope this helps!",
+    json.dumps(reply()) + json.dumps(reply()),
+    "{'assessment': null}",
+    "[" * 100_000,
+], ids=["empty", "prose", "fenced", "trailing-text", "two-objects", "python-dict", "deep"])
+def test_non_json_text_is_reply_not_json(text: str) -> None:
+    assert code_of(text) == "REPLY_NOT_JSON"
+
+
+@pytest.mark.parametrize("text", [
+    "[" + json.dumps(reply()) + "]", '"a string"', "42", "null", "true",
+], ids=["array", "string", "number", "null", "bool"])
+def test_json_that_is_not_an_object_is_reply_not_json(text: str) -> None:
+    assert code_of(text) == "REPLY_NOT_JSON"
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_non_standard_constants_are_reply_not_json(constant: str) -> None:
+    text = json.dumps(reply()).replace('"score": 80', f'"score": {constant}')
+    assert constant in text
+    assert code_of(text) == "REPLY_NOT_JSON"
+
+
+# -- REPLY_DUPLICATE_KEYS ----------------------------------------------------------------
+
+
+def test_duplicate_top_level_key_is_refused() -> None:
+    text = json.dumps(reply())[:-1] + ', "next": {"action": "finish", "reason": "x"}}'
+    assert code_of(text) == "REPLY_DUPLICATE_KEYS"
+
+
+def test_duplicate_key_in_nested_arguments_is_refused() -> None:
+    text = json.dumps(reply()).replace('"start_line": 1', '"start_line": 1, "start_line": 2')
+    assert text.count('"start_line"') == 2
+    assert code_of(text) == "REPLY_DUPLICATE_KEYS"
+
+
+def test_duplicate_keys_win_over_schema_errors() -> None:
+    # Duplicate keys are refused while parsing, before any schema check.
+    assert code_of('{"assessment": null, "assessment": null}') == "REPLY_DUPLICATE_KEYS"
+
+
+# -- REPLY_SCHEMA_INVALID ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["assessment", "update", "next"])
+def test_missing_top_level_key_is_schema_invalid(key: str) -> None:
+    assert code_of(without((key,))) == "REPLY_SCHEMA_INVALID"
+
+
+@pytest.mark.parametrize("path", [
+    ("update", "confidence"), ("update", "evidence_ids"), ("update", "resolve_questions"),
+    ("update", "new_questions"), ("update", "note"), ("assessment", "score"),
+    ("assessment", "reason"), ("assessment", "evidence_ids"), ("next", "operation"),
+    ("next", "arguments"), ("next", "action"),
+])
+def test_missing_nested_key_is_schema_invalid(path: tuple[str, ...]) -> None:
+    assert code_of(without(path)) == "REPLY_SCHEMA_INVALID"
+
+
+@pytest.mark.parametrize("path", [
+    ("extra",), ("update", "balance_units"), ("update", "question_ids"),
+    ("assessment", "refund_units"), ("next", "cost_units"), ("next", "deadline"),
+])
+def test_extra_keys_are_schema_invalid(path: tuple[str, ...]) -> None:
+    # Controller-owned facts (costs, refunds, balances, ids, deadlines) cannot be supplied.
+    assert code_of(with_path(path, 0)) == "REPLY_SCHEMA_INVALID"
+
+
+@pytest.mark.parametrize("score", ["80", 101, -1, True, False, 80.0, 80.5, None, [80]],
+                         ids=repr)
+def test_score_must_be_a_strict_integer_in_range(score: Any) -> None:
+    assert code_of(with_path(("assessment", "score"), score)) == "REPLY_SCHEMA_INVALID"
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("update", "evidence_ids"), "E1"),
+    (("update", "evidence_ids"), [1]),
+    (("update", "resolve_questions"), [None]),
+    (("update", "new_questions"), "one question"),
+    (("update", "note"), None),
+    (("update", "confidence"), 3),
+    (("assessment", "reason"), ""),
+    (("assessment", "evidence_ids"), []),
+    (("assessment",), "none"),
+    (("next", "arguments"), ["path"]),
+    (("next", "operation"), ""),
+    (("next",), "finish"),
+], ids=repr)
+def test_wrong_types_are_schema_invalid(path: tuple[str, ...], value: Any) -> None:
+    assert code_of(with_path(path, value)) == "REPLY_SCHEMA_INVALID"
+
+
+@pytest.mark.parametrize("action", ["explode", "Query", "hypothesis.create", ""])
+def test_unknown_action_is_schema_invalid(action: str) -> None:
+    text = json.dumps(reply(next={"action": action, "reason": "x"}))
+    assert code_of(text) == "REPLY_SCHEMA_INVALID"
+
+
+@pytest.mark.parametrize("confidence", ["certain", "Supported", "strong", "", "rejected"])
+def test_unknown_confidence_is_schema_invalid(confidence: str) -> None:
+    assert code_of(with_path(("update", "confidence"), confidence)) == "REPLY_SCHEMA_INVALID"
+
+
+@pytest.mark.parametrize("confidence", ["unassessed", "weak", "plausible", "supported",
+                                        "strongly_supported", "weakened"])
+def test_every_documented_confidence_is_accepted(confidence: str) -> None:
+    assert parse_reply(with_path(("update", "confidence"),
+                                 confidence)).update.confidence == confidence
+
+
+def test_test_descriptor_kind_is_closed() -> None:
+    nxt = {"action": "test", "test": {"kind": "robot", "title": "t", "instructions": "i",
+                                      "expected_observation": "o"}}
+    assert code_of(json.dumps(reply(assessment=None, next=nxt))) == "REPLY_SCHEMA_INVALID"
+
+
+def test_finish_needs_a_reason_and_takes_no_query_fields() -> None:
+    assert code_of(json.dumps(reply(next={"action": "finish"}))) == "REPLY_SCHEMA_INVALID"
+    mixed = {"action": "finish", "reason": "x", "operation": "db.tables", "arguments": {}}
+    assert code_of(json.dumps(reply(next=mixed))) == "REPLY_SCHEMA_INVALID"
+
+
+def test_too_many_new_questions_are_schema_invalid() -> None:
+    doc = reply()
+    doc["update"]["new_questions"] = [f"question {i}?" for i in range(11)]
+    assert code_of(json.dumps(doc)) == "REPLY_SCHEMA_INVALID"
+    doc["update"]["new_questions"] = doc["update"]["new_questions"][:10]
+    assert len(parse_reply(json.dumps(doc)).update.new_questions) == 10
+
+
+def test_schema_detail_names_the_failing_field() -> None:
+    with pytest.raises(ReplyRejected) as info:
+        parse_reply(with_path(("assessment", "score"), 101))
+    assert info.value.code == "REPLY_SCHEMA_INVALID"
+    assert "assessment.score" in info.value.detail
+
+
+def test_rejection_detail_is_bounded() -> None:
+    rej = ReplyRejected("X", "y" * 5000)
+    assert rej.code == "X"
+    assert len(rej.detail) == 500
+
+
+def test_reply_json_schema_is_closed_and_requires_the_three_keys() -> None:
+    schema = reply_json_schema()
+    assert set(schema["required"]) == {"assessment", "update", "next"}
+    assert set(schema["properties"]) == {"assessment", "update", "next"}
+    assert schema["additionalProperties"] is False
+
+
+def test_parsed_reply_is_not_mutated_by_the_source_document() -> None:
+    doc = reply()
+    parsed = parse_reply(json.dumps(doc))
+    before = copy.deepcopy(parsed.model_dump())
+    doc["update"]["evidence_ids"].append("E9")
+    assert parsed.model_dump() == before
