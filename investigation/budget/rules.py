@@ -70,7 +70,7 @@ def action_cost(budget: BudgetConfig, action: str, operation: str | None = None,
     if action == "query":
         return budget.costs.get(operation or "")
     if action == "test":
-        costs: dict[str, int] = dict(budget.test_costs)
+        costs: dict[str, int] = {str(k): v for k, v in budget.test_costs.items()}
         return costs.get(test_kind or "")
     return None
 

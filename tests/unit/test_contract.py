@@ -84,7 +84,7 @@ def test_valid_query_reply_parses_into_the_typed_models() -> None:
     ({"action": "reject", "reason": "contradicted by E2"}, RejectAction),
     ({"action": "test", "test": {"kind": "human", "title": "Order with 10%",
                                  "instructions": "Place an order of 100 with 10% off",
-                                 "expected_observation": "total is 90"}}, TestActionModel),
+                                 "expected_observation": "total is 90"}}, contract.TestAction),
 ])
 def test_every_next_action_kind_is_discriminated(nxt: dict[str, Any], model: type) -> None:
     parsed = parse_reply(json.dumps(reply(assessment=None, next=nxt)))
