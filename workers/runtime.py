@@ -2,8 +2,8 @@
 
 Two runtimes run the same Celery tasks:
 
-* ``embedded``: the CLI process runs each step's chain with Celery's eager mode
-  (no broker, no server), SQLite by default, a file lock per case.
+* ``embedded``: the CLI process runs each step's chain locally with
+  ``chain.apply()`` (no broker, no server), SQLite by default, a file lock per case.
 * ``distributed``: ``investigate worker`` consumes the case queue from Redis; per-case
   Redis lease locks; any SQL URL (PostgreSQL across hosts).
 """
@@ -91,11 +91,8 @@ def current() -> Runtime:
 
 def embedded(settings: Settings, config_path: Path | None = None,
              providers_path: Path | None = None) -> Runtime:
-    """Build and install the embedded runtime (eager Celery, file locks)."""
-    from workers.celery_app import app
-
-    app.conf.task_always_eager = True
-    app.conf.task_eager_propagates = True
+    """Build and install the embedded runtime (file locks; chains run with
+    ``Signature.apply()``, Celery's local execution, so no broker is touched)."""
     runtime = Runtime("embedded", settings, build_env(settings, config_path, providers_path),
                       FileCaseLock(settings.home / "locks"))
     configure(runtime)

@@ -16,7 +16,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
-from sqlmodel import Session, SQLModel, create_engine, select
+from sqlmodel import Session, create_engine, select
 
 from investigation.errors import StoreError
 from investigation.store import models
@@ -82,9 +82,12 @@ class Store:
         self.engine = make_engine(url)
 
     def create_schema(self) -> None:
-        """Create every table that does not exist yet (idempotent)."""
+        """Bring the schema to the newest migration (idempotent; concurrent callers are
+        serialised by the database)."""
+        from investigation.store.migrate import upgrade
+
         _ = models  # the import registers the tables
-        SQLModel.metadata.create_all(self.engine)
+        upgrade(self.engine)
 
     def dispose(self) -> None:
         """Close pooled connections (call after fork or at shutdown)."""

@@ -1,0 +1,46 @@
+"""Schema migrations (Alembic), run programmatically by ``Store.create_schema``.
+
+New tables or columns get a new revision under ``migrations/versions`` (generate one with
+``python -m investigation.store.migrate revision "message"`` against a scratch SQLite
+database, then review it). A test checks that the migrated schema equals the models.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.engine import Engine
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Bring the database behind ``engine`` to ``revision`` (idempotent, serialised)."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+        conn.commit()
+
+
+def revision(engine: Engine, message: str) -> None:
+    """Autogenerate a new revision from the difference between models and database."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.revision(cfg, message=message, autogenerate=True)
+
+
+if __name__ == "__main__":  # pragma: no cover - developer tool
+    from investigation.store.engine import make_engine
+
+    if len(sys.argv) != 4 or sys.argv[1] != "revision":
+        sys.exit("usage: python -m investigation.store.migrate revision URL MESSAGE")
+    eng = make_engine(sys.argv[2])
+    upgrade(eng)
+    revision(eng, sys.argv[3])

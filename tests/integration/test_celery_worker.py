@@ -1,0 +1,328 @@
+"""A real Celery worker process (prefork, Redis broker) runs a tiny case to the end.
+
+The test process is the producer: it registers the case in a SQLite store, points the
+module-level Celery app and the process runtime at the same broker, queue and store as
+the worker, calls ``workers.tasks.start_dispatch`` and polls the store.
+
+The broker is a dedicated Redis database (``TEST_CELERY_BROKER_DB``, default 5) that is
+flushed before and after each test; every test uses its own queue name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from sqlmodel import col, select
+
+from investigation.constants import CASE_BUILDING_DIAGNOSIS, POINTER_SUMMARY, STAGES
+from investigation.errors import LockBusy
+from investigation.loop.checkpoints import verify_chain
+from investigation.operations import status, summary_bytes
+from investigation.store.models import Checkpoint, Evidence, LedgerEntry, Plan, StageRun
+from tests.casekit import Case, make_case
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+BROKER_DB = int(os.environ.get("TEST_CELERY_BROKER_DB", "5"))
+CASE_TIMEOUT_S = 60.0
+HAPPY_STEPS = 5  # tests.casekit.HAPPY_REPLIES: 3 queries, a finish, a reject
+HAPPY_QUERY_STEPS = [1, 2, 3]
+
+#: The Celery settings a producer must share with the worker (all derived from Settings).
+_PRODUCER_KEYS = ("broker_url", "task_default_queue", "task_queues",
+                  "broker_transport_options", "task_always_eager", "task_eager_propagates")
+
+
+def point_app_at(settings: Any) -> Callable[[], None]:
+    """Re-point the module-level ``workers.celery_app.app`` at ``settings``; returns undo.
+
+    ``workers.celery_app.app`` is built from the environment at import time and the stage
+    tasks are bound to it, so a process that imported it earlier (or that ran the embedded
+    runtime, which switches it to eager mode for good) must be re-pointed by hand: copy the
+    settings-derived keys from a fresh ``make_app(settings)`` and drop Celery's cached
+    connection pool and ``amqp`` (queues, router, producer pool).
+    """
+    from workers.celery_app import app, make_app
+
+    fresh = make_app(settings)
+    saved = {k: app.conf[k] for k in _PRODUCER_KEYS}
+    app.conf.update({k: fresh.conf[k] for k in _PRODUCER_KEYS[:4]},
+                    task_always_eager=False, task_eager_propagates=False)
+    fresh.close()
+    _drop_cached_connections(app)
+
+    def undo() -> None:
+        app.conf.update(saved)
+        _drop_cached_connections(app)
+
+    return undo
+
+
+def _drop_cached_connections(app: Any) -> None:
+    pool = app._pool
+    if pool is not None:
+        pool.force_close_all()
+    app._pool = None
+    app.__dict__.pop("amqp", None)
+
+
+@dataclass
+class Worker:
+    """A ``celery worker`` subprocess and its log file."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while " ready." not in self.log():
+            assert self.proc is not None and self.proc.poll() is None, \
+                f"worker exited with {self.proc and self.proc.returncode}"
+            assert time.monotonic() < deadline, "worker not ready in time"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM (warm shutdown), then SIGKILL the worker's process group."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        # Prefork children of a worker that died hard: they share its process group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@dataclass
+class Harness:
+    """One registered case, its store, a broker database, a queue and a worker."""
+
+    case: Case
+    queue: str
+    broker_url: str
+    worker: Worker
+    redis: redis.Redis
+    lock_holder: Callable[[str], str | None]
+    notes: list[str] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def dump_on_failure(self) -> Iterator[None]:
+        """On any failure print the worker log (pytest shows it with the failure)."""
+        try:
+            yield
+        except BaseException:
+            print(f"----- worker log ({self.worker.log_path}) -----")
+            print(self.worker.log())
+            raise
+
+    def wait_for_state(self, state: str, timeout_s: float = CASE_TIMEOUT_S) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        info = status(self.case.store, self.case.case_id)
+        while info["state"] != state:
+            proc = self.worker.proc
+            assert proc is None or proc.poll() is None, \
+                f"worker exited with {proc.returncode} while the case was {info['state']}"
+            assert time.monotonic() < deadline, (
+                f"case still {info['state']} (steps {info['steps']}, last "
+                f"{info['last_outcome']} {info['last_reason']}) after {timeout_s}s")
+            time.sleep(0.1)
+            info = status(self.case.store, self.case.case_id)
+        return info
+
+    def wait_unlocked(self, timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.lock_holder(self.case.case_id) is not None:
+            assert time.monotonic() < deadline, "the dispatch never released the case lock"
+            time.sleep(0.05)
+
+    def task_received(self, name: str) -> int:
+        """How many ``investigation.<name>`` task messages the worker received."""
+        return len(re.findall(rf"Task investigation\.{name}\[[0-9a-f-]+\] received",
+                              self.worker.log()))
+
+
+def _broker_url(redis_url: str) -> str:
+    base, _, db = redis_url.rpartition("/")
+    return f"{base}/{BROKER_DB}" if db.isdigit() else f"{redis_url.rstrip('/')}/{BROKER_DB}"
+
+
+@pytest.fixture
+def harness(tmp_path: Path, redis_url: str,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
+    from workers import runtime
+    from workers.settings import Settings
+
+    broker_url = _broker_url(redis_url)
+    client = redis.Redis.from_url(broker_url)
+    client.flushdb()
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    case = make_case(tmp_path / "case", database_url=store_url)
+    queue = f"test-cases-{uuid.uuid4().hex[:12]}"
+    inv_env = {
+        "INVESTIGATE_HOME": str(tmp_path / "home"),
+        "INVESTIGATE_DATABASE_URL": store_url,
+        "INVESTIGATE_PROVIDERS": str(case.providers_path),
+        "INVESTIGATE_BROKER_URL": broker_url,
+        "INVESTIGATE_QUEUE": queue,
+    }
+    for name in list(os.environ):
+        if name.startswith("INVESTIGATE_") and name not in inv_env:
+            monkeypatch.delenv(name)
+    for name, value in inv_env.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert settings.queue == queue and settings.broker_url == broker_url
+
+    worker_env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+    worker_env.update(inv_env, PYTHONUNBUFFERED="1")
+    worker = Worker(
+        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
+         "--pool=prefork", "-c", "2", "-Q", queue, "--loglevel=INFO",
+         "--without-mingle", "--without-gossip", "-n", f"{queue}@%h"],
+        worker_env, tmp_path / "worker.log")
+
+    undo_app = point_app_at(settings)
+    runtime.configure(None)  # the producer's runtime: built from the environment above
+    rt = runtime.current()
+    assert rt.mode == "distributed"
+    lock = rt.lock
+    holder = lock.holder  # type: ignore[attr-defined]
+    h = Harness(case, queue, broker_url, worker, client, holder)
+    try:
+        yield h
+    finally:
+        worker.stop()
+        runtime.configure(None)
+        rt.env.store.dispose()
+        undo_app()
+        case.store.dispose()
+        client.flushdb()
+        client.close()
+
+
+def _assert_completed_case(h: Harness, info: dict[str, Any]) -> None:
+    case_id, store = h.case.case_id, h.case.store
+    assert info["state"] == CASE_BUILDING_DIAGNOSIS
+    assert info["last_outcome"] == "COMPLETED"
+    assert info["steps"] == HAPPY_STEPS
+    assert POINTER_SUMMARY in info["pointers"]
+    summary = summary_bytes(store, case_id)
+    assert summary.strip(), "summary.md is empty"
+    with store.session() as s:
+        assert verify_chain(s, case_id) == HAPPY_STEPS
+        seqs = s.exec(select(Checkpoint.seq).where(Checkpoint.case_id == case_id)
+                      .order_by(col(Checkpoint.seq))).all()
+        plans = s.exec(select(Plan).where(Plan.case_id == case_id)
+                       .order_by(col(Plan.step_seq))).all()
+        evidence = s.exec(select(Evidence).where(Evidence.case_id == case_id)
+                          .order_by(col(Evidence.step_seq))).all()
+        reserves = s.exec(select(LedgerEntry).where(LedgerEntry.case_id == case_id,
+                                                    LedgerEntry.kind == "reserve")
+                          .order_by(col(LedgerEntry.step_seq))).all()
+        stage_runs = s.exec(select(StageRun).where(StageRun.case_id == case_id)).all()
+    assert list(seqs) == list(range(1, HAPPY_STEPS + 1))
+    assert [p.step_seq for p in plans] == list(range(1, HAPPY_STEPS + 1))
+    query_steps = [p.step_seq for p in plans if p.action == "query"]
+    assert query_steps == HAPPY_QUERY_STEPS
+    # One evidence record per query plan, bound to the same step and hypothesis.
+    assert [(e.step_seq, e.hypothesis_id) for e in evidence] == \
+        [(p.step_seq, p.hypothesis_id) for p in plans if p.action == "query"]
+    assert [e.evidence_id for e in evidence] == [f"E{i}" for i in range(1, len(evidence) + 1)]
+    assert info["evidence_count"] == len(query_steps)
+    # One reserve ledger row per query plan, for the plan's hypothesis.
+    assert [(r.step_seq, r.hypothesis_id) for r in reserves] == \
+        [(p.step_seq, p.hypothesis_id) for p in plans if p.action == "query"]
+    assert all(r.amount_units < 0 for r in reserves)
+    # Every stage ran exactly once per step (idempotency markers).
+    markers = sorted((r.step_seq, r.stage) for r in stage_runs)
+    assert markers == sorted((seq, st) for seq in range(1, HAPPY_STEPS + 1) for st in STAGES)
+
+
+def test_worker_runs_a_case_to_building_diagnosis(harness: Harness) -> None:
+    from workers.tasks import start_dispatch
+
+    h = harness
+    with h.dump_on_failure():
+        h.worker.start()
+        token = start_dispatch(h.case.case_id)
+        assert h.lock_holder(h.case.case_id) == token
+        info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+        h.wait_unlocked()
+        _assert_completed_case(h, info)
+        # 5 steps within one dispatch (default max_steps_per_dispatch is 8): no yield.
+        assert h.task_received("dispatch") == 0
+        assert h.task_received("advance") == HAPPY_STEPS
+
+
+def test_duplicate_dispatch_while_locked_raises_lock_busy(harness: Harness) -> None:
+    from workers.tasks import start_dispatch
+
+    h = harness
+    with h.dump_on_failure():
+        # No worker yet: the first dispatch's chain waits on the queue, holding the lock.
+        token = start_dispatch(h.case.case_id)
+        assert h.lock_holder(h.case.case_id) == token
+        started = time.monotonic()
+        with pytest.raises(LockBusy):
+            start_dispatch(h.case.case_id)
+        assert time.monotonic() - started < 2.0  # refused at once, never blocking
+        assert h.lock_holder(h.case.case_id) == token  # the loser did not touch the lock
+        assert h.redis.llen(h.queue) == 1  # only the first dispatch enqueued a step
+
+        h.worker.start()
+        info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+        h.wait_unlocked()
+        _assert_completed_case(h, info)
+        # A dispatch of a finished case takes and returns the lock, enqueueing nothing.
+        start_dispatch(h.case.case_id)
+        assert h.lock_holder(h.case.case_id) is None
+        assert h.redis.llen(h.queue) == 0
+
+
+def test_max_steps_dispatch_yields_reenqueues_and_completes(harness: Harness) -> None:
+    from workers.tasks import start_dispatch
+
+    h = harness
+    with h.dump_on_failure():
+        h.worker.start()
+        h.worker.wait_ready()
+        start_dispatch(h.case.case_id, max_steps=2)
+        info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+        h.wait_unlocked()
+        _assert_completed_case(h, info)
+        # Step 2 used up the dispatch: advance released the lock and re-enqueued a dispatch
+        # task, which ran the remaining three steps (default max_steps_per_dispatch is 8).
+        assert h.task_received("dispatch") == 1
+        assert h.task_received("advance") == HAPPY_STEPS
+        log = h.worker.log()
+        assert log.index("step 2: PROGRESSED") < log.index("Task investigation.dispatch[")
+        assert log.index("Task investigation.dispatch[") < log.index("step 3: PROGRESSED")

@@ -1,0 +1,281 @@
+"""The per-case Redis lease lock (``workers.locks.RedisCaseLock``).
+
+Every behaviour runs twice: against the real Redis server (marked ``redis``) and against
+fakeredis (a fast unit variant; its Lua scripting needs ``lupa``, i.e. ``fakeredis[lua]``).
+Each test uses its own random case id and deletes its key afterwards.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+from investigation.constants import REDIS_LOCK_KEY
+from investigation.errors import LockBusy
+from workers.locks import RedisCaseLock
+
+TTL_S = 30
+
+
+@dataclass
+class Backend:
+    """A Redis client factory plus the case ids a test used (for cleanup)."""
+
+    name: str
+    make_client: Callable[[], redis.Redis]
+    used: list[str]
+
+    def client(self) -> redis.Redis:
+        return self.make_client()
+
+    def lock(self, ttl_s: int = TTL_S) -> RedisCaseLock:
+        return RedisCaseLock(self.client(), ttl_s)
+
+    def case_id(self) -> str:
+        case_id = f"test-lock-{uuid.uuid4().hex}"
+        self.used.append(case_id)
+        return case_id
+
+
+def key(case_id: str) -> str:
+    return REDIS_LOCK_KEY.format(case_id=case_id)
+
+
+@pytest.fixture(params=[pytest.param("real", marks=pytest.mark.redis), "fake"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    if request.param == "real":
+        url = request.getfixturevalue("redis_url")
+
+        def make() -> redis.Redis:
+            return redis.Redis.from_url(url)
+    else:
+        fakeredis = pytest.importorskip("fakeredis")
+        pytest.importorskip("lupa", reason="fakeredis runs Lua scripts only with lupa "
+                                           "(install fakeredis[lua])")
+        server = fakeredis.FakeServer()
+
+        def make() -> redis.Redis:
+            return fakeredis.FakeRedis(server=server)  # type: ignore[no-any-return]
+
+    b = Backend(request.param, make, [])
+    yield b
+    if b.used:
+        cleanup = b.client()
+        cleanup.delete(*(key(c) for c in b.used))
+        cleanup.close()
+
+
+def expire_now(client: redis.Redis, case_id: str) -> None:
+    """Let the lease run out (1 ms TTL), as if the holder had stalled past it."""
+    assert client.pexpire(key(case_id), 1)
+    deadline = time.monotonic() + 5
+    while client.exists(key(case_id)):
+        assert time.monotonic() < deadline, "the lease did not expire"
+        time.sleep(0.005)
+
+
+# -- acquire -------------------------------------------------------------------------------
+
+
+def test_acquire_returns_token_and_sets_lease(backend: Backend) -> None:
+    lock, case_id = backend.lock(), backend.case_id()
+    token = lock.acquire(case_id)
+    assert isinstance(token, str) and len(token) == 32
+    assert lock.holder(case_id) == token
+    ttl_ms = lock.client.pttl(key(case_id))
+    assert 0 < ttl_ms <= TTL_S * 1000
+
+
+def test_second_acquire_raises_lock_busy_without_blocking(backend: Backend) -> None:
+    first, second = backend.lock(), backend.lock()
+    case_id = backend.case_id()
+    token = first.acquire(case_id)
+    started = time.monotonic()
+    with pytest.raises(LockBusy):
+        second.acquire(case_id)
+    with pytest.raises(LockBusy):
+        first.acquire(case_id)  # not reentrant either
+    assert time.monotonic() - started < 1.0  # never waits for the lease
+    assert first.holder(case_id) == token
+
+
+def test_acquire_after_release_gets_a_new_token(backend: Backend) -> None:
+    lock, case_id = backend.lock(), backend.case_id()
+    token = lock.acquire(case_id)
+    assert lock.release(case_id, token) is True
+    assert lock.holder(case_id) is None
+    again = lock.acquire(case_id)
+    assert again != token
+    assert lock.holder(case_id) == again
+
+
+def test_different_cases_do_not_contend(backend: Backend) -> None:
+    lock = backend.lock()
+    a, b = backend.case_id(), backend.case_id()
+    assert lock.acquire(a) != lock.acquire(b)
+
+
+# -- release -------------------------------------------------------------------------------
+
+
+def test_release_with_a_wrong_token_keeps_the_key(backend: Backend) -> None:
+    lock, case_id = backend.lock(), backend.case_id()
+    token = lock.acquire(case_id)
+    assert lock.release(case_id, "not-the-token") is False
+    assert lock.holder(case_id) == token
+    assert lock.release(case_id, token) is True
+    assert lock.release(case_id, token) is False  # already gone: a no-op
+
+
+def test_release_never_deletes_another_holders_key(backend: Backend) -> None:
+    old, new = backend.lock(), backend.lock()
+    case_id = backend.case_id()
+    stale = old.acquire(case_id)
+    expire_now(old.client, case_id)
+    fresh = new.acquire(case_id)
+    assert fresh != stale
+    assert old.release(case_id, stale) is False
+    assert new.holder(case_id) == fresh
+    assert new.client.pttl(key(case_id)) > 0
+    with pytest.raises(LockBusy):
+        old.acquire(case_id)
+    assert new.release(case_id, fresh) is True
+
+
+# -- hold ----------------------------------------------------------------------------------
+
+
+def test_hold_renews_the_lease_for_the_owner(backend: Backend) -> None:
+    lock, case_id = backend.lock(), backend.case_id()
+    token = lock.acquire(case_id)
+    lock.client.pexpire(key(case_id), 2000)
+    assert lock.client.pttl(key(case_id)) <= 2000
+    assert lock.hold(case_id, token) is True
+    assert lock.client.pttl(key(case_id)) > 2000  # back to the full lease
+    assert lock.holder(case_id) == token
+
+
+def test_hold_retakes_an_expired_lock(backend: Backend) -> None:
+    lock, case_id = backend.lock(), backend.case_id()
+    token = lock.acquire(case_id)
+    expire_now(lock.client, case_id)
+    assert lock.holder(case_id) is None
+    assert lock.hold(case_id, token) is True
+    assert lock.holder(case_id) == token
+    assert 0 < lock.client.pttl(key(case_id)) <= TTL_S * 1000
+    assert lock.release(case_id, token) is True
+
+
+def test_hold_refuses_when_another_token_holds_it(backend: Backend) -> None:
+    old, new = backend.lock(), backend.lock()
+    case_id = backend.case_id()
+    stale = old.acquire(case_id)
+    expire_now(old.client, case_id)
+    fresh = new.acquire(case_id)
+    new.client.pexpire(key(case_id), 5000)
+    assert old.hold(case_id, stale) is False
+    assert new.holder(case_id) == fresh
+    assert new.client.pttl(key(case_id)) <= 5000  # the refused renewal did not touch it
+    assert old.hold(case_id, "never-issued") is False
+
+
+def test_hold_after_release_retakes_only_a_free_lock(backend: Backend) -> None:
+    """``hold`` re-takes any free key for its token (documented behaviour), so a released
+    token can come back; it never steals a held one."""
+    lock, case_id = backend.lock(), backend.case_id()
+    token = lock.acquire(case_id)
+    lock.release(case_id, token)
+    other = lock.acquire(case_id)
+    assert lock.hold(case_id, token) is False
+    assert lock.holder(case_id) == other
+
+
+# -- contention ----------------------------------------------------------------------------
+
+
+CONTENDERS = 20
+
+
+def test_concurrent_acquires_from_threads_yield_exactly_one_token(backend: Backend) -> None:
+    case_id = backend.case_id()
+    barrier = threading.Barrier(CONTENDERS)
+    tokens: list[str] = []
+    busy: list[LockBusy] = []
+    errors: list[BaseException] = []
+    mutex = threading.Lock()
+
+    def contend() -> None:
+        lock = backend.lock()  # one client (connection pool) per contender
+        try:
+            barrier.wait(timeout=10)
+            token = lock.acquire(case_id)
+        except LockBusy as exc:
+            with mutex:
+                busy.append(exc)
+        except BaseException as exc:
+            with mutex:
+                errors.append(exc)
+        else:
+            with mutex:
+                tokens.append(token)
+        finally:
+            lock.client.close()
+
+    threads = [threading.Thread(target=contend) for _ in range(CONTENDERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert len(tokens) == 1
+    assert len(busy) == CONTENDERS - 1
+    assert backend.lock().holder(case_id) == tokens[0]
+
+
+def _acquire_in_process(url: str, case_id: str, barrier: object, results: object) -> None:
+    lock = RedisCaseLock(redis.Redis.from_url(url), TTL_S)
+    barrier.wait(timeout=60)  # type: ignore[attr-defined]
+    try:
+        results.put(("token", lock.acquire(case_id)))  # type: ignore[attr-defined]
+    except LockBusy:
+        results.put(("busy", None))  # type: ignore[attr-defined]
+    except BaseException as exc:
+        results.put(("error", repr(exc)))  # type: ignore[attr-defined]
+
+
+@pytest.mark.redis
+def test_concurrent_acquires_from_processes_yield_exactly_one_token(redis_url: str) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    case_id = f"test-lock-{uuid.uuid4().hex}"
+    barrier = ctx.Barrier(CONTENDERS)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_acquire_in_process, args=(redis_url, case_id, barrier, results))
+             for _ in range(CONTENDERS)]
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for p in procs:
+            p.start()
+        outcomes = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+        kinds = [kind for kind, _ in outcomes]
+        assert kinds.count("error") == 0, outcomes
+        assert kinds.count("token") == 1
+        assert kinds.count("busy") == CONTENDERS - 1
+        token = next(value for kind, value in outcomes if kind == "token")
+        assert RedisCaseLock(client, TTL_S).holder(case_id) == token
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        client.delete(key(case_id))
+        client.close()
