@@ -183,6 +183,17 @@ def worker(
                             f"--pool={pool}", "-Q", settings.queue, "-E"])
 
 
+@app.command("flower")
+def flower(
+    port: Annotated[int, typer.Option("--port")] = 5555,
+    address: Annotated[str, typer.Option("--address")] = "127.0.0.1",
+) -> None:
+    """Start Flower (Celery's monitor) on the configured broker."""
+    from workers.celery_app import app as celery_app
+
+    celery_app.start(["flower", f"--port={port}", f"--address={address}"])
+
+
 # -- operator ------------------------------------------------------------------------------
 
 

@@ -54,7 +54,7 @@ def point_app_at(settings: Any) -> Callable[[], None]:
     tasks are bound to it, so a process that imported it earlier (or that ran the embedded
     runtime, which switches it to eager mode for good) must be re-pointed by hand: copy the
     settings-derived keys from a fresh ``make_app(settings)`` and drop Celery's cached
-    connection pool and ``amqp`` (queues, router, producer pool).
+    connection pool reference and ``amqp`` (queues, router, producer pool).
     """
     from workers.celery_app import app, make_app
 
@@ -73,9 +73,8 @@ def point_app_at(settings: Any) -> Callable[[], None]:
 
 
 def _drop_cached_connections(app: Any) -> None:
-    pool = app._pool
-    if pool is not None:
-        pool.force_close_all()
+    # Only drop the references: kombu keeps its pools in a process-wide registry keyed by
+    # the connection URL and hands the same (now closed) pool out again if it is closed.
     app._pool = None
     app.__dict__.pop("amqp", None)
 

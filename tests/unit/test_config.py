@@ -1,0 +1,62 @@
+"""Configuration: the shipped examples stay true, broken files get stable codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from investigation.config import InvestigationConfig, ProvidersConfig
+from investigation.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_example_policy_is_the_default() -> None:
+    assert InvestigationConfig.load(ROOT / "config/investigation.example.toml") == \
+        InvestigationConfig()
+
+
+def test_example_providers_load() -> None:
+    cfg = ProvidersConfig.load(ROOT / "config/providers.example.toml")
+    assert [p.name for p in cfg.providers] == ["primary", "replay"]
+    assert cfg.gateway.attempts == 10
+    assert "api_key" not in str(cfg.identity())
+
+
+@pytest.mark.parametrize(("text", "code"), [
+    ("[loop\n", "CONFIG_INVALID"),
+    ("[loop]\nmax_invalid_responses = 0\n", "CONFIG_INVALID"),
+    ("[budget.costs]\n\"db.query\" = 0\n", "CONFIG_INVALID"),
+    ("[budget.costs]\n\"db.drop\" = 1\n", "CONFIG_INVALID"),
+    ("[budget]\nmax_refund_percent = 100\n", "CONFIG_INVALID"),
+    ("[surprise]\nx = 1\n", "CONFIG_INVALID"),
+])
+def test_broken_policy_files(tmp_path: Path, text: str, code: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        InvestigationConfig.load(path)
+    assert err.value.code == code
+
+
+def test_missing_file_is_unreadable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        InvestigationConfig.load(tmp_path / "nope.toml")
+    assert err.value.code == "CONFIG_UNREADABLE"
+
+
+def test_providers_need_at_least_one(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text("[gateway]\nattempts = 3\n")
+    with pytest.raises(ConfigError) as err:
+        ProvidersConfig.load(path)
+    assert err.value.code == "CONFIG_INVALID"
+
+
+def test_policy_hash_changes_with_policy() -> None:
+    base = InvestigationConfig()
+    other = InvestigationConfig.model_validate({"budget": {"credit_units": 61}})
+    assert base.policy_hash() != other.policy_hash()
+    limits_only = InvestigationConfig.model_validate({"limits": {"max_checkpoints": 5}})
+    assert base.policy_hash() == limits_only.policy_hash()  # limits are not frozen policy
