@@ -51,10 +51,10 @@ def point_app_at(settings: Any) -> Callable[[], None]:
     """Re-point the module-level ``workers.celery_app.app`` at ``settings``; returns undo.
 
     ``workers.celery_app.app`` is built from the environment at import time and the stage
-    tasks are bound to it, so a process that imported it earlier (or that ran the embedded
-    runtime, which switches it to eager mode for good) must be re-pointed by hand: copy the
-    settings-derived keys from a fresh ``make_app(settings)`` and drop Celery's cached
-    connection pool reference and ``amqp`` (queues, router, producer pool).
+    tasks are bound to it, so a process that imported it earlier (any other test module)
+    must be re-pointed by hand: copy the settings-derived keys from a fresh
+    ``make_app(settings)``, make sure nothing left it in eager mode, and drop Celery's
+    cached connection pool reference and ``amqp`` (queues, router, producer pool).
     """
     from workers.celery_app import app, make_app
 
