@@ -188,19 +188,26 @@ class BudgetManager:
         account.status = rules.REJECTED
         account.disposition_reason = reason
 
-    def closing_reason(self, account: BudgetAccount) -> str | None:
+    def closing_reason(self, account: BudgetAccount,
+                       pending: Evidence | None = None) -> str | None:
         """Why the account's next turn may only close it, or ``None`` if it may act.
 
         ``iteration_cap`` after ``max_iterations_per_hypothesis`` research iterations;
         ``low_information`` after ``max_results_without_novelty`` results without new items;
-        ``budget_exhausted`` when the balance is below the cheapest action.
+        ``budget_exhausted`` when the balance plus the largest refund the pending result
+        could earn (score 100) is below the cheapest action.
         """
         if account.iterations >= self.loop.max_iterations_per_hypothesis:
             return "iteration_cap"
         if account.no_novelty_streak >= self.loop.max_results_without_novelty:
             return "low_information"
-        if account.balance_units < rules.cheapest_action_cost(self.budget) and \
-                account.pending_evidence_id is None:
+        best_refund = 0
+        if pending is not None:
+            novelty = rules.novelty_permille(pending.item_count, pending.new_item_count,
+                                             pending.duplicate)
+            best_refund = rules.refund_units(pending.cost_units, 100, novelty,
+                                             self.budget.max_refund_percent)
+        if account.balance_units + best_refund < rules.cheapest_action_cost(self.budget):
             return "budget_exhausted"
         return None
 

@@ -83,7 +83,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         full_ids.add(pending.evidence_id)
     questions = s.exec(select(Question).where(Question.case_id == key.case_id)
                        .order_by(col(Question.ordinal))).all()
-    closing = budget.closing_reason(account)
+    closing = budget.closing_reason(account, pending)
     allowed = ["finish", "reject"] if closing else ["query", "test", "finish", "reject"]
     report = snapshot.report_text()
     report_bytes = report.encode("utf-8")

@@ -129,3 +129,31 @@ def test_provider_blocking_and_resume_with_retry_id(tmp_path: Path) -> None:
     resume(case.store, case.case_id, retry_id="fix-1")
     assert case.investigator().run(case.case_id, max_steps=50).outcome == COMPLETED
     assert os.path.exists(case.replies_path)
+
+
+def test_exhausted_account_gets_a_closing_turn(tmp_path: Path) -> None:
+    """With credit for one action only, the next turn may only close the account: even a
+    full refund of the pending result (below its cost) cannot pay for another action."""
+    from investigation.constants import ARTIFACT_CONTEXT
+    from investigation.store import Store
+
+    from investigation.constants import OPERATIONS
+
+    config = InvestigationConfig.model_validate(
+        {"budget": {"credit_units": 4, "costs": dict.fromkeys(OPERATIONS, 4)}})
+    replies = [
+        casekit.q("db.query", {"sql": "SELECT id FROM orders"}),
+        casekit.q("db.query", {"sql": "SELECT id FROM orders"}),
+        casekit.finish("weak", (10, ["E1"]), ["E1"]),
+        casekit.finish("weak", (10, ["E2"]), ["E2"]),
+    ]
+    case = make_case(tmp_path / "e", replies=replies)
+    from investigation.loop.investigator import Investigator
+
+    inv = Investigator(case.env(config, explicit=True))
+    assert inv.run(case.case_id, max_steps=10).outcome == COMPLETED
+    with case.store.session() as s:
+        ctx = json.loads(Store.get_artifact(s, case.case_id,
+                                            ARTIFACT_CONTEXT.format(seq=3)).data)
+    assert ctx["closing_reason"] == "budget_exhausted"
+    assert ctx["allowed_actions"] == ["finish", "reject"]
