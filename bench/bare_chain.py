@@ -2,16 +2,18 @@
 
 The app takes the engine's Celery settings (late acks, reject on worker lost, prefetch 1,
 JSON only, ignored results, events) from ``workers.celery_app.make_app`` for the same
-``INVESTIGATE_BROKER_URL`` / ``INVESTIGATE_QUEUE``, but registers only these tasks. Each
+``INVESTIGATE_BROKER_URL`` (queue ``BENCH_BARE_QUEUE``, else ``INVESTIGATE_QUEUE``), but
+registers only these tasks. Each
 stage passes its payload of ids through; the tail, like ``advance``, is the ninth task of
 the chain and reports completion by pushing the payload's ``id`` onto a Redis list.
 
-Worker: ``python -m celery -A bench.bare_chain:app worker -Q $INVESTIGATE_QUEUE ...``
+Worker: ``python -m celery -A bench.bare_chain:app worker -Q $BENCH_BARE_QUEUE ...``
 (from the repository root).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import redis
@@ -32,7 +34,8 @@ SHARED_KEYS = (
 DONE_KEY = "bench:bare:done"
 N_STAGES = 8
 
-settings = Settings()
+_queue = os.environ.get("BENCH_BARE_QUEUE")
+settings = Settings(queue=_queue) if _queue else Settings()
 _engine = make_app(settings)
 app = Celery("bench_bare", broker=settings.broker_url, set_as_current=False)
 app.conf.update({k: _engine.conf[k] for k in SHARED_KEYS})
@@ -49,7 +52,7 @@ def _redis() -> redis.Redis:
 
 
 def _make_stage(i: int) -> Any:
-    @app.task(name=f"bench.stage{i}")
+    @app.task(name=f"bench.stage{i}")  # type: ignore[untyped-decorator]
     def stage(payload: dict[str, Any]) -> dict[str, Any]:
         return payload
 
@@ -59,7 +62,7 @@ def _make_stage(i: int) -> Any:
 STAGE_TASKS = [_make_stage(i) for i in range(1, N_STAGES + 1)]
 
 
-@app.task(name="bench.tail")
+@app.task(name="bench.tail")  # type: ignore[untyped-decorator]
 def tail(payload: dict[str, Any]) -> dict[str, Any]:
     """The advance-like ninth task: report that the chain is done."""
     _redis().rpush(DONE_KEY, payload["id"])

@@ -16,9 +16,19 @@ from workers.settings import Settings
 
 def make_app(settings: Settings | None = None) -> Celery:
     """Build the Celery app for ``settings`` (environment by default)."""
-    settings = settings or Settings()
-    app = Celery("investigation", broker=settings.broker_url, include=["workers.tasks"])
-    app.conf.update(
+    app = Celery("investigation", include=["workers.tasks"])
+    configure(settings or Settings(), app)
+    return app
+
+
+def configure(settings: Settings, target: Celery | None = None) -> None:
+    """Point ``target`` (default: the module's ``app``, to which the tasks are bound) at
+    ``settings``: broker, queue, visibility timeout. A producer in a process that imported
+    this module before its environment was set uses this instead of a second app.
+    """
+    target = target if target is not None else app
+    target.conf.update(
+        broker_url=settings.broker_url,
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
@@ -35,8 +45,12 @@ def make_app(settings: Settings | None = None) -> Celery:
         task_track_started=True,
         worker_send_task_events=True,
         task_send_sent_event=True,
+        worker_max_memory_per_child=settings.worker_max_memory_kib,
     )
-    return app
+    # Drop cached producer state; kombu keeps pools in a process-wide registry, so the
+    # old pool is left alone rather than closed.
+    target._pool = None
+    target.__dict__.pop("amqp", None)
 
 
 app = make_app()

@@ -11,6 +11,8 @@
 | ``INVESTIGATE_LOCK_TTL_S`` | 300 | per-case lock lease, renewed by every stage |
 | ``INVESTIGATE_VISIBILITY_TIMEOUT_S`` | 3600 | broker visibility timeout |
 | ``INVESTIGATE_MAX_COUNTDOWN_S`` | 1800 | longest countdown scheduled (< visibility timeout) |
+| ``INVESTIGATE_QUEUE`` | ``cases`` | the case queue |
+| ``INVESTIGATE_WORKER_MAX_MEMORY_KIB`` | 1048576 | a prefork child above this is replaced |
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Settings(BaseSettings):
     visibility_timeout_s: int = Field(3600, ge=60)
     max_countdown_s: int = Field(1800, ge=1)
     queue: str = "cases"
+    worker_max_memory_kib: int = Field(1_048_576, ge=65_536)
+    """Resident memory after which a prefork child is replaced (KiB). Default 1 GiB."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

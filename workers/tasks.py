@@ -4,7 +4,7 @@ A step is the chain ``build_context | llm_call | validate | persist_plan |
 settle_reserve | execute_tool | record_evidence | publish | advance``. Every task
 takes and returns a small JSON payload of ids::
 
-    {"case_id", "revision", "step_seq", "token", "steps_left", "mode", "halt"}
+    {"case_id", "revision", "step_seq", "token", "steps_left", "max_steps", "mode", "halt"}
 
 A stage task renews the case lock, runs ``Stages.run`` (idempotent and fenced in SQL)
 and, when the step ends early (``RETRY_PENDING``, ``BLOCKED``), sets ``halt`` so the
@@ -108,13 +108,18 @@ def step_chain(payload: dict[str, Any]) -> Any:
                  advance.s())
 
 
-def new_payload(case_id: str, token: str, steps_left: int, mode: str) -> dict[str, Any] | None:
-    """Payload for the case's next step, or ``None`` if it has no eligible step."""
+def new_payload(case_id: str, token: str, steps_left: int, mode: str,
+                max_steps: int | None = None) -> dict[str, Any] | None:
+    """Payload for the case's next step, or ``None`` if it has no eligible step.
+
+    ``max_steps`` is the dispatch's explicit step limit, kept so that the dispatch that
+    follows a yield uses the same limit.
+    """
     key = Investigator(runtime.current().env).next_step(case_id)
     if isinstance(key, Outcome):
         return None
     return {**key.to_dict(), "token": token, "steps_left": steps_left, "mode": mode,
-            "halt": None}
+            "max_steps": max_steps, "halt": None}
 
 
 def start_dispatch(case_id: str, max_steps: int | None = None) -> str:
@@ -131,7 +136,7 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str:
     token = rt.lock.acquire(case_id)
     try:
         steps = max_steps or rt.env.config.loop.max_steps_per_dispatch
-        payload = new_payload(case_id, token, steps, "distributed")
+        payload = new_payload(case_id, token, steps, "distributed", max_steps)
         if payload is None:
             rt.lock.release(case_id, token)
             return token
@@ -166,19 +171,21 @@ def advance(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
     if outcome in (PROGRESSED, REJECTED):
         steps_left = int(payload["steps_left"]) - 1
         if steps_left > 0 and rt.lock.hold(case_id, token):
-            nxt = new_payload(case_id, token, steps_left, "distributed")
+            nxt = new_payload(case_id, token, steps_left, "distributed",
+                              payload.get("max_steps"))
             if nxt is not None:
                 step_chain(nxt).apply_async()
                 return payload
         rt.lock.release(case_id, token)
-        dispatch.apply_async((case_id,))  # behind other cases on the queue
+        dispatch.apply_async((case_id, payload.get("max_steps")))  # behind other cases
         payload["halt"]["outcome"] = YIELDED if steps_left <= 0 else outcome
         return payload
     rt.lock.release(case_id, token)
     if outcome == RETRY_PENDING and halt.get("retry_not_before"):
         due = datetime.fromisoformat(halt["retry_not_before"])
         wait_s = max(0.0, (due - datetime.now(UTC)).total_seconds())
-        dispatch.apply_async((case_id,), countdown=min(wait_s, rt.settings.max_countdown_s))
+        dispatch.apply_async((case_id, payload.get("max_steps")),
+                             countdown=min(wait_s, rt.settings.max_countdown_s))
     elif outcome not in (BLOCKED, COMPLETED):
         log.warning("case %s: dispatch ended with %s", case_id, halt)
     return payload

@@ -137,6 +137,11 @@ def parse_reply(text: str) -> Reply:
         raise ReplyRejected("REPLY_NOT_JSON", f"the reply is not one JSON object: {exc}") from exc
     if not isinstance(data, dict):
         raise ReplyRejected("REPLY_NOT_JSON", "the reply must be a JSON object")
+    try:  # I-JSON (RFC 7493): every string is Unicode, so it can be stored as UTF-8
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ReplyRejected("REPLY_NOT_JSON",
+                            "the reply holds an unpaired surrogate escape (not Unicode)") from exc
     try:
         return Reply.model_validate(data)
     except ValidationError as exc:

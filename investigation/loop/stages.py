@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,8 @@ class StageEnv:
         reader: the package reader (validation cache shared across steps).
         explicit_config: True when the operator passed ``--config``; a different stored
             policy is then refused instead of adopted.
+        snapshot_cache_size: cases whose snapshot and tool router stay open in this
+            process (least recently used are closed). Default 4.
     """
 
     store: Store
@@ -104,10 +107,11 @@ class StageEnv:
     gateway_factory: Callable[[], LLMGateway] | None
     reader: PackageReader
     explicit_config: bool = False
+    snapshot_cache_size: int = 4
 
     def __post_init__(self) -> None:
         self._gateway: LLMGateway | None = None
-        self._routers: dict[str, tuple[Snapshot, ToolRouter]] = {}
+        self._routers: OrderedDict[str, tuple[Snapshot, ToolRouter]] = OrderedDict()
 
     @property
     def gateway(self) -> LLMGateway:
@@ -121,10 +125,15 @@ class StageEnv:
         return self._gateway
 
     def snapshot(self, case_id: str) -> Snapshot:
-        """The case's validated package snapshot (cached per case)."""
-        if case_id not in self._routers:
+        """The case's validated package snapshot (a bounded LRU per process)."""
+        if case_id in self._routers:
+            self._routers.move_to_end(case_id)
+        else:
             snapshot = load_snapshot(self.store, case_id, self.reader)
             self._routers[case_id] = (snapshot, ToolRouter(snapshot, self.config.tools))
+            while len(self._routers) > max(1, self.snapshot_cache_size):
+                _, (_, evicted) = self._routers.popitem(last=False)
+                evicted.close()
         return self._routers[case_id][0]
 
     def router(self, case_id: str) -> ToolRouter:

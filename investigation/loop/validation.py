@@ -94,6 +94,7 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
     for qid in update.resolve_questions:
         if qid not in questions:
             raise ReplyRejected("UNKNOWN_QUESTION_ID", f"question {qid} does not exist")
+    for qid in update.resolve_questions:
         if int(questions[qid]["hypothesis_id"]) != hid:
             raise ReplyRejected("QUESTION_OTHER_HYPOTHESIS",
                                 f"question {qid} belongs to another hypothesis")

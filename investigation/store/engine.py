@@ -7,6 +7,8 @@ PostgreSQL URL (``postgresql+psycopg://...``) works the same way.
 from __future__ import annotations
 
 import hashlib
+import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import QueuePool
 from sqlmodel import Session, create_engine, select
 
 from investigation.errors import StoreError
@@ -34,9 +36,9 @@ def sha256_hex(data: bytes) -> str:
 def make_engine(url: str) -> Engine:
     """Create an engine for ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``).
 
-    SQLite gets WAL journaling, a busy timeout and foreign keys on every connection;
-    no connection pool is shared across processes (NullPool), so prefork children
-    never share a connection.
+    SQLite gets WAL journaling, a busy timeout and foreign keys on every connection.
+    Connections are pooled per process; :class:`Store` drops an inherited pool in a
+    forked child, so prefork children never share a connection.
     """
     if url.startswith("sqlite"):
         if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
@@ -44,7 +46,7 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(
             url,
             connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False},
-            poolclass=NullPool,
+            poolclass=QueuePool, pool_size=4, max_overflow=8,
         )
 
         @event.listens_for(engine, "connect")
@@ -80,6 +82,14 @@ class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
+        ref = weakref.ref(self)
+
+        def _after_fork() -> None:
+            store = ref()
+            if store is not None:  # the parent's connections stay the parent's
+                store.engine.dispose(close=False)
+
+        os.register_at_fork(after_in_child=_after_fork)
 
     def create_schema(self) -> None:
         """Bring the schema to the newest migration (idempotent; concurrent callers are

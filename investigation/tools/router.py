@@ -24,6 +24,7 @@ interface has no database argument, and ATTACH is refused by design.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -154,6 +155,12 @@ class ToolRouter:
         if not isinstance(arguments, dict):
             raise ToolError("TOOL_INVALID_ARGUMENTS", "arguments must be a JSON object",
                             operation=operation)
+        try:
+            json.dumps(arguments, ensure_ascii=False).encode("utf-8")
+        except (TypeError, ValueError, UnicodeEncodeError) as exc:
+            raise ToolError("TOOL_INVALID_ARGUMENTS",
+                            f"{operation}: arguments must be JSON with Unicode strings",
+                            operation=operation) from exc
         try:
             args = model_type.model_validate(arguments)
         except ValidationError as exc:

@@ -19,7 +19,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,40 +43,15 @@ HAPPY_STEPS = 5  # tests.casekit.HAPPY_REPLIES: 3 queries, a finish, a reject
 HAPPY_QUERY_STEPS = [1, 2, 3]
 
 #: The Celery settings a producer must share with the worker (all derived from Settings).
-_PRODUCER_KEYS = ("broker_url", "task_default_queue", "task_queues",
-                  "broker_transport_options", "task_always_eager", "task_eager_propagates")
-
-
 def point_app_at(settings: Any) -> Callable[[], None]:
-    """Re-point the module-level ``workers.celery_app.app`` at ``settings``; returns undo.
+    """Point the tasks' Celery app at ``settings``; returns the undo (back to the
+    environment's settings). ``workers.celery_app.configure`` is the supported way for a
+    producer whose process imported the app before its environment was set."""
+    from workers.celery_app import configure
+    from workers.settings import Settings
 
-    ``workers.celery_app.app`` is built from the environment at import time and the stage
-    tasks are bound to it, so a process that imported it earlier (any other test module)
-    must be re-pointed by hand: copy the settings-derived keys from a fresh
-    ``make_app(settings)``, make sure nothing left it in eager mode, and drop Celery's
-    cached connection pool reference and ``amqp`` (queues, router, producer pool).
-    """
-    from workers.celery_app import app, make_app
-
-    fresh = make_app(settings)
-    saved = {k: app.conf[k] for k in _PRODUCER_KEYS}
-    app.conf.update({k: fresh.conf[k] for k in _PRODUCER_KEYS[:4]},
-                    task_always_eager=False, task_eager_propagates=False)
-    fresh.close()
-    _drop_cached_connections(app)
-
-    def undo() -> None:
-        app.conf.update(saved)
-        _drop_cached_connections(app)
-
-    return undo
-
-
-def _drop_cached_connections(app: Any) -> None:
-    # Only drop the references: kombu keeps its pools in a process-wide registry keyed by
-    # the connection URL and hands the same (now closed) pool out again if it is closed.
-    app._pool = None
-    app.__dict__.pop("amqp", None)
+    configure(settings)
+    return lambda: configure(Settings())
 
 
 @dataclass
@@ -131,7 +106,6 @@ class Harness:
     worker: Worker
     redis: redis.Redis
     lock_holder: Callable[[str], str | None]
-    notes: list[str] = field(default_factory=list)
 
     @contextlib.contextmanager
     def dump_on_failure(self) -> Iterator[None]:
@@ -213,8 +187,7 @@ def harness(tmp_path: Path, redis_url: str,
     runtime.configure(None)  # the producer's runtime: built from the environment above
     rt = runtime.current()
     assert rt.mode == "distributed"
-    lock = rt.lock
-    holder = lock.holder  # type: ignore[attr-defined]
+    holder = rt.lock.holder  # type: ignore[attr-defined]  # RedisCaseLock in this runtime
     h = Harness(case, queue, broker_url, worker, client, holder)
     try:
         yield h
@@ -318,10 +291,12 @@ def test_max_steps_dispatch_yields_reenqueues_and_completes(harness: Harness) ->
         info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
         h.wait_unlocked()
         _assert_completed_case(h, info)
-        # Step 2 used up the dispatch: advance released the lock and re-enqueued a dispatch
-        # task, which ran the remaining three steps (default max_steps_per_dispatch is 8).
-        assert h.task_received("dispatch") == 1
+        # Steps 2 and 4 used up their dispatch: advance released the lock and re-enqueued a
+        # dispatch task with the same limit, behind other cases; step 5 then completed.
+        assert h.task_received("dispatch") == 2
         assert h.task_received("advance") == HAPPY_STEPS
         log = h.worker.log()
         assert log.index("step 2: PROGRESSED") < log.index("Task investigation.dispatch[")
         assert log.index("Task investigation.dispatch[") < log.index("step 3: PROGRESSED")
+        second = log.index("Task investigation.dispatch[", log.index("step 3: PROGRESSED"))
+        assert log.index("step 4: PROGRESSED") < second < log.index("step 5: COMPLETED")

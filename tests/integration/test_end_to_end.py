@@ -134,10 +134,8 @@ def test_provider_blocking_and_resume_with_retry_id(tmp_path: Path) -> None:
 def test_exhausted_account_gets_a_closing_turn(tmp_path: Path) -> None:
     """With credit for one action only, the next turn may only close the account: even a
     full refund of the pending result (below its cost) cannot pay for another action."""
-    from investigation.constants import ARTIFACT_CONTEXT
+    from investigation.constants import ARTIFACT_CONTEXT, OPERATIONS
     from investigation.store import Store
-
-    from investigation.constants import OPERATIONS
 
     config = InvestigationConfig.model_validate(
         {"budget": {"credit_units": 4, "costs": dict.fromkeys(OPERATIONS, 4)}})

@@ -105,6 +105,8 @@ def test_rejected_reply_changes_nothing_and_the_next_context_carries_its_code(
     assert effects(case) == before
     assert account(case, 1).invalid_streak == 1
 
+    # A valid reply continues; the context it was given carries the rejection.
+    assert steps(inv, case, 1) == [(PROGRESSED, None, 1)]
     ctx = context_at(case, 4)
     assert ctx["hypothesis"]["id"] == 1
     assert ctx["last_rejection"]["code"] == "DUPLICATE_QUESTION"
@@ -112,31 +114,42 @@ def test_rejected_reply_changes_nothing_and_the_next_context_carries_its_code(
     assert ctx["hypothesis"]["balance_units"] == 57
     assert ctx["previous_result"]["evidence_id"] == "E1"
     assert [x["status"] for x in ctx["questions"]] == ["open"]
-
-    # A valid reply continues and clears the rejection.
-    assert steps(inv, case, 1) == [(PROGRESSED, None, 1)]
     assert account(case, 1).invalid_streak == 0
+    assert run_to_end(inv, case) == 2
     assert context_at(case, 5)["hypothesis"]["id"] == 1
     assert context_at(case, 5)["last_rejection"] is None
-    assert run_to_end(inv, case) == 2
 
 
 def test_first_turn_rejection_keeps_the_turn_with_the_same_hypothesis(tmp_path: Path) -> None:
     bad = q("source.search", {"pattern": "percent"}, evidence=["E1"])
     case = make_case(tmp_path / "c", replies=[bad, *H])
     inv = case.investigator()
-    before = effects(case)
     assert steps(inv, case, 1) == [(REJECTED, "UNKNOWN_EVIDENCE_ID", 1)]
     after = effects(case)
     assert [a[3] for a in after["accounts"]] == [60, 60]
     assert after["ledger"] == [(1, 0, "credit", 60), (2, 0, "credit", 60)]
     assert (after["evidence"], after["questions"], after["plans"]) == ([], [], 0)
-    assert before["evidence"] == after["evidence"]
+    assert steps(inv, case, 1) == [(PROGRESSED, None, 1)]
     ctx = context_at(case, 2)
     assert ctx["hypothesis"]["id"] == 1 and ctx["hypothesis"]["turn"] == 1
     assert ctx["previous_result"] is None
     assert ctx["last_rejection"]["code"] == "UNKNOWN_EVIDENCE_ID"
-    assert steps(inv, case, 1) == [(PROGRESSED, None, 1)]
+
+
+def test_valid_assessment_with_an_unsafe_next_action_settles_nothing(tmp_path: Path) -> None:
+    bad = q("db.query", {"sql": "DELETE FROM orders"}, confidence="supported",
+            assessment=(90, ["E1"]), evidence=["E1"], resolve=["Q1"])
+    case = make_case(tmp_path / "c", replies=[H[0], H[1], bad, *H[2:]])
+    inv = case.investigator()
+    steps(inv, case, 2)
+    before = effects(case)
+    assert steps(inv, case, 1) == [(REJECTED, "TOOL_SQL_NOT_READ_ONLY", 1)]
+    after = effects(case)
+    assert after == before
+    assert ("E1", 1, False, None) in after["evidence"]  # not assessed, no refund
+    assert all(kind != "refund" for _, _, kind, _ in after["ledger"])
+    assert after["questions"][0][2] == "open"
+    assert after["accounts"][0][2] == "plausible"
 
 
 # -- repeated invalid replies ------------------------------------------------------------
@@ -145,7 +158,8 @@ def test_first_turn_rejection_keeps_the_turn_with_the_same_hypothesis(tmp_path: 
 def test_three_invalid_replies_block_and_resume_continues(tmp_path: Path) -> None:
     schema_bad = json.dumps({**H[2], "assessment": {"score": "90", "reason": "r",
                                                     "evidence_ids": ["E1"]}})
-    invalid = ["The answer is obvious.", "```json\n{}\n```", schema_bad]
+    # One line each: the scripted provider reads JSON Lines.
+    invalid = ["The answer is obvious.", "```json " + json.dumps(H[2]) + " ```", schema_bad]
     case = make_case(tmp_path / "c", replies=[H[0], H[1], *invalid, *H[2:]])
     inv = case.investigator()
     assert steps(inv, case, 2) == [(PROGRESSED, None, 1), (PROGRESSED, None, 2)]
@@ -153,6 +167,9 @@ def test_three_invalid_replies_block_and_resume_continues(tmp_path: Path) -> Non
     assert steps(inv, case, 3) == [(REJECTED, "REPLY_NOT_JSON", 1),
                                    (REJECTED, "REPLY_NOT_JSON", 1),
                                    (BLOCKED, BLOCK_INVALID_LLM_RESPONSES, 1)]
+    assert account(case, 1).invalid_streak == 3
+    assert json.loads(account(case, 1).last_rejection_json or "")["code"] == \
+        "REPLY_SCHEMA_INVALID"
     # Blocked: pending finding, reservation and credit are preserved; nothing fabricated.
     assert effects(case) == before
     hyp1 = account(case, 1)
@@ -210,12 +227,7 @@ def test_unsafe_arguments_are_rejected_and_nothing_is_charged(
     assert after["ledger"] == [(1, 0, "credit", 60), (2, 0, "credit", 60)]
     assert (after["evidence"], after["plans"]) == ([], 0)
     assert [(a[3], a[5], a[6]) for a in after["accounts"]] == [(60, 0, 0), (60, 0, 0)]
-    with case.store.session() as s:
-        rows = s.exec(select(LedgerEntry).where(LedgerEntry.kind != "credit")).all()
-    assert rows == []
-    # The database snapshot is untouched: the orders are still readable.
-    with case.store.session() as s:
-        assert s.exec(select(Evidence)).all() == []
+    assert account(case, 1).last_rejection_json is not None
 
 
 def test_the_snapshot_database_survives_a_refused_write(tmp_path: Path) -> None:
@@ -227,7 +239,7 @@ def test_the_snapshot_database_survives_a_refused_write(tmp_path: Path) -> None:
                                    (PROGRESSED, None, 1)]
     with case.store.session() as s:
         ev = s.exec(select(Evidence)).one()
-    assert json.loads(ev.findings_json)[0]["text"] == '{"n": 3}'
+    assert [item["row"] for item in json.loads(ev.findings_json)] == [{"n": 3}]
 
 
 # -- iteration cap -----------------------------------------------------------------------
@@ -337,3 +349,21 @@ def test_summary_bytes_identical_across_two_fresh_stores(tmp_path: Path) -> None
     assert outputs[0] == outputs[1]
     assert outputs[0].startswith(b"# Investigation summary")
     assert heads[0] == heads[1]
+
+
+# -- a reply that is not valid Unicode ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("operation", "arguments"), [
+    ("source.list", {"prefix": "\ud800"}),
+    ("source.search", {"pattern": "x", "path_glob": "\ud800"}),
+    ("db.query", {"sql": "SELECT ? AS v", "params": ["\ud800"]}),
+], ids=["source.list", "path_glob", "db.params"])
+def test_unpaired_surrogate_reply_is_rejected_not_wedged(
+        tmp_path: Path, operation: str, arguments: dict[str, Any]) -> None:
+    case = make_case(tmp_path / "c", replies=[q(operation, arguments), *H])
+    inv = case.investigator()
+    outcome, reason, hid = steps(inv, case, 1)[0]
+    assert (outcome, hid) == (REJECTED, 1)
+    assert reason is not None
+    assert steps(inv, case, 1) == [(PROGRESSED, None, 1)]

@@ -15,7 +15,7 @@ from investigation.budget import BudgetManager, rules
 from investigation.config import BudgetConfig, InvestigationConfig, LimitsConfig, LoopConfig
 from investigation.errors import InvestigationError
 from investigation.evidence import EvidenceStore
-from investigation.store.models import BudgetAccount, LedgerEntry, RevisionRecord
+from investigation.store.models import BudgetAccount, Evidence, LedgerEntry, RevisionRecord
 from tests.casekit import Case, make_case
 
 PROPS = settings(max_examples=300, deadline=None, database=None)
@@ -371,6 +371,15 @@ def _account(**fields: object) -> BudgetAccount:
     return BudgetAccount(**base)
 
 
+def _pending(cost: int, items: int = 3, new: int = 3, duplicate: bool = False) -> Evidence:
+    return Evidence(case_id="c", revision=1, step_seq=1, ordinal=1, evidence_id="E1",
+                    hypothesis_id=1, operation="db.query", arguments_json="{}",
+                    findings_json="[]", item_keys_json="[]", warnings_json="[]",
+                    fingerprint="f", item_count=items, new_item_count=new,
+                    duplicate=duplicate, cost_units=cost, artifact_path="p",
+                    artifact_sha256="s")
+
+
 def test_closing_reasons() -> None:
     bm = BudgetManager(BudgetConfig(), LoopConfig(max_iterations_per_hypothesis=3,
                                                   max_results_without_novelty=2))
@@ -378,13 +387,28 @@ def test_closing_reasons() -> None:
     assert bm.closing_reason(_account(iterations=3)) == "iteration_cap"
     assert bm.closing_reason(_account(no_novelty_streak=2)) == "low_information"
     assert bm.closing_reason(_account(balance_units=0)) == "budget_exhausted"
-    # A pending finding may still refund: the account is not exhausted yet.
-    assert bm.closing_reason(_account(balance_units=0, pending_evidence_id="E1")) is None
-    # The iteration cap wins over the other reasons.
+    # The iteration cap wins over the other reasons, then low information.
     assert bm.closing_reason(_account(iterations=3, no_novelty_streak=2,
                                       balance_units=0)) == "iteration_cap"
     assert bm.closing_reason(_account(no_novelty_streak=2, balance_units=0)) == \
         "low_information"
+
+
+def test_budget_exhausted_counts_the_best_refund_of_the_pending_result() -> None:
+    bm = manager()  # cheapest action 1, refund cap 80 %
+    poor = _account(balance_units=0, pending_evidence_id="E1")
+    # cost 4, full novelty, score 100: 3 units could come back -> may still act.
+    assert bm.closing_reason(poor, _pending(4)) is None
+    # No novelty (duplicate or nothing new) or a cost-1 action cannot refund anything.
+    assert bm.closing_reason(poor, _pending(4, duplicate=True)) == "budget_exhausted"
+    assert bm.closing_reason(poor, _pending(4, new=0)) == "budget_exhausted"
+    assert bm.closing_reason(poor, _pending(1)) == "budget_exhausted"
+    # With every action at 4, even the best refund (3) cannot pay for one.
+    dear = BudgetManager(BudgetConfig(costs=dict.fromkeys(BudgetConfig().costs, 4)),
+                         LoopConfig())
+    assert dear.closing_reason(poor, _pending(4)) == "budget_exhausted"
+    assert dear.closing_reason(_account(balance_units=1, pending_evidence_id="E1"),
+                               _pending(4)) is None
 
 
 def test_exhausted_only_below_the_cheapest_action() -> None:

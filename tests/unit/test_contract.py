@@ -256,3 +256,35 @@ def test_reply_json_schema_is_closed_and_requires_the_three_keys() -> None:
     assert set(schema["properties"]) == {"assessment", "update", "next"}
     assert schema["additionalProperties"] is False
 
+
+
+# -- text that is not valid Unicode ------------------------------------------------------
+
+SURROGATE = "\ud800"  # json.dumps writes it as the escape \ud800: legal JSON syntax,
+# but not a Unicode scalar value, so it cannot be stored as UTF-8 (RFC 7493 forbids it).
+
+
+@pytest.mark.parametrize("arguments", [
+    {"prefix": SURROGATE},
+    {SURROGATE: "x"},
+    {"sql": "SELECT ? AS v", "params": [SURROGATE]},
+], ids=["value", "key", "nested"])
+def test_unpaired_surrogate_escape_is_refused(arguments: dict[str, Any]) -> None:
+    text = json.dumps(reply(next={"action": "query", "operation": "source.list",
+                                  "arguments": arguments}))
+    assert "\\ud800" in text and text.isascii()
+    assert code_of(text).startswith("REPLY_")
+
+
+def test_unpaired_surrogate_in_typed_text_is_refused() -> None:
+    assert code_of(with_path(("update", "note"), SURROGATE)) in ("REPLY_NOT_JSON",
+                                                                 "REPLY_SCHEMA_INVALID")
+
+
+def test_paired_surrogate_escapes_are_ordinary_text() -> None:
+    text = json.dumps(reply(next={"action": "query", "operation": "source.search",
+                                  "arguments": {"pattern": "\U0001f600"}}))
+    assert "\\ud83d\\ude00" in text
+    parsed = parse_reply(text)
+    assert isinstance(parsed.next, QueryAction)
+    assert parsed.next.arguments == {"pattern": "\U0001f600"}

@@ -3,6 +3,7 @@ lowest id on ties; terminal accounts are skipped (seed 000, "Deterministic cycle
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -40,8 +41,7 @@ def test_after_initial_turns_the_highest_confidence_goes_next() -> None:
     assert select_hypothesis(accounts) == 2
 
 
-@pytest.mark.parametrize(("lower", "higher"), list(zip(CONFIDENCE_ORDER, CONFIDENCE_ORDER[1:],
-                                                       strict=False)))
+@pytest.mark.parametrize(("lower", "higher"), list(itertools.pairwise(CONFIDENCE_ORDER)))
 def test_confidence_order(lower: str, higher: str) -> None:
     # The lower id holds the lower label, so only the ranking can pick id 2.
     assert select_hypothesis([Acc(1, lower), Acc(2, higher)]) == 2

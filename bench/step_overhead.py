@@ -1,0 +1,413 @@
+#!/usr/bin/env python
+"""Per-step orchestration overhead of the engine, with a scripted model of zero latency.
+
+Measures, on this machine:
+
+(a) the embedded runtime: ``workers.runtime.embedded`` + ``workers.embedded.run_case``
+    (each step's chain runs in process with ``chain.apply()``), and for reference the bare
+    stage code through ``Investigator.step`` (no Celery at all);
+(b) the Redis runtime: a real ``celery worker`` process (prefork, ``-c 2``) on the Redis
+    broker, cases dispatched with ``workers.tasks.start_dispatch``;
+(c) a bare chain of eight trivial Celery tasks plus an advance-like tail
+    (``bench/bare_chain.py``) on the same broker with the same Celery settings and worker
+    options.
+
+(a) and (b) run fresh cases of the tests' tiny shop case (``tests/casekit.py``: five steps,
+three snapshot queries) on SQLite stores; the first ``--warmup-cases`` cases of each
+runtime are not counted (process start, snapshot validation, schema checks). Per-step
+wall time: (a) between consecutive ``on_step`` outcomes; (b) between consecutive checkpoint
+publications (``checkpoint.created_at``; the first step from the ``start_dispatch`` call).
+(c) is the wall time from ``apply_async`` to the tail's report, per chain.
+
+Prints medians and ratios; asserts nothing. The Redis database ``--broker-db`` (default
+6) is flushed before and after. Usage (from the repository root)::
+
+    .venv/bin/python bench/step_overhead.py [--cases 10] [--steps 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+STEPS_PER_CASE = 5  # tests.casekit.HAPPY_REPLIES
+CASE_TIMEOUT_S = 60.0
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:7.2f} ms"
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def describe(values: Sequence[float]) -> str:
+    if not values:
+        return "no samples"
+    return (f"median {ms(statistics.median(values))}  p10 {ms(pct(values, 0.1))}  "
+            f"p90 {ms(pct(values, 0.9))}  n={len(values)}")
+
+
+@dataclass
+class Cases:
+    """N registered cases (same package, distinct interpretations) in one SQLite store."""
+
+    store: Any
+    url: str
+    case_ids: list[str]
+    providers_path: Path
+
+
+def prepare_cases(root: Path, n: int) -> Cases:
+    """Register ``n`` distinct copies of the tiny case (case ids differ by interpretation)."""
+    from investigation.cases.reader import PackageReader
+    from investigation.cases.registry import register_case
+    from investigation.config import InvestigationConfig
+    from tests.casekit import HYPOTHESES, INTERPRETATION, make_case
+
+    url = f"sqlite:///{root / 'store.db'}"
+    first = make_case(root / "case", database_url=url)
+    data = first.package.read_bytes()
+    reader = PackageReader(InvestigationConfig().package)
+    ids = [first.case_id] + [
+        register_case(first.store, data, {**INTERPRETATION, "bench_case": i}, HYPOTHESES, reader)
+        for i in range(1, n)]
+    assert len(set(ids)) == n
+    return Cases(first.store, url, ids, first.providers_path)
+
+
+def check_completed(cases: Cases, case_id: str) -> list[datetime]:
+    """The case's checkpoint times; exits if the case did not complete as scripted."""
+    from sqlmodel import col, select
+
+    from investigation.constants import CASE_BUILDING_DIAGNOSIS
+    from investigation.store.models import CaseRecord, Checkpoint
+
+    with cases.store.session() as s:
+        case = s.get(CaseRecord, case_id)
+        cps = s.exec(select(Checkpoint).where(Checkpoint.case_id == case_id)
+                     .order_by(col(Checkpoint.seq))).all()
+    if case is None or case.state != CASE_BUILDING_DIAGNOSIS or len(cps) != STEPS_PER_CASE:
+        raise SystemExit(f"case {case_id} did not complete: state "
+                         f"{case and case.state}, {len(cps)} checkpoints, last outcome "
+                         f"{case and case.last_outcome} {case and case.last_reason}")
+    return [cp.created_at if cp.created_at.tzinfo else cp.created_at.replace(tzinfo=UTC)
+            for cp in cps]
+
+
+# -- worker processes ------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    """A ``celery worker`` subprocess (own process group) logging to a file."""
+
+    app: str
+    queue: str
+    env: dict[str, str]
+    log_path: Path
+    concurrency: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        cmd = [sys.executable, "-m", "celery", "-A", self.app, "worker", "--pool=prefork",
+               "-c", str(self.concurrency), "-Q", self.queue, "--loglevel=INFO",
+               "--without-mingle", "--without-gossip", "-n", f"{self.queue}@%h"]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, env=self.env, cwd=REPO, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while " ready." not in self.log():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"worker {self.app} did not start:\n{self.log()}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stray prefork children, if any
+
+    def task_runtimes(self, prefix: str) -> dict[str, list[float]]:
+        """``succeeded in Xs`` per task name (the time inside the task body)."""
+        out: dict[str, list[float]] = defaultdict(list)
+        pattern = re.compile(rf"Task {re.escape(prefix)}(\w+)\[[0-9a-f-]+\] succeeded in "
+                             r"([0-9.e-]+)s")
+        for name, secs in pattern.findall(self.log()):
+            out[name].append(float(secs))
+        return out
+
+
+@contextlib.contextmanager
+def running(worker: Worker) -> Iterator[Worker]:
+    try:
+        worker.start()
+        yield worker
+    finally:
+        worker.stop()
+
+
+# -- the measurements ------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    per_step: list[float] = field(default_factory=list)
+    per_case_step: list[float] = field(default_factory=list)
+    in_task: dict[str, list[float]] = field(default_factory=dict)
+
+
+def bench_redis(cases: Cases, warmup: int, worker: Worker) -> Result:
+    from workers import runtime
+    from workers.tasks import start_dispatch
+
+    runtime.configure(None)
+    rt = runtime.current()  # distributed, from INVESTIGATE_* set by main()
+    holder: Callable[[str], str | None] = rt.lock.holder  # type: ignore[attr-defined]
+    res = Result()
+    with running(worker):
+        for i, case_id in enumerate(cases.case_ids):
+            started_wall, started = datetime.now(UTC), time.perf_counter()
+            start_dispatch(case_id)
+            deadline = started + CASE_TIMEOUT_S
+            while holder(case_id) is not None:  # advance releases the lock at the end
+                if time.perf_counter() > deadline:
+                    raise SystemExit(f"case {case_id} still running after {CASE_TIMEOUT_S}s:\n"
+                                     + worker.log()[-5000:])
+                time.sleep(0.005)
+            elapsed = time.perf_counter() - started
+            stamps = [started_wall, *check_completed(cases, case_id)]
+            if i >= warmup:
+                res.per_step += [(b - a).total_seconds() for a, b in pairwise(stamps)]
+                res.per_case_step.append(elapsed / STEPS_PER_CASE)
+    res.in_task = worker.task_runtimes("investigation.")
+    rt.env.store.dispose()
+    runtime.configure(None)
+    return res
+
+
+def bench_bare(chains: int, warmup: int, worker: Worker, redis_url: str) -> Result:
+    import redis
+
+    from bench.bare_chain import DONE_KEY, bare_chain
+
+    client = redis.Redis.from_url(redis_url)
+    res = Result()
+    with running(worker):
+        for i in range(warmup + chains):
+            token = uuid.uuid4().hex
+            started = time.perf_counter()
+            bare_chain({"id": token, "case_id": "bench", "step_seq": i}).apply_async()
+            popped = client.blpop([DONE_KEY], timeout=30)
+            elapsed = time.perf_counter() - started
+            done = popped[1] if popped is not None else None
+            if (done.decode() if isinstance(done, bytes) else done) != token:
+                raise SystemExit(f"bare chain {i} did not finish:\n{worker.log()[-5000:]}")
+            if i >= warmup:
+                res.per_step.append(elapsed)
+    res.in_task = worker.task_runtimes("bench.")
+    client.delete(DONE_KEY)
+    client.close()
+    return res
+
+
+def bench_embedded(cases: Cases, warmup: int, home: Path) -> Result:
+    from workers import runtime
+    from workers.embedded import run_case
+    from workers.settings import Settings
+
+    settings = Settings(home=home, database_url=cases.url)
+    rt = runtime.embedded(settings, None, cases.providers_path)
+    res = Result()
+    for i, case_id in enumerate(cases.case_ids):
+        stamps = [time.perf_counter()]
+
+        def mark(_outcome: Any, stamps: list[float] = stamps) -> None:
+            stamps.append(time.perf_counter())
+
+        outcome = run_case(rt, case_id, on_step=mark)
+        if outcome.outcome != "COMPLETED":
+            raise SystemExit(f"embedded case {case_id}: {outcome}")
+        check_completed(cases, case_id)
+        if i >= warmup:
+            res.per_step += [b - a for a, b in pairwise(stamps)]
+            res.per_case_step.append((stamps[-1] - stamps[0]) / STEPS_PER_CASE)
+    rt.env.store.dispose()
+    runtime.configure(None)
+    return res
+
+
+def bench_direct(cases: Cases, warmup: int, home: Path) -> Result:
+    from investigation.loop.investigator import Investigator
+    from workers.runtime import build_env
+    from workers.settings import Settings
+
+    env = build_env(Settings(home=home, database_url=cases.url), None, cases.providers_path)
+    investigator = Investigator(env)
+    res = Result()
+    for i, case_id in enumerate(cases.case_ids):
+        stamps = [time.perf_counter()]
+        for _ in range(STEPS_PER_CASE):
+            investigator.step(case_id)
+            stamps.append(time.perf_counter())
+        check_completed(cases, case_id)
+        if i >= warmup:
+            res.per_step += [b - a for a, b in pairwise(stamps)]
+    env.store.dispose()
+    return res
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def in_task_line(in_task: dict[str, list[float]], names: Sequence[str]) -> tuple[float, str]:
+    medians = {n: statistics.median(in_task[n]) for n in names if in_task.get(n)}
+    detail = "  ".join(f"{n} {v * 1000:.1f}" for n, v in medians.items())
+    return sum(medians.values()), detail
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=10,
+                        help="measured cases per engine runtime (5 steps each; default 10)")
+    parser.add_argument("--steps", type=int, default=100,
+                        help="measured bare chains (one chain = one bare step; default 100)")
+    parser.add_argument("--warmup-cases", type=int, default=2)
+    parser.add_argument("--warmup-chains", type=int, default=10)
+    parser.add_argument("--concurrency", type=int, default=2, help="worker -c (default 2)")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379",
+                        help="Redis server URL without a database number")
+    parser.add_argument("--broker-db", type=int, default=6,
+                        help="Redis database for broker and locks; FLUSHED (default 6)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args(argv)
+    if args.cases < 1 or args.steps < 1:
+        parser.error("--cases and --steps must be at least 1")
+
+    work = Path(tempfile.mkdtemp(prefix="step-overhead-"))
+    broker_url = f"{args.redis.rstrip('/')}/{args.broker_db}"
+    tag = uuid.uuid4().hex[:8]
+    engine_queue, bare_queue = f"bench-engine-{tag}", f"bench-bare-{tag}"
+    n = args.warmup_cases + args.cases
+    print(f"preparing {3 * n} cases under {work} ...", flush=True)
+    distributed = prepare_cases(work / "distributed", n)
+    embedded = prepare_cases(work / "embedded", n)
+    direct = prepare_cases(work / "direct", n)
+
+    # Settings for this process and both workers; set before anything imports workers.*
+    inv_env = {
+        "INVESTIGATE_HOME": str(work / "home"),
+        "INVESTIGATE_DATABASE_URL": distributed.url,
+        "INVESTIGATE_PROVIDERS": str(distributed.providers_path),
+        "INVESTIGATE_BROKER_URL": broker_url,
+        "INVESTIGATE_QUEUE": engine_queue,
+        "BENCH_BARE_QUEUE": bare_queue,
+    }
+    for name in [k for k in os.environ if k.startswith("INVESTIGATE_")]:
+        del os.environ[name]
+    os.environ.update(inv_env)
+    worker_env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    import redis
+
+    admin = redis.Redis.from_url(broker_url)
+    admin.flushdb()
+    try:
+        print("(b) Redis runtime ...", flush=True)
+        engine_worker = Worker("workers.celery_app", engine_queue, worker_env,
+                               work / "engine-worker.log", args.concurrency)
+        redis_res = bench_redis(distributed, args.warmup_cases, engine_worker)
+        print("(c) bare chain ...", flush=True)
+        bare_worker = Worker("bench.bare_chain:app", bare_queue, worker_env,
+                             work / "bare-worker.log", args.concurrency)
+        bare_res = bench_bare(args.steps, args.warmup_chains, bare_worker, broker_url)
+        print("(a) embedded runtime ...", flush=True)
+        emb_res = bench_embedded(embedded, args.warmup_cases, work / "embedded" / "home")
+        direct_res = bench_direct(direct, args.warmup_cases, work / "direct" / "home")
+    finally:
+        admin.flushdb()
+        admin.close()
+        for cases in (distributed, embedded, direct):
+            cases.store.dispose()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    from investigation.constants import STAGES
+
+    eng_task, eng_detail = in_task_line(redis_res.in_task, [*STAGES, "advance"])
+    bare_task, _ = in_task_line(bare_res.in_task, [*(f"stage{i}" for i in range(1, 9)),
+                                                   "tail"])
+    redis_step = statistics.median(redis_res.per_step)
+    bare_step = statistics.median(bare_res.per_step)
+    emb_step = statistics.median(emb_res.per_step)
+    direct_step = statistics.median(direct_res.per_step)
+
+    print()
+    print(f"step orchestration overhead; scripted model (zero latency); SQLite stores; "
+          f"broker {broker_url}; worker --pool=prefork -c {args.concurrency}")
+    print(f"engine: {args.cases} cases x {STEPS_PER_CASE} steps per runtime "
+          f"(+{args.warmup_cases} warm-up cases); bare: {args.steps} chains "
+          f"(+{args.warmup_chains} warm-up)")
+    print()
+    print("(a) embedded runtime, wall per step (run_case, chain.apply in process)")
+    print(f"      {describe(emb_res.per_step)}")
+    print("    same stages without Celery (Investigator.step), wall per step")
+    print(f"      {describe(direct_res.per_step)}")
+    print("(b) Redis runtime, real worker, wall per published step")
+    print(f"      {describe(redis_res.per_step)}")
+    print(f"      per case (dispatch to lock release) / {STEPS_PER_CASE}: "
+          f"{describe(redis_res.per_case_step)}")
+    print(f"      in-task time, sum of per-task medians: {ms(eng_task)}  "
+          f"(ms: {eng_detail})")
+    print("(c) bare chain, 8 trivial tasks + tail, wall per chain")
+    print(f"      {describe(bare_res.per_step)}")
+    print(f"      in-task time, sum of per-task medians: {ms(bare_task)}")
+    print()
+    print("ratios (medians)")
+    print(f"    Redis engine step / bare chain      {redis_step / bare_step:6.2f}x  "
+          f"(engine adds {ms(redis_step - bare_step).strip()} per step)")
+    print(f"    Redis engine step / embedded step   {redis_step / emb_step:6.2f}x")
+    print(f"    embedded step / Investigator.step   {emb_step / direct_step:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
