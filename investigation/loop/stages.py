@@ -86,6 +86,14 @@ def _loads(text: str | bytes) -> Any:
     return json.loads(text)
 
 
+class _AlreadyRecorded(Exception):
+    """Another runner finished this stage while we waited for the case lock."""
+
+    def __init__(self, output: dict[str, Any]) -> None:
+        super().__init__("stage already recorded")
+        self.output = output
+
+
 @dataclass
 class StageEnv:
     """What the stages need: the store, the policy, the gateway and the package reader.
@@ -180,6 +188,10 @@ class Stages:
         fn: Callable[[StepKey], StageResult] = getattr(self, "_" + stage)
         try:
             result = fn(key)
+        except _AlreadyRecorded as done_by_other:
+            self._recorded[(key, stage)] = done_by_other.output
+            return StageResult(done_by_other.output,
+                               self._recorded_halt(stage, key, done_by_other.output))
         except IntegrityError as exc:
             if not is_unique_violation(exc):
                 raise
@@ -219,8 +231,13 @@ class Stages:
         s.flush()
         return StageResult(output)
 
-    @staticmethod
-    def _fence(s: Session, key: StepKey, *, active: bool = True) -> CaseRecord:
+    def _fence(self, s: Session, key: StepKey, stage: str, *, active: bool = True) -> CaseRecord:
+        """Lock the case row and check the head; then re-check the stage's marker.
+
+        The marker check inside the fenced transaction closes the race in which two
+        runners both passed ``run``'s first check: the second one finds the first one's
+        marker here and returns its recorded output instead of redoing the stage.
+        """
         stmt = select(CaseRecord).where(CaseRecord.id == key.case_id)
         if s.get_bind().dialect.name == "postgresql":
             stmt = stmt.with_for_update()
@@ -231,6 +248,11 @@ class Stages:
             raise StaleStateError(
                 f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",
                 head_seq=case.head_seq)
+        row = s.exec(select(StageRun).where(
+            StageRun.case_id == key.case_id, StageRun.revision == key.revision,
+            StageRun.step_seq == key.step_seq, StageRun.stage == stage)).first()
+        if row is not None:
+            raise _AlreadyRecorded(dict(_loads(row.output_json)))
         if active and case.state != CASE_INVESTIGATING:
             raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
         return case
@@ -274,7 +296,7 @@ class Stages:
     def _build_context(self, key: StepKey) -> StageResult:
         router = self.env.router(key.case_id)
         with self.store.session() as s:
-            case = self._fence(s, key)
+            case = self._fence(s, key, "build_context")
             checkpoints.verify_head(s, case)
             cfg, budget = self._policy(s, key)
             if key.step_seq > cfg.limits.max_checkpoints:
@@ -322,7 +344,7 @@ class Stages:
             if built["finalize"]:
                 return self._complete(s, key, "llm_call", SKIPPED)
             _, doc = self._context_doc(s, key)
-            case = self._fence(s, key)
+            case = self._fence(s, key, "llm_call")
             retry_id = case.llm_retry_id
         context_bytes = canonical_json(doc)
         request = ChatRequest(
@@ -336,7 +358,7 @@ class Stages:
         hid = int(built["hypothesis_id"])
         if isinstance(result, RetryPending):
             with self.store.session() as s:
-                case = self._fence(s, key)
+                case = self._fence(s, key, "llm_call")
                 case.retry_not_before = result.retry_not_before
                 case.last_outcome, case.last_reason = RETRY_PENDING, result.error_code
                 case.updated_at = utcnow()
@@ -345,7 +367,7 @@ class Stages:
                                            result.error_code, result.retry_not_before, hid))
         if isinstance(result, Blocked):
             with self.store.session() as s:
-                case = self._fence(s, key)
+                case = self._fence(s, key, "llm_call")
                 case.state, case.blocked_reason = CASE_BLOCKED, result.reason
                 case.last_outcome, case.last_reason = BLOCKED, result.reason
                 case.updated_at = utcnow()
@@ -357,7 +379,7 @@ class Stages:
                                                     "message": result.message}))
         assert isinstance(result, Succeeded)
         with self.store.session() as s:
-            self._fence(s, key)
+            self._fence(s, key, "llm_call")
             return self._complete(s, key, "llm_call", {
                 "operation_id": result.operation_id, "attempt": result.attempt,
                 "provider": result.provider, "content": result.content,
@@ -370,7 +392,7 @@ class Stages:
     def _validate(self, key: StepKey) -> StageResult:
         router = self.env.router(key.case_id)
         with self.store.session() as s:
-            self._fence(s, key)
+            self._fence(s, key, "validate")
             call = self._output(s, key, "llm_call")
             if call.get("skipped"):
                 return self._complete(s, key, "validate", SKIPPED)
@@ -399,7 +421,7 @@ class Stages:
 
     def _persist_plan(self, key: StepKey) -> StageResult:
         with self.store.session() as s:
-            self._fence(s, key)
+            self._fence(s, key, "persist_plan")
             verdict = self._output(s, key, "validate")
             if not verdict.get("accepted"):
                 return self._complete(s, key, "persist_plan", SKIPPED)
@@ -437,7 +459,7 @@ class Stages:
 
     def _settle_reserve(self, key: StepKey) -> StageResult:
         with self.store.session() as s:
-            self._fence(s, key)
+            self._fence(s, key, "settle_reserve")
             if self._output(s, key, "persist_plan").get("skipped"):
                 return self._complete(s, key, "settle_reserve", SKIPPED)
             built = self._output(s, key, "build_context")
@@ -503,13 +525,13 @@ class Stages:
 
     def _execute_tool(self, key: StepKey) -> StageResult:
         with self.store.session() as s:
-            self._fence(s, key)
+            self._fence(s, key, "execute_tool")
             if self._output(s, key, "settle_reserve").get("skipped"):
                 return self._complete(s, key, "execute_tool", SKIPPED)
             nxt = self._output(s, key, "validate")["decision"]["reply"]["next"]
         if nxt["action"] != "query":
             with self.store.session() as s:
-                self._fence(s, key)
+                self._fence(s, key, "execute_tool")
                 return self._complete(s, key, "execute_tool", {"action": nxt["action"]})
         try:
             result = self.env.router(key.case_id).execute(nxt["operation"], nxt["arguments"])
@@ -522,7 +544,7 @@ class Stages:
                 "warnings": ["TOOL_FAILED"],
                 "stats": {"error_code": exc.code, "error": exc.message}})
         with self.store.session() as s:
-            self._fence(s, key)
+            self._fence(s, key, "execute_tool")
             path = ARTIFACT_RAW_RESULT.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
             return self._complete(s, key, "execute_tool",
@@ -533,7 +555,7 @@ class Stages:
 
     def _record_evidence(self, key: StepKey) -> StageResult:
         with self.store.session() as s:
-            self._fence(s, key)
+            self._fence(s, key, "record_evidence")
             executed = self._output(s, key, "execute_tool")
             if executed.get("skipped") or executed.get("action") != "query":
                 return self._complete(s, key, "record_evidence", SKIPPED)
@@ -560,7 +582,7 @@ class Stages:
 
     def _publish(self, key: StepKey) -> StageResult:
         with self.store.session() as s:
-            case = self._fence(s, key)
+            case = self._fence(s, key, "publish")
             cfg, budget = self._policy(s, key)
             built = self._output(s, key, "build_context")
             verdict = self._output(s, key, "validate")
