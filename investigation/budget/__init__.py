@@ -3,9 +3,9 @@
 from investigation.budget.manager import BudgetManager
 from investigation.budget.rules import (
     ACTIVE,
+    CLOSING_REASONS,
     EXHAUSTED,
     FINISHED,
-    LOW_INFORMATION,
     REJECTED,
     TERMINAL_STATUSES,
     Projection,
@@ -18,9 +18,9 @@ from investigation.budget.rules import (
 
 __all__ = [
     "ACTIVE",
+    "CLOSING_REASONS",
     "EXHAUSTED",
     "FINISHED",
-    "LOW_INFORMATION",
     "REJECTED",
     "TERMINAL_STATUSES",
     "BudgetManager",

@@ -26,8 +26,10 @@ ACTIVE = "active"
 FINISHED = "investigation_finished"
 REJECTED = "rejected"
 EXHAUSTED = "exhausted"
-LOW_INFORMATION = "low_information"
-TERMINAL_STATUSES = (FINISHED, REJECTED, EXHAUSTED, LOW_INFORMATION)
+TERMINAL_STATUSES = (FINISHED, REJECTED, EXHAUSTED)
+#: Reasons that make a turn a closing turn (only ``finish``/``reject``); they are kept in
+#: the account's ``disposition_reason`` as ``"<reason>: <the model's reason>"``.
+CLOSING_REASONS = ("iteration_cap", "low_information", "budget_exhausted")
 
 
 def novelty_permille(item_count: int, new_item_count: int, duplicate: bool) -> int:

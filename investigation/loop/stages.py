@@ -334,6 +334,7 @@ class Stages:
             return self._complete(s, key, "build_context", {
                 "finalize": False, "hypothesis_id": selected, "context_path": path,
                 "context_sha256": digest, "call_index": len(llm_steps),
+                "closing_reason": doc["closing_reason"],
             })
 
     # -- 2. llm_call ---------------------------------------------------------------------
@@ -487,10 +488,13 @@ class Stages:
                 budget.reserve(s, account, int(decision["cost_units"]), key.step_seq,
                                f"step {key.step_seq} {nxt.get('operation', 'test')}")
                 account.iterations += 1
-            elif nxt["action"] == "finish":
-                budget.complete(account, nxt["reason"])
             else:
-                budget.reject(account, nxt["reason"])
+                closing = built.get("closing_reason")
+                reason = f"{closing}: {nxt['reason']}" if closing else nxt["reason"]
+                if nxt["action"] == "finish":
+                    budget.complete(account, reason)
+                else:
+                    budget.reject(account, reason)
             s.add(account)
             return self._complete(s, key, "settle_reserve", {
                 "refund_units": refund, "reserved_units": projection["reserve_units"],

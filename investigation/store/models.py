@@ -90,7 +90,8 @@ class BudgetAccount(SQLModel, table=True):
     """One hypothesis's budget account and qualitative state.
 
     ``status`` is ``active`` or a terminal disposition: ``investigation_finished``,
-    ``rejected``, ``exhausted``, ``low_information``.
+    ``rejected``, ``exhausted``; ``disposition_reason`` says why (a closing turn's reason,
+    ``iteration_cap``/``low_information``/``budget_exhausted``, prefixes the model's).
     """
 
     __tablename__ = "budget_account"

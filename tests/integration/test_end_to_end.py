@@ -155,3 +155,25 @@ def test_exhausted_account_gets_a_closing_turn(tmp_path: Path) -> None:
                                             ARTIFACT_CONTEXT.format(seq=3)).data)
     assert ctx["closing_reason"] == "budget_exhausted"
     assert ctx["allowed_actions"] == ["finish", "reject"]
+
+
+def test_closing_turn_reason_is_kept_in_the_disposition(tmp_path: Path) -> None:
+    from investigation.config import LoopConfig
+    from investigation.operations import status
+
+    config = InvestigationConfig(loop=LoopConfig(max_iterations_per_hypothesis=1))
+    replies = [
+        casekit.q("db.query", {"sql": "SELECT id FROM orders"}),
+        casekit.q("db.tables", {}),
+        casekit.finish("weak", (50, ["E1"]), ["E1"], reason="cap reached"),
+        casekit.finish("weak", (50, ["E2"]), ["E2"], reason="cap reached", action="reject"),
+    ]
+    case = make_case(tmp_path / "cap", replies=replies)
+    from investigation.loop.investigator import Investigator
+
+    assert Investigator(case.env(config, explicit=True)).run(case.case_id).outcome == COMPLETED
+    summary = summary_bytes(case.store, case.case_id).decode()
+    assert "investigation_finished (iteration_cap: cap reached)" in summary
+    assert "rejected (iteration_cap: cap reached)" in summary
+    assert [a["status"] for a in status(case.store, case.case_id)["accounts"]] == \
+        ["investigation_finished", "rejected"]

@@ -65,6 +65,5 @@ def test_terminal_accounts_are_skipped(terminal: str) -> None:
 
 def test_none_when_every_account_is_terminal() -> None:
     assert select_hypothesis([Acc(1, status=rules.FINISHED), Acc(2, status=rules.REJECTED),
-                              Acc(3, turns=0, status=rules.EXHAUSTED),
-                              Acc(4, status=rules.LOW_INFORMATION)]) is None
+                              Acc(3, turns=0, status=rules.EXHAUSTED)]) is None
     assert select_hypothesis([]) is None
