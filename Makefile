@@ -36,4 +36,4 @@ bench: install-test services
 	$(PY) bench/step_overhead.py
 
 clean:
-	rm -rf $(VENV) .investigate demo/cache
+	rm -rf $(VENV) .investigate var

@@ -11,12 +11,17 @@ root="$(cd "$here/.." && pwd)"
 run="${INVESTIGATE_RUN_DIR:-$root/var/cluster}"
 bin="${INVESTIGATE_BIN:-$root/.venv/bin/investigate}"
 [ -f "$here/cluster.env" ] && set -a && . "$here/cluster.env" && set +a
-export INVESTIGATE_DATABASE_URL="${INVESTIGATE_DATABASE_URL:-postgresql+psycopg://postgres@127.0.0.1:5432/test}"
+export INVESTIGATE_DATABASE_URL="${INVESTIGATE_DATABASE_URL:-postgresql+psycopg://postgres@127.0.0.1:5432/investigation}"
 export INVESTIGATE_BROKER_URL="${INVESTIGATE_BROKER_URL:-redis://127.0.0.1:6379/0}"
 
 start() {
   local n="${1:-2}"
   bash "$root/scripts/ensure-services.sh"
+  case "$INVESTIGATE_DATABASE_URL" in
+    postgresql*/investigation)
+      psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname='investigation'" \
+        | grep -q 1 || createdb -h 127.0.0.1 -U postgres investigation ;;
+  esac
   mkdir -p "$run"
   for i in $(seq 1 "$n"); do
     nohup "$bin" worker --concurrency 2 >"$run/worker-$i.log" 2>&1 &

@@ -63,7 +63,10 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         "accounts": [
             {"hypothesis_id": a.hypothesis_id, "status": a.status, "confidence": a.confidence,
              "balance_units": a.balance_units, "credit_units": a.credit_units,
-             "iterations": a.iterations, "pending_evidence_id": a.pending_evidence_id}
+             "iterations": a.iterations, "pending_evidence_id": a.pending_evidence_id,
+             "disposition_reason": a.disposition_reason, "invalid_streak": a.invalid_streak,
+             "last_rejection": json.loads(a.last_rejection_json)
+             if a.last_rejection_json else None}
             for a in accounts
         ],
         "pointers": pointers,

@@ -31,11 +31,11 @@ from investigation.store import Store
 from workers.settings import Settings
 
 app = typer.Typer(help="Investigate software bug cases with a language model.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 case_app = typer.Typer(help="Build and register case packages.", no_args_is_help=True)
 app.add_typer(case_app, name="case")
 out = Console(soft_wrap=True)
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,11 +48,12 @@ def _controlled(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except LockBusy as exc:
-            err.print(f"[bold red]error[/] LOCK_BUSY: {exc}", markup=True, highlight=False)
+            err.print("[bold red]error[/] ", end="", markup=True)
+            err.print(str(exc), markup=False, highlight=False)
             raise typer.Exit(3) from None
         except InvestigationError as exc:
-            err.print(f"[bold red]error[/] {exc.code}: {exc.message}", markup=True,
-                      highlight=False)
+            err.print("[bold red]error[/] ", end="", markup=True)
+            err.print(f"{exc.code}: {exc.message}", markup=False, highlight=False)
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
@@ -65,8 +66,18 @@ def _settings() -> Settings:
         raise InvestigationError("CONFIG_INVALID", f"bad INVESTIGATE_* setting: {exc}") from exc
 
 
-def _store(settings: Settings) -> Store:
-    store = Store(settings.effective_database_url)
+def _store(settings: Settings, existing: bool = False) -> Store:
+    """Open the store; with ``existing`` a SQLite file that does not exist is an error
+    (read-only commands never create a store)."""
+    url = settings.effective_database_url
+    if existing and url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///"))
+        if not path.exists():
+            raise InvestigationError(
+                "STORE_NOT_FOUND",
+                f"no store at {path}; run where the case was added, or set INVESTIGATE_HOME "
+                "or INVESTIGATE_DATABASE_URL")
+    store = Store(url)
     store.create_schema()
     return store
 
@@ -124,6 +135,7 @@ def _run_embedded(settings: Settings, case_id: str, config: Path | None,
     from workers import runtime
     from workers.embedded import run_case
 
+    _store(settings, existing=True)
     rt = runtime.embedded(settings, config, providers)
     return run_case(rt, case_id, max_steps=max_steps, wait=wait, on_step=_print_outcome)
 
@@ -204,7 +216,7 @@ def status_cmd(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """State, outcome, blocked reason, balances, evidence count."""
-    info = status(_store(_settings()), case_id)
+    info = status(_store(_settings(), existing=True), case_id)
     if as_json:
         sys.stdout.write(json.dumps(info, indent=2, sort_keys=True) + "\n")
         return
@@ -216,12 +228,20 @@ def status_cmd(
         out.print(f"last outcome {info['last_outcome']}"
                   + (f" ({info['last_reason']})" if info["last_reason"] else ""),
                   highlight=False)
-    table = Table("hypothesis", "status", "confidence", "balance", "iterations", "pending")
+    table = Table("hypothesis", "status", "confidence", "balance", "iterations", "pending",
+                  "last rejection")
     for a in info["accounts"]:
+        rej = a["last_rejection"]
         table.add_row(str(a["hypothesis_id"]), a["status"], a["confidence"],
                       f"{a['balance_units']}/{a['credit_units']}", str(a["iterations"]),
-                      a["pending_evidence_id"] or "")
+                      a["pending_evidence_id"] or "",
+                      f"{rej['code']} (step {rej['step_seq']}, {a['invalid_streak']} in a row)"
+                      if rej else "")
     out.print(table)
+    for a in info["accounts"]:
+        if a["last_rejection"]:
+            out.print(f"H{a['hypothesis_id']} last rejection: {a['last_rejection']['code']}: "
+                      f"{a['last_rejection']['detail']}", highlight=False, markup=False)
 
 
 @app.command("resume")
@@ -231,7 +251,7 @@ def resume_cmd(
     retry_id: Annotated[str | None, typer.Option("--retry-id")] = None,
 ) -> None:
     """Operator resume of a blocked case (then `run` or `dispatch` it)."""
-    info = resume(_store(_settings()), case_id, retry_id)
+    info = resume(_store(_settings(), existing=True), case_id, retry_id)
     out.print(f"resumed {case_id} (was {info['resumed_from']})", highlight=False)
 
 
@@ -239,7 +259,7 @@ def resume_cmd(
 @_controlled
 def summary_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
     """Print summary.md."""
-    sys.stdout.buffer.write(summary_bytes(_store(_settings()), case_id))
+    sys.stdout.buffer.write(summary_bytes(_store(_settings(), existing=True), case_id))
     sys.stdout.flush()
 
 
@@ -250,7 +270,7 @@ def export_cmd(
     directory: Annotated[Path, typer.Argument(metavar="DIR")],
 ) -> None:
     """Write the case's artifact tree byte for byte."""
-    paths = export(_store(_settings()), case_id, directory)
+    paths = export(_store(_settings(), existing=True), case_id, directory)
     out.print(f"wrote {len(paths)} artifacts under {directory}", highlight=False)
 
 
@@ -267,9 +287,8 @@ def demo() -> None:
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("investigation.db", "investigation.db-wal", "investigation.db-shm"):
         (work / stale).unlink(missing_ok=True)
-    out.print("fetching the pinned sqlite-utils 3.35 source from the package registry ...")
     case = demo_mod.prepare_case(_store(settings), PackageReader(InvestigationConfig().package),
-                                 work)
+                                 work, announce=lambda text: out.print(text, highlight=False))
     out.print(f"case {case.case_id} registered from {case.package_path}", highlight=False)
     with demo_mod.replay_server() as server:
         providers = work / "providers.toml"

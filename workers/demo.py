@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,8 @@ class DemoSource:
                    data["subdir"].strip("/"))
 
 
-def fetch_source(src: DemoSource, cache: Path) -> Path:
+def fetch_source(src: DemoSource, cache: Path,
+                 announce: Callable[[str], None] | None = None) -> Path:
     """Download the pinned sdist with pip (once), verify its sha256 and unpack it safely.
 
     Returns:
@@ -57,6 +59,9 @@ def fetch_source(src: DemoSource, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     archive = cache / src.filename
     if not archive.exists():
+        if announce is not None:
+            announce(f"downloading {src.package} {src.version} ({src.filename}) from the "
+                     "package registry ...")
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
                "--no-binary", ":all:", "-d", str(cache),
                f"{src.package}=={src.version}"]
@@ -86,10 +91,11 @@ class DemoCase:
 
 
 def prepare_case(runtime_store: object, reader: object, work: Path,
-                 demo_dir: Path = DEMO_DIR) -> DemoCase:
+                 demo_dir: Path = DEMO_DIR,
+                 announce: Callable[[str], None] | None = None) -> DemoCase:
     """Fetch the source, build the package and register the case."""
     src = DemoSource.load(demo_dir)
-    source_root = fetch_source(src, work / "cache")
+    source_root = fetch_source(src, work / "cache", announce)
     package_path = work / "demo-case.zip"
     build_package(source_root, demo_dir / "report.md", package_path,
                   db=demo_dir / "demo.sqlite", logs=demo_dir / "logs")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from investigation.cases.reader import PackageReader
 from investigation.config import InvestigationConfig, ProvidersConfig
+from investigation.errors import ConfigError
 from investigation.llm.gateway import LLMGateway, build_providers
 from investigation.loop.stages import StageEnv
 from investigation.store import Store
@@ -41,24 +42,34 @@ def build_env(settings: Settings, config_path: Path | None = None,
               providers_path: Path | None = None) -> StageEnv:
     """Build the stage environment from files and settings.
 
+    Both files are checked here, before any step: a broken providers file fails at once
+    instead of blocking a case at its first model call.
+
     Raises:
-        ConfigError: a broken config or providers file.
+        ConfigError: a broken config or providers file (``CONFIG_*``).
+        ProviderConfigurationError: a provider that cannot be built (``PROVIDER_BAD_CONFIG``).
     """
     config_file = config_path or settings.config
     config = InvestigationConfig.load(config_file)
     providers_file = providers_path or settings.providers
-    factory: Callable[[], LLMGateway] | None = None
-    if providers_file is not None:
-        providers_config = ProvidersConfig.load(providers_file)
-        store_holder: list[Store] = []
-
-        def factory() -> LLMGateway:
-            return LLMGateway(store_holder[0], build_providers(providers_config),
-                              providers_config.gateway)
+    providers_config = ProvidersConfig.load(providers_file) if providers_file else None
+    if providers_config is not None:
+        for p in providers_config.providers:
+            if p.kind == "scripted" and not (Path(providers_config.base_dir) / (p.path or "")
+                                              ).is_file():
+                raise ConfigError(
+                    "CONFIG_INVALID",
+                    f"provider {p.name!r}: scripted reply file {p.path!r} does not exist "
+                    f"(paths are relative to the providers file, {providers_config.base_dir})")
+        build_providers(providers_config)  # constructors validate URLs, models, dialects
     store = Store(settings.effective_database_url)
     store.create_schema()
-    if providers_file is not None:
-        store_holder.append(store)
+    factory: Callable[[], LLMGateway] | None = None
+    if providers_config is not None:
+        pc = providers_config
+
+        def factory() -> LLMGateway:
+            return LLMGateway(store, build_providers(pc), pc.gateway)
     return StageEnv(store=store, config=config, gateway_factory=factory,
                     reader=PackageReader(config.package),
                     explicit_config=config_file is not None)

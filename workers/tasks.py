@@ -77,7 +77,9 @@ def _run_stage(task: Any, payload: dict[str, Any], stage: str) -> dict[str, Any]
         log.info("case %s step %s %s: stale (%s)", case_id, key.step_seq, stage, exc.message)
         return _halt(payload, "STALE", "STALE_STATE")
     except InvestigationError as exc:
-        log.error("case %s step %s %s failed: %s", case_id, key.step_seq, stage, exc)
+        # The embedded CLI reports the error itself; a worker's log is the operator's view.
+        log.log(logging.DEBUG if payload.get("mode") == "embedded" else logging.ERROR,
+                "case %s step %s %s failed: %s", case_id, key.step_seq, stage, exc)
         return _halt(payload, "ERROR", exc.code, message=exc.message)
     except OperationalError as exc:
         # The store is unreachable or busy: retry this stage later (countdown, no sleep).

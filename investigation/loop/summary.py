@@ -10,6 +10,7 @@ select a root cause or say an alternative was disproved.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from sqlmodel import Session, col, select
@@ -32,6 +33,16 @@ MAX_QUOTED_ITEMS = 12
 MAX_QUOTE_CHARS = 300
 
 
+def code_span(text: str) -> str:
+    """A Markdown code span that shows ``text`` exactly (CommonMark): the fence is one
+    backtick longer than the longest run inside, padded when the text touches a backtick."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    if longest or (text.startswith(" ") and text.endswith(" ") and text.strip()):
+        return f"{fence} {text} {fence}"
+    return f"{fence}{text}{fence}"
+
+
 def _quote(item: dict[str, Any]) -> str:
     if "text" in item:
         text = str(item["text"])
@@ -40,10 +51,10 @@ def _quote(item: dict[str, Any]) -> str:
     else:
         text = json.dumps({k: v for k, v in item.items() if k != "key"}, sort_keys=True,
                           ensure_ascii=False)
-    text = text.replace("`", "'")
+    text = " ".join(text.splitlines()) if "\n" in text or "\r" in text else text
     if len(text) > MAX_QUOTE_CHARS:
-        text = text[:MAX_QUOTE_CHARS] + " ..."
-    return f"    - `{item['key']}`: `{text}`"
+        return f"    - {code_span(str(item['key']))}: {code_span(text[:MAX_QUOTE_CHARS])} ..."
+    return f"    - {code_span(str(item['key']))}: {code_span(text)}"
 
 
 def render_summary(s: Session, case_id: str, revision: int) -> bytes:
@@ -124,7 +135,8 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
             assessed = (f"assessed {e.assessment_score}/100, refund {e.refund_units}"
                         if e.assessed else "not assessed")
             warn = json.loads(e.warnings_json)
-            out.append(f"- **{e.evidence_id}** (step {e.step_seq}) `{e.operation}` `{args}`: "
+            out.append(f"- **{e.evidence_id}** (step {e.step_seq}) `{e.operation}` "
+                       f"{code_span(args)}: "
                        f"{e.item_count} item(s), {e.new_item_count} new"
                        + (", duplicate" if e.duplicate else "")
                        + f"; cost {e.cost_units}; {assessed}"

@@ -12,16 +12,32 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
+
+from investigation.errors import StoreError
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Bring the database behind ``engine`` to ``revision`` (idempotent, serialised)."""
+    """Bring the database behind ``engine`` to ``revision`` (idempotent, serialised).
+
+    Raises:
+        StoreError: ``STORE_UNVERSIONED`` when the database holds engine tables but no
+        migration version (created outside the migrations): nothing is changed.
+    """
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     with engine.connect() as conn:
+        tables = set(inspect(conn).get_table_names())
+        if "alembic_version" not in tables and tables & {"case", "checkpoint", "stage_run"}:
+            raise StoreError(
+                "STORE_UNVERSIONED",
+                f"the store at {engine.url.render_as_string(hide_password=True)} has engine "
+                "tables but no migration version; it was not created by this engine's "
+                "migrations. Use a new store, or stamp it after checking its schema "
+                "(alembic stamp 0001_initial)")
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
         conn.commit()
