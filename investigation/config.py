@@ -19,9 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from investigation.constants import OPERATIONS
 from investigation.errors import ConfigError
 
+#: Upper bound of any duration setting (one day): larger values are configuration mistakes.
+MAX_DURATION_S = 86_400.0
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoopConfig(_Strict):
@@ -100,6 +103,9 @@ class LimitsConfig(_Strict):
     """Bound of state checkpoints per case. Default 10,000."""
     max_report_bytes: int = Field(64 << 10, ge=1024)
     """Bytes of the bug report placed into each context. Default 64 KiB."""
+    notes_in_context: int = Field(10, ge=0)
+    """How many of the selected hypothesis's latest audit notes the context carries (all
+    stay in the store and the summary). Default 10."""
     full_evidence_in_context: int = Field(6, ge=1)
     """How many of the selected hypothesis's latest evidence records carry full findings in
     the context; older ones appear as compact references. Default 6."""
@@ -131,9 +137,9 @@ class ToolLimits(_Strict):
     """Quoted lines longer than this are cut (with a warning). Default 500."""
     max_read_lines: int = Field(400, ge=1)
     """Largest ``source.read`` range. Default 400 lines."""
-    sql_timeout_s: float = Field(2.0, gt=0)
+    sql_timeout_s: float = Field(2.0, gt=0, le=MAX_DURATION_S)
     """Wall-clock deadline of one ``db.query`` (progress handler). Default 2 s."""
-    search_timeout_s: float = Field(5.0, gt=0)
+    search_timeout_s: float = Field(5.0, gt=0, le=MAX_DURATION_S)
     """Deadline of one search over the snapshot. Default 5 s."""
     max_pattern_bytes: int = Field(1000, ge=1)
 
@@ -147,11 +153,11 @@ class ProviderConfig(_Strict):
     model: str | None = None
     api_key_env: str | None = None
     """Name of the environment variable holding the key; the key never reaches the store."""
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0, le=MAX_DURATION_S)
     structured_output: Literal["json_schema", "json_object_schema", "none"] = "json_schema"
     path: str | None = None
     """JSON Lines reply file of a scripted provider (relative to the providers file)."""
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
     max_tokens: int | None = Field(None, ge=1)
 
     @field_validator("name")
@@ -167,10 +173,10 @@ class GatewayConfig(_Strict):
 
     attempts: int = Field(10, ge=1)
     """Attempts per provider operation over all providers. Default 10 (seed)."""
-    delay_s: float = Field(2.0, ge=0)
+    delay_s: float = Field(2.0, ge=0, le=MAX_DURATION_S)
     """First backoff after a full failover round failed. Default 2 s."""
-    backoff_factor: float = Field(2.0, ge=1)
-    max_delay_s: float = Field(300.0, ge=0)
+    backoff_factor: float = Field(2.0, ge=1, le=100)
+    max_delay_s: float = Field(300.0, ge=0, le=MAX_DURATION_S)
 
 
 class ProvidersConfig(_Strict):
@@ -245,7 +251,7 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except OSError as exc:
         raise ConfigError("CONFIG_UNREADABLE", f"cannot read {path}: {exc}", path=str(path)) from exc
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError("CONFIG_INVALID", f"{path} is not valid TOML: {exc}", path=str(path)) from exc
 
 

@@ -26,6 +26,9 @@ def run_case(rt: Runtime, case_id: str, max_steps: int | None = None, wait: bool
         LockBusy: another dispatch of this case is running.
         InvestigationError: unsafe input, stale state, exceeded limits, changed policy.
     """
+    from investigation.loop.investigator import Investigator
+
+    Investigator(rt.env).next_step(case_id)  # CASE_NOT_FOUND before any lock is taken
     token = rt.lock.acquire(case_id)
     steps = 0
     last: Outcome | None = None
@@ -33,8 +36,6 @@ def run_case(rt: Runtime, case_id: str, max_steps: int | None = None, wait: bool
         while max_steps is None or steps < max_steps:
             outcome = run_embedded_step(case_id, token)
             if outcome is None:
-                from investigation.loop.investigator import Investigator
-
                 nxt = Investigator(rt.env).next_step(case_id)
                 assert isinstance(nxt, Outcome)
                 return nxt

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import secrets
 import threading
 from pathlib import Path
@@ -19,7 +20,10 @@ from typing import IO, Protocol
 import redis
 
 from investigation.constants import REDIS_LOCK_KEY
-from investigation.errors import LockBusy
+from investigation.errors import InvestigationError, LockBusy
+
+#: What a case id may look like where it becomes a file name.
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 _RENEW = """
 local v = redis.call('GET', KEYS[1])
@@ -103,6 +107,9 @@ class FileCaseLock:
         self._mutex = threading.Lock()
 
     def acquire(self, case_id: str) -> str:
+        if not _SAFE_ID.fullmatch(case_id):
+            raise InvestigationError("CASE_ID_INVALID",
+                                     f"{case_id!r} is not a case id (case-<16 hex digits>)")
         self.directory.mkdir(parents=True, exist_ok=True)
         with self._mutex:
             if case_id in self._held:

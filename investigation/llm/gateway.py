@@ -133,6 +133,7 @@ def _aware(value: datetime) -> datetime:
 
 
 def _short(text: str) -> str:
+    text = "".join(ch if ch >= " " or ch in "\t\n" else "?" for ch in text)  # no NUL/C0
     return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "..."
 
 
@@ -169,8 +170,10 @@ class LLMGateway:
         clock: timezone-aware UTC "now". Tests pass a fake clock; nothing ever sleeps.
         in_flight_grace_s: seconds after an attempt started during which a ``sent``
             attempt is presumed still running (the call returns ``RetryPending``)
-            rather than interrupted. Default 0: a ``sent`` attempt found by a call is
-            interrupted (the per-case lock guarantees no live worker holds it).
+            rather than interrupted. Default: twice the longest provider ``timeout_s``
+            plus 5 s (a provider call cannot outlive that: the HTTP provider enforces a
+            total deadline), so two runners racing on one case never call the model
+            twice. 0 treats every ``sent`` attempt found by a call as interrupted.
 
     Raises:
         ValueError: no providers, or duplicate provider names.
@@ -183,7 +186,7 @@ class LLMGateway:
         config: GatewayConfig,
         clock: Callable[[], datetime] = _utcnow,
         *,
-        in_flight_grace_s: float = 0.0,
+        in_flight_grace_s: float | None = None,
     ) -> None:
         if not providers:
             raise ValueError("LLMGateway needs at least one provider")
@@ -194,6 +197,9 @@ class LLMGateway:
         self.providers = list(providers)
         self.config = config
         self._clock = clock
+        if in_flight_grace_s is None:
+            longest = max(float(getattr(p, "timeout_s", 0.0)) for p in providers)
+            in_flight_grace_s = 2 * longest + 5.0
         self.in_flight_grace_s = in_flight_grace_s
 
     # -- public ------------------------------------------------------------------------------
@@ -376,7 +382,7 @@ class LLMGateway:
                             "llm operation %s attempt %s may still be in flight until %s",
                             op_id, attempt.attempt, until.isoformat(),
                         )
-                        return RetryPending(op_id, until, PROVIDER_INTERRUPTED)
+                        return RetryPending(op_id, until, "PROVIDER_CALL_IN_FLIGHT")
                 message = (
                     f"attempt {attempt.attempt} to provider {attempt.provider!r} was stored as "
                     "sent but no response was recorded (the worker stopped); it counts as an "

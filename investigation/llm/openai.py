@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -196,10 +197,27 @@ class OpenAIProvider:
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
         secrets = [key]
+        deadline = time.monotonic() + self.config.timeout_s
         try:
-            with self._client() as client:
-                response = client.post(self.url, content=request_bytes, headers=headers)
-                raw = response.content
+            with self._client() as client, client.stream(
+                "POST", self.url, content=request_bytes, headers=headers
+            ) as response:
+                chunks: list[bytes] = []
+                size = 0
+                for chunk in response.iter_bytes():
+                    size += len(chunk)
+                    if size > MAX_RESPONSE_BYTES:
+                        raise TransientProviderError(
+                            PROVIDER_MALFORMED_RESPONSE,
+                            f"provider {self.name!r}: response larger than "
+                            f"{MAX_RESPONSE_BYTES} bytes", provider=self.name)
+                    if time.monotonic() > deadline:
+                        raise TransientProviderError(
+                            PROVIDER_TIMEOUT,
+                            f"provider {self.name!r}: the response took longer than "
+                            f"timeout_s={self.config.timeout_s} in total", provider=self.name)
+                    chunks.append(chunk)
+                raw = redact_bytes(b"".join(chunks), key)
         except HTTPX_ERRORS as exc:
             raise classify_httpx_error(exc, self.name, secrets) from exc
         return parse_http_response(
@@ -514,4 +532,18 @@ def _error_excerpt(raw: bytes) -> str:
 
 
 def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    """A plausible token count (0 <= n < 2**31), else ``None``: usage is informative only."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+    return value if ok else None
+
+
+#: Largest response body read from a provider (bytes); a larger one is a failed attempt.
+MAX_RESPONSE_BYTES = 16 << 20
+
+
+def redact_bytes(raw: bytes, secret: str | None) -> bytes:
+    """``raw`` with every occurrence of ``secret`` replaced by ``[REDACTED]``: a server that
+    echoes the API key must not put it in the store (stored bytes are exact otherwise)."""
+    if not secret or len(secret) < 4:
+        return raw
+    return raw.replace(secret.encode("utf-8"), b"[REDACTED]")

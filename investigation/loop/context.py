@@ -106,7 +106,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
             "confidence": account.confidence, "balance_units": account.balance_units,
             "credit_units": account.credit_units, "iterations": account.iterations,
             "max_iterations": config.loop.max_iterations_per_hypothesis,
-            "turn": account.turns + 1, "notes": json.loads(account.notes_json),
+            "turn": account.turns + 1,
+            "notes": json.loads(account.notes_json)[-config.limits.notes_in_context:],
         },
         "other_hypotheses": [
             {"id": a.hypothesis_id, "statement": statements[a.hypothesis_id],

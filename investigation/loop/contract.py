@@ -12,7 +12,7 @@ import json
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from investigation.constants import CONFIDENCE_ORDER
 
@@ -20,8 +20,17 @@ Confidence = Literal["unassessed", "weak", "plausible", "supported", "strongly_s
                      "weakened"]
 assert set(CONFIDENCE_ORDER) == set(Confidence.__args__)  # type: ignore[attr-defined]
 
-_Text = Annotated[str, Field(min_length=1, max_length=4000)]
-_Id = Annotated[str, Field(min_length=1, max_length=32)]
+def _printable(value: str) -> str:
+    """Text fields carry no control characters other than tab and line breaks (a NUL, for
+    one, cannot be stored in PostgreSQL text and has no place in an audit note)."""
+    if any((ord(ch) < 0x20 and ch not in "\t\n\r") or ord(ch) == 0x7F for ch in value):
+        raise ValueError("control characters are not allowed in text fields")
+    return value
+
+
+_Printable = AfterValidator(_printable)
+_Text = Annotated[str, Field(min_length=1, max_length=4000), _Printable]
+_Id = Annotated[str, Field(min_length=1, max_length=32), _Printable]
 
 
 class _Strict(BaseModel):
@@ -42,16 +51,16 @@ class Update(_Strict):
     confidence: Confidence
     evidence_ids: list[_Id] = Field(max_length=50)
     resolve_questions: list[_Id] = Field(max_length=50)
-    new_questions: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
-        max_length=10)
-    note: Annotated[str, Field(max_length=4000)]
+    new_questions: list[Annotated[str, Field(min_length=1, max_length=500), _Printable]] = \
+        Field(max_length=10)
+    note: Annotated[str, Field(max_length=4000), _Printable]
 
 
 class QueryAction(_Strict):
     """One read-only snapshot operation."""
 
     action: Literal["query"]
-    operation: Annotated[str, Field(min_length=1, max_length=64)]
+    operation: Annotated[str, Field(min_length=1, max_length=64), _Printable]
     arguments: dict[str, Any]
 
 
@@ -59,7 +68,7 @@ class TestDescriptor(_Strict):
     """An external test handed to a human or an automated rig."""
 
     kind: Literal["human", "automated"]
-    title: Annotated[str, Field(min_length=1, max_length=200)]
+    title: Annotated[str, Field(min_length=1, max_length=200), _Printable]
     instructions: _Text
     expected_observation: _Text
 

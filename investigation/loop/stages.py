@@ -379,11 +379,18 @@ class Stages:
                                            details={"error_code": result.error_code,
                                                     "message": result.message}))
         assert isinstance(result, Succeeded)
+        content = result.content
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            # Lone surrogates from a provider: keep them visible as escapes so the reply is
+            # stored and then rejected by validation, instead of wedging the step.
+            content = content.encode("utf-8", "backslashreplace").decode("utf-8")
         with self.store.session() as s:
             self._fence(s, key, "llm_call")
             return self._complete(s, key, "llm_call", {
                 "operation_id": result.operation_id, "attempt": result.attempt,
-                "provider": result.provider, "content": result.content,
+                "provider": result.provider, "content": content,
                 "response_sha256": result.response_sha256,
                 "request_sha256": result.request_sha256,
             })
@@ -401,8 +408,16 @@ class Stages:
             cfg, _ = self._policy(s, key)
             account = self._account(s, key, int(built["hypothesis_id"]))
             try:
-                decision = validate_reply(parse_reply(call["content"]), doc, cfg.budget, router,
-                                          cfg.loop.max_questions_per_hypothesis)
+                try:
+                    decision = validate_reply(parse_reply(call["content"]), doc, cfg.budget,
+                                              router, cfg.loop.max_questions_per_hypothesis)
+                    canonical_json(decision.to_dict())  # it must be storable
+                except (ValueError, TypeError, OverflowError, UnicodeError,
+                        RecursionError) as exc:
+                    # No reply may crash the stage: what cannot be judged is rejected.
+                    raise ReplyRejected("REPLY_UNPROCESSABLE",
+                                        f"the reply could not be processed: "
+                                        f"{type(exc).__name__}") from exc
             except ReplyRejected as rej:
                 account.invalid_streak += 1
                 account.last_rejection_json = canonical_json(

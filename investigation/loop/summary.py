@@ -43,6 +43,20 @@ def code_span(text: str) -> str:
     return f"{fence}{text}{fence}"
 
 
+def plain(text: str | None) -> str:
+    """Untrusted prose (model notes, reasons, questions, statements) as one inert line.
+
+    Whitespace runs (line breaks included) collapse to one space, so the text can never
+    start a line of its own (no heading, list, quote or fence); ``<``/``>`` become
+    entities (no HTML) and ``[``, ``]``, ``|`` are escaped (no links, no table cells).
+    """
+    flat = " ".join((text or "").split())
+    flat = flat.replace("\\", "\\\\").replace("<", "&lt;").replace(">", "&gt;")
+    for ch in "[]|":
+        flat = flat.replace(ch, "\\" + ch)
+    return flat
+
+
 def _quote(item: dict[str, Any]) -> str:
     if "text" in item:
         text = str(item["text"])
@@ -88,7 +102,7 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
         "- State: BUILDING_DIAGNOSIS",
         f"- Steps published: {len(checkpoints)}",
         f"- Evidence records: {len(evidence)}",
-        f"- Interpretation: {interpretation.get('summary', '')}",
+        f"- Interpretation: {plain(str(interpretation.get('summary', '')))}",
         "",
         "This summary reports an investigation, not a diagnosis: it selects no root cause. "
         "Confidence labels are the model's qualitative assessments, grounded in the cited "
@@ -114,9 +128,9 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
     out.append("")
     for a in accounts:
         birth = births[a.hypothesis_id]
-        out += [f"### Hypothesis {a.hypothesis_id}", "", f"> {birth.statement}", "",
+        out += [f"### Hypothesis {a.hypothesis_id}", "", f"> {plain(birth.statement)}", "",
                 f"- Disposition: {a.status}"
-                + (f" ({a.disposition_reason})" if a.disposition_reason else ""),
+                + (f" ({plain(a.disposition_reason)})" if a.disposition_reason else ""),
                 f"- Confidence: {a.confidence}",
                 f"- Balance: {a.balance_units} of {a.credit_units} units",
                 f"- Turns: {a.turns}; research iterations: {a.iterations}"]
@@ -125,7 +139,7 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
         notes = json.loads(a.notes_json)
         if notes:
             out.append("- Notes:")
-            out += [f"    - step {n['step_seq']}: {n['note']}" for n in notes]
+            out += [f"    - step {n['step_seq']}: {plain(n['note'])}" for n in notes]
         out += ["", "#### Evidence", ""]
         own = [e for e in evidence if e.hypothesis_id == a.hypothesis_id]
         if not own:
@@ -152,13 +166,14 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
                 if q.status == "resolved":
                     ev = ", ".join(json.loads(q.resolution_evidence_json or "[]"))
                     out.append(f"- {q.question_id} (resolved at step {q.resolved_step} "
-                               f"with {ev}): {q.text}")
+                               f"with {ev}): {plain(q.text)}")
                 else:
-                    out.append(f"- {q.question_id} (open): {q.text}")
+                    out.append(f"- {q.question_id} (open): {plain(q.text)}")
         out.append("")
     open_qs = [q for q in questions if q.status == "open"]
     out += ["## Outstanding questions", ""]
-    out += [f"- {q.question_id} (hypothesis {q.hypothesis_id}): {q.text}" for q in open_qs] \
+    out += [f"- {q.question_id} (hypothesis {q.hypothesis_id}): {plain(q.text)}"
+            for q in open_qs] \
         or ["- none"]
     out.append("")
     return "\n".join(out).encode("utf-8")

@@ -15,7 +15,8 @@ Rejection codes (stable), in checking order:
 ``RESOLUTION_WITHOUT_EVIDENCE``; ``DUPLICATE_QUESTION``; ``TOO_MANY_QUESTIONS``;
 ``ACTION_NOT_ALLOWED``; ``UNKNOWN_OPERATION``; ``TOOL_*`` (argument preflight, e.g.
 ``TOOL_PATH_ESCAPE``, ``TOOL_SQL_NOT_READ_ONLY``); ``TEST_COST_NOT_CONFIGURED``;
-``BUDGET_UNAFFORDABLE``.
+``TEST_HANDOFF_UNAVAILABLE``; ``BUDGET_UNAFFORDABLE``. The validate stage adds
+``REPLY_UNPROCESSABLE`` for a reply whose values cannot be processed or stored.
 """
 
 from __future__ import annotations
@@ -168,6 +169,11 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
         if cost is None:
             raise ReplyRejected("TEST_COST_NOT_CONFIGURED",
                                 f"no cost is configured for {reply.next.test.kind} tests")
+        # The external-test hand-off (stored request, AWAITING_TEST_FEEDBACK, confirmed
+        # feedback) is not built yet: refuse rather than charge for a test nobody runs.
+        raise ReplyRejected("TEST_HANDOFF_UNAVAILABLE",
+                            "external tests cannot be handed out yet; choose a query, "
+                            "finish or reject")
     assert cost is not None
 
     pending = None

@@ -9,9 +9,9 @@ escapes, pattern length, regex compilation, SQL preflight) are applied by
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from investigation.config import canonical_json
 
@@ -34,7 +34,16 @@ RANGE_CLIPPED = "RANGE_CLIPPED"
 WARNINGS = (EMPTY_RESULT, TRUNCATED, PARTIAL, TEXTUAL_SCOPE, LINE_CUT, BINARY_SKIPPED,
             RANGE_CLIPPED)
 
-Scalar = int | float | str | None
+#: A ``db.query`` parameter: a 64-bit integer (SQLite's range), a finite float, text or null.
+def _sqlite_scalar(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            not -(2**63) <= value <= 2**63 - 1:
+        raise ValueError("integer outside SQLite's signed 64-bit range")
+    return value
+
+
+Scalar = Annotated[int | Annotated[float, Field(allow_inf_nan=False)] | str | None,
+                   AfterValidator(_sqlite_scalar)]
 
 
 class _Args(BaseModel):

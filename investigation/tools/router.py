@@ -169,7 +169,11 @@ class ToolRouter:
                 for err in exc.errors(include_url=False, include_input=False))
             raise ToolError("TOOL_INVALID_ARGUMENTS", f"{operation}: {problems}",
                             operation=operation) from exc
-        return self._check(args)
+        try:
+            return self._check(args)
+        except (OverflowError, ValueError, UnicodeError) as exc:  # never a crash on input
+            raise ToolError("TOOL_INVALID_ARGUMENTS", f"{operation}: {exc}",
+                            operation=operation) from exc
 
     def execute(self, operation: str, arguments: dict[str, Any]) -> ToolResult:
         """Validate, then run one operation.

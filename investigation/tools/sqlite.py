@@ -44,10 +44,13 @@ from typing import Any
 from investigation.errors import ToolError
 
 #: Lowered SQLite limits applied to every snapshot connection.
+#: Bytes of row values fetched by one ``db.query`` before it stops with ``TRUNCATED``.
+MAX_FETCH_BYTES = 8 << 20
+
 SQLITE_LIMITS: dict[int, int] = {
-    sqlite3.SQLITE_LIMIT_LENGTH: 1_000_000,
+    sqlite3.SQLITE_LIMIT_LENGTH: 250_000,
     sqlite3.SQLITE_LIMIT_SQL_LENGTH: 100_000,
-    sqlite3.SQLITE_LIMIT_COLUMN: 1_000,
+    sqlite3.SQLITE_LIMIT_COLUMN: 200,
     sqlite3.SQLITE_LIMIT_EXPR_DEPTH: 100,
     sqlite3.SQLITE_LIMIT_COMPOUND_SELECT: 20,
     sqlite3.SQLITE_LIMIT_VDBE_OP: 50_000,
@@ -65,8 +68,10 @@ DATE_FUNCTIONS = ("date", "time", "datetime", "julianday", "strftime", "unixepoc
 #: Pure builtins a query may call (lower case, as the authorizer reports them).
 ALLOWED_FUNCTIONS = frozenset({
     # core scalar
-    "abs", "char", "coalesce", "format", "glob", "hex", "ifnull", "iif", "instr", "length",
-    "like", "likelihood", "likely", "lower", "ltrim", "max", "min", "nullif", "printf",
+    "abs", "char", "coalesce", "glob", "hex", "ifnull", "iif", "instr", "length",
+    # (printf/format are left out: one call with a huge width or precision runs for
+    # seconds inside a single SQLite instruction, where the progress handler cannot stop it)
+    "like", "likelihood", "likely", "lower", "ltrim", "max", "min", "nullif",
     "quote", "replace", "round", "rtrim", "sign", "soundex", "substr", "substring", "trim",
     "typeof", "unicode", "unlikely", "upper", "zeroblob",
     # aggregate and window
@@ -370,12 +375,18 @@ class ReadOnlyDatabase:
                     raise ToolError("TOOL_INVALID_ARGUMENTS", "sql holds no statement",
                                     argument="sql")
                 columns = [d[0] for d in cursor.description]
+                fetched_bytes = 0
                 while True:
                     row = cursor.fetchone()
                     if row is None:
                         break
-                    if len(rows) >= max_rows:
+                    fetched_bytes += sum(
+                        len(v) if isinstance(v, str | bytes) else 8 for v in row)
+                    if len(rows) >= max_rows or fetched_bytes > MAX_FETCH_BYTES:
                         truncated = True
+                        break
+                    if time.monotonic() >= deadline:
+                        hit[0] = True
                         break
                     rows.append(tuple(row))
             except sqlite3.OperationalError as exc:

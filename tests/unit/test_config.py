@@ -60,3 +60,34 @@ def test_policy_hash_changes_with_policy() -> None:
     assert base.policy_hash() != other.policy_hash()
     limits_only = InvestigationConfig.model_validate({"limits": {"max_checkpoints": 5}})
     assert base.policy_hash() == limits_only.policy_hash()  # limits are not frozen policy
+
+
+@pytest.mark.parametrize("text", [
+    "[tools]\nsql_timeout_s = inf\n",
+    "[tools]\nsearch_timeout_s = nan\n",
+    "[tools]\nsql_timeout_s = 1e12\n",
+])
+def test_non_finite_or_absurd_durations_are_refused(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        InvestigationConfig.load(path)
+    assert err.value.code == "CONFIG_INVALID"
+
+
+@pytest.mark.parametrize("gateway", ["delay_s = inf", "delay_s = 1e12", "max_delay_s = nan"])
+def test_gateway_timing_must_be_finite(tmp_path: Path, gateway: str) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(f"[gateway]\n{gateway}\n\n[[providers]]\nname = \"r\"\nkind = \"scripted\"\n"
+                    "path = \"r.jsonl\"\n")
+    with pytest.raises(ConfigError) as err:
+        ProvidersConfig.load(path)
+    assert err.value.code == "CONFIG_INVALID"
+
+
+def test_a_file_that_is_not_utf8_is_invalid(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_bytes(b"[loop]\nx = \"\xff\"\n")
+    with pytest.raises(ConfigError) as err:
+        InvestigationConfig.load(path)
+    assert err.value.code == "CONFIG_INVALID"

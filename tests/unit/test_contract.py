@@ -288,3 +288,24 @@ def test_paired_surrogate_escapes_are_ordinary_text() -> None:
     parsed = parse_reply(text)
     assert isinstance(parsed.next, QueryAction)
     assert parsed.next.arguments == {"pattern": "\U0001f600"}
+
+
+@pytest.mark.parametrize("field", ["note", "reason", "question"])
+def test_control_characters_in_text_fields_are_refused(field: str) -> None:
+    import json as _json
+
+    from investigation.loop.contract import ReplyRejected, parse_reply
+
+    bad = "stop\x00here"
+    data = {"assessment": None,
+            "update": {"confidence": "weak", "evidence_ids": [], "resolve_questions": [],
+                       "new_questions": [bad] if field == "question" else [],
+                       "note": bad if field == "note" else "ok"},
+            "next": {"action": "finish", "reason": bad if field == "reason" else "done"}}
+    with pytest.raises(ReplyRejected) as err:
+        parse_reply(_json.dumps(data))
+    assert err.value.code == "REPLY_SCHEMA_INVALID"
+    data["update"]["note"] = "tabs\tand\nnew lines are fine"
+    data["update"]["new_questions"] = []
+    data["next"]["reason"] = "done"
+    assert parse_reply(_json.dumps(data)).update.note.startswith("tabs")

@@ -107,7 +107,9 @@ def store(tmp_path: Path) -> Store:
 def gateway(store: Store, providers: list[FakeProvider], clock: Clock, **cfg: float) -> LLMGateway:
     config = GatewayConfig(**{"attempts": 10, "delay_s": 2.0, "backoff_factor": 2.0,
                               "max_delay_s": 60.0, **cfg})
-    return LLMGateway(store, providers, config, clock=clock)
+    # Grace 0: a "sent" attempt found by a later call is taken as interrupted (the tests of
+    # the default grace construct their gateway themselves).
+    return LLMGateway(store, providers, config, clock=clock, in_flight_grace_s=0)
 
 
 def attempts(store: Store) -> list[LLMAttempt]:
@@ -418,9 +420,16 @@ def test_in_flight_grace_returns_retry_pending(store: Store) -> None:
     pending = gw.call(CASE, 1, 1, request())
     assert isinstance(pending, RetryPending)
     assert pending.retry_not_before == T0 + timedelta(seconds=120)
-    assert pending.error_code == "PROVIDER_INTERRUPTED"
+    assert pending.error_code == "PROVIDER_CALL_IN_FLIGHT"
     clock.advance(120)
     assert isinstance(gw.call(CASE, 1, 1, request()), Succeeded)
+
+
+def test_default_grace_covers_the_longest_provider_call(store: Store) -> None:
+    a, b = FakeProvider("a", [ok()]), FakeProvider("b", [ok()])
+    b.timeout_s = 30.0  # type: ignore[attr-defined]
+    gw = LLMGateway(store, [a, b], GatewayConfig())
+    assert gw.in_flight_grace_s == 2 * 30.0 + 5.0
 
 
 def test_late_worker_loses_against_recovery(store: Store) -> None:

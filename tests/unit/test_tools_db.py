@@ -174,12 +174,31 @@ def test_db_query_truncated_and_empty() -> None:
 
 def test_db_query_line_cut_and_special_values() -> None:
     result = make_router(max_line_bytes=40).execute(
-        "db.query", {"sql": "SELECT printf('%.60c', 'x') AS s, 1e999 AS inf, "
+        "db.query", {"sql": "SELECT substr(replace(hex(zeroblob(60)), '0', 'x'), 1, 60) AS s, "
+                            "1e999 AS inf, "
                             "CAST(x'ff' AS TEXT) AS bad"})
     assert result.items[0]["row"] == {"s": "x" * 40, "inf": {"$float": "Infinity"},
                                       "bad": {"$hex": "ff"}}
     assert result.items[0]["key"] == row_key(["x" * 60, {"$float": "Infinity"}, {"$hex": "ff"}])
     assert result.warnings == ["LINE_CUT"]
+
+
+def test_printf_cannot_outrun_the_deadline() -> None:
+    """A huge printf width runs inside one SQLite instruction, out of the progress
+    handler's reach, so printf and format are not callable at all."""
+    router = make_router()
+    for sql in ["SELECT printf('%.*c', 1000000000, 'x')", "SELECT format('%d', 1)"]:
+        with pytest.raises(ToolError) as info:
+            router.validate("db.query", {"sql": sql})
+        assert info.value.code == "TOOL_SQL_NOT_READ_ONLY"
+
+
+def test_out_of_range_parameters_are_refused() -> None:
+    router = make_router()
+    for params in ([2**70], [float("inf")], [float("nan")]):
+        with pytest.raises(ToolError) as info:
+            router.validate("db.query", {"sql": "SELECT ?", "params": params})
+        assert info.value.code == "TOOL_INVALID_ARGUMENTS"
 
 
 def test_db_query_dates_are_deterministic_only() -> None:

@@ -350,9 +350,10 @@ def test_tool_rejection_precedes_affordability() -> None:
 def test_test_without_configured_cost() -> None:
     assert code(reply(nxt=HUMAN_TEST), context()) == "TEST_COST_NOT_CONFIGURED"
     human_only = BudgetConfig(test_costs={"human": 5})
-    decision = check(reply(nxt=HUMAN_TEST), context(), budget=human_only)
-    assert decision.cost_units == 5
-    assert decision.projection.balance_after == 55
+    # With a cost the test is still refused: the hand-off is not built, and charging for a
+    # test nobody runs would lose credit.
+    assert code(reply(nxt=HUMAN_TEST), context(), budget=human_only) == \
+        "TEST_HANDOFF_UNAVAILABLE"
     automated = {"action": "test", "test": {**HUMAN_TEST["test"], "kind": "automated"}}
     assert code(reply(nxt=automated), context(), budget=human_only) == \
         "TEST_COST_NOT_CONFIGURED"
@@ -367,10 +368,10 @@ def test_query_beyond_the_balance_is_unaffordable() -> None:
     assert exact.projection.balance_after == 0
 
 
-def test_test_beyond_the_balance_is_unaffordable() -> None:
+def test_a_test_is_refused_before_any_budget_projection() -> None:
     budget = BudgetConfig(test_costs={"human": 50})
     assert code(reply(nxt=HUMAN_TEST), context(balance=49), budget=budget) == \
-        "BUDGET_UNAFFORDABLE"
+        "TEST_HANDOFF_UNAVAILABLE"
 
 
 def test_refund_from_settlement_makes_a_query_affordable() -> None:
