@@ -23,6 +23,7 @@ from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
     Evidence,
+    LLMOperation,
     ManifestPointer,
     Question,
     utcnow,
@@ -98,9 +99,12 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
                     "RETRY_ID_NOT_APPLICABLE",
                     f"a retry id opens a new provider operation; this case is blocked for "
                     f"{case.blocked_reason}")
-            if retry_id == case.llm_retry_id or not retry_id.strip():
+            used = s.exec(select(LLMOperation.id).where(
+                LLMOperation.case_id == case_id, LLMOperation.retry_id == retry_id)).first()
+            if retry_id == case.llm_retry_id or not retry_id.strip() or used is not None:
                 raise InvestigationError("RETRY_ID_REUSED",
-                                         "give a new, non-empty retry id for the new operation")
+                                         f"retry id {retry_id!r} was used before; give a new, "
+                                         "non-empty retry id for the new operation")
             case.llm_retry_id = retry_id
         elif case.blocked_reason in _PROVIDER_BLOCKS:
             raise InvestigationError(

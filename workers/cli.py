@@ -1,7 +1,8 @@
 """The ``investigate`` command (DESIGN.md "Fixed interfaces": command line).
 
 Exit codes: 0 success; 1 the investigation ended blocked; 2 a controlled error
-(``error CODE: message`` on stderr); 3 ``LockBusy``.
+(``error CODE: message`` on stderr); 3 ``LockBusy``; 4 ``run --no-wait`` stopped at a
+provider backoff (``RETRY_PENDING``: run again after the printed time).
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ import sys
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
+from kombu.exceptions import OperationalError as KombuOperationalError
+from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
 
 from investigation.cases.builder import build_package
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import load_hypotheses, load_interpretation, register_case
 from investigation.config import InvestigationConfig
-from investigation.constants import BLOCKED, COMPLETED
+from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
 from investigation.errors import InvestigationError, LockBusy
 from investigation.loop.outcome import Outcome
 from investigation.operations import export, resume, status, summary_bytes
@@ -52,11 +56,30 @@ def _controlled(fn: F) -> F:
             err.print(str(exc), markup=False, highlight=False)
             raise typer.Exit(3) from None
         except InvestigationError as exc:
-            err.print("[bold red]error[/] ", end="", markup=True)
-            err.print(f"{exc.code}: {exc.message}", markup=False, highlight=False)
-            raise typer.Exit(2) from None
+            _fail(exc.code, exc.message)
+        except SQLAlchemyError as exc:
+            _fail("STORE_UNAVAILABLE", f"the store cannot be used: {_first_line(exc)}; check "
+                  "INVESTIGATE_DATABASE_URL / INVESTIGATE_HOME")
+        except RedisError as exc:
+            _fail("REDIS_UNAVAILABLE", f"Redis cannot be reached for the case lock: "
+                  f"{_first_line(exc)}; check INVESTIGATE_REDIS_URL / INVESTIGATE_BROKER_URL")
+        except KombuOperationalError as exc:
+            _fail("BROKER_UNAVAILABLE", f"the broker cannot be reached: {_first_line(exc)}; "
+                  "check INVESTIGATE_BROKER_URL")
+        except OSError as exc:
+            _fail("IO_ERROR", f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
 
     return wrapper  # type: ignore[return-value]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _fail(code: str, message: str) -> NoReturn:
+    err.print("[bold red]error[/] ", end="", markup=True)
+    err.print(f"{code}: {message}", markup=False, highlight=False)
+    raise typer.Exit(2)
 
 
 def _settings() -> Settings:
@@ -119,6 +142,12 @@ def case_add(
     settings = _settings()
     cfg = InvestigationConfig.load(config)
     try:
+        size = package.stat().st_size
+        if not package.is_file() or size > cfg.package.max_total_bytes:
+            raise InvestigationError(
+                "PKG_TOO_LARGE" if package.is_file() else "PKG_UNREADABLE",
+                f"{package} is not a regular file of at most {cfg.package.max_total_bytes} "
+                "bytes (package.max_total_bytes)")
         data = package.read_bytes()
     except OSError as exc:
         raise InvestigationError("PKG_UNREADABLE", f"cannot read {package}: {exc}") from exc
@@ -151,6 +180,8 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome) -> None:
         out.print(f"summary: {path}", highlight=False, soft_wrap=True)
     elif outcome.outcome == BLOCKED:
         raise typer.Exit(1)
+    elif outcome.outcome == RETRY_PENDING:
+        raise typer.Exit(4)
 
 
 @app.command("run")
@@ -175,8 +206,12 @@ def dispatch_cmd(
     max_steps: Annotated[int | None, typer.Option("--max-steps", min=1)] = None,
 ) -> None:
     """Enqueue a dispatch for the distributed workers (takes the case lock, never waits)."""
+    from workers import runtime
     from workers.tasks import start_dispatch
 
+    settings = _settings()
+    _store(settings, existing=True)
+    runtime.configure(runtime.distributed(settings))
     token = start_dispatch(case_id, max_steps)
     out.print(f"dispatched {case_id} (lock token {token[:8]}...)", highlight=False)
 

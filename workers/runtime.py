@@ -86,17 +86,25 @@ def configure(runtime: Runtime | None) -> None:
         _current = runtime
 
 
+def distributed(settings: Settings) -> Runtime:
+    """Build the distributed runtime for ``settings`` (Redis locks, the settings' store),
+    and point the Celery app at the settings' broker and queue."""
+    from workers.celery_app import configure as configure_app
+
+    configure_app(settings)
+    runtime = Runtime("distributed", settings, build_env(settings),
+                      RedisCaseLock.from_url(settings.effective_redis_url, settings.lock_ttl_s))
+    log.info("distributed runtime ready (store %s)",
+             settings.effective_database_url.split("@")[-1])
+    return runtime
+
+
 def current() -> Runtime:
     """The process runtime; a worker builds the distributed one from its environment."""
     global _current
     with _mutex:
         if _current is None:
-            settings = Settings()
-            _current = Runtime("distributed", settings, build_env(settings),
-                               RedisCaseLock.from_url(settings.effective_redis_url,
-                                                      settings.lock_ttl_s))
-            log.info("distributed runtime ready (store %s)",
-                     settings.effective_database_url.split("@")[-1])
+            _current = distributed(Settings())
         return _current
 
 

@@ -344,7 +344,7 @@ def _parse_manifest(raw: bytes) -> dict[str, Any]:
             object_pairs_hook=_unique_object,
             parse_constant=_reject_constant,
         )
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _invalid(f"not valid UTF-8 JSON ({exc})") from exc
     if not isinstance(value, dict):
         raise _invalid("must be a JSON object")

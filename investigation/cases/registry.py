@@ -140,9 +140,10 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise InvestigationError(_HYPOTHESES, f"{where} must be a JSON object")
         ident = item.get("id")
-        if type(ident) is not int or ident <= 0:
+        if type(ident) is not int or not 0 < ident < 2**31:
             raise InvestigationError(
-                _HYPOTHESES, f'{where} needs "id": a positive integer (got {ident!r})'
+                _HYPOTHESES,
+                f'{where} needs "id": a positive integer below 2**31 (got {ident!r})'
             )
         if ident in seen:
             raise InvestigationError(_HYPOTHESES, f"hypothesis id {ident} is used twice",
@@ -152,6 +153,11 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
         if not isinstance(statement, str) or not statement.strip():
             raise InvestigationError(
                 _HYPOTHESES, f'hypothesis {ident} needs "statement": a non-empty string',
+                hypothesis_id=ident,
+            )
+        if "\x00" in statement:
+            raise InvestigationError(
+                _HYPOTHESES, f"hypothesis {ident}: the statement holds a NUL character",
                 hypothesis_id=ident,
             )
     _check_canonical(value, _HYPOTHESES, "the hypotheses")

@@ -177,3 +177,37 @@ def test_closing_turn_reason_is_kept_in_the_disposition(tmp_path: Path) -> None:
     assert "rejected (iteration_cap: cap reached)" in summary
     assert [a["status"] for a in status(case.store, case.case_id)["accounts"]] == \
         ["investigation_finished", "rejected"]
+
+
+def test_operator_errors_are_codes_not_tracebacks(tmp_path: Path, cli_env: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    case = make_case(tmp_path / "ops")
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    res = runner.invoke(app, ["run", "../../../escape"])
+    assert res.exit_code == 2 and "CASE_NOT_FOUND" in res.output
+    assert not list(tmp_path.rglob("escape.lock"))
+    (tmp_path / "a-file").write_text("x")
+    res = runner.invoke(app, ["export", case.case_id, str(tmp_path / "a-file" / "sub")])
+    assert res.exit_code == 2 and "IO_ERROR" in res.output
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:1/0")
+    res = runner.invoke(app, ["dispatch", case.case_id])
+    assert res.exit_code == 2 and "REDIS_UNAVAILABLE" in res.output
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", "postgresql+psycopg://x@127.0.0.1:1/x")
+    res = runner.invoke(app, ["status", case.case_id])
+    assert res.exit_code == 2 and "STORE_UNAVAILABLE" in res.output
+
+
+def test_a_retry_id_is_never_reused(tmp_path: Path) -> None:
+    from investigation.errors import InvestigationError
+    from investigation.operations import resume
+
+    case = make_case(tmp_path / "r", replies=[])
+    assert case.investigator().step(case.case_id).reason == "PROVIDER_CONFIGURATION"
+    resume(case.store, case.case_id, retry_id="one")
+    assert case.investigator().step(case.case_id).reason == "PROVIDER_CONFIGURATION"
+    resume(case.store, case.case_id, retry_id="two")
+    assert case.investigator().step(case.case_id).reason == "PROVIDER_CONFIGURATION"
+    with pytest.raises(InvestigationError) as err:
+        resume(case.store, case.case_id, retry_id="one")
+    assert err.value.code == "RETRY_ID_REUSED"
