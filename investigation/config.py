@@ -138,7 +138,14 @@ class ToolLimits(_Strict):
     max_read_lines: int = Field(400, ge=1)
     """Largest ``source.read`` range. Default 400 lines."""
     sql_timeout_s: float = Field(2.0, gt=0, le=MAX_DURATION_S)
-    """Wall-clock deadline of one ``db.query`` (progress handler). Default 2 s."""
+    """Wall-clock deadline of one ``db.query`` (progress handler); the isolated child that
+    runs it is killed one second later. Default 2 s."""
+    sql_memory_bytes: int = Field(256 << 20, ge=16 << 20)
+    """Address space one untrusted statement may add (``RLIMIT_AS`` of its child).
+    Default 256 MiB."""
+    isolate_sql: bool = True
+    """Compile and run model-supplied SQL in a forked child under hard limits (Linux).
+    Default true; false runs it in process (no bound on compilation)."""
     search_timeout_s: float = Field(5.0, gt=0, le=MAX_DURATION_S)
     """Deadline of one search over the snapshot. Default 5 s."""
     max_pattern_bytes: int = Field(1000, ge=1)

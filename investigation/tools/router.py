@@ -240,7 +240,10 @@ class ToolRouter:
             self._resolve_table(args.table)
             return args
         if isinstance(args, DbQueryArgs):
-            self._first_db().preflight(args.sql, args.params)
+            self._first_db().preflight(
+                args.sql, args.params, timeout_s=self._limits.sql_timeout_s + 1.0,
+                memory_bytes=self._limits.sql_memory_bytes,
+                isolate=self._limits.isolate_sql)
             return args.model_copy(update={"max_rows": self._cap(args.max_rows)})
         for name in self._require_db():  # db.tables: every database must open
             self._db(name)
@@ -316,7 +319,8 @@ class ToolRouter:
         db = self._first_db()
         max_rows = self._cap(args.max_rows)
         columns, rows, truncated, deadline_hit = db.query(
-            args.sql, args.params, max_rows, self._limits.sql_timeout_s)
+            args.sql, args.params, max_rows, self._limits.sql_timeout_s,
+            memory_bytes=self._limits.sql_memory_bytes, isolate=self._limits.isolate_sql)
         names = _unique_names(columns)
         codes: set[str] = set()
         items = []

@@ -39,9 +39,12 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from investigation.errors import ToolError
+from investigation.tools.isolation import run_isolated
+
+T = TypeVar("T")
 
 #: Lowered SQLite limits applied to every snapshot connection.
 #: Bytes of row values fetched by one ``db.query`` before it stops with ``TRUNCATED``.
@@ -247,16 +250,28 @@ class ReadOnlyDatabase:
 
     @contextlib.contextmanager
     def _guarded(self, progress: Callable[[], int], every_ops: int) -> Iterator[None]:
+        # Runs in the isolated child (or in process with ``isolate=False``), with
+        # ``self._lock`` held by the caller.
+        self._denials.clear()
+        self._function_errors.clear()
+        self._conn.set_authorizer(self._authorize)
+        self._conn.set_progress_handler(progress, every_ops)
+        try:
+            yield
+        finally:
+            self._conn.set_progress_handler(None, 0)
+            self._conn.set_authorizer(None)
+
+    def _bounded(self, fn: Callable[[], T], timeout_s: float, memory_bytes: int,
+                 isolate: bool) -> T:
+        """Run untrusted work on this database: in a forked child under hard CPU, memory
+        and wall-clock limits (see :mod:`investigation.tools.isolation`), holding the
+        database lock across the fork."""
         with self._lock:
-            self._denials.clear()
-            self._function_errors.clear()
-            self._conn.set_authorizer(self._authorize)
-            self._conn.set_progress_handler(progress, every_ops)
-            try:
-                yield
-            finally:
-                self._conn.set_progress_handler(None, 0)
-                self._conn.set_authorizer(None)
+            if not isolate:
+                return fn()
+            return run_isolated(fn, timeout_s=timeout_s, memory_bytes=memory_bytes,
+                                what="the statement")
 
     def _translate(self, exc: sqlite3.Error) -> ToolError:
         if self._denials:
@@ -275,7 +290,8 @@ class ReadOnlyDatabase:
         return ToolError("TOOL_SQL_ERROR", f"SQLite refused the statement: {message}",
                          database=self.name)
 
-    def preflight(self, sql: str, params: Sequence[Any]) -> None:
+    def preflight(self, sql: str, params: Sequence[Any], timeout_s: float = 3.0,
+                  memory_bytes: int = 256 << 20, isolate: bool = True) -> None:
         """Compile ``sql`` under the authorizer and inspect its program; never run it.
 
         Two compilations, both under the authorizer:
@@ -292,12 +308,19 @@ class ReadOnlyDatabase:
         A statement that is itself an ``EXPLAIN`` is a listing: it is never interrupted
         in step 1 and needs no step 2.
 
+        Compilation cannot be interrupted from inside the process, so both run in an
+        isolated child bounded by ``timeout_s`` and ``memory_bytes``.
+
         Raises:
             ToolError: ``TOOL_SQL_NOT_READ_ONLY`` (a denied action, or a program that
                 writes or returns no rows), ``TOOL_SQL_MULTIPLE_STATEMENTS``,
-                ``TOOL_SQL_ERROR`` (syntax, unknown table, wrong parameter count), or
-                ``TOOL_INVALID_ARGUMENTS`` for text without a statement (only comments).
+                ``TOOL_SQL_ERROR`` (syntax, unknown table, wrong parameter count),
+                ``TOOL_INVALID_ARGUMENTS`` for text without a statement (only comments),
+                ``TOOL_SQL_TIMEOUT`` / ``TOOL_RESOURCE_LIMIT`` past the hard bounds.
         """
+        self._bounded(lambda: self._preflight(sql, params), timeout_s, memory_bytes, isolate)
+
+    def _preflight(self, sql: str, params: Sequence[Any]) -> None:
         stopped = [False]
 
         def stop_at_once() -> int:
@@ -334,8 +357,9 @@ class ReadOnlyDatabase:
                             f"not a read-only query: {reason}; use one SELECT",
                             database=self.name)
 
-    def query(self, sql: str, params: Sequence[Any], max_rows: int,
-              timeout_s: float) -> tuple[list[str], list[tuple[Any, ...]], bool, bool]:
+    def query(self, sql: str, params: Sequence[Any], max_rows: int, timeout_s: float,
+              memory_bytes: int = 256 << 20,
+              isolate: bool = True) -> tuple[list[str], list[tuple[Any, ...]], bool, bool]:
         """Run one statement under the authorizer and a wall-clock deadline.
 
         Args:
@@ -351,10 +375,18 @@ class ReadOnlyDatabase:
             together with the interrupted step, so the prefix is one row shorter than
             what SQLite had produced.
 
+        The statement runs in an isolated child (see :meth:`preflight`); the child keeps
+        the deadline itself, and the parent kills it one second past it.
+
         Raises:
             ToolError: the codes of :meth:`preflight`, and ``TOOL_SQL_TIMEOUT`` when the
                 deadline passes before the first row.
         """
+        return self._bounded(lambda: self._query(sql, params, max_rows, timeout_s),
+                             timeout_s + 1.0, memory_bytes, isolate)
+
+    def _query(self, sql: str, params: Sequence[Any], max_rows: int,
+               timeout_s: float) -> tuple[list[str], list[tuple[Any, ...]], bool, bool]:
         deadline = time.monotonic() + timeout_s
         hit = [False]
 

@@ -1,0 +1,60 @@
+"""Untrusted SQL runs in a forked child under hard limits: what SQLite cannot interrupt
+(compilation) is still stopped, and the worker survives."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from investigation.errors import ToolError
+from investigation.tools.isolation import run_isolated
+from tests.unit.test_tools_db import make_router
+
+
+def compile_bomb(levels: int) -> str:
+    """Nested NOT MATERIALIZED CTEs: each level doubles the compiled program."""
+    ctes = ["v0 AS NOT MATERIALIZED (SELECT 1 AS a)"]
+    ctes += [f"v{i} AS NOT MATERIALIZED (SELECT x.a FROM v{i - 1} x, v{i - 1} y)"
+             for i in range(1, levels + 1)]
+    return "WITH " + ", ".join(ctes) + f" SELECT count(*) FROM v{levels}"
+
+
+def test_a_compile_bomb_is_stopped_at_the_hard_deadline() -> None:
+    router = make_router(sql_timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(ToolError) as err:
+        router.validate("db.query", {"sql": compile_bomb(18)})
+    assert err.value.code in ("TOOL_SQL_TIMEOUT", "TOOL_RESOURCE_LIMIT")
+    assert time.monotonic() - started < 10  # unbounded in process: about 70 s and 550 MB
+    # The router and its database still work afterwards.
+    ok = router.execute("db.query", {"sql": "SELECT 1 AS one"})
+    assert ok.items[0]["row"] == {"one": 1}
+
+
+def test_memory_is_bounded_in_the_child() -> None:
+    with pytest.raises(ToolError) as err:
+        run_isolated(lambda: len(bytearray(512 << 20)), timeout_s=5, memory_bytes=32 << 20,
+                     what="t")
+    assert err.value.code == "TOOL_RESOURCE_LIMIT"
+    assert run_isolated(lambda: len(bytearray(8 << 20)), timeout_s=5,
+                        memory_bytes=32 << 20, what="t") == 8 << 20
+
+
+def test_tool_errors_keep_their_code_across_the_fork() -> None:
+    def refuse() -> None:
+        raise ToolError("TOOL_SQL_ERROR", "refused in the child", database="x")
+
+    with pytest.raises(ToolError) as err:
+        run_isolated(refuse, timeout_s=5, memory_bytes=64 << 20, what="t")
+    assert (err.value.code, err.value.details) == ("TOOL_SQL_ERROR", {"database": "x"})
+    assert run_isolated(lambda: [1, "two"], timeout_s=5, memory_bytes=64 << 20,
+                        what="t") == [1, "two"]
+
+
+def test_a_hung_child_is_killed() -> None:
+    started = time.monotonic()
+    with pytest.raises(ToolError) as err:
+        run_isolated(lambda: time.sleep(30), timeout_s=0.5, memory_bytes=64 << 20, what="t")
+    assert err.value.code == "TOOL_SQL_TIMEOUT"
+    assert time.monotonic() - started < 5
