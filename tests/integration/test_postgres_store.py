@@ -5,16 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sqlalchemy.exc import IntegrityError
 
 from investigation.constants import COMPLETED
-from investigation.errors import StaleStateError, StoreError
+from investigation.errors import StaleStateError
 from investigation.loop.checkpoints import verify_chain
 from investigation.loop.outcome import StepKey
 from investigation.loop.stages import Stages
 from investigation.operations import summary_bytes
-from investigation.store import Store, is_unique_violation
-from investigation.store.models import Checkpoint
 from tests.casekit import make_case
 
 pytestmark = pytest.mark.postgres
@@ -29,29 +26,6 @@ def test_full_investigation_on_postgres_matches_sqlite(tmp_path: Path,
     assert summary_bytes(pg.store, pg.case_id) == summary_bytes(lite.store, lite.case_id)
     with pg.store.session() as s:
         assert verify_chain(s, pg.case_id) == 5
-
-
-def test_artifacts_are_write_once(postgres_url: str) -> None:
-    store = Store(postgres_url)
-    store.create_schema()
-    with store.session() as s:
-        digest = Store.put_artifact(s, "c1", "a/b.json", b"{}")
-    with store.session() as s:
-        assert Store.put_artifact(s, "c1", "a/b.json", b"{}") == digest  # idempotent
-    with pytest.raises(StoreError) as err, store.session() as s:
-        Store.put_artifact(s, "c1", "a/b.json", b"[]")
-    assert err.value.code == "STORE_ARTIFACT_CONFLICT"
-
-
-def test_duplicate_checkpoint_is_a_unique_violation(postgres_url: str) -> None:
-    store = Store(postgres_url)
-    store.create_schema()
-    row = dict(case_id="c1", revision=1, seq=1, hash="h", state_path="p", outcome="X")
-    with store.session() as s:
-        s.add(Checkpoint(**row))
-    with pytest.raises(IntegrityError) as err, store.session() as s:
-        s.add(Checkpoint(**{**row, "hash": "other"}))
-    assert is_unique_violation(err.value)
 
 
 def test_stale_worker_cannot_run_a_published_step(tmp_path: Path, postgres_url: str) -> None:
