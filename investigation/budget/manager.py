@@ -162,30 +162,32 @@ class BudgetManager:
 
     @staticmethod
     def complete(account: BudgetAccount, reason: str) -> None:
-        """BudgetManager ``complete``: ``investigation_finished``, balance kept.
+        """BudgetManager ``complete``: ``investigation_finished``, balance kept; never
+        labels the hypothesis rejected.
 
         Raises:
             InvestigationError: ``BUDGET_PENDING_ACTION`` if a finding is still unassessed.
         """
-        if account.pending_evidence_id is not None:
-            raise InvestigationError(
-                "BUDGET_PENDING_ACTION",
-                f"hypothesis {account.hypothesis_id} has unassessed evidence "
-                f"{account.pending_evidence_id}; assess it before completing",
-            )
-        account.status = rules.FINISHED
-        account.disposition_reason = reason
+        BudgetManager._close(account, rules.FINISHED, reason)
 
     @staticmethod
     def reject(account: BudgetAccount, reason: str) -> None:
-        """Close the account as ``rejected`` (the model's ``reject`` action)."""
+        """Close the account as ``rejected`` (the model's ``reject`` action).
+
+        Raises:
+            InvestigationError: ``BUDGET_PENDING_ACTION`` if a finding is still unassessed.
+        """
+        BudgetManager._close(account, rules.REJECTED, reason)
+
+    @staticmethod
+    def _close(account: BudgetAccount, status: str, reason: str) -> None:
         if account.pending_evidence_id is not None:
             raise InvestigationError(
                 "BUDGET_PENDING_ACTION",
                 f"hypothesis {account.hypothesis_id} has unassessed evidence "
-                f"{account.pending_evidence_id}; assess it before rejecting",
+                f"{account.pending_evidence_id}; assess it before closing the account",
             )
-        account.status = rules.REJECTED
+        account.status = status
         account.disposition_reason = reason
 
     def closing_reason(self, account: BudgetAccount,
