@@ -42,11 +42,14 @@ stop() {
 }
 
 status() {
+  local any=""
   for pidfile in "$run"/*.pid; do
     [ -e "$pidfile" ] || continue
     name="$(basename "$pidfile" .pid)"
+    any=1
     if kill -0 "$(cat "$pidfile")" 2>/dev/null; then echo "$name running"; else echo "$name dead"; fi
   done
+  [ -n "$any" ] || echo "nothing running (no pid files in $run)"
 }
 
 case "${1:-}" in

@@ -23,6 +23,7 @@ from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
     Evidence,
+    HypothesisBirth,
     LLMOperation,
     ManifestPointer,
     Question,
@@ -52,9 +53,24 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         questions = s.exec(select(Question).where(Question.case_id == case_id)).all()
         pointers = {p.name: p.path for p in s.exec(
             select(ManifestPointer).where(ManifestPointer.case_id == case_id))}
+        births = s.exec(select(HypothesisBirth.id).where(
+            HypothesisBirth.case_id == case_id,
+            HypothesisBirth.revision == case.current_revision)).all()
+        detail = None
+        if case.blocked_reason in _PROVIDER_BLOCKS:
+            op = s.exec(select(LLMOperation).where(LLMOperation.case_id == case_id)
+                        .order_by(col(LLMOperation.id).desc())).first()
+            if op is not None and op.error_code:
+                detail = f"{op.error_code}: {op.error_message or ''}".rstrip(": ")
+        elif case.blocked_reason is not None:
+            rejected = [a for a in accounts if a.last_rejection_json]
+            if rejected:
+                last = json.loads(rejected[0].last_rejection_json or "{}")
+                detail = f"{last.get('code')}: {last.get('detail')}"
     return {
         "case_id": case.id, "package_id": case.package_id, "revision": case.current_revision,
         "state": case.state, "blocked_reason": case.blocked_reason,
+        "blocked_detail": detail, "hypotheses": len(births),
         "last_outcome": case.last_outcome, "last_reason": case.last_reason,
         "retry_not_before": case.retry_not_before.isoformat() if case.retry_not_before
         else None,

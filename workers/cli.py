@@ -38,7 +38,7 @@ app = typer.Typer(help="Investigate software bug cases with a language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 case_app = typer.Typer(help="Build and register case packages.", no_args_is_help=True)
 app.add_typer(case_app, name="case")
-out = Console(soft_wrap=True)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -110,6 +110,10 @@ def _print_outcome(o: Outcome) -> None:
     hyp = f" H{o.hypothesis_id}" if o.hypothesis_id is not None else ""
     out.print(f"step {o.step_seq:>3}{hyp}: {o.outcome}"
               + (f" ({o.reason})" if o.reason else "") + extra, highlight=False)
+    detail = o.details.get("rejection") or o.details.get("error_code")
+    if detail:
+        out.print(f"         {detail}: {o.details.get('message', '')}".rstrip(": "),
+                  highlight=False, markup=False)
 
 
 # -- case ----------------------------------------------------------------------------------
@@ -213,6 +217,13 @@ def dispatch_cmd(
     _store(settings, existing=True)
     runtime.configure(runtime.distributed(settings))
     token = start_dispatch(case_id, max_steps)
+    if isinstance(token, Outcome):
+        out.print(f"case {case_id}: {token.outcome}"
+                  + (f" ({token.reason})" if token.reason else "")
+                  + "; nothing to dispatch", highlight=False)
+        if token.outcome == BLOCKED:
+            raise typer.Exit(1)
+        return
     out.print(f"dispatched {case_id} (lock token {token[:8]}...)", highlight=False)
 
 
@@ -257,12 +268,17 @@ def status_cmd(
         return
     out.print(f"case {info['case_id']}  state {info['state']}"
               + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
-              + f"  steps {info['steps']}  evidence {info['evidence_count']}"
+              + f"  published steps {info['steps']}  evidence {info['evidence_count']}"
               + f"  open questions {info['open_questions']}", highlight=False)
     if info["last_outcome"]:
         out.print(f"last outcome {info['last_outcome']}"
                   + (f" ({info['last_reason']})" if info["last_reason"] else ""),
                   highlight=False)
+    if info["blocked_detail"]:
+        out.print(f"why: {info['blocked_detail']}", highlight=False, markup=False)
+    if not info["accounts"]:
+        out.print(f"{info['hypotheses']} hypotheses; no step has run yet", highlight=False)
+        return
     table = Table("hypothesis", "status", "confidence", "balance", "iterations", "pending",
                   "last rejection")
     for a in info["accounts"]:

@@ -124,11 +124,12 @@ def new_payload(case_id: str, token: str, steps_left: int, mode: str,
             "max_steps": max_steps, "halt": None}
 
 
-def start_dispatch(case_id: str, max_steps: int | None = None) -> str:
+def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
     """Take the case lock (never blocking) and enqueue the first step of a dispatch.
 
     Returns:
-        The lock token of this dispatch.
+        The lock token of this dispatch, or the case's outcome (``COMPLETED``,
+        ``BLOCKED``) when it has no step to run; nothing is enqueued then.
 
     Raises:
         LockBusy: another dispatch of the case holds the lock.
@@ -141,7 +142,9 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str:
         payload = new_payload(case_id, token, steps, "distributed", max_steps)
         if payload is None:
             rt.lock.release(case_id, token)
-            return token
+            outcome = Investigator(rt.env).next_step(case_id)
+            assert isinstance(outcome, Outcome)
+            return outcome
         step_chain(payload).apply_async()
     except BaseException:
         rt.lock.release(case_id, token)

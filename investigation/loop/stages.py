@@ -371,6 +371,7 @@ class Stages:
                 case = self._fence(s, key, "llm_call")
                 case.state, case.blocked_reason = CASE_BLOCKED, result.reason
                 case.last_outcome, case.last_reason = BLOCKED, result.reason
+                case.retry_not_before = None
                 case.updated_at = utcnow()
                 s.add(case)
             log.info("case %s blocked: %s (%s)", key.case_id, result.reason, result.error_code)
@@ -646,5 +647,7 @@ class Stages:
             out = {"outcome": outcome, "reason": reason, "hypothesis_id": hid,
                    "checkpoint_hash": cp.hash}
             self._complete(s, key, "publish", out)
+            details = {} if verdict.get("accepted") or built["finalize"] else \
+                {"rejection": verdict["code"], "message": verdict["detail"]}
             return StageResult(out, Outcome(outcome, key.case_id, key.step_seq, reason,
-                                            hypothesis_id=hid))
+                                            hypothesis_id=hid, details=details))

@@ -26,6 +26,7 @@ from investigation.store.models import (
     LedgerEntry,
     Question,
     RevisionRecord,
+    StageRun,
 )
 
 #: Findings quoted per evidence record.
@@ -66,9 +67,27 @@ def _quote(item: dict[str, Any]) -> str:
         text = json.dumps({k: v for k, v in item.items() if k != "key"}, sort_keys=True,
                           ensure_ascii=False)
     text = " ".join(text.splitlines()) if "\n" in text or "\r" in text else text
+    if not text:
+        return f"    - {code_span(str(item['key']))}: (empty line)"
     if len(text) > MAX_QUOTE_CHARS:
         return f"    - {code_span(str(item['key']))}: {code_span(text[:MAX_QUOTE_CHARS])} ..."
     return f"    - {code_span(str(item['key']))}: {code_span(text)}"
+
+
+def _rejections(s: Session, case_id: str, revision: int) -> dict[int, list[str]]:
+    """Rejection codes of each hypothesis's refused replies, in step order."""
+    runs = s.exec(select(StageRun).where(
+        StageRun.case_id == case_id, StageRun.revision == revision,
+        col(StageRun.stage).in_(("build_context", "validate")))
+        .order_by(col(StageRun.step_seq))).all()
+    selected = {r.step_seq: json.loads(r.output_json).get("hypothesis_id")
+                for r in runs if r.stage == "build_context"}
+    found: dict[int, list[str]] = {}
+    for r in runs:
+        verdict = json.loads(r.output_json)
+        if r.stage == "validate" and verdict.get("accepted") is False:
+            found.setdefault(int(selected[r.step_seq]), []).append(str(verdict["code"]))
+    return found
 
 
 def render_summary(s: Session, case_id: str, revision: int) -> bytes:
@@ -93,6 +112,7 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
                          .order_by(col(Checkpoint.seq))).all()
     interpretation = json.loads(rev.interpretation_json)
     actions = {a.hypothesis_id: a.iterations for a in accounts}
+    rejections = _rejections(s, case_id, revision)
 
     out: list[str] = [
         f"# Investigation summary: {case_id}",
@@ -134,6 +154,9 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
                 f"- Confidence: {a.confidence}",
                 f"- Balance: {a.balance_units} of {a.credit_units} units",
                 f"- Turns: {a.turns}; research iterations: {a.iterations}"]
+        codes = rejections.get(a.hypothesis_id, [])
+        if codes:
+            out.append(f"- Rejected replies: {len(codes)} ({', '.join(codes)})")
         alt = [f"H{h}: {n}" for h, n in sorted(actions.items()) if h != a.hypothesis_id]
         out.append("- Countercheck (actions on alternatives): " + (", ".join(alt) or "none"))
         notes = json.loads(a.notes_json)

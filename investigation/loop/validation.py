@@ -158,7 +158,8 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
     if isinstance(reply.next, QueryAction):
         if reply.next.operation not in OPERATIONS:
             raise ReplyRejected("UNKNOWN_OPERATION",
-                                f"operation {reply.next.operation!r} does not exist")
+                                f"operation {reply.next.operation!r} does not exist; use one "
+                                f"of {', '.join(OPERATIONS)}")
         try:
             router.validate(reply.next.operation, reply.next.arguments)
         except ToolError as exc:

@@ -211,3 +211,35 @@ def test_a_retry_id_is_never_reused(tmp_path: Path) -> None:
     with pytest.raises(InvestigationError) as err:
         resume(case.store, case.case_id, retry_id="one")
     assert err.value.code == "RETRY_ID_REUSED"
+
+
+def test_rejections_are_reported_in_the_summary_and_status(tmp_path: Path) -> None:
+    from investigation.operations import status
+
+    bad = dict(casekit.HAPPY_REPLIES[0])
+    bad["next"] = {"action": "query", "operation": "source.serach", "arguments": {}}
+    case = make_case(tmp_path / "rj", replies=[bad, *casekit.HAPPY_REPLIES])
+    first = case.investigator().step(case.case_id)
+    assert first.details["rejection"] == "UNKNOWN_OPERATION"
+    assert "source.search" in first.details["message"]  # the valid names are listed
+    assert status(case.store, case.case_id)["accounts"][0]["last_rejection"]["code"] == \
+        "UNKNOWN_OPERATION"
+    assert case.investigator().run(case.case_id, max_steps=20).outcome == COMPLETED
+    summary = summary_bytes(case.store, case.case_id).decode()
+    assert "- Rejected replies: 1 (UNKNOWN_OPERATION)" in summary
+
+
+def test_dispatch_of_a_finished_case_enqueues_nothing(tmp_path: Path, cli_env: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case(tmp_path / "done")
+    assert case.investigator().run(case.case_id, max_steps=20).outcome == COMPLETED
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/13")
+    from tests.conftest import need_service
+
+    need_service("redis", "127.0.0.1", 6379)
+    res = CliRunner().invoke(app, ["dispatch", case.case_id])
+    assert res.exit_code == 0 and "nothing to dispatch" in res.output
+    import redis
+
+    assert redis.Redis.from_url("redis://127.0.0.1:6379/13").dbsize() == 0
