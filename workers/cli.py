@@ -105,6 +105,12 @@ def _store(settings: Settings, existing: bool = False) -> Store:
     return store
 
 
+def _term(text: object) -> str:
+    """Data for the terminal: control characters (ANSI/OSC escapes included) shown as '?'."""
+    return "".join("?" if (ord(ch) < 0x20 and ch != "\t") or 0x7F <= ord(ch) <= 0x9F
+                   else ch for ch in str(text))
+
+
 def _print_outcome(o: Outcome) -> None:
     extra = f" until {o.retry_not_before.isoformat()}" if o.retry_not_before else ""
     hyp = f" H{o.hypothesis_id}" if o.hypothesis_id is not None else ""
@@ -112,7 +118,7 @@ def _print_outcome(o: Outcome) -> None:
               + (f" ({o.reason})" if o.reason else "") + extra, highlight=False)
     detail = o.details.get("rejection") or o.details.get("error_code")
     if detail:
-        out.print(f"         {detail}: {o.details.get('message', '')}".rstrip(": "),
+        out.print(_term(f"         {detail}: {o.details.get('message', '')}".rstrip(": ")),
                   highlight=False, markup=False)
 
 
@@ -275,7 +281,7 @@ def status_cmd(
                   + (f" ({info['last_reason']})" if info["last_reason"] else ""),
                   highlight=False)
     if info["blocked_detail"]:
-        out.print(f"why: {info['blocked_detail']}", highlight=False, markup=False)
+        out.print(_term(f"why: {info['blocked_detail']}"), highlight=False, markup=False)
     if not info["accounts"]:
         out.print(f"{info['hypotheses']} hypotheses; no step has run yet", highlight=False)
         return
@@ -291,8 +297,9 @@ def status_cmd(
     out.print(table)
     for a in info["accounts"]:
         if a["last_rejection"]:
-            out.print(f"H{a['hypothesis_id']} last rejection: {a['last_rejection']['code']}: "
-                      f"{a['last_rejection']['detail']}", highlight=False, markup=False)
+            out.print(_term(f"H{a['hypothesis_id']} last rejection: "
+                            f"{a['last_rejection']['code']}: {a['last_rejection']['detail']}"),
+                      highlight=False, markup=False)
 
 
 @app.command("resume")

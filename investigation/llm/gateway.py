@@ -134,7 +134,16 @@ def _aware(value: datetime) -> datetime:
 
 def _short(text: str) -> str:
     text = "".join(ch if ch >= " " or ch in "\t\n" else "?" for ch in text)  # no NUL/C0
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")  # no lone surrogates
     return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "..."
+
+
+class _InFlight(Exception):
+    """Another runner's attempt of this operation is being sent right now."""
+
+    def __init__(self, until: datetime) -> None:
+        super().__init__("attempt in flight")
+        self.until = until
 
 
 @dataclass
@@ -250,7 +259,12 @@ class LLMGateway:
         in_flight = self._recover_interrupted(case_id, op.id, now)
         if in_flight is not None:
             return in_flight
-        return self._attempt_loop(case_id, step_seq, request, op.id)
+        try:
+            return self._attempt_loop(case_id, step_seq, request, op.id)
+        except _InFlight as busy:
+            log.info("llm operation %s: another runner's attempt is in flight until %s",
+                     op.id, busy.until.isoformat())
+            return RetryPending(op.id, busy.until, "PROVIDER_CALL_IN_FLIGHT")
 
     # -- operation row -----------------------------------------------------------------------
 
@@ -613,6 +627,15 @@ class LLMGateway:
                 )
                 if moved.rowcount != 1:
                     raise self._stale(state.id, attempt_no)
+                # The UPDATE above holds the operation row (PostgreSQL row lock, SQLite's
+                # write lock): a concurrent runner's attempt that is still ``sent`` means
+                # the model is being asked right now, so this runner must not ask again.
+                live = session.exec(select(LLMAttempt).where(
+                    LLMAttempt.operation_id == state.id,
+                    LLMAttempt.status == ATTEMPT_SENT)).first()
+                if live is not None:
+                    raise _InFlight(_aware(live.started_at)
+                                    + timedelta(seconds=max(self.in_flight_grace_s, 1.0)))
                 digest = Store.put_artifact(session, case_id, path, request_bytes)
                 session.add(
                     LLMAttempt(

@@ -418,7 +418,7 @@ def parse_chat_completion(raw: bytes, status: int | None, provider: str) -> Prov
 
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise malformed(f"body is not JSON ({exc})") from exc
     if not isinstance(doc, dict):
         raise malformed("body is not a JSON object")
@@ -491,7 +491,7 @@ def retry_after_seconds(headers: Mapping[str, str], now: datetime) -> float | No
 def _is_context_length_error(raw: bytes) -> bool:
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return bool(_CONTEXT_LENGTH_MESSAGE.search(raw[:4096].decode("utf-8", "replace")))
     error = doc.get("error") if isinstance(doc, dict) else None
     if isinstance(error, dict):
@@ -513,7 +513,7 @@ def _error_excerpt(raw: bytes) -> str:
     text: str
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         text = raw[: ERROR_EXCERPT_CHARS * 4].decode("utf-8", "replace")
     else:
         error = doc.get("error") if isinstance(doc, dict) else None
@@ -546,4 +546,23 @@ def redact_bytes(raw: bytes, secret: str | None) -> bytes:
     echoes the API key must not put it in the store (stored bytes are exact otherwise)."""
     if not secret or len(secret) < 4:
         return raw
-    return raw.replace(secret.encode("utf-8"), b"[REDACTED]")
+    raw = raw.replace(secret.encode("utf-8"), b"[REDACTED]")
+    # A JSON body may carry the key escaped (\u0073\u006b...): find it in the decoded
+    # strings and, if there, store the body re-serialised with the key replaced.
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return raw
+    if secret not in json.dumps(doc, ensure_ascii=False):
+        return raw
+
+    def scrub(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.replace(secret, "[REDACTED]")
+        if isinstance(value, list):
+            return [scrub(v) for v in value]
+        if isinstance(value, dict):
+            return {scrub(k): scrub(v) for k, v in value.items()}
+        return value
+
+    return json.dumps(scrub(doc), ensure_ascii=False).encode("utf-8", "surrogatepass")

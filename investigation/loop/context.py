@@ -32,8 +32,9 @@ from sqlmodel import Session, col, select
 
 from investigation.budget import BudgetManager, novelty_permille
 from investigation.cases.snapshot import Snapshot
-from investigation.config import InvestigationConfig
+from investigation.config import InvestigationConfig, canonical_json
 from investigation.constants import PROMPT_VERSION, REPLY_SCHEMA_VERSION
+from investigation.errors import InvestigationError
 from investigation.loop.outcome import StepKey
 from investigation.store.models import (
     BudgetAccount,
@@ -57,6 +58,52 @@ def _evidence_entry(e: Evidence, full: bool) -> dict[str, Any]:
     if full:
         entry["items"] = json.loads(e.findings_json)
     return entry
+
+
+def fit(doc: dict[str, Any], limit: int) -> bytes:
+    """Serialise ``doc`` within ``limit`` bytes, shrinking it deterministically if needed.
+
+    In order, until it fits: evidence other than the previous result loses its findings
+    (``items``, marked ``"items_omitted": true``); compact references get abbreviated
+    arguments; the hypothesis keeps only its last note; compact references of other
+    hypotheses are dropped (``"evidence_omitted"`` counts them). The previous result,
+    the questions and the contract are never cut.
+
+    Raises:
+        InvestigationError: ``CONTEXT_TOO_LARGE`` when even the smallest form is over.
+    """
+    data = canonical_json(doc)
+    if len(data) <= limit:
+        return data
+    selected = doc["hypothesis"]["id"]
+    previous = (doc.get("previous_result") or {}).get("evidence_id")
+    for entry in doc["evidence"]:
+        if "items" in entry and entry["evidence_id"] != previous:
+            del entry["items"]
+            entry["items_omitted"] = True
+    data = canonical_json(doc)
+    if len(data) <= limit:
+        return data
+    for entry in doc["evidence"]:
+        text = canonical_json(entry["arguments"]).decode("utf-8")
+        if len(text) > 200 and entry["evidence_id"] != previous:
+            entry["arguments"] = {"abbreviated": text[:200] + "..."}
+    doc["hypothesis"]["notes"] = doc["hypothesis"]["notes"][-1:]
+    data = canonical_json(doc)
+    if len(data) <= limit:
+        return data
+    kept = [e for e in doc["evidence"]
+            if e["hypothesis_id"] == selected or e["evidence_id"] == previous]
+    doc["evidence_omitted"] = len(doc["evidence"]) - len(kept)
+    doc["evidence"] = kept
+    data = canonical_json(doc)
+    if len(data) <= limit:
+        return data
+    raise InvestigationError(
+        "CONTEXT_TOO_LARGE",
+        f"the context is {len(data)} bytes even in its smallest form, over "
+        f"limits.max_context_bytes={limit}; raise the limit and align the gateway request "
+        "and artifact limits", context_bytes=len(data))
 
 
 def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationConfig,

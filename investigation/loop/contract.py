@@ -56,12 +56,25 @@ class Update(_Strict):
     note: Annotated[str, Field(max_length=4000), _Printable]
 
 
+#: Largest ``next.arguments`` (canonical JSON, UTF-8 bytes): arguments stay in every later
+#: context as a reference, so they must stay small.
+MAX_ARGUMENTS_BYTES = 16 << 10
+
+
+def _small_arguments(value: dict[str, Any]) -> dict[str, Any]:
+    size = len(json.dumps(value, ensure_ascii=False, sort_keys=True,
+                          separators=(",", ":")).encode("utf-8", "surrogatepass"))
+    if size > MAX_ARGUMENTS_BYTES:
+        raise ValueError(f"arguments are {size} bytes; at most {MAX_ARGUMENTS_BYTES}")
+    return value
+
+
 class QueryAction(_Strict):
     """One read-only snapshot operation."""
 
     action: Literal["query"]
     operation: Annotated[str, Field(min_length=1, max_length=64), _Printable]
-    arguments: dict[str, Any]
+    arguments: Annotated[dict[str, Any], AfterValidator(_small_arguments)]
 
 
 class TestDescriptor(_Strict):

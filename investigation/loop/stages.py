@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,13 @@ SKIPPED: dict[str, Any] = {"skipped": True}
 
 def _loads(text: str | bytes) -> Any:
     return json.loads(text)
+
+
+def _failed_result(nxt: dict[str, Any], code: str, message: str) -> bytes:
+    """A tool result that records a failed execution as an empty finding."""
+    return canonical_json({
+        "operation": nxt["operation"], "arguments": nxt["arguments"], "items": [],
+        "warnings": ["TOOL_FAILED"], "stats": {"error_code": code, "error": message}})
 
 
 class _AlreadyRecorded(Exception):
@@ -322,13 +330,7 @@ class Stages:
                 s, key=key, case=case, config=cfg, budget=budget, selected=selected,
                 accounts=accounts, births=list(births), router=router,
                 snapshot=self.env.snapshot(key.case_id))
-            data = canonical_json(doc)
-            if len(data) > cfg.limits.max_context_bytes:
-                raise InvestigationError(
-                    "CONTEXT_TOO_LARGE",
-                    f"the context is {len(data)} bytes, over limits.max_context_bytes="
-                    f"{cfg.limits.max_context_bytes}; align context, gateway request and "
-                    "artifact limits", context_bytes=len(data))
+            data = context_builder.fit(doc, cfg.limits.max_context_bytes)
             path = ARTIFACT_CONTEXT.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
             return self._complete(s, key, "build_context", {
@@ -559,10 +561,10 @@ class Stages:
         except ToolError as exc:
             # A runtime failure after a valid plan: recorded as an empty finding with the
             # failure's code, so the reservation is settled like any other result.
-            data = canonical_json({
-                "operation": nxt["operation"], "arguments": nxt["arguments"], "items": [],
-                "warnings": ["TOOL_FAILED"],
-                "stats": {"error_code": exc.code, "error": exc.message}})
+            data = _failed_result(nxt, exc.code, exc.message)
+        except (ValueError, TypeError, OverflowError, UnicodeError, sqlite3.Error) as exc:
+            # The same query on the same snapshot fails the same way every time: record it.
+            data = _failed_result(nxt, "TOOL_FAILED", f"{type(exc).__name__}: {exc}"[:500])
         with self.store.session() as s:
             self._fence(s, key, "execute_tool")
             path = ARTIFACT_RAW_RESULT.format(seq=key.step_seq)

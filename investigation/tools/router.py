@@ -300,19 +300,23 @@ class ToolRouter:
 
     def _db_schema(self, args: DbSchemaArgs) -> _Outcome:
         db, table, kind = self._resolve_table(args.table)
-        info = self._db(db).schema(table)
+        info = self._db(db).schema(table, timeout_s=self._limits.sql_timeout_s + 1.0,
+                                   memory_bytes=self._limits.sql_memory_bytes,
+                                   isolate=self._limits.isolate_sql)
         base = f"{db}:{table}"
         items: list[dict[str, Any]] = [
-            {"key": f"{base}.{name}", "column": name, "type": ctype, "notnull": bool(notnull),
-             "default": default, "pk": pk}
+            {"key": f"{base}.{_text(name)}", "column": _text(name), "type": _text(ctype),
+             "notnull": bool(notnull), "default": render_value(default), "pk": pk}
             for _cid, name, ctype, notnull, default, pk in info["columns"]
         ]
-        items.append({"key": f"{base}#ddl", "ddl": info["ddl"]})
+        items.append({"key": f"{base}#ddl", "ddl": _text(info["ddl"])})
         for name, unique, origin, columns, ddl in info["indexes"]:
-            items.append({"key": f"{base}#index:{name}", "index": name, "unique": unique,
-                          "origin": origin, "columns": columns, "ddl": ddl})
+            items.append({"key": f"{base}#index:{_text(name)}", "index": _text(name),
+                          "unique": unique, "origin": origin,
+                          "columns": [_text(c) for c in columns], "ddl": _text(ddl)})
         for name, ddl in info["triggers"]:
-            items.append({"key": f"{base}#trigger:{name}", "trigger": name, "ddl": ddl})
+            items.append({"key": f"{base}#trigger:{_text(name)}", "trigger": _text(name),
+                          "ddl": _text(ddl)})
         return items, set(), {"database": db, "table": table, "type": kind}
 
     def _db_query(self, args: DbQueryArgs) -> _Outcome:
@@ -504,3 +508,8 @@ def _unique_names(columns: Iterable[str]) -> list[str]:
         used.add(name)
         names.append(name)
     return names
+
+
+def _text(value: Any) -> Any:
+    """A schema name or type as JSON: text that is not UTF-8 as ``{"$hex": ...}``."""
+    return value if isinstance(value, str) or value is None else render_value(value)

@@ -203,35 +203,49 @@ class ReadOnlyDatabase:
                 "ORDER BY name").fetchall()
         return [(str(name), str(kind)) for name, kind in rows]
 
-    def schema(self, table: str) -> dict[str, Any]:
+    def schema(self, table: str, timeout_s: float = 3.0, memory_bytes: int = 256 << 20,
+               isolate: bool = True) -> dict[str, Any]:
         """Columns, DDL, indexes and triggers of one table or view (exact name).
 
         Returns:
             ``{"columns": [(cid, name, type, notnull, default, pk)], "ddl": str | None,
             "indexes": [(name, unique, origin, columns, ddl)], "triggers": [(name, ddl)]}``.
         """
-        with self._lock:
-            conn = self._conn
-            columns = conn.execute(
-                'SELECT cid, name, type, "notnull", dflt_value, pk '
-                "FROM pragma_table_info(?) ORDER BY cid", (table,)).fetchall()
-            ddl_row = conn.execute(
-                "SELECT sql FROM sqlite_master WHERE name = ? AND type IN ('table', 'view')",
-                (table,)).fetchone()
-            indexes = []
-            for name, unique, origin in conn.execute(
-                    'SELECT name, "unique", origin FROM pragma_index_list(?) ORDER BY name',
-                    (table,)).fetchall():
-                cols = [row[0] for row in conn.execute(
-                    "SELECT name FROM pragma_index_info(?) ORDER BY seqno", (name,))]
-                idx_ddl = conn.execute(
-                    "SELECT sql FROM sqlite_master WHERE type = 'index' AND name = ?",
-                    (name,)).fetchone()
-                indexes.append((name, bool(unique), origin, cols,
-                                idx_ddl[0] if idx_ddl else None))
-            triggers = conn.execute(
-                "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = ? "
-                "ORDER BY name", (table,)).fetchall()
+        # A table's columns come from compiling it: a view of the snapshot can be as
+        # costly to compile as any query, so this runs bounded too.
+        return self._bounded(lambda: self._schema(table), timeout_s, memory_bytes, isolate)
+
+    def _schema(self, table: str) -> dict[str, Any]:
+        try:
+            return self._schema_rows(table)
+        except sqlite3.Error as exc:
+            raise ToolError("TOOL_SQL_ERROR",
+                            f"the schema of {table!r} cannot be read: {exc}",
+                            database=self.name) from exc
+
+    def _schema_rows(self, table: str) -> dict[str, Any]:
+        # The caller holds self._lock (in process, or across the fork).
+        conn = self._conn
+        columns = conn.execute(
+            'SELECT cid, name, type, "notnull", dflt_value, pk '
+            "FROM pragma_table_info(?) ORDER BY cid", (table,)).fetchall()
+        ddl_row = conn.execute(
+            "SELECT sql FROM sqlite_master WHERE name = ? AND type IN ('table', 'view')",
+            (table,)).fetchone()
+        indexes = []
+        for name, unique, origin in conn.execute(
+                'SELECT name, "unique", origin FROM pragma_index_list(?) ORDER BY name',
+                (table,)).fetchall():
+            cols = [row[0] for row in conn.execute(
+                "SELECT name FROM pragma_index_info(?) ORDER BY seqno", (name,))]
+            idx_ddl = conn.execute(
+                "SELECT sql FROM sqlite_master WHERE type = 'index' AND name = ?",
+                (name,)).fetchone()
+            indexes.append((name, bool(unique), origin, cols,
+                            idx_ddl[0] if idx_ddl else None))
+        triggers = conn.execute(
+            "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = ? "
+            "ORDER BY name", (table,)).fetchall()
         return {"columns": columns, "ddl": ddl_row[0] if ddl_row else None,
                 "indexes": indexes, "triggers": triggers}
 

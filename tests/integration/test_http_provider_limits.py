@@ -101,3 +101,13 @@ def test_an_echoed_key_is_redacted_in_the_response_bytes(echo_url: str) -> None:
 def test_redact_bytes_leaves_other_bytes_exact() -> None:
     assert redact_bytes(b"a KEY1234 b KEY1234", "KEY1234") == b"a [REDACTED] b [REDACTED]"
     assert redact_bytes(b"abc", None) == b"abc"
+
+
+def test_an_escaped_echoed_key_is_redacted_too() -> None:
+    secret = "sk-test-0123456789"
+    escaped = "".join(f"\\u{ord(c):04x}" for c in secret)
+    raw = ('{"choices": [{"message": {"content": "key ' + escaped + '"}}]}').encode()
+    cleaned = redact_bytes(raw, secret)
+    assert secret not in json.loads(cleaned)["choices"][0]["message"]["content"]
+    assert "[REDACTED]" in json.loads(cleaned)["choices"][0]["message"]["content"]
+    assert redact_bytes(b'{"a": "b"}', secret) == b'{"a": "b"}'  # untouched otherwise

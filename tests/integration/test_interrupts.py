@@ -21,7 +21,14 @@ from investigation.loop.investigator import Investigator
 from investigation.loop.outcome import StepKey
 from investigation.loop.stages import Stages
 from investigation.operations import summary_bytes
-from investigation.store.models import Checkpoint, Evidence, LedgerEntry, LLMOperation, Plan
+from investigation.store.models import (
+    Checkpoint,
+    Evidence,
+    LedgerEntry,
+    LLMAttempt,
+    LLMOperation,
+    Plan,
+)
 from tests.casekit import Case, make_case
 
 
@@ -36,6 +43,8 @@ def fingerprint(case: Case) -> dict[str, Any]:
                         .order_by(col(LedgerEntry.hypothesis_id), col(LedgerEntry.step_seq),
                                   col(LedgerEntry.kind))).all()
         ops = s.exec(select(LLMOperation).where(LLMOperation.case_id == case.case_id)).all()
+        attempts = s.exec(select(LLMAttempt).where(
+            col(LLMAttempt.operation_id).in_([o.id for o in ops]))).all()
     return {
         "hashes": hashes,
         "summary": summary_bytes(case.store, case.case_id),
@@ -43,6 +52,7 @@ def fingerprint(case: Case) -> dict[str, Any]:
         "query_plans": sum(1 for p in plans if p.action == "query"),
         "ledger": [(r.hypothesis_id, r.step_seq, r.kind, r.amount_units) for r in ledger],
         "llm_operations": len(ops),
+        "model_calls": len(attempts),  # one request per decision: never asked twice
     }
 
 

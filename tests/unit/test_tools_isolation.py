@@ -58,3 +58,47 @@ def test_a_hung_child_is_killed() -> None:
         run_isolated(lambda: time.sleep(30), timeout_s=0.5, memory_bytes=64 << 20, what="t")
     assert err.value.code == "TOOL_SQL_TIMEOUT"
     assert time.monotonic() - started < 5
+
+
+def _db_with(*statements: str) -> bytes:
+    import sqlite3
+
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, total REAL)")
+    for sql in statements:
+        conn.execute(sql)
+    data = conn.serialize()
+    conn.close()
+    return data
+
+
+@pytest.mark.parametrize("view", [
+    "CREATE VIEW recent AS SELECT id, date(id, 'unixepoch') AS day FROM orders",
+    "CREATE VIEW recent AS SELECT id FROM orders_gone",
+])
+def test_schema_of_a_troublesome_view_is_an_error_code(view: str) -> None:
+    import sqlite3
+
+    conn = sqlite3.connect(":memory:")
+    conn.execute("PRAGMA legacy_alter_table=ON")
+    conn.execute("CREATE TABLE orders_gone (id)")
+    conn.execute(view)
+    conn.execute("DROP TABLE orders_gone")
+    conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+    router = make_router({"app.sqlite": conn.serialize()})
+    try:
+        result = router.execute("db.schema", {"table": "recent"})
+    except ToolError as err:
+        assert err.code == "TOOL_SQL_ERROR"
+    else:
+        assert any(item["key"].endswith("#ddl") for item in result.items)
+
+
+def test_schema_with_a_non_utf8_column_name_renders() -> None:
+    data = _db_with('CREATE TABLE "odd" (x)')
+    name = b'CREATE TABLE "odd" (x)'
+    assert name in data
+    patched = data.replace(b'"odd" (x)', b'"odd" (\xff)')
+    result = make_router({"app.sqlite": patched}).execute("db.schema", {"table": "odd"})
+    columns = [i["column"] for i in result.items if "column" in i]
+    assert columns == [{"$hex": "ff"}]

@@ -1,0 +1,52 @@
+"""Valid replies cannot grow the context past its bound: it shrinks deterministically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from investigation.config import InvestigationConfig
+from investigation.constants import ARTIFACT_CONTEXT, COMPLETED, REJECTED
+from investigation.loop.investigator import Investigator
+from investigation.store import Store
+from tests import casekit
+from tests.casekit import make_case
+
+
+def _bulky_query(n: int) -> dict[str, object]:
+    comment = "/* " + ("x" * 3000) + f" {n} */"
+    # Each result has new rows (the literal differs), so no account runs out of novelty.
+    return casekit.q("db.query", {"sql": f"SELECT {n} AS n, id {comment} FROM orders"},
+                     note="n" * 3000)
+
+
+def test_many_bulky_queries_never_wedge_the_case(tmp_path: Path) -> None:
+    replies = [_bulky_query(0), casekit.q("db.tables", {}, confidence="weak")]
+    # H1 assesses E1, then each of its own results E3..E9 (E2 is H2's db.tables).
+    previous = ["E1", *[f"E{n}" for n in range(3, 10)]]
+    replies += [_bulky_query(i + 1) | {"assessment": {"score": 10, "reason": "more",
+                                                      "evidence_ids": [prev]}}
+                for i, prev in enumerate(previous)]
+    replies += [casekit.finish("weak", (10, ["E10"]), ["E10"]),
+                casekit.finish("weak", (10, ["E2"]), ["E2"], action="reject")]
+    case = make_case(tmp_path / "c", replies=replies)
+    config = InvestigationConfig.model_validate({"limits": {"max_context_bytes": 20_000}})
+    outcome = Investigator(case.env(config)).run(case.case_id, max_steps=30)
+    assert outcome.outcome == COMPLETED, outcome
+    with case.store.session() as s:
+        sizes = []
+        for seq in range(1, 12):
+            art = Store.get_artifact(s, case.case_id, ARTIFACT_CONTEXT.format(seq=seq))
+            assert art is not None
+            sizes.append(len(art.data))
+            doc = json.loads(art.data)
+        assert max(sizes) <= 20_000
+        assert any(e.get("items_omitted") for e in doc["evidence"])
+
+
+def test_oversized_arguments_are_rejected(tmp_path: Path) -> None:
+    huge = casekit.q("db.query", {"sql": "SELECT ?", "params": ["A" * 20_000]})
+    case = make_case(tmp_path / "c", replies=[huge, *casekit.HAPPY_REPLIES])
+    first = case.investigator().step(case.case_id)
+    assert (first.outcome, first.reason) == (REJECTED, "REPLY_SCHEMA_INVALID")
+    assert "bytes" in first.details["message"]
