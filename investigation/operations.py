@@ -155,6 +155,10 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
     """Write every artifact of the case under ``directory`` byte for byte, plus
     ``manifest.json`` with the pointers and each artifact's sha256. Returns the paths."""
     _case(store, case_id)
+    if directory.is_symlink() or (directory.exists() and any(directory.iterdir())):
+        raise InvestigationError(
+            "EXPORT_TARGET_NOT_EMPTY",
+            f"{directory} exists and is not an empty directory; export into a new one")
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     with store.session() as s:
@@ -171,6 +175,10 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
             raise InvestigationError("ARTIFACT_CORRUPT", f"artifact {art.path} fails its sha256")
         target = root.joinpath(*rel.parts)
         target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.parent.resolve().is_relative_to(root) or target.is_symlink():
+            raise InvestigationError("EXPORT_UNSAFE_PATH",
+                                     f"{target} would leave {root} (a symlink); nothing more "
+                                     "is written")
         target.write_bytes(art.data)
         written.append(art.path)
     manifest = {

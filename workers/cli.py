@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sqlite3
 import sys
 from collections.abc import Callable
+from contextlib import closing
 from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -68,6 +70,9 @@ def _controlled(fn: F) -> F:
                   "check INVESTIGATE_BROKER_URL")
         except OSError as exc:
             _fail("IO_ERROR", f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        except (ImportError, ValueError) as exc:  # a URL or setting nothing can use
+            _fail("CONFIG_INVALID", f"{type(exc).__name__}: {_first_line(exc)}; check the "
+                  "INVESTIGATE_* settings")
 
     return wrapper  # type: ignore[return-value]
 
@@ -93,14 +98,31 @@ def _store(settings: Settings, existing: bool = False) -> Store:
     """Open the store; with ``existing`` a SQLite file that does not exist is an error
     (read-only commands never create a store)."""
     url = settings.effective_database_url
+    not_a_store = InvestigationError(
+        "STORE_NOT_FOUND",
+        f"{url.split('@')[-1]} is not an investigation store (no case was ever added "
+        "there); nothing was changed. Run where the case was added, or set "
+        "INVESTIGATE_HOME or INVESTIGATE_DATABASE_URL")
     if existing and url.startswith("sqlite:///"):
         path = Path(url.removeprefix("sqlite:///"))
-        if not path.exists():
-            raise InvestigationError(
-                "STORE_NOT_FOUND",
-                f"no store at {path}; run where the case was added, or set INVESTIGATE_HOME "
-                "or INVESTIGATE_DATABASE_URL")
+        if not path.is_file():
+            raise not_a_store
+        try:  # a plain read-only look: the store engine would switch the file to WAL
+            with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as look:
+                names = {r[0] for r in look.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.Error as exc:
+            raise InvestigationError("STORE_UNAVAILABLE",
+                                     f"{path} cannot be read as SQLite: {exc}") from exc
+        if "alembic_version" not in names:
+            raise not_a_store
     store = Store(url)
+    if existing and not url.startswith("sqlite"):
+        from sqlalchemy import inspect
+
+        with store.engine.connect() as conn:
+            if "alembic_version" not in inspect(conn).get_table_names():
+                raise not_a_store
     store.create_schema()
     return store
 

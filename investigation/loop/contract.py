@@ -20,10 +20,15 @@ Confidence = Literal["unassessed", "weak", "plausible", "supported", "strongly_s
                      "weakened"]
 assert set(CONFIDENCE_ORDER) == set(Confidence.__args__)  # type: ignore[attr-defined]
 
+#: Bidirectional overrides and isolates: they reorder how audit text reads on screen.
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
 def _printable(value: str) -> str:
     """Text fields carry no control characters other than tab and line breaks (a NUL, for
     one, cannot be stored in PostgreSQL text and has no place in an audit note)."""
-    if any((ord(ch) < 0x20 and ch not in "\t\n\r") or ord(ch) == 0x7F for ch in value):
+    if any((ord(ch) < 0x20 and ch not in "\t\n\r") or 0x7F <= ord(ch) <= 0x9F
+           or ch in _BIDI_CONTROLS for ch in value):
         raise ValueError("control characters are not allowed in text fields")
     return value
 

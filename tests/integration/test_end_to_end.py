@@ -243,3 +243,37 @@ def test_dispatch_of_a_finished_case_enqueues_nothing(tmp_path: Path, cli_env: P
     import redis
 
     assert redis.Redis.from_url("redis://127.0.0.1:6379/13").dbsize() == 0
+
+
+def test_read_only_commands_leave_foreign_databases_alone(tmp_path: Path, cli_env: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    import sqlite3
+
+    foreign = tmp_path / "foreign.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE mine (x)")
+    conn.commit()
+    conn.close()
+    before = foreign.read_bytes()
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", f"sqlite:///{foreign}")
+    for args in (["status", "case-x"], ["summary", "case-x"], ["resume", "case-x"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and "STORE_NOT_FOUND" in res.output
+    assert foreign.read_bytes() == before
+
+
+def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
+    from investigation.errors import InvestigationError
+    from investigation.operations import export
+
+    case = make_case(tmp_path / "x")
+    case.investigator().run(case.case_id, max_steps=20)
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(InvestigationError) as err:
+        export(case.store, case.case_id, target)
+    assert err.value.code == "EXPORT_TARGET_NOT_EMPTY"
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    assert len(export(case.store, case.case_id, tmp_path / "fresh")) > 10
