@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
@@ -197,6 +198,35 @@ class OpenAIProvider:
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
         secrets = [key]
+        # httpx bounds each read, not the whole exchange: a server dripping its status
+        # line or headers would hold the caller indefinitely. The exchange runs in a
+        # helper thread and the caller stops waiting at the total deadline (the abandoned
+        # exchange ends at its next per-read timeout, or when the server stops).
+        outcome: list[Any] = []
+        done = threading.Event()
+
+        def exchange() -> None:
+            try:
+                outcome.append(self._exchange(request_bytes, headers, key, secrets))
+            except BaseException as exc:
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=exchange, name=f"provider-{self.name}", daemon=True).start()
+        if not done.wait(self.config.timeout_s + 1.0):
+            raise TransientProviderError(
+                PROVIDER_TIMEOUT,
+                f"provider {self.name!r}: no complete response within "
+                f"timeout_s={self.config.timeout_s} (total)", provider=self.name)
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        status, response_headers, raw = outcome[0]
+        return parse_http_response(status, response_headers, raw, self.name, self._clock(),
+                                   secrets)
+
+    def _exchange(self, request_bytes: bytes, headers: dict[str, str], key: str | None,
+                  secrets: list[str | None]) -> tuple[int, httpx.Headers, bytes]:
         deadline = time.monotonic() + self.config.timeout_s
         try:
             with self._client() as client, client.stream(
@@ -220,9 +250,7 @@ class OpenAIProvider:
                 raw = redact_bytes(b"".join(chunks), key)
         except HTTPX_ERRORS as exc:
             raise classify_httpx_error(exc, self.name, secrets) from exc
-        return parse_http_response(
-            response.status_code, response.headers, raw, self.name, self._clock(), secrets
-        )
+        return response.status_code, response.headers, raw
 
     def content_from_raw(self, raw: bytes) -> str:
         """The assistant content of a stored successful chat-completion body.

@@ -111,3 +111,35 @@ def test_an_escaped_echoed_key_is_redacted_too() -> None:
     assert secret not in json.loads(cleaned)["choices"][0]["message"]["content"]
     assert "[REDACTED]" in json.loads(cleaned)["choices"][0]["message"]["content"]
     assert redact_bytes(b'{"a": "b"}', secret) == b'{"a": "b"}'  # untouched otherwise
+
+
+class _DripHeaders(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        try:
+            self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            for i in range(60):  # a header line every 0.2 s, never the blank line
+                self.wfile.write(f"X-Slow-{i}: y\r\n".encode())
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            return
+
+    def log_message(self, *_: object) -> None:
+        return
+
+
+@pytest.fixture
+def header_drip_url() -> Iterator[str]:
+    yield from _serve(_DripHeaders)
+
+
+def test_dripping_headers_hit_the_total_deadline(header_drip_url: str) -> None:
+    provider = OpenAIProvider(ProviderConfig(name="p", kind="openai",
+                                             base_url=header_drip_url, model="m",
+                                             timeout_s=1.0), env={})
+    started = time.monotonic()
+    with pytest.raises(TransientProviderError) as err:
+        provider.send(provider.build_request_bytes(REQ), REQ)
+    assert err.value.code == "PROVIDER_TIMEOUT"
+    assert time.monotonic() - started < 4.0  # 12 s of dripping headers were not waited out
