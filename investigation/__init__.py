@@ -27,7 +27,7 @@ _EXPORTS = {
     "InvestigationError": "investigation.errors",
     "LockBusy": "investigation.errors",
     "Investigator": "investigation.loop.investigator",
-    "StageEnv": "investigation.loop.stages",
+    "StageEnv": "investigation.loop.env",
     "Stages": "investigation.loop.stages",
     "Outcome": "investigation.loop.outcome",
     "StepKey": "investigation.loop.outcome",

@@ -14,8 +14,8 @@ from investigation.cases.reader import PackageReader
 from investigation.cases.registry import register_case
 from investigation.config import InvestigationConfig, ProvidersConfig
 from investigation.llm.gateway import LLMGateway, build_providers
+from investigation.loop.env import StageEnv
 from investigation.loop.investigator import Investigator
-from investigation.loop.stages import StageEnv
 from investigation.store import Store
 
 SOURCE = {

@@ -1,4 +1,4 @@
-"""The embedded runtime's driver: one process, eager Celery chains, no server."""
+"""The embedded runtime's driver: one process, each step's Celery chain run locally, no server."""
 
 from __future__ import annotations
 

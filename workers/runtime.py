@@ -20,7 +20,7 @@ from investigation.cases.reader import PackageReader
 from investigation.config import InvestigationConfig, ProvidersConfig
 from investigation.errors import ConfigError
 from investigation.llm.gateway import LLMGateway, build_providers
-from investigation.loop.stages import StageEnv
+from investigation.loop.env import StageEnv
 from investigation.store import Store
 from workers.locks import CaseLock, FileCaseLock, RedisCaseLock
 from workers.settings import Settings

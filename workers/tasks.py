@@ -197,7 +197,7 @@ def advance(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_embedded_step(case_id: str, token: str) -> Outcome | None:
-    """Run one step's chain in process (eager Celery); ``None`` if no step is eligible."""
+    """Run one step's chain in process (``chain.apply()``); ``None`` if no step is eligible."""
     payload = new_payload(case_id, token, 1, "embedded")
     if payload is None:
         return None

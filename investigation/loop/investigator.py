@@ -21,8 +21,9 @@ from investigation.constants import (
     YIELDED,
 )
 from investigation.errors import InvestigationError
+from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StepKey
-from investigation.loop.stages import StageEnv, Stages
+from investigation.loop.stages import Stages
 from investigation.store.models import CaseRecord, RevisionRecord
 
 

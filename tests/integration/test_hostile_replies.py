@@ -18,8 +18,8 @@ from investigation.constants import COMPLETED, REJECTED
 from investigation.llm.gateway import LLMGateway
 from investigation.llm.openai import OpenAIProvider
 from investigation.llm.replay_server import Fault, ReplayServer
+from investigation.loop.env import StageEnv
 from investigation.loop.investigator import Investigator
-from investigation.loop.stages import StageEnv
 from investigation.store.models import BudgetAccount
 from tests import casekit
 from tests.casekit import make_case

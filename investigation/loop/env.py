@@ -1,0 +1,72 @@
+"""What the stages need in one process: store, policy, gateway, package reader, routers."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from investigation.cases.reader import PackageReader
+from investigation.cases.registry import load_snapshot
+from investigation.cases.snapshot import Snapshot
+from investigation.config import InvestigationConfig
+from investigation.errors import InvestigationError
+from investigation.llm.gateway import LLMGateway
+from investigation.store.engine import Store
+from investigation.tools import ToolRouter
+
+
+@dataclass
+class StageEnv:
+    """What the stages need: the store, the policy, the gateway and the package reader.
+
+    Args:
+        store: the SQL store.
+        config: the investigation config given by the operator (or the defaults).
+        gateway_factory: builds the LLM gateway on first use (only ``llm_call`` needs it),
+            so a step that resumes after its model call works without provider config.
+        reader: the package reader (validation cache shared across steps).
+        explicit_config: True when the operator passed ``--config``; a different stored
+            policy is then refused instead of adopted.
+        snapshot_cache_size: cases whose snapshot and tool router stay open in this
+            process (least recently used are closed). Default 4.
+    """
+
+    store: Store
+    config: InvestigationConfig
+    gateway_factory: Callable[[], LLMGateway] | None
+    reader: PackageReader
+    explicit_config: bool = False
+    snapshot_cache_size: int = 4
+
+    def __post_init__(self) -> None:
+        self._gateway: LLMGateway | None = None
+        self._routers: OrderedDict[str, tuple[Snapshot, ToolRouter]] = OrderedDict()
+
+    @property
+    def gateway(self) -> LLMGateway:
+        if self._gateway is None:
+            if self.gateway_factory is None:
+                raise InvestigationError(
+                    "PROVIDER_CONFIGURATION",
+                    "this step needs a model call but no providers are configured; "
+                    "pass --providers FILE")
+            self._gateway = self.gateway_factory()
+        return self._gateway
+
+    def snapshot(self, case_id: str) -> Snapshot:
+        """The case's validated package snapshot (a bounded LRU per process)."""
+        if case_id in self._routers:
+            self._routers.move_to_end(case_id)
+        else:
+            snapshot = load_snapshot(self.store, case_id, self.reader)
+            self._routers[case_id] = (snapshot, ToolRouter(snapshot, self.config.tools))
+            while len(self._routers) > max(1, self.snapshot_cache_size):
+                _, (_, evicted) = self._routers.popitem(last=False)
+                evicted.close()
+        return self._routers[case_id][0]
+
+    def router(self, case_id: str) -> ToolRouter:
+        """The ToolRouter over the case's snapshot (cached per case)."""
+        self.snapshot(case_id)
+        return self._routers[case_id][1]
