@@ -32,6 +32,9 @@ _CENTRAL = struct.Struct("<4sBBHHHHHIIIHHHHHII")  # 46 bytes
 _CENTRAL_SIG = b"PK\x01\x02"
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes
 _LOCAL_SIG = b"PK\x03\x04"
+#: Largest extra field accepted on an entry (standard timestamp/uid extras are ~30 bytes);
+#: more could hide data outside every checked entry.
+MAX_EXTRA_BYTES = 256
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 _MAX_COMMENT = 0xFFFF
 
@@ -236,6 +239,11 @@ def _parse_central_directory(
         raw_name = data[pos + _CENTRAL.size : name_end]
         pos = name_end + elen + clen
         name = decode_entry_name(raw_name, limits.max_name_bytes)
+        if elen > MAX_EXTRA_BYTES or clen:
+            raise PackageError("PKG_HIDDEN_DATA",
+                               f"entry {name!r} carries a {elen}-byte extra field or a "
+                               f"{clen}-byte comment; packages carry neither beyond "
+                               f"{MAX_EXTRA_BYTES} bytes of standard extras", name=name)
         if 0xFFFFFFFF in (csize, usize, local_offset) or disk_start == 0xFFFF:
             raise PackageError("PKG_UNSUPPORTED_ZIP", f"entry {name!r} uses ZIP64 fields",
                                name=name)
@@ -378,6 +386,10 @@ def _parse_local_header(data: bytes, c: _Central, cd_offset: int) -> tuple[int, 
             f"the local header of entry {c.name!r} disagrees on sizes or CRC",
             name=c.name,
         )
+    if elen > MAX_EXTRA_BYTES:
+        raise PackageError("PKG_HIDDEN_DATA",
+                           f"the local header of entry {c.name!r} carries a {elen}-byte "
+                           "extra field", name=c.name)
     data_offset = name_end + elen
     end = data_offset + c.compressed_size
     if flags & _FLAG_DESCRIPTOR:

@@ -398,3 +398,21 @@ def test_data_descriptors_from_a_streaming_writer_are_accepted() -> None:
     at = tampered.find(b"PK\x07\x08")
     tampered[at + 4] ^= 0xFF
     assert code_of(bytes(tampered)) == "PKG_LOCAL_HEADER_MISMATCH"
+
+
+def test_data_hidden_in_an_extra_field_is_refused(tmp_path: Path) -> None:
+    import io
+    import zipfile
+
+    from investigation.cases.reader import PackageReader
+    from investigation.config import PackageLimits
+    from investigation.errors import PackageError
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        info = zipfile.ZipInfo("manifest.json")
+        info.extra = b"\xfe\xca" + (60000).to_bytes(2, "little") + b"\x00" * 60000
+        zf.writestr(info, "{}")
+    with pytest.raises(PackageError) as err:
+        PackageReader(PackageLimits()).read(buf.getvalue())
+    assert err.value.code == "PKG_HIDDEN_DATA"
