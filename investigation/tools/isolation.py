@@ -10,13 +10,19 @@ inside the process. :func:`run_isolated` therefore runs it in a forked child:
   ``memory_bytes``) bound it; the parent kills it at ``timeout_s`` of wall time;
 * the result comes back pickled through a pipe; a :class:`ToolError` keeps its code.
 
-The caller holds the database's own lock across the fork, so the child never waits on a
-lock another thread held. The child runs only SQLite, pickling and ``os._exit``.
+The caller holds the database's own lock across the fork. A lock another thread held at
+the fork (SQLite's global allocator mutex, for one) stays locked in the child forever, so
+the child first runs ``probe`` (a trivial statement) and reports ready; a child that is not
+ready within :data:`HANDSHAKE_S` is killed and the fork retried, and after
+:data:`FORK_TRIES` such failures the work runs in process (still under SQLite's own
+progress-handler deadline), so a result never depends on what other threads were doing.
+The child runs only SQLite, pickling and ``os._exit``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import resource
@@ -33,6 +39,17 @@ T = TypeVar("T")
 
 #: Largest pickled result accepted from a child (bytes).
 MAX_RESULT_BYTES = 64 << 20
+#: Seconds a child has to report ready (its probe ran) before it is presumed stuck.
+HANDSHAKE_S = 0.5
+#: Forks tried before the work runs in process.
+FORK_TRIES = 3
+_READY = b"R"
+
+log = logging.getLogger(__name__)
+
+
+class _NotReady(Exception):
+    """The child never reported ready: it inherited a lock held at the fork."""
 
 
 def _vm_size_bytes() -> int | None:
@@ -46,8 +63,12 @@ def _vm_size_bytes() -> int | None:
     return None
 
 
-def _child(fn: Callable[[], Any], write_fd: int, timeout_s: float, memory_bytes: int) -> None:
+def _child(fn: Callable[[], Any], probe: Callable[[], Any] | None, write_fd: int,
+           timeout_s: float, memory_bytes: int) -> None:
     try:
+        if probe is not None:
+            probe()
+        os.write(write_fd, _READY)
         cpu = max(1, int(timeout_s) + 1)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         size = _vm_size_bytes()
@@ -74,7 +95,7 @@ def _child(fn: Callable[[], Any], write_fd: int, timeout_s: float, memory_bytes:
 
 
 def run_isolated(fn: Callable[[], T], *, timeout_s: float, memory_bytes: int,
-                 what: str) -> T:
+                 what: str, probe: Callable[[], Any] | None = None) -> T:
     """Run ``fn`` in a forked child and return its result.
 
     Args:
@@ -82,24 +103,46 @@ def run_isolated(fn: Callable[[], T], *, timeout_s: float, memory_bytes: int,
         timeout_s: wall-clock bound in seconds (also the CPU bound, rounded up).
         memory_bytes: address space the child may add to what it inherited.
         what: a short description for errors ("the statement").
+        probe: run in the child before it reports ready (exercises the libraries ``fn``
+            needs, so a lock inherited from another thread shows up at once).
 
     Raises:
         ToolError: the child's own ``ToolError``; ``TOOL_SQL_TIMEOUT`` when killed at the
             deadline; ``TOOL_RESOURCE_LIMIT`` when it ran out of memory or CPU or died.
     """
+    for _ in range(FORK_TRIES):
+        try:
+            return _run_once(fn, probe, timeout_s, memory_bytes, what)
+        except _NotReady:
+            continue
+    log.warning("%s: no forked child became ready (locks held by other threads at fork); "
+                "running it in process", what)
+    return fn()
+
+
+def _run_once(fn: Callable[[], T], probe: Callable[[], Any] | None, timeout_s: float,
+              memory_bytes: int, what: str) -> T:
     read_fd, write_fd = os.pipe()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
         pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         os.close(read_fd)
-        _child(fn, write_fd, timeout_s, memory_bytes)
+        _child(fn, probe, write_fd, timeout_s, memory_bytes)
     os.close(write_fd)
     chunks: list[bytes] = []
     size = 0
     deadline = time.monotonic() + timeout_s
     killed = False
     try:
+        ready, _, _ = select.select([read_fd], [], [], HANDSHAKE_S)
+        first = os.read(read_fd, 1) if ready else b""
+        if first and first != _READY:  # the probe failed: its error is the payload
+            chunks.append(first)
+            size = 1
+        elif not first:  # stuck on an inherited lock (or gone): try a fresh child
+            os.kill(pid, signal.SIGKILL)
+            raise _NotReady
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

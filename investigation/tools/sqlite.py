@@ -276,6 +276,10 @@ class ReadOnlyDatabase:
             self._conn.set_progress_handler(None, 0)
             self._conn.set_authorizer(None)
 
+    def _probe(self) -> None:
+        """A trivial statement: allocates, prepares and steps like any query."""
+        self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+
     def _bounded(self, fn: Callable[[], T], timeout_s: float, memory_bytes: int,
                  isolate: bool) -> T:
         """Run untrusted work on this database: in a forked child under hard CPU, memory
@@ -285,7 +289,7 @@ class ReadOnlyDatabase:
             if not isolate:
                 return fn()
             return run_isolated(fn, timeout_s=timeout_s, memory_bytes=memory_bytes,
-                                what="the statement")
+                                what="the statement", probe=self._probe)
 
     def _translate(self, exc: sqlite3.Error) -> ToolError:
         if self._denials:

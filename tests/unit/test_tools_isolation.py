@@ -102,3 +102,48 @@ def test_schema_with_a_non_utf8_column_name_renders() -> None:
     result = make_router({"app.sqlite": patched}).execute("db.schema", {"table": "odd"})
     columns = [i["column"] for i in result.items if "column" in i]
     assert columns == [{"$hex": "ff"}]
+
+
+def test_a_child_stuck_on_an_inherited_lock_is_replaced() -> None:
+    """A lock held by another thread at fork time stays locked in the child: the child
+    never reports ready, is killed, and the work is retried, then run in process."""
+    import threading
+
+    held = threading.Lock()
+    held.acquire()  # "another thread" holds it across every fork below
+    calls: list[str] = []
+
+    def probe() -> None:
+        held.acquire()  # blocks forever in the child, like SQLite's allocator mutex
+
+    started = time.monotonic()
+    result = run_isolated(lambda: calls.append("ran") or "done", timeout_s=5,
+                          memory_bytes=64 << 20, what="t", probe=probe)
+    assert result == "done" and calls == ["ran"]  # ran in process after the retries
+    assert time.monotonic() - started < 5
+    held.release()
+
+
+def test_queries_stay_correct_while_other_threads_use_sqlite() -> None:
+    import sqlite3
+    import threading
+
+    stop = threading.Event()
+
+    def busy() -> None:
+        conn = sqlite3.connect(":memory:")
+        while not stop.is_set():
+            conn.execute("SELECT hex(randomblob(64)) FROM (SELECT 1 UNION SELECT 2)").fetchall()
+
+    threads = [threading.Thread(target=busy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        router = make_router()
+        for _ in range(15):
+            result = router.execute("db.query", {"sql": "SELECT 1 AS one"})
+            assert result.items[0]["row"] == {"one": 1}
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
