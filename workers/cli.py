@@ -95,8 +95,9 @@ def _settings() -> Settings:
 
 
 def _store(settings: Settings, existing: bool = False) -> Store:
-    """Open the store; with ``existing`` a SQLite file that does not exist is an error
-    (read-only commands never create a store)."""
+    """Open the store. With ``existing`` (commands that read or act on registered cases)
+    the database must already be an investigation store at this engine's migration head:
+    nothing is created or migrated, and a foreign database is never written."""
     url = settings.effective_database_url
     not_a_store = InvestigationError(
         "STORE_NOT_FOUND",
@@ -109,20 +110,26 @@ def _store(settings: Settings, existing: bool = False) -> Store:
             raise not_a_store
         try:  # a plain read-only look: the store engine would switch the file to WAL
             with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as look:
-                names = {r[0] for r in look.execute(
-                    "SELECT name FROM sqlite_master WHERE type = 'table'")}
-        except sqlite3.Error as exc:
-            raise InvestigationError("STORE_UNAVAILABLE",
-                                     f"{path} cannot be read as SQLite: {exc}") from exc
-        if "alembic_version" not in names:
-            raise not_a_store
+                versions = [r[0] for r in look.execute("SELECT version_num FROM alembic_version")]
+        except sqlite3.Error:
+            raise not_a_store from None
     store = Store(url)
     if existing and not url.startswith("sqlite"):
-        from sqlalchemy import inspect
+        from sqlalchemy import text
+        from sqlalchemy.exc import ProgrammingError
 
-        with store.engine.connect() as conn:
-            if "alembic_version" not in inspect(conn).get_table_names():
-                raise not_a_store
+        try:
+            with store.engine.connect() as conn:
+                versions = [r[0] for r in conn.execute(
+                    text("SELECT version_num FROM alembic_version"))]
+        except ProgrammingError:
+            raise not_a_store from None
+    if existing:
+        from investigation.store.migrate import head_revision
+
+        if versions != [head_revision()]:
+            raise not_a_store
+        return store
     store.create_schema()
     return store
 

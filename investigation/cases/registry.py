@@ -66,6 +66,10 @@ _MAX_DEPTH = 64
 
 _INTERPRETATION = "CASE_INTERPRETATION_INVALID"
 _HYPOTHESES = "CASE_HYPOTHESES_INVALID"
+#: Bounds that keep every decision's context small (it carries these in full).
+MAX_INTERPRETATION_BYTES = 64 << 10
+MAX_HYPOTHESES = 200
+MAX_STATEMENT_CHARS = 4000
 
 
 # -- inputs ----------------------------------------------------------------------------------
@@ -120,6 +124,10 @@ def validate_interpretation(value: Any) -> dict[str, Any]:
             _INTERPRETATION, 'the interpretation needs "summary": a non-empty string'
         )
     _check_canonical(value, _INTERPRETATION, "the interpretation")
+    size = len(canonical_json(value))
+    if size > MAX_INTERPRETATION_BYTES:
+        raise InvestigationError(_INTERPRETATION, f"the interpretation is {size} bytes; at "
+                                 f"most {MAX_INTERPRETATION_BYTES} (it is in every context)")
     return value
 
 
@@ -134,6 +142,9 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
     """
     if not isinstance(value, list) or not value:
         raise InvestigationError(_HYPOTHESES, "the hypotheses must be a non-empty JSON array")
+    if len(value) > MAX_HYPOTHESES:
+        raise InvestigationError(_HYPOTHESES, f"at most {MAX_HYPOTHESES} hypotheses per batch "
+                                 f"(got {len(value)})")
     seen: set[int] = set()
     for index, item in enumerate(value):
         where = f"hypothesis #{index + 1}"
@@ -155,6 +166,10 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
                 _HYPOTHESES, f'hypothesis {ident} needs "statement": a non-empty string',
                 hypothesis_id=ident,
             )
+        if len(statement) > MAX_STATEMENT_CHARS:
+            raise InvestigationError(
+                _HYPOTHESES, f"hypothesis {ident}: the statement is longer than "
+                f"{MAX_STATEMENT_CHARS} characters", hypothesis_id=ident)
         if "\x00" in statement:
             raise InvestigationError(
                 _HYPOTHESES, f"hypothesis {ident}: the statement holds a NUL character",

@@ -66,8 +66,10 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
     In order, until it fits: evidence other than the previous result loses its findings
     (``items``, marked ``"items_omitted": true``); compact references get abbreviated
     arguments; the hypothesis keeps only its last note; compact references of other
-    hypotheses are dropped (``"evidence_omitted"`` counts them). The previous result,
-    the questions and the contract are never cut.
+    hypotheses are dropped (``"evidence_omitted"`` counts them); other hypotheses'
+    questions are dropped (``"questions_omitted"``) and their statements abbreviated.
+    The previous result, the selected hypothesis's questions and the contract are never
+    cut: they are bounded by the contract (questions per hypothesis, text lengths).
 
     Raises:
         InvestigationError: ``CONTEXT_TOO_LARGE`` when even the smallest form is over.
@@ -96,6 +98,15 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
             if e["hypothesis_id"] == selected or e["evidence_id"] == previous]
     doc["evidence_omitted"] = len(doc["evidence"]) - len(kept)
     doc["evidence"] = kept
+    data = canonical_json(doc)
+    if len(data) <= limit:
+        return data
+    own = [q for q in doc["questions"] if q["hypothesis_id"] == selected]
+    doc["questions_omitted"] = len(doc["questions"]) - len(own)
+    doc["questions"] = own
+    for other in doc["other_hypotheses"]:
+        if len(other["statement"]) > 200:
+            other["statement"] = other["statement"][:200] + "..."
     data = canonical_json(doc)
     if len(data) <= limit:
         return data

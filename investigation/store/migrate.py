@@ -12,6 +12,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
 
@@ -41,6 +42,15 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
         conn.commit()
+
+
+def head_revision() -> str:
+    """The newest migration revision this code knows."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    assert head is not None
+    return head
 
 
 def revision(engine: Engine, message: str) -> None:

@@ -50,3 +50,33 @@ def test_oversized_arguments_are_rejected(tmp_path: Path) -> None:
     first = case.investigator().step(case.case_id)
     assert (first.outcome, first.reason) == (REJECTED, "REPLY_SCHEMA_INVALID")
     assert "bytes" in first.details["message"]
+
+
+def test_many_hypotheses_with_many_questions_never_wedge_the_case(tmp_path: Path) -> None:
+    """Each hypothesis adds 10 long questions; the other hypotheses' questions are the
+    first thing a full context sheds after evidence, so every hypothesis still runs."""
+    from investigation.cases.reader import PackageReader
+    from investigation.cases.registry import register_case
+    from investigation.config import ProvidersConfig
+    from investigation.llm.gateway import LLMGateway, build_providers
+    from investigation.loop.env import StageEnv
+
+    n = 12
+    hypotheses = [{"id": i, "statement": f"hypothesis {i} " + "s" * 3000}
+                  for i in range(1, n + 1)]
+    question = "\U0001f600" * 500  # 2,000 bytes each
+    replies = [casekit.finish("weak", None, [], reason="enough") | {
+        "update": {"confidence": "weak", "evidence_ids": [], "resolve_questions": [],
+                   "new_questions": [f"{i} {question}"[:498] + f"{j:02d}" for j in range(10)],
+                   "note": "n" * 3000}} for i in range(n)]
+    case = make_case(tmp_path / "c", replies=replies)
+    case_id = register_case(case.store, case.package.read_bytes(), casekit.INTERPRETATION,
+                            hypotheses, PackageReader(InvestigationConfig().package))
+    providers = ProvidersConfig.load(case.providers_path)
+    config = InvestigationConfig.model_validate({"limits": {"max_context_bytes": 100_000}})
+    env = StageEnv(store=case.store, config=config,
+                   gateway_factory=lambda: LLMGateway(case.store, build_providers(providers),
+                                                      providers.gateway),
+                   reader=PackageReader(config.package))
+    outcome = Investigator(env).run(case_id, max_steps=n + 2)
+    assert outcome.outcome == COMPLETED, outcome

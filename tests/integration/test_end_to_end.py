@@ -250,17 +250,25 @@ def test_read_only_commands_leave_foreign_databases_alone(tmp_path: Path, cli_en
                                                           ) -> None:
     import sqlite3
 
-    foreign = tmp_path / "foreign.db"
-    conn = sqlite3.connect(foreign)
-    conn.execute("CREATE TABLE mine (x)")
-    conn.commit()
-    conn.close()
-    before = foreign.read_bytes()
-    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", f"sqlite:///{foreign}")
-    for args in (["status", "case-x"], ["summary", "case-x"], ["resume", "case-x"]):
-        res = CliRunner().invoke(app, args)
-        assert res.exit_code == 2 and "STORE_NOT_FOUND" in res.output
-    assert foreign.read_bytes() == before
+    for name, statements in (
+        ("plain.db", ["CREATE TABLE mine (x)"]),
+        ("alembic.db", ["CREATE TABLE alembic_version (version_num VARCHAR(32))",
+                        "INSERT INTO alembic_version VALUES ('f00dface1234')"]),
+        ("empty_alembic.db", ["CREATE TABLE alembic_version (version_num VARCHAR(32))"]),
+    ):
+        foreign = tmp_path / name
+        conn = sqlite3.connect(foreign)
+        for sql in statements:
+            conn.execute(sql)
+        conn.commit()
+        conn.close()
+        before = foreign.read_bytes()
+        monkeypatch.setenv("INVESTIGATE_DATABASE_URL", f"sqlite:///{foreign}")
+        for args in (["status", "case-x"], ["summary", "case-x"], ["resume", "case-x"],
+                     ["export", "case-x", str(tmp_path / "out")], ["run", "case-x"]):
+            res = CliRunner().invoke(app, args)
+            assert res.exit_code == 2 and "STORE_NOT_FOUND" in res.output, (name, args)
+        assert foreign.read_bytes() == before, name
 
 
 def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
