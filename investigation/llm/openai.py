@@ -200,14 +200,15 @@ class OpenAIProvider:
         secrets = [key]
         # httpx bounds each read, not the whole exchange: a server dripping its status
         # line or headers would hold the caller indefinitely. The exchange runs in a
-        # helper thread and the caller stops waiting at the total deadline (the abandoned
-        # exchange ends at its next per-read timeout, or when the server stops).
+        # helper thread; at the total deadline the caller stops waiting and closes the
+        # exchange's client, so the helper's next read fails and the thread ends.
         outcome: list[Any] = []
+        clients: list[httpx.Client] = []
         done = threading.Event()
 
         def exchange() -> None:
             try:
-                outcome.append(self._exchange(request_bytes, headers, key, secrets))
+                outcome.append(self._exchange(request_bytes, headers, key, secrets, clients))
             except BaseException as exc:
                 outcome.append(exc)
             finally:
@@ -215,6 +216,9 @@ class OpenAIProvider:
 
         threading.Thread(target=exchange, name=f"provider-{self.name}", daemon=True).start()
         if not done.wait(self.config.timeout_s + 1.0):
+            for client in clients:
+                with contextlib.suppress(Exception):  # racing the helper thread
+                    client.close()
             raise TransientProviderError(
                 PROVIDER_TIMEOUT,
                 f"provider {self.name!r}: no complete response within "
@@ -226,28 +230,30 @@ class OpenAIProvider:
                                    secrets)
 
     def _exchange(self, request_bytes: bytes, headers: dict[str, str], key: str | None,
-                  secrets: list[str | None]) -> tuple[int, httpx.Headers, bytes]:
+                  secrets: list[str | None],
+                  clients: list[httpx.Client]) -> tuple[int, httpx.Headers, bytes]:
         deadline = time.monotonic() + self.config.timeout_s
         try:
-            with self._client() as client, client.stream(
-                "POST", self.url, content=request_bytes, headers=headers
-            ) as response:
-                chunks: list[bytes] = []
-                size = 0
-                for chunk in response.iter_bytes():
-                    size += len(chunk)
-                    if size > MAX_RESPONSE_BYTES:
-                        raise TransientProviderError(
-                            PROVIDER_MALFORMED_RESPONSE,
-                            f"provider {self.name!r}: response larger than "
-                            f"{MAX_RESPONSE_BYTES} bytes", provider=self.name)
-                    if time.monotonic() > deadline:
-                        raise TransientProviderError(
-                            PROVIDER_TIMEOUT,
-                            f"provider {self.name!r}: the response took longer than "
-                            f"timeout_s={self.config.timeout_s} in total", provider=self.name)
-                    chunks.append(chunk)
-                raw = redact_bytes(b"".join(chunks), key)
+            with self._client() as client:
+                clients.append(client)  # the caller closes it at the total deadline
+                with client.stream("POST", self.url, content=request_bytes,
+                                   headers=headers) as response:
+                    chunks: list[bytes] = []
+                    size = 0
+                    for chunk in response.iter_bytes():
+                        size += len(chunk)
+                        if size > MAX_RESPONSE_BYTES:
+                            raise TransientProviderError(
+                                PROVIDER_MALFORMED_RESPONSE,
+                                f"provider {self.name!r}: response larger than "
+                                f"{MAX_RESPONSE_BYTES} bytes", provider=self.name)
+                        if time.monotonic() > deadline:
+                            raise TransientProviderError(
+                                PROVIDER_TIMEOUT,
+                                f"provider {self.name!r}: the response took longer than "
+                                f"timeout_s={self.config.timeout_s} in total", provider=self.name)
+                        chunks.append(chunk)
+                    raw = redact_bytes(b"".join(chunks), key)
         except HTTPX_ERRORS as exc:
             raise classify_httpx_error(exc, self.name, secrets) from exc
         return response.status_code, response.headers, raw

@@ -143,3 +143,9 @@ def test_dripping_headers_hit_the_total_deadline(header_drip_url: str) -> None:
         provider.send(provider.build_request_bytes(REQ), REQ)
     assert err.value.code == "PROVIDER_TIMEOUT"
     assert time.monotonic() - started < 4.0  # 12 s of dripping headers were not waited out
+    # The abandoned exchange does not linger: its client was closed at the deadline.
+    for _ in range(30):
+        if not [t for t in threading.enumerate() if t.name.startswith("provider-")]:
+            break
+        time.sleep(0.1)
+    assert not [t for t in threading.enumerate() if t.name.startswith("provider-")]
