@@ -65,6 +65,11 @@ _MAX_SKIPPED_LISTED = 20
 _DEADLINE_EVERY_LINES = 2048
 
 
+#: Lines longer than this (characters) are not scanned for symbol occurrences: every
+#: candidate position is checked in Python, and a minified line can hold millions.
+MAX_SYMBOL_LINE_CHARS = 100_000
+
+
 class ToolRouter:
     """The read-only snapshot operations of one case package.
 
@@ -404,9 +409,13 @@ class ToolRouter:
 
     def _symbol_occurrences(self, args: SymbolOccurrencesArgs) -> _Outcome:
         symbol = args.symbol
+        long_lines = [0]
 
         def columns(line: str) -> list[int | None]:
             if symbol not in line:
+                return []
+            if len(line) > MAX_SYMBOL_LINE_CHARS:  # minified or generated: not scanned
+                long_lines[0] += 1
                 return []
             return [col + 1 for col in tx.find_symbol(line, symbol)]
 
@@ -414,6 +423,9 @@ class ToolRouter:
                                          self._snapshot.read_source, columns,
                                          self._cap(args.max_results))
         codes.add(TEXTUAL_SCOPE)
+        if long_lines[0]:
+            codes.add(PARTIAL)
+            stats["long_lines_skipped"] = long_lines[0]
         return items, codes, stats
 
     def _scan(self, paths: list[str], read: Callable[[str], bytes],

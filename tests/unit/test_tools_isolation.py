@@ -147,3 +147,17 @@ def test_queries_stay_correct_while_other_threads_use_sqlite() -> None:
         stop.set()
         for t in threads:
             t.join()
+
+
+def test_symbol_occurrences_skip_a_huge_line_with_a_warning() -> None:
+    from investigation.cases.snapshot import DictSnapshot
+    from investigation.config import ToolLimits
+    from investigation.tools import ToolRouter
+
+    source = {"min.js": b"a" * 2_000_000 + b"\nvar a = 1;\n"}
+    router = ToolRouter(DictSnapshot(source), ToolLimits(search_timeout_s=5.0))
+    started = time.monotonic()
+    result = router.execute("symbol.occurrences", {"symbol": "a"})
+    assert time.monotonic() - started < 3
+    assert "PARTIAL" in result.warnings and result.stats["long_lines_skipped"] == 1
+    assert [i["key"] for i in result.items] == ["min.js:2:5"]
