@@ -23,6 +23,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from investigation.cases.builder import build_package
@@ -104,17 +105,19 @@ def _store(settings: Settings, existing: bool = False) -> Store:
         f"{url.split('@')[-1]} is not an investigation store (no case was ever added "
         "there); nothing was changed. Run where the case was added, or set "
         "INVESTIGATE_HOME or INVESTIGATE_DATABASE_URL")
-    if existing and url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///"))
+    is_sqlite = make_url(url).get_backend_name() == "sqlite"
+    if existing and is_sqlite:
+        path = Path(make_url(url).database or "")
         if not path.is_file():
             raise not_a_store
-        try:  # a plain read-only look: the store engine would switch the file to WAL
+        try:  # a plain read-only look (the store engine would switch the file to WAL); a
+            # WAL database may get SQLite's -shm index beside it, its content is untouched
             with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as look:
                 versions = [r[0] for r in look.execute("SELECT version_num FROM alembic_version")]
         except sqlite3.Error:
             raise not_a_store from None
     store = Store(url)
-    if existing and not url.startswith("sqlite"):
+    if existing and not is_sqlite:
         from sqlalchemy import text
         from sqlalchemy.exc import ProgrammingError
 
@@ -266,9 +269,15 @@ def dispatch_cmd(
 def worker(
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 2,
     loglevel: Annotated[str, typer.Option("--loglevel")] = "INFO",
-    pool: Annotated[str, typer.Option("--pool")] = "prefork",
+    pool: Annotated[str, typer.Option("--pool", help="prefork or solo")] = "prefork",
 ) -> None:
-    """Start a Celery worker on the configured broker and case queue."""
+    """Start a Celery worker on the configured broker and case queue.
+
+    Only process-based pools: the isolated SQL children are forked, which needs no other
+    thread of the worker process to be inside SQLite (threads/gevent pools are refused).
+    """
+    if pool not in ("prefork", "solo"):
+        raise typer.BadParameter("use --pool prefork or --pool solo", param_hint="--pool")
     from workers.celery_app import app as celery_app
 
     settings = _settings()

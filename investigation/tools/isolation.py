@@ -41,8 +41,10 @@ T = TypeVar("T")
 MAX_RESULT_BYTES = 64 << 20
 #: Seconds a child has to report ready (its probe ran) before it is presumed stuck.
 HANDSHAKE_S = 0.5
-#: Forks tried before the work runs in process.
-FORK_TRIES = 3
+#: Forks tried before the work runs in process. Retries are only ever needed when other
+#: threads of this process use SQLite at fork time; the supported runtimes (a prefork
+#: worker child, the CLI) have none, so there the first child is always ready.
+FORK_TRIES = 10
 _READY = b"R"
 
 log = logging.getLogger(__name__)
@@ -66,9 +68,11 @@ def _vm_size_bytes() -> int | None:
 def _child(fn: Callable[[], Any], probe: Callable[[], Any] | None, write_fd: int,
            timeout_s: float, memory_bytes: int) -> None:
     try:
-        if probe is not None:
-            probe()
-        os.write(write_fd, _READY)
+        try:
+            if probe is not None:
+                probe()
+        finally:
+            os.write(write_fd, _READY)  # a failing probe still answers: its error follows
         cpu = max(1, int(timeout_s) + 1)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         size = _vm_size_bytes()
@@ -137,10 +141,7 @@ def _run_once(fn: Callable[[], T], probe: Callable[[], Any] | None, timeout_s: f
     try:
         ready, _, _ = select.select([read_fd], [], [], HANDSHAKE_S)
         first = os.read(read_fd, 1) if ready else b""
-        if first and first != _READY:  # the probe failed: its error is the payload
-            chunks.append(first)
-            size = 1
-        elif not first:  # stuck on an inherited lock (or gone): try a fresh child
+        if not first:  # stuck on a lock inherited from another thread: a fresh child
             os.kill(pid, signal.SIGKILL)
             raise _NotReady
         while True:
@@ -162,6 +163,7 @@ def _run_once(fn: Callable[[], T], probe: Callable[[], Any] | None, timeout_s: f
             chunks.append(chunk)
     finally:
         os.close(read_fd)
+        status = 0
         with contextlib.suppress(ChildProcessError):
             _, status = os.waitpid(pid, 0)
     if killed:

@@ -120,7 +120,7 @@ def test_a_child_stuck_on_an_inherited_lock_is_replaced() -> None:
     result = run_isolated(lambda: calls.append("ran") or "done", timeout_s=5,
                           memory_bytes=64 << 20, what="t", probe=probe)
     assert result == "done" and calls == ["ran"]  # ran in process after the retries
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 10  # FORK_TRIES handshakes of 0.5 s at most
     held.release()
 
 
