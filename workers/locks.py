@@ -10,7 +10,6 @@ two dispatches from doing the same work twice.
 from __future__ import annotations
 
 import fcntl
-import os
 import re
 import secrets
 import threading
@@ -139,7 +138,3 @@ class FileCaseLock:
             held[1].close()
             return True
 
-
-def process_id() -> str:
-    """Host-unique id of this process (logs)."""
-    return f"{os.uname().nodename}:{os.getpid()}"

@@ -200,9 +200,9 @@ class BudgetManager:
         could earn (score 100) is below the cheapest action.
         """
         if account.iterations >= self.loop.max_iterations_per_hypothesis:
-            return "iteration_cap"
+            return rules.ITERATION_CAP
         if account.no_novelty_streak >= self.loop.max_results_without_novelty:
-            return "low_information"
+            return rules.LOW_INFORMATION
         best_refund = 0
         if pending is not None:
             novelty = rules.novelty_permille(pending.item_count, pending.new_item_count,
@@ -210,7 +210,7 @@ class BudgetManager:
             best_refund = rules.refund_units(pending.cost_units, 100, novelty,
                                              self.budget.max_refund_percent)
         if account.balance_units + best_refund < rules.cheapest_action_cost(self.budget):
-            return "budget_exhausted"
+            return rules.BUDGET_EXHAUSTED
         return None
 
     def apply_automatic_disposition(self, account: BudgetAccount) -> None:

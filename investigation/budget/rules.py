@@ -29,7 +29,10 @@ EXHAUSTED = "exhausted"
 TERMINAL_STATUSES = (FINISHED, REJECTED, EXHAUSTED)
 #: Reasons that make a turn a closing turn (only ``finish``/``reject``); they are kept in
 #: the account's ``disposition_reason`` as ``"<reason>: <the model's reason>"``.
-CLOSING_REASONS = ("iteration_cap", "low_information", "budget_exhausted")
+ITERATION_CAP = "iteration_cap"
+LOW_INFORMATION = "low_information"
+BUDGET_EXHAUSTED = "budget_exhausted"
+CLOSING_REASONS = (ITERATION_CAP, LOW_INFORMATION, BUDGET_EXHAUSTED)
 
 
 def novelty_permille(item_count: int, new_item_count: int, duplicate: bool) -> int:

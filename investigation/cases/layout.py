@@ -18,8 +18,10 @@ treats it as a directory.
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
+from typing import Any
 
 from investigation.errors import PackageError
 
@@ -171,3 +173,27 @@ def check_no_conflicts(files: list[str], directories: list[str] | None = None) -
                 f"entry {name!r} is a file but {dirs[key]!r} uses it as a directory",
                 name=name[:200],
             )
+
+
+def strict_json_loads(text: str) -> Any:
+    """``json.loads`` that refuses duplicate object keys and NaN/Infinity, so every
+    accepted document has exactly one canonical form.
+
+    Raises:
+        ValueError: duplicate keys, non-finite numbers or invalid JSON.
+        RecursionError: nesting too deep for the parser.
+    """
+    return json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant)
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(token: str) -> Any:
+    raise ValueError(f"non-finite number {token}")

@@ -63,6 +63,7 @@ from investigation.cases.layout import (
     SOURCE_ROOT,
     SQLITE_HEADER,
     check_relative_path,
+    strict_json_loads,
 )
 from investigation.cases.zipscan import ZipEntry, read_entry, scan_zip
 from investigation.config import PackageLimits, canonical_json
@@ -281,19 +282,6 @@ def _mismatch(message: str, **details: Any) -> PackageError:
     return PackageError("PKG_MANIFEST_MISMATCH", f"manifest.json: {message}", **details)
 
 
-def _reject_constant(token: str) -> Any:
-    raise ValueError(f"non-finite number {token}")
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def _validate(data: bytes, package_id: str, limits: PackageLimits) -> ValidatedPackage:
     entries = {e.name: e for e in scan_zip(data, limits)}
     if MANIFEST_NAME not in entries:
@@ -339,11 +327,7 @@ def _validate(data: bytes, package_id: str, limits: PackageLimits) -> ValidatedP
 
 def _parse_manifest(raw: bytes) -> dict[str, Any]:
     try:
-        value = json.loads(
-            raw.decode("utf-8", "strict"),
-            object_pairs_hook=_unique_object,
-            parse_constant=_reject_constant,
-        )
+        value = strict_json_loads(raw.decode("utf-8", "strict"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _invalid(f"not valid UTF-8 JSON ({exc})") from exc
     if not isinstance(value, dict):

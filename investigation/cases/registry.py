@@ -30,7 +30,6 @@ match their id); package validation raises :class:`~investigation.errors.Package
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
+from investigation.cases.layout import strict_json_loads
 from investigation.cases.reader import PackageReader
 from investigation.cases.snapshot import Snapshot
 from investigation.config import canonical_json
@@ -333,24 +333,10 @@ def _load_json(path: str | Path, code: str, what: str) -> Any:
         raise InvestigationError(code, f"the {what} file {path} exceeds {MAX_INPUT_BYTES} bytes",
                                  path=str(path))
     try:
-        return json.loads(raw.decode("utf-8", "strict"), object_pairs_hook=_unique_object,
-                          parse_constant=_reject_constant)
+        return strict_json_loads(raw.decode("utf-8", "strict"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InvestigationError(code, f"the {what} file {path} is not valid UTF-8 JSON: {exc}",
                                  path=str(path)) from exc
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _reject_constant(token: str) -> Any:
-    raise ValueError(f"non-finite number {token}")
 
 
 def _check_canonical(value: Any, code: str, what: str) -> None:
