@@ -43,6 +43,12 @@ class LoopConfig(_Strict):
     max_results_without_novelty: int = Field(3, ge=1)
     """Consecutive evidence records without new items that make an account low-information
     (terminal). Default 3."""
+    early_diagnosis: bool = True
+    """Whether a ``finish`` may carry an early-diagnosis request that defers alternatives
+    to assessment-only after a deterministic review (``docs/early-diagnosis.md``)."""
+    early_diagnosis_min_evidence: int = Field(2, ge=1)
+    """Distinct own evidence records with new findings that an early-diagnosis request
+    must cite. Default 2."""
 
 
 class BudgetConfig(_Strict):

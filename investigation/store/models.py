@@ -113,6 +113,11 @@ class BudgetAccount(SQLModel, table=True):
     notes_json: str = "[]"
     last_rejection_json: str | None = None
     """The latest rejection ``{"code", "detail", "step_seq"}`` of this hypothesis's replies."""
+    deferred_by: int | None = None
+    """Hypothesis whose accepted early-diagnosis review deferred this one to assessment-only
+    (``docs/early-diagnosis.md``), or ``None``."""
+    deferred_step: int | None = None
+    """Step whose plan applied that deferral."""
 
 
 class LedgerEntry(SQLModel, table=True):
