@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-#: Prompt/contract version written into every context and plan.
-PROMPT_VERSION = "investigation-v1"
-#: Version of the reply JSON schema (see ``investigation.loop.contract``).
-REPLY_SCHEMA_VERSION = "reply-v1"
+#: Prompt/contract version written into every context and plan. ``investigation-v1``
+#: (before early diagnosis) stays the name of historical requests and plans.
+PROMPT_VERSION = "investigation-v2"
+#: Version of the reply JSON schema (see ``investigation.loop.contract``); ``reply-v2``
+#: adds the optional ``next.early_diagnosis`` of a ``finish``.
+REPLY_SCHEMA_VERSION = "reply-v2"
 #: Case package manifest format.
 PACKAGE_FORMAT = "investigation-case/1"
 
@@ -49,6 +51,9 @@ DEFERRED = "DEFERRED"
 BLOCKED = "BLOCKED"
 COMPLETED = "COMPLETED"
 OUTCOMES = (PROGRESSED, REJECTED, YIELDED, RETRY_PENDING, DEFERRED, BLOCKED, COMPLETED)
+#: Outcomes after which a dispatch goes on with the next step (``DEFERRED``: a step whose
+#: accepted early-diagnosis review deferred alternatives to assessment-only).
+CONTINUING = (PROGRESSED, REJECTED, DEFERRED)
 
 #: Case states.
 CASE_INVESTIGATING = "INVESTIGATING"

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from investigation.constants import PROGRESSED, REJECTED, RETRY_PENDING, YIELDED
+from investigation.constants import CONTINUING, RETRY_PENDING, YIELDED
 from investigation.loop.outcome import Outcome
 from workers.runtime import Runtime
 from workers.tasks import run_embedded_step
@@ -42,7 +42,7 @@ def run_case(rt: Runtime, case_id: str, max_steps: int | None = None, wait: bool
             if on_step is not None:
                 on_step(outcome)
             last = outcome
-            if outcome.outcome in (PROGRESSED, REJECTED):
+            if outcome.outcome in CONTINUING:
                 steps += 1
                 continue
             if outcome.outcome == RETRY_PENDING and wait and outcome.retry_not_before:

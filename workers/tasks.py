@@ -26,8 +26,7 @@ from sqlalchemy.exc import OperationalError
 from investigation.constants import (
     BLOCKED,
     COMPLETED,
-    PROGRESSED,
-    REJECTED,
+    CONTINUING,
     RETRY_PENDING,
     STAGES,
     TASK_PREFIX,
@@ -173,7 +172,7 @@ def advance(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
              halt.get("reason") or "")
     if payload.get("mode") == "embedded" or outcome in ("LOCK_LOST",):
         return payload
-    if outcome in (PROGRESSED, REJECTED):
+    if outcome in CONTINUING:
         steps_left = int(payload["steps_left"]) - 1
         if steps_left > 0 and rt.lock.hold(case_id, token):
             nxt = new_payload(case_id, token, steps_left, "distributed",

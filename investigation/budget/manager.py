@@ -194,11 +194,15 @@ class BudgetManager:
                        pending: Evidence | None = None) -> str | None:
         """Why the account's next turn may only close it, or ``None`` if it may act.
 
-        ``iteration_cap`` after ``max_iterations_per_hypothesis`` research iterations;
-        ``low_information`` after ``max_results_without_novelty`` results without new items;
+        In this order: ``assessment_only`` once an accepted early-diagnosis review
+        deferred the account (``docs/early-diagnosis.md``); ``iteration_cap`` after
+        ``max_iterations_per_hypothesis`` research iterations; ``low_information`` after
+        ``max_results_without_novelty`` consecutive results without new items;
         ``budget_exhausted`` when the balance plus the largest refund the pending result
         could earn (score 100) is below the cheapest action.
         """
+        if account.deferred_by is not None:
+            return rules.ASSESSMENT_ONLY
         if account.iterations >= self.loop.max_iterations_per_hypothesis:
             return rules.ITERATION_CAP
         if account.no_novelty_streak >= self.loop.max_results_without_novelty:

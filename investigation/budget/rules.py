@@ -32,7 +32,9 @@ TERMINAL_STATUSES = (FINISHED, REJECTED, EXHAUSTED)
 ITERATION_CAP = "iteration_cap"
 LOW_INFORMATION = "low_information"
 BUDGET_EXHAUSTED = "budget_exhausted"
-CLOSING_REASONS = (ITERATION_CAP, LOW_INFORMATION, BUDGET_EXHAUSTED)
+#: Deferred by an accepted early-diagnosis review (``docs/early-diagnosis.md``).
+ASSESSMENT_ONLY = "assessment_only"
+CLOSING_REASONS = (ASSESSMENT_ONLY, ITERATION_CAP, LOW_INFORMATION, BUDGET_EXHAUSTED)
 
 
 def novelty_permille(item_count: int, new_item_count: int, duplicate: bool) -> int:

@@ -61,6 +61,7 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
                 "turns": a.turns, "iterations": a.iterations,
                 "pending_evidence_id": a.pending_evidence_id,
                 "invalid_streak": a.invalid_streak, "no_novelty_streak": a.no_novelty_streak,
+                "deferred_by": a.deferred_by, "deferred_step": a.deferred_step,
                 "last_rejection": json.loads(a.last_rejection_json)
                 if a.last_rejection_json else None,
             }

@@ -8,11 +8,14 @@ the same bytes. Its shape (keys in canonical order when serialised):
                       and a snapshot overview (file counts, databases)
 ``interpretation``    the accepted interpretation, as given
 ``hypothesis``        the selected hypothesis: statement, confidence, balance, credit,
-                      iterations and their cap, turn number, notes
-``other_hypotheses``  id, statement, status and confidence of the others
+                      iterations and their cap, turn number, ``deferred_by``, notes
+``other_hypotheses``  id, statement, status, confidence, turns and ``deferred_by`` of
+                      the others
 ``budget``            configured costs and the refund cap
+``early_diagnosis``   the frozen review policy: ``enabled``, ``min_evidence``
 ``allowed_actions``   the actions this turn may take; ``closing_reason`` says why it is
-                      restricted (iteration cap, low information, exhausted budget)
+                      restricted (assessment-only deferral, iteration cap, low information,
+                      exhausted budget)
 ``previous_result``   the selected hypothesis's pending evidence with full findings and
                       its novelty, or null (first turn / nothing pending)
 ``evidence``          every current-revision evidence record; the selected hypothesis's
@@ -164,15 +167,18 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
             "confidence": account.confidence, "balance_units": account.balance_units,
             "credit_units": account.credit_units, "iterations": account.iterations,
             "max_iterations": config.loop.max_iterations_per_hypothesis,
-            "turn": account.turns + 1,
+            "turn": account.turns + 1, "deferred_by": account.deferred_by,
             "notes": json.loads(account.notes_json)[-config.limits.notes_in_context:],
         },
         "other_hypotheses": [
             {"id": a.hypothesis_id, "statement": statements[a.hypothesis_id],
-             "status": a.status, "confidence": a.confidence}
+             "status": a.status, "confidence": a.confidence, "turns": a.turns,
+             "deferred_by": a.deferred_by}
             for a in accounts if a.hypothesis_id != selected
         ],
         "budget": budget.describe(),
+        "early_diagnosis": {"enabled": config.loop.early_diagnosis,
+                            "min_evidence": config.loop.early_diagnosis_min_evidence},
         "allowed_actions": allowed,
         "closing_reason": closing,
         "previous_result": previous,

@@ -98,11 +98,26 @@ class TestAction(_Strict):
     test: TestDescriptor
 
 
+class EarlyDiagnosisRequest(_Strict):
+    """A request, carried by ``finish``, to defer alternatives to assessment-only.
+
+    The controller reviews it deterministically (``docs/early-diagnosis.md``); an
+    accepted review leaves each deferred alternative one closing turn (finish or reject,
+    assessing its pending result) instead of further research.
+    """
+
+    defer_alternatives: list[Annotated[int, Field(ge=1, lt=2**31)]] = \
+        Field(min_length=1, max_length=50)
+    rationale: _Text
+
+
 class FinishAction(_Strict):
-    """Finish the hypothesis's investigation (``investigation_finished``)."""
+    """Finish the hypothesis's investigation (``investigation_finished``), optionally
+    with an early-diagnosis request."""
 
     action: Literal["finish"]
     reason: _Text
+    early_diagnosis: EarlyDiagnosisRequest | None = None
 
 
 class RejectAction(_Strict):

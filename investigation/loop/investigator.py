@@ -15,8 +15,7 @@ from investigation.constants import (
     CASE_BLOCKED,
     CASE_BUILDING_DIAGNOSIS,
     COMPLETED,
-    PROGRESSED,
-    REJECTED,
+    CONTINUING,
     STAGES,
     YIELDED,
 )
@@ -87,7 +86,7 @@ class Investigator:
         last: Outcome | None = None
         for _ in range(limit):
             last = self.step(case_id)
-            if last.outcome not in (PROGRESSED, REJECTED):
+            if last.outcome not in CONTINUING:
                 return last
         assert last is not None
         return Outcome(YIELDED, case_id, last.step_seq, "MAX_STEPS_PER_DISPATCH",

@@ -20,7 +20,8 @@ Reply with exactly one JSON object and nothing else:
  "next": {"action": "query", "operation": str, "arguments": {...}}
        | {"action": "test", "test": {"kind": "human"|"automated", "title": str,
                                      "instructions": str, "expected_observation": str}}
-       | {"action": "finish", "reason": str}
+       | {"action": "finish", "reason": str,
+          "early_diagnosis"?: {"defer_alternatives": [int, ...], "rationale": str}}
        | {"action": "reject", "reason": str}}
 
 Rules:
@@ -31,6 +32,11 @@ Rules:
 - Resolving an open question needs evidence ids; new questions must not repeat open ones.
 - "next.action" must be one of "allowed_actions". A query must name one of "operations" with
   arguments matching its schema, and its cost must fit the balance after settlement.
+- A "finish" may ask to defer active alternatives to assessment-only ("early_diagnosis").
+  The controller reviews it: it is accepted only if your confidence is "strongly_supported",
+  you cite at least "early_diagnosis.min_evidence" of this hypothesis's evidence records with
+  new findings, leave no open question, and every deferred alternative has had a turn and
+  stands below "supported". A declined request still finishes this hypothesis.
 - The controller assigns every id, cost, refund and balance; never invent them.
 - If "last_rejection" is set, your previous reply was refused for that code: fix it.
 """

@@ -39,6 +39,7 @@ from investigation.constants import (
     CASE_BUILDING_DIAGNOSIS,
     CASE_INVESTIGATING,
     COMPLETED,
+    DEFERRED,
     POINTER_STATE,
     PROGRESSED,
     PROMPT_VERSION,
@@ -450,12 +451,26 @@ class Stages:
                 reason = f"{closing}: {nxt['reason']}" if closing else nxt["reason"]
                 if nxt["action"] == "finish":
                     budget.complete(account, reason)
+                    self._apply_deferral(s, key, hid, decision.get("early_diagnosis"))
                 else:
                     budget.reject(account, reason)
             s.add(account)
             return self._complete(s, key, "settle_reserve", {
                 "refund_units": refund, "reserved_units": projection["reserve_units"],
                 "balance_units": account.balance_units, "status": account.status})
+
+    def _apply_deferral(self, s: Session, key: StepKey, hid: int,
+                        review: dict[str, Any] | None) -> None:
+        """Mark the alternatives of an accepted early-diagnosis review assessment-only."""
+        if not review or not review["accepted"]:
+            return
+        for alt in review["deferred"]:
+            other = self._account(s, key, int(alt))
+            if other.status != rules.ACTIVE or other.deferred_by is not None:
+                raise StaleStateError(  # validation saw it active in this step's context
+                    f"hypothesis {alt} changed since the early-diagnosis review")
+            other.deferred_by, other.deferred_step = hid, key.step_seq
+            s.add(other)
 
     def _apply_update(self, s: Session, key: StepKey, account: BudgetAccount,
                       upd: dict[str, Any]) -> None:
@@ -559,7 +574,8 @@ class Stages:
                     outcome, reason = BLOCKED, BLOCK_INVALID_LLM_RESPONSES
                     case.state, case.blocked_reason = CASE_BLOCKED, BLOCK_INVALID_LLM_RESPONSES
             else:
-                outcome = PROGRESSED
+                review = verdict["decision"].get("early_diagnosis")
+                outcome = DEFERRED if review and review["accepted"] else PROGRESSED
             accounts = self._accounts(s, key)
             for account in accounts:
                 budget.apply_automatic_disposition(account)

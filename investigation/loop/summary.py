@@ -2,8 +2,9 @@
 
 Built only from stored rows (no clock, no randomness, fixed ordering), so the same
 store gives the same bytes. It reports balances, confidence, dispositions, evidence
-(quoting the snapshot's text) and outstanding questions, and a countercheck marker per
-hypothesis that records the actions taken on its alternatives. It does not diagnose,
+(quoting the snapshot's text) and outstanding questions, a countercheck marker per
+hypothesis that records the actions taken on its alternatives (and which of them an
+early-diagnosis review deferred), and every early-diagnosis review with its verdict. It does not diagnose,
 select a root cause or say an alternative was disproved.
 """
 
@@ -24,6 +25,7 @@ from investigation.store.models import (
     Evidence,
     HypothesisBirth,
     LedgerEntry,
+    Plan,
     Question,
     RevisionRecord,
     StageRun,
@@ -90,6 +92,28 @@ def _rejections(s: Session, case_id: str, revision: int) -> dict[int, list[str]]
     return found
 
 
+def _reviews(s: Session, case_id: str, revision: int) -> list[str]:
+    """One line per early-diagnosis review (``docs/early-diagnosis.md``), in step order."""
+    plans = s.exec(select(Plan).where(Plan.case_id == case_id, Plan.revision == revision)
+                   .order_by(col(Plan.step_seq))).all()
+    lines: list[str] = []
+    for p in plans:
+        review = json.loads(p.decision_json).get("early_diagnosis")
+        if not review:
+            continue
+        asked = ", ".join(f"H{h}" for h in review["requested"])
+        if review["accepted"]:
+            verdict = "accepted: deferred to assessment-only"
+        else:
+            verdict = "declined (" + "; ".join(
+                f"{f['code']}: {plain(f['detail'])}" for f in review["findings"]) + ")"
+        cited = ", ".join(review["qualifying_evidence"]) or "none"
+        lines.append(f"- Step {p.step_seq}, hypothesis {p.hypothesis_id} asked to defer "
+                     f"{asked}; {verdict}. Qualifying evidence: {cited}. "
+                     f"Rationale: {plain(review['rationale'])}")
+    return lines
+
+
 def render_summary(s: Session, case_id: str, revision: int) -> bytes:
     """Render ``summary.md`` for a case from the store (UTF-8 bytes, LF line ends)."""
     case = s.get(CaseRecord, case_id)
@@ -142,6 +166,8 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
         own = [e for e in evidence if e.hypothesis_id == a.hypothesis_id]
         others = sum(n for h, n in actions.items() if h != a.hypothesis_id)
         marker = f"{others} action(s) on alternatives" if len(actions) > 1 else "no alternatives"
+        if a.deferred_by is not None:
+            marker += f"; deferred by H{a.deferred_by} at step {a.deferred_step}"
         out.append(f"| {a.hypothesis_id} | {a.status} | {a.confidence} | {a.balance_units} of "
                    f"{a.credit_units} | {charged} | {refunded} | {a.iterations} | {len(own)} "
                    f"| {marker} |")
@@ -154,10 +180,16 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
                 f"- Confidence: {a.confidence}",
                 f"- Balance: {a.balance_units} of {a.credit_units} units",
                 f"- Turns: {a.turns}; research iterations: {a.iterations}"]
+        if a.deferred_by is not None:
+            out.append(f"- Deferred to assessment-only by hypothesis {a.deferred_by} at step "
+                       f"{a.deferred_step} (early diagnosis); research iterations before "
+                       f"deferral: {a.iterations}")
         codes = rejections.get(a.hypothesis_id, [])
         if codes:
             out.append(f"- Rejected replies: {len(codes)} ({', '.join(codes)})")
-        alt = [f"H{h}: {n}" for h, n in sorted(actions.items()) if h != a.hypothesis_id]
+        deferred = {x.hypothesis_id for x in accounts if x.deferred_by is not None}
+        alt = [f"H{h}: {n}" + (" (deferred)" if h in deferred else "")
+               for h, n in sorted(actions.items()) if h != a.hypothesis_id]
         out.append("- Countercheck (actions on alternatives): " + (", ".join(alt) or "none"))
         notes = json.loads(a.notes_json)
         if notes:
@@ -193,6 +225,9 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
                 else:
                     out.append(f"- {q.question_id} (open): {plain(q.text)}")
         out.append("")
+    out += ["## Early diagnosis reviews", ""]
+    out += _reviews(s, case_id, revision) or ["- none"]
+    out.append("")
     open_qs = [q for q in questions if q.status == "open"]
     out += ["## Outstanding questions", ""]
     out += [f"- {q.question_id} (hypothesis {q.hypothesis_id}): {plain(q.text)}"

@@ -13,7 +13,8 @@ Rejection codes (stable), in checking order:
 ``ASSESSMENT_REQUIRED``, ``ASSESSMENT_UNEXPECTED``, ``ASSESSMENT_MISSING_PREVIOUS_RESULT``;
 ``UNKNOWN_EVIDENCE_ID``; ``SUPPORT_WITHOUT_FINDINGS``; ``INCONSISTENT_REJECT``;
 ``RESOLUTION_WITHOUT_EVIDENCE``; ``DUPLICATE_QUESTION``; ``TOO_MANY_QUESTIONS``;
-``ACTION_NOT_ALLOWED``; ``UNKNOWN_OPERATION``; ``TOOL_*`` (argument preflight, e.g.
+``ACTION_NOT_ALLOWED``; ``EARLY_DIAGNOSIS_INVALID`` (``loop.early_diagnosis``);
+``UNKNOWN_OPERATION``; ``TOOL_*`` (argument preflight, e.g.
 ``TOOL_PATH_ESCAPE``, ``TOOL_SQL_NOT_READ_ONLY``); ``TEST_COST_NOT_CONFIGURED``;
 ``TEST_HANDOFF_UNAVAILABLE``; ``BUDGET_UNAFFORDABLE``. The validate stage adds
 ``REPLY_UNPROCESSABLE`` for a reply whose values cannot be processed or stored.
@@ -28,6 +29,7 @@ from investigation.budget import rules
 from investigation.config import BudgetConfig
 from investigation.constants import OPERATIONS
 from investigation.errors import ToolError
+from investigation.loop import early_diagnosis
 from investigation.loop.contract import QueryAction, Reply, ReplyRejected, TestAction
 
 #: Confidence labels that need non-empty stored findings.
@@ -47,12 +49,15 @@ class AcceptedDecision:
     reply: Reply
     cost_units: int
     projection: rules.Projection
+    early_diagnosis: early_diagnosis.Review | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form stored as the validate stage's output and in the plan."""
         return {
             "reply": self.reply.model_dump(mode="json"),
             "cost_units": self.cost_units,
+            "early_diagnosis": self.early_diagnosis.to_dict() if self.early_diagnosis
+            else None,
             "projection": {
                 "refund_units": self.projection.refund_units,
                 "reserve_units": self.projection.reserve_units,
@@ -154,6 +159,7 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
         raise ReplyRejected("ACTION_NOT_ALLOWED",
                             f"{action} is not allowed now ({context.get('closing_reason')}); "
                             f"allowed: {', '.join(context['allowed_actions'])}")
+    early_diagnosis.check_request(reply, context)
     cost: int | None = 0
     if isinstance(reply.next, QueryAction):
         if reply.next.operation not in OPERATIONS:
@@ -188,4 +194,5 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
             "BUDGET_UNAFFORDABLE",
             f"{action} costs {cost} units but only {projection.balance_after_settlement} remain "
             "after settlement")
-    return AcceptedDecision(reply=reply, cost_units=cost, projection=projection)
+    return AcceptedDecision(reply=reply, cost_units=cost, projection=projection,
+                            early_diagnosis=early_diagnosis.review(reply, context))
