@@ -82,6 +82,7 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
              "balance_units": a.balance_units, "credit_units": a.credit_units,
              "iterations": a.iterations, "pending_evidence_id": a.pending_evidence_id,
              "disposition_reason": a.disposition_reason, "invalid_streak": a.invalid_streak,
+             "deferred_by": a.deferred_by, "deferred_step": a.deferred_step,
              "last_rejection": json.loads(a.last_rejection_json)
              if a.last_rejection_json else None}
             for a in accounts
