@@ -327,10 +327,10 @@ def status_cmd(
                   "last rejection")
     for a in info["accounts"]:
         rej = a["last_rejection"]
-        status = a["status"]
-        if a["deferred_by"] is not None and status == "active":
-            status += f" (assessment-only, deferred by H{a['deferred_by']})"
-        table.add_row(str(a["hypothesis_id"]), status, a["confidence"],
+        label = a["status"]
+        if a["deferred_by"] is not None and label == "active":
+            label += f" (assessment-only, deferred by H{a['deferred_by']})"
+        table.add_row(str(a["hypothesis_id"]), label, a["confidence"],
                       f"{a['balance_units']}/{a['credit_units']}", str(a["iterations"]),
                       a["pending_evidence_id"] or "",
                       f"{rej['code']} (step {rej['step_seq']}, {a['invalid_streak']} in a row)"

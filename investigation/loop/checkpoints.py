@@ -7,21 +7,38 @@ the first) and the sha256 of its state document::
                                   "context_sha256", "hypothesis_id"}))
 
 State documents hold no wall-clock time, so the same decisions give the same hashes.
+
+Replay validation (:func:`verify_replay`, run by ``build_context`` before every step)
+checks the whole chain: sequence, parent references, hashes, state bytes, context
+identity, the selected hypothesis, the state pointer and the frozen policy. Generations
+already validated in this process are skipped only while the *archive digest* of the
+chain up to them is unchanged (see :class:`ReplayCache`).
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any
 
 from sqlmodel import Session, col, select
 
 from investigation.config import canonical_json
-from investigation.constants import ARTIFACT_STATE
+from investigation.constants import ARTIFACT_CONTEXT, ARTIFACT_STATE, POINTER_STATE
 from investigation.errors import InvestigationError
 from investigation.loop.outcome import StepKey
 from investigation.store.engine import Store, sha256_hex
-from investigation.store.models import BudgetAccount, CaseRecord, Checkpoint, Evidence, Question
+from investigation.store.models import (
+    Artifact,
+    BudgetAccount,
+    CaseRecord,
+    Checkpoint,
+    Evidence,
+    ManifestPointer,
+    Question,
+    RevisionRecord,
+    StageRun,
+)
 
 
 def checkpoint_hash(case_id: str, seq: int, parent_hash: str | None, state_sha256: str,
@@ -32,6 +49,11 @@ def checkpoint_hash(case_id: str, seq: int, parent_hash: str | None, state_sha25
         "state_sha256": state_sha256, "context_sha256": context_sha256,
         "hypothesis_id": hypothesis_id,
     }))
+
+
+def _revision(s: Session, case_id: str, revision: int) -> RevisionRecord:
+    return s.exec(select(RevisionRecord).where(RevisionRecord.case_id == case_id,
+                                               RevisionRecord.revision == revision)).one()
 
 
 def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[BudgetAccount],
@@ -53,6 +75,7 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
         "case_state": case.state,
         "blocked_reason": case.blocked_reason,
         "context_sha256": context_sha256,
+        "policy_sha256": _revision(s, key.case_id, key.revision).policy_sha256,
         "accounts": [
             {
                 "hypothesis_id": a.hypothesis_id, "status": a.status,
@@ -104,55 +127,162 @@ def publish(s: Session, key: StepKey, case: CaseRecord, state: dict[str, Any],
     return cp
 
 
-def verify_head(s: Session, case: CaseRecord) -> None:
-    """Check the head checkpoint against the case: sequence, parent, hash and state bytes.
-
-    Raises:
-        InvestigationError: ``CHECKPOINT_INVALID`` when the chain does not verify (a
-        deleted pointer or edited state cannot silently restart the investigation).
-    """
-    if case.head_seq == 0:
-        if case.head_hash is not None:
-            raise InvestigationError("CHECKPOINT_INVALID", "head hash set without checkpoints")
-        return
-    cp = s.exec(select(Checkpoint).where(Checkpoint.case_id == case.id,
-                                         Checkpoint.seq == case.head_seq)).first()
-    if cp is None or cp.hash != case.head_hash:
-        raise InvestigationError("CHECKPOINT_INVALID",
-                                 f"head checkpoint {case.head_seq} of {case.id} is missing "
-                                 "or does not match the case head")
-    art = Store.get_artifact(s, case.id, cp.state_path)
-    if art is None:
-        raise InvestigationError("CHECKPOINT_INVALID", f"state {cp.state_path} is missing")
-    state = json.loads(art.data)
-    expected = checkpoint_hash(case.id, cp.seq, cp.parent_hash, art.sha256, cp.context_sha256,
-                               cp.hypothesis_id)
-    if expected != cp.hash or sha256_hex(art.data) != art.sha256 or state.get("seq") != cp.seq:
-        raise InvestigationError("CHECKPOINT_INVALID",
-                                 f"checkpoint {cp.seq} of {case.id} fails its hash binding")
-    if cp.seq > 1:
-        parent = s.exec(select(Checkpoint).where(Checkpoint.case_id == case.id,
-                                                 Checkpoint.seq == cp.seq - 1)).first()
-        if parent is None or parent.hash != cp.parent_hash:
-            raise InvestigationError("CHECKPOINT_INVALID",
-                                     f"checkpoint {cp.seq} of {case.id} has a broken parent")
-
-
 def verify_chain(s: Session, case_id: str) -> int:
-    """Verify every checkpoint of a case from the first; returns how many were checked.
+    """Verify every checkpoint of a case from the first (no cache); returns the count.
 
     Raises:
-        InvestigationError: ``CHECKPOINT_INVALID`` at the first broken link.
+        InvestigationError: ``CHECKPOINT_INVALID``/``POLICY_CHANGED`` (see
+        :func:`verify_replay`); ``CASE_NOT_FOUND`` for an unknown case.
     """
-    parent: str | None = None
-    rows = s.exec(select(Checkpoint).where(Checkpoint.case_id == case_id)
-                  .order_by(col(Checkpoint.seq))).all()
-    for i, cp in enumerate(rows, start=1):
-        art = Store.get_artifact(s, case_id, cp.state_path)
-        if cp.seq != i or cp.parent_hash != parent or art is None or \
-                checkpoint_hash(case_id, cp.seq, parent, sha256_hex(art.data),
-                                cp.context_sha256, cp.hypothesis_id) != cp.hash:
-            raise InvestigationError("CHECKPOINT_INVALID",
-                                     f"checkpoint {cp.seq} of {case_id} does not verify")
+    case = s.get(CaseRecord, case_id)
+    if case is None:
+        raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+    return verify_replay(s, case)
+
+
+def _invalid(case_id: str, seq: int, what: str) -> InvestigationError:
+    return InvestigationError("CHECKPOINT_INVALID",
+                              f"checkpoint {seq} of {case_id}: {what}", seq=seq)
+
+
+class ReplayCache:
+    """Generations already validated in this process, per case (a bounded LRU).
+
+    An entry ``case_id -> (seq, archive_digest)`` lets :func:`verify_replay` skip the
+    full check of checkpoints ``1..seq`` only while the archive digest of that prefix is
+    unchanged. The archive digest chains, per checkpoint, every stored binding: seq,
+    parent, hash, state path, context hash, hypothesis, revision, and the stored sha256
+    of its state and context artifacts. Any change to those rows, or a deleted artifact,
+    changes the digest and forces a full replay.
+
+    Args:
+        max_cases: cases remembered. Default 256.
+    """
+
+    def __init__(self, max_cases: int = 256) -> None:
+        self.max_cases = max_cases
+        self._entries: OrderedDict[str, tuple[int, str]] = OrderedDict()
+
+    def get(self, case_id: str) -> tuple[int, str] | None:
+        entry = self._entries.get(case_id)
+        if entry is not None:
+            self._entries.move_to_end(case_id)
+        return entry
+
+    def put(self, case_id: str, seq: int, digest: str) -> None:
+        self._entries[case_id] = (seq, digest)
+        self._entries.move_to_end(case_id)
+        while len(self._entries) > self.max_cases:
+            self._entries.popitem(last=False)
+
+
+def _archive_digests(case_id: str, rows: list[Checkpoint],
+                     shas: dict[str, str]) -> list[str]:
+    """The running archive digest after each checkpoint (see :class:`ReplayCache`)."""
+    digest = ""
+    out: list[str] = []
+    for cp in rows:
+        digest = sha256_hex(canonical_json({
+            "previous": digest, "case_id": case_id, "seq": cp.seq, "revision": cp.revision,
+            "parent_hash": cp.parent_hash, "hash": cp.hash, "state_path": cp.state_path,
+            "context_sha256": cp.context_sha256, "hypothesis_id": cp.hypothesis_id,
+            "state_artifact": shas.get(cp.state_path),
+            "context_artifact": shas.get(ARTIFACT_CONTEXT.format(seq=cp.seq)),
+        }))
+        out.append(digest)
+    return out
+
+
+def _verify_generation(s: Session, case_id: str, cp: Checkpoint, parent: str | None) -> None:
+    """Fully check one checkpoint: its bytes, hash, parent, context and hypothesis."""
+    if cp.parent_hash != parent:
+        raise _invalid(case_id, cp.seq, "its parent reference is broken")
+    art = Store.get_artifact(s, case_id, cp.state_path)
+    if art is None or sha256_hex(art.data) != art.sha256:
+        raise _invalid(case_id, cp.seq, f"state {cp.state_path} is missing or altered")
+    if checkpoint_hash(case_id, cp.seq, parent, art.sha256, cp.context_sha256,
+                       cp.hypothesis_id) != cp.hash:
+        raise _invalid(case_id, cp.seq, "its hash does not bind its state")
+    state = json.loads(art.data)
+    if (state.get("seq"), state.get("case_id"), state.get("hypothesis_id"),
+            state.get("context_sha256")) != (cp.seq, case_id, cp.hypothesis_id,
+                                             cp.context_sha256):
+        raise _invalid(case_id, cp.seq, "its state names another step, hypothesis or context")
+    if cp.context_sha256 is None:
+        return
+    ctx = Store.get_artifact(s, case_id, ARTIFACT_CONTEXT.format(seq=cp.seq))
+    if ctx is None or ctx.sha256 != cp.context_sha256 or sha256_hex(ctx.data) != ctx.sha256:
+        raise _invalid(case_id, cp.seq, "its context is missing or altered")
+    built = s.exec(select(StageRun).where(
+        StageRun.case_id == case_id, StageRun.revision == cp.revision,
+        StageRun.step_seq == cp.seq, StageRun.stage == "build_context")).first()
+    recorded = json.loads(built.output_json) if built is not None else {}
+    if recorded.get("hypothesis_id") != cp.hypothesis_id or \
+            recorded.get("context_sha256") != cp.context_sha256:
+        raise _invalid(case_id, cp.seq, "its selected hypothesis or context differs from "
+                                        "the recorded build_context")
+
+
+def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None) -> int:
+    """Validate a case's checkpoint chain before it continues; returns the head seq.
+
+    Checks, for every generation not covered by ``cache``: consecutive sequence from 1,
+    parent reference, hash binding of the state bytes, state/context identity and the
+    selected hypothesis against the recorded ``build_context``. For the head it also
+    checks the case row, the ``investigation_state`` pointer and the revision's frozen
+    policy (present, intact, and the one the head state was published under). A deleted
+    pointer, checkpoint or policy, or an edited state, therefore stops the case instead
+    of silently restarting it.
+
+    Raises:
+        InvestigationError: ``CHECKPOINT_INVALID`` (with ``seq``) at the first broken
+        generation; ``POLICY_CHANGED`` when the frozen policy was altered or removed.
+    """
+    rows = list(s.exec(select(Checkpoint).where(Checkpoint.case_id == case.id)
+                       .order_by(col(Checkpoint.seq))).all())
+    if [cp.seq for cp in rows] != list(range(1, len(rows) + 1)) or len(rows) != case.head_seq:
+        raise _invalid(case.id, case.head_seq,
+                       f"the case head is {case.head_seq} but {len(rows)} checkpoint(s) "
+                       "are stored or their sequence has a gap")
+    if not rows:
+        if case.head_hash is not None:
+            raise _invalid(case.id, 0, "a head hash is set without checkpoints")
+        return 0
+    head = rows[-1]
+    if head.hash != case.head_hash:
+        raise _invalid(case.id, head.seq, "it does not match the case head")
+    paths = {cp.state_path for cp in rows} | {ARTIFACT_CONTEXT.format(seq=cp.seq)
+                                              for cp in rows}
+    shas = {path: sha for path, sha in s.exec(
+        select(Artifact.path, Artifact.sha256).where(
+            Artifact.case_id == case.id, col(Artifact.path).in_(paths))).all()}
+    digests = _archive_digests(case.id, rows, shas)
+    start = 0
+    cached = cache.get(case.id) if cache is not None else None
+    if cached is not None and 0 < cached[0] <= len(rows) and digests[cached[0] - 1] == cached[1]:
+        start = cached[0]
+    parent = rows[start - 1].hash if start else None
+    for cp in rows[start:]:
+        _verify_generation(s, case.id, cp, parent)
         parent = cp.hash
-    return len(rows)
+    pointer = s.exec(select(ManifestPointer).where(
+        ManifestPointer.case_id == case.id, ManifestPointer.name == POINTER_STATE)).first()
+    if pointer is None or pointer.path != head.state_path or \
+            pointer.sha256 != shas.get(head.state_path):
+        raise _invalid(case.id, head.seq, f"the {POINTER_STATE} pointer is missing or does "
+                                          "not name the head state")
+    rev = _revision(s, case.id, head.revision)
+    head_state = Store.get_artifact(s, case.id, head.state_path)
+    assert head_state is not None  # checked above (cached or not, the sha is present)
+    recorded_policy = json.loads(head_state.data).get("policy_sha256")
+    if rev.policy_json is None or rev.policy_sha256 is None or \
+            sha256_hex(rev.policy_json.encode("utf-8")) != rev.policy_sha256 or \
+            (recorded_policy is not None and recorded_policy != rev.policy_sha256):
+        raise InvestigationError(
+            "POLICY_CHANGED",
+            f"the frozen policy of revision {head.revision} of {case.id} was removed or "
+            f"altered after checkpoint {head.seq}; restore it (the investigation does not "
+            "restart under another policy)", seq=head.seq)
+    if cache is not None:
+        cache.put(case.id, head.seq, digests[-1])
+    return head.seq

@@ -12,6 +12,7 @@ from investigation.cases.snapshot import Snapshot
 from investigation.config import InvestigationConfig
 from investigation.errors import InvestigationError
 from investigation.llm.gateway import LLMGateway
+from investigation.loop.checkpoints import ReplayCache
 from investigation.store.engine import Store
 from investigation.tools import ToolRouter
 
@@ -41,6 +42,8 @@ class StageEnv:
 
     def __post_init__(self) -> None:
         self._gateway: LLMGateway | None = None
+        #: Checkpoint generations validated in this process (``checkpoints.verify_replay``).
+        self.replay_cache = ReplayCache()
         self._routers: OrderedDict[str, tuple[Snapshot, ToolRouter]] = OrderedDict()
 
     @property
