@@ -148,12 +148,13 @@ def _invalid(case_id: str, seq: int, what: str) -> InvestigationError:
 class ReplayCache:
     """Generations already validated in this process, per case (a bounded LRU).
 
-    An entry ``case_id -> (seq, archive_digest)`` lets :func:`verify_replay` skip the
-    full check of checkpoints ``1..seq`` only while the archive digest of that prefix is
-    unchanged. The archive digest chains, per checkpoint, every stored binding: seq,
-    parent, hash, state path, context hash, hypothesis, revision, and the stored sha256
-    of its state and context artifacts. Any change to those rows, or a deleted artifact,
-    changes the digest and forces a full replay.
+    An entry ``"<case_id>|<limits_key>" -> (seq, archive_digest)`` lets
+    :func:`verify_replay` skip the full check of checkpoints ``1..seq`` only under the
+    same limits and while the archive digest of that prefix is unchanged. The archive
+    digest chains, per checkpoint, every binding: seq, parent, hash, state path, context
+    hash, hypothesis, revision, and the sha256 of the state and context artifact bytes,
+    newly computed from the stored bytes on every call. Any change to those rows or bytes,
+    or a deleted artifact, changes the digest and forces a full replay.
 
     Args:
         max_cases: cases remembered. Default 256.
@@ -223,7 +224,8 @@ def _verify_generation(s: Session, case_id: str, cp: Checkpoint, parent: str | N
                                         "the recorded build_context")
 
 
-def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None) -> int:
+def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
+                  limits_key: str = "") -> int:
     """Validate a case's checkpoint chain before it continues; returns the head seq.
 
     Checks, for every generation not covered by ``cache``: consecutive sequence from 1,
@@ -233,6 +235,11 @@ def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None
     policy (present, intact, and the one the head state was published under). A deleted
     pointer, checkpoint or policy, or an edited state, therefore stops the case instead
     of silently restarting it.
+
+    Args:
+        cache: generations validated earlier in this process, or ``None``.
+        limits_key: identifies the operational limits in force (e.g. the sha256 of
+            ``config.limits``); a cache entry is only used under the same limits.
 
     Raises:
         InvestigationError: ``CHECKPOINT_INVALID`` (with ``seq``) at the first broken
@@ -253,12 +260,16 @@ def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None
         raise _invalid(case.id, head.seq, "it does not match the case head")
     paths = {cp.state_path for cp in rows} | {ARTIFACT_CONTEXT.format(seq=cp.seq)
                                               for cp in rows}
-    shas = {path: sha for path, sha in s.exec(
-        select(Artifact.path, Artifact.sha256).where(
+    # The archive digest hashes the bytes themselves, newly, every time (seed 000:
+    # validated generations are cached "only behind a newly computed full archive-byte
+    # hash"), so no edit of a stored byte can hide behind the cache.
+    shas = {path: sha256_hex(data) for path, data in s.exec(
+        select(Artifact.path, Artifact.data).where(
             Artifact.case_id == case.id, col(Artifact.path).in_(paths))).all()}
     digests = _archive_digests(case.id, rows, shas)
     start = 0
-    cached = cache.get(case.id) if cache is not None else None
+    cache_key = f"{case.id}|{limits_key}"
+    cached = cache.get(cache_key) if cache is not None else None
     if cached is not None and 0 < cached[0] <= len(rows) and digests[cached[0] - 1] == cached[1]:
         start = cached[0]
     parent = rows[start - 1].hash if start else None
@@ -284,5 +295,5 @@ def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None
             f"altered after checkpoint {head.seq}; restore it (the investigation does not "
             "restart under another policy)", seq=head.seq)
     if cache is not None:
-        cache.put(case.id, head.seq, digests[-1])
+        cache.put(cache_key, head.seq, digests[-1])
     return head.seq

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import load_snapshot
 from investigation.cases.snapshot import Snapshot
-from investigation.config import InvestigationConfig
+from investigation.config import InvestigationConfig, canonical_json
 from investigation.errors import InvestigationError
 from investigation.llm.gateway import LLMGateway
 from investigation.loop.checkpoints import ReplayCache
-from investigation.store.engine import Store
+from investigation.store.engine import Store, sha256_hex
 from investigation.tools import ToolRouter
 
 
@@ -44,6 +44,8 @@ class StageEnv:
         self._gateway: LLMGateway | None = None
         #: Checkpoint generations validated in this process (``checkpoints.verify_replay``).
         self.replay_cache = ReplayCache()
+        #: The operational limits in force, as the replay cache's key.
+        self.limits_key = sha256_hex(canonical_json(self.config.limits.model_dump(mode="json")))
         self._routers: OrderedDict[str, tuple[Snapshot, ToolRouter]] = OrderedDict()
 
     @property

@@ -245,7 +245,8 @@ class Stages:
         router = self.env.router(key.case_id)
         with self.store.session() as s:
             case = self._fence(s, key, "build_context")
-            checkpoints.verify_replay(s, case, self.env.replay_cache)
+            checkpoints.verify_replay(s, case, self.env.replay_cache,
+                                      self.env.limits_key)
             cfg, budget = self._policy(s, key)
             if key.step_seq > cfg.limits.max_checkpoints:
                 raise InvestigationError(

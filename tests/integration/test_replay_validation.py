@@ -170,15 +170,22 @@ def test_validated_generations_are_cached_only_behind_the_archive_digest(
         assert checked == []  # nothing changed: nothing re-read
     inv = Investigator(case.env())
     inv.env.replay_cache = cache
+    inv.env.limits_key = ""
     inv.step(case.case_id)  # validates the chain of 3 from the cache, publishes step 4
     assert checked == []
     inv.step(case.case_id)
     assert checked == [4]  # only the new generation
     checked.clear()
-    # A changed binding of an old generation changes the archive digest: full replay.
-    tamper(case, lambda s: s.execute(update(Artifact).where(
-        col(Artifact.case_id) == case.case_id,
-        col(Artifact.path) == ARTIFACT_STATE.format(seq=1)).values(sha256="0" * 64)))
+    # Other limits: the cache entry does not apply.
+    with case.store.session() as s:
+        row = s.get(CaseRecord, case.case_id)
+        assert row is not None
+        checkpoints.verify_replay(s, row, cache, limits_key="other")
+    assert checked == [1, 2, 3, 4, 5]
+    checked.clear()
+    # Changed bytes of an old generation (even with its stored sha256 column left as it
+    # was) change the newly computed archive digest: full replay, and it fails there.
+    tamper(case, lambda s: _set_state_bytes(s, case, 1))
     with pytest.raises(InvestigationError) as info, case.store.session() as s:
         row = s.get(CaseRecord, case.case_id)
         assert row is not None
