@@ -19,6 +19,7 @@ ARTIFACT_RESPONSE = ARTIFACT_STEP_DIR + "/llm/{operation}/attempt-{attempt:02d}.
 ARTIFACT_PLAN = ARTIFACT_STEP_DIR + "/plan.json"
 ARTIFACT_RAW_RESULT = ARTIFACT_STEP_DIR + "/result.json"
 ARTIFACT_EVIDENCE = ARTIFACT_STEP_DIR + "/evidence.json"
+ARTIFACT_TEST_REQUEST = ARTIFACT_STEP_DIR + "/test-request.json"
 ARTIFACT_STATE = ARTIFACT_STEP_DIR + "/state.json"
 ARTIFACT_SUMMARY = "analysis/investigation/summary.md"
 #: Manifest pointer names.

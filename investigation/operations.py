@@ -10,6 +10,7 @@ from sqlmodel import col, select
 
 from investigation.constants import (
     ARTIFACT_SUMMARY,
+    BLOCK_AWAITING_TEST_FEEDBACK,
     BLOCK_PROVIDER_CONFIGURATION,
     BLOCK_PROVIDER_CREDENTIALS,
     BLOCK_PROVIDER_EXHAUSTED,
@@ -110,6 +111,12 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
             raise InvestigationError("CASE_NOT_BLOCKED",
                                      f"case {case_id} is {case.state}; only a blocked case "
                                      "resumes")
+        if case.blocked_reason == BLOCK_AWAITING_TEST_FEEDBACK:
+            raise InvestigationError(
+                "TEST_FEEDBACK_PENDING",
+                f"case {case_id} waits for external test feedback; it continues when the "
+                "feedback is confirmed (investigate feedback submit/confirm) or the test's "
+                "deadline passes")
         if retry_id is not None:
             if case.blocked_reason not in _PROVIDER_BLOCKS:
                 raise InvestigationError(

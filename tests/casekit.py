@@ -110,18 +110,21 @@ class Case:
     root: Path
 
     def env(self, config: InvestigationConfig | None = None,
-            explicit: bool = False) -> StageEnv:
-        """A fresh stage environment (as a new process would build it)."""
+            explicit: bool = False, feedback_key: bytes | None = None) -> StageEnv:
+        """A fresh stage environment (as a new process would build it); with a
+        ``feedback_key`` external tests can be handed out."""
         cfg = config or InvestigationConfig()
         providers = ProvidersConfig.load(self.providers_path)
         return StageEnv(
             store=self.store, config=cfg,
             gateway_factory=lambda: LLMGateway(self.store, build_providers(providers),
                                                providers.gateway),
-            reader=PackageReader(cfg.package), explicit_config=explicit)
+            reader=PackageReader(cfg.package), explicit_config=explicit,
+            feedback_key=feedback_key)
 
-    def investigator(self, config: InvestigationConfig | None = None) -> Investigator:
-        return Investigator(self.env(config))
+    def investigator(self, config: InvestigationConfig | None = None,
+                     feedback_key: bytes | None = None) -> Investigator:
+        return Investigator(self.env(config, feedback_key=feedback_key))
 
 
 def build_tiny_package(root: Path) -> Path:

@@ -400,6 +400,12 @@ def demo() -> None:
         raise typer.Exit(1)
 
 
+from workers import cli_tests  # noqa: E402  (its commands use the helpers above)
+
+app.add_typer(cli_tests.tests_app, name="tests")
+app.add_typer(cli_tests.feedback_app, name="feedback")
+
+
 def main() -> None:
     """Console entry point."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

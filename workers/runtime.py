@@ -72,7 +72,8 @@ def build_env(settings: Settings, config_path: Path | None = None,
             return LLMGateway(store, build_providers(pc), pc.gateway)
     return StageEnv(store=store, config=config, gateway_factory=factory,
                     reader=PackageReader(config.package),
-                    explicit_config=config_file is not None)
+                    explicit_config=config_file is not None,
+                    feedback_key=settings.feedback_key_bytes())
 
 
 _current: Runtime | None = None

@@ -13,14 +13,20 @@
 | ``INVESTIGATE_MAX_COUNTDOWN_S`` | 1800 | longest countdown scheduled (< visibility timeout) |
 | ``INVESTIGATE_QUEUE`` | ``cases`` | the case queue |
 | ``INVESTIGATE_WORKER_MAX_MEMORY_KIB`` | 1048576 | a prefork child above this is replaced |
+| ``INVESTIGATE_FEEDBACK_KEY`` | none | key deriving external-test feedback secrets (>= 32 chars) |
+| ``INVESTIGATE_FEEDBACK_KEY_FILE`` | ``$HOME/feedback.key`` | used without the variable; created (0600) on first use |
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from investigation.errors import ConfigError
 
 
 class Settings(BaseSettings):
@@ -40,6 +46,38 @@ class Settings(BaseSettings):
     queue: str = "cases"
     worker_max_memory_kib: int = Field(1_048_576, ge=65_536)
     """Resident memory after which a prefork child is replaced (KiB). Default 1 GiB."""
+
+    feedback_key: SecretStr | None = Field(None, min_length=32)
+    """Key that derives each external test's feedback secret (``docs/async-tests.md``)."""
+    feedback_key_file: Path | None = None
+    """Key file read when ``feedback_key`` is unset (default ``home/feedback.key``)."""
+
+    def feedback_key_bytes(self, create: bool = True) -> bytes | None:
+        """The feedback key: the variable, else the key file (created with 32 random
+        bytes, mode 0600, when ``create`` and missing); ``None`` if there is none.
+
+        Raises:
+            ConfigError: ``CONFIG_INVALID`` for a key file shorter than 32 bytes.
+        """
+        if self.feedback_key is not None:
+            return self.feedback_key.get_secret_value().encode("utf-8")
+        path = self.feedback_key_file or self.home / "feedback.key"
+        if not path.exists():
+            if not create:
+                return None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:  # another process created it first
+                pass
+            else:
+                with os.fdopen(fd, "w") as fh:
+                    fh.write(secrets.token_hex(32) + "\n")
+        key = path.read_bytes().strip()
+        if len(key) < 32:
+            raise ConfigError("CONFIG_INVALID",
+                              f"feedback key file {path} holds fewer than 32 bytes")
+        return key
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

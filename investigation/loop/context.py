@@ -12,6 +12,8 @@ the same bytes. Its shape (keys in canonical order when serialised):
 ``other_hypotheses``  id, statement, status, confidence, turns and ``deferred_by`` of
                       the others
 ``budget``            configured costs and the refund cap
+``external_tests``    whether tests can be handed out here (a feedback key is
+                      configured) and the frozen deadline in seconds
 ``early_diagnosis``   the frozen review policy: ``enabled``, ``min_evidence``
 ``allowed_actions``   the actions this turn may take; ``closing_reason`` says why it is
                       restricted (assessment-only deferral, iteration cap, low information,
@@ -123,7 +125,7 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
 def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationConfig,
           budget: BudgetManager, selected: int, accounts: list[BudgetAccount],
           births: list[HypothesisBirth], router: ToolRouter,
-          snapshot: Snapshot) -> dict[str, Any]:
+          snapshot: Snapshot, external_tests: bool = False) -> dict[str, Any]:
     """Build the context document for ``selected`` (see the module docstring)."""
     rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == key.case_id,
                                               RevisionRecord.revision == key.revision)).one()
@@ -177,6 +179,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
             for a in accounts if a.hypothesis_id != selected
         ],
         "budget": budget.describe(),
+        "external_tests": {"available": external_tests,
+                           "deadline_seconds": config.loop.test_deadline_seconds},
         "early_diagnosis": {"enabled": config.loop.early_diagnosis,
                             "min_evidence": config.loop.early_diagnosis_min_evidence},
         "allowed_actions": allowed,

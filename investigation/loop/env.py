@@ -31,6 +31,8 @@ class StageEnv:
             policy is then refused instead of adopted.
         snapshot_cache_size: cases whose snapshot and tool router stay open in this
             process (least recently used are closed). Default 4.
+        feedback_key: the key that derives external-test feedback secrets
+            (``docs/async-tests.md``); without it ``test`` actions are refused.
     """
 
     store: Store
@@ -39,6 +41,7 @@ class StageEnv:
     reader: PackageReader
     explicit_config: bool = False
     snapshot_cache_size: int = 4
+    feedback_key: bytes | None = None
 
     def __post_init__(self) -> None:
         self._gateway: LLMGateway | None = None

@@ -33,6 +33,7 @@ from investigation.constants import (
     ARTIFACT_CONTEXT,
     ARTIFACT_PLAN,
     ARTIFACT_RAW_RESULT,
+    BLOCK_AWAITING_TEST_FEEDBACK,
     BLOCK_INVALID_LLM_RESPONSES,
     BLOCKED,
     CASE_BLOCKED,
@@ -50,6 +51,7 @@ from investigation.constants import (
 )
 from investigation.errors import InvestigationError, StaleStateError, ToolError
 from investigation.evidence import EvidenceStore
+from investigation.external_tests import AsyncTestCoordinator
 from investigation.llm.gateway import Blocked, RetryPending, Succeeded
 from investigation.llm.types import ChatRequest
 from investigation.loop import checkpoints
@@ -270,7 +272,8 @@ class Stages:
             doc = context_builder.build(
                 s, key=key, case=case, config=cfg, budget=budget, selected=selected,
                 accounts=accounts, births=list(births), router=router,
-                snapshot=self.env.snapshot(key.case_id))
+                snapshot=self.env.snapshot(key.case_id),
+                external_tests=self.env.feedback_key is not None)
             data = context_builder.fit(doc, cfg.limits.max_context_bytes)
             path = ARTIFACT_CONTEXT.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
@@ -506,6 +509,21 @@ class Stages:
             if self._output(s, key, "settle_reserve").get("skipped"):
                 return self._complete(s, key, "execute_tool", SKIPPED)
             nxt = self._output(s, key, "validate")["decision"]["reply"]["next"]
+        if nxt["action"] == "test":
+            with self.store.session() as s:
+                self._fence(s, key, "execute_tool")
+                cfg, _ = self._policy(s, key)
+                built = self._output(s, key, "build_context")
+                decision = self._output(s, key, "validate")["decision"]
+                request = AsyncTestCoordinator(self.store, self.env.feedback_key).hand_off(
+                    s, case_id=key.case_id, revision=key.revision, step_seq=key.step_seq,
+                    hypothesis_id=int(built["hypothesis_id"]), test=nxt["test"],
+                    cost_units=int(decision["cost_units"]),
+                    deadline_seconds=cfg.loop.test_deadline_seconds)
+                return self._complete(s, key, "execute_tool", {
+                    "action": "test", "request_id": request.request_id,
+                    "request_path": request.artifact_path,
+                    "request_sha256": request.request_sha256})
         if nxt["action"] != "query":
             with self.store.session() as s:
                 self._fence(s, key, "execute_tool")
@@ -574,6 +592,10 @@ class Stages:
                 if account.invalid_streak >= cfg.loop.max_invalid_responses:
                     outcome, reason = BLOCKED, BLOCK_INVALID_LLM_RESPONSES
                     case.state, case.blocked_reason = CASE_BLOCKED, BLOCK_INVALID_LLM_RESPONSES
+            elif self._output(s, key, "execute_tool").get("action") == "test":
+                # The request is stored; no worker waits for the feedback.
+                outcome, reason = BLOCKED, BLOCK_AWAITING_TEST_FEEDBACK
+                case.state, case.blocked_reason = CASE_BLOCKED, BLOCK_AWAITING_TEST_FEEDBACK
             else:
                 review = verdict["decision"].get("early_diagnosis")
                 outcome = DEFERRED if review and review["accepted"] else PROGRESSED

@@ -16,7 +16,7 @@ Rejection codes (stable), in checking order:
 ``ACTION_NOT_ALLOWED``; ``EARLY_DIAGNOSIS_INVALID`` (``loop.early_diagnosis``);
 ``UNKNOWN_OPERATION``; ``TOOL_*`` (argument preflight, e.g.
 ``TOOL_PATH_ESCAPE``, ``TOOL_SQL_NOT_READ_ONLY``); ``TEST_COST_NOT_CONFIGURED``;
-``TEST_HANDOFF_UNAVAILABLE``; ``BUDGET_UNAFFORDABLE``. The validate stage adds
+``TEST_HANDOFF_UNAVAILABLE`` (no feedback key); ``BUDGET_UNAFFORDABLE``. The validate stage adds
 ``REPLY_UNPROCESSABLE`` for a reply whose values cannot be processed or stored.
 """
 
@@ -176,11 +176,12 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
         if cost is None:
             raise ReplyRejected("TEST_COST_NOT_CONFIGURED",
                                 f"no cost is configured for {reply.next.test.kind} tests")
-        # The external-test hand-off (stored request, AWAITING_TEST_FEEDBACK, confirmed
-        # feedback) is not built yet: refuse rather than charge for a test nobody runs.
-        raise ReplyRejected("TEST_HANDOFF_UNAVAILABLE",
-                            "external tests cannot be handed out yet; choose a query, "
-                            "finish or reject")
+        if not context.get("external_tests", {}).get("available"):
+            # No feedback key: nobody could authenticate feedback, so refuse rather
+            # than charge for a test whose result could never come back.
+            raise ReplyRejected("TEST_HANDOFF_UNAVAILABLE",
+                                "external tests are not available here (no feedback key is "
+                                "configured); choose a query, finish or reject")
     assert cost is not None
 
     pending = None

@@ -317,3 +317,36 @@ class Question(SQLModel, table=True):
     created_step: int
     resolved_step: int | None = None
     resolution_evidence_json: str | None = None
+
+
+class TestRequest(SQLModel, table=True):
+    """An external (human or automated) test handed out by a plan (``docs/async-tests.md``).
+
+    ``status``: ``awaiting`` -> ``submitted`` -> ``confirmed``, or ``expired`` when the
+    frozen deadline passed first. Only the sha256 of the per-request feedback secret is
+    stored; the exact request is the artifact at ``artifact_path``.
+    """
+
+    __tablename__ = "test_request"
+    __table_args__ = (UniqueConstraint("case_id", "request_id"),
+                      UniqueConstraint("case_id", "revision", "step_seq"))
+    __test__ = False  # not a pytest test class
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(foreign_key="case.id", index=True, max_length=64)
+    revision: int
+    step_seq: int
+    hypothesis_id: int
+    request_id: str = Field(max_length=16)
+    kind: str = Field(max_length=16)
+    cost_units: int
+    artifact_path: str
+    request_sha256: str = Field(max_length=64)
+    secret_sha256: str = Field(max_length=64)
+    deadline_at: datetime
+    status: str = Field(default="awaiting", max_length=16)
+    feedback_json: str | None = None
+    feedback_sha256: str | None = Field(default=None, max_length=64)
+    evidence_id: str | None = Field(default=None, max_length=16)
+    created_at: datetime = Field(default_factory=utcnow)
+    submitted_at: datetime | None = None
+    closed_at: datetime | None = None

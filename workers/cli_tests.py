@@ -1,0 +1,147 @@
+"""``investigate tests ...`` and ``investigate feedback ...``: external tests handed to a
+person or a rig, and their authenticated two-step feedback (``docs/async-tests.md``).
+
+Registered on the main app by ``workers.cli``; the same exit codes apply.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from investigation.errors import InvestigationError
+from investigation.external_tests import AsyncTestCoordinator
+from workers.cli import _controlled, _settings, _store, _term, out
+
+tests_app: typer.Typer = typer.Typer(help="External tests handed out by investigations.",
+                        no_args_is_help=True)
+feedback_app: typer.Typer = typer.Typer(help="Submit and confirm external test feedback.",
+                           no_args_is_help=True)
+
+CaseArg = Annotated[str, typer.Argument(metavar="CASE")]
+RequestArg = Annotated[str, typer.Argument(metavar="REQUEST", help="test request id, e.g. T1")]
+SecretOpt = Annotated[str, typer.Option(
+    "--secret", envvar="INVESTIGATE_FEEDBACK_SECRET",
+    help="the request's feedback secret (or set INVESTIGATE_FEEDBACK_SECRET)")]
+
+
+def _coordinator(need_key: bool = False) -> AsyncTestCoordinator:
+    settings = _settings()
+    store = _store(settings, existing=True)
+    key = settings.feedback_key_bytes(create=False)
+    if need_key and key is None:
+        raise InvestigationError(
+            "FEEDBACK_KEY_MISSING",
+            "no feedback key here: set INVESTIGATE_FEEDBACK_KEY (or the key file) to the "
+            "key the workers use")
+    return AsyncTestCoordinator(store, key)
+
+
+def _print_json(data: Any) -> None:
+    out.print_json(json.dumps(data))
+
+
+@tests_app.command("list")
+@_controlled
+def tests_list(case_id: CaseArg,
+               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Every test request of a case with its status and deadline."""
+    rows = _coordinator().list_requests(case_id)
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        out.print(f"case {case_id} has handed out no test", highlight=False)
+        return
+    table = Table("request", "hypothesis", "kind", "status", "deadline (UTC)", "title",
+                  "evidence")
+    for r in rows:
+        table.add_row(r["request_id"], str(r["hypothesis_id"]), r["kind"], r["status"],
+                      r["deadline_at"], _term(r["request"]["test"]["title"]),
+                      r["evidence_id"] or "")
+    out.print(table)
+
+
+@tests_app.command("show")
+@_controlled
+def tests_show(case_id: CaseArg, request_id: RequestArg,
+               secret: Annotated[bool, typer.Option(
+                   "--secret", help="also print the request's feedback secret (needs the "
+                   "feedback key)")] = False,
+               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """The exact request handed out (title, instructions, expected observation)."""
+    coordinator = _coordinator(need_key=secret)
+    info = coordinator.show(case_id, request_id)
+    if secret:
+        info["secret"] = coordinator.secret(case_id, request_id)
+    if as_json:
+        _print_json(info)
+        return
+    test = info["request"]["test"]
+    lines = [
+        f"{info['request_id']} of {case_id} (hypothesis {info['hypothesis_id']}, "
+        f"{info['kind']} test, step {info['step_seq']}): {info['status']}",
+        f"deadline: {info['deadline_at']}",
+        f"title: {test['title']}",
+        f"instructions: {test['instructions']}",
+        f"expected observation: {test['expected_observation']}",
+    ]
+    if info["feedback"]:
+        lines.append(f"feedback ({info['feedback_sha256']}): {info['feedback']['outcome']}: "
+                     f"{info['feedback']['observation']}")
+    if secret:
+        lines.append(f"secret: {info['secret']}")
+    for line in lines:
+        out.print(_term(line), highlight=False, markup=False)
+
+
+@tests_app.command("expire")
+@_controlled
+def tests_expire() -> None:
+    """Record every test whose deadline passed as a result without feedback (the
+    recovery sweep does this too)."""
+    done = _coordinator().expire_due()
+    for d in done:
+        out.print(f"{d['case_id']} {d['request_id']}: deadline passed, recorded as "
+                  f"{d['evidence_id']}", highlight=False)
+    out.print(f"{len(done)} test(s) expired", highlight=False)
+
+
+@feedback_app.command("submit")
+@_controlled
+def feedback_submit(
+    case_id: CaseArg, request_id: RequestArg, secret: SecretOpt,
+    outcome: Annotated[str, typer.Option(
+        "--outcome", help="as_expected | not_as_expected | inconclusive")],
+    observation: Annotated[str | None, typer.Option("--observation")] = None,
+    observation_file: Annotated[Path | None, typer.Option("--observation-file")] = None,
+) -> None:
+    """Step 1: submit feedback; prints the digest to confirm it with."""
+    if (observation is None) == (observation_file is None):
+        raise InvestigationError("FEEDBACK_INVALID",
+                                 "give exactly one of --observation or --observation-file")
+    text = observation if observation is not None else \
+        observation_file.read_text(encoding="utf-8")  # type: ignore[union-attr]
+    res = _coordinator().submit(case_id, request_id, secret,
+                                {"outcome": outcome, "observation": text})
+    out.print(f"{request_id}: submitted, digest {res['feedback_sha256']}", highlight=False)
+    out.print(f"confirm with: investigate feedback confirm {case_id} {request_id} "
+              f"--digest {res['feedback_sha256']} --secret ...", highlight=False)
+
+
+@feedback_app.command("confirm")
+@_controlled
+def feedback_confirm(
+    case_id: CaseArg, request_id: RequestArg, secret: SecretOpt,
+    digest: Annotated[str, typer.Option("--digest", help="the digest printed by submit")],
+) -> None:
+    """Step 2: confirm the submitted feedback; it becomes evidence and the case resumes."""
+    res = _coordinator().confirm(case_id, request_id, secret, digest)
+    out.print(f"{request_id}: confirmed as evidence {res['evidence_id']}; case {case_id} is "
+              f"{res['case_state']}", highlight=False)
+    out.print(f"continue with: investigate run {case_id} (embedded) or investigate dispatch "
+              f"{case_id} (workers; the recovery sweep also picks it up)", highlight=False)
