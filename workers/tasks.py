@@ -82,12 +82,32 @@ def _run_stage(task: Any, payload: dict[str, Any], stage: str) -> dict[str, Any]
         return _halt(payload, "ERROR", exc.code, message=exc.message)
     except OperationalError as exc:
         # The store is unreachable or busy: retry this stage later (countdown, no sleep).
+        if task.request.retries >= STORE_MAX_RETRIES:
+            # Give up through ``advance`` with the lock released: no orphan lock holds the
+            # case until its lease runs out.
+            _release_distributed(rt, payload)
+            log.error("case %s step %s %s: store unavailable after %s retries: %s", case_id,
+                      key.step_seq, stage, STORE_MAX_RETRIES, exc)
+            return _halt(payload, "ERROR", "STORE_UNAVAILABLE",
+                         message=f"the store failed {STORE_MAX_RETRIES + 1} times in {stage}")
         countdown = STORE_RETRY_COUNTDOWN_S * 2 ** task.request.retries
         raise task.retry(exc=exc, countdown=min(countdown, rt.settings.max_countdown_s),
                          max_retries=STORE_MAX_RETRIES) from exc
+    except Exception:
+        _release_distributed(rt, payload)  # a failed chain never keeps the case locked
+        raise
     if result.halt is not None:
         payload["halt"] = result.halt.to_dict()
     return payload
+
+
+def _release_distributed(rt: runtime.Runtime, payload: dict[str, Any]) -> None:
+    """Release a distributed chain's lock (only if still its own) when the chain ends early.
+
+    The embedded driver owns its file lock across steps and releases it itself.
+    """
+    if payload.get("mode") != "embedded":
+        rt.lock.release(payload["case_id"], payload["token"])
 
 
 def _stage_task(stage: str) -> Any:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, select
 
 from investigation.cases.layout import strict_json_loads
@@ -43,7 +43,7 @@ from investigation.cases.reader import PackageReader
 from investigation.cases.snapshot import Snapshot
 from investigation.config import canonical_json
 from investigation.errors import InvestigationError
-from investigation.store.engine import Store, is_unique_violation
+from investigation.store.engine import Store, is_lost_race
 from investigation.store.models import CaseRecord, HypothesisBirth, PackageRecord, RevisionRecord
 
 __all__ = [
@@ -245,10 +245,11 @@ def register_case(
             for hypothesis in hypotheses:
                 session.add(_birth_record(case_id, FIRST_REVISION, hypothesis))
             session.flush()
-    except IntegrityError as exc:
-        if not is_unique_violation(exc):
+    except DBAPIError as exc:
+        if not is_lost_race(exc):
             raise
-        # A concurrent registration of the same inputs won the race: verify and reuse it.
+        # A concurrent registration of the same inputs won the race (a unique violation,
+        # or a serialization failure on PostgreSQL): verify and reuse it.
         with store.session() as session:
             existing = session.get(CaseRecord, case_id)
             if existing is None:

@@ -54,7 +54,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError
 from sqlmodel import col, select
 
 from investigation.config import GatewayConfig, ProvidersConfig
@@ -90,7 +90,7 @@ from investigation.llm.types import (
     Succeeded,
     response_of,
 )
-from investigation.store.engine import Store, is_unique_violation
+from investigation.store.engine import Store, is_lost_race
 from investigation.store.models import LLMAttempt, LLMOperation
 
 __all__ = [
@@ -288,8 +288,8 @@ class LLMGateway:
                 session.add(op)
                 session.flush()
                 return op
-        except IntegrityError as exc:
-            if not is_unique_violation(exc):
+        except DBAPIError as exc:
+            if not is_lost_race(exc):
                 raise
         # Another worker created it between our read and insert: use theirs.
         existing = self._find_operation(case_id, revision, step_seq, retry_id)
@@ -649,8 +649,8 @@ class LLMGateway:
                     )
                 )
                 session.flush()
-        except IntegrityError as exc:
-            if is_unique_violation(exc):
+        except DBAPIError as exc:
+            if is_lost_race(exc):
                 raise self._stale(state.id, attempt_no) from exc
             raise
         state.next_provider_index = index

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 32 << 20
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
+#: Internal marker from ``handle`` to the handler: cut the body after N bytes (never sent).
+_CUT_AFTER_HEADER = "x-replay-cut-after"
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Fault:
         delay_s: seconds to wait before answering (a client timeout test).
         finish_reason: ``finish_reason`` of a normal answer, e.g. ``"length"``.
         path: request path the fault applies to.
+        cut_after: when set, the connection is closed after this many bytes of the body,
+            although ``Content-Length`` announces all of it (a reply cut off in transit).
     """
 
     status: int | None = None
@@ -65,6 +69,7 @@ class Fault:
     delay_s: float = 0.0
     finish_reason: str | None = None
     path: str = CHAT_PATH
+    cut_after: int | None = None
 
     @classmethod
     def http(cls, status: int, retry_after: str | None = None, body: bytes | None = None) -> Fault:
@@ -81,6 +86,11 @@ class Fault:
     def truncated(cls) -> Fault:
         """Answer normally, but with ``finish_reason: "length"``."""
         return cls(finish_reason="length")
+
+    @classmethod
+    def cut_off(cls, after_bytes: int = 20) -> Fault:
+        """Answer normally, but close the connection after ``after_bytes`` body bytes."""
+        return cls(cut_after=after_bytes)
 
     @classmethod
     def delay(cls, seconds: float) -> Fault:
@@ -201,6 +211,15 @@ class ReplayServer:
     ) -> None:
         self.stop()
 
+    def add_faults(self, *faults: Fault) -> None:
+        """Queue more failures after those given at construction (thread-safe).
+
+        A running server can so answer a case's first requests normally and fail a later
+        one: tests inject the fault just before the step that should meet it.
+        """
+        with self._lock:
+            self._faults.extend(faults)
+
     # -- request handling (called from handler threads) --------------------------------------
 
     def _take_fault(self, path: str) -> Fault | None:
@@ -283,6 +302,8 @@ class ReplayServer:
                 )
             return status, dict(fault.headers), payload
         extra = dict(fault.headers) if fault is not None else {}
+        if fault is not None and fault.cut_after is not None:
+            extra[_CUT_AFTER_HEADER] = str(fault.cut_after)
         if method == "POST" and path == CHAT_PATH:
             status, hdrs, payload = self._chat(body, fault.finish_reason if fault else None)
             return status, {**hdrs, **extra}, payload
@@ -329,6 +350,8 @@ def _make_handler(server: ReplayServer) -> type[BaseHTTPRequestHandler]:
             self._send(*answer)
 
         def _send(self, status: int, headers: dict[str, str], body: bytes) -> None:
+            headers = dict(headers)
+            cut = headers.pop(_CUT_AFTER_HEADER, None)
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -337,7 +360,7 @@ def _make_handler(server: ReplayServer) -> type[BaseHTTPRequestHandler]:
                 for name, value in headers.items():
                     self.send_header(name, value)
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(body if cut is None else body[: int(cut)])
             except OSError:
                 pass  # the client hung up (timeout tests)
             self.close_connection = True

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col, select
 
 from investigation.budget import BudgetManager, rules
@@ -63,7 +63,11 @@ from investigation.loop.prompt import build_messages
 from investigation.loop.scheduler import select_hypothesis
 from investigation.loop.summary import write_summary
 from investigation.loop.validation import validate_reply
-from investigation.store.engine import Store, is_unique_violation
+from investigation.store.engine import (
+    Store,
+    is_lost_race,
+    is_serialization_failure,
+)
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -79,6 +83,8 @@ from investigation.store.models import (
 log = logging.getLogger(__name__)
 
 SKIPPED: dict[str, Any] = {"skipped": True}
+#: Times a stage runs again after its transaction lost a PostgreSQL serialization race.
+RACE_RETRIES = 5
 
 
 def _loads(text: str | bytes) -> Any:
@@ -136,22 +142,28 @@ class Stages:
                     f"step {key.step_seq} of {key.case_id} is already published",
                     head_seq=case.head_seq)
         fn: Callable[[StepKey], StageResult] = getattr(self, "_" + stage)
-        try:
-            result = fn(key)
-        except _AlreadyRecorded as done_by_other:
-            self._recorded[(key, stage)] = done_by_other.output
-            return StageResult(done_by_other.output,
-                               self._recorded_halt(stage, key, done_by_other.output))
-        except IntegrityError as exc:
-            if not is_unique_violation(exc):
-                raise
-            # A concurrent duplicate finished this stage first: return its output.
-            with self.store.session() as s:
-                self._load_markers(s, key)
-            done = self._recorded.get((key, stage))
-            if done is None:
-                raise
-            return StageResult(done, self._recorded_halt(stage, key, done))
+        for attempt in range(RACE_RETRIES + 1):
+            try:
+                result = fn(key)
+                break
+            except _AlreadyRecorded as done_by_other:
+                self._recorded[(key, stage)] = done_by_other.output
+                return StageResult(done_by_other.output,
+                                   self._recorded_halt(stage, key, done_by_other.output))
+            except DBAPIError as exc:
+                if not is_lost_race(exc):
+                    raise
+                # A concurrent duplicate finished this stage first: return its output.
+                with self.store.session() as s:
+                    self._load_markers(s, key)
+                done = self._recorded.get((key, stage))
+                if done is not None:
+                    return StageResult(done, self._recorded_halt(stage, key, done))
+                if not is_serialization_failure(exc) or attempt == RACE_RETRIES:
+                    raise
+                # The transaction lost a race and wrote nothing: run the stage again.
+                log.info("case %s step %s %s: serialization failure, running it again",
+                         key.case_id, key.step_seq, stage)
         if result.halt is None or stage == "publish":  # committed with its marker
             self._recorded[(key, stage)] = result.output
         return result

@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.pool import QueuePool
 from sqlmodel import Session, create_engine, select
 
@@ -174,3 +174,23 @@ def is_unique_violation(exc: BaseException) -> bool:
         return False
     text = str(exc.orig).lower()
     return "unique" in text or "duplicate key" in text
+
+
+#: SQLSTATEs of a PostgreSQL transaction that lost a race (serialization failure, deadlock):
+#: it was rolled back whole, so running it again is safe.
+RACE_SQLSTATES = frozenset({"40001", "40P01"})
+
+
+def is_serialization_failure(exc: BaseException) -> bool:
+    """True when ``exc`` is a PostgreSQL serialization failure or deadlock.
+
+    These arise from races under ``REPEATABLE READ``/``SERIALIZABLE`` (a server whose
+    ``default_transaction_isolation`` is raised) or from lock ordering; the failed
+    transaction wrote nothing. Callers re-read (the winner's row) or run it again.
+    """
+    return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) in RACE_SQLSTATES
+
+
+def is_lost_race(exc: BaseException) -> bool:
+    """A unique violation or a serialization failure: another transaction got there first."""
+    return is_unique_violation(exc) or is_serialization_failure(exc)

@@ -53,11 +53,18 @@ def _race(case: Any, runners: int) -> list[str]:
     return stale
 
 
-@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres",
-                                                             marks=pytest.mark.postgres)])
+@pytest.mark.parametrize("backend", [
+    "sqlite",
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    # A server whose default isolation is SERIALIZABLE: racing transactions fail with
+    # serialization failures, which must end like a lost unique race (re-read or rerun).
+    pytest.param("postgres-serializable", marks=pytest.mark.postgres),
+])
 def test_racing_runners_produce_each_effect_once(backend: str, tmp_path: Path,
                                                  request: pytest.FixtureRequest) -> None:
-    url = request.getfixturevalue("postgres_url") if backend == "postgres" else None
+    url = request.getfixturevalue("postgres_url") if backend != "sqlite" else None
+    if backend == "postgres-serializable":
+        url = f"{url}%20-cdefault_transaction_isolation%3Dserializable"
     reference = make_case(tmp_path / "ref")
     assert reference.investigator().run(reference.case_id, max_steps=50).outcome == COMPLETED
     raced = make_case(tmp_path / "raced", database_url=url)

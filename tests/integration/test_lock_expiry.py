@@ -1,0 +1,229 @@
+"""Stage tasks under a real Redis lease lock whose holder stalls past its TTL.
+
+The lock only prevents wasted work; correctness rests on the SQL fencing. A holder whose
+lease ran out, between stages or inside one, while a newer holder took the lock and
+published the step, must never publish over the newer head, charge again or delete the
+newer holder's key. A stage that gives up after store retries, or fails unexpectedly,
+leaves no orphan lock behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy.exc import OperationalError
+from sqlmodel import col, select
+
+from investigation.constants import PROGRESSED, REDIS_LOCK_KEY, STAGES
+from investigation.loop.checkpoints import verify_chain
+from investigation.loop.stages import Stages
+from investigation.store.models import Artifact, Checkpoint, Evidence, LedgerEntry, LLMAttempt
+from investigation.tools import ToolRouter
+from tests.casekit import Case, make_case
+from workers import runtime, tasks
+from workers.locks import RedisCaseLock
+from workers.runtime import Runtime
+from workers.settings import Settings
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def setup(tmp_path: Path, redis_url: str,
+          monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Case, RedisCaseLock]]:
+    """A case, a real Redis lock on it and the distributed runtime; follow-up dispatches
+    (``investigation.dispatch``) are recorded, not sent to a broker."""
+    case = make_case(tmp_path / "case")
+    client = redis.Redis.from_url(redis_url)
+    lock = RedisCaseLock(client, ttl_s=30)
+    key = REDIS_LOCK_KEY.format(case_id=case.case_id)
+    client.delete(key)
+    runtime.configure(Runtime("distributed", Settings(), case.env(), lock))
+    enqueued: list[Any] = []
+    monkeypatch.setattr(tasks.dispatch, "apply_async", lambda *a, **k: enqueued.append(a))
+    yield case, lock
+    runtime.configure(None)
+    client.delete(key)
+    client.close()
+
+
+def expire(lock: RedisCaseLock, case_id: str) -> None:
+    """The lease runs out (1 ms TTL), as for a holder stalled past it."""
+    key = REDIS_LOCK_KEY.format(case_id=case_id)
+    assert lock.client.pexpire(key, 1)
+    deadline = time.monotonic() + 5
+    while lock.client.exists(key):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def run(stage: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """One stage task, executed like a worker would (Celery's local execution)."""
+    result: dict[str, Any] = tasks.STAGE_TASKS[stage].apply(args=(dict(payload),)).get()
+    return result
+
+
+def payload_for(case: Case, token: str) -> dict[str, Any]:
+    payload = tasks.new_payload(case.case_id, token, 1, "distributed")
+    assert payload is not None
+    return payload
+
+
+def effects(case: Case) -> dict[str, Any]:
+    with case.store.session() as s:
+        ledger = s.exec(select(LedgerEntry).where(LedgerEntry.case_id == case.case_id)
+                        .order_by(col(LedgerEntry.id))).all()
+        checkpoints = s.exec(select(Checkpoint.seq).where(
+            Checkpoint.case_id == case.case_id)).all()
+        evidence = s.exec(select(Evidence.evidence_id).where(
+            Evidence.case_id == case.case_id)).all()
+        calls = s.exec(select(LLMAttempt)).all()
+        results = s.exec(select(Artifact.path).where(
+            col(Artifact.path).like("%/result.json"))).all()
+        head_ok = verify_chain(s, case.case_id)
+    return {"ledger": [(r.hypothesis_id, r.step_seq, r.kind, r.amount_units) for r in ledger],
+            "checkpoints": sorted(checkpoints), "evidence": sorted(evidence),
+            "model_calls": len(calls), "results": sorted(results), "chain": head_ok}
+
+
+def one_clean_step(tmp_path: Path) -> dict[str, Any]:
+    reference = make_case(tmp_path / "reference")
+    assert reference.investigator().step(reference.case_id).outcome == PROGRESSED
+    return effects(reference)
+
+
+def test_a_holder_stalled_between_stages_cannot_publish_or_charge(
+    setup: tuple[Case, RedisCaseLock], tmp_path: Path
+) -> None:
+    case, lock = setup
+    token_a = lock.acquire(case.case_id)
+    a = payload_for(case, token_a)
+    for stage in STAGES[:4]:  # build_context .. persist_plan, then A stalls
+        a = run(stage, a)
+        assert a["halt"] is None
+    expire(lock, case.case_id)
+    token_b = lock.acquire(case.case_id)  # a newer dispatch takes the free lock
+    b = payload_for(case, token_b)
+    assert b["step_seq"] == a["step_seq"]
+    for stage in STAGES:
+        b = run(stage, b)
+    assert b["halt"]["outcome"] == PROGRESSED
+    # A wakes up while B still holds the lock: its chain stops at the next stage.
+    stopped = run("settle_reserve", a)
+    assert stopped["halt"]["outcome"] == "LOCK_LOST"
+    assert lock.holder(case.case_id) == token_b
+    tasks.advance.apply(args=(stopped,)).get()
+    assert lock.holder(case.case_id) == token_b  # A's advance never deletes B's key
+    # B has released; A re-takes the free key, but every stage it reaches is finished:
+    # it reads B's recorded outputs and writes nothing (no second charge or checkpoint).
+    assert lock.release(case.case_id, token_b)
+    for stage in STAGES[4:]:
+        a = run(stage, a)
+    assert a["halt"]["outcome"] == PROGRESSED and a["halt"]["step_seq"] == b["step_seq"]
+    tasks.advance.apply(args=(a,)).get()
+    assert lock.holder(case.case_id) is None  # A's re-taken lease is released, no orphan
+    assert effects(case) == one_clean_step(tmp_path)
+
+
+def test_a_holder_paused_inside_a_stage_past_its_ttl_cannot_overwrite_the_newer_head(
+    setup: tuple[Case, RedisCaseLock], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case, lock = setup
+    token_a = lock.acquire(case.case_id)
+    a = payload_for(case, token_a)
+    for stage in STAGES[:5]:  # .. settle_reserve: A reserved the credit
+        a = run(stage, a)
+    inside, go_on = threading.Event(), threading.Event()
+    original = ToolRouter.execute
+    paused_thread: list[threading.Thread] = []
+
+    def execute(self: ToolRouter, operation: str, arguments: dict[str, Any]) -> Any:
+        if threading.current_thread() in paused_thread:
+            inside.set()
+            assert go_on.wait(30)  # A is paused inside execute_tool, past its lease
+        return original(self, operation, arguments)
+
+    monkeypatch.setattr(ToolRouter, "execute", execute)
+    out: dict[str, Any] = {}
+    worker_a = threading.Thread(target=lambda: out.update(run("execute_tool", a)))
+    paused_thread.append(worker_a)
+    worker_a.start()
+    assert inside.wait(30)
+    expire(lock, case.case_id)
+    token_b = lock.acquire(case.case_id)
+    b = payload_for(case, token_b)
+    for stage in STAGES:
+        b = run(stage, b)
+    assert b["halt"]["outcome"] == PROGRESSED
+    go_on.set()
+    worker_a.join(30)
+    assert out["halt"]["outcome"] == "STALE"  # its write met the newer head
+    rest = out
+    for stage in STAGES[6:]:
+        rest = run(stage, rest)
+    tasks.advance.apply(args=(rest,)).get()
+    assert lock.holder(case.case_id) == token_b  # never another holder's key
+    assert effects(case) == one_clean_step(tmp_path)
+
+
+def test_store_retries_inside_a_locked_stage_leave_no_orphan_lock(
+    setup: tuple[Case, RedisCaseLock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case, lock = setup
+    original = Stages.run
+    failures = {"left": 2}
+
+    def flaky(self: Stages, stage: str, key: Any) -> Any:
+        if stage == "validate" and failures["left"] > 0:
+            failures["left"] -= 1
+            raise OperationalError("UPDATE", {}, Exception("database is locked"))
+        return original(self, stage, key)
+
+    monkeypatch.setattr(Stages, "run", flaky)
+    enqueued: list[Any] = []
+    monkeypatch.setattr(tasks.dispatch, "apply_async", lambda *a, **k: enqueued.append(a))
+    # Two failures, then the stage succeeds on its retry: the step completes, the lock is
+    # handed on to the follow-up dispatch (released, re-enqueued).
+    token = lock.acquire(case.case_id)
+    result = tasks.step_chain(payload_for(case, token)).apply().get()
+    assert result["halt"]["outcome"] == "YIELDED"  # the dispatch's one step is done
+    assert failures["left"] == 0
+    assert lock.holder(case.case_id) is None and len(enqueued) == 1
+    # The store stays down: the stage gives up after its retries and releases the lock.
+    monkeypatch.setattr(tasks, "STORE_MAX_RETRIES", 2)
+    failures["left"] = 10
+    token = lock.acquire(case.case_id)
+    result = tasks.step_chain(payload_for(case, token)).apply().get()
+    assert (result["halt"]["outcome"], result["halt"]["reason"]) == ("ERROR",
+                                                                     "STORE_UNAVAILABLE")
+    assert failures["left"] == 10 - 3
+    assert lock.holder(case.case_id) is None  # no orphan lock until the lease runs out
+
+
+def test_an_unexpected_stage_failure_releases_the_lock(
+    setup: tuple[Case, RedisCaseLock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case, lock = setup
+    original = Stages.run
+
+    def broken(self: Stages, stage: str, key: Any) -> Any:
+        if stage == "persist_plan":
+            raise RuntimeError("a bug")
+        return original(self, stage, key)
+
+    monkeypatch.setattr(Stages, "run", broken)
+    token = lock.acquire(case.case_id)
+    with pytest.raises(RuntimeError):
+        tasks.step_chain(payload_for(case, token)).apply().get()
+    assert lock.holder(case.case_id) is None
+    # A stale chain meeting a newer holder stops before the stage and keeps its key.
+    other = lock.acquire(case.case_id)
+    stopped = run("persist_plan", payload_for(case, other) | {"token": token})
+    assert stopped["halt"]["outcome"] == "LOCK_LOST"
+    assert lock.holder(case.case_id) == other
