@@ -139,13 +139,16 @@ def build_tiny_package(root: Path) -> Path:
 
 
 def make_case(root: Path, replies: list[dict[str, Any]] | list[str] | None = None,
-              database_url: str | None = None, gateway_toml: str = "") -> Case:
-    """Build, register and script a tiny case under ``root``."""
+              database_url: str | None = None, gateway_toml: str = "",
+              interpretation: dict[str, Any] | None = None) -> Case:
+    """Build, register and script a tiny case under ``root`` (another ``interpretation``
+    gives another case id, so several cases can share one store)."""
     root.mkdir(parents=True, exist_ok=True)
     package = build_tiny_package(root)
     store = Store(database_url or f"sqlite:///{root / 'store.db'}")
     store.create_schema()
-    case_id = register_case(store, package.read_bytes(), INTERPRETATION, HYPOTHESES,
+    case_id = register_case(store, package.read_bytes(), interpretation or INTERPRETATION,
+                            HYPOTHESES,
                             PackageReader(InvestigationConfig().package))
     lines = [r if isinstance(r, str) else json.dumps(r)
              for r in (HAPPY_REPLIES if replies is None else replies)]
