@@ -24,7 +24,8 @@ start() {
   esac
   mkdir -p "$run"
   for i in $(seq 1 "$n"); do
-    nohup "$bin" worker --concurrency 2 >"$run/worker-$i.log" 2>&1 &
+    beat=""; [ "$i" = 1 ] && beat="--beat"   # exactly one worker runs the recovery sweep
+    nohup "$bin" worker --concurrency 2 $beat >"$run/worker-$i.log" 2>&1 &
     echo $! >"$run/worker-$i.pid"
   done
   nohup "$bin" flower --port "${FLOWER_PORT:-5555}" >"$run/flower.log" 2>&1 &

@@ -67,6 +67,8 @@ BLOCK_PROVIDER_EXHAUSTED = "PROVIDER_EXHAUSTED"
 BLOCK_PROVIDER_CONFIGURATION = "PROVIDER_CONFIGURATION"
 BLOCK_PROVIDER_CREDENTIALS = "PROVIDER_CREDENTIALS"
 BLOCK_AWAITING_TEST_FEEDBACK = "AWAITING_TEST_FEEDBACK"
+#: A stage was delivered too often without returning: it keeps killing its worker.
+BLOCK_STAGE_POISONED = "STAGE_POISONED"
 
 #: Confidence labels, lowest to highest for scheduling (see docs/investigation-loop.md).
 CONFIDENCE_ORDER = ("weakened", "unassessed", "weak", "plausible", "supported", "strongly_supported")

@@ -14,10 +14,12 @@ from investigation.constants import (
     BLOCK_PROVIDER_CONFIGURATION,
     BLOCK_PROVIDER_CREDENTIALS,
     BLOCK_PROVIDER_EXHAUSTED,
+    BLOCK_STAGE_POISONED,
     CASE_BLOCKED,
     CASE_INVESTIGATING,
 )
 from investigation.errors import InvestigationError
+from investigation.loop import deliveries
 from investigation.store.engine import Store, sha256_hex
 from investigation.store.models import (
     Artifact,
@@ -63,6 +65,12 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
                         .order_by(col(LLMOperation.id).desc())).first()
             if op is not None and op.error_code:
                 detail = f"{op.error_code}: {op.error_message or ''}".rstrip(": ")
+        elif case.blocked_reason == BLOCK_STAGE_POISONED:
+            row = deliveries.poisoned_stage(s, case_id)
+            if row is not None:
+                detail = (f"stage {row.stage} of step {row.step_seq} was delivered "
+                          f"{row.deliveries} times and {row.unfinished} deliveries never "
+                          "returned (its worker died each time); see the worker logs")
         elif case.blocked_reason is not None:
             rejected = [a for a in accounts if a.last_rejection_json]
             if rejected:
@@ -94,6 +102,11 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
 
 def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str, Any]:
     """Operator resume of a blocked case.
+
+    Any block reason resumes this way (seed 000: a blocked case resumes only by an
+    explicit operator action). ``STAGE_POISONED`` resets the case's unfinished-delivery
+    counters (``investigation/loop/deliveries.py``), so the stage gets its full allowance
+    again; the delivery totals stay for audit.
 
     A ``retry_id`` opens a new provider operation for a call that was exhausted or
     failed on configuration/credentials; it resets no iteration, credit, evidence or
@@ -136,6 +149,7 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
                 f"the provider call failed ({case.blocked_reason}); after fixing the cause, "
                 "resume with --retry-id ID to open a new provider operation")
         previous = case.blocked_reason
+        deliveries.reset_case(s, case_id)
         case.state, case.blocked_reason = CASE_INVESTIGATING, None
         case.last_outcome, case.last_reason = "RESUMED", previous
         case.updated_at = utcnow()

@@ -143,14 +143,16 @@ def build_tiny_package(root: Path) -> Path:
 
 def make_case(root: Path, replies: list[dict[str, Any]] | list[str] | None = None,
               database_url: str | None = None, gateway_toml: str = "",
-              hypotheses: list[dict[str, Any]] | None = None) -> Case:
+              hypotheses: list[dict[str, Any]] | None = None,
+              interpretation: dict[str, Any] | None = None) -> Case:
     """Build, register and script a tiny case under ``root`` (default: the two
-    :data:`HYPOTHESES`)."""
+    :data:`HYPOTHESES`; another ``interpretation`` gives another case id, so several
+    cases can share one store)."""
     root.mkdir(parents=True, exist_ok=True)
     package = build_tiny_package(root)
     store = Store(database_url or f"sqlite:///{root / 'store.db'}")
     store.create_schema()
-    case_id = register_case(store, package.read_bytes(), INTERPRETATION,
+    case_id = register_case(store, package.read_bytes(), interpretation or INTERPRETATION,
                             HYPOTHESES if hypotheses is None else hypotheses,
                             PackageReader(InvestigationConfig().package))
     lines = [r if isinstance(r, str) else json.dumps(r)

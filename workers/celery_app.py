@@ -4,13 +4,29 @@ At-least-once settings: late acks, reject on worker lost, prefetch 1, JSON only,
 broker visibility timeout longer than any countdown the engine schedules
 (``INVESTIGATE_MAX_COUNTDOWN_S`` < ``INVESTIGATE_VISIBILITY_TIMEOUT_S``, checked at load).
 Task arguments carry ids only: never prompts, snapshot contents or secrets.
+
+Redelivery after a whole worker dies (kill -9, host loss): its unacknowledged messages stay
+in Redis (``unacked`` hash, ``unacked_index`` sorted by delivery time) until some worker's
+``QoS.restore_visible`` finds them older than the visibility timeout. kombu runs that scan
+every ``unacked_restore_interval`` seconds but only scans on every
+``unacked_restore_throttle``-th call (defaults 10 and 10: about 100 s between real scans).
+We set the interval from ``INVESTIGATE_RESTORE_INTERVAL_S`` and the throttle to 1, so a
+killed worker's stage is redelivered within ``visibility_timeout_s + restore_interval_s``
+while any worker of the queue runs (kombu/transport/redis.py, ``register_with_event_loop``
+and ``QoS.restore_visible``).
+
+The beat schedule holds one periodic task, ``investigation.recover`` (the recovery sweep,
+``workers/recovery.py``), every ``INVESTIGATE_SWEEP_INTERVAL_S`` seconds.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
+from investigation.constants import TASK_PREFIX
 from workers.settings import Settings
 
 
@@ -19,6 +35,32 @@ def make_app(settings: Settings | None = None) -> Celery:
     app = Celery("investigation", include=["workers.tasks"])
     configure(settings or Settings(), app)
     return app
+
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    """kombu Redis transport options: visibility timeout and a bounded restore scan.
+
+    ``unacked_mutex_expire`` bounds how long a worker killed inside a restore scan can
+    stop the others' scans (kombu's default is 300 s).
+    """
+    return {
+        "visibility_timeout": settings.visibility_timeout_s,
+        "unacked_restore_interval": settings.restore_interval_s,
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": max(10, min(300, settings.visibility_timeout_s)),
+    }
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The periodic recovery sweep (empty when ``sweep_interval_s`` is 0)."""
+    if settings.sweep_interval_s <= 0:
+        return {}
+    return {"recovery-sweep": {
+        "task": f"{TASK_PREFIX}recover",
+        "schedule": float(settings.sweep_interval_s),
+        # A sweep that waited longer than one period is superseded by the next one.
+        "options": {"expires": float(settings.sweep_interval_s)},
+    }}
 
 
 def configure(settings: Settings, target: Celery | None = None) -> None:
@@ -39,13 +81,14 @@ def configure(settings: Settings, target: Celery | None = None) -> None:
         task_queues=[Queue(settings.queue)],
         task_ignore_result=True,
         task_store_errors_even_if_ignored=False,
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+        broker_transport_options=transport_options(settings),
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
         task_track_started=True,
         worker_send_task_events=True,
         task_send_sent_event=True,
         worker_max_memory_per_child=settings.worker_max_memory_kib,
+        beat_schedule=beat_schedule(settings),
     )
     # Drop cached producer state; kombu keeps pools in a process-wide registry, so the
     # old pool is left alone rather than closed.

@@ -270,6 +270,9 @@ def worker(
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 2,
     loglevel: Annotated[str, typer.Option("--loglevel")] = "INFO",
     pool: Annotated[str, typer.Option("--pool", help="prefork or solo")] = "prefork",
+    beat: Annotated[bool, typer.Option(
+        "--beat", help="also run the periodic recovery sweep (start exactly one such worker)")
+    ] = False,
 ) -> None:
     """Start a Celery worker on the configured broker and case queue.
 
@@ -281,8 +284,48 @@ def worker(
     from workers.celery_app import app as celery_app
 
     settings = _settings()
-    celery_app.worker_main(["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}",
-                            f"--pool={pool}", "-Q", settings.queue, "-E"])
+    argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}",
+            f"--pool={pool}", "-Q", settings.queue, "-E"]
+    if beat:
+        settings.home.mkdir(parents=True, exist_ok=True)
+        argv += ["-B", f"--schedule={settings.home / 'celerybeat-schedule'}"]
+    celery_app.worker_main(argv)
+
+
+@app.command("recover")
+@_controlled
+def recover_cmd(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Re-dispatch every case whose stored state shows pending work (after Redis lost
+    its data, or a dispatch was lost); cases whose dispatch is alive are left alone.
+
+    Exit 0 when every pending case was dispatched or is busy; 2 when a case could not be
+    dispatched (its code is printed).
+    """
+    from workers import runtime
+    from workers.recovery import sweep
+
+    settings = _settings()
+    _store(settings, existing=True)
+    runtime.configure(runtime.distributed(settings))
+    report = sweep(runtime.current())
+    if as_json:
+        sys.stdout.write(json.dumps(report.to_dict(), indent=2, sort_keys=True) + "\n")
+    else:
+        for name in report.expired_tests:
+            out.print(f"expired test {name} (deadline passed; recorded without feedback)",
+                      highlight=False)
+        for case_id in report.dispatched:
+            out.print(f"dispatched {case_id}", highlight=False)
+        for case_id in report.busy:
+            out.print(f"busy {case_id} (a dispatch holds its lock)", highlight=False)
+        for case_id in report.idle:
+            out.print(f"idle {case_id} (nothing to run)", highlight=False)
+        for case_id, code in report.failed.items():
+            out.print(f"failed {case_id}: {code}", highlight=False)
+        out.print(f"recovered {len(report.dispatched)} case(s); {len(report.busy)} busy, "
+                  f"{report.not_due} waiting for a provider backoff", highlight=False)
+    if report.failed:
+        raise typer.Exit(2)
 
 
 @app.command("flower")

@@ -11,6 +11,9 @@
 | ``INVESTIGATE_LOCK_TTL_S`` | 300 | per-case lock lease, renewed by every stage |
 | ``INVESTIGATE_VISIBILITY_TIMEOUT_S`` | 3600 | broker visibility timeout |
 | ``INVESTIGATE_MAX_COUNTDOWN_S`` | 1800 | longest countdown scheduled (< visibility timeout) |
+| ``INVESTIGATE_RESTORE_INTERVAL_S`` | 10 | how often a worker scans for unacked messages past the visibility timeout |
+| ``INVESTIGATE_SWEEP_INTERVAL_S`` | 60 | period of the recovery sweep task (beat); 0 disables it |
+| ``INVESTIGATE_MAX_STAGE_DELIVERIES`` | 5 | deliveries of one stage without returning before the case is parked |
 | ``INVESTIGATE_QUEUE`` | ``cases`` | the case queue |
 | ``INVESTIGATE_WORKER_MAX_MEMORY_KIB`` | 1048576 | a prefork child above this is replaced |
 | ``INVESTIGATE_FEEDBACK_KEY`` | none | key deriving external-test feedback secrets (>= 32 chars) |
@@ -41,8 +44,24 @@ class Settings(BaseSettings):
     config: Path | None = None
     providers: Path | None = None
     lock_ttl_s: int = Field(300, ge=5)
-    visibility_timeout_s: int = Field(3600, ge=60)
+    visibility_timeout_s: int = Field(3600, ge=2)
+    """Seconds an unacknowledged message may stay with a worker before the broker hands it
+    to another one (kombu's Redis ``visibility_timeout``). Default 3600. It must exceed every
+    countdown the engine schedules and, for stages to run once, the longest stage."""
     max_countdown_s: int = Field(1800, ge=1)
+    """Longest countdown/ETA ever scheduled (seconds); longer waits are left to the
+    recovery sweep. Default 1800; must be below ``visibility_timeout_s``."""
+    restore_interval_s: int = Field(10, ge=1)
+    """Seconds between a worker's scans for unacknowledged messages older than the
+    visibility timeout (kombu ``unacked_restore_interval``, with the throttle set to 1).
+    Default 10. A message of a killed worker is redelivered at most
+    ``visibility_timeout_s + restore_interval_s`` after its delivery, while any worker runs."""
+    sweep_interval_s: int = Field(60, ge=0)
+    """Period of the ``investigation.recover`` beat task (seconds). Default 60; 0 leaves
+    it out of the beat schedule (run ``investigate recover`` yourself)."""
+    max_stage_deliveries: int = Field(5, ge=1)
+    """Deliveries of one stage that started and never returned (its worker died each
+    time) after which the case is parked ``BLOCKED`` with ``STAGE_POISONED``. Default 5."""
     queue: str = "cases"
     worker_max_memory_kib: int = Field(1_048_576, ge=65_536)
     """Resident memory after which a prefork child is replaced (KiB). Default 1 GiB."""
@@ -82,7 +101,10 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.max_countdown_s >= self.visibility_timeout_s:
-            raise ValueError("INVESTIGATE_MAX_COUNTDOWN_S must be below the visibility timeout")
+            raise ValueError(
+                f"INVESTIGATE_MAX_COUNTDOWN_S ({self.max_countdown_s}) must be below "
+                f"INVESTIGATE_VISIBILITY_TIMEOUT_S ({self.visibility_timeout_s}): a countdown "
+                "message held longer than the visibility timeout is delivered twice")
         return self
 
     @property

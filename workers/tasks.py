@@ -33,6 +33,7 @@ from investigation.constants import (
     YIELDED,
 )
 from investigation.errors import InvestigationError, LockBusy, StaleStateError
+from investigation.loop import deliveries
 from investigation.loop.investigator import Investigator
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.loop.stages import Stages
@@ -71,7 +72,23 @@ def _run_stage(task: Any, payload: dict[str, Any], stage: str) -> dict[str, Any]
         return _halt(payload, "LOCK_LOST", "LOCK_LOST")
     key = StepKey(case_id, payload["revision"], payload["step_seq"])
     try:
-        result = Stages(rt.env).run(stage, key)
+        # Counted before the stage runs, committed on its own: survives a killed worker.
+        parked = deliveries.record_delivery(rt.env.store, key, stage,
+                                            rt.settings.max_stage_deliveries)
+        if parked is not None:
+            log.error("case %s step %s %s: parked %s after %s deliveries that never "
+                      "returned; fix the cause, then `investigate resume %s`", case_id,
+                      key.step_seq, stage, parked.reason, parked.details["unfinished"] - 1,
+                      case_id)
+            payload["halt"] = parked.to_dict()
+            return payload
+        try:
+            result = Stages(rt.env).run(stage, key)
+        except InvestigationError:
+            deliveries.delivery_returned(rt.env.store, key, stage)
+            raise
+        if result.halt is not None and stage != "publish":
+            deliveries.delivery_returned(rt.env.store, key, stage)
     except StaleStateError as exc:
         log.info("case %s step %s %s: stale (%s)", case_id, key.step_seq, stage, exc.message)
         return _halt(payload, "STALE", "STALE_STATE")
@@ -208,8 +225,13 @@ def advance(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
     if outcome == RETRY_PENDING and halt.get("retry_not_before"):
         due = datetime.fromisoformat(halt["retry_not_before"])
         wait_s = max(0.0, (due - datetime.now(UTC)).total_seconds())
-        dispatch.apply_async((case_id, payload.get("max_steps")),
-                             countdown=min(wait_s, rt.settings.max_countdown_s))
+        if wait_s <= rt.settings.max_countdown_s:
+            dispatch.apply_async((case_id, payload.get("max_steps")), countdown=wait_s)
+        else:
+            # Never a long ETA (it would outlive the visibility timeout and be delivered
+            # twice): retry_not_before is durable, the recovery sweep dispatches when due.
+            log.info("case %s: backoff until %s is longer than INVESTIGATE_MAX_COUNTDOWN_S; "
+                     "the recovery sweep will dispatch it", case_id, halt["retry_not_before"])
     elif outcome not in (BLOCKED, COMPLETED):
         log.warning("case %s: dispatch ended with %s", case_id, halt)
     return payload
@@ -229,3 +251,16 @@ def run_embedded_step(case_id: str, token: str) -> Outcome | None:
                                  (halt.get("details") or {}).get("message")
                                  or f"step {payload['step_seq']} stopped: {halt['outcome']}")
     return Outcome.from_dict(halt)
+
+
+@app.task(name=f"{TASK_PREFIX}recover", bind=True)
+def recover(self: Any) -> dict[str, Any]:
+    """The periodic recovery sweep (beat): re-dispatch every case with pending work.
+
+    Returns ``{"dispatched": [...], "busy": [...], "not_due": n, "failed": [...]}``
+    (case ids), see ``workers.recovery.sweep``.
+    """
+    from workers.recovery import sweep
+
+    report = sweep(runtime.current())
+    return report.to_dict()

@@ -350,3 +350,24 @@ class TestRequest(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow)
     submitted_at: datetime | None = None
     closed_at: datetime | None = None
+
+
+class StageDelivery(SQLModel, table=True):
+    """Durable delivery counter of one stage of one step (a stage that keeps killing its
+    worker is parked: ``investigation/loop/deliveries.py``).
+
+    ``deliveries`` counts every delivery that started while the stage had no marker;
+    ``unfinished`` counts those that never returned since the last one that did (a worker
+    killed inside the stage). It is reset when a delivery returns and by an operator resume.
+    """
+
+    __tablename__ = "stage_delivery"
+    __table_args__ = (UniqueConstraint("case_id", "revision", "step_seq", "stage"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(index=True, max_length=64)
+    revision: int
+    step_seq: int
+    stage: str = Field(max_length=32)
+    deliveries: int = 0
+    unfinished: int = 0
+    last_delivered_at: datetime = Field(default_factory=utcnow)

@@ -1,7 +1,7 @@
 """external tests: test_request
 
-Revision ID: 0003_external_tests
-Revises: 0002_early_diagnosis
+Revision ID: 0004_external_tests
+Revises: 0003_delivery_counter
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sqlalchemy as sa
 import sqlmodel
 from alembic import op
 
-revision = '0003_external_tests'
-down_revision = '0002_early_diagnosis'
+revision = '0004_external_tests'
+down_revision = '0003_delivery_counter'
 branch_labels = None
 depends_on = None
 

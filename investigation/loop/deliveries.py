@@ -1,0 +1,124 @@
+"""Durable delivery counter: a stage that keeps killing its worker parks its case.
+
+Seed 000, "Persistence and recovery": after a crash an accepted plan resumes its steps.
+At-least-once delivery (late acks, reject on worker lost) redelivers a stage whose worker
+died; if the stage itself kills the worker (a crash in native code, memory exhaustion),
+that would repeat forever. Every delivery of a stage that has no completion marker yet is
+counted in the ``stage_delivery`` table *before* the stage runs, in its own transaction,
+so the count survives the kill. A delivery that returns without finishing (a halt such
+as ``RETRY_PENDING``, a controlled error) resets the stage's ``unfinished`` count; a
+finished stage has its marker and is never counted again. When ``unfinished`` exceeds the
+configured limit the case becomes ``BLOCKED`` with ``STAGE_POISONED``; ``investigate
+resume`` (``investigation.operations.resume``) resets the counts.
+
+This module knows nothing of Celery: the runtime calls :func:`record_delivery` before a
+stage and :func:`delivery_returned` after one that ended without its marker.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from investigation.constants import BLOCK_STAGE_POISONED, BLOCKED, CASE_BLOCKED, CASE_INVESTIGATING
+from investigation.loop.outcome import Outcome, StepKey
+from investigation.store.engine import Store, is_unique_violation
+from investigation.store.models import CaseRecord, StageDelivery, StageRun, utcnow
+
+
+def record_delivery(store: Store, key: StepKey, stage: str,
+                    max_unfinished: int) -> Outcome | None:
+    """Count one delivery of ``stage`` of step ``key``; park the case if it is poisoned.
+
+    Nothing is counted when the stage already has its completion marker (a redelivery of
+    finished work is harmless and returns at once) or when the step is stale (the stage's
+    own fence reports that).
+
+    Args:
+        store: the SQL store.
+        key: the step.
+        stage: one of ``investigation.constants.STAGES``.
+        max_unfinished: deliveries that started and never returned that are tolerated;
+            the next one parks the case (``INVESTIGATE_MAX_STAGE_DELIVERIES``, >= 1).
+
+    Returns:
+        ``None`` to run the stage, or a ``BLOCKED``/``STAGE_POISONED`` outcome (the case
+        was parked in this call, ``details`` has ``stage``, ``deliveries``,
+        ``unfinished``) that ends the step without running it.
+
+    Raises:
+        sqlalchemy.exc.OperationalError: the store is unavailable (the runtime retries).
+    """
+    for attempt in range(2):
+        try:
+            with store.session() as s:
+                return _count(s, key, stage, max_unfinished)
+        except IntegrityError as exc:  # two first deliveries inserted the row at once
+            if attempt or not is_unique_violation(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _count(s: Session, key: StepKey, stage: str, max_unfinished: int) -> Outcome | None:
+    stmt = select(CaseRecord).where(CaseRecord.id == key.case_id)
+    if s.get_bind().dialect.name == "postgresql":
+        stmt = stmt.with_for_update()
+    case = s.exec(stmt).first()
+    if (case is None or case.state != CASE_INVESTIGATING
+            or case.current_revision != key.revision or case.head_seq != key.step_seq - 1):
+        return None
+    marker = s.exec(select(StageRun.id).where(
+        StageRun.case_id == key.case_id, StageRun.revision == key.revision,
+        StageRun.step_seq == key.step_seq, StageRun.stage == stage)).first()
+    if marker is not None:
+        return None
+    row = s.exec(select(StageDelivery).where(
+        StageDelivery.case_id == key.case_id, StageDelivery.revision == key.revision,
+        StageDelivery.step_seq == key.step_seq, StageDelivery.stage == stage)).first()
+    if row is None:
+        row = StageDelivery(case_id=key.case_id, revision=key.revision,
+                            step_seq=key.step_seq, stage=stage)
+    row.deliveries += 1
+    row.unfinished += 1
+    row.last_delivered_at = utcnow()
+    s.add(row)
+    s.flush()
+    if row.unfinished <= max_unfinished:
+        return None
+    case.state, case.blocked_reason = CASE_BLOCKED, BLOCK_STAGE_POISONED
+    case.last_outcome, case.last_reason = BLOCKED, BLOCK_STAGE_POISONED
+    case.retry_not_before = None
+    case.updated_at = utcnow()
+    s.add(case)
+    return Outcome(BLOCKED, key.case_id, key.step_seq, BLOCK_STAGE_POISONED,
+                   details={"stage": stage, "deliveries": row.deliveries,
+                            "unfinished": row.unfinished})
+
+
+def delivery_returned(store: Store, key: StepKey, stage: str) -> None:
+    """A delivery of ``stage`` returned without its marker (a halt or a controlled
+    error): it did not kill its worker, so the stage's ``unfinished`` count restarts."""
+    with store.session() as s:
+        s.execute(update(StageDelivery).where(
+            col(StageDelivery.case_id) == key.case_id,
+            col(StageDelivery.revision) == key.revision,
+            col(StageDelivery.step_seq) == key.step_seq,
+            col(StageDelivery.stage) == stage,
+            col(StageDelivery.unfinished) > 0).values(unfinished=0))
+
+
+def reset_case(s: Session, case_id: str) -> int:
+    """Operator resume: forget every unfinished delivery of the case (the totals stay for
+    audit). Returns how many stage counters were reset."""
+    res = s.execute(update(StageDelivery).where(
+        col(StageDelivery.case_id) == case_id,
+        col(StageDelivery.unfinished) > 0).values(unfinished=0))
+    return int(res.rowcount)  # type: ignore[attr-defined]
+
+
+def poisoned_stage(s: Session, case_id: str) -> StageDelivery | None:
+    """The stage counter with the most unfinished deliveries of the case (for status)."""
+    return s.exec(select(StageDelivery).where(StageDelivery.case_id == case_id)
+                  .order_by(col(StageDelivery.unfinished).desc(),
+                            col(StageDelivery.step_seq).desc())).first()
