@@ -98,6 +98,12 @@ def make_db(path: Path) -> Path:
     return path
 
 
+#: The feedback key of test environments. Runtimes built from settings always have a key
+#: (the variable or the key file), and the context says whether tests can be handed out,
+#: so in-process reference runs need one too to produce the same checkpoints.
+TEST_FEEDBACK_KEY = b"test-feedback-key-" + b"0" * 32
+
+
 @dataclass
 class Case:
     """A registered test case."""
@@ -110,9 +116,11 @@ class Case:
     root: Path
 
     def env(self, config: InvestigationConfig | None = None,
-            explicit: bool = False, feedback_key: bytes | None = None) -> StageEnv:
+            explicit: bool = False,
+            feedback_key: bytes | None = TEST_FEEDBACK_KEY) -> StageEnv:
         """A fresh stage environment (as a new process would build it); with a
-        ``feedback_key`` external tests can be handed out."""
+        ``feedback_key`` (default: :data:`TEST_FEEDBACK_KEY`, as every CLI or worker runtime
+        has a key) external tests can be handed out; ``None`` refuses them."""
         cfg = config or InvestigationConfig()
         providers = ProvidersConfig.load(self.providers_path)
         return StageEnv(
@@ -123,7 +131,7 @@ class Case:
             feedback_key=feedback_key)
 
     def investigator(self, config: InvestigationConfig | None = None,
-                     feedback_key: bytes | None = None) -> Investigator:
+                     feedback_key: bytes | None = TEST_FEEDBACK_KEY) -> Investigator:
         return Investigator(self.env(config, feedback_key=feedback_key))
 
 

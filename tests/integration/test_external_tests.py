@@ -230,7 +230,7 @@ def test_a_passed_deadline_is_recorded_as_a_result_without_feedback(
 
 def test_without_a_feedback_key_tests_are_refused_before_any_charge(tmp_path: Path) -> None:
     case = make_case(tmp_path / "c", replies=REPLIES)
-    inv = case.investigator(CFG)
+    inv = case.investigator(CFG, feedback_key=None)
     inv.step(case.case_id)
     inv.step(case.case_id)
     outcome = inv.step(case.case_id)
