@@ -78,9 +78,11 @@ QUERIES: list[tuple[str, dict[str, Any]]] = [
 CONFIDENCES = ["plausible", "weak", "supported", "strongly_supported", "weakened",
                "unassessed"]
 SUPPORT = ("supported", "strongly_supported")
-#: Move kinds; sampled_from shrinks towards the first ones (plain queries).
+#: Move kinds, weighted towards research (sampled_from shrinks towards plain queries);
+#: about a third are invalid, so three in a row (a block) stay occasional.
 VALID_KINDS = ["query", "repeat", "finish", "reject"]
 INVALID_KINDS = ["bad_evidence", "bad_question", "bad_assessment", "dup_question", "garbage"]
+KINDS = ["query"] * 4 + ["repeat"] * 4 + ["finish", "reject"] + INVALID_KINDS
 TERMINAL = set(rules.TERMINAL_STATUSES)
 
 
@@ -123,8 +125,9 @@ class Policy:
 
 moves = st.builds(
     Move,
-    kind=st.one_of(st.sampled_from(VALID_KINDS), st.sampled_from(INVALID_KINDS)),
-    query=st.integers(0, len(QUERIES) - 1),
+    kind=st.sampled_from(KINDS),
+    # Half of the draws come from the first three queries, so repeats are common.
+    query=st.one_of(st.integers(0, 2), st.integers(0, len(QUERIES) - 1)),
     score=st.integers(0, 100),
     confidence=st.sampled_from(CONFIDENCES),
     ask=st.booleans(),
@@ -559,22 +562,25 @@ PROPS = settings(max_examples=15, deadline=None, database=None,
 
 
 @PROPS
-@given(policy=policies, plan=st.lists(moves, max_size=10), resume=st.booleans())
-# Repeated and empty queries up to the iteration cap, then a closing turn.
-@example(policy=Policy(12, 3, 3, 80, False),
+@given(policy=policies, plan=st.lists(moves, min_size=2, max_size=7), resume=st.booleans())
+# Empty and repeated (duplicate) queries up to the iteration cap, a query refused on the
+# closing turn, then closing with a resolution; a partly overlapping query on the other
+# side.
+@example(policy=Policy(12, 2, 3, 80, False),
          plan=[Move("query", 0, confidence="weak"), Move("query", 5),
-               Move("repeat", score=90, ask=True), Move("query", 6, resolve=True),
-               Move("query", 3, score=100), Move("query", 1, score=100, obey=False)],
+               Move("repeat", score=90, ask=True),
+               Move("query", 3, score=100, resolve=True, obey=False),
+               Move("query", 6, score=40, resolve=True), Move("query", 2, score=100),
+               Move("query", 1, score=100)],
          resume=True)
-# Low information, three invalid replies (blocked, resumed) and a terminal account that
-# outranks the active one.
+# Low information after an empty result, three invalid replies (blocked, resumed), and a
+# finished hypothesis that outranks the active one (the scheduler must skip it).
 @example(policy=Policy(10, 4, 1, 99, False),
-         plan=[Move("query", 4, score=100, confidence="strongly_supported"),
-               Move("query", 0), Move("query", 4, confidence="supported", score=100),
+         plan=[Move("query", 5, confidence="weak"), Move("query", 0),
+               Move("query", 4, score=100, confidence="supported"),
                Move("bad_evidence"), Move("garbage"), Move("bad_question"),
                Move("finish", score=100, confidence="strongly_supported"),
-               Move("query", 1, score=70, confidence="weak"), Move("dup_question"),
-               Move("query", 7, confidence="weak", ask=True)],
+               Move("query", 1, obey=False), Move("dup_question", ask=True)],
          resume=True)
 # Credit below the cheapest action: exhausted before any turn.
 @example(policy=Policy(1, 2, 2, 80, True), plan=[], resume=False)
