@@ -563,14 +563,14 @@ PROPS = settings(max_examples=15, deadline=None, database=None,
 
 @PROPS
 @given(policy=policies, plan=st.lists(moves, min_size=2, max_size=7), resume=st.booleans())
-# Empty and repeated (duplicate) queries up to the iteration cap, a query refused on the
-# closing turn, then closing with a resolution; a partly overlapping query on the other
-# side.
-@example(policy=Policy(12, 2, 3, 80, False),
-         plan=[Move("query", 0, confidence="weak"), Move("query", 5),
+# An empty query, a repeated (duplicate) one assessed as useful, a query refused on the
+# closing turn of the iteration cap, closing with a resolution; a partly overlapping query
+# on the other side.
+@example(policy=Policy(12, 3, 3, 80, False),
+         plan=[Move("query", 0, confidence="weak"), Move("query", 5), Move("query", 0),
                Move("repeat", score=90, ask=True),
                Move("query", 3, score=100, resolve=True, obey=False),
-               Move("query", 6, score=40, resolve=True), Move("query", 2, score=100),
+               Move("query", 6, score=100, resolve=True), Move("query", 2, score=100),
                Move("query", 1, score=100)],
          resume=True)
 # Low information after an empty result, three invalid replies (blocked, resumed), and a
