@@ -474,6 +474,12 @@ def check_terminal_accounts_stay_put(snap: Snapshot) -> None:
         if a.status in TERMINAL:
             assert a.hypothesis_id in ended
     for h, at in ended.items():
+        late = [cp.seq for cp in snap.checkpoints if cp.seq > at and cp.hypothesis_id == h]
+        assert not late, f"H{h} terminal at step {at} but selected again at steps {late}"
+        acted = [p.step_seq for p in snap.plans if p.step_seq > at and p.hypothesis_id == h]
+        assert not acted, f"H{h} terminal at step {at} but planned at steps {acted}"
+        moved = [r.step_seq for r in snap.ledger if r.step_seq > at and r.hypothesis_id == h]
+        assert not moved, f"H{h} terminal at step {at} but ledger moved at steps {moved}"
         frozen = None
         for state in snap.states:
             if state["seq"] < at:
@@ -484,12 +490,6 @@ def check_terminal_accounts_stay_put(snap: Snapshot) -> None:
             assert x["status"] in TERMINAL, f"H{h} left {now[0]} at {state['seq']}"
             assert frozen is None or now == frozen, f"H{h} changed after step {at}"
             frozen = now
-        late = [cp.seq for cp in snap.checkpoints if cp.seq > at and cp.hypothesis_id == h]
-        assert not late, f"H{h} terminal at step {at} but selected again at steps {late}"
-        acted = [p.step_seq for p in snap.plans if p.step_seq > at and p.hypothesis_id == h]
-        assert not acted, f"H{h} terminal at step {at} but planned at steps {acted}"
-        moved = [r.step_seq for r in snap.ledger if r.step_seq > at and r.hypothesis_id == h]
-        assert not moved, f"H{h} terminal at step {at} but ledger moved at steps {moved}"
         closing = [p for p in snap.plans if p.step_seq == at and p.hypothesis_id == h]
         assert all(p.action in ("finish", "reject") for p in closing)
 
