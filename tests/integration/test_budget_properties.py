@@ -586,6 +586,12 @@ PROPS = settings(max_examples=15, deadline=None, database=None,
                Move("finish", score=100, confidence="strongly_supported"),
                Move("query", 1, obey=False), Move("dup_question", ask=True)],
          resume=True)
+# A poorly assessed result leaves too little for the next query: unaffordable replies are
+# rejected (never charged into a negative balance).
+@example(policy=Policy(4, 3, 3, 80, False),
+         plan=[Move("query", 4), Move("query", 1),
+               Move("query", 0, score=0, obey=False), Move("query", 2, score=0, obey=False)],
+         resume=False)
 # Credit below the cheapest action: exhausted before any turn.
 @example(policy=Policy(1, 2, 2, 80, True), plan=[], resume=False)
 def test_random_decision_sequences_keep_the_budget_rules(
