@@ -200,8 +200,8 @@ def render(move: Move, ctx: dict[str, Any], call_index: int,
         open_own = [x["text"] for x in own_questions if x["status"] == "open"]
         text = open_own[0].upper() if open_own else "Is it the divisor?"
         repeats = [text] if open_own else [text, f"  {text.lower()} "]
-        nxt = {"action": "finish", "reason": "done"}
-        return _reply(assessment, "plausible", cited, [], repeats, note, nxt)
+        return _reply(assessment, "plausible", cited, [], repeats, note,
+                      {"action": "finish", "reason": "done"})
 
     # Valid kinds.
     action = move.kind
