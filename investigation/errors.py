@@ -12,6 +12,8 @@ and dashboards match on them, never on messages.
     ├── StoreError                      the store refused a write (STORE_*)
     │   └── StaleStateError             a fenced write lost against a newer head (STALE_STATE)
     ├── ConfigError                     a configuration file is broken (CONFIG_*)
+    ├── LifecycleError                  a session transition or lifecycle record was refused
+    │                                   (LIFECYCLE_*)
     └── ProviderError                   a model provider failed (classified once, at the gateway)
         ├── TransientProviderError      retry later; carries ``retry_after_s``
         ├── ProviderCredentialsError    HTTP 401/403 (PROVIDER_CREDENTIALS)
@@ -59,6 +61,14 @@ class ToolError(InvestigationError):
 
 class ConfigError(InvestigationError):
     """A configuration file or value is invalid (codes ``CONFIG_*``)."""
+
+
+class LifecycleError(InvestigationError):
+    """A lifecycle transition, usage record or serialised record was refused (``LIFECYCLE_*``).
+
+    Raised before any change: the session is exactly as it was. The codes are listed in
+    ``investigation.lifecycle.codes`` and in ``docs/lifecycle.md``.
+    """
 
 
 class StoreError(InvestigationError):
