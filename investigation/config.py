@@ -107,6 +107,9 @@ class LimitsConfig(_Strict):
     """Bound of one JSON artifact. Default 4 MiB."""
     max_checkpoints: int = Field(10_000, ge=1)
     """Bound of state checkpoints per case. Default 10,000."""
+    max_execution_seconds: int = Field(7 * 24 * 3600, ge=1)
+    """The lifecycle session's execution-time bound: summed step durations per case
+    (waiting, blocked or paused time does not count). Default 7 days."""
     max_report_bytes: int = Field(64 << 10, ge=1024)
     """Bytes of the bug report placed into each context. Default 64 KiB."""
     notes_in_context: int = Field(10, ge=0)

@@ -60,6 +60,13 @@ CONTINUING = (PROGRESSED, REJECTED, DEFERRED)
 CASE_INVESTIGATING = "INVESTIGATING"
 CASE_BLOCKED = "BLOCKED"
 CASE_BUILDING_DIAGNOSIS = "BUILDING_DIAGNOSIS"
+#: Operator holds and stops (``docs/lifecycle.md``): a paused case resumes where it
+#: stopped; cancelled and stopped (a lifecycle budget bound) are terminal.
+CASE_PAUSED = "PAUSED"
+CASE_CANCELLED = "CANCELLED"
+CASE_STOPPED = "STOPPED"
+#: Case states in which no new stage starts (the one running finishes and is kept).
+CASE_HELD = (CASE_PAUSED, CASE_CANCELLED)
 
 #: Blocked reasons.
 BLOCK_INVALID_LLM_RESPONSES = "INVALID_LLM_RESPONSES"

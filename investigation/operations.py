@@ -1,4 +1,4 @@
-"""Operator actions over the store: status, resume, summary and export."""
+"""Operator actions over the store: status, pause, resume, cancel, summary and export."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
 
+from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig
 from investigation.constants import (
     ARTIFACT_SUMMARY,
     BLOCK_AWAITING_TEST_FEEDBACK,
@@ -16,10 +17,13 @@ from investigation.constants import (
     BLOCK_PROVIDER_EXHAUSTED,
     BLOCK_STAGE_POISONED,
     CASE_BLOCKED,
+    CASE_CANCELLED,
     CASE_INVESTIGATING,
+    CASE_PAUSED,
 )
 from investigation.errors import InvestigationError
-from investigation.loop import deliveries
+from investigation.lifecycle import InvestigationSession, SessionState, TerminationReason
+from investigation.loop import deliveries, lifecycle
 from investigation.store.engine import Store, sha256_hex
 from investigation.store.models import (
     Artifact,
@@ -30,6 +34,7 @@ from investigation.store.models import (
     LLMOperation,
     ManifestPointer,
     Question,
+    RevisionRecord,
     utcnow,
 )
 
@@ -97,11 +102,115 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
             for a in accounts
         ],
         "pointers": pointers,
+        "lifecycle": lifecycle.describe(case),
     }
 
 
+def _lock(s: Session, case_id: str) -> CaseRecord:
+    """The case row, locked for this transaction on PostgreSQL (SQLite: BEGIN IMMEDIATE)."""
+    stmt = select(CaseRecord).where(CaseRecord.id == case_id)
+    if s.get_bind().dialect.name == "postgresql":
+        stmt = stmt.with_for_update()
+    case = s.exec(stmt).first()
+    if case is None:
+        raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+    return case
+
+
+def _session_for(s: Session, case: CaseRecord) -> InvestigationSession:
+    """The case's session, started (in PLANNING) if no step ran yet."""
+    rev = s.exec(select(RevisionRecord).where(
+        RevisionRecord.case_id == case.id,
+        RevisionRecord.revision == case.current_revision)).one()
+    hypotheses = len(s.exec(select(HypothesisBirth.id).where(
+        HypothesisBirth.case_id == case.id,
+        HypothesisBirth.revision == case.current_revision)).all())
+    config = InvestigationConfig()
+    if rev.policy_json is not None:  # the frozen policy, once a step ran
+        stored = json.loads(rev.policy_json)
+        config = config.model_copy(update={
+            "loop": LoopConfig.model_validate(stored["loop"]),
+            "budget": BudgetConfig.model_validate(stored["budget"])})
+    return lifecycle.ensure(case, config, hypotheses, str(
+        json.loads(rev.interpretation_json).get("summary", "")))
+
+
+def pause(store: Store, case_id: str) -> dict[str, Any]:
+    """Operator pause (seed 001: PAUSED remembers its exact prior state).
+
+    The case stops at its next stage boundary: a stage already running finishes and is
+    kept; no new stage starts. A blocked case can be paused too; ``resume`` restores
+    exactly what it was (blocked with the same reason, or investigating).
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``; ``CASE_NOT_ACTIVE`` for a paused,
+        cancelled, stopped or completed case.
+    """
+    with store.session() as s:
+        case = _lock(s, case_id)
+        if case.state not in (CASE_INVESTIGATING, CASE_BLOCKED):
+            raise InvestigationError("CASE_NOT_ACTIVE",
+                                     f"case {case_id} is {case.state}; only an investigating "
+                                     "or blocked case can be paused")
+        session = _session_for(s, case)
+        session.pause()
+        lifecycle.save(case, session)
+        previous = case.state
+        case.state = CASE_PAUSED  # blocked_reason stays: what a resume restores
+        case.last_outcome, case.last_reason = "PAUSED", previous
+        case.updated_at = utcnow()
+        s.add(case)
+        return {"case_id": case_id, "paused_from": previous,
+                "lifecycle_paused_from": session.paused_from.value
+                if session.paused_from else None}
+
+
+def _unpause(s: Session, case: CaseRecord) -> dict[str, Any]:
+    session = _session_for(s, case)
+    resumed_to = session.resume()
+    lifecycle.save(case, session)
+    case.state = CASE_BLOCKED if case.blocked_reason else CASE_INVESTIGATING
+    case.last_outcome, case.last_reason = "RESUMED", CASE_PAUSED
+    case.updated_at = utcnow()
+    s.add(case)
+    return {"case_id": case.id, "resumed_from": CASE_PAUSED, "retry_id": None,
+            "state": case.state, "lifecycle_state": resumed_to.value}
+
+
+def cancel(store: Store, case_id: str) -> dict[str, Any]:
+    """Operator cancel: terminal (session CANCELLED with ``USER_CANCELLED``).
+
+    Like a pause, the case stops at its next stage boundary and keeps every finished
+    stage, evidence and charge; it never continues and takes no test feedback.
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``; ``CASE_NOT_ACTIVE`` for a cancelled,
+        stopped or completed case.
+    """
+    with store.session() as s:
+        case = _lock(s, case_id)
+        if case.state not in (CASE_INVESTIGATING, CASE_BLOCKED, CASE_PAUSED):
+            raise InvestigationError("CASE_NOT_ACTIVE",
+                                     f"case {case_id} is {case.state}; it cannot be cancelled")
+        session = _session_for(s, case)
+        if session.state == SessionState.PAUSED:
+            session.resume()  # the diagram has no PAUSED -> CANCELLED edge
+        session.terminate(TerminationReason.USER_CANCELLED)
+        lifecycle.save(case, session)
+        previous = case.state
+        case.state = CASE_CANCELLED
+        case.last_outcome, case.last_reason = "CANCELLED", previous
+        case.retry_not_before = None
+        case.updated_at = utcnow()
+        s.add(case)
+        return {"case_id": case_id, "cancelled_from": previous}
+
+
 def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str, Any]:
-    """Operator resume of a blocked case.
+    """Operator resume of a paused or blocked case.
+
+    A paused case continues exactly where it stopped (its next stage), in the state it
+    was paused from.
 
     Any block reason resumes this way (seed 000: a blocked case resumes only by an
     explicit operator action). ``STAGE_POISONED`` resets the case's unfinished-delivery
@@ -117,9 +226,13 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
         ``RETRY_ID_REUSED``.
     """
     with store.session() as s:
-        case = s.get(CaseRecord, case_id)
-        if case is None:
-            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+        case = _lock(s, case_id)
+        if case.state == CASE_PAUSED:
+            if retry_id is not None:
+                raise InvestigationError("RETRY_ID_NOT_APPLICABLE",
+                                         f"case {case_id} is paused, not blocked by a "
+                                         "provider; resume it without --retry-id")
+            return _unpause(s, case)
         if case.state != CASE_BLOCKED:
             raise InvestigationError("CASE_NOT_BLOCKED",
                                      f"case {case_id} is {case.state}; only a blocked case "

@@ -33,7 +33,7 @@ from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
 from investigation.errors import InvestigationError, LockBusy
 from investigation.loop.outcome import Outcome
-from investigation.operations import export, resume, status, summary_bytes
+from investigation.operations import cancel, export, pause, resume, status, summary_bytes
 from investigation.store import Store
 from workers.settings import Settings
 
@@ -363,6 +363,12 @@ def status_cmd(
                   highlight=False)
     if info["blocked_detail"]:
         out.print(_term(f"why: {info['blocked_detail']}"), highlight=False, markup=False)
+    life = info["lifecycle"]
+    out.print(f"lifecycle {life['state']}"
+              + (f" (paused from {life['paused_from']})" if life.get("paused_from") else "")
+              + (f" ({life['termination_reason']})" if life.get("termination_reason") else "")
+              + (f"  iterations {life['iterations']}" if life.get("started") else
+                 "  (the session starts with the first step)"), highlight=False)
     if not info["accounts"]:
         out.print(f"{info['hypotheses']} hypotheses; no step has run yet", highlight=False)
         return
@@ -392,9 +398,27 @@ def resume_cmd(
     case_id: Annotated[str, typer.Argument(metavar="CASE")],
     retry_id: Annotated[str | None, typer.Option("--retry-id")] = None,
 ) -> None:
-    """Operator resume of a blocked case (then `run` or `dispatch` it)."""
+    """Operator resume of a paused or blocked case (then `run` or `dispatch` it)."""
     info = resume(_store(_settings(), existing=True), case_id, retry_id)
-    out.print(f"resumed {case_id} (was {info['resumed_from']})", highlight=False)
+    out.print(f"resumed {case_id} (was {info['resumed_from']})"
+              + (f"; now {info['state']}" if info.get("state") else ""), highlight=False)
+
+
+@app.command("pause")
+@_controlled
+def pause_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
+    """Pause a case at its next stage boundary (`resume` continues exactly there)."""
+    info = pause(_store(_settings(), existing=True), case_id)
+    out.print(f"paused {case_id} (was {info['paused_from']}); a running stage finishes, "
+              "no new one starts", highlight=False)
+
+
+@app.command("cancel")
+@_controlled
+def cancel_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
+    """Cancel a case for good at its next stage boundary (finished stages are kept)."""
+    info = cancel(_store(_settings(), existing=True), case_id)
+    out.print(f"cancelled {case_id} (was {info['cancelled_from']})", highlight=False)
 
 
 @app.command("summary")

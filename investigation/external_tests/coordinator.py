@@ -21,7 +21,7 @@ Refusals (``InvestigationError`` codes; none changes anything): ``TEST_REQUEST_N
 ``FEEDBACK_FORGED`` (wrong secret: forged, or meant for another case or request),
 ``FEEDBACK_REPLAYED`` (already submitted, confirmed or expired), ``FEEDBACK_AFTER_DEADLINE``,
 ``FEEDBACK_NOT_SUBMITTED``, ``FEEDBACK_DIGEST_MISMATCH``, ``FEEDBACK_INVALID``,
-``FEEDBACK_KEY_MISSING``.
+``FEEDBACK_KEY_MISSING``, ``CASE_CANCELLED``.
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ from investigation.constants import (
     ARTIFACT_TEST_REQUEST,
     BLOCK_AWAITING_TEST_FEEDBACK,
     CASE_BLOCKED,
+    CASE_CANCELLED,
     CASE_INVESTIGATING,
 )
 from investigation.errors import InvestigationError
 from investigation.evidence import EvidenceStore
+from investigation.loop import lifecycle
 from investigation.store.engine import Store, sha256_hex
 from investigation.store.models import BudgetAccount, CaseRecord, TestRequest, utcnow
 
@@ -246,6 +248,10 @@ class AsyncTestCoordinator:
             raise InvestigationError("FEEDBACK_INVALID", f"the feedback is malformed: {exc}"
                                      .splitlines()[0][:300]) from exc
         with self.store.session() as s:
+            case = s.get(CaseRecord, case_id)
+            if case is not None and case.state == CASE_CANCELLED:
+                raise InvestigationError("CASE_CANCELLED",
+                                         f"case {case_id} was cancelled; it takes no feedback")
             r = self._request(s, case_id, request_id)
             self._authenticate(r, secret)
             if r.status != "awaiting":
@@ -312,7 +318,10 @@ class AsyncTestCoordinator:
         expired: list[dict[str, Any]] = []
         for case_id, request_id in due:
             with self.store.session() as s:
-                case = self._lock_case(s, case_id)
+                try:
+                    case = self._lock_case(s, case_id)
+                except InvestigationError:  # cancelled: its tests stay as they are
+                    continue
                 r = self._request(s, case_id, request_id)
                 if r.status not in ("awaiting", "submitted"):
                     continue  # confirmed or expired meanwhile
@@ -332,6 +341,9 @@ class AsyncTestCoordinator:
         case = s.exec(stmt).first()
         if case is None:
             raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+        if case.state == CASE_CANCELLED:
+            raise InvestigationError("CASE_CANCELLED",
+                                     f"case {case_id} was cancelled; it takes no feedback")
         return case
 
     def _close(self, s: Session, case: CaseRecord, r: TestRequest, status: str,
@@ -358,11 +370,14 @@ class AsyncTestCoordinator:
         account.no_novelty_streak = 0 if ev.new_item_count > 0 else \
             account.no_novelty_streak + 1
         s.add(account)
-        if case.state == CASE_BLOCKED and case.blocked_reason == BLOCK_AWAITING_TEST_FEEDBACK \
+        if case.blocked_reason == BLOCK_AWAITING_TEST_FEEDBACK \
                 and case.current_revision == r.revision:
-            case.state, case.blocked_reason = CASE_INVESTIGATING, None
-            case.last_outcome, case.last_reason = "RESUMED", reason
+            if case.state == CASE_BLOCKED:
+                case.state = CASE_INVESTIGATING
+                case.last_outcome, case.last_reason = "RESUMED", reason
+            case.blocked_reason = None  # a paused case resumes into INVESTIGATING later
             case.updated_at = utcnow()
+            lifecycle.record_test_result(case)
             s.add(case)
         s.flush()
         return ev.evidence_id

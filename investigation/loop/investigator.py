@@ -14,6 +14,8 @@ from investigation.constants import (
     BLOCKED,
     CASE_BLOCKED,
     CASE_BUILDING_DIAGNOSIS,
+    CASE_HELD,
+    CASE_STOPPED,
     COMPLETED,
     CONTINUING,
     STAGES,
@@ -61,6 +63,10 @@ class Investigator:
                 return Outcome(COMPLETED, case_id, case.head_seq, "ALL_ACCOUNTS_TERMINAL")
             if case.state == CASE_BLOCKED:
                 return Outcome(BLOCKED, case_id, case.head_seq, case.blocked_reason)
+            if case.state in (*CASE_HELD, CASE_STOPPED):
+                return Outcome(BLOCKED, case_id, case.head_seq,
+                               case.state if case.state != CASE_STOPPED
+                               else case.blocked_reason)
             return StepKey(case_id, case.current_revision, case.head_seq + 1)
 
     def step(self, case_id: str) -> Outcome:

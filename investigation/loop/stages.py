@@ -38,7 +38,11 @@ from investigation.constants import (
     BLOCKED,
     CASE_BLOCKED,
     CASE_BUILDING_DIAGNOSIS,
+    CASE_CANCELLED,
+    CASE_HELD,
     CASE_INVESTIGATING,
+    CASE_PAUSED,
+    CASE_STOPPED,
     COMPLETED,
     DEFERRED,
     POINTER_STATE,
@@ -52,9 +56,10 @@ from investigation.constants import (
 from investigation.errors import InvestigationError, StaleStateError, ToolError
 from investigation.evidence import EvidenceStore
 from investigation.external_tests import AsyncTestCoordinator
+from investigation.lifecycle import SessionState, TerminationReason
 from investigation.llm.gateway import Blocked, RetryPending, Succeeded
 from investigation.llm.types import ChatRequest
-from investigation.loop import checkpoints
+from investigation.loop import checkpoints, lifecycle
 from investigation.loop import context as context_builder
 from investigation.loop.contract import ReplyRejected, parse_reply, reply_json_schema
 from investigation.loop.env import StageEnv
@@ -141,6 +146,11 @@ class Stages:
                 raise StaleStateError(
                     f"step {key.step_seq} of {key.case_id} is already published",
                     head_seq=case.head_seq)
+            if case.state in CASE_HELD:
+                # An operator pause or cancel: stop at this stage boundary. Every finished
+                # stage is kept; a resumed case continues with this very stage.
+                return StageResult({}, Outcome(BLOCKED, key.case_id, key.step_seq,
+                                               case.state))
         fn: Callable[[StepKey], StageResult] = getattr(self, "_" + stage)
         for attempt in range(RACE_RETRIES + 1):
             try:
@@ -215,7 +225,8 @@ class Stages:
             StageRun.step_seq == key.step_seq, StageRun.stage == stage)).first()
         if row is not None:
             raise _AlreadyRecorded(dict(_loads(row.output_json)))
-        if active and case.state != CASE_INVESTIGATING:
+        if active and case.state not in (CASE_INVESTIGATING, *CASE_HELD):
+            # A stage already running when the operator paused or cancelled finishes.
             raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
         return case
 
@@ -272,6 +283,12 @@ class Stages:
                 HypothesisBirth.revision == key.revision)).all()
             accounts = budget.ensure_accounts(
                 s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births))
+            rev = s.exec(select(RevisionRecord).where(
+                RevisionRecord.case_id == key.case_id,
+                RevisionRecord.revision == key.revision)).one()
+            lifecycle.ensure(case, cfg, len(births), str(
+                json.loads(rev.interpretation_json).get("summary", "")))
+            s.add(case)
             for account in accounts:
                 budget.verify_origins(s, account)
                 budget.apply_automatic_disposition(account)
@@ -587,9 +604,41 @@ class Stages:
 
     # -- 8. publish ----------------------------------------------------------------------
 
+    @staticmethod
+    def _record_lifecycle(s: Session, key: StepKey, case: CaseRecord,
+                          verdict: dict[str, Any], built: dict[str, Any], outcome: str,
+                          held: str | None) -> TerminationReason | None:
+        """Record the step as a lifecycle round (``loop.lifecycle``); a paused session is
+        resumed into its exact prior state for it and paused again."""
+        session = lifecycle.load(case)
+        if session is None or session.is_terminal:
+            return None
+        paused = session.state == SessionState.PAUSED
+        if paused:
+            session.resume()
+        decision = verdict.get("decision") or {}
+        context = Store.get_artifact(s, key.case_id, ARTIFACT_CONTEXT.format(seq=key.step_seq))
+        started = context.created_at if context is not None else None  # the step's start
+        stop = lifecycle.record_step(
+            case, session, accepted=bool(verdict.get("accepted")),
+            action=(decision.get("reply") or {}).get("next", {}).get("action"),
+            cost_units=int(decision.get("projection", {}).get("reserve_units", 0)),
+            started_at=started, all_terminal=outcome == COMPLETED,
+            blocked=outcome == BLOCKED and built.get("finalize") is False
+            and verdict.get("accepted") is not True)
+        if paused and not session.is_terminal and held == CASE_PAUSED:
+            session.pause()
+        lifecycle.save(case, session)
+        return stop
+
     def _publish(self, key: StepKey) -> StageResult:
         with self.store.session() as s:
             case = self._fence(s, key, "publish")
+            # An operator hold that arrived during this step is kept on the case but not
+            # in the state document: the checkpoint records the investigation only.
+            held = case.state if case.state in CASE_HELD else None
+            if held is not None:
+                case.state = CASE_INVESTIGATING
             cfg, budget = self._policy(s, key)
             built = self._output(s, key, "build_context")
             verdict = self._output(s, key, "validate")
@@ -621,6 +670,14 @@ class Stages:
                                                hid, built.get("context_sha256"))
             if outcome == COMPLETED:
                 state["case_state"] = CASE_BUILDING_DIAGNOSIS
+            case_state, blocked_reason = state["case_state"], state["blocked_reason"]
+            stop = self._record_lifecycle(s, key, case, verdict, built, outcome, held)
+            if held == CASE_CANCELLED:
+                case_state = CASE_CANCELLED
+            elif held == CASE_PAUSED and outcome != COMPLETED:
+                case_state = CASE_PAUSED  # blocked_reason says what a resume restores
+            elif stop is not None and outcome != COMPLETED:
+                case_state, blocked_reason = CASE_STOPPED, f"SESSION_{stop.value}"
             cp = checkpoints.publish(s, key, case, state, built.get("context_sha256"), hid,
                                      outcome, reason)
             res = s.execute(
@@ -629,7 +686,8 @@ class Stages:
                        col(CaseRecord.head_seq) == key.step_seq - 1)
                 .values(head_seq=key.step_seq, head_hash=cp.hash, last_outcome=outcome,
                         last_reason=reason, retry_not_before=None, updated_at=utcnow(),
-                        state=state["case_state"], blocked_reason=state["blocked_reason"]))
+                        state=case_state, blocked_reason=blocked_reason,
+                        session_json=case.session_json))
             if res.rowcount != 1:  # type: ignore[attr-defined]
                 raise StaleStateError(f"case {key.case_id} head moved during publish")
             Store.set_pointer(s, key.case_id, POINTER_STATE, cp.state_path,

@@ -53,6 +53,10 @@ class CaseRecord(SQLModel, table=True):
     retry_not_before: datetime | None = None
     llm_retry_id: str = ""
     """The operator's current ``retry_id`` (``resume --retry-id``); opens a new LLM operation."""
+    objective_json: str | None = None
+    """The case's ``ResearchObjective`` record (seed 001; ``docs/lifecycle.md``)."""
+    session_json: str | None = None
+    """The case's ``InvestigationSession`` record, or ``None`` before its first use."""
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
 
