@@ -157,6 +157,15 @@ def test_budget_config_refuses_non_positive_costs_and_full_refunds() -> None:
         BudgetConfig(max_refund_percent=100)
 
 
+def test_budget_config_needs_a_cost_for_every_operation_and_no_other() -> None:
+    costs = BudgetConfig().costs
+    for op in costs:
+        with pytest.raises(ValueError, match="lacks a cost"):
+            BudgetConfig(costs={k: v for k, v in costs.items() if k != op})
+    with pytest.raises(ValueError, match="unknown operations"):
+        BudgetConfig(costs={**costs, "db.drop": 1})
+
+
 def test_project_settles_then_reserves() -> None:
     p = rules.project(BudgetConfig(), 10, (4, 1000), 100, "query", 4)
     assert (p.refund_units, p.reserve_units, p.balance_after_settlement, p.balance_after,

@@ -56,6 +56,12 @@ def test_ids_continue_per_case_across_revisions(case: Case) -> None:
         assert [e.evidence_id for e in EvidenceStore.for_case(s, case.case_id, 2)] == ["E2"]
 
 
+def test_novelty_and_duplicates_count_only_the_current_revision(case: Case) -> None:
+    record(case, 1, 1, result(["a", "b"]))
+    again = record(case, 2, 1, result(["a", "b"]), revision=2)
+    assert (again.duplicate, again.item_count, again.new_item_count) == (False, 2, 2)
+
+
 def test_ids_are_per_case(tmp_path: Path) -> None:
     one = make_case(tmp_path / "one")
     two = make_case(tmp_path / "two")
@@ -85,6 +91,15 @@ def test_overlapping_result_counts_only_new_keys(case: Case) -> None:
     # Seen keys accumulate over every earlier record of the hypothesis.
     later = record(case, 3, 1, result(["a", "e", "f"], arguments={"pattern": "third"}))
     assert later.new_item_count == 1
+
+
+def test_novelty_follows_the_item_key_not_the_item_text(case: Case) -> None:
+    record(case, 1, 1, result(["a"]))
+    res = result(["a", "b"], arguments={"pattern": "other"})
+    res["items"][0]["text"] = "the same item, quoted differently"
+    ev = record(case, 2, 1, res)
+    assert (ev.duplicate, ev.item_count, ev.new_item_count) == (False, 2, 1)
+    assert json.loads(ev.item_keys_json) == ["a", "b"]
 
 
 def test_same_items_under_other_arguments_are_not_a_duplicate_but_not_new(case: Case) -> None:
