@@ -58,7 +58,8 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
             BudgetAccount.case_id == case_id, BudgetAccount.revision == case.current_revision)
             .order_by(col(BudgetAccount.hypothesis_id))).all()
         evidence = s.exec(select(Evidence.id).where(Evidence.case_id == case_id)).all()
-        questions = s.exec(select(Question).where(Question.case_id == case_id)).all()
+        questions = s.exec(select(Question).where(
+            Question.case_id == case_id, Question.revision == case.current_revision)).all()
         pointers = {p.name: p.path for p in s.exec(
             select(ManifestPointer).where(ManifestPointer.case_id == case_id))}
         births = s.exec(select(HypothesisBirth.id).where(

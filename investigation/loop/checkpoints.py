@@ -63,7 +63,8 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
     evidence = s.exec(select(Evidence).where(
         Evidence.case_id == key.case_id, Evidence.revision == key.revision)
         .order_by(col(Evidence.ordinal))).all()
-    questions = s.exec(select(Question).where(Question.case_id == key.case_id)
+    questions = s.exec(select(Question).where(Question.case_id == key.case_id,
+                                              Question.revision == key.revision)
                        .order_by(col(Question.ordinal))).all()
     return {
         "case_id": key.case_id,

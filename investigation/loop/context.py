@@ -144,7 +144,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         previous["novelty_permille"] = novelty_permille(
             pending.item_count, pending.new_item_count, pending.duplicate)
         full_ids.add(pending.evidence_id)
-    questions = s.exec(select(Question).where(Question.case_id == key.case_id)
+    questions = s.exec(select(Question).where(Question.case_id == key.case_id,
+                                              Question.revision == key.revision)
                        .order_by(col(Question.ordinal))).all()
     closing = budget.closing_reason(account, pending)
     allowed = ["finish", "reject"] if closing else ["query", "test", "finish", "reject"]

@@ -128,7 +128,8 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
     evidence = s.exec(select(Evidence).where(Evidence.case_id == case_id,
                                              Evidence.revision == revision)
                       .order_by(col(Evidence.ordinal))).all()
-    questions = s.exec(select(Question).where(Question.case_id == case_id)
+    questions = s.exec(select(Question).where(Question.case_id == case_id,
+                                              Question.revision == revision)
                        .order_by(col(Question.ordinal))).all()
     ledger = s.exec(select(LedgerEntry).where(LedgerEntry.case_id == case_id,
                                               LedgerEntry.revision == revision)).all()

@@ -113,7 +113,8 @@ def _open_revision_2(case: Case) -> None:
 
 def test_context_and_novelty_use_only_the_current_revision(tmp_path: Path) -> None:
     case = make_case(tmp_path / "c", replies=[
-        q("source.search", DIVISOR), q("db.tables", {}), q("source.search", DIVISOR)])
+        q("source.search", DIVISOR, new_questions=["Where is the divisor?"]),
+        q("db.tables", {}), q("source.search", DIVISOR)])
     inv = case.investigator()
     assert steps(inv, case, 2) == [(PROGRESSED, None, 1), (PROGRESSED, None, 2)]
     _open_revision_2(case)
@@ -122,6 +123,7 @@ def test_context_and_novelty_use_only_the_current_revision(tmp_path: Path) -> No
     ctx = context_at(case, 3)
     assert ctx["case"]["revision"] == 2
     assert ctx["evidence"] == []  # E1 and E2 belong to revision 1
+    assert ctx["questions"] == []  # so does Q1: a revision does not inherit questions
     assert ctx["previous_result"] is None
     assert ctx["hypothesis"]["balance_units"] == 60  # a fresh account of revision 2
     # The same query in the new revision: new evidence, every item new again.
