@@ -11,12 +11,14 @@
 * A stage that keeps killing its pool child is parked ``BLOCKED/STAGE_POISONED``, shown by
   ``status`` and resumable.
 
-Kill points (documented in docs/operations.md): four trials per run, one per kind of
+Kill points (documented in docs/operations.md): by default four trials per run, one per kind of
 point: a stage start (``before``), a stage end after its marker committed but before the
 ack (``after``), inside a stage before its external effect (``pre_effect``) and after it
 (``post_effect``). Which step and stage each trial hits is drawn from
 ``TEST_CRASH_SEED`` (default below; the choice is printed), over steps 1-5 for the
 boundaries and the query steps 1-3 with ``llm_call``/``execute_tool`` for the effects.
+``TEST_CRASH_MATRIX=full`` runs all 20 points (every stage's start and end, both
+effects before and after).
 
 Worker settings: visibility timeout 4 s, restore scan every 1 s, so a killed worker's
 stage comes back within about 5 s of its delivery once a worker runs again.
@@ -89,7 +91,22 @@ def _kill_points(seed: int) -> dict[str, str]:
     }
 
 
-KILL_POINTS = _kill_points(SEED)
+def _full_matrix(seed: int) -> dict[str, str]:
+    """Every stage boundary (before and after each of the eight stages) and the middle
+    of both external effects (before and after), the step of each drawn from ``seed``."""
+    rnd = random.Random(seed)
+    points = {f"{stage}:{phase}": f"{rnd.randint(1, HAPPY_STEPS)}:{stage}:{phase}"
+              for stage in STAGES for phase in ("before", "after")}
+    for stage in ("llm_call", "execute_tool"):
+        for phase in ("pre_effect", "post_effect"):
+            points[f"{stage}:{phase}"] = f"{rnd.choice(QUERY_STEPS)}:{stage}:{phase}"
+    return points
+
+
+#: ``TEST_CRASH_MATRIX=full`` runs every kill point (20 trials, about 3 minutes); the
+#: default draws one per kind to keep CI short. Vary ``TEST_CRASH_SEED`` for more trials.
+KILL_POINTS = _full_matrix(SEED) if os.environ.get("TEST_CRASH_MATRIX") == "full" \
+    else _kill_points(SEED)
 
 
 # -- fingerprints of a run -------------------------------------------------------------------
