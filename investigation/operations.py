@@ -236,7 +236,7 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
             return _unpause(s, case)
         if case.state != CASE_BLOCKED:
             raise InvestigationError("CASE_NOT_BLOCKED",
-                                     f"case {case_id} is {case.state}; only a blocked case "
+                                     f"case {case_id} is {case.state}; only a paused or blocked case "
                                      "resumes")
         if case.blocked_reason == BLOCK_AWAITING_TEST_FEEDBACK:
             raise InvestigationError(

@@ -20,6 +20,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from kombu.exceptions import OperationalError as KombuOperationalError
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
@@ -71,6 +72,9 @@ def _controlled(fn: F) -> F:
                   "check INVESTIGATE_BROKER_URL")
         except OSError as exc:
             _fail("IO_ERROR", f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        except UnicodeError as exc:  # an argument or file that is not text
+            _fail("INPUT_INVALID", f"an argument or input file is not valid text: "
+                  f"{_first_line(exc)}")
         except (ImportError, ValueError) as exc:  # a URL or setting nothing can use
             _fail("CONFIG_INVALID", f"{type(exc).__name__}: {_first_line(exc)}; check the "
                   "INVESTIGATE_* settings")
@@ -91,8 +95,14 @@ def _fail(code: str, message: str) -> NoReturn:
 def _settings() -> Settings:
     try:
         return Settings()
-    except Exception as exc:  # pydantic ValidationError: a broken environment
-        raise InvestigationError("CONFIG_INVALID", f"bad INVESTIGATE_* setting: {exc}") from exc
+    except ValidationError as exc:  # a broken environment; never echo the values (keys)
+        problems = "; ".join(
+            f"INVESTIGATE_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False))
+        raise InvestigationError("CONFIG_INVALID", f"bad setting: {problems}") from None
+    except Exception as exc:
+        raise InvestigationError("CONFIG_INVALID",
+                                 f"bad INVESTIGATE_* setting: {_first_line(exc)}") from None
 
 
 def _store(settings: Settings, existing: bool = False) -> Store:
@@ -359,8 +369,9 @@ def status_cmd(
               + f"  open questions {info['open_questions']}", highlight=False)
     if info["last_outcome"]:
         out.print(f"last outcome {info['last_outcome']}"
-                  + (f" ({info['last_reason']})" if info["last_reason"] else ""),
-                  highlight=False)
+                  + (f" ({info['last_reason']})" if info["last_reason"] else "")
+                  + (f"  retry not before {info['retry_not_before']}"
+                     if info.get("retry_not_before") else ""), highlight=False)
     if info["blocked_detail"]:
         out.print(_term(f"why: {info['blocked_detail']}"), highlight=False, markup=False)
     life = info["lifecycle"]

@@ -111,6 +111,24 @@ def tests_expire() -> None:
     out.print(f"{len(done)} test(s) expired", highlight=False)
 
 
+#: Largest observation file read (the contract allows 8,000 characters: 4 bytes each).
+MAX_OBSERVATION_FILE_BYTES = 8000 * 4
+
+
+def _read_observation(path: Path) -> str:
+    """The file's text, read boundedly (never a whole /dev/zero), as strict UTF-8."""
+    with path.open("rb") as fh:
+        data = fh.read(MAX_OBSERVATION_FILE_BYTES + 1)
+    if len(data) > MAX_OBSERVATION_FILE_BYTES:
+        raise InvestigationError("FEEDBACK_INVALID",
+                                 f"{path} is larger than an observation may be "
+                                 f"({MAX_OBSERVATION_FILE_BYTES} bytes)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvestigationError("FEEDBACK_INVALID", f"{path} is not UTF-8 text") from exc
+
+
 @feedback_app.command("submit")
 @_controlled
 def feedback_submit(
@@ -125,7 +143,7 @@ def feedback_submit(
         raise InvestigationError("FEEDBACK_INVALID",
                                  "give exactly one of --observation or --observation-file")
     text = observation if observation is not None else \
-        observation_file.read_text(encoding="utf-8")  # type: ignore[union-attr]
+        _read_observation(observation_file)  # type: ignore[arg-type]
     res = _coordinator().submit(case_id, request_id, secret,
                                 {"outcome": outcome, "observation": text})
     out.print(f"{request_id}: submitted, digest {res['feedback_sha256']}", highlight=False)

@@ -22,11 +22,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from investigation.errors import ConfigError
@@ -62,7 +65,7 @@ class Settings(BaseSettings):
     max_stage_deliveries: int = Field(5, ge=1)
     """Deliveries of one stage that started and never returned (its worker died each
     time) after which the case is parked ``BLOCKED`` with ``STAGE_POISONED``. Default 5."""
-    queue: str = "cases"
+    queue: str = Field("cases", min_length=1)
     worker_max_memory_kib: int = Field(1_048_576, ge=65_536)
     """Resident memory after which a prefork child is replaced (KiB). Default 1 GiB."""
 
@@ -85,18 +88,34 @@ class Settings(BaseSettings):
             if not create:
                 return None
             path.parent.mkdir(parents=True, exist_ok=True)
+            # Written whole under a temporary name, then linked into place: a concurrent
+            # reader never sees a half-written key, and the first creator wins.
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".feedback-key-")
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:  # another process created it first
-                pass
-            else:
-                with os.fdopen(fd, "w") as fh:
+                with os.fdopen(fd, "w") as fh:  # mkstemp creates it 0600
                     fh.write(secrets.token_hex(32) + "\n")
+                with contextlib.suppress(FileExistsError):  # another process was first
+                    os.link(tmp, path)
+            finally:
+                os.unlink(tmp)
         key = path.read_bytes().strip()
         if len(key) < 32:
             raise ConfigError("CONFIG_INVALID",
                               f"feedback key file {path} holds fewer than 32 bytes")
         return key
+
+    @field_validator("broker_url", "redis_url")
+    @classmethod
+    def _redis_database(cls, value: str | None) -> str | None:
+        """A Redis URL's database must be a number: redis-py reads ``/abc`` as database 0,
+        and processes with different URLs would then share locks unknowingly."""
+        if value is None:
+            return value
+        parts = urlsplit(value)
+        db = parts.path.strip("/")
+        if parts.scheme.startswith("redis") and db and not db.isdigit():
+            raise ValueError(f"the Redis database must be a number, not {db!r}")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

@@ -42,7 +42,8 @@ class BudgetManager:
         config whose policy differs from the stored one is refused.
 
         Raises:
-            InvestigationError: ``POLICY_CHANGED`` for an explicit, different policy.
+            InvestigationError: ``POLICY_CHANGED`` for an explicit, different policy, or a
+            stored policy that no longer matches its hash.
         """
         wanted = config.policy()
         if revision.policy_json is None:
@@ -52,6 +53,11 @@ class BudgetManager:
             session.add(revision)
             session.flush()
             return config
+        if sha256_hex(revision.policy_json.encode("utf-8")) != revision.policy_sha256:
+            raise InvestigationError(
+                "POLICY_CHANGED",
+                "the frozen policy of this revision no longer matches its stored hash; "
+                "the store was changed outside the engine", stored_sha256=revision.policy_sha256)
         stored = json.loads(revision.policy_json)
         if explicit and sha256_hex(canonical_json(wanted)) != revision.policy_sha256:
             raise InvestigationError(

@@ -21,7 +21,8 @@ Refusals (``InvestigationError`` codes; none changes anything): ``TEST_REQUEST_N
 ``FEEDBACK_FORGED`` (wrong secret: forged, or meant for another case or request),
 ``FEEDBACK_REPLAYED`` (already submitted, confirmed or expired), ``FEEDBACK_AFTER_DEADLINE``,
 ``FEEDBACK_NOT_SUBMITTED``, ``FEEDBACK_DIGEST_MISMATCH``, ``FEEDBACK_INVALID``,
-``FEEDBACK_KEY_MISSING``, ``CASE_CANCELLED``.
+``FEEDBACK_KEY_MISSING``, ``CASE_CANCELLED``, ``TEST_REQUEST_NOT_PUBLISHED`` (confirm
+while the hand-off step is still being published).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -48,8 +50,11 @@ from investigation.constants import (
 from investigation.errors import InvestigationError
 from investigation.evidence import EvidenceStore
 from investigation.loop import lifecycle
+from investigation.loop.contract import printable
 from investigation.store.engine import Store, sha256_hex
 from investigation.store.models import BudgetAccount, CaseRecord, TestRequest, utcnow
+
+log = logging.getLogger(__name__)
 
 #: Operation name of evidence imported from external tests.
 FEEDBACK_OPERATION = "test.feedback"
@@ -63,10 +68,12 @@ def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-def _printable(value: str) -> str:
-    if any((ord(ch) < 0x20 and ch not in "\t\n\r") or 0x7F <= ord(ch) <= 0x9F
-           for ch in value):
-        raise ValueError("control characters are not allowed")
+def _observation(value: str) -> str:
+    """Printable text (the reply contract's rule: no control or bidi characters) that is
+    not only whitespace."""
+    printable(value)
+    if not value.strip():
+        raise ValueError("the observation is empty")
     return value
 
 
@@ -82,7 +89,7 @@ class Feedback(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
     outcome: Literal["as_expected", "not_as_expected", "inconclusive"]
     observation: Annotated[str, Field(min_length=1, max_length=8000),
-                           AfterValidator(_printable)]
+                           AfterValidator(_observation)]
 
     def canonical(self) -> bytes:
         """Canonical JSON bytes (their sha256 is the submission's digest)."""
@@ -244,9 +251,11 @@ class AsyncTestCoordinator:
             fb = feedback if isinstance(feedback, Feedback) else \
                 Feedback.model_validate(feedback)
             data = fb.canonical()
-        except (ValidationError, ValueError) as exc:
-            raise InvestigationError("FEEDBACK_INVALID", f"the feedback is malformed: {exc}"
-                                     .splitlines()[0][:300]) from exc
+        except ValidationError as exc:
+            first = exc.errors(include_input=False)[0]
+            where = ".".join(str(p) for p in first["loc"]) or "feedback"
+            raise InvestigationError("FEEDBACK_INVALID",
+                                     f"{where}: {first['msg']}"[:300]) from exc
         with self.store.session() as s:
             case = s.get(CaseRecord, case_id)
             if case is not None and case.state == CASE_CANCELLED:
@@ -295,6 +304,7 @@ class AsyncTestCoordinator:
                 raise InvestigationError("FEEDBACK_DIGEST_MISMATCH",
                                          "the digest does not match the submitted feedback")
             self._before_deadline(r)
+            self._published(case, r)
             fb = json.loads(r.feedback_json or "{}")
             items = [{"key": f"{r.request_id}:outcome", "text": fb["outcome"]},
                      {"key": f"{r.request_id}:observation", "text": fb["observation"]}]
@@ -317,21 +327,37 @@ class AsyncTestCoordinator:
                 if _aware(r.deadline_at) <= now]
         expired: list[dict[str, Any]] = []
         for case_id, request_id in due:
-            with self.store.session() as s:
-                try:
+            try:
+                with self.store.session() as s:
                     case = self._lock_case(s, case_id)
-                except InvestigationError:  # cancelled: its tests stay as they are
-                    continue
-                r = self._request(s, case_id, request_id)
-                if r.status not in ("awaiting", "submitted"):
-                    continue  # confirmed or expired meanwhile
-                eid = self._close(s, case, r, "expired", [], [DEADLINE_WARNING],
-                                  DEADLINE_WARNING)
-                expired.append({"case_id": case_id, "request_id": request_id,
-                                "evidence_id": eid})
+                    r = self._request(s, case_id, request_id)
+                    if r.status not in ("awaiting", "submitted") \
+                            or case.head_seq < r.step_seq:
+                        continue  # closed meanwhile, or its hand-off not yet published
+                    eid = self._close(s, case, r, "expired", [], [DEADLINE_WARNING],
+                                      DEADLINE_WARNING)
+            except InvestigationError as exc:
+                # Cancelled, or confirmed by a racing submit/confirm: leave it; one
+                # request never stops the others' expiry (nor the recovery sweep).
+                log.info("test %s of %s not expired: %s", request_id, case_id, exc.code)
+                continue
+            expired.append({"case_id": case_id, "request_id": request_id,
+                            "evidence_id": eid})
         return expired
 
     # -- internals -----------------------------------------------------------------------
+
+    @staticmethod
+    def _published(case: CaseRecord, r: TestRequest) -> None:
+        """The hand-off step must be published before its result may be imported: until
+        then its ``publish`` (after a crash, or of a paused case) is still to come and
+        would block the case again after the result was taken."""
+        if case.head_seq < r.step_seq or case.current_revision != r.revision:
+            raise InvestigationError(
+                "TEST_REQUEST_NOT_PUBLISHED",
+                f"the step that handed {r.request_id} out (step {r.step_seq}) is not "
+                f"published yet; confirm again once the case is BLOCKED "
+                f"(AWAITING_TEST_FEEDBACK)")
 
     @staticmethod
     def _lock_case(s: Session, case_id: str) -> CaseRecord:

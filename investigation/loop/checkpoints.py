@@ -21,11 +21,13 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from investigation.config import canonical_json
 from investigation.constants import ARTIFACT_CONTEXT, ARTIFACT_STATE, POINTER_STATE
 from investigation.errors import InvestigationError
+from investigation.evidence.store import fingerprint
 from investigation.loop.outcome import StepKey
 from investigation.store.engine import Store, sha256_hex
 from investigation.store.models import (
@@ -38,6 +40,7 @@ from investigation.store.models import (
     Question,
     RevisionRecord,
     StageRun,
+    TestRequest,
 )
 
 
@@ -178,8 +181,8 @@ class ReplayCache:
             self._entries.popitem(last=False)
 
 
-def _archive_digests(case_id: str, rows: list[Checkpoint],
-                     shas: dict[str, str]) -> list[str]:
+def _archive_digests(case_id: str, rows: list[Checkpoint], shas: dict[str, str],
+                     built: dict[int, str]) -> list[str]:
     """The running archive digest after each checkpoint (see :class:`ReplayCache`)."""
     digest = ""
     out: list[str] = []
@@ -188,11 +191,22 @@ def _archive_digests(case_id: str, rows: list[Checkpoint],
             "previous": digest, "case_id": case_id, "seq": cp.seq, "revision": cp.revision,
             "parent_hash": cp.parent_hash, "hash": cp.hash, "state_path": cp.state_path,
             "context_sha256": cp.context_sha256, "hypothesis_id": cp.hypothesis_id,
+            "outcome": cp.outcome, "reason": cp.reason,
             "state_artifact": shas.get(cp.state_path),
             "context_artifact": shas.get(ARTIFACT_CONTEXT.format(seq=cp.seq)),
+            "build_context": built.get(cp.seq),
         }))
         out.append(digest)
     return out
+
+
+def _json_object(data: str | bytes) -> dict[str, Any]:
+    """A stored JSON object; anything else is a tampered record (``{}`` fails every check)."""
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _verify_generation(s: Session, case_id: str, cp: Checkpoint, parent: str | None) -> None:
@@ -205,11 +219,12 @@ def _verify_generation(s: Session, case_id: str, cp: Checkpoint, parent: str | N
     if checkpoint_hash(case_id, cp.seq, parent, art.sha256, cp.context_sha256,
                        cp.hypothesis_id) != cp.hash:
         raise _invalid(case_id, cp.seq, "its hash does not bind its state")
-    state = json.loads(art.data)
+    state = _json_object(art.data)
     if (state.get("seq"), state.get("case_id"), state.get("hypothesis_id"),
-            state.get("context_sha256")) != (cp.seq, case_id, cp.hypothesis_id,
-                                             cp.context_sha256):
-        raise _invalid(case_id, cp.seq, "its state names another step, hypothesis or context")
+            state.get("context_sha256"), state.get("outcome"), state.get("reason")) != \
+            (cp.seq, case_id, cp.hypothesis_id, cp.context_sha256, cp.outcome, cp.reason):
+        raise _invalid(case_id, cp.seq, "its state names another step, hypothesis, context "
+                                        "or outcome")
     if cp.context_sha256 is None:
         return
     ctx = Store.get_artifact(s, case_id, ARTIFACT_CONTEXT.format(seq=cp.seq))
@@ -218,7 +233,7 @@ def _verify_generation(s: Session, case_id: str, cp: Checkpoint, parent: str | N
     built = s.exec(select(StageRun).where(
         StageRun.case_id == case_id, StageRun.revision == cp.revision,
         StageRun.step_seq == cp.seq, StageRun.stage == "build_context")).first()
-    recorded = json.loads(built.output_json) if built is not None else {}
+    recorded = _json_object(built.output_json) if built is not None else {}
     if recorded.get("hypothesis_id") != cp.hypothesis_id or \
             recorded.get("context_sha256") != cp.context_sha256:
         raise _invalid(case_id, cp.seq, "its selected hypothesis or context differs from "
@@ -252,6 +267,12 @@ def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None
         raise _invalid(case.id, case.head_seq,
                        f"the case head is {case.head_seq} but {len(rows)} checkpoint(s) "
                        "are stored or their sequence has a gap")
+    published = s.exec(select(func.max(StageRun.step_seq)).where(
+        StageRun.case_id == case.id, StageRun.stage == "publish")).one() or 0
+    if published != case.head_seq:
+        raise _invalid(case.id, case.head_seq,
+                       f"step {published} was published but the case head is "
+                       f"{case.head_seq}: checkpoints or the head were changed")
     if not rows:
         if case.head_hash is not None:
             raise _invalid(case.id, 0, "a head hash is set without checkpoints")
@@ -267,7 +288,11 @@ def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None
     shas = {path: sha256_hex(data) for path, data in s.exec(
         select(Artifact.path, Artifact.data).where(
             Artifact.case_id == case.id, col(Artifact.path).in_(paths))).all()}
-    digests = _archive_digests(case.id, rows, shas)
+    built = {seq: sha256_hex(out.encode("utf-8", "surrogatepass")) for seq, out in s.exec(
+        select(StageRun.step_seq, StageRun.output_json).where(
+            StageRun.case_id == case.id, StageRun.stage == "build_context",
+            col(StageRun.step_seq) <= len(rows))).all()}
+    digests = _archive_digests(case.id, rows, shas, built)
     start = 0
     cache_key = f"{case.id}|{limits_key}"
     cached = cache.get(cache_key) if cache is not None else None
@@ -286,7 +311,7 @@ def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None
     rev = _revision(s, case.id, head.revision)
     head_state = Store.get_artifact(s, case.id, head.state_path)
     assert head_state is not None  # checked above (cached or not, the sha is present)
-    recorded_policy = json.loads(head_state.data).get("policy_sha256")
+    recorded_policy = _json_object(head_state.data).get("policy_sha256")
     if rev.policy_json is None or rev.policy_sha256 is None or \
             sha256_hex(rev.policy_json.encode("utf-8")) != rev.policy_sha256 or \
             (recorded_policy is not None and recorded_policy != rev.policy_sha256):
@@ -298,3 +323,92 @@ def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None
     if cache is not None:
         cache.put(cache_key, head.seq, digests[-1])
     return head.seq
+
+
+def verify_live_state(s: Session, case: CaseRecord) -> None:
+    """Check the live rows against the head checkpoint's state before a step builds on them.
+
+    Accounts (status, disposition, confidence, credit, balance, turns, iterations, invalid
+    streak, deferral), evidence (ids, fingerprint recomputed from the stored findings,
+    assessment, refund, artifact bytes) and question statuses must be what the head state
+    recorded. The one change allowed between steps is the import of an external test's
+    result (``test.feedback`` evidence of a closed request, which becomes its account's
+    pending result; ``docs/async-tests.md``).
+
+    Raises:
+        InvestigationError: ``STATE_TAMPERED`` naming the first row that differs.
+    """
+    if case.head_seq == 0:
+        return
+    head = s.exec(select(Checkpoint).where(Checkpoint.case_id == case.id,
+                                           Checkpoint.seq == case.head_seq)).one()
+    art = Store.get_artifact(s, case.id, head.state_path)
+    state = _json_object(art.data) if art is not None else {}
+    if head.revision != case.current_revision:
+        return  # a new revision starts from fresh accounts
+
+    def tampered(what: str) -> InvestigationError:
+        return InvestigationError("STATE_TAMPERED",
+                                  f"case {case.id}: {what} differs from checkpoint "
+                                  f"{head.seq}; the store was changed outside the engine",
+                                  seq=head.seq)
+
+    imported = {r.evidence_id: r for r in s.exec(select(TestRequest).where(
+        TestRequest.case_id == case.id, col(TestRequest.status).in_(("confirmed", "expired")),
+        col(TestRequest.evidence_id).is_not(None))).all()}
+    live_ev = s.exec(select(Evidence).where(Evidence.case_id == case.id,
+                                            Evidence.revision == head.revision)
+                     .order_by(col(Evidence.ordinal))).all()
+    recorded_ev = {e["evidence_id"]: e for e in state.get("evidence", [])}
+    pending_imports: set[str] = set()
+    for e in live_ev:
+        items = _json_list(e.findings_json)
+        arguments = _json_object(e.arguments_json)
+        if e.fingerprint != fingerprint(e.operation, arguments, items):
+            raise tampered(f"evidence {e.evidence_id}'s findings")
+        ev_art = Store.get_artifact(s, case.id, e.artifact_path)
+        if ev_art is None or sha256_hex(ev_art.data) != e.artifact_sha256:
+            raise tampered(f"evidence {e.evidence_id}'s artifact")
+        rec = recorded_ev.get(e.evidence_id)
+        if rec is None:
+            if e.evidence_id not in imported or e.assessed:
+                raise tampered(f"evidence {e.evidence_id}")
+            pending_imports.add(e.evidence_id)
+            continue
+        if (rec.get("hypothesis_id"), rec.get("fingerprint"), rec.get("assessed"),
+                rec.get("refund_units")) != (e.hypothesis_id, e.fingerprint, e.assessed,
+                                              e.refund_units):
+            raise tampered(f"evidence {e.evidence_id}")
+    if len(recorded_ev) != len(live_ev) - len(pending_imports):
+        raise tampered("the evidence records")
+    accounts = s.exec(select(BudgetAccount).where(
+        BudgetAccount.case_id == case.id, BudgetAccount.revision == head.revision)).all()
+    recorded_acc = {a["hypothesis_id"]: a for a in state.get("accounts", [])}
+    fields = ("status", "disposition_reason", "confidence", "credit_units", "balance_units",
+              "turns", "iterations", "invalid_streak", "deferred_by", "deferred_step")
+    for a in accounts:
+        rec = recorded_acc.get(a.hypothesis_id)
+        if rec is None:
+            raise tampered(f"hypothesis {a.hypothesis_id}'s account")
+        if any(rec.get(f) != getattr(a, f) for f in fields):
+            raise tampered(f"hypothesis {a.hypothesis_id}'s account")
+        if a.pending_evidence_id != rec.get("pending_evidence_id") and \
+                a.pending_evidence_id not in pending_imports:
+            raise tampered(f"hypothesis {a.hypothesis_id}'s pending result")
+    if len(recorded_acc) != len(accounts):
+        raise tampered("the accounts")
+    questions = s.exec(select(Question).where(Question.case_id == case.id,
+                                              Question.revision == head.revision)
+                       .order_by(col(Question.ordinal))).all()
+    if [(q.question_id, q.hypothesis_id, q.status) for q in questions] != \
+            [(q.get("question_id"), q.get("hypothesis_id"), q.get("status"))
+             for q in state.get("questions", [])]:
+        raise tampered("the questions")
+
+
+def _json_list(data: str) -> list[Any]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return []
+    return value if isinstance(value, list) else []

@@ -24,7 +24,7 @@ assert set(CONFIDENCE_ORDER) == set(Confidence.__args__)  # type: ignore[attr-de
 _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
-def _printable(value: str) -> str:
+def printable(value: str) -> str:
     """Text fields carry no control characters other than tab and line breaks (a NUL, for
     one, cannot be stored in PostgreSQL text and has no place in an audit note)."""
     if any((ord(ch) < 0x20 and ch not in "\t\n\r") or 0x7F <= ord(ch) <= 0x9F
@@ -33,7 +33,7 @@ def _printable(value: str) -> str:
     return value
 
 
-_Printable = AfterValidator(_printable)
+_Printable = AfterValidator(printable)
 _Text = Annotated[str, Field(min_length=1, max_length=4000), _Printable]
 _Id = Annotated[str, Field(min_length=1, max_length=32), _Printable]
 

@@ -102,6 +102,15 @@ def ensure(case: CaseRecord, config: InvestigationConfig, hypotheses: int,
     """
     session = load(case)
     if session is not None:
+        budget = session_budget(config, hypotheses)
+        if session.budget != budget and session.usage == BudgetUsage() \
+                and not session.is_terminal:
+            # Started before the first step (an operator pause) with provisional bounds:
+            # nothing was used under them, so the frozen policy's bounds replace them.
+            record = session.to_dict()
+            record["budget"] = budget.to_dict()
+            session = InvestigationSession.from_dict(record)
+            save(case, session)
         return session
     created = _aware(case.created_at)
     objective = ResearchObjective.create(

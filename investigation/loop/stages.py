@@ -136,12 +136,20 @@ class Stages:
             return StageResult(done, self._recorded_halt(stage, key, done))
         with self.store.session() as s:
             self._load_markers(s, key)
-            done = self._recorded.get((key, stage))
-            if done is not None:
-                return StageResult(done, self._recorded_halt(stage, key, done))
             case = s.get(CaseRecord, key.case_id)
             if case is None:
                 raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
+            if (key, "publish") in self._recorded and case.head_seq < key.step_seq:
+                # Publishing writes its marker and moves the head in one transaction.
+                self._recorded.clear()
+                raise InvestigationError(
+                    "CHECKPOINT_INVALID",
+                    f"step {key.step_seq} of {key.case_id} was published but the case head "
+                    f"is {case.head_seq}: checkpoints or the head were changed",
+                    seq=key.step_seq)
+            done = self._recorded.get((key, stage))
+            if done is not None:
+                return StageResult(done, self._recorded_halt(stage, key, done))
             if case.head_seq >= key.step_seq or case.current_revision != key.revision:
                 raise StaleStateError(
                     f"step {key.step_seq} of {key.case_id} is already published",
@@ -242,6 +250,13 @@ class Stages:
             RevisionRecord.case_id == key.case_id,
             RevisionRecord.revision == key.revision)).one()
         cfg = BudgetManager.freeze_policy(s, rev, self.env.config, self.env.explicit_config)
+        built = self._recorded.get((key, "build_context"))
+        if built is not None and built.get("policy_sha256") not in (None, rev.policy_sha256):
+            # The step was planned under another policy: a swap between its stages.
+            raise InvestigationError(
+                "POLICY_CHANGED",
+                f"the policy of revision {key.revision} changed during step {key.step_seq}",
+                step_seq=key.step_seq)
         return cfg, BudgetManager(cfg.budget, cfg.loop)
 
     @staticmethod
@@ -272,6 +287,7 @@ class Stages:
             case = self._fence(s, key, "build_context")
             checkpoints.verify_replay(s, case, self.env.replay_cache,
                                       self.env.limits_key)
+            checkpoints.verify_live_state(s, case)
             cfg, budget = self._policy(s, key)
             if key.step_seq > cfg.limits.max_checkpoints:
                 raise InvestigationError(
@@ -309,7 +325,7 @@ class Stages:
             return self._complete(s, key, "build_context", {
                 "finalize": False, "hypothesis_id": selected, "context_path": path,
                 "context_sha256": digest, "call_index": len(llm_steps),
-                "closing_reason": doc["closing_reason"],
+                "closing_reason": doc["closing_reason"], "policy_sha256": rev.policy_sha256,
             })
 
     # -- 2. llm_call ---------------------------------------------------------------------

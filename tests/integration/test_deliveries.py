@@ -82,5 +82,5 @@ def test_settings_refuse_a_countdown_not_below_the_visibility_timeout() -> None:
 
 
 def test_resume_of_a_running_case_is_refused(tiny_case: Case) -> None:
-    with pytest.raises(InvestigationError, match="only a blocked case"):
+    with pytest.raises(InvestigationError, match="only a paused or blocked case"):
         resume(tiny_case.store, tiny_case.case_id)

@@ -285,3 +285,18 @@ def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
     assert err.value.code == "EXPORT_TARGET_NOT_EMPTY"
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
     assert len(export(case.store, case.case_id, tmp_path / "fresh")) > 10
+
+
+@pytest.mark.parametrize(("name", "value", "shown"), [
+    ("INVESTIGATE_FEEDBACK_KEY", "supersecretvalue-31-chars-abcde", "FEEDBACK_KEY"),
+    ("INVESTIGATE_REDIS_URL", "redis://127.0.0.1:6379/abc", "must be a number"),
+    ("INVESTIGATE_QUEUE", "", "QUEUE"),
+])
+def test_broken_settings_are_one_line_and_never_echo_values(
+        cli_env: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str,
+        shown: str) -> None:
+    monkeypatch.setenv(name, value)
+    res = CliRunner().invoke(app, ["status", "case-x"])
+    assert res.exit_code == 2
+    assert "CONFIG_INVALID" in res.output and shown in res.output
+    assert "supersecret" not in res.output and "Traceback" not in res.output

@@ -237,3 +237,63 @@ def test_without_a_feedback_key_tests_are_refused_before_any_charge(tmp_path: Pa
     assert (outcome.outcome, outcome.reason) == ("REJECTED", "TEST_HANDOFF_UNAVAILABLE")
     with case.store.session() as s:
         assert s.exec(select(TestRequest)).all() == []
+
+
+def test_feedback_cannot_be_confirmed_before_the_hand_off_is_published(tmp_path: Path) -> None:
+    from investigation.loop.outcome import StepKey
+    from investigation.loop.stages import Stages
+
+    case = make_case(tmp_path / "c", replies=REPLIES)
+    inv = case.investigator(CFG, feedback_key=KEY)
+    inv.step(case.case_id)
+    inv.step(case.case_id)
+    stages = Stages(case.env(CFG, feedback_key=KEY))
+    key = StepKey(case.case_id, 1, 3)
+    for stage in ("build_context", "llm_call", "validate", "persist_plan", "settle_reserve",
+                  "execute_tool", "record_evidence"):
+        stages.run(stage, key)  # the worker dies here: T1 exists, publish is to come
+    coord = AsyncTestCoordinator(case.store, KEY)
+    secret = derive_secret(KEY, case.case_id, "T1")
+    sub = coord.submit(case.case_id, "T1", secret, {"outcome": "as_expected",
+                                                     "observation": "90"})
+    before = snapshot(case)
+    assert _code(coord.confirm, case.case_id, "T1", secret, sub["feedback_sha256"]) == \
+        "TEST_REQUEST_NOT_PUBLISHED"
+    assert coord.expire_due(datetime(2100, 1, 1, tzinfo=UTC)) == []  # not before publish
+    assert snapshot(case) == before
+    out = Stages(case.env(CFG, feedback_key=KEY)).run("publish", key).halt
+    assert out is not None and (out.outcome, out.reason) == (BLOCKED, "AWAITING_TEST_FEEDBACK")
+    coord.confirm(case.case_id, "T1", secret, sub["feedback_sha256"])
+    assert [inv.step(case.case_id).outcome for _ in range(2)] == [PROGRESSED, COMPLETED]
+
+
+def test_observation_files_are_read_boundedly_and_strictly(
+        blocked: tuple[Case, AsyncTestCoordinator, Clock], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    case, _, _ = blocked
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", str(case.store.engine.url))
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("INVESTIGATE_FEEDBACK_KEY", KEY.decode())
+    before = snapshot(case)
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"x" * 100_000)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9")
+    secret = derive_secret(KEY, case.case_id, "T1")
+    for path in ("/dev/zero", str(big), str(latin)):
+        res = CliRunner().invoke(app, ["feedback", "submit", case.case_id, "T1", "--secret",
+                                       secret, "--outcome", "as_expected",
+                                       "--observation-file", path])
+        assert res.exit_code == 2 and "FEEDBACK_INVALID" in res.output, res.output
+    res = CliRunner().invoke(app, ["feedback", "submit", case.case_id, "T1", "--secret",
+                                   secret, "--outcome", "fine", "--observation", "x"])
+    assert res.exit_code == 2 and "FEEDBACK_INVALID: outcome:" in res.output, res.output
+    for text in ("   ", "a\u202eb"):
+        assert _code(AsyncTestCoordinator(case.store, KEY).submit, case.case_id, "T1",
+                     secret, {"outcome": "as_expected", "observation": text}) == \
+            "FEEDBACK_INVALID"
+    assert snapshot(case) == before

@@ -335,6 +335,19 @@ def test_tampered_balance_stops_the_next_step(tmp_path: Path) -> None:
                   .values(balance_units=1000))
     with pytest.raises(InvestigationError) as info:
         inv.step(case.case_id)
+    assert info.value.code == "STATE_TAMPERED"  # the account differs from the checkpoint
+
+
+def test_a_tampered_ledger_stops_the_next_step(tmp_path: Path) -> None:
+    case = make_case(tmp_path / "c")
+    inv = case.investigator()
+    steps(inv, case, 1)
+    with case.store.session() as s:  # the account still matches its checkpoint
+        s.execute(update(LedgerEntry).where(col(LedgerEntry.hypothesis_id) == 1,
+                                            col(LedgerEntry.kind) == "reserve")
+                  .values(amount_units=0))
+    with pytest.raises(InvestigationError) as info:
+        inv.step(case.case_id)
     assert info.value.code == "BUDGET_ORIGIN_MISMATCH"
 
 

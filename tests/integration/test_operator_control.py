@@ -231,3 +231,14 @@ def test_operator_control_from_the_cli(tmp_path: Path, monkeypatch: pytest.Monke
     assert "lifecycle COMPLETED (OBJECTIVE_MET)" in st.output
     again = runner.invoke(app, ["cancel", case.case_id])
     assert again.exit_code == 2 and "CASE_NOT_ACTIVE" in again.output
+
+
+def test_a_pause_before_the_first_step_does_not_fix_the_session_budget(
+        tmp_path: Path) -> None:
+    cfg = InvestigationConfig(limits=LimitsConfig(max_execution_seconds=5))
+    case = make_case(tmp_path / "c")
+    operations.pause(case.store, case.case_id)  # starts the session with default bounds
+    assert session_of(case).budget.max_execution_ms == 7 * 24 * 3600 * 1000
+    operations.resume(case.store, case.case_id)
+    case.investigator(cfg).step(case.case_id)
+    assert session_of(case).budget.max_execution_ms == 5000  # the frozen policy's

@@ -17,6 +17,8 @@ from investigation.constants import ARTIFACT_CONTEXT, ARTIFACT_STATE, PROGRESSED
 from investigation.errors import InvestigationError
 from investigation.loop import checkpoints
 from investigation.loop.investigator import Investigator
+from investigation.loop.outcome import StepKey
+from investigation.loop.stages import Stages
 from investigation.store.models import (
     Artifact,
     CaseRecord,
@@ -191,3 +193,71 @@ def test_validated_generations_are_cached_only_behind_the_archive_digest(
         assert row is not None
         checkpoints.verify_replay(s, row, cache)
     assert info.value.code == "CHECKPOINT_INVALID" and checked == [1]
+
+
+def test_wiped_checkpoints_and_head_do_not_restart_or_loop(case: Case) -> None:
+    tamper(case, lambda s: s.execute(delete(Checkpoint).where(
+        col(Checkpoint.case_id) == case.case_id)))
+    tamper(case, lambda s: s.execute(update(CaseRecord).where(
+        col(CaseRecord.id) == case.case_id).values(head_seq=0, head_hash=None)))
+    refused(case, "CHECKPOINT_INVALID")
+
+
+@pytest.mark.parametrize("garbage", ["[]", "nope", '"text"'])
+def test_a_garbled_stage_record_is_invalid_not_a_crash(case: Case, garbage: str) -> None:
+    tamper(case, lambda s: s.execute(update(StageRun).where(
+        col(StageRun.case_id) == case.case_id, col(StageRun.step_seq) == 1,
+        col(StageRun.stage) == "build_context").values(output_json=garbage)))
+    assert refused(case, "CHECKPOINT_INVALID").details["seq"] == 1
+
+
+def test_a_warm_cache_sees_a_rewritten_stage_record(case: Case) -> None:
+    inv = Investigator(case.env())
+    inv.step(case.case_id)  # validates and caches generations 1..3
+
+    def edit(s: Session) -> None:
+        run = s.exec(select(StageRun).where(
+            StageRun.case_id == case.case_id, StageRun.step_seq == 1,
+            StageRun.stage == "build_context")).one()
+        run.output_json = run.output_json.replace('"hypothesis_id":1', '"hypothesis_id":2')
+        s.add(run)
+    tamper(case, edit)
+    with pytest.raises(InvestigationError) as info:
+        inv.step(case.case_id)  # the same process, its cache warm
+    assert info.value.code == "CHECKPOINT_INVALID"
+
+
+def test_a_policy_swapped_between_the_stages_of_a_step_is_refused(case: Case) -> None:
+    from investigation.store.engine import sha256_hex
+
+    stages = Stages(case.env())
+    key = StepKey(case.case_id, 1, 4)
+    stages.run("build_context", key)
+
+    def swap(s: Session) -> None:
+        rev = s.exec(select(RevisionRecord).where(
+            RevisionRecord.case_id == case.case_id)).one()
+        policy = rev.policy_json.replace('"source.read":2', '"source.read":50')
+        rev.policy_json, rev.policy_sha256 = policy, sha256_hex(policy.encode())
+        s.add(rev)
+    tamper(case, swap)
+    with pytest.raises(InvestigationError) as info:
+        Stages(case.env()).run("llm_call", key)
+        Stages(case.env()).run("validate", key)
+    assert info.value.code == "POLICY_CHANGED"
+
+
+@pytest.mark.parametrize("sql", [
+    "UPDATE budget_account SET status='rejected' WHERE hypothesis_id=2",
+    "UPDATE evidence SET findings_json='[{\"key\":\"x\",\"text\":\"FORGED\"}]' "
+    "WHERE evidence_id='E1'",
+    "UPDATE question SET status='resolved'",
+    "UPDATE budget_account SET credit_units=credit_units+1000, "
+    "balance_units=balance_units+1000 WHERE hypothesis_id=1",
+    "UPDATE evidence SET assessed=1, refund_units=3 WHERE evidence_id='E2'",
+])
+def test_live_rows_that_differ_from_the_head_state_stop_the_case(case: Case, sql: str) -> None:
+    from sqlalchemy import text
+
+    tamper(case, lambda s: s.execute(text(sql)))
+    refused(case, "STATE_TAMPERED")
