@@ -107,17 +107,6 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
     }
 
 
-def _lock(s: Session, case_id: str) -> CaseRecord:
-    """The case row, locked for this transaction on PostgreSQL (SQLite: BEGIN IMMEDIATE)."""
-    stmt = select(CaseRecord).where(CaseRecord.id == case_id)
-    if s.get_bind().dialect.name == "postgresql":
-        stmt = stmt.with_for_update()
-    case = s.exec(stmt).first()
-    if case is None:
-        raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
-    return case
-
-
 def _session_for(s: Session, case: CaseRecord) -> InvestigationSession:
     """The case's session, started (in PLANNING) if no step ran yet."""
     rev = s.exec(select(RevisionRecord).where(
@@ -148,7 +137,7 @@ def pause(store: Store, case_id: str) -> dict[str, Any]:
         cancelled, stopped or completed case.
     """
     with store.session() as s:
-        case = _lock(s, case_id)
+        case = Store.lock_case(s, case_id)
         if case.state not in (CASE_INVESTIGATING, CASE_BLOCKED):
             raise InvestigationError("CASE_NOT_ACTIVE",
                                      f"case {case_id} is {case.state}; only an investigating "
@@ -189,7 +178,7 @@ def cancel(store: Store, case_id: str) -> dict[str, Any]:
         stopped or completed case.
     """
     with store.session() as s:
-        case = _lock(s, case_id)
+        case = Store.lock_case(s, case_id)
         if case.state not in (CASE_INVESTIGATING, CASE_BLOCKED, CASE_PAUSED):
             raise InvestigationError("CASE_NOT_ACTIVE",
                                      f"case {case_id} is {case.state}; it cannot be cancelled")
@@ -227,7 +216,7 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
         ``RETRY_ID_REUSED``.
     """
     with store.session() as s:
-        case = _lock(s, case_id)
+        case = Store.lock_case(s, case_id)
         if case.state == CASE_PAUSED:
             if retry_id is not None:
                 raise InvestigationError("RETRY_ID_NOT_APPLICABLE",

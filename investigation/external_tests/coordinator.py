@@ -361,12 +361,7 @@ class AsyncTestCoordinator:
 
     @staticmethod
     def _lock_case(s: Session, case_id: str) -> CaseRecord:
-        stmt = select(CaseRecord).where(CaseRecord.id == case_id)
-        if s.get_bind().dialect.name == "postgresql":
-            stmt = stmt.with_for_update()
-        case = s.exec(stmt).first()
-        if case is None:
-            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+        case = Store.lock_case(s, case_id)
         if case.state == CASE_CANCELLED:
             raise InvestigationError("CASE_CANCELLED",
                                      f"case {case_id} was cancelled; it takes no feedback")

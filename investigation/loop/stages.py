@@ -218,12 +218,7 @@ class Stages:
         runners both passed ``run``'s first check: the second one finds the first one's
         marker here and returns its recorded output instead of redoing the stage.
         """
-        stmt = select(CaseRecord).where(CaseRecord.id == key.case_id)
-        if s.get_bind().dialect.name == "postgresql":
-            stmt = stmt.with_for_update()
-        case = s.exec(stmt).first()
-        if case is None:
-            raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
+        case = Store.lock_case(s, key.case_id)
         if case.head_seq != key.step_seq - 1 or case.current_revision != key.revision:
             raise StaleStateError(
                 f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",

@@ -20,9 +20,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.pool import QueuePool
 from sqlmodel import Session, create_engine, select
 
-from investigation.errors import StoreError
+from investigation.errors import InvestigationError, StoreError
 from investigation.store import models
-from investigation.store.models import Artifact, ManifestPointer
+from investigation.store.models import Artifact, CaseRecord, ManifestPointer
 
 #: SQLite busy timeout: writers wait for each other instead of failing at once.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -144,6 +144,23 @@ class Store:
                              data=data))
         session.flush()
         return digest
+
+    @staticmethod
+    def lock_case(session: Session, case_id: str) -> CaseRecord:
+        """The case row, locked for the rest of the transaction: ``SELECT ... FOR UPDATE``
+        on PostgreSQL; on SQLite the transaction already holds the write lock
+        (``BEGIN IMMEDIATE``).
+
+        Raises:
+            InvestigationError: ``CASE_NOT_FOUND``.
+        """
+        stmt = select(CaseRecord).where(CaseRecord.id == case_id)
+        if session.get_bind().dialect.name == "postgresql":
+            stmt = stmt.with_for_update()
+        case = session.exec(stmt).first()
+        if case is None:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+        return case
 
     @staticmethod
     def get_artifact(session: Session, case_id: str, path: str) -> Artifact | None:
