@@ -21,7 +21,9 @@ rejected reply                  PLANNING -> EXECUTING -> EVALUATING -> PLANNING 
                                 not an iteration; agent runs +1)
 blocked (provider, invalid      no transition: the session stays in PLANNING
 replies)
-every account terminal          ... -> UPDATING -> COMPLETED (``OBJECTIVE_MET``)
+every account terminal          ... -> UPDATING -> COMPLETED (``OBJECTIVE_MET``); a step
+                                without a model call (automatic dispositions closed every
+                                account): PLANNING -> COMPLETED
 ==============================  ==========================================================
 
 After every round the ``TerminationPolicy`` decides with ``objective_met`` = every account
@@ -158,6 +160,16 @@ def record_step(case: CaseRecord, session: InvestigationSession, *, accepted: bo
     now = utcnow()
     elapsed = 0 if started_at is None else \
         max(0, int((now - _aware(started_at)).total_seconds() * 1000))
+    if action is None and not accepted and all_terminal \
+            and session.state == SessionState.PLANNING:
+        # A closing step without a model call (every account became terminal by an
+        # automatic disposition): the stop is decided from PLANNING.
+        session.record_usage(execution_ms=elapsed, at=now)
+        session.apply(POLICY.decide(
+            TerminationSignals(best_candidate_value=None, objective_met=True),
+            session.budget, session.usage), at=now)
+        save(case, session)
+        return None
     if blocked and not all_terminal:
         if elapsed:
             session.record_usage(execution_ms=elapsed, at=now)

@@ -242,3 +242,19 @@ def test_a_pause_before_the_first_step_does_not_fix_the_session_budget(
     operations.resume(case.store, case.case_id)
     case.investigator(cfg).step(case.case_id)
     assert session_of(case).budget.max_execution_ms == 5000  # the frozen policy's
+
+
+def test_a_closing_step_without_a_model_call_completes_from_planning(tmp_path: Path) -> None:
+    from investigation.config import BudgetConfig
+    from investigation.constants import OPERATIONS
+
+    cfg = InvestigationConfig(budget=BudgetConfig(credit_units=1,
+                                                  costs={op: 2 for op in OPERATIONS}))
+    case = make_case(tmp_path / "c")
+    o = case.investigator(cfg).step(case.case_id)
+    assert (o.outcome, o.step_seq) == (COMPLETED, 1)  # both accounts exhausted at once
+    session = session_of(case)
+    assert session.state == SessionState.COMPLETED
+    assert (session.usage.agent_runs, session.iterations) == (0, 0)
+    assert session.termination_reason is not None
+    assert session.termination_reason.value == "OBJECTIVE_MET"
