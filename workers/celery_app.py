@@ -27,13 +27,13 @@ from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
 from investigation.constants import TASK_PREFIX
-from workers.settings import Settings
+from workers.settings import Settings, load_settings
 
 
 def make_app(settings: Settings | None = None) -> Celery:
     """Build the Celery app for ``settings`` (environment by default)."""
     app = Celery("investigation", include=["workers.tasks"])
-    configure(settings or Settings(), app)
+    configure(settings or load_settings(), app)
     return app
 
 

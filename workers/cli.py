@@ -20,7 +20,6 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from kombu.exceptions import OperationalError as KombuOperationalError
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 from rich.console import Console
 from rich.table import Table
@@ -36,7 +35,7 @@ from investigation.errors import InvestigationError, LockBusy
 from investigation.loop.outcome import Outcome
 from investigation.operations import cancel, export, pause, resume, status, summary_bytes
 from investigation.store import Store
-from workers.settings import Settings
+from workers.settings import Settings, load_settings
 
 app = typer.Typer(help="Investigate software bug cases with a language model.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -94,12 +93,9 @@ def _fail(code: str, message: str) -> NoReturn:
 
 def _settings() -> Settings:
     try:
-        return Settings()
-    except ValidationError as exc:  # a broken environment; never echo the values (keys)
-        problems = "; ".join(
-            f"INVESTIGATE_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
-            for e in exc.errors(include_input=False, include_url=False))
-        raise InvestigationError("CONFIG_INVALID", f"bad setting: {problems}") from None
+        return load_settings()
+    except InvestigationError:
+        raise
     except Exception as exc:
         raise InvestigationError("CONFIG_INVALID",
                                  f"bad INVESTIGATE_* setting: {_first_line(exc)}") from None
@@ -276,6 +272,7 @@ def dispatch_cmd(
 
 
 @app.command("worker")
+@_controlled
 def worker(
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 2,
     loglevel: Annotated[str, typer.Option("--loglevel")] = "INFO",
@@ -291,9 +288,9 @@ def worker(
     """
     if pool not in ("prefork", "solo"):
         raise typer.BadParameter("use --pool prefork or --pool solo", param_hint="--pool")
+    settings = _settings()  # a broken environment fails here, as one line
     from workers.celery_app import app as celery_app
 
-    settings = _settings()
     argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}",
             f"--pool={pool}", "-Q", settings.queue, "-E"]
     if beat:
@@ -339,11 +336,13 @@ def recover_cmd(as_json: Annotated[bool, typer.Option("--json")] = False) -> Non
 
 
 @app.command("flower")
+@_controlled
 def flower(
     port: Annotated[int, typer.Option("--port")] = 5555,
     address: Annotated[str, typer.Option("--address")] = "127.0.0.1",
 ) -> None:
     """Start Flower (Celery's monitor) on the configured broker."""
+    _settings()  # a broken environment fails here, as one line
     from workers.celery_app import app as celery_app
 
     celery_app.start(["flower", f"--port={port}", f"--address={address}"])

@@ -23,7 +23,7 @@ from investigation.llm.gateway import LLMGateway, build_providers
 from investigation.loop.env import StageEnv
 from investigation.store import Store
 from workers.locks import CaseLock, FileCaseLock, RedisCaseLock
-from workers.settings import Settings
+from workers.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def current() -> Runtime:
     global _current
     with _mutex:
         if _current is None:
-            _current = distributed(Settings())
+            _current = distributed(load_settings())
         return _current
 
 

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from investigation.errors import ConfigError
@@ -135,3 +135,19 @@ class Settings(BaseSettings):
     def effective_redis_url(self) -> str:
         """The Redis URL for locks (the broker's unless set)."""
         return self.redis_url or self.broker_url
+
+
+def load_settings() -> Settings:
+    """The settings of this process, from the environment.
+
+    Raises:
+        ConfigError: ``CONFIG_INVALID``, one line naming each broken variable and its rule;
+        values are never echoed (a too-short feedback key must not reach a log).
+    """
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"INVESTIGATE_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False))
+        raise ConfigError("CONFIG_INVALID", f"bad setting: {problems}") from None

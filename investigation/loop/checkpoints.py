@@ -330,7 +330,8 @@ def verify_live_state(s: Session, case: CaseRecord) -> None:
 
     Accounts (status, disposition, confidence, credit, balance, turns, iterations, invalid
     streak, deferral), evidence (ids, fingerprint recomputed from the stored findings,
-    assessment, refund, artifact bytes) and question statuses must be what the head state
+    assessment, refund, artifact bytes), pending results and novelty streaks, and question
+    statuses must be what the head state
     recorded. The one change allowed between steps is the import of an external test's
     result (``test.feedback`` evidence of a closed request, which becomes its account's
     pending result; ``docs/async-tests.md``).
@@ -392,9 +393,11 @@ def verify_live_state(s: Session, case: CaseRecord) -> None:
             raise tampered(f"hypothesis {a.hypothesis_id}'s account")
         if any(rec.get(f) != getattr(a, f) for f in fields):
             raise tampered(f"hypothesis {a.hypothesis_id}'s account")
-        if a.pending_evidence_id != rec.get("pending_evidence_id") and \
-                a.pending_evidence_id not in pending_imports:
+        imported_now = a.pending_evidence_id in pending_imports
+        if a.pending_evidence_id != rec.get("pending_evidence_id") and not imported_now:
             raise tampered(f"hypothesis {a.hypothesis_id}'s pending result")
+        if a.no_novelty_streak != rec.get("no_novelty_streak") and not imported_now:
+            raise tampered(f"hypothesis {a.hypothesis_id}'s novelty streak")
     if len(recorded_acc) != len(accounts):
         raise tampered("the accounts")
     questions = s.exec(select(Question).where(Question.case_id == case.id,

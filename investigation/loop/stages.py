@@ -132,7 +132,9 @@ class Stages:
         if stage not in STAGES:
             raise InvestigationError("STAGE_UNKNOWN", f"unknown stage {stage!r}")
         done = self._recorded.get((key, stage))
-        if done is not None:
+        if done is not None and stage != "build_context":
+            # Recorded outputs are immutable; a step's first stage still goes to the store,
+            # so a head rewritten under a long-lived runner is seen (below).
             return StageResult(done, self._recorded_halt(stage, key, done))
         with self.store.session() as s:
             self._load_markers(s, key)
@@ -192,7 +194,18 @@ class Stages:
             StageRun.case_id == key.case_id, StageRun.revision == key.revision,
             StageRun.step_seq == key.step_seq)).all()
         for row in rows:
-            self._recorded[(key, row.stage)] = dict(_loads(row.output_json))
+            try:
+                out = _loads(row.output_json)
+            except ValueError:
+                out = None
+            if not isinstance(out, dict) or (row.stage == "build_context"
+                                             and "finalize" not in out):
+                raise InvestigationError(
+                    "CHECKPOINT_INVALID",
+                    f"the recorded {row.stage} of step {key.step_seq} of {key.case_id} is "
+                    "not a stage record: the store was changed outside the engine",
+                    seq=key.step_seq)
+            self._recorded[(key, row.stage)] = out
 
     def _output(self, s: Session, key: StepKey, stage: str) -> dict[str, Any]:
         out = self._recorded.get((key, stage))

@@ -300,3 +300,13 @@ def test_broken_settings_are_one_line_and_never_echo_values(
     assert res.exit_code == 2
     assert "CONFIG_INVALID" in res.output and shown in res.output
     assert "supersecret" not in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("command", [["worker"], ["flower"], ["dispatch", "case-x"],
+                                     ["recover"]])
+def test_worker_and_flower_report_broken_settings_without_the_value(
+        cli_env: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]) -> None:
+    monkeypatch.setenv("INVESTIGATE_FEEDBACK_KEY", "SECRETSECRETSECRETSECRETSECRET1")
+    res = CliRunner().invoke(app, command)
+    assert res.exit_code == 2, res.output
+    assert "CONFIG_INVALID" in res.output and "SECRET" not in res.output

@@ -254,10 +254,32 @@ def test_a_policy_swapped_between_the_stages_of_a_step_is_refused(case: Case) ->
     "UPDATE question SET status='resolved'",
     "UPDATE budget_account SET credit_units=credit_units+1000, "
     "balance_units=balance_units+1000 WHERE hypothesis_id=1",
-    "UPDATE evidence SET assessed=1, refund_units=3 WHERE evidence_id='E2'",
+    "UPDATE evidence SET assessed=TRUE, refund_units=3 WHERE evidence_id='E2'",
+    "UPDATE budget_account SET no_novelty_streak=5 WHERE hypothesis_id=1",
 ])
 def test_live_rows_that_differ_from_the_head_state_stop_the_case(case: Case, sql: str) -> None:
     from sqlalchemy import text
 
     tamper(case, lambda s: s.execute(text(sql)))
     refused(case, "STATE_TAMPERED")
+
+
+def test_a_long_lived_runner_sees_a_rewritten_head(case: Case) -> None:
+    inv = Investigator(case.env())
+    inv.step(case.case_id)
+    tamper(case, lambda s: s.execute(delete(Checkpoint).where(
+        col(Checkpoint.case_id) == case.case_id)))
+    tamper(case, lambda s: s.execute(update(CaseRecord).where(
+        col(CaseRecord.id) == case.case_id).values(head_seq=0, head_hash=None)))
+    with pytest.raises(InvestigationError) as info:
+        inv.step(case.case_id)  # the same runner, its stage records cached
+    assert info.value.code == "CHECKPOINT_INVALID"
+
+
+@pytest.mark.parametrize("garbage", ["[]", "{}", "nope"])
+def test_a_garbled_record_of_a_step_in_progress_is_invalid(case: Case, garbage: str) -> None:
+    Stages(case.env()).run("build_context", StepKey(case.case_id, 1, 4))
+    tamper(case, lambda s: s.execute(update(StageRun).where(
+        col(StageRun.case_id) == case.case_id, col(StageRun.step_seq) == 4,
+        col(StageRun.stage) == "build_context").values(output_json=garbage)))
+    refused(case, "CHECKPOINT_INVALID")
