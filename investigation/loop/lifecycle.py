@@ -208,25 +208,22 @@ def record_test_result(case: CaseRecord) -> None:
 
 def _close_or_continue(case: CaseRecord, session: InvestigationSession, all_terminal: bool,
                        now: datetime) -> TerminationReason | None:
-    """Ask the policy after EVALUATING/UPDATING; returns the reason of a stop that is not
-    the objective (the engine then stops the case), else ``None``."""
-    decision = POLICY.decide(
-        TerminationSignals(best_candidate_value=None if all_terminal else 1.0,
-                           objective_met=all_terminal),
-        session.budget, session.usage)
-    if decision.is_terminal and decision.reason == TerminationReason.OBJECTIVE_MET:
-        session.apply(decision, at=now)  # EVALUATING/UPDATING -> COMPLETED
+    """After EVALUATING/UPDATING: complete on the objective, or return to PLANNING and ask
+    the policy on the final usage. Returns the reason of a stop that is not the objective
+    (a budget bound: the engine then stops the case), else ``None``."""
+    if all_terminal:  # objective met outranks every budget bound (seed 001 precedence)
+        session.apply(POLICY.decide(
+            TerminationSignals(best_candidate_value=None, objective_met=True),
+            session.budget, session.usage), at=now)  # EVALUATING/UPDATING -> COMPLETED
         save(case, session)
         return None
-    if session.state == SessionState.UPDATING or not decision.is_terminal:
-        _round(session, [SessionState.PLANNING], now)  # the iteration is complete
+    _round(session, [SessionState.PLANNING], now)  # UPDATING -> PLANNING is an iteration
+    decision = POLICY.decide(TerminationSignals(best_candidate_value=1.0),
+                             session.budget, session.usage)
     if decision.is_terminal:
-        decision = POLICY.decide(  # re-decided on the final usage (iterations moved)
-            TerminationSignals(best_candidate_value=1.0), session.budget, session.usage)
-    if decision.is_terminal:
-        session.apply(decision, at=now)
+        session.apply(decision, at=now)  # PLANNING -> COMPLETED: a bounded stop
     save(case, session)
-    return decision.reason if decision.is_terminal else None
+    return decision.reason
 
 
 def describe(case: CaseRecord) -> dict[str, Any]:

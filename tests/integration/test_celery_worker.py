@@ -148,9 +148,13 @@ def _broker_url(redis_url: str) -> str:
     return f"{base}/{BROKER_DB}" if db.isdigit() else f"{redis_url.rstrip('/')}/{BROKER_DB}"
 
 
-@pytest.fixture
-def harness(tmp_path: Path, redis_url: str,
-            monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
+@contextlib.contextmanager
+def running_harness(tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+                    replies: list[dict[str, Any]] | None = None,
+                    extra_env: dict[str, str] | None = None) -> Iterator[Harness]:
+    """A registered case (``replies``, default the happy path), the producer pointed at a
+    fresh broker database and queue, and a (not yet started) prefork worker sharing the
+    ``INVESTIGATE_*`` environment plus ``extra_env``."""
     from workers import runtime
     from workers.settings import Settings
 
@@ -158,7 +162,7 @@ def harness(tmp_path: Path, redis_url: str,
     client = redis.Redis.from_url(broker_url)
     client.flushdb()
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
-    case = make_case(tmp_path / "case", database_url=store_url)
+    case = make_case(tmp_path / "case", database_url=store_url, replies=replies)
     queue = f"test-cases-{uuid.uuid4().hex[:12]}"
     inv_env = {
         "INVESTIGATE_HOME": str(tmp_path / "home"),
@@ -166,6 +170,7 @@ def harness(tmp_path: Path, redis_url: str,
         "INVESTIGATE_PROVIDERS": str(case.providers_path),
         "INVESTIGATE_BROKER_URL": broker_url,
         "INVESTIGATE_QUEUE": queue,
+        **(extra_env or {}),
     }
     for name in list(os.environ):
         if name.startswith("INVESTIGATE_") and name not in inv_env:
@@ -199,6 +204,13 @@ def harness(tmp_path: Path, redis_url: str,
         case.store.dispose()
         client.flushdb()
         client.close()
+
+
+@pytest.fixture
+def harness(tmp_path: Path, redis_url: str,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
+    with running_harness(tmp_path, redis_url, monkeypatch) as h:
+        yield h
 
 
 def _assert_completed_case(h: Harness, info: dict[str, Any]) -> None:

@@ -5,20 +5,16 @@ investigation completes (docs/async-tests.md)."""
 from __future__ import annotations
 
 import os
-import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 from typer.testing import CliRunner
 
 from investigation.constants import CASE_BLOCKED, CASE_BUILDING_DIAGNOSIS
 from investigation.external_tests import derive_secret
 from investigation.operations import status, summary_bytes
-from tests.casekit import make_case
-from tests.integration.test_celery_worker import Harness, Worker, _broker_url, point_app_at
+from tests.integration.test_celery_worker import Harness, running_harness
 from tests.integration.test_external_tests import REPLIES
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -28,51 +24,11 @@ KEY = "f" * 48
 
 @pytest.fixture
 def harness(tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
-    from workers import runtime
-    from workers.settings import Settings
-
-    broker_url = _broker_url(redis_url)
-    client = redis.Redis.from_url(broker_url)
-    client.flushdb()
-    store_url = f"sqlite:///{tmp_path / 'store.db'}"
-    case = make_case(tmp_path / "case", database_url=store_url, replies=REPLIES)
     config = tmp_path / "investigation.toml"
     config.write_text("[budget.test_costs]\nhuman = 5\n")
-    queue = f"test-cases-{uuid.uuid4().hex[:12]}"
-    inv_env = {
-        "INVESTIGATE_HOME": str(tmp_path / "home"), "INVESTIGATE_DATABASE_URL": store_url,
-        "INVESTIGATE_PROVIDERS": str(case.providers_path), "INVESTIGATE_CONFIG": str(config),
-        "INVESTIGATE_BROKER_URL": broker_url, "INVESTIGATE_QUEUE": queue,
-        "INVESTIGATE_FEEDBACK_KEY": KEY,
-    }
-    for name in list(os.environ):
-        if name.startswith("INVESTIGATE_") and name not in inv_env:
-            monkeypatch.delenv(name)
-    for name, value in inv_env.items():
-        monkeypatch.setenv(name, value)
-    settings = Settings()
-    worker_env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
-    worker_env.update(inv_env, PYTHONUNBUFFERED="1")
-    worker = Worker(
-        [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
-         "--pool=prefork", "-c", "2", "-Q", queue, "--loglevel=INFO",
-         "--without-mingle", "--without-gossip", "-n", f"{queue}@%h"],
-        worker_env, tmp_path / "worker.log")
-    undo_app = point_app_at(settings)
-    runtime.configure(None)
-    rt = runtime.current()
-    h = Harness(case, queue, broker_url, worker, client,
-                rt.lock.holder)  # type: ignore[attr-defined]
-    try:
+    with running_harness(tmp_path, redis_url, monkeypatch, replies=REPLIES, extra_env={
+            "INVESTIGATE_CONFIG": str(config), "INVESTIGATE_FEEDBACK_KEY": KEY}) as h:
         yield h
-    finally:
-        worker.stop()
-        runtime.configure(None)
-        rt.env.store.dispose()
-        undo_app()
-        case.store.dispose()
-        client.flushdb()
-        client.close()
 
 
 def test_hand_off_worker_restart_feedback_and_completion(harness: Harness) -> None:

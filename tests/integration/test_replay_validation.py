@@ -65,6 +65,22 @@ def refused(c: Case, code: str) -> InvestigationError:
     return info.value
 
 
+def _reselect_step_1(s: Session, c: Case) -> None:
+    """Rewrite step 1's recorded build_context as if it had selected hypothesis 2."""
+    run = s.exec(select(StageRun).where(
+        StageRun.case_id == c.case_id, StageRun.step_seq == 1,
+        StageRun.stage == "build_context")).one()
+    run.output_json = run.output_json.replace('"hypothesis_id":1', '"hypothesis_id":2')
+    s.add(run)
+
+
+def _wipe_checkpoints_and_head(s: Session, c: Case) -> None:
+    """Delete every checkpoint and reset the case head, as if nothing had been published."""
+    s.execute(delete(Checkpoint).where(col(Checkpoint.case_id) == c.case_id))
+    s.execute(update(CaseRecord).where(col(CaseRecord.id) == c.case_id)
+              .values(head_seq=0, head_hash=None))
+
+
 def test_an_intact_chain_verifies_and_continues(case: Case) -> None:
     with case.store.session() as s:
         assert checkpoints.verify_chain(s, case.case_id) == 3
@@ -141,13 +157,7 @@ def test_an_altered_context_is_found(case: Case) -> None:
 
 
 def test_a_rewritten_build_context_record_is_found(case: Case) -> None:
-    def edit(s: Session) -> None:
-        run = s.exec(select(StageRun).where(
-            StageRun.case_id == case.case_id, StageRun.step_seq == 1,
-            StageRun.stage == "build_context")).one()
-        run.output_json = run.output_json.replace('"hypothesis_id":1', '"hypothesis_id":2')
-        s.add(run)
-    tamper(case, edit)
+    tamper(case, lambda s: _reselect_step_1(s, case))
     assert refused(case, "CHECKPOINT_INVALID").details["seq"] == 1
 
 
@@ -196,10 +206,7 @@ def test_validated_generations_are_cached_only_behind_the_archive_digest(
 
 
 def test_wiped_checkpoints_and_head_do_not_restart_or_loop(case: Case) -> None:
-    tamper(case, lambda s: s.execute(delete(Checkpoint).where(
-        col(Checkpoint.case_id) == case.case_id)))
-    tamper(case, lambda s: s.execute(update(CaseRecord).where(
-        col(CaseRecord.id) == case.case_id).values(head_seq=0, head_hash=None)))
+    tamper(case, lambda s: _wipe_checkpoints_and_head(s, case))
     refused(case, "CHECKPOINT_INVALID")
 
 
@@ -215,13 +222,7 @@ def test_a_warm_cache_sees_a_rewritten_stage_record(case: Case) -> None:
     inv = Investigator(case.env())
     inv.step(case.case_id)  # validates and caches generations 1..3
 
-    def edit(s: Session) -> None:
-        run = s.exec(select(StageRun).where(
-            StageRun.case_id == case.case_id, StageRun.step_seq == 1,
-            StageRun.stage == "build_context")).one()
-        run.output_json = run.output_json.replace('"hypothesis_id":1', '"hypothesis_id":2')
-        s.add(run)
-    tamper(case, edit)
+    tamper(case, lambda s: _reselect_step_1(s, case))
     with pytest.raises(InvestigationError) as info:
         inv.step(case.case_id)  # the same process, its cache warm
     assert info.value.code == "CHECKPOINT_INVALID"
@@ -267,10 +268,7 @@ def test_live_rows_that_differ_from_the_head_state_stop_the_case(case: Case, sql
 def test_a_long_lived_runner_sees_a_rewritten_head(case: Case) -> None:
     inv = Investigator(case.env())
     inv.step(case.case_id)
-    tamper(case, lambda s: s.execute(delete(Checkpoint).where(
-        col(Checkpoint.case_id) == case.case_id)))
-    tamper(case, lambda s: s.execute(update(CaseRecord).where(
-        col(CaseRecord.id) == case.case_id).values(head_seq=0, head_hash=None)))
+    tamper(case, lambda s: _wipe_checkpoints_and_head(s, case))
     with pytest.raises(InvestigationError) as info:
         inv.step(case.case_id)  # the same runner, its stage records cached
     assert info.value.code == "CHECKPOINT_INVALID"
