@@ -21,6 +21,8 @@ from investigation.errors import ConfigError
 
 #: Upper bound of any duration setting (one day): larger values are configuration mistakes.
 MAX_DURATION_S = 86_400.0
+#: Output tokens kept free in a provider's context window when it sets no ``max_tokens``.
+DEFAULT_OUTPUT_RESERVE_TOKENS = 1024
 
 
 class _Strict(BaseModel):
@@ -118,6 +120,13 @@ class LimitsConfig(_Strict):
     full_evidence_in_context: int = Field(6, ge=1)
     """How many of the selected hypothesis's latest evidence records carry full findings in
     the context; older ones appear as compact references. Default 6."""
+    max_model_cost: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """Cap on what the case's model calls may cost, in ``currency`` (providers state
+    ``input_price_per_mtok``/``output_price_per_mtok``). Each call reserves its worst case
+    first (``llm.spend``); a provider without prices is not used while a cap is set.
+    Reached: the case blocks ``MODEL_COST_CAP``; raise it and resume. Default: no cap."""
+    currency: str = Field("USD", min_length=1, max_length=8)
+    """Label of the currency prices and the cap are in. Default ``USD``."""
 
 
 class PackageLimits(_Strict):
@@ -170,11 +179,38 @@ class ProviderConfig(_Strict):
     api_key_env: str | None = None
     """Name of the environment variable holding the key; the key never reaches the store."""
     timeout_s: float = Field(60.0, gt=0, le=MAX_DURATION_S)
-    structured_output: Literal["json_schema", "json_object_schema", "none"] = "json_schema"
+    structured_output: Literal["openai", "llama_cpp", "vllm", "sglang", "ollama",
+                               "json_object", "none", "json_schema",
+                               "json_object_schema"] = "json_schema"
+    """How the per-turn reply schema reaches the server (``llm.dialects``): ``openai``
+    (OpenAI strict ``json_schema``; alias ``json_schema``, the default), ``llama_cpp``
+    (llama.cpp server ``json_object`` + schema; alias ``json_object_schema``), ``vllm`` /
+    ``sglang`` (``json_schema`` compiled by xgrammar, outlines or llguidance),
+    ``ollama`` (``json_schema``, compiled by Ollama into its ``format``), ``json_object``
+    (JSON mode without a schema) or ``none``."""
+    schema_max_string_chars: int | None = Field(None, ge=16)
+    """Cap on every ``maxLength`` of the schema sent (characters). Default: the dialect's
+    own (``llama_cpp`` and ``ollama`` 1000, which their grammar converters accept; the
+    others none). The validator's limits are unchanged."""
     path: str | None = None
     """JSON Lines reply file of a scripted provider (relative to the providers file)."""
     temperature: float | None = Field(None, ge=0, le=2)
     max_tokens: int | None = Field(None, ge=1)
+    """Output token budget sent as ``max_tokens``. Default: not sent (the server's)."""
+    context_window_tokens: int | None = Field(None, ge=256)
+    """The model's context window in tokens (llama.cpp ``--n_ctx``, vLLM
+    ``--max-model-len``). Set, the engine fits each request within it before sending
+    (prompt estimate plus ``max_tokens``, or :data:`DEFAULT_OUTPUT_RESERVE_TOKENS`)."""
+    bytes_per_token: float = Field(3.0, ge=1.0, le=8.0)
+    """The prompt-size estimate: UTF-8 bytes per token. Default 3.0 (measured on JSON
+    contexts; lower it for tokenizers that split text finer)."""
+    tokenizer: Literal["estimate", "llama.cpp", "llama-cpp-python", "vllm"] = "estimate"
+    """Where exact prompt token counts come from before a request is sent: the estimate
+    only, or the server's own tokenize endpoint of that server kind."""
+    input_price_per_mtok: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """Price of one million input (prompt) tokens, in ``limits.currency``."""
+    output_price_per_mtok: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """Price of one million output (completion) tokens, in ``limits.currency``."""
 
     @field_validator("name")
     @classmethod
@@ -258,6 +294,18 @@ def canonical_json(value: Any) -> bytes:
     """Canonical JSON bytes: sorted keys, no spaces, UTF-8, no NaN."""
     return json.dumps(
         value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def ordered_json(value: Any) -> bytes:
+    """Compact JSON bytes that keep the key order as built (no spaces, UTF-8, no NaN).
+
+    For documents whose key order carries meaning and is itself deterministic: a JSON
+    Schema's ``properties`` order is the order a grammar-constrained decoder writes the
+    keys in (reply schemas, provider request bodies).
+    """
+    return json.dumps(
+        value, separators=(",", ":"), ensure_ascii=False, allow_nan=False
     ).encode("utf-8")
 
 

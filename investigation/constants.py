@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 #: Prompt/contract version written into every context and plan. ``investigation-v1``
-#: (before early diagnosis) stays the name of historical requests and plans.
-PROMPT_VERSION = "investigation-v2"
+#: (before early diagnosis) and ``investigation-v2`` (before the per-turn reply schema,
+#: the turn header and rejected replies sent back as turns) stay the names of
+#: historical requests and plans.
+PROMPT_VERSION = "investigation-v3"
 #: Version of the reply JSON schema (see ``investigation.loop.contract``); ``reply-v2``
 #: adds the optional ``next.early_diagnosis`` of a ``finish``.
 REPLY_SCHEMA_VERSION = "reply-v2"
@@ -14,6 +16,8 @@ PACKAGE_FORMAT = "investigation-case/1"
 #: Logical artifact paths (seed 000, "Persistence and recovery").
 ARTIFACT_STEP_DIR = "analysis/investigation/{seq:04d}"
 ARTIFACT_CONTEXT = ARTIFACT_STEP_DIR + "/context.json"
+#: The per-turn reply schema built from that context (``loop.reply_schema``).
+ARTIFACT_REPLY_SCHEMA = ARTIFACT_STEP_DIR + "/reply-schema.json"
 ARTIFACT_REQUEST = ARTIFACT_STEP_DIR + "/llm/{operation}/attempt-{attempt:02d}.request.json"
 ARTIFACT_RESPONSE = ARTIFACT_STEP_DIR + "/llm/{operation}/attempt-{attempt:02d}.response"
 ARTIFACT_PLAN = ARTIFACT_STEP_DIR + "/plan.json"
@@ -76,6 +80,8 @@ BLOCK_PROVIDER_CREDENTIALS = "PROVIDER_CREDENTIALS"
 BLOCK_AWAITING_TEST_FEEDBACK = "AWAITING_TEST_FEEDBACK"
 #: A stage was delivered too often without returning: it keeps killing its worker.
 BLOCK_STAGE_POISONED = "STAGE_POISONED"
+#: The case's model spending reached ``limits.max_model_cost`` (``llm.spend``).
+BLOCK_MODEL_COST_CAP = "MODEL_COST_CAP"
 
 #: Confidence labels, lowest to highest for scheduling (see docs/investigation-loop.md).
 CONFIDENCE_ORDER = ("weakened", "unassessed", "weak", "plausible", "supported", "strongly_supported")

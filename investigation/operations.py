@@ -12,6 +12,7 @@ from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig
 from investigation.constants import (
     ARTIFACT_SUMMARY,
     BLOCK_AWAITING_TEST_FEEDBACK,
+    BLOCK_MODEL_COST_CAP,
     BLOCK_PROVIDER_CONFIGURATION,
     BLOCK_PROVIDER_CREDENTIALS,
     BLOCK_PROVIDER_EXHAUSTED,
@@ -23,6 +24,7 @@ from investigation.constants import (
 )
 from investigation.errors import InvestigationError
 from investigation.lifecycle import InvestigationSession, SessionState, TerminationReason
+from investigation.llm import spend
 from investigation.loop import deliveries, lifecycle
 from investigation.store.engine import Store, sha256_hex
 from investigation.store.models import (
@@ -38,8 +40,9 @@ from investigation.store.models import (
     utcnow,
 )
 
+#: Blocks of a failed provider operation: resumed with a retry id (a new operation).
 _PROVIDER_BLOCKS = (BLOCK_PROVIDER_EXHAUSTED, BLOCK_PROVIDER_CONFIGURATION,
-                    BLOCK_PROVIDER_CREDENTIALS)
+                    BLOCK_PROVIDER_CREDENTIALS, BLOCK_MODEL_COST_CAP)
 
 
 def _case(store: Store, case_id: str) -> CaseRecord:
@@ -51,9 +54,12 @@ def _case(store: Store, case_id: str) -> CaseRecord:
 
 
 def status(store: Store, case_id: str) -> dict[str, Any]:
-    """State, last outcome, blocked reason, balances and evidence count of a case."""
+    """State, last outcome, blocked reason, balances, evidence count and model usage
+    (calls, tokens and cost in micros per hypothesis, ``llm.spend``) of a case."""
     case = _case(store, case_id)
     with store.session() as s:
+        usage = spend.usage_by_hypothesis(s, case_id)
+        spent = spend.case_spent_micros(s, case_id)
         accounts = s.exec(select(BudgetAccount).where(
             BudgetAccount.case_id == case_id, BudgetAccount.revision == case.current_revision)
             .order_by(col(BudgetAccount.hypothesis_id))).all()
@@ -104,6 +110,11 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         ],
         "pointers": pointers,
         "lifecycle": lifecycle.describe(case),
+        "model_usage": {
+            "spent_micros": spent,
+            "hypotheses": [{"hypothesis_id": hid, **u} for hid, u in sorted(
+                usage.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))],
+        },
     }
 
 

@@ -32,6 +32,7 @@ from investigation.cases.registry import load_hypotheses, load_interpretation, r
 from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
 from investigation.errors import InvestigationError, LockBusy
+from investigation.llm.spend import format_money
 from investigation.loop.outcome import Outcome
 from investigation.operations import cancel, export, pause, resume, status, summary_bytes
 from investigation.store import Store
@@ -359,7 +360,7 @@ def status_cmd(
 ) -> None:
     """State, outcome, blocked reason, balances, evidence count."""
     info = status(_store(_settings(), existing=True), case_id)
-    if as_json:
+    if as_json:  # model costs are in micros of limits.currency
         sys.stdout.write(json.dumps(info, indent=2, sort_keys=True) + "\n")
         return
     out.print(f"case {info['case_id']}  state {info['state']}"
@@ -400,6 +401,22 @@ def status_cmd(
             out.print(_term(f"H{a['hypothesis_id']} last rejection: "
                             f"{a['last_rejection']['code']}: {a['last_rejection']['detail']}"),
                       highlight=False, markup=False)
+    usage = info["model_usage"]["hypotheses"]
+    if usage:
+        settings = _settings()
+        currency = (InvestigationConfig.load(settings.config) if settings.config
+                    else InvestigationConfig()).limits.currency
+        model = Table("hypothesis", "model calls", "attempts", "prompt tokens",
+                      "completion tokens", "cost",
+                      title="model usage (separate from investigation units)")
+        for u in usage:
+            model.add_row("unrecorded" if u["hypothesis_id"] is None else
+                          str(u["hypothesis_id"]), str(u["calls"]), str(u["attempts"]),
+                          str(u["prompt_tokens"]),
+                          str(u["completion_tokens"]),
+                          "not priced" if u["cost_micros"] < 0 else
+                          format_money(u["cost_micros"], currency))
+        out.print(model)
 
 
 @app.command("resume")
@@ -477,10 +494,14 @@ def demo() -> None:
         raise typer.Exit(1)
 
 
-from workers import cli_tests  # noqa: E402  (its commands use the helpers above)
+from workers import (  # noqa: E402  (their commands use the helpers above)
+    cli_providers,
+    cli_tests,
+)
 
 app.add_typer(cli_tests.tests_app, name="tests")
 app.add_typer(cli_tests.feedback_app, name="feedback")
+app.add_typer(cli_providers.providers_app, name="providers")
 
 
 def main() -> None:

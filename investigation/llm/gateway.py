@@ -46,6 +46,7 @@ Decisions beyond the brief, kept here so callers can rely on them:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -57,24 +58,32 @@ from sqlalchemy import update
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import col, select
 
-from investigation.config import GatewayConfig, ProvidersConfig
+from investigation.config import GatewayConfig, ProviderConfig, ProvidersConfig
 from investigation.constants import (
     ARTIFACT_REQUEST,
     ARTIFACT_RESPONSE,
+    BLOCK_MODEL_COST_CAP,
     BLOCK_PROVIDER_CONFIGURATION,
     BLOCK_PROVIDER_CREDENTIALS,
     BLOCK_PROVIDER_EXHAUSTED,
 )
 from investigation.errors import (
     ProviderConfigurationError,
-    ProviderCredentialsError,
     ProviderError,
-    ProviderRequestRejected,
     StaleStateError,
     TransientProviderError,
 )
+from investigation.llm import spend
+from investigation.llm.failures import (
+    EarlierAttempt,
+    Failure,
+    classify,
+    reclassify,
+    short,
+)
 from investigation.llm.openai import OpenAIProvider, parse_chat_completion
 from investigation.llm.scripted import ScriptedProvider
+from investigation.llm.tokens import PromptBudget, output_budget, prompt_budget
 from investigation.llm.types import (
     PROVIDER_BAD_CONFIG,
     PROVIDER_CREDENTIALS,
@@ -88,7 +97,6 @@ from investigation.llm.types import (
     ProviderReply,
     RetryPending,
     Succeeded,
-    response_of,
 )
 from investigation.store.engine import Store, is_lost_race
 from investigation.store.models import LLMAttempt, LLMOperation
@@ -117,8 +125,6 @@ ATTEMPT_FAILED = "failed"
 ATTEMPT_REJECTED = "rejected"
 #: Upper bound on a provider's ``Retry-After`` honoured, in seconds (1 day).
 RETRY_AFTER_CAP_S = 86_400.0
-#: Characters of a message stored in ``error_message`` columns.
-MAX_MESSAGE_CHARS = 2000
 #: Media type of stored response bytes (exact, whatever the server sent).
 RESPONSE_MEDIA_TYPE = "application/octet-stream"
 
@@ -127,15 +133,19 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def _config_of(provider: Provider) -> ProviderConfig | None:
+    config = getattr(provider, "config", None)
+    return config if isinstance(config, ProviderConfig) else None
+
+
+def _hypothesis_of(request: ChatRequest) -> int | None:
+    value = request.metadata.get("hypothesis_id", "")
+    return int(value) if value.isdigit() else None
+
+
 def _aware(value: datetime) -> datetime:
     """SQLite returns naive datetimes; every stored time is UTC."""
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
-def _short(text: str) -> str:
-    text = "".join(ch if ch >= " " or ch in "\t\n" else "?" for ch in text)  # no NUL/C0
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")  # no lone surrogates
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "..."
 
 
 class _InFlight(Exception):
@@ -144,18 +154,6 @@ class _InFlight(Exception):
     def __init__(self, until: datetime) -> None:
         super().__init__("attempt in flight")
         self.until = until
-
-
-@dataclass
-class _Failure:
-    """One failed attempt, classified for the failover decision."""
-
-    kind: str  # "transient" | "rejected" | "credentials" | "configuration"
-    code: str
-    message: str
-    retry_after_s: float | None = None
-    http_status: int | None = None
-    raw: bytes | None = None
 
 
 @dataclass
@@ -212,6 +210,21 @@ class LLMGateway:
         self.in_flight_grace_s = in_flight_grace_s
 
     # -- public ------------------------------------------------------------------------------
+
+    def prompt_budget(self) -> list[PromptBudget]:
+        """The prompt budgets of the providers that state a context window (any order).
+
+        The context of a step is fitted so its request fits every one of them
+        (``loop.context.fit_for_model``); a provider without a window sets no bound.
+        """
+        budgets = []
+        for provider in self.providers:
+            config = _config_of(provider)
+            if config is not None:
+                budget = prompt_budget(config)
+                if budget is not None:
+                    budgets.append(budget)
+        return budgets
 
     def call(
         self,
@@ -282,6 +295,7 @@ class LLMGateway:
                     step_seq=step_seq,
                     retry_id=retry_id,
                     call_index=request.call_index,
+                    hypothesis_id=_hypothesis_of(request),
                     status=OP_PENDING,
                     created_at=self._now(),
                 )
@@ -349,6 +363,8 @@ class LLMGateway:
             content=self._content_from_raw(attempt.provider, artifact.data),
             response_sha256=artifact.sha256,
             request_sha256=attempt.request_sha256,
+            finish_reason=attempt.finish_reason,
+            completion_tokens=attempt.completion_tokens,
         )
 
     def _content_from_raw(self, provider_name: str, raw: bytes) -> str:
@@ -372,6 +388,8 @@ class LLMGateway:
             reason = BLOCK_PROVIDER_EXHAUSTED
         elif code.startswith(PROVIDER_CREDENTIALS):
             reason = BLOCK_PROVIDER_CREDENTIALS
+        elif code == spend.MODEL_COST_CAP_REACHED:
+            reason = BLOCK_MODEL_COST_CAP
         else:
             reason = BLOCK_PROVIDER_CONFIGURATION
         return Blocked(op.id, reason, code, op.error_message or "")
@@ -446,11 +464,21 @@ class LLMGateway:
                 return index
         return None
 
+    def _unpriced(self, request: ChatRequest) -> set[str]:
+        """Providers that cannot be used for ``request``: none without a money cap; with
+        one, every provider that states no prices (``llm.spend``)."""
+        if request.money_cap_micros is None:
+            return set()
+        return {p.name for p in self.providers
+                if not (isinstance(config := _config_of(p), ProviderConfig)
+                        and spend.priced(config))}
+
     def _attempt_loop(
         self, case_id: str, step_seq: int, request: ChatRequest, op_id: int
     ) -> GatewayOutcome:
         op, state = self._load_state(op_id)
         round_retry_after: float | None = None
+        unpriced = self._unpriced(request)
         while True:
             if state.attempts_made >= self.config.attempts:
                 # Reached when an interrupted attempt used up the last one (or the
@@ -459,9 +487,18 @@ class LLMGateway:
                     op_id, state, OP_EXHAUSTED, op.error_code or PROVIDER_INTERRUPTED,
                     self._exhausted_message(op.error_message or "interrupted"),
                 )
-            index = self._next_index(state.next_provider_index, state.rejected)
+            skipped = state.rejected | unpriced
+            index = self._next_index(state.next_provider_index, skipped)
             if index is None:
-                index = self._next_index(0, state.rejected)
+                index = self._next_index(0, skipped)
+            if index is None and unpriced:
+                return self._finish_without_attempt(
+                    op_id, state, OP_FAILED, spend.PROVIDER_PRICE_UNKNOWN,
+                    f"a money cap is set (limits.max_model_cost) and provider(s) "
+                    f"{sorted(unpriced)} state no prices; set input_price_per_mtok and "
+                    "output_price_per_mtok in the providers file, then resume with a new "
+                    "retry id",
+                )
             if index is None:
                 return self._finish_without_attempt(
                     op_id, state, OP_FAILED, PROVIDER_REQUEST_REJECTED,
@@ -470,29 +507,67 @@ class LLMGateway:
                     "resume with a new retry id",
                 )
             provider = self.providers[index]
+            config = _config_of(provider)
+            budget: spend.CallBudget | None = None
+            if config is not None and spend.priced(config):
+                remaining = None if request.money_cap_micros is None else \
+                    request.money_cap_micros - self._spent_micros(case_id)
+                # The estimate covers the whole body (a hosted API bills the schema too).
+                provisional = dataclasses.replace(request, max_tokens=output_budget(config))
+                try:
+                    prompt = spend.prompt_estimate(
+                        config, provider.build_request_bytes(provisional))
+                except ProviderError:
+                    prompt = 0  # the build fails again below and is reported there
+                budget = spend.plan_call(config, prompt, remaining)
+                if budget is None:
+                    return self._finish_without_attempt(
+                        op_id, state, OP_FAILED, spend.MODEL_COST_CAP_REACHED,
+                        f"the case's model calls reached limits.max_model_cost: "
+                        f"{spend.format_money(max(0, remaining or 0), request.currency)} left "
+                        f"cannot pay for a call to {provider.name!r} (prompt and "
+                        f"{spend.MIN_OUTPUT_TOKENS} output tokens); raise the cap, then "
+                        "resume with a new retry id", kind="cost")
+                if request.money_cap_micros is not None:
+                    request = dataclasses.replace(request, max_tokens=budget.max_tokens)
             try:
                 request_bytes = provider.build_request_bytes(request)
             except Exception as exc:  # a provider that cannot even encode: configuration
-                build_failure = self._classify(provider.name, exc)
+                build_failure = classify(provider.name, exc)
                 kind = "credentials" if build_failure.kind == "credentials" else "configuration"
                 return self._finish_without_attempt(
                     op_id, state, OP_FAILED, build_failure.code, build_failure.message, kind=kind
                 )
             attempt_no, request_sha = self._begin_attempt(
-                case_id, step_seq, state, index, provider.name, request_bytes
+                case_id, step_seq, state, index, provider.name, request_bytes,
+                budget.reserved_micros if budget is not None else None,
             )
             reply: ProviderReply | None = None
-            failure: _Failure | None = None
+            failure: Failure | None = None
             try:
                 reply = provider.send(request_bytes, request)  # outside any transaction
             except Exception as exc:
-                failure = self._classify(provider.name, exc)
+                failure = reclassify(
+                    classify(provider.name, exc),
+                    self._earlier_attempts(op_id, provider.name, request_sha, attempt_no),
+                    provider.name,
+                    ARTIFACT_REQUEST.format(seq=step_seq, operation=op_id, attempt=attempt_no))
             now = self._now()
+            reserved = budget.reserved_micros if budget is not None else None
             if reply is not None:
+                cost = None if config is None else spend.settled_micros(
+                    config, reserved, answered=True, succeeded=True,
+                    prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
                 return self._finish_success(
-                    case_id, step_seq, state, attempt_no, provider.name, request_sha, reply, now
+                    case_id, step_seq, state, attempt_no, provider.name, request_sha, reply, now,
+                    cost,
                 )
             assert failure is not None
+            if config is not None:
+                failure = dataclasses.replace(failure, cost_micros=spend.settled_micros(
+                    config, reserved,
+                    answered=failure.http_status is not None, succeeded=False,
+                    prompt_tokens=None, completion_tokens=None))
             state.attempts_made = attempt_no
             if failure.kind == "credentials":
                 code = failure.code if failure.code.startswith(PROVIDER_CREDENTIALS) else (
@@ -556,6 +631,21 @@ class LLMGateway:
             )
             return RetryPending(op_id, not_before, failure.code)
 
+    def _spent_micros(self, case_id: str) -> int:
+        with self.store.session() as session:
+            return spend.case_spent_micros(session, case_id)
+
+    def _earlier_attempts(self, op_id: int, provider: str, request_sha: str,
+                          attempt_no: int) -> list[EarlierAttempt]:
+        """Earlier attempts of this operation to ``provider`` with the same request bytes."""
+        with self.store.session() as session:
+            rows = session.exec(select(LLMAttempt).where(
+                LLMAttempt.operation_id == op_id, LLMAttempt.provider == provider,
+                LLMAttempt.request_sha256 == request_sha, LLMAttempt.attempt < attempt_no)
+                .order_by(col(LLMAttempt.attempt))).all()
+        return [EarlierAttempt(r.attempt, r.error_code, r.http_status, r.response_sha256)
+                for r in rows]
+
     def _round_delay_s(self, round_index: int, retry_after_s: float | None) -> float:
         cfg = self.config
         try:
@@ -568,31 +658,9 @@ class LLMGateway:
 
     def _exhausted_message(self, last: str) -> str:
         names = ", ".join(p.name for p in self.providers)
-        return _short(
+        return short(
             f"all {self.config.attempts} attempts over providers [{names}] failed; last: {last}. "
             "Fix the provider, then resume the case with a new retry id"
-        )
-
-    @staticmethod
-    def _classify(provider: str, exc: BaseException) -> _Failure:
-        raw, status = response_of(exc)
-        if isinstance(exc, TransientProviderError):
-            return _Failure("transient", exc.code, _short(exc.message), exc.retry_after_s,
-                            status, raw)
-        if isinstance(exc, ProviderRequestRejected):
-            return _Failure("rejected", exc.code, _short(exc.message), None, status, raw)
-        if isinstance(exc, ProviderCredentialsError):
-            return _Failure("credentials", exc.code, _short(exc.message), None, status, raw)
-        if isinstance(exc, ProviderError):
-            # ProviderConfigurationError, or a ProviderError subclass we do not know.
-            return _Failure("configuration", exc.code, _short(exc.message), None, status, raw)
-        log.error("provider %r raised an unexpected %s", provider, type(exc).__name__,
-                  exc_info=exc)
-        return _Failure(
-            "configuration",
-            PROVIDER_UNEXPECTED,
-            _short(f"provider {provider!r} failed unexpectedly ({type(exc).__name__}: {exc}); "
-                   "this is a bug in the provider adapter, see the worker log"),
         )
 
     # -- transactions ------------------------------------------------------------------------
@@ -605,8 +673,10 @@ class LLMGateway:
         index: int,
         provider: str,
         request_bytes: bytes,
+        reserved_micros: int | None = None,
     ) -> tuple[int, str]:
-        """Store the request bytes and a ``sent`` attempt, and commit, before sending."""
+        """Store the request bytes and a ``sent`` attempt (with the money it reserves), and
+        commit, before sending."""
         attempt_no = state.attempts_made + 1
         path = ARTIFACT_REQUEST.format(seq=step_seq, operation=state.id, attempt=attempt_no)
         try:
@@ -644,6 +714,7 @@ class LLMGateway:
                         provider=provider,
                         request_path=path,
                         request_sha256=digest,
+                        reserved_micros=reserved_micros,
                         status=ATTEMPT_SENT,
                         started_at=self._now(),
                     )
@@ -702,6 +773,7 @@ class LLMGateway:
         request_sha: str,
         reply: ProviderReply,
         now: datetime,
+        cost_micros: int | None = None,
     ) -> Succeeded:
         with self.store.session() as session:
             path, digest = self._store_response(
@@ -710,7 +782,9 @@ class LLMGateway:
             self._close_attempt(session, state.id, attempt_no, {
                 "status": ATTEMPT_SUCCEEDED, "response_path": path, "response_sha256": digest,
                 "http_status": reply.http_status, "prompt_tokens": reply.prompt_tokens,
-                "completion_tokens": reply.completion_tokens, "finished_at": now,
+                "completion_tokens": reply.completion_tokens,
+                "finish_reason": reply.finish_reason, "cost_micros": cost_micros,
+                "finished_at": now,
             })
             self._update_operation(session, state.id, attempt_no, {
                 "status": OP_SUCCEEDED, "succeeded_attempt": attempt_no,
@@ -718,7 +792,8 @@ class LLMGateway:
                 "error_code": None, "error_message": None,
             })
         assert digest is not None
-        return Succeeded(state.id, attempt_no, provider, reply.content, digest, request_sha)
+        return Succeeded(state.id, attempt_no, provider, reply.content, digest, request_sha,
+                         reply.finish_reason, reply.completion_tokens)
 
     def _finish_failure(
         self,
@@ -726,7 +801,7 @@ class LLMGateway:
         step_seq: int,
         state: _OpState,
         attempt_no: int,
-        failure: _Failure,
+        failure: Failure,
         now: datetime,
         op_values: Mapping[str, Any],
     ) -> None:
@@ -738,7 +813,8 @@ class LLMGateway:
                 "status": ATTEMPT_REJECTED if failure.kind == "rejected" else ATTEMPT_FAILED,
                 "response_path": path, "response_sha256": digest,
                 "http_status": failure.http_status, "error_code": failure.code,
-                "error_message": failure.message, "finished_at": now,
+                "error_message": failure.message, "cost_micros": failure.cost_micros,
+                "finished_at": now,
             })
             self._update_operation(session, state.id, attempt_no, op_values)
 
@@ -746,7 +822,7 @@ class LLMGateway:
         self, op_id: int, state: _OpState, status: str, code: str, message: str,
         kind: str = "configuration",
     ) -> Blocked:
-        message = _short(message)
+        message = short(message)
         if kind == "credentials" and not code.startswith(PROVIDER_CREDENTIALS):
             code = PROVIDER_CREDENTIALS  # the stored code alone must say "credentials"
         with self.store.session() as session:
@@ -757,6 +833,8 @@ class LLMGateway:
             reason = BLOCK_PROVIDER_EXHAUSTED
         elif kind == "credentials":
             reason = BLOCK_PROVIDER_CREDENTIALS
+        elif kind == "cost":
+            reason = BLOCK_MODEL_COST_CAP
         else:
             reason = BLOCK_PROVIDER_CONFIGURATION
         return self._blocked(op_id, reason, code, message)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import json
+import logging
 import math
 import os
 import re
@@ -25,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from investigation.config import ProviderConfig, canonical_json
+from investigation.config import ProviderConfig, ordered_json
 from investigation.errors import (
     ProviderConfigurationError,
     ProviderCredentialsError,
@@ -33,6 +34,8 @@ from investigation.errors import (
     ProviderRequestRejected,
     TransientProviderError,
 )
+from investigation.llm import dialects, tokens
+from investigation.llm.tokens import output_budget
 from investigation.llm.types import (
     PROVIDER_BAD_CONFIG,
     PROVIDER_CREDENTIALS,
@@ -43,9 +46,9 @@ from investigation.llm.types import (
     PROVIDER_RATE_LIMITED,
     PROVIDER_REQUEST_TOO_LARGE,
     PROVIDER_RETRYABLE_STATUS,
+    PROVIDER_SCHEMA_REFUSED,
     PROVIDER_SERVER_ERROR,
     PROVIDER_TIMEOUT,
-    PROVIDER_TRUNCATED_RESPONSE,
     PROVIDER_UNEXPECTED_STATUS,
     PROVIDER_UNREACHABLE,
     ChatRequest,
@@ -53,6 +56,8 @@ from investigation.llm.types import (
     attach_response,
     redact,
 )
+
+log = logging.getLogger(__name__)
 
 #: Statuses worth retrying later (besides every 5xx).
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
@@ -137,10 +142,9 @@ class OpenAIProvider:
     def request_body(self, req: ChatRequest) -> dict[str, Any]:
         """The JSON body for ``req``: model, messages, options and the schema by dialect.
 
-        ``structured_output`` selects how the reply schema is sent:
-        ``"json_schema"`` -> ``{"type": "json_schema", "json_schema": {"name", "schema",
-        "strict": true}}`` (OpenAI); ``"json_object_schema"`` -> ``{"type": "json_object",
-        "schema": ...}`` (llama.cpp server); ``"none"`` -> no ``response_format``.
+        ``structured_output`` selects how the per-turn reply schema is sent
+        (:mod:`investigation.llm.dialects`). ``max_tokens`` is the request's own cap
+        (a money cap may lower it) or the provider's.
         """
         body: dict[str, Any] = {
             "model": self.config.model,
@@ -148,31 +152,27 @@ class OpenAIProvider:
         }
         if self.config.temperature is not None:
             body["temperature"] = self.config.temperature
-        if self.config.max_tokens is not None:
-            body["max_tokens"] = self.config.max_tokens
-        dialect = self.config.structured_output
-        if dialect == "json_schema":
-            body["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {
-                    "name": req.schema_name,
-                    "schema": req.response_schema,
-                    "strict": True,
-                },
-            }
-        elif dialect == "json_object_schema":
-            body["response_format"] = {"type": "json_object", "schema": req.response_schema}
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.config.max_tokens
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        response_format = dialects.response_format(
+            self.config.structured_output, req.response_schema, req.schema_name,
+            self.config.schema_max_string_chars)
+        if response_format is not None:
+            body["response_format"] = response_format
         return body
 
     def build_request_bytes(self, req: ChatRequest) -> bytes:
-        """Canonical JSON of :meth:`request_body` (sorted keys, UTF-8): deterministic.
+        """Compact JSON of :meth:`request_body` in the key order built (UTF-8):
+        deterministic, and the schema's property order (the order a grammar-constrained
+        server has the model write keys in) reaches the server unchanged.
 
         Raises:
             ProviderConfigurationError: ``PROVIDER_BAD_CONFIG`` when the request holds
                 values JSON cannot carry (NaN, non-string keys, objects).
         """
         try:
-            return canonical_json(self.request_body(req))
+            return ordered_json(self.request_body(req))
         except (TypeError, ValueError) as exc:
             raise ProviderConfigurationError(
                 PROVIDER_BAD_CONFIG,
@@ -198,6 +198,7 @@ class OpenAIProvider:
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
         secrets = [key]
+        self._check_window(req, headers)
         # httpx bounds each read, not the whole exchange: a server dripping its status
         # line or headers would hold the caller indefinitely. The exchange runs in a
         # helper thread; at the total deadline the caller stops waiting and closes the
@@ -265,6 +266,39 @@ class OpenAIProvider:
             TransientProviderError: ``raw`` is malformed or truncated.
         """
         return parse_chat_completion(raw, 200, self.name).content
+
+    def _check_window(self, req: ChatRequest, headers: dict[str, str]) -> None:
+        """Refuse, before sending, a request over the model's context window.
+
+        The prompt is counted by the server's tokenizer when ``tokenizer`` names one (a
+        failing tokenizer falls back to the estimate), else estimated (``llm.tokens``).
+
+        Raises:
+            ProviderRequestRejected: ``PROVIDER_REQUEST_TOO_LARGE`` with the numbers.
+        """
+        window = self.config.context_window_tokens
+        if window is None:
+            return
+        output = req.max_tokens or output_budget(self.config)
+        count, method = None, f"estimate at {self.config.bytes_per_token:g} bytes per token"
+        if self.config.tokenizer != "estimate":
+            try:
+                with self._client() as client:
+                    count = tokens.server_count(self.config, req.messages, client, headers)
+                method = f"the server's {self.config.tokenizer} tokenizer"
+            except (ValueError, *HTTPX_ERRORS) as exc:
+                log.info("provider %r: tokenize failed (%s); using the estimate", self.name,
+                         type(exc).__name__)
+        if count is None:
+            count = tokens.estimate_tokens(req.messages, self.config.bytes_per_token)
+        if count + output > window:
+            raise ProviderRequestRejected(
+                PROVIDER_REQUEST_TOO_LARGE,
+                f"provider {self.name!r}: the request is {count} prompt tokens ({method}) "
+                f"and {output} are kept for the reply, over the model's context window of "
+                f"{window} tokens; not sent. Use a model with a larger window, lower "
+                "max_tokens, or lower limits.max_context_bytes",
+                provider=self.name, prompt_tokens=count, context_window_tokens=window)
 
     def _api_key(self) -> str | None:
         var = self.config.api_key_env
@@ -393,6 +427,16 @@ def parse_http_response(
             "check the key in the variable named by api_key_env",
             **details,
         )
+    elif status not in RETRYABLE_STATUSES and status not in (413, 502, 503, 504) \
+            and not (status == 400 and _is_context_length_error(raw)) \
+            and _names_structured_output(raw):
+        error = ProviderConfigurationError(
+            PROVIDER_SCHEMA_REFUSED,
+            f"provider {provider!r} refused the structured-output request (HTTP {status}: "
+            f"{excerpt}); set structured_output to the dialect this server takes "
+            "(docs/reply-contract.md) and check it with `investigate providers check`",
+            **details,
+        )
     elif status in RETRYABLE_STATUSES or 500 <= status < 600:
         code = (
             PROVIDER_RATE_LIMITED
@@ -434,10 +478,14 @@ def parse_http_response(
 def parse_chat_completion(raw: bytes, status: int | None, provider: str) -> ProviderReply:
     """Parse a chat-completion body into a :class:`ProviderReply`.
 
+    A reply cut at the token limit (``finish_reason: "length"``) is a reply: it is
+    returned with its ``finish_reason``, stored, and judged by validation
+    (``REPLY_TRUNCATED`` when it does not parse), so the next request carries that
+    rejection and is never the same request resent unchanged.
+
     Raises:
         TransientProviderError: ``PROVIDER_MALFORMED_RESPONSE`` when the body is not JSON
-            or lacks ``choices[0].message.content`` as a string;
-            ``PROVIDER_TRUNCATED_RESPONSE`` when ``finish_reason`` is ``"length"``.
+            or lacks ``choices[0].message.content`` as a string.
     """
 
     def malformed(why: str) -> TransientProviderError:
@@ -460,15 +508,6 @@ def parse_chat_completion(raw: bytes, status: int | None, provider: str) -> Prov
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise malformed("no choices[0]")
     choice = choices[0]
-    if choice.get("finish_reason") == "length":
-        error = TransientProviderError(
-            PROVIDER_TRUNCATED_RESPONSE,
-            f"provider {provider!r} cut the reply off at its token limit (finish_reason "
-            "'length'); raise max_tokens",
-            provider=provider,
-            http_status=status,
-        )
-        raise attach_response(error, raw, status)
     message = choice.get("message")
     content = message.get("content") if isinstance(message, dict) else None
     if not isinstance(content, str):
@@ -477,12 +516,14 @@ def parse_chat_completion(raw: bytes, status: int | None, provider: str) -> Prov
         raise malformed(why)
     usage_doc = doc.get("usage")
     usage: dict[str, Any] = usage_doc if isinstance(usage_doc, dict) else {}
+    finish = choice.get("finish_reason")
     return ProviderReply(
         content=content,
         raw=raw,
         http_status=status,
         prompt_tokens=_count(usage.get("prompt_tokens")),
         completion_tokens=_count(usage.get("completion_tokens")),
+        finish_reason=finish if isinstance(finish, str) and len(finish) <= 64 else None,
     )
 
 
@@ -520,6 +561,17 @@ def retry_after_seconds(headers: Mapping[str, str], now: datetime) -> float | No
             return None
         return ms / 1000.0 if math.isfinite(ms) and ms >= 0 else None
     return None
+
+
+#: Words of a server's error that name the structured-output part of a request.
+_STRUCTURED_OUTPUT_WORDS = re.compile(
+    r"response_format|json_schema|json_object|\bschema\b|grammar|guided_(json|decoding)"
+    r"|\bgbnf\b|xgrammar|outlines|llguidance", re.IGNORECASE)
+
+
+def _names_structured_output(raw: bytes) -> bool:
+    """Whether an error body names ``response_format``, a schema or a grammar."""
+    return bool(_STRUCTURED_OUTPUT_WORDS.search(raw[:8192].decode("utf-8", "replace")))
 
 
 def _is_context_length_error(raw: bytes) -> bool:

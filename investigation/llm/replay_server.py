@@ -8,6 +8,7 @@ tests, reproducing a recorded investigation through the network path.
   identical body (a resend after a crash or a retry) gets the same reply again, a new
   body gets the next line. Past the last line: HTTP 400 with an OpenAI-style error.
 * ``GET /v1/models`` lists one model.
+* ``POST /extras/tokenize/count`` (llama-cpp-python's) counts a token per 4 bytes.
 * Binding is refused for anything but a loopback address.
 * ``faults`` inject failures (status, headers, body, delay, truncation) into the next
   matching requests, in order; see :class:`Fault`.
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 32 << 20
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
+TOKENIZE_COUNT_PATH = "/extras/tokenize/count"
 #: Internal marker from ``handle`` to the handler: cut the body after N bytes (never sent).
 _CUT_AFTER_HEADER = "x-replay-cut-after"
 
@@ -309,7 +311,20 @@ class ReplayServer:
             return status, {**hdrs, **extra}, payload
         if method == "GET" and path == MODELS_PATH:
             return 200, extra, self._models()
+        if method == "POST" and path == TOKENIZE_COUNT_PATH:
+            return self._tokenize_count(body)
         return 404, {}, _error_body(f"no route {method} {path}", "not_found")
+
+    def _tokenize_count(self, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        """llama-cpp-python's ``/extras/tokenize/count``: a token per 4 bytes, like usage."""
+        try:
+            doc = json.loads(body)
+            text = doc["input"]
+        except (ValueError, KeyError, TypeError):
+            return 400, {}, _error_body("body needs an 'input' string", "invalid_request")
+        if not isinstance(text, str):
+            return 400, {}, _error_body("body needs an 'input' string", "invalid_request")
+        return 200, {}, json.dumps({"count": len(text.encode("utf-8")) // 4}).encode()
 
 
 class _Server(ThreadingHTTPServer):

@@ -10,10 +10,22 @@ failure                                class (gateway reaction)
 =====================================  ==============================================
 timeout, connection, protocol errors   ``TransientProviderError`` (failover, backoff)
 HTTP 408/409/425/429/5xx               ``TransientProviderError`` with ``retry_after_s``
-malformed or truncated 2xx body        ``TransientProviderError``
+malformed 2xx body                     ``TransientProviderError``
 HTTP 401/403, missing key variable     ``ProviderCredentialsError`` (block)
-HTTP 413, context length exceeded      ``ProviderRequestRejected`` (failover, else block)
+HTTP 413, context length exceeded,     ``ProviderRequestRejected`` (failover, else block)
+a request over the context window
+4xx/5xx naming response_format,        ``ProviderConfigurationError`` (block at once)
+a schema or a grammar
 other 4xx, bad URL, script exhausted   ``ProviderConfigurationError`` (block)
+=====================================  ==============================================
+
+A reply cut at the token limit (``finish_reason: "length"``) is a reply, not a failure
+(validation judges it). Repeats on identical request bytes are reclassified by
+:mod:`investigation.llm.failures`:
+
+=====================================  ==============================================
+the same 5xx body twice                ``PROVIDER_DETERMINISTIC_ERROR`` (block)
+the connection dropped three times     ``PROVIDER_REQUEST_DROPPED`` (block)
 =====================================  ==============================================
 
 The :class:`~investigation.llm.gateway.LLMGateway` returns one of the three outcome
@@ -48,8 +60,8 @@ PROVIDER_SERVER_ERROR = "PROVIDER_SERVER_ERROR"
 PROVIDER_RETRYABLE_STATUS = "PROVIDER_RETRYABLE_STATUS"
 #: A 2xx body that is not a chat completion with a message content. Transient.
 PROVIDER_MALFORMED_RESPONSE = "PROVIDER_MALFORMED_RESPONSE"
-#: A 2xx reply cut off by the token limit (``finish_reason == "length"``). Transient.
-PROVIDER_TRUNCATED_RESPONSE = "PROVIDER_TRUNCATED_RESPONSE"
+#: A 4xx/5xx whose body names ``response_format``, a schema or a grammar. Configuration.
+PROVIDER_SCHEMA_REFUSED = "PROVIDER_SCHEMA_REFUSED"
 #: HTTP 401/403. Credentials.
 PROVIDER_CREDENTIALS = "PROVIDER_CREDENTIALS"
 #: The environment variable named by ``api_key_env`` is unset or empty. Credentials.
@@ -88,6 +100,11 @@ class ChatRequest:
             providers serve reply line ``call_index``.
         case_id: the case this call belongs to.
         metadata: ids only (``{"hypothesis_id": "3"}``); never prompts or secrets.
+        max_tokens: output token cap of this request (a money cap lowers it); ``None``:
+            the provider's configured ``max_tokens``.
+        money_cap_micros: the case's cap on model spending (micros of ``currency``), or
+            ``None`` (no cap; see :mod:`investigation.llm.spend`).
+        currency: the label of prices and the cap (``limits.currency``), for messages.
 
     Raises:
         ValueError: a message lacks a known role or string content, or ``call_index < 0``.
@@ -99,6 +116,9 @@ class ChatRequest:
     call_index: int
     case_id: str
     metadata: dict[str, str] = field(default_factory=dict)
+    max_tokens: int | None = None
+    money_cap_micros: int | None = None
+    currency: str = "USD"
 
     def __post_init__(self) -> None:
         if self.call_index < 0:
@@ -126,6 +146,7 @@ class ProviderReply:
         http_status: the HTTP status, or ``None`` for non-HTTP providers.
         prompt_tokens: input tokens reported by the provider, if any.
         completion_tokens: output tokens reported by the provider, if any.
+        finish_reason: why generation stopped (``"stop"``, ``"length"``, ...), if given.
     """
 
     content: str
@@ -133,6 +154,7 @@ class ProviderReply:
     http_status: int | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    finish_reason: str | None = None
 
 
 @runtime_checkable
@@ -206,6 +228,9 @@ class Succeeded:
         content: the assistant message text.
         response_sha256: sha256 of the stored response bytes.
         request_sha256: sha256 of the stored request bytes of that attempt.
+        finish_reason: the provider's ``finish_reason`` (``"length"``: cut at the token
+            limit), if it gave one.
+        completion_tokens: output tokens the provider reported, if any.
     """
 
     operation_id: int
@@ -214,6 +239,8 @@ class Succeeded:
     content: str
     response_sha256: str
     request_sha256: str
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
 
 
 @dataclass(frozen=True)

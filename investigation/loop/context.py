@@ -5,7 +5,7 @@ the same bytes. Its shape (keys in canonical order when serialised):
 
 ``contract``          prompt and schema versions
 ``case``              id, revision, package id, the report (at most ``max_report_bytes``)
-                      and a snapshot overview (file counts, databases)
+                      and a snapshot overview (file counts, databases, tables)
 ``interpretation``    the accepted interpretation, as given
 ``hypothesis``        the selected hypothesis: statement, confidence, balance, credit,
                       iterations and their cap, turn number, ``deferred_by``, notes
@@ -13,7 +13,7 @@ the same bytes. Its shape (keys in canonical order when serialised):
                       the others
 ``budget``            configured costs and the refund cap
 ``external_tests``    whether tests can be handed out here (a feedback key is
-                      configured) and the frozen deadline in seconds
+                      configured and a test cost is), the kinds, the frozen deadline
 ``early_diagnosis``   the frozen review policy: ``enabled``, ``min_evidence``
 ``allowed_actions``   the actions this turn may take; ``closing_reason`` says why it is
                       restricted (assessment-only deferral, iteration cap, low information,
@@ -24,7 +24,8 @@ the same bytes. Its shape (keys in canonical order when serialised):
                       latest ``full_evidence_in_context`` carry their findings, the rest
                       are compact references (id, operation, arguments, counts, warnings)
 ``questions``         every question with its status
-``last_rejection``    the code and detail of this hypothesis's last rejected reply, or null
+``last_rejection``    the code, detail and step of this hypothesis's last rejected reply
+                      and the rejected text (``reply``, bounded), or null
 ``operations``        the snapshot operations with their argument schemas
 """
 
@@ -40,7 +41,9 @@ from investigation.cases.snapshot import Snapshot
 from investigation.config import InvestigationConfig, canonical_json
 from investigation.constants import PROMPT_VERSION, REPLY_SCHEMA_VERSION
 from investigation.errors import InvestigationError
+from investigation.llm.tokens import PromptBudget, estimate_tokens
 from investigation.loop.outcome import StepKey
+from investigation.loop.prompt import build_messages
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -48,6 +51,7 @@ from investigation.store.models import (
     HypothesisBirth,
     Question,
     RevisionRecord,
+    StageRun,
 )
 from investigation.tools import ToolRouter
 
@@ -63,6 +67,31 @@ def _evidence_entry(e: Evidence, full: bool) -> dict[str, Any]:
     if full:
         entry["items"] = json.loads(e.findings_json)
     return entry
+
+
+#: Characters of a rejected reply carried back to the model (the rest is cut, marked).
+MAX_REJECTED_REPLY_CHARS = 6000
+
+
+def _last_rejection(s: Session, key: StepKey, account: BudgetAccount) -> dict[str, Any] | None:
+    """This hypothesis's last rejection with the rejected reply text (bounded), or None.
+
+    The reply is the stored content of that step's ``llm_call``; the prompt gives it back
+    to the model as its own turn, followed by the rejection (``loop.prompt``).
+    """
+    if not account.last_rejection_json:
+        return None
+    rejection: dict[str, Any] = json.loads(account.last_rejection_json)
+    row = s.exec(select(StageRun).where(
+        StageRun.case_id == key.case_id, StageRun.revision == key.revision,
+        StageRun.step_seq == int(rejection.get("step_seq", -1)),
+        StageRun.stage == "llm_call")).first()
+    content = json.loads(row.output_json).get("content") if row is not None else None
+    if isinstance(content, str):
+        if len(content) > MAX_REJECTED_REPLY_CHARS:
+            content = content[:MAX_REJECTED_REPLY_CHARS] + " [cut]"
+        rejection["reply"] = content
+    return rejection
 
 
 def fit(doc: dict[str, Any], limit: int) -> bytes:
@@ -122,6 +151,43 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
         "and artifact limits", context_bytes=len(data))
 
 
+#: Rounds of shrinking a context towards a provider's prompt budget.
+_TOKEN_FIT_ROUNDS = 8
+
+
+def fit_for_model(doc: dict[str, Any], limit: int, budgets: list[PromptBudget]) -> bytes:
+    """:func:`fit` within ``limit`` bytes, then shrink in the same fixed order until the
+    whole request (system prompt, header, context, a rejected reply and its rejection)
+    fits every provider's prompt budget by the token estimate (``llm.tokens``).
+
+    A context whose smallest form still does not fit is returned in that form: the
+    provider then refuses the request before sending it (``PROVIDER_REQUEST_TOO_LARGE``)
+    and the case blocks with the numbers, rather than the server answering
+    ``context_length_exceeded``.
+
+    Raises:
+        InvestigationError: ``CONTEXT_TOO_LARGE`` when the byte bound cannot be met.
+    """
+    data = fit(doc, limit)
+    for _ in range(_TOKEN_FIT_ROUNDS):
+        messages = build_messages(data)
+        over = [(b, estimate_tokens(messages, b.bytes_per_token)) for b in budgets
+                if not b.fits(messages)]
+        if not over:
+            return data
+        budget, tokens = max(over, key=lambda pair: pair[1] / max(1, pair[0].max_input_tokens))
+        target = int(len(data) * budget.max_input_tokens / tokens * 0.97)
+        if target >= len(data):
+            target = len(data) - 1
+        try:
+            data = fit(doc, max(1, target))
+        except InvestigationError:
+            # ``fit`` left ``doc`` in its smallest form: send that; the provider refuses
+            # it with the numbers if it is still too large.
+            return canonical_json(doc)
+    return data
+
+
 def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationConfig,
           budget: BudgetManager, selected: int, accounts: list[BudgetAccount],
           births: list[HypothesisBirth], router: ToolRouter,
@@ -148,7 +214,12 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
                                               Question.revision == key.revision)
                        .order_by(col(Question.ordinal))).all()
     closing = budget.closing_reason(account, pending)
-    allowed = ["finish", "reject"] if closing else ["query", "test", "finish", "reject"]
+    tests_available = external_tests and bool(config.budget.test_costs)
+    if closing:
+        allowed = ["finish", "reject"]
+    else:
+        allowed = ["query", "test", "finish", "reject"] if tests_available \
+            else ["query", "finish", "reject"]
     report = snapshot.report_text()
     report_bytes = report.encode("utf-8")
     limit = config.limits.max_report_bytes
@@ -162,6 +233,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
             "package_id": case.package_id, "report": report, "report_truncated": truncated,
             "snapshot": {"source_files": len(snapshot.source_paths()),
                          "databases": snapshot.db_names(),
+                         "tables": router.table_names(),
                          "log_files": len(snapshot.log_paths())},
         },
         "interpretation": json.loads(rev.interpretation_json),
@@ -180,7 +252,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
             for a in accounts if a.hypothesis_id != selected
         ],
         "budget": budget.describe(),
-        "external_tests": {"available": external_tests,
+        "external_tests": {"available": tests_available,
+                           "kinds": sorted(config.budget.test_costs) if tests_available else [],
                            "deadline_seconds": config.loop.test_deadline_seconds},
         "early_diagnosis": {"enabled": config.loop.early_diagnosis,
                             "min_evidence": config.loop.early_diagnosis_min_evidence},
@@ -193,7 +266,6 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
              "status": q.status}
             for q in questions
         ],
-        "last_rejection": json.loads(account.last_rejection_json)
-        if account.last_rejection_json else None,
+        "last_rejection": _last_rejection(s, key, account),
         "operations": router.describe(),
     }

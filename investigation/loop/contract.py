@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from investigation.constants import CONFIDENCE_ORDER
+from investigation.tools.models import ARGUMENT_MODELS
 
 Confidence = Literal["unassessed", "weak", "plausible", "supported", "strongly_supported",
                      "weakened"]
@@ -33,8 +34,15 @@ def printable(value: str) -> str:
     return value
 
 
+#: Contract limits (characters, items); the per-turn schema states the same numbers.
+MAX_TEXT_CHARS = 4000
+MAX_TITLE_CHARS = 200
+MAX_QUESTION_CHARS = 500
+MAX_NEW_QUESTIONS = 10
+MAX_CITED_IDS = 50
+
 _Printable = AfterValidator(printable)
-_Text = Annotated[str, Field(min_length=1, max_length=4000), _Printable]
+_Text = Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS), _Printable]
 _Id = Annotated[str, Field(min_length=1, max_length=32), _Printable]
 
 
@@ -47,18 +55,18 @@ class Assessment(_Strict):
 
     score: int = Field(ge=0, le=100)
     reason: _Text
-    evidence_ids: list[_Id] = Field(min_length=1, max_length=50)
+    evidence_ids: list[_Id] = Field(min_length=1, max_length=MAX_CITED_IDS)
 
 
 class Update(_Strict):
     """Qualitative update of the selected hypothesis."""
 
     confidence: Confidence
-    evidence_ids: list[_Id] = Field(max_length=50)
-    resolve_questions: list[_Id] = Field(max_length=50)
-    new_questions: list[Annotated[str, Field(min_length=1, max_length=500), _Printable]] = \
-        Field(max_length=10)
-    note: Annotated[str, Field(max_length=4000), _Printable]
+    evidence_ids: list[_Id] = Field(max_length=MAX_CITED_IDS)
+    resolve_questions: list[_Id] = Field(max_length=MAX_CITED_IDS)
+    new_questions: list[Annotated[str, Field(min_length=1, max_length=MAX_QUESTION_CHARS),
+                                  _Printable]] = Field(max_length=MAX_NEW_QUESTIONS)
+    note: Annotated[str, Field(max_length=MAX_TEXT_CHARS), _Printable]
 
 
 #: Largest ``next.arguments`` (canonical JSON, UTF-8 bytes): arguments stay in every later
@@ -86,7 +94,7 @@ class TestDescriptor(_Strict):
     """An external test handed to a human or an automated rig."""
 
     kind: Literal["human", "automated"]
-    title: Annotated[str, Field(min_length=1, max_length=200), _Printable]
+    title: Annotated[str, Field(min_length=1, max_length=MAX_TITLE_CHARS), _Printable]
     instructions: _Text
     expected_observation: _Text
 
@@ -164,32 +172,173 @@ def _reject_constant(value: str) -> Any:
     raise ReplyRejected("REPLY_NOT_JSON", f"non-standard JSON constant {value}")
 
 
+#: Normalisation rules (recorded per reply; ``docs/reply-contract.md``). The raw response
+#: bytes are always stored as received; only the text that is parsed is normalised.
+NORMALISED_CODE_FENCE = "CODE_FENCE"
+NORMALISED_RAW_CONTROL = "RAW_CONTROL_IN_STRING"
+NORMALISED_NULL_ARGUMENT = "NULL_OPTIONAL_ARGUMENT"
+NORMALISATION_RULES = (NORMALISED_CODE_FENCE, NORMALISED_RAW_CONTROL, NORMALISED_NULL_ARGUMENT)
+
+_FENCE_OPENERS = ("```json", "```JSON", "```")
+_RAW_ESCAPES = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def _strip_fence(text: str) -> str | None:
+    """The body of ``text`` when it is exactly one fenced block, else ``None``."""
+    stripped = text.strip()
+    for opener in _FENCE_OPENERS:
+        if stripped.startswith(opener) and stripped.endswith("```") \
+                and len(stripped) >= len(opener) + 3:
+            body = stripped[len(opener):-3]
+            if "```" in body or not body.startswith(("\n", "\r\n", " ", "{")):
+                return None
+            return body
+    return None
+
+
+def _escape_raw_controls(text: str) -> str | None:
+    """``text`` with raw tab, newline and carriage return inside JSON strings escaped;
+    ``None`` when there are none (outside strings they are whitespace and stay)."""
+    out: list[str] = []
+    in_string = escaped = changed = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+            elif ch in _RAW_ESCAPES:
+                out.append(_RAW_ESCAPES[ch])
+                changed = True
+                continue
+        elif ch == '"':
+            in_string = True
+        out.append(ch)
+    return "".join(out) if changed else None
+
+
+def normalise_reply_text(text: str) -> tuple[str, tuple[str, ...]]:
+    """Undo what real models commonly add around or inside an otherwise valid reply.
+
+    Rules, in order (each applied at most once, and only when it changes the text):
+
+    * ``CODE_FENCE``: the whole reply is one Markdown code block (```` ```json ... ``` ````
+      or ```` ``` ... ``` ````): the fence is removed.
+    * ``RAW_CONTROL_IN_STRING``: a raw tab, newline or carriage return inside a JSON
+      string (several grammar-constrained servers let them through) becomes its escape.
+
+    Returns:
+        The text to parse and the rules applied, in order.
+    """
+    applied: list[str] = []
+    body = _strip_fence(text)
+    if body is not None:
+        text = body
+        applied.append(NORMALISED_CODE_FENCE)
+    escaped = _escape_raw_controls(text)
+    if escaped is not None:
+        text = escaped
+        applied.append(NORMALISED_RAW_CONTROL)
+    return text, tuple(applied)
+
+
+def _drop_null_optional_arguments(data: dict[str, Any]) -> bool:
+    """Drop ``null`` values of optional query arguments (a dialect that must send every
+    property sends an absent one as null); ``True`` when one was dropped."""
+    nxt = data.get("next")
+    if not isinstance(nxt, dict) or nxt.get("action") != "query":
+        return False
+    arguments = nxt.get("arguments")
+    operation = nxt.get("operation")
+    model = ARGUMENT_MODELS.get(operation) if isinstance(operation, str) else None
+    if model is None or not isinstance(arguments, dict):
+        return False
+    optional = {name for name, field in model.model_fields.items() if not field.is_required()}
+    nulls = [k for k, v in arguments.items() if v is None and k in optional]
+    for k in nulls:
+        del arguments[k]
+    return bool(nulls)
+
+
+def _schema_problem(exc: ValidationError) -> str:
+    """Up to three schema errors, each with its location and what was found there."""
+    parts = []
+    for error in exc.errors(include_url=False)[:3]:
+        where = ".".join(str(p) for p in error["loc"]) or "reply"
+        if error["type"] == "missing":
+            parts.append(f"{where}: missing")
+            continue
+        found = error.get("input")
+        shown = json.dumps(found, ensure_ascii=False)[:60] if isinstance(
+            found, str | int | float | bool) or found is None else type(found).__name__
+        parts.append(f"{where}: {error['msg']} (got {shown})")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def read_reply(text: str) -> tuple[Reply, tuple[str, ...]]:
+    """Normalise (:func:`normalise_reply_text`), then parse and schema-check one reply.
+
+    Returns:
+        The reply and the normalisation rules applied (``NULL_OPTIONAL_ARGUMENT`` when an
+        optional query argument was sent as ``null`` and dropped).
+
+    Raises:
+        ReplyRejected: ``REPLY_NOT_JSON``, ``REPLY_DUPLICATE_KEYS`` or
+            ``REPLY_SCHEMA_INVALID``, with the fault's location in the detail.
+    """
+    text, applied = normalise_reply_text(text)
+    data = _load(text)
+    if _drop_null_optional_arguments(data):
+        applied += (NORMALISED_NULL_ARGUMENT,)
+    return _validated(data), applied
+
+
 def parse_reply(text: str) -> Reply:
-    """Parse and schema-check one reply text.
+    """Parse and schema-check one reply text exactly as given (no normalisation).
 
     Raises:
         ReplyRejected: ``REPLY_NOT_JSON``, ``REPLY_DUPLICATE_KEYS`` or ``REPLY_SCHEMA_INVALID``.
     """
+    return _validated(_load(text))
+
+
+def _load(text: str) -> dict[str, Any]:
     try:
         data = json.loads(text.strip(), object_pairs_hook=_no_duplicate_keys,
                           parse_constant=_reject_constant)
     except ReplyRejected:
         raise
-    except (ValueError, RecursionError) as exc:
-        raise ReplyRejected("REPLY_NOT_JSON", f"the reply is not one JSON object: {exc}") from exc
+    except RecursionError as exc:
+        raise ReplyRejected("REPLY_NOT_JSON", "the reply nests too deeply") from exc
+    except ValueError as exc:
+        raise ReplyRejected("REPLY_NOT_JSON", f"the reply is not one JSON object: {exc}"
+                            + _excerpt_at(text.strip(), exc)) from exc
     if not isinstance(data, dict):
-        raise ReplyRejected("REPLY_NOT_JSON", "the reply must be a JSON object")
+        raise ReplyRejected("REPLY_NOT_JSON",
+                            f"the reply must be a JSON object, got a {type(data).__name__}")
     try:  # I-JSON (RFC 7493): every string is Unicode, so it can be stored as UTF-8
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ReplyRejected("REPLY_NOT_JSON",
                             "the reply holds an unpaired surrogate escape (not Unicode)") from exc
+    return data
+
+
+def _excerpt_at(text: str, exc: ValueError) -> str:
+    pos = getattr(exc, "pos", None)
+    if not isinstance(pos, int):
+        return ""
+    return f" near {json.dumps(text[max(0, pos - 20):pos + 20], ensure_ascii=True)}"
+
+
+def _validated(data: dict[str, Any]) -> Reply:
     try:
         return Reply.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ReplyRejected("REPLY_SCHEMA_INVALID", f"{where}: {first['msg']}") from exc
+        raise ReplyRejected("REPLY_SCHEMA_INVALID", _schema_problem(exc)) from exc
 
 
 @lru_cache(maxsize=1)

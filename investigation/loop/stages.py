@@ -28,11 +28,12 @@ from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col, select
 
 from investigation.budget import BudgetManager, rules
-from investigation.config import InvestigationConfig, canonical_json
+from investigation.config import InvestigationConfig, canonical_json, ordered_json
 from investigation.constants import (
     ARTIFACT_CONTEXT,
     ARTIFACT_PLAN,
     ARTIFACT_RAW_RESULT,
+    ARTIFACT_REPLY_SCHEMA,
     BLOCK_AWAITING_TEST_FEEDBACK,
     BLOCK_INVALID_LLM_RESPONSES,
     BLOCKED,
@@ -58,13 +59,21 @@ from investigation.evidence import EvidenceStore
 from investigation.external_tests import AsyncTestCoordinator
 from investigation.lifecycle import SessionState, TerminationReason
 from investigation.llm.gateway import Blocked, RetryPending, Succeeded
+from investigation.llm.spend import to_micros
 from investigation.llm.types import ChatRequest
 from investigation.loop import checkpoints, lifecycle
 from investigation.loop import context as context_builder
-from investigation.loop.contract import ReplyRejected, parse_reply, reply_json_schema
+from investigation.loop.contract import (
+    Reply,
+    ReplyRejected,
+    normalise_reply_text,
+    read_reply,
+    reply_json_schema,
+)
 from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StageResult, StepKey
 from investigation.loop.prompt import build_messages
+from investigation.loop.reply_schema import turn_schema
 from investigation.loop.scheduler import select_hypothesis
 from investigation.loop.summary import write_summary
 from investigation.loop.validation import validate_reply
@@ -287,6 +296,20 @@ class Stages:
                 "CONTEXT_IDENTITY", f"the stored context of step {key.step_seq} was changed")
         return built, dict(_loads(art.data))
 
+    @staticmethod
+    def _reply_schema(s: Session, key: StepKey, built: dict[str, Any]) -> dict[str, Any]:
+        """The step's stored reply schema (sha256 re-checked); steps planned before the
+        per-turn schema existed fall back to the static reply schema."""
+        path = built.get("reply_schema_path")
+        if path is None:
+            return reply_json_schema()
+        art = Store.get_artifact(s, key.case_id, path)
+        if art is None or art.sha256 != built.get("reply_schema_sha256"):
+            raise InvestigationError(
+                "CONTEXT_IDENTITY", f"the stored reply schema of step {key.step_seq} was "
+                "changed")
+        return dict(_loads(art.data))
+
     # -- 1. build_context ----------------------------------------------------------------
 
     def _build_context(self, key: StepKey) -> StageResult:
@@ -327,13 +350,20 @@ class Stages:
                 accounts=accounts, births=list(births), router=router,
                 snapshot=self.env.snapshot(key.case_id),
                 external_tests=self.env.feedback_key is not None)
-            data = context_builder.fit(doc, cfg.limits.max_context_bytes)
+            data = context_builder.fit_for_model(
+                doc, cfg.limits.max_context_bytes, self.env.gateway.prompt_budget())
             path = ARTIFACT_CONTEXT.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
+            schema = turn_schema(_loads(data), cfg.loop.max_questions_per_hypothesis)
+            schema_path = ARTIFACT_REPLY_SCHEMA.format(seq=key.step_seq)
+            # Key order kept: it is the order a grammar-constrained decoder writes keys in.
+            schema_digest = Store.put_artifact(s, key.case_id, schema_path,
+                                               ordered_json(schema))
             return self._complete(s, key, "build_context", {
                 "finalize": False, "hypothesis_id": selected, "context_path": path,
                 "context_sha256": digest, "call_index": len(llm_steps),
                 "closing_reason": doc["closing_reason"], "policy_sha256": rev.policy_sha256,
+                "reply_schema_path": schema_path, "reply_schema_sha256": schema_digest,
             })
 
     # -- 2. llm_call ---------------------------------------------------------------------
@@ -344,15 +374,20 @@ class Stages:
             if built["finalize"]:
                 return self._complete(s, key, "llm_call", SKIPPED)
             _, doc = self._context_doc(s, key)
+            schema = self._reply_schema(s, key, built)
             case = self._fence(s, key, "llm_call")
             retry_id = case.llm_retry_id
+        limits = self.env.config.limits  # operational bounds: not frozen, raise and resume
+        cap = None if limits.max_model_cost is None else to_micros(limits.max_model_cost)
         context_bytes = canonical_json(doc)
         request = ChatRequest(
-            messages=build_messages(context_bytes), response_schema=reply_json_schema(),
+            messages=build_messages(context_bytes), response_schema=schema,
             schema_name="investigation_reply", call_index=int(built["call_index"]),
             case_id=key.case_id,
             metadata={"case_id": key.case_id, "step_seq": str(key.step_seq),
-                      "prompt_version": PROMPT_VERSION})
+                      "hypothesis_id": str(built["hypothesis_id"]),
+                      "prompt_version": PROMPT_VERSION},
+            money_cap_micros=cap, currency=limits.currency)
         result = self.env.gateway.call(key.case_id, key.revision, key.step_seq, request,
                                        retry_id=retry_id)
         hid = int(built["hypothesis_id"])
@@ -393,6 +428,9 @@ class Stages:
                 "provider": result.provider, "content": content,
                 "response_sha256": result.response_sha256,
                 "request_sha256": result.request_sha256,
+                **({"finish_reason": result.finish_reason,
+                    "completion_tokens": result.completion_tokens}
+                   if result.finish_reason == "length" else {}),
             })
 
     # -- 3. validate ---------------------------------------------------------------------
@@ -407,9 +445,12 @@ class Stages:
             built, doc = self._context_doc(s, key)
             cfg, _ = self._policy(s, key)
             account = self._account(s, key, int(built["hypothesis_id"]))
+            normalised = list(normalise_reply_text(call["content"])[1])
             try:
                 try:
-                    decision = validate_reply(parse_reply(call["content"]), doc, cfg.budget,
+                    reply, applied = self._read_reply(call)
+                    normalised = list(applied)
+                    decision = validate_reply(reply, doc, cfg.budget,
                                               router, cfg.loop.max_questions_per_hypothesis)
                     canonical_json(decision.to_dict())  # it must be storable
                 except (ValueError, TypeError, OverflowError, UnicodeError,
@@ -425,13 +466,34 @@ class Stages:
                 s.add(account)
                 log.info("case %s step %s: reply rejected (%s)", key.case_id, key.step_seq,
                          rej.code)
-                return self._complete(s, key, "validate", {
-                    "accepted": False, "code": rej.code, "detail": rej.detail})
+                rejected: dict[str, Any] = {"accepted": False, "code": rej.code,
+                                            "detail": rej.detail}
+                if normalised:
+                    rejected["normalised"] = normalised
+                return self._complete(s, key, "validate", rejected)
             account.invalid_streak = 0
             account.last_rejection_json = None
             s.add(account)
-            return self._complete(s, key, "validate",
-                                  {"accepted": True, "decision": decision.to_dict()})
+            accepted: dict[str, Any] = {"accepted": True, "decision": decision.to_dict()}
+            if normalised:
+                accepted["normalised"] = normalised
+            return self._complete(s, key, "validate", accepted)
+
+    @staticmethod
+    def _read_reply(call: dict[str, Any]) -> tuple[Reply, tuple[str, ...]]:
+        """Normalise and parse the call's content; a reply the provider cut at its token
+        limit that does not parse is ``REPLY_TRUNCATED`` (never resent unchanged: the next
+        request carries the rejection)."""
+        try:
+            return read_reply(call["content"])
+        except ReplyRejected as rej:
+            if rej.code == "REPLY_NOT_JSON" and call.get("finish_reason") == "length":
+                raise ReplyRejected(
+                    "REPLY_TRUNCATED",
+                    f"the reply was cut off at the provider's token limit "
+                    f"({call.get('completion_tokens') or 'max_tokens'} tokens) before the JSON "
+                    "object ended; write shorter text fields") from rej
+            raise
 
     # -- 4. persist_plan -----------------------------------------------------------------
 
@@ -717,7 +779,7 @@ class Stages:
             Store.set_pointer(s, key.case_id, POINTER_STATE, cp.state_path,
                               state["_state_sha256"])
             if outcome == COMPLETED:
-                write_summary(s, key.case_id, key.revision)
+                write_summary(s, key.case_id, key.revision, self.env.config.limits.currency)
             out = {"outcome": outcome, "reason": reason, "hypothesis_id": hid,
                    "checkpoint_hash": cp.hash}
             self._complete(s, key, "publish", out)

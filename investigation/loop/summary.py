@@ -17,6 +17,7 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from investigation.constants import ARTIFACT_SUMMARY, POINTER_SUMMARY
+from investigation.llm import spend
 from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
@@ -114,8 +115,31 @@ def _reviews(s: Session, case_id: str, revision: int) -> list[str]:
     return lines
 
 
-def render_summary(s: Session, case_id: str, revision: int) -> bytes:
-    """Render ``summary.md`` for a case from the store (UTF-8 bytes, LF line ends)."""
+def _model_usage(s: Session, case_id: str, hypotheses: list[int], currency: str) -> list[str]:
+    """The model usage table: calls, tokens and money per hypothesis (``llm.spend``)."""
+    usage = spend.usage_by_hypothesis(s, case_id)
+    out = ["## Model usage", "",
+           "Model tokens and money, separate from investigation units.", "",
+           "| hypothesis | calls | attempts | prompt tokens | completion tokens | cost |",
+           "|---|---|---|---|---|---|"]
+    keys: list[int | None] = [*hypotheses, *([None] if None in usage else [])]
+    for hid in keys:
+        u = usage.get(hid, {"calls": 0, "attempts": 0, "prompt_tokens": 0,
+                            "completion_tokens": 0, "cost_micros": -1})
+        cost = "not priced" if u["cost_micros"] < 0 else spend.format_money(
+            u["cost_micros"], currency)
+        out.append(f"| {'unrecorded' if hid is None else hid} | {u['calls']} | "
+                   f"{u['attempts']} | {u['prompt_tokens']} | {u['completion_tokens']} | "
+                   f"{cost} |")
+    return [*out, ""]
+
+
+def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD") -> bytes:
+    """Render ``summary.md`` for a case from the store (UTF-8 bytes, LF line ends).
+
+    Args:
+        currency: the label of model costs (``limits.currency``).
+    """
     case = s.get(CaseRecord, case_id)
     assert case is not None
     rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == case_id,
@@ -226,6 +250,7 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
                 else:
                     out.append(f"- {q.question_id} (open): {plain(q.text)}")
         out.append("")
+    out += _model_usage(s, case_id, [a.hypothesis_id for a in accounts], currency)
     out += ["## Early diagnosis reviews", ""]
     out += _reviews(s, case_id, revision) or ["- none"]
     out.append("")
@@ -238,13 +263,13 @@ def render_summary(s: Session, case_id: str, revision: int) -> bytes:
     return "\n".join(out).encode("utf-8")
 
 
-def write_summary(s: Session, case_id: str, revision: int) -> str:
+def write_summary(s: Session, case_id: str, revision: int, currency: str = "USD") -> str:
     """Render and store ``summary.md`` and point ``investigation_summary`` at it.
 
     Returns:
         The sha256 of the stored bytes. Re-rendering a finished case yields the same bytes.
     """
-    data = render_summary(s, case_id, revision)
+    data = render_summary(s, case_id, revision, currency)
     digest = Store.put_artifact(s, case_id, ARTIFACT_SUMMARY, data, media_type="text/markdown")
     Store.set_pointer(s, case_id, POINTER_SUMMARY, ARTIFACT_SUMMARY, digest)
     return digest

@@ -68,6 +68,22 @@ class AcceptedDecision:
         }
 
 
+def _check_test_available(action: TestAction, context: dict[str, Any],
+                          budget: BudgetConfig) -> None:
+    """A test needs a configured cost of its kind and a feedback key; the specific code
+    says which is missing (rather than a bare ``ACTION_NOT_ALLOWED``)."""
+    if rules.action_cost(budget, "test", test_kind=action.test.kind) is None:
+        raise ReplyRejected("TEST_COST_NOT_CONFIGURED",
+                            f"no cost is configured for {action.test.kind} tests; choose a "
+                            "query, finish or reject")
+    if not context.get("external_tests", {}).get("available"):
+        # No feedback key: nobody could authenticate feedback, so refuse rather than
+        # charge for a test whose result could never come back.
+        raise ReplyRejected("TEST_HANDOFF_UNAVAILABLE",
+                            "external tests are not available here (no feedback key is "
+                            "configured); choose a query, finish or reject")
+
+
 def _normalise_question(text: str) -> str:
     return " ".join(text.casefold().split())
 
@@ -134,31 +150,43 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
                             f"a {update.confidence} hypothesis cannot be rejected")
 
     # Question updates.
-    open_texts = set()
+    open_texts: dict[str, str] = {}
     own = [q for q in questions.values() if int(q["hypothesis_id"]) == hid]
     for q in own:
         if q["status"] == "open":
-            open_texts.add(_normalise_question(q["text"]))
+            open_texts.setdefault(_normalise_question(q["text"]), q["question_id"])
     newly_resolved = [q for q in update.resolve_questions if questions[q]["status"] == "open"]
     if newly_resolved and not update.evidence_ids:
         raise ReplyRejected("RESOLUTION_WITHOUT_EVIDENCE",
                             f"resolving {newly_resolved[0]} needs update.evidence_ids")
-    seen_new: set[str] = set()
-    for text in update.new_questions:
+    seen_new: dict[str, int] = {}
+    for number, text in enumerate(update.new_questions, start=1):
         norm = _normalise_question(text)
-        if norm in open_texts or norm in seen_new:
-            raise ReplyRejected("DUPLICATE_QUESTION", "a new question repeats an open one")
-        seen_new.add(norm)
+        if norm in open_texts:
+            raise ReplyRejected("DUPLICATE_QUESTION",
+                                f"new question {number} repeats open question "
+                                f"{open_texts[norm]}")
+        if norm in seen_new:
+            raise ReplyRejected("DUPLICATE_QUESTION",
+                                f"new question {number} repeats new question "
+                                f"{seen_new[norm]} of this reply")
+        seen_new[norm] = number
     if len(own) + len(update.new_questions) > max_questions:
         raise ReplyRejected("TOO_MANY_QUESTIONS",
-                            f"at most {max_questions} questions per hypothesis")
+                            f"this hypothesis has {len(own)} questions; "
+                            f"{len(update.new_questions)} new would pass the limit of "
+                            f"{max_questions}")
 
     # Next action: scope, arguments, cost, affordability.
     action = reply.next.action
+    if isinstance(reply.next, TestAction) and not context.get("closing_reason"):
+        _check_test_available(reply.next, context, budget)
     if action not in context["allowed_actions"]:
+        closing = context.get("closing_reason")
         raise ReplyRejected("ACTION_NOT_ALLOWED",
-                            f"{action} is not allowed now ({context.get('closing_reason')}); "
-                            f"allowed: {', '.join(context['allowed_actions'])}")
+                            f"{action} is not allowed now"
+                            + (f" (a closing turn: {closing})" if closing else "")
+                            + f"; allowed: {', '.join(context['allowed_actions'])}")
     early_diagnosis.check_request(reply, context)
     cost: int | None = 0
     if isinstance(reply.next, QueryAction):
@@ -172,16 +200,8 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
             raise ReplyRejected(exc.code, exc.message) from exc
         cost = rules.action_cost(budget, "query", operation=reply.next.operation)
     elif isinstance(reply.next, TestAction):
+        _check_test_available(reply.next, context, budget)
         cost = rules.action_cost(budget, "test", test_kind=reply.next.test.kind)
-        if cost is None:
-            raise ReplyRejected("TEST_COST_NOT_CONFIGURED",
-                                f"no cost is configured for {reply.next.test.kind} tests")
-        if not context.get("external_tests", {}).get("available"):
-            # No feedback key: nobody could authenticate feedback, so refuse rather
-            # than charge for a test whose result could never come back.
-            raise ReplyRejected("TEST_HANDOFF_UNAVAILABLE",
-                                "external tests are not available here (no feedback key is "
-                                "configured); choose a query, finish or reject")
     assert cost is not None
 
     pending = None

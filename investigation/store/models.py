@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import Column, LargeBinary, UniqueConstraint
+from sqlalchemy import BigInteger, Column, LargeBinary, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
@@ -221,6 +221,8 @@ class LLMOperation(SQLModel, table=True):
     error_message: str | None = None
     succeeded_attempt: int | None = None
     response_sha256: str | None = Field(default=None, max_length=64)
+    hypothesis_id: int | None = None
+    """The hypothesis the decision is for (token and money accounting per hypothesis)."""
     created_at: datetime = Field(default_factory=utcnow)
 
 
@@ -244,6 +246,12 @@ class LLMAttempt(SQLModel, table=True):
     error_message: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    finish_reason: str | None = Field(default=None, max_length=64)
+    reserved_micros: int | None = Field(default=None, sa_type=BigInteger)
+    """Money reserved before sending (worst case: prompt estimate plus ``max_tokens``), in
+    millionths of ``limits.currency``; ``None``: the provider has no price."""
+    cost_micros: int | None = Field(default=None, sa_type=BigInteger)
+    """Money the attempt cost (actual usage, else the reservation), once finished."""
     started_at: datetime = Field(default_factory=utcnow)
     finished_at: datetime | None = None
 

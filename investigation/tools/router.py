@@ -68,6 +68,10 @@ _DEADLINE_EVERY_LINES = 2048
 #: Lines longer than this (characters) are not scanned for symbol occurrences: every
 #: candidate position is checked in Python, and a minified line can hold millions.
 MAX_SYMBOL_LINE_CHARS = 100_000
+#: Most tables :meth:`ToolRouter.table_names` lists (a context lists them all or none).
+MAX_LISTED_TABLES = 200
+#: Arguments capped at ``tools.max_results``; their schema states the cap as ``maximum``.
+CAPPED_ARGUMENTS = ("limit", "max_results", "max_rows")
 
 
 class ToolRouter:
@@ -129,9 +133,37 @@ class ToolRouter:
         for op in OPERATIONS:
             schema = ARGUMENT_MODELS[op].model_json_schema()
             schema.pop("description", None)  # the class docstring; the operation says it
+            schema.pop("title", None)  # pydantic's class and field titles: noise to a model
+            for prop in schema.get("properties", {}).values():
+                prop.pop("title", None)
+            for name in CAPPED_ARGUMENTS:
+                prop = schema.get("properties", {}).get(name)
+                for variant in (prop or {}).get("anyOf", []):
+                    if variant.get("type") == "integer":
+                        variant["maximum"] = cap
             result.append({"operation": op, "description": descriptions[op],
                            "arguments_schema": schema})
         return result
+
+    def table_names(self) -> list[str]:
+        """The tables and views of the packed databases, as ``db.schema`` accepts them.
+
+        Returns:
+            Plain names when one database is packed, ``<database>.<table>`` names when
+            several are; sorted; empty when there is no database or one cannot be opened
+            (the database operations then report it), or when there are more than
+            :data:`MAX_LISTED_TABLES` (the context does not list them then).
+        """
+        names = self._snapshot.db_names()
+        try:
+            found = [(db, name) for db in names for name, _kind in self._db(db).objects()]
+        except ToolError:
+            return []
+        if len(found) > MAX_LISTED_TABLES:
+            return []
+        if len(names) == 1:
+            return sorted(name for _db, name in found)
+        return sorted(f"{db}.{name}" for db, name in found)
 
     def validate(self, operation: str, arguments: dict[str, Any]) -> BaseModel:
         """Preflight one operation without running it.

@@ -159,7 +159,8 @@ def test_three_invalid_replies_block_and_resume_continues(tmp_path: Path) -> Non
     schema_bad = json.dumps({**H[2], "assessment": {"score": "90", "reason": "r",
                                                     "evidence_ids": ["E1"]}})
     # One line each: the scripted provider reads JSON Lines.
-    invalid = ["The answer is obvious.", "```json " + json.dumps(H[2]) + " ```", schema_bad]
+    # Prose around the object is not normalised away (only one whole-reply fence is).
+    invalid = ["The answer is obvious.", "Here it is: " + json.dumps(H[2]), schema_bad]
     case = make_case(tmp_path / "c", replies=[H[0], H[1], *invalid, *H[2:]])
     inv = case.investigator()
     assert steps(inv, case, 2) == [(PROGRESSED, None, 1), (PROGRESSED, None, 2)]

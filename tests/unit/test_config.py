@@ -19,7 +19,8 @@ def test_example_policy_is_the_default() -> None:
 
 def test_example_providers_load() -> None:
     cfg = ProvidersConfig.load(ROOT / "config/providers.example.toml")
-    assert [p.name for p in cfg.providers] == ["primary", "replay"]
+    assert [p.name for p in cfg.providers] == ["primary", "local-llama", "replay"]
+    assert [p.structured_output for p in cfg.providers[:2]] == ["openai", "llama_cpp"]
     assert cfg.gateway.attempts == 10
     assert "api_key" not in str(cfg.identity())
 

@@ -25,6 +25,8 @@ from investigation.llm.types import ChatRequest, response_of
 NOW = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
 KEY = "sk-test-SECRET-123"
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+#: SCHEMA in the OpenAI strict subset (every object closed).
+STRICT = {**SCHEMA, "additionalProperties": False}
 
 
 def make_request(call_index: int = 0) -> ChatRequest:
@@ -82,8 +84,15 @@ def respond(status: int, body: bytes | dict[str, object], headers: dict[str, str
     ("dialect", "expected_format"),
     [
         ("json_schema", {"type": "json_schema",
-                         "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}}),
+                         "json_schema": {"name": "reply", "schema": STRICT, "strict": True}}),
+        ("openai", {"type": "json_schema",
+                    "json_schema": {"name": "reply", "schema": STRICT, "strict": True}}),
         ("json_object_schema", {"type": "json_object", "schema": SCHEMA}),
+        ("llama_cpp", {"type": "json_object", "schema": SCHEMA}),
+        ("ollama", {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}),
+        ("vllm", {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}),
+        ("sglang", {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}),
+        ("json_object", {"type": "json_object"}),
         ("none", None),
     ],
 )
@@ -108,8 +117,10 @@ def test_request_body_by_dialect(dialect: str, expected_format: object) -> None:
     if expected_format is not None:
         expected["response_format"] = expected_format
     assert body == expected
-    # canonical: sorted keys, no spaces
-    assert data == json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    # compact, keys in the order built (a schema's property order reaches the server)
+    assert data == json.dumps(body, separators=(",", ":")).encode()
+    assert list(body) == [k for k in ("model", "messages", "temperature", "max_tokens",
+                                      "response_format") if k in body]
     reply = p.send(data, req)
     assert reply.content == '{"x": 1}'
     assert reply.prompt_tokens == 11 and reply.completion_tokens == 3
@@ -189,7 +200,16 @@ def test_bad_config_fails_fast() -> None:
                          "message": "the request exceeds the available context size"}},
          ProviderRequestRejected, "PROVIDER_REQUEST_TOO_LARGE"),
         (400, {"error": {"message": "unknown field response_format"}},
-         ProviderConfigurationError, "PROVIDER_HTTP_CLIENT_ERROR"),
+         ProviderConfigurationError, "PROVIDER_SCHEMA_REFUSED"),
+        (500, {"error": {"message": "Input should be 'text' or 'json_object'",
+                         "loc": ["body", "response_format", "type"]}},
+         ProviderConfigurationError, "PROVIDER_SCHEMA_REFUSED"),
+        (400, {"error": {"message": "failed to parse grammar"}},
+         ProviderConfigurationError, "PROVIDER_SCHEMA_REFUSED"),
+        (503, {"error": {"message": "grammar workers busy"}},
+         TransientProviderError, "PROVIDER_SERVER_ERROR"),
+        (429, {"error": {"message": "schema requests over quota"}},
+         TransientProviderError, "PROVIDER_RATE_LIMITED"),
         (404, {"error": {"message": "model not found"}},
          ProviderConfigurationError, "PROVIDER_HTTP_CLIENT_ERROR"),
         (422, b"{}", ProviderConfigurationError, "PROVIDER_HTTP_CLIENT_ERROR"),
@@ -253,7 +273,6 @@ def test_retry_after_parser_directly() -> None:
         (b'{"choices": [{"message": {}}]}', "PROVIDER_MALFORMED_RESPONSE"),
         (json.dumps(completion(content=None)).encode(), "PROVIDER_MALFORMED_RESPONSE"),
         (b'{"error": {"message": "upstream"}}', "PROVIDER_MALFORMED_RESPONSE"),
-        (json.dumps(completion(finish="length")).encode(), "PROVIDER_TRUNCATED_RESPONSE"),
         (b'\xff\xfe\x00garbage', "PROVIDER_MALFORMED_RESPONSE"),
     ],
 )
@@ -262,6 +281,13 @@ def test_bad_200_bodies_are_transient(body: bytes, code: str) -> None:
         send(provider(respond(200, body)))
     assert info.value.code == code
     assert info.value.response_raw == body  # type: ignore[attr-defined]
+
+
+def test_a_reply_cut_at_max_tokens_is_a_reply_with_its_finish_reason() -> None:
+    # Not a transient failure: resending identical bytes would give the same cut reply.
+    reply = send(provider(respond(200, completion(finish="length"))))
+    assert reply.finish_reason == "length"
+    assert send(provider(respond(200, completion()))).finish_reason == "stop"
 
 
 def test_content_from_raw_roundtrip() -> None:

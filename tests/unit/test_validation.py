@@ -116,6 +116,12 @@ def code(r: Reply, ctx: dict[str, Any], **kw: Any) -> str:
     return info.value.code
 
 
+def detail(r: Reply, ctx: dict[str, Any], **kw: Any) -> str:
+    with pytest.raises(ReplyRejected) as info:
+        check(r, ctx, **kw)
+    return info.value.detail
+
+
 # -- accepted baseline -------------------------------------------------------------------
 
 
@@ -272,11 +278,16 @@ def test_mixing_a_reconfirmation_with_a_new_resolution_still_needs_evidence() ->
 def test_new_question_duplicating_an_open_one(text: str) -> None:
     ctx = context(questions=[qn("Q1")])
     assert code(reply(new=[text]), ctx) == "DUPLICATE_QUESTION"
+    assert detail(reply(new=["Other?", text]), ctx) == "new question 2 repeats open question Q1"
 
 
 def test_duplicate_questions_within_one_reply() -> None:
+    # The detail names the actual fault: the duplicate is inside new_questions, not an
+    # open question (there is none here).
     assert code(reply(new=["Is tax applied?", "is  TAX applied?"]), context()) == \
         "DUPLICATE_QUESTION"
+    assert detail(reply(new=["Is tax applied?", "is  TAX applied?"]), context()) == \
+        "new question 2 repeats new question 1 of this reply"
     assert check(reply(new=["Is tax applied?", "Is tax rounded?"]), context()).cost_units == 3
 
 
@@ -291,6 +302,8 @@ def test_too_many_questions_counts_own_records_of_any_status() -> None:
                              qn("Q3", hid=2, text="c?"), qn("Q4", hid=2, text="d?")])
     # Own records: Q1, Q2 (the other hypothesis's two do not count); the bound is 3.
     assert code(reply(new=["e?", "f?"]), ctx, max_questions=3) == "TOO_MANY_QUESTIONS"
+    assert detail(reply(new=["e?", "f?"]), ctx, max_questions=3) == \
+        "this hypothesis has 2 questions; 2 new would pass the limit of 3"
     assert check(reply(new=["e?"]), ctx, max_questions=3).cost_units == 3
 
 
@@ -357,6 +370,13 @@ def test_test_without_configured_cost() -> None:
     automated = {"action": "test", "test": {**HUMAN_TEST["test"], "kind": "automated"}}
     assert code(reply(nxt=automated), context(), budget=human_only) == \
         "TEST_COST_NOT_CONFIGURED"
+    # The context leaves `test` out of allowed_actions then; the code still says why.
+    no_tests = context(allowed=["query", "finish", "reject"])
+    assert code(reply(nxt=HUMAN_TEST), no_tests) == "TEST_COST_NOT_CONFIGURED"
+    assert code(reply(nxt=HUMAN_TEST), no_tests, budget=human_only) == \
+        "TEST_HANDOFF_UNAVAILABLE"
+    assert detail(reply(nxt=QUERY), context(allowed=CLOSING_ONLY, closing="iteration_cap")) \
+        == "query is not allowed now (a closing turn: iteration_cap); allowed: finish, reject"
 
 
 # -- affordability -----------------------------------------------------------------------

@@ -1,0 +1,194 @@
+"""Structured-output dialects: the per-turn reply schema in the form each server compiles.
+
+The per-turn schema (:mod:`investigation.loop.reply_schema`) is one JSON Schema; servers
+differ in how they take a schema and in the subset their grammar converters compile. A
+dialect is a small pure transform plus the ``response_format`` it is sent in:
+
+=============  ==========================================  ============================
+dialect        ``response_format``                         schema transform
+=============  ==========================================  ============================
+``openai``     ``{"type": "json_schema", "json_schema":    :func:`openai_strict`: OpenAI's
+(alias         {"name", "schema", "strict": true}}``       strict subset (object root,
+``json_schema``)                                           every property required,
+                                                           optional ones nullable, no
+                                                           length keywords)
+``llama_cpp``  ``{"type": "json_object", "schema"}``       :func:`grammar_friendly`:
+(alias                                                     string lengths capped (1000
+``json_object_                                             by default), bounded integer
+schema``)                                                  ranges as enums
+``ollama``     ``{"type": "json_schema", "json_schema":    :func:`grammar_friendly` (Ollama
+               {"name", "schema"}}``                       compiles it into its ``format``
+                                                           with llama.cpp's converter)
+``vllm``,      ``{"type": "json_schema", "json_schema":    none: xgrammar, outlines and
+``sglang``     {"name", "schema"}}``                       llguidance take the whole subset
+``json_object``  ``{"type": "json_object"}``               no schema is sent
+``none``       not sent                                    no schema is sent
+=============  ==========================================  ============================
+
+Every transform only narrows or re-spells the schema: a reply it admits is admitted by
+the per-turn schema, except that ``openai`` may send an absent optional value as
+``null`` (the reply reader drops a ``null`` optional query argument,
+``NULL_OPTIONAL_ARGUMENT``; ``early_diagnosis: null`` is the contract's own "absent").
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+#: Canonical dialect of each accepted ``structured_output`` name.
+DIALECT_ALIASES = {
+    "openai": "openai", "json_schema": "openai",
+    "llama_cpp": "llama_cpp", "json_object_schema": "llama_cpp",
+    "ollama": "ollama", "vllm": "vllm", "sglang": "sglang",
+    "json_object": "json_object", "none": "none",
+}
+#: Default ``maxLength`` cap of the grammar dialects: llama.cpp's grammar parser refuses
+#: longer bounded repetitions of a string's character rule ("exceeds sane defaults").
+GRAMMAR_MAX_STRING_CHARS = 1000
+#: Largest integer range written out as an enum by :func:`grammar_friendly`.
+GRAMMAR_MAX_ENUM_RANGE = 1000
+#: Keywords OpenAI's strict mode accepts (structured outputs, "Supported schemas").
+OPENAI_STRICT_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "enum", "const",
+    "anyOf", "description", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "multipleOf", "minItems", "maxItems", "pattern", "format", "$defs", "$ref",
+})
+
+
+def canonical_dialect(name: str) -> str:
+    """The canonical dialect of a ``structured_output`` value.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    try:
+        return DIALECT_ALIASES[name]
+    except KeyError:
+        raise ValueError(f"unknown structured_output {name!r}; use one of "
+                         f"{sorted(DIALECT_ALIASES)}") from None
+
+
+def response_format(dialect: str, schema: dict[str, Any], name: str,
+                    max_string_chars: int | None = None) -> dict[str, Any] | None:
+    """The ``response_format`` value of a chat-completions body, or ``None`` (not sent).
+
+    Args:
+        dialect: a ``structured_output`` name (aliases accepted).
+        schema: the per-turn reply schema.
+        name: the schema name (``[A-Za-z0-9_-]``, at most 64 characters).
+        max_string_chars: cap on every ``maxLength`` (default: the dialect's own).
+    """
+    dialect = canonical_dialect(dialect)
+    if dialect == "none":
+        return None
+    if dialect == "json_object":
+        return {"type": "json_object"}
+    if dialect == "openai":
+        return {"type": "json_schema",
+                "json_schema": {"name": name, "schema": openai_strict(schema), "strict": True}}
+    if dialect == "llama_cpp":
+        return {"type": "json_object", "schema": grammar_friendly(
+            schema, max_string_chars or GRAMMAR_MAX_STRING_CHARS)}
+    if dialect == "ollama":
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": grammar_friendly(
+            schema, max_string_chars or GRAMMAR_MAX_STRING_CHARS)}}
+    sent = cap_strings(schema, max_string_chars) if max_string_chars else schema
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": sent}}
+
+
+# -- transforms ----------------------------------------------------------------------------
+
+
+def _walk(schema: Any, fn: Any) -> Any:
+    """Apply ``fn`` bottom-up to every sub-schema (dicts under the schema keywords)."""
+    if isinstance(schema, list):
+        return [_walk(s, fn) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "properties" and isinstance(value, dict):
+            out[key] = {k: _walk(v, fn) for k, v in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = _walk(value, fn)
+        elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
+            out[key] = [_walk(v, fn) for v in value]
+        elif key == "$defs" and isinstance(value, dict):
+            out[key] = {k: _walk(v, fn) for k, v in value.items()}
+        else:
+            out[key] = copy.deepcopy(value)
+    return fn(out)
+
+
+def cap_strings(schema: dict[str, Any], max_chars: int) -> dict[str, Any]:
+    """Every ``maxLength`` at most ``max_chars``, one set on every unbounded string."""
+    def cap(node: dict[str, Any]) -> dict[str, Any]:
+        if node.get("type") == "string" and "enum" not in node and "const" not in node:
+            node["maxLength"] = min(int(node.get("maxLength", max_chars)), max_chars)
+            if "minLength" in node:
+                node["minLength"] = min(int(node["minLength"]), node["maxLength"])
+        return node
+
+    result: dict[str, Any] = _walk(schema, cap)
+    return result
+
+
+def grammar_friendly(schema: dict[str, Any], max_chars: int) -> dict[str, Any]:
+    """The llama.cpp-converter form: strings capped at ``max_chars``; an integer with both
+    ``minimum`` and ``maximum`` spanning at most :data:`GRAMMAR_MAX_ENUM_RANGE` values
+    becomes an ``enum`` (llama-cpp-python's converter ignores the bounds)."""
+    def ints(node: dict[str, Any]) -> dict[str, Any]:
+        if node.get("type") == "integer" and "minimum" in node and "maximum" in node:
+            low, high = int(node["minimum"]), int(node["maximum"])
+            if 0 <= high - low < GRAMMAR_MAX_ENUM_RANGE:
+                rest = {k: v for k, v in node.items() if k not in ("minimum", "maximum")}
+                rest["enum"] = list(range(low, high + 1))
+                return rest
+        return node
+
+    result: dict[str, Any] = _walk(cap_strings(schema, max_chars), ints)
+    return result
+
+
+def _merge_roots(schema: dict[str, Any]) -> dict[str, Any]:
+    """One object from a root ``anyOf`` of objects with the same keys: each property an
+    ``anyOf`` of the variants' schemas (duplicates dropped, order kept)."""
+    variants = schema.get("anyOf")
+    if not isinstance(variants, list):
+        return schema
+    keys = list(variants[0]["properties"])
+    merged: dict[str, Any] = {"type": "object", "properties": {}, "required": keys,
+                              "additionalProperties": False}
+    for key in keys:
+        options: list[Any] = []
+        for variant in variants:
+            sub = variant["properties"][key]
+            for option in sub["anyOf"] if set(sub) == {"anyOf"} else [sub]:
+                if option not in options:
+                    options.append(option)
+        merged["properties"][key] = options[0] if len(options) == 1 else {"anyOf": options}
+    return merged
+
+
+def openai_strict(schema: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's strict subset: an object root (a root ``anyOf`` merged, see
+    :func:`_merge_roots`: the reject-after-support coupling is then the validator's
+    alone), every object with ``additionalProperties: false`` and every property
+    required, a property that was optional made nullable (``anyOf [X, {"type": "null"}]``),
+    and only :data:`OPENAI_STRICT_KEYWORDS`."""
+    def strict(node: dict[str, Any]) -> dict[str, Any]:
+        node = {k: v for k, v in node.items() if k in OPENAI_STRICT_KEYWORDS}
+        if node.get("type") == "object":
+            properties = node.get("properties", {})
+            required = set(node.get("required", []))
+            for key, prop in properties.items():
+                if key not in required:
+                    properties[key] = {"anyOf": [prop, {"type": "null"}]}
+            node["properties"] = properties
+            node["required"] = list(properties)
+            node["additionalProperties"] = False
+        return node
+
+    result: dict[str, Any] = _walk(_merge_roots(schema), strict)
+    return result

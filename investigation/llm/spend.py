@@ -1,0 +1,151 @@
+"""Model tokens and money: reserved before each call, settled after, reported per hypothesis.
+
+Token usage and money are separate from investigation units (seed 000, "Budget and
+stopping": "Model token usage and monetary metrics remain separate from investigation
+units"). Money is kept in integer *micros* (millionths) of ``limits.currency``, so
+accumulation is exact; a provider's ``input_price_per_mtok`` / ``output_price_per_mtok``
+(price per million tokens) is exactly its price per token in micros.
+
+Before each attempt of a priced provider the gateway reserves the call's worst case::
+
+    prompt_estimate = ceil(request_bytes / bytes_per_token)   # the whole body: a hosted
+                                                              # API bills the schema too
+    reserved = ceil(prompt_estimate * input_price) + ceil(max_tokens * output_price)
+
+where ``max_tokens`` is the provider's output budget, lowered so the reservation fits what
+the case's cap (``limits.max_model_cost``) leaves; below :data:`MIN_OUTPUT_TOKENS` the call
+is refused (``MODEL_COST_CAP_REACHED``, the case blocks ``MODEL_COST_CAP``). While a cap is
+set, a provider without prices is not used (``PROVIDER_PRICE_UNKNOWN``). After the
+attempt the reservation is settled (:func:`settled_micros`): actual usage when the server
+reports it, nothing for an error answer, the reservation when no answer came (the server
+may have done the work).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sqlmodel import Session, col, func, select
+
+from investigation.config import ProviderConfig
+from investigation.llm.tokens import output_budget
+from investigation.store.models import LLMAttempt, LLMOperation
+
+#: Smallest output budget worth a call under a money cap (tokens).
+MIN_OUTPUT_TOKENS = 64
+#: Micros in one unit of currency.
+MICROS = 1_000_000
+#: The case's model spending reached its cap.
+MODEL_COST_CAP_REACHED = "MODEL_COST_CAP_REACHED"
+#: A money cap is set and the provider states no prices.
+PROVIDER_PRICE_UNKNOWN = "PROVIDER_PRICE_UNKNOWN"
+
+
+def to_micros(amount: float) -> int:
+    """An amount of currency in micros (rounded down: a cap never grows by rounding)."""
+    return math.floor(amount * MICROS)
+
+
+def priced(config: ProviderConfig) -> bool:
+    """Whether the provider states both prices."""
+    return config.input_price_per_mtok is not None and config.output_price_per_mtok is not None
+
+
+def cost_micros(config: ProviderConfig, prompt_tokens: int, completion_tokens: int) -> int:
+    """What ``prompt_tokens`` in and ``completion_tokens`` out cost at the provider's prices."""
+    assert config.input_price_per_mtok is not None and config.output_price_per_mtok is not None
+    return (math.ceil(prompt_tokens * config.input_price_per_mtok)
+            + math.ceil(completion_tokens * config.output_price_per_mtok))
+
+
+@dataclass(frozen=True)
+class CallBudget:
+    """The money side of one attempt.
+
+    Attributes:
+        reserved_micros: the worst case reserved before sending.
+        max_tokens: the output cap to send (the provider's, or lower to fit the cap).
+    """
+
+    reserved_micros: int
+    max_tokens: int
+
+
+def prompt_estimate(config: ProviderConfig, request_bytes: bytes) -> int:
+    """The worst-case prompt tokens of a request: its whole body at ``bytes_per_token``."""
+    return math.ceil(len(request_bytes) / config.bytes_per_token)
+
+
+def plan_call(config: ProviderConfig, prompt_tokens: int,
+              remaining_micros: int | None) -> CallBudget | None:
+    """Reserve an attempt of a priced provider; ``None`` when the cap leaves too little.
+
+    Args:
+        config: the provider (priced).
+        prompt_tokens: the request's :func:`prompt_estimate`.
+        remaining_micros: what the case's cap leaves, or ``None`` without a cap.
+    """
+    prompt = prompt_tokens
+    want = output_budget(config)
+    prompt_cost = cost_micros(config, prompt, 0)
+    assert config.output_price_per_mtok is not None
+    if remaining_micros is not None:
+        left = remaining_micros - prompt_cost
+        per_token = config.output_price_per_mtok
+        affordable = want if per_token == 0 else (
+            math.floor(left / per_token) if left > 0 else 0)
+        want = min(want, affordable)
+        if want < MIN_OUTPUT_TOKENS:
+            return None
+    return CallBudget(prompt_cost + cost_micros(config, 0, want), want)
+
+
+def settled_micros(config: ProviderConfig, reserved: int | None, *, answered: bool,
+                   succeeded: bool, prompt_tokens: int | None,
+                   completion_tokens: int | None) -> int | None:
+    """What a finished attempt cost (see the module docstring); ``None`` if unpriced."""
+    if not priced(config):
+        return None
+    if succeeded and prompt_tokens is not None and completion_tokens is not None:
+        return cost_micros(config, prompt_tokens, completion_tokens)
+    if answered and not succeeded:
+        return 0
+    return reserved
+
+
+def case_spent_micros(s: Session, case_id: str) -> int:
+    """Money the case's model calls cost or hold reserved (in-flight attempts), in micros."""
+    charged = func.coalesce(LLMAttempt.cost_micros, LLMAttempt.reserved_micros, 0)
+    total = s.exec(select(func.coalesce(func.sum(charged), 0))
+                   .join(LLMOperation, col(LLMOperation.id) == col(LLMAttempt.operation_id))
+                   .where(LLMOperation.case_id == case_id)).one()
+    return int(total)
+
+
+def usage_by_hypothesis(s: Session, case_id: str) -> dict[int | None, dict[str, int]]:
+    """Per hypothesis (``None``: calls recorded before hypotheses were tracked): model
+    ``calls`` (answered decisions), ``attempts`` (every request sent, failed ones too),
+    ``prompt_tokens``, ``completion_tokens`` and ``cost_micros`` (``-1`` when no attempt
+    was priced)."""
+    rows = s.exec(select(LLMOperation.hypothesis_id, LLMAttempt)
+                  .join(LLMOperation, col(LLMOperation.id) == col(LLMAttempt.operation_id))
+                  .where(LLMOperation.case_id == case_id)).all()
+    out: dict[int | None, dict[str, int]] = {}
+    for hid, attempt in rows:
+        status, prompt = attempt.status, attempt.prompt_tokens
+        completion, cost = attempt.completion_tokens, attempt.cost_micros
+        entry = out.setdefault(hid, {"calls": 0, "attempts": 0, "prompt_tokens": 0,
+                                     "completion_tokens": 0, "cost_micros": -1})
+        entry["attempts"] += 1
+        entry["calls"] += status == "succeeded"
+        entry["prompt_tokens"] += prompt or 0
+        entry["completion_tokens"] += completion or 0
+        if cost is not None:
+            entry["cost_micros"] = max(entry["cost_micros"], 0) + cost
+    return out
+
+
+def format_money(micros: int, currency: str) -> str:
+    """``micros`` as an amount with six decimals and the currency, e.g. ``0.001250 USD``."""
+    return f"{micros / MICROS:.6f} {currency}"

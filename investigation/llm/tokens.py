@@ -1,0 +1,138 @@
+"""Prompt size in tokens: the documented estimate and a provider's input budget.
+
+The engine measures a request in the provider's tokens as well as in bytes, so a request
+is fitted to the model's context window before it is sent instead of being refused by the
+server (``context_length_exceeded``).
+
+Estimate (deterministic, no tokenizer needed)::
+
+    tokens(messages) = sum(ceil(utf8_bytes(content) / bytes_per_token)
+                           + MESSAGE_OVERHEAD_TOKENS for each message)
+                       + REPLY_PRIMER_TOKENS
+
+``bytes_per_token`` is a provider setting (default 3.0). A provider whose server has a
+tokenize endpoint (``tokenizer = "llama.cpp" | "llama-cpp-python" | "vllm"``) also counts
+exactly before sending (:mod:`investigation.llm.openai`); the estimate still decides how
+far the context is shrunk when it is built.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from investigation.config import DEFAULT_OUTPUT_RESERVE_TOKENS, ProviderConfig
+
+#: Tokens a chat template adds around each message (role markers, separators).
+MESSAGE_OVERHEAD_TOKENS = 8
+#: Tokens a chat template adds to open the assistant's reply.
+REPLY_PRIMER_TOKENS = 4
+
+
+def estimate_tokens(messages: Iterable[dict[str, Any]], bytes_per_token: float) -> int:
+    """The estimated prompt tokens of ``messages`` (see the module docstring)."""
+    total = REPLY_PRIMER_TOKENS
+    for message in messages:
+        size = len(str(message.get("content", "")).encode("utf-8", "surrogatepass"))
+        total += math.ceil(size / bytes_per_token) + MESSAGE_OVERHEAD_TOKENS
+    return total
+
+
+@dataclass(frozen=True)
+class PromptBudget:
+    """How many prompt tokens one provider can take.
+
+    Attributes:
+        provider: the provider's name.
+        max_input_tokens: ``context_window_tokens`` minus the output budget
+            (``max_tokens``, else :data:`DEFAULT_OUTPUT_RESERVE_TOKENS`).
+        bytes_per_token: the provider's estimate ratio.
+    """
+
+    provider: str
+    max_input_tokens: int
+    bytes_per_token: float
+
+    def fits(self, messages: list[dict[str, Any]]) -> bool:
+        """Whether the estimate of ``messages`` is within :attr:`max_input_tokens`."""
+        return estimate_tokens(messages, self.bytes_per_token) <= self.max_input_tokens
+
+
+def output_budget(config: ProviderConfig) -> int:
+    """Tokens kept for the reply: ``max_tokens`` or the default reserve."""
+    return config.max_tokens or DEFAULT_OUTPUT_RESERVE_TOKENS
+
+
+def prompt_budget(config: ProviderConfig) -> PromptBudget | None:
+    """The prompt budget of a provider that states its context window, else ``None``."""
+    if config.context_window_tokens is None:
+        return None
+    return PromptBudget(config.name,
+                        max(0, config.context_window_tokens - output_budget(config)),
+                        config.bytes_per_token)
+
+
+# -- exact counts from the server's own tokenizer ------------------------------------------
+
+#: Largest tokenize answer read (bytes).
+MAX_TOKENIZE_RESPONSE_BYTES = 4 << 20
+
+
+def _server_root(base_url: str) -> str:
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+def server_count(config: ProviderConfig, messages: list[dict[str, Any]],
+                 client: httpx.Client, headers: dict[str, str]) -> int:
+    """The prompt tokens of ``messages`` by the server's tokenize endpoint.
+
+    ``llama.cpp``: ``POST /tokenize {"content"}`` per message; ``llama-cpp-python``:
+    ``POST /extras/tokenize/count {"input", "model"}`` per message (each plus
+    :data:`MESSAGE_OVERHEAD_TOKENS`, plus :data:`REPLY_PRIMER_TOKENS`: the template's
+    markers are estimated); ``vllm``: ``POST /tokenize {"model", "messages",
+    "add_generation_prompt": true}``, which applies the chat template (exact).
+
+    Raises:
+        ValueError: the server's answer is not a count (the caller falls back to the
+            estimate), and any httpx error.
+    """
+    assert config.base_url is not None
+    root = _server_root(config.base_url)
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = client.post(root + path, json=body, headers=headers)
+        if response.status_code != 200 or len(response.content) > MAX_TOKENIZE_RESPONSE_BYTES:
+            raise ValueError(f"{path} answered HTTP {response.status_code}")
+        doc = response.json()
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path} did not answer a JSON object")
+        return doc
+
+    if config.tokenizer == "vllm":
+        doc = post("/tokenize", {"model": config.model, "add_generation_prompt": True,
+                                 "messages": [{"role": m["role"], "content": m["content"]}
+                                              for m in messages]})
+        count = doc.get("count")
+        if not isinstance(count, int):
+            raise ValueError("/tokenize gave no count")
+        return count
+    total = REPLY_PRIMER_TOKENS
+    for message in messages:
+        if config.tokenizer == "llama.cpp":
+            tokens = post("/tokenize", {"content": message["content"]}).get("tokens")
+            if not isinstance(tokens, list):
+                raise ValueError("/tokenize gave no tokens")
+            total += len(tokens)
+        else:
+            count = post("/extras/tokenize/count", {"input": message["content"],
+                                                    "model": config.model}).get("count")
+            if not isinstance(count, int):
+                raise ValueError("/extras/tokenize/count gave no count")
+            total += count
+        total += MESSAGE_OVERHEAD_TOKENS
+    return total

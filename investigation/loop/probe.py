@@ -1,0 +1,192 @@
+"""One probe turn per provider: is it reachable, does it take its dialect, is the reply valid?
+
+``investigate providers check`` sends each provider of a providers file one real decision
+request, built exactly as a case's first turn is: the system prompt, the turn header and
+a context, with that turn's reply schema in the provider's dialect. The probe context
+describes a small built-in snapshot (:func:`probe_snapshot`); the reply is read and
+validated by the real contract and validator against it. Nothing is stored.
+
+Verdicts (:class:`ProbeResult`): ``ok`` (a valid reply), ``invalid_reply`` (the server took
+the request; the reply breaks the contract), ``refused`` (the server refused the request:
+a dialect or schema it cannot take, a context too large, credentials), ``unreachable``
+(no answer), ``skipped`` (a scripted provider).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from investigation.budget import BudgetManager
+from investigation.cases.snapshot import DictSnapshot
+from investigation.config import InvestigationConfig, ProviderConfig, canonical_json
+from investigation.constants import PROMPT_VERSION, REPLY_SCHEMA_VERSION
+from investigation.errors import ProviderError, TransientProviderError
+from investigation.llm.dialects import canonical_dialect
+from investigation.llm.openai import OpenAIProvider
+from investigation.llm.types import ChatRequest
+from investigation.loop.contract import ReplyRejected, read_reply
+from investigation.loop.prompt import build_messages
+from investigation.loop.reply_schema import turn_schema
+from investigation.loop.validation import validate_reply
+from investigation.tools import ToolRouter
+
+PROBE_REPORT = ("Orders with a discount are charged far too little: a 10% discount gives "
+                "100% off.\n")
+PROBE_SOURCE = {
+    "shop/pricing.py": "def apply_discount(total, percent):\n"
+                       "    return total - total * percent / 10\n",
+    "shop/orders.py": "from shop.pricing import apply_discount\n\n"
+                      "def order_total(order):\n"
+                      "    return apply_discount(order['total'], order['discount'])\n",
+}
+PROBE_HYPOTHESES = [
+    "apply_discount divides the percent by 10 instead of 100.",
+    "The orders table stores discounts as fractions, not percents.",
+]
+
+
+def probe_snapshot() -> DictSnapshot:
+    """The probe's snapshot: two source files, an orders database and a log."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "shop.sqlite"
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, total REAL, "
+                     "discount INTEGER)")
+        conn.executemany("INSERT INTO orders VALUES (?, ?, ?)",
+                         [(1, 100.0, 10), (2, 50.0, 0)])
+        conn.commit()
+        conn.close()
+        db = path.read_bytes()
+    return DictSnapshot(
+        source={p: t.encode() for p, t in PROBE_SOURCE.items()}, report=PROBE_REPORT,
+        dbs={"shop.sqlite": db}, logs={"app.log": b"INFO order 1 total=0.0 discount=10\n"})
+
+
+def probe_context(router: ToolRouter, snapshot: DictSnapshot,
+                  config: InvestigationConfig) -> dict[str, Any]:
+    """A first-turn context of hypothesis 1 of the probe case (the shape of
+    ``loop.context.build``)."""
+    budget = BudgetManager(config.budget, config.loop)
+    credit = config.budget.credit_units
+    return {
+        "contract": {"prompt_version": PROMPT_VERSION, "schema_version": REPLY_SCHEMA_VERSION},
+        "case": {"case_id": "probe", "revision": 1, "step_seq": 1, "package_id": "probe",
+                 "report": snapshot.report_text(), "report_truncated": False,
+                 "snapshot": {"source_files": len(snapshot.source_paths()),
+                              "databases": snapshot.db_names(),
+                              "tables": router.table_names(),
+                              "log_files": len(snapshot.log_paths())}},
+        "interpretation": {"summary": "Discounted order totals are wrong by a factor of ten."},
+        "hypothesis": {"id": 1, "statement": PROBE_HYPOTHESES[0], "confidence": "unassessed",
+                       "balance_units": credit, "credit_units": credit, "iterations": 0,
+                       "max_iterations": config.loop.max_iterations_per_hypothesis,
+                       "turn": 1, "deferred_by": None, "notes": []},
+        "other_hypotheses": [{"id": 2, "statement": PROBE_HYPOTHESES[1], "status": "active",
+                              "confidence": "unassessed", "turns": 0, "deferred_by": None}],
+        "budget": budget.describe(),
+        "external_tests": {"available": False, "kinds": [],
+                           "deadline_seconds": config.loop.test_deadline_seconds},
+        "early_diagnosis": {"enabled": config.loop.early_diagnosis,
+                            "min_evidence": config.loop.early_diagnosis_min_evidence},
+        "allowed_actions": ["query", "finish", "reject"],
+        "closing_reason": None,
+        "previous_result": None,
+        "evidence": [],
+        "questions": [],
+        "last_rejection": None,
+        "operations": router.describe(),
+    }
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one provider did with the probe turn.
+
+    Attributes:
+        provider: its name; kind: ``openai`` or ``scripted``; dialect: canonical dialect.
+        verdict: ``ok``, ``invalid_reply``, ``refused``, ``unreachable`` or ``skipped``.
+        code: the rejection or provider error code (``None`` when ok).
+        detail: the rejection detail or the provider's message (never secrets).
+        seconds: wall time of the call.
+        prompt_tokens, completion_tokens: usage the server reported.
+        tokens_per_s: completion tokens per second of wall time, when reported.
+        action: the reply's ``next.action`` when it parsed.
+    """
+
+    provider: str
+    kind: str
+    dialect: str | None
+    verdict: str
+    code: str | None = None
+    detail: str | None = None
+    seconds: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    tokens_per_s: float | None = None
+    action: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return asdict(self)
+
+
+def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
+                   policy: InvestigationConfig | None = None) -> ProbeResult:
+    """Send one probe turn to ``config`` (see the module docstring); never raises for what
+    the provider does."""
+    if config.kind != "openai":
+        return ProbeResult(config.name, config.kind, None, "skipped",
+                           detail="scripted replies are not probed")
+    policy = policy or InvestigationConfig()
+    dialect = canonical_dialect(config.structured_output)
+    snapshot = probe_snapshot()
+    router = ToolRouter(snapshot, policy.tools)
+    try:
+        context = probe_context(router, snapshot, policy)
+        data = canonical_json(context)
+        request = ChatRequest(messages=build_messages(data),
+                              response_schema=turn_schema(context,
+                                                          policy.loop
+                                                          .max_questions_per_hypothesis),
+                              schema_name="investigation_reply", call_index=0,
+                              case_id="probe", metadata={"case_id": "probe"})
+        provider = OpenAIProvider(config, env if env is not None else dict(os.environ))
+        started = time.monotonic()
+        try:
+            reply = provider.send(provider.build_request_bytes(request), request)
+        except TransientProviderError as exc:
+            verdict = "unreachable" if exc.code in ("PROVIDER_UNREACHABLE",
+                                                    "PROVIDER_TIMEOUT") else "refused"
+            return ProbeResult(config.name, config.kind, dialect, verdict, exc.code,
+                               exc.message, round(time.monotonic() - started, 3))
+        except ProviderError as exc:
+            return ProbeResult(config.name, config.kind, dialect, "refused", exc.code,
+                               exc.message, round(time.monotonic() - started, 3))
+        seconds = round(time.monotonic() - started, 3)
+        rate = (round(reply.completion_tokens / seconds, 1)
+                if reply.completion_tokens and seconds > 0 else None)
+
+        def result(verdict: str, code: str | None = None, detail: str | None = None,
+                   action: str | None = None) -> ProbeResult:
+            return ProbeResult(config.name, config.kind, dialect, verdict, code, detail,
+                               seconds, reply.prompt_tokens, reply.completion_tokens, rate,
+                               action)
+
+        try:
+            parsed, _ = read_reply(reply.content)
+            action = parsed.next.action
+            validate_reply(parsed, context, policy.budget, router,
+                           policy.loop.max_questions_per_hypothesis)
+        except ReplyRejected as rej:
+            if rej.code == "REPLY_NOT_JSON" and reply.finish_reason == "length":
+                rej = ReplyRejected("REPLY_TRUNCATED", "the reply was cut at max_tokens")
+            return result("invalid_reply", rej.code, rej.detail)
+        return result("ok", action=action)
+    finally:
+        router.close()

@@ -1,0 +1,247 @@
+"""Tokens and money around real HTTP calls (loopback OpenAI-compatible server).
+
+* a context is fitted to the provider's context window by the token estimate; a request
+  that cannot fit is refused before it is sent, with the numbers;
+* the server's own tokenizer (llama-cpp-python's ``/extras/tokenize/count``) is used
+  when configured;
+* money: each call reserves its worst case before sending, ``max_tokens`` is lowered to
+  what the cap leaves, actual usage is settled after; the cap blocks the case
+  (``MODEL_COST_CAP``), raising it and resuming with a retry id continues; a provider
+  without prices is refused while a cap is set; status and summary show tokens and money
+  per hypothesis.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlmodel import select
+
+from investigation import operations
+from investigation.cases.reader import PackageReader
+from investigation.config import (
+    GatewayConfig,
+    InvestigationConfig,
+    LimitsConfig,
+    ProviderConfig,
+    canonical_json,
+)
+from investigation.constants import BLOCKED, COMPLETED, PROGRESSED
+from investigation.llm import spend
+from investigation.llm.gateway import Blocked, LLMGateway, Succeeded
+from investigation.llm.openai import OpenAIProvider
+from investigation.llm.replay_server import ReplayServer
+from investigation.llm.tokens import PromptBudget, estimate_tokens
+from investigation.llm.types import ChatRequest
+from investigation.loop.context import fit_for_model
+from investigation.loop.env import StageEnv
+from investigation.loop.investigator import Investigator
+from investigation.loop.outcome import Outcome
+from investigation.loop.prompt import build_messages
+from investigation.store.models import Artifact, LLMAttempt, StageRun
+from tests.casekit import HAPPY_REPLIES, Case, make_case
+
+
+class Rig:
+    def __init__(self, case: Case, server: ReplayServer, **provider: Any) -> None:
+        self.case, self.server = case, server
+        self.provider = ProviderConfig(name="local", kind="openai", base_url=server.base_url,
+                                       model="m", structured_output="llama_cpp", **provider)
+        self.config = InvestigationConfig()
+
+    def env(self) -> StageEnv:
+        return StageEnv(
+            store=self.case.store, config=self.config,
+            gateway_factory=lambda: LLMGateway(self.case.store,
+                                               [OpenAIProvider(self.provider, env={})],
+                                               GatewayConfig(attempts=3, delay_s=0.0)),
+            reader=PackageReader(InvestigationConfig().package))
+
+    def step(self) -> Outcome:
+        return Investigator(self.env()).step(self.case.case_id)
+
+    def chat_bodies(self) -> list[dict[str, Any]]:
+        return [json.loads(r.body) for r in self.server.requests
+                if r.path == "/v1/chat/completions"]
+
+    def attempts(self) -> list[LLMAttempt]:
+        with self.case.store.session() as s:
+            return list(s.exec(select(LLMAttempt).order_by(LLMAttempt.id)))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
+    case = make_case(tmp_path / "c", replies=[])
+    with ReplayServer([json.dumps(r) for r in HAPPY_REPLIES]) as server:
+        yield Rig(case, server, **getattr(request, "param", {}))
+
+
+# -- tokens ---------------------------------------------------------------------------------
+
+
+def test_a_request_over_the_window_is_refused_before_sending(rig: Rig) -> None:
+    rig.provider = rig.provider.model_copy(update={"context_window_tokens": 1200,
+                                                   "max_tokens": 200})
+    outcome = rig.step()
+    assert (outcome.outcome, outcome.reason) == (BLOCKED, "PROVIDER_CONFIGURATION")
+    assert outcome.details["error_code"] == "PROVIDER_REQUEST_TOO_LARGE"
+    message = outcome.details["message"]
+    assert "context window of 1200 tokens" in message and "not sent" in message
+    assert rig.chat_bodies() == []  # the server never saw it
+    # the context was shrunk as far as it goes before giving up
+    with rig.case.store.session() as s:
+        built = json.loads(s.exec(select(StageRun).where(
+            StageRun.stage == "build_context")).one().output_json)
+        context = json.loads(s.exec(select(Artifact).where(
+            Artifact.path == built["context_path"])).one().data)
+    assert "questions_omitted" in context
+
+
+def test_the_context_shrinks_in_its_fixed_order_to_fit_the_window(rig: Rig) -> None:
+    for _ in range(3):
+        assert rig.step().outcome == PROGRESSED
+    with rig.case.store.session() as s:
+        built = [json.loads(r.output_json) for r in s.exec(
+            select(StageRun).where(StageRun.stage == "build_context"))]
+        doc = json.loads(s.exec(select(Artifact).where(
+            Artifact.path == built[-1]["context_path"])).one().data)
+    # Make the other evidence heavy, as a long case's is.
+    for entry in doc["evidence"]:
+        if entry["evidence_id"] != doc["previous_result"]["evidence_id"]:
+            entry["items"] = [{"key": f"k{i}", "text": "x" * 200} for i in range(60)]
+    full = estimate_tokens(build_messages(canonical_json(doc)), 3.0)
+    smallest = estimate_tokens(build_messages(fit_for_model(
+        copy.deepcopy(doc), 1 << 20, [PromptBudget("tiny", 1, 3.0)])), 3.0)
+    assert smallest < full - 2000
+    budget = PromptBudget("local", (full + smallest) // 2, 3.0)
+    data = fit_for_model(copy.deepcopy(doc), 1 << 20, [budget])
+    shrunk = json.loads(data)
+    assert budget.fits(build_messages(data))
+    assert any(e.get("items_omitted") for e in shrunk["evidence"])  # first level of fit
+    assert shrunk["previous_result"] == doc["previous_result"]  # never cut
+    assert "questions_omitted" not in shrunk  # later levels were not needed
+
+
+@pytest.mark.parametrize("rig", [{"tokenizer": "llama-cpp-python",
+                                  "context_window_tokens": 100_000}], indirect=True)
+def test_the_servers_tokenizer_counts_before_sending(rig: Rig) -> None:
+    assert rig.step().outcome == PROGRESSED
+    paths = [r.path for r in rig.server.requests]
+    assert paths[:2] == ["/extras/tokenize/count", "/extras/tokenize/count"]  # per message
+    assert paths[-1] == "/v1/chat/completions"
+    # a window the server's count exceeds (4 bytes a token), though the estimate would not
+    rig.provider = rig.provider.model_copy(update={"context_window_tokens": 1500,
+                                                   "max_tokens": 100, "bytes_per_token": 8.0})
+    outcome = rig.step()
+    assert outcome.details["error_code"] == "PROVIDER_REQUEST_TOO_LARGE"
+    assert "the server's llama-cpp-python tokenizer" in outcome.details["message"]
+
+
+# -- money ----------------------------------------------------------------------------------
+
+PRICED = {"input_price_per_mtok": 2.0, "output_price_per_mtok": 8.0, "max_tokens": 400}
+
+
+def _request(call_index: int, cap: int | None) -> ChatRequest:
+    return ChatRequest(messages=[{"role": "user", "content": "decide " * 200}],
+                       response_schema={"type": "object"}, schema_name="r",
+                       call_index=call_index, case_id="c1", money_cap_micros=cap)
+
+
+@pytest.mark.parametrize("rig", [PRICED], indirect=True)
+def test_a_call_reserves_its_worst_case_lowers_max_tokens_and_settles(rig: Rig) -> None:
+    provider = OpenAIProvider(rig.provider, env={})
+    gateway = LLMGateway(rig.case.store, [provider], GatewayConfig(attempts=2, delay_s=0))
+    # Without a cap: the provider's max_tokens, reserved, then settled at actual usage.
+    first = gateway.call("c1", 1, 1, _request(0, None))
+    assert isinstance(first, Succeeded)
+    (attempt,) = rig.attempts()
+    sent = rig.server.requests[-1].body
+    assert json.loads(sent)["max_tokens"] == 400
+    prompt = -(-len(sent) // 3)  # the whole body at 3 bytes a token
+    assert attempt.reserved_micros == 2 * prompt + 8 * 400
+    assert attempt.cost_micros == 2 * attempt.prompt_tokens + 8 * attempt.completion_tokens
+    assert attempt.cost_micros < attempt.reserved_micros  # settled below the worst case
+    spent = attempt.cost_micros
+    # A cap leaving the prompt and exactly 100 output tokens: max_tokens is lowered.
+    probe = provider.build_request_bytes(dataclasses.replace(_request(1, None),
+                                                             max_tokens=400))
+    cap = spent + 2 * -(-len(probe) // 3) + 8 * 100
+    second = gateway.call("c1", 1, 2, _request(1, cap))
+    assert isinstance(second, Succeeded)
+    assert json.loads(rig.server.requests[-1].body)["max_tokens"] == 100
+    assert spent + rig.attempts()[-1].reserved_micros == cap
+    # Nothing is left for a third call: refused before sending, the case's cap named.
+    requests = len(rig.server.requests)
+    third = gateway.call("c1", 1, 3, _request(2, cap))
+    assert isinstance(third, Blocked) and third.reason == "MODEL_COST_CAP"
+    assert third.error_code == "MODEL_COST_CAP_REACHED"
+    assert len(rig.server.requests) == requests
+
+
+@pytest.mark.parametrize("rig", [PRICED], indirect=True)
+def test_the_cap_blocks_the_case_until_raised_and_usage_is_reported(rig: Rig) -> None:
+    assert rig.step().outcome == PROGRESSED
+    spent = rig.attempts()[0].cost_micros or 0
+    rig.config = InvestigationConfig(limits=LimitsConfig(max_model_cost=(spent + 50) / 1e6))
+    sent = len(rig.chat_bodies())
+    blocked = rig.step()
+    assert (blocked.outcome, blocked.reason) == (BLOCKED, "MODEL_COST_CAP")
+    assert "limits.max_model_cost" in blocked.details["message"]
+    assert len(rig.chat_bodies()) == sent
+    info = operations.status(rig.case.store, rig.case.case_id)
+    assert info["blocked_reason"] == "MODEL_COST_CAP"
+    assert info["model_usage"]["spent_micros"] == spent
+    # Raise the cap, resume with a new retry id: the case goes on to the end.
+    rig.config = InvestigationConfig(limits=LimitsConfig(max_model_cost=1.0))
+    operations.resume(rig.case.store, rig.case.case_id, retry_id="more-money")
+    while (outcome := rig.step()).outcome == PROGRESSED:
+        pass
+    assert outcome.outcome == COMPLETED
+    summary = operations.summary_bytes(rig.case.store, rig.case.case_id).decode()
+    usage = operations.status(rig.case.store, rig.case.case_id)["model_usage"]
+    assert usage["spent_micros"] == sum(a.cost_micros or 0 for a in rig.attempts())
+    for entry in usage["hypotheses"]:
+        assert entry["cost_micros"] > 0
+        line = (f"| {entry['hypothesis_id']} | {entry['calls']} | {entry['attempts']} | "
+                f"{entry['prompt_tokens']} | {entry['completion_tokens']} | "
+                f"{spend.format_money(entry['cost_micros'], 'USD')} |")
+        assert line in summary
+
+
+def test_a_cap_refuses_a_provider_without_prices(rig: Rig) -> None:
+    rig.config = InvestigationConfig(limits=LimitsConfig(max_model_cost=5.0))
+    outcome = rig.step()
+    assert (outcome.outcome, outcome.reason) == (BLOCKED, "PROVIDER_CONFIGURATION")
+    assert outcome.details["error_code"] == "PROVIDER_PRICE_UNKNOWN"
+    assert rig.chat_bodies() == []
+
+
+def test_unpriced_usage_is_reported_in_tokens(rig: Rig) -> None:
+    while (outcome := rig.step()).outcome == PROGRESSED:
+        pass
+    assert outcome.outcome == COMPLETED
+    summary = operations.summary_bytes(rig.case.store, rig.case.case_id).decode()
+    assert "## Model usage" in summary
+    usage = operations.status(rig.case.store, rig.case.case_id)["model_usage"]
+    assert [u["hypothesis_id"] for u in usage["hypotheses"]] == [1, 2]
+    assert all(u["cost_micros"] == -1 and u["prompt_tokens"] > 0 for u in usage["hypotheses"])
+    assert "| 1 | 3 | 3 |" in summary and "| 2 | 2 | 2 |" in summary
+    assert "not priced |" in summary
+
+
+def test_plan_call_lowers_max_tokens_to_what_the_cap_leaves() -> None:
+    config = ProviderConfig(name="p", kind="openai", base_url="http://x/v1", model="m",
+                            input_price_per_mtok=1.0, output_price_per_mtok=10.0,
+                            max_tokens=1000)
+    prompt = spend.prompt_estimate(config, b"x" * 336)
+    assert prompt == 112
+    assert spend.plan_call(config, prompt, None) == spend.CallBudget(112 + 10_000, 1000)
+    assert spend.plan_call(config, prompt, 112 + 5000) == spend.CallBudget(5112, 500)
+    assert spend.plan_call(config, prompt, 112 + 10 * 63) is None  # below 64 tokens

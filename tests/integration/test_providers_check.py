@@ -1,0 +1,85 @@
+"""``investigate providers check``: one probe turn per provider over loopback HTTP.
+
+Verdicts and exit codes: a valid reply (ok, 0), an invalid reply, a server refusing the
+dialect, nothing listening (1), a scripted provider (skipped), a broken file (2).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from investigation.config import ProviderConfig
+from investigation.llm.replay_server import Fault, ReplayServer
+from investigation.loop.probe import probe_provider
+from tests import casekit
+from workers.cli import app
+
+VALID = json.dumps(casekit.q("source.search", {"pattern": "percent / 10"}))
+INVALID = json.dumps(casekit.q("source.read", {"path": "no/such/file.py", "start_line": 1,
+                                               "end_line": 2}))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(name: str, base_url: str, dialect: str = "llama_cpp") -> str:
+    return (f'[[providers]]\nname = "{name}"\nkind = "openai"\nbase_url = "{base_url}"\n'
+            f'model = "m"\ntimeout_s = 5\nstructured_output = "{dialect}"\n\n')
+
+
+def test_probe_verdicts_over_http(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{_free_port()}/v1"
+    with ReplayServer([VALID, INVALID, VALID]) as server:
+        ok = probe_provider(ProviderConfig(name="a", kind="openai", base_url=server.base_url,
+                                           model="m", structured_output="llama_cpp"), env={})
+        assert (ok.verdict, ok.action, ok.code) == ("ok", "query", None)
+        assert ok.completion_tokens and ok.tokens_per_s and ok.tokens_per_s > 0
+        (request,) = server.requests
+        body = json.loads(request.body)
+        assert body["response_format"]["type"] == "json_object"  # the dialect's form
+        assert body["messages"][1]["content"].startswith("Turn 1 of hypothesis 1 (of 2)")
+        bad = probe_provider(ProviderConfig(name="b", kind="openai",
+                                            base_url=server.base_url, model="m"), env={})
+        assert (bad.verdict, bad.code) == ("invalid_reply", "TOOL_NOT_FOUND")
+        server.add_faults(Fault(status=500, body=json.dumps({"error": {
+            "message": "Input should be 'text' or 'json_object'",
+            "loc": ["body", "response_format", "type"]}}).encode()))
+        refused = probe_provider(ProviderConfig(name="c", kind="openai",
+                                                base_url=server.base_url, model="m"), env={})
+        assert (refused.verdict, refused.code) == ("refused", "PROVIDER_SCHEMA_REFUSED")
+    gone = probe_provider(ProviderConfig(name="d", kind="openai", base_url=dead, model="m",
+                                         timeout_s=2), env={})
+    assert (gone.verdict, gone.code) == ("unreachable", "PROVIDER_UNREACHABLE")
+    skipped = probe_provider(ProviderConfig(name="e", kind="scripted", path="x.jsonl"))
+    assert skipped.verdict == "skipped"
+
+
+def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
+    runner = CliRunner()
+    # Identical request bodies get the same line: local -> line 1, strict -> line 2.
+    with ReplayServer([VALID, INVALID]) as server:
+        good = tmp_path / "good.toml"
+        good.write_text(_entry("local", server.base_url)
+                        + '[[providers]]\nname = "replay"\nkind = "scripted"\n'
+                          'path = "r.jsonl"\n')
+        res = runner.invoke(app, ["providers", "check", "--providers", str(good), "--json"])
+        assert res.exit_code == 0, res.output
+        verdicts = {r["provider"]: r["verdict"] for r in json.loads(res.output)}
+        assert verdicts == {"local": "ok", "replay": "skipped"}
+        mixed = tmp_path / "mixed.toml"
+        mixed.write_text(_entry("local", server.base_url)
+                         + _entry("strict", server.base_url, "openai"))
+        res = runner.invoke(app, ["providers", "check", "--providers", str(mixed)])
+        assert res.exit_code == 1, res.output
+        assert "strict: invalid_reply TOOL_NOT_FOUND" in res.output
+    broken = tmp_path / "broken.toml"
+    broken.write_text('[[providers]]\nname = "x"\nkind = "openai"\nstructured_output = "gbnf"\n')
+    res = runner.invoke(app, ["providers", "check", "--providers", str(broken)])
+    assert res.exit_code == 2 and "CONFIG_INVALID" in res.output

@@ -1,0 +1,77 @@
+"""``investigate providers check``: one probe turn per provider of a providers file.
+
+Registered on the main app by ``workers.cli``. Exit codes: 0 every probed provider gave a
+valid reply, 1 at least one did not (the table says which check failed), 2 a controlled
+error (an unreadable or invalid providers file).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from investigation.config import InvestigationConfig, ProvidersConfig
+from investigation.loop.probe import ProbeResult, probe_provider
+from workers.cli import _controlled, _settings, _term, out
+
+providers_app: typer.Typer = typer.Typer(
+    help="Check model providers before a case needs them.", no_args_is_help=True)
+
+#: What each verdict says about the checks, in the order they happen.
+CHECKS = ("reachable", "dialect accepted", "reply valid")
+_PASSED = {"ok": 3, "invalid_reply": 2, "refused": 1, "unreachable": 0}
+
+
+def _marks(result: ProbeResult) -> list[str]:
+    if result.verdict == "skipped":
+        return ["-", "-", "-"]
+    passed = _PASSED[result.verdict]
+    return ["yes" if i < passed else ("NO" if i == passed else "-")
+            for i in range(len(CHECKS))]
+
+
+@providers_app.command("check")
+@_controlled
+def check(
+    providers: Annotated[Path, typer.Option(
+        "--providers", help="the providers TOML to check (default: INVESTIGATE_PROVIDERS)",
+        show_default=False)] = Path(""),
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="an investigation policy TOML (costs and caps of the probe turn)")]
+        = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per provider")]
+        = False,
+) -> None:
+    """Send every provider one probe turn, as a case's first turn, and judge the reply.
+
+    Example: investigate providers check --providers providers.toml
+    """
+    path = providers if str(providers) else _settings().providers
+    if path is None or not str(path):
+        typer.echo("give --providers FILE (or set INVESTIGATE_PROVIDERS)", err=True)
+        raise typer.Exit(2)
+    loaded = ProvidersConfig.load(path)
+    policy = InvestigationConfig.load(config) if config else InvestigationConfig()
+    results = [probe_provider(entry, policy=policy) for entry in loaded.providers]
+    failed = any(r.verdict not in ("ok", "skipped") for r in results)
+    if as_json:
+        sys.stdout.write(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+    else:
+        table = Table("provider", "dialect", *CHECKS, "seconds", "tokens/s", "reply")
+        for r in results:
+            table.add_row(r.provider, r.dialect or r.kind, *_marks(r),
+                          "" if r.seconds is None else f"{r.seconds:.1f}",
+                          "" if r.tokens_per_s is None else f"{r.tokens_per_s:g}",
+                          r.action or "")
+        out.print(table)
+        for r in results:
+            if r.verdict not in ("ok", "skipped"):
+                out.print(_term(f"{r.provider}: {r.verdict} {r.code}: {r.detail}"),
+                          highlight=False, markup=False)
+    if failed:
+        raise typer.Exit(1)
