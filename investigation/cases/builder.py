@@ -27,7 +27,9 @@ Source selection:
 * The output file is never packed, even when it lies inside the source tree.
 
 Symbolic links: a link to a regular file inside the same tree (and outside VCS metadata)
-is packed as the target's bytes under the link's own path. Every other link - pointing
+is packed as the target's bytes under the link's own path. Every parent directory of a
+packed path must be a real directory of the tree, never a link (git keeps listing
+``sub/passwd`` after ``sub`` became a link to ``/etc``). Every other link - pointing
 outside the tree, dangling, into VCS metadata, or to a directory - is refused with
 ``PKG_SYMLINK``: replace it with a copy or remove it. Device files, FIFOs and sockets
 are refused with ``PKG_UNSUPPORTED_ENTRY_TYPE``.
@@ -295,6 +297,7 @@ def _tree_files(root: Path, skip: set[Path]) -> list[tuple[str, Path]]:
             if any(part in VCS_NAMES for part in rel.split("/")):
                 continue
             path = real_root / rel
+            _check_parents(real_root, rel)
             if not os.path.lexists(path):
                 continue  # tracked but deleted from the work tree
             if path.is_dir() and not path.is_symlink():  # a submodule (gitlink)
@@ -368,6 +371,35 @@ def _add_file(root: Path, path: Path, rel: str, skip: set[Path], found: dict[str
             path=str(path),
         )
     found[rel] = path
+
+
+def _check_parents(root: Path, rel: str) -> None:
+    """Refuse a listed path whose parent directories are not all real directories of the
+    tree: git lists what it committed (``sub/passwd``) even after ``sub`` was replaced by
+    a link, and opening the path would follow that link (to ``/etc`` or anywhere)."""
+    parts = rel.split("/")[:-1]
+    current = root
+    for depth, part in enumerate(parts, start=1):
+        current = current / part
+        try:
+            info = current.lstat()
+        except FileNotFoundError:
+            return  # tracked but deleted from the work tree: nothing is read
+        except OSError as exc:
+            raise PackageError("PKG_BUILD_INPUT", f"cannot stat {current}: {exc.strerror}",
+                               path=str(current)) from exc
+        if stat.S_ISLNK(info.st_mode):
+            link = "/".join(parts[:depth])
+            raise PackageError(
+                "PKG_SYMLINK",
+                f"{rel!r} lies under the symbolic link {link!r}, which the package would "
+                "follow; every component of a packed path must be a directory of the tree. "
+                f"Replace {link!r} with a real directory, or remove the tracked files under "
+                "it (git rm --cached)",
+                path=rel,
+            )
+        if not stat.S_ISDIR(info.st_mode):
+            return  # a file where git expects a directory: the path does not exist
 
 
 def _link_target(root: Path, path: Path, rel: str) -> Path:
