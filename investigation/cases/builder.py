@@ -69,8 +69,8 @@ from investigation.cases.layout import (
     SOURCE_ROOT,
     SQLITE_HEADER,
     VCS_NAMES,
+    check_entry_name,
     check_no_conflicts,
-    check_relative_path,
 )
 from investigation.cases.reader import PackageReader
 from investigation.cases.zipscan import RATIO_MIN_BYTES
@@ -201,7 +201,7 @@ def collect_files(
             raise PackageError("PKG_BUILD_INPUT", f"logs {logs} is neither a file nor a "
                                "directory", path=str(logs))
     for name in plan:
-        check_relative_path(name)
+        check_entry_name(name, limits)
     check_no_conflicts([*plan, MANIFEST_NAME])
     _check_limits(plan, limits)
     files = {name: _read(path) for name, path in plan.items()}

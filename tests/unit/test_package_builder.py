@@ -262,3 +262,17 @@ def test_directory_mode_refuses_a_linked_directory_outside(inputs: dict[str, Pat
             build_package(source, inputs["report"], tmp_path / "p.zip", logs=logs)
         assert err.value.code == "PKG_SYMLINK"
     assert not (tmp_path / "p.zip").exists()
+
+
+def test_builder_applies_the_name_limits(inputs: dict[str, Path], tmp_path: Path) -> None:
+    deep = "/".join(["d"] * 70) + "/f.py"
+    _tree(inputs["source"], {deep: b"x"})
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_PATH_TOO_DEEP"
+    shutil.rmtree(inputs["source"] / "d")
+    _tree(inputs["source"], {"evil\u202etxt.py": b"x"})
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_BAD_NAME" and "\u202e" not in err.value.message
+    assert not (tmp_path / "p.zip").exists()
