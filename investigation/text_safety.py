@@ -31,9 +31,10 @@ any of these characters are refused outright (``PKG_BAD_NAME``,
 
 from __future__ import annotations
 
+import logging
 import re
 
-__all__ = ["UNSAFE_RANGES", "escape_text", "first_unsafe", "is_unsafe"]
+__all__ = ["UNSAFE_RANGES", "EscapingLogFilter", "escape_text", "first_unsafe", "is_unsafe"]
 
 #: Inclusive code point ranges that are never shown as themselves (see the module
 #: docstring): Unicode general categories Cc, Cf, Zl, Zp and Cs as of Unicode 15.1.
@@ -116,3 +117,20 @@ def first_unsafe(text: str) -> str | None:
         return None
     match = _UNSAFE_ANY.search(text)
     return None if match is None else match.group()
+
+
+class EscapingLogFilter(logging.Filter):
+    """A logging filter (attach it to a handler) that shows every record's message and
+    traceback through :func:`escape_text`: a log line can neither carry terminal escapes
+    nor forge a line of its own (LF in a message is escaped; a traceback keeps its own
+    line breaks)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        escaped = escape_text(message)
+        if escaped != message:
+            record.msg, record.args = escaped, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = escape_text(
+                logging.Formatter().formatException(record.exc_info), newlines=True)
+        return True

@@ -35,6 +35,7 @@ from investigation.errors import InvestigationError, LockBusy
 from investigation.loop.outcome import Outcome
 from investigation.operations import cancel, export, pause, resume, status, summary_bytes
 from investigation.store import Store
+from investigation.text_safety import EscapingLogFilter, escape_text
 from workers.settings import Settings, load_settings
 
 app = typer.Typer(help="Investigate software bug cases with a language model.",
@@ -56,7 +57,7 @@ def _controlled(fn: F) -> F:
             return fn(*args, **kwargs)
         except LockBusy as exc:
             err.print("[bold red]error[/] ", end="", markup=True)
-            err.print(str(exc), markup=False, highlight=False)
+            err.print(_term(exc), markup=False, highlight=False)
             raise typer.Exit(3) from None
         except InvestigationError as exc:
             _fail(exc.code, exc.message)
@@ -87,7 +88,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _fail(code: str, message: str) -> NoReturn:
     err.print("[bold red]error[/] ", end="", markup=True)
-    err.print(f"{code}: {message}", markup=False, highlight=False)
+    err.print(_term(f"{code}: {message}"), markup=False, highlight=False)
     raise typer.Exit(2)
 
 
@@ -144,9 +145,11 @@ def _store(settings: Settings, existing: bool = False) -> Store:
 
 
 def _term(text: object) -> str:
-    """Data for the terminal: control characters (ANSI/OSC escapes included) shown as '?'."""
-    return "".join("?" if (ord(ch) < 0x20 and ch != "\t") or 0x7F <= ord(ch) <= 0x9F
-                   else ch for ch in str(text))
+    """Data for the terminal: control, bidirectional and zero-width characters (ANSI/OSC
+    escapes included) shown as visible escapes (``investigation.text_safety``). Print the
+    result with ``markup=False`` (or as a Rich ``Text``), so that Rich markup in untrusted
+    text stays text."""
+    return escape_text(str(text))
 
 
 def _print_outcome(o: Outcome) -> None:
@@ -434,8 +437,11 @@ def cancel_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
 @app.command("summary")
 @_controlled
 def summary_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
-    """Print summary.md."""
-    sys.stdout.buffer.write(summary_bytes(_store(_settings(), existing=True), case_id))
+    """Print summary.md (any control, bidirectional or zero-width character a stored
+    summary holds is shown as a visible escape; ``export`` writes the exact bytes)."""
+    data = summary_bytes(_store(_settings(), existing=True), case_id)
+    shown = escape_text(data.decode("utf-8", "replace"), newlines=True)
+    sys.stdout.buffer.write(shown.encode("utf-8"))
     sys.stdout.flush()
 
 
@@ -486,6 +492,8 @@ app.add_typer(cli_tests.feedback_app, name="feedback")
 def main() -> None:
     """Console entry point."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # log lines quote snapshot text too
+        handler.addFilter(EscapingLogFilter())
     app()
 
 

@@ -67,3 +67,29 @@ def test_escaped_text_holds_no_unsafe_character(text: str) -> None:
     assert first_unsafe(shown.replace("\t", "")) is None
     assert escape_text(shown) == shown  # idempotent
     assert escape_text(text) == shown  # deterministic
+
+
+def test_log_records_are_escaped() -> None:
+    import io
+    import logging
+
+    from investigation.text_safety import EscapingLogFilter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(EscapingLogFilter())
+    logger = logging.getLogger("tests.text_safety")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("case %s: %s", "c1", "line\x1b[2J\nFORGED line \u202e")
+        try:
+            raise ValueError("boom \x1b]0;title\x07")
+        except ValueError:
+            logger.exception("failed")
+    finally:
+        logger.removeHandler(handler)
+    text = stream.getvalue()
+    assert "\x1b" not in text and "\u202e" not in text and "\x07" not in text
+    assert "case c1: line\\x1b[2J\\x0aFORGED line \\u202e\n" in text
+    assert "ValueError: boom \\x1b]0;title\\x07" in text
