@@ -16,6 +16,7 @@ others), a countdown for ``RETRY_PENDING`` (never a sleeping worker), or the end
 from __future__ import annotations
 
 import logging
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -37,10 +38,14 @@ from investigation.loop import deliveries
 from investigation.loop.investigator import Investigator
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.loop.stages import Stages
+from investigation.text_safety import escape_text
 from workers import runtime
 from workers.celery_app import app
 
 log = logging.getLogger(__name__)
+
+#: What a case id may look like on the broker (ids are ``case-`` + 16 hex digits).
+_CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 #: Countdown for transient store failures inside a stage (seconds, doubled per retry).
 STORE_RETRY_COUNTDOWN_S = 2
@@ -160,6 +165,28 @@ def new_payload(case_id: str, token: str, steps_left: int, mode: str,
             "max_steps": max_steps, "halt": None}
 
 
+def check_dispatch(case_id: Any, max_steps: Any, max_allowed: int) -> None:
+    """Refuse a dispatch request that did not come from the typed API: a message on the
+    broker carries whatever JSON (and kombu's datetime, Decimal, UUID) its sender put in.
+
+    Raises:
+        InvestigationError: ``DISPATCH_INVALID``: ``case_id`` is not a case id, or
+            ``max_steps`` is neither null nor an integer from 1 to ``max_allowed``.
+    """
+    if not isinstance(case_id, str) or not _CASE_ID.fullmatch(case_id):
+        raise InvestigationError(
+            "DISPATCH_INVALID",
+            f"dispatch case id {escape_text(repr(case_id))[:100]} is not a case id "
+            "(case-<16 hex digits>); send the id `investigate case add` printed")
+    if max_steps is not None and (type(max_steps) is not int
+                                  or not 1 <= max_steps <= max_allowed):
+        raise InvestigationError(
+            "DISPATCH_INVALID",
+            f"dispatch of {case_id}: max_steps {escape_text(repr(max_steps))[:100]} must be "
+            f"null or an integer from 1 to {max_allowed} (limits.max_checkpoints); nothing "
+            "was dispatched")
+
+
 def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
     """Take the case lock (never blocking) and enqueue the first step of a dispatch.
 
@@ -169,9 +196,11 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
 
     Raises:
         LockBusy: another dispatch of the case holds the lock.
-        InvestigationError: ``CASE_NOT_FOUND`` and similar.
+        InvestigationError: ``DISPATCH_INVALID`` (see :func:`check_dispatch`; checked
+            before the lock is taken), ``CASE_NOT_FOUND`` and similar.
     """
     rt = runtime.current()
+    check_dispatch(case_id, max_steps, rt.env.config.limits.max_checkpoints)
     token = rt.lock.acquire(case_id)
     try:
         steps = max_steps or rt.env.config.loop.max_steps_per_dispatch
@@ -190,19 +219,42 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
 
 @app.task(name=f"{TASK_PREFIX}dispatch", bind=True)
 def dispatch(self: Any, case_id: str, max_steps: int | None = None) -> dict[str, Any]:
-    """Worker-side dispatch (re-enqueued yields, due retries, upstream systems)."""
+    """Worker-side dispatch (re-enqueued yields, due retries, upstream systems).
+
+    A request that is not a valid dispatch (``DISPATCH_INVALID``) is refused before the
+    lock is taken and logged; it is not retried.
+    """
     try:
         start_dispatch(case_id, max_steps)
     except LockBusy:
         log.info("case %s: dispatch skipped, another dispatch holds the lock", case_id)
         return {"case_id": case_id, "outcome": "LOCK_BUSY"}
+    except InvestigationError as exc:
+        log.error("dispatch refused: %s: %s", exc.code, exc.message)
+        return {"case_id": case_id if isinstance(case_id, str) else None,
+                "outcome": "REFUSED", "code": exc.code}
     return {"case_id": case_id, "outcome": "DISPATCHED"}
 
 
 @app.task(name=f"{TASK_PREFIX}advance", bind=True)
 def advance(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
-    """After a step: continue, yield, schedule a retry countdown, or stop."""
+    """After a step: continue, yield, schedule a retry countdown, or stop.
+
+    Whatever fails here releases the chain's lock (if it still holds it) before the
+    error propagates, as the stage tasks do: the case never stays locked until the
+    lease runs out.
+    """
     rt = runtime.current()
+    try:
+        return _advance(rt, payload)
+    except Exception:
+        if isinstance(payload, dict) and isinstance(payload.get("case_id"), str) \
+                and isinstance(payload.get("token"), str):
+            _release_distributed(rt, payload)
+        raise
+
+
+def _advance(rt: runtime.Runtime, payload: dict[str, Any]) -> dict[str, Any]:
     halt = payload.get("halt") or {"outcome": "ERROR", "reason": "NO_OUTCOME"}
     outcome, case_id, token = halt["outcome"], payload["case_id"], payload["token"]
     log.info("case %s step %s: %s %s", case_id, payload["step_seq"], outcome,
