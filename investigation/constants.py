@@ -76,6 +76,9 @@ BLOCK_PROVIDER_CREDENTIALS = "PROVIDER_CREDENTIALS"
 BLOCK_AWAITING_TEST_FEEDBACK = "AWAITING_TEST_FEEDBACK"
 #: A stage was delivered too often without returning: it keeps killing its worker.
 BLOCK_STAGE_POISONED = "STAGE_POISONED"
+#: A worker time limit (Celery's soft or hard ``--time-limit``) stopped a stage that
+#: cannot be recorded as a failed result (any stage but a query's ``execute_tool``).
+BLOCK_STAGE_TIME_LIMIT = "STAGE_TIME_LIMIT"
 
 #: Confidence labels, lowest to highest for scheduling (see docs/investigation-loop.md).
 CONFIDENCE_ORDER = ("weakened", "unassessed", "weak", "plausible", "supported", "strongly_supported")

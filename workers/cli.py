@@ -283,19 +283,40 @@ def worker(
     beat: Annotated[bool, typer.Option(
         "--beat", help="also run the periodic recovery sweep (start exactly one such worker)")
     ] = False,
+    soft_time_limit: Annotated[float | None, typer.Option(
+        "--soft-time-limit", min=0.001, help="seconds a task may run before Celery raises "
+        "SoftTimeLimitExceeded in it (default: none)")] = None,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", min=0.001, help="seconds a task may run before Celery kills its "
+        "process (default: none)")] = None,
 ) -> None:
     """Start a Celery worker on the configured broker and case queue.
 
     Only process-based pools: the isolated SQL children are forked, which needs no other
     thread of the worker process to be inside SQLite (threads/gevent pools are refused).
+
+    Time limits are Celery's own (``--soft-time-limit``, ``--time-limit``), per task,
+    i.e. per stage. A stage stopped by one is recorded once as STAGE_TIME_LIMIT: a query
+    becomes a failed result and the case goes on; any other stage parks the case BLOCKED
+    (STAGE_TIME_LIMIT) until the limit is raised and the case resumed. Keep the limits
+    above the stages' own bounds (provider timeout_s, tools.sql_timeout_s + 1,
+    tools.search_timeout_s), and the soft limit below the hard one.
     """
     if pool not in ("prefork", "solo"):
         raise typer.BadParameter("use --pool prefork or --pool solo", param_hint="--pool")
+    if soft_time_limit is not None and time_limit is not None \
+            and soft_time_limit >= time_limit:
+        raise typer.BadParameter("the soft time limit must be below --time-limit",
+                                 param_hint="--soft-time-limit")
     settings = _settings()  # a broken environment fails here, as one line
     from workers.celery_app import app as celery_app
 
     argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}",
             f"--pool={pool}", "-Q", settings.queue, "-E"]
+    if soft_time_limit is not None:
+        argv.append(f"--soft-time-limit={soft_time_limit:g}")
+    if time_limit is not None:
+        argv.append(f"--time-limit={time_limit:g}")
     if beat:
         settings.home.mkdir(parents=True, exist_ok=True)
         argv += ["-B", f"--schedule={settings.home / 'celerybeat-schedule'}"]

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any
 
 from celery import chain
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import worker_process_init
 from sqlalchemy.exc import OperationalError
 
 from investigation.constants import (
+    BLOCK_STAGE_TIME_LIMIT,
     BLOCKED,
     COMPLETED,
     CONTINUING,
@@ -94,6 +97,11 @@ def _run_stage(task: Any, payload: dict[str, Any], stage: str) -> dict[str, Any]
             raise
         if result.halt is not None and stage != "publish":
             deliveries.delivery_returned(rt.env.store, key, stage)
+    except SoftTimeLimitExceeded:
+        payload = _time_limited(rt, payload, stage, "soft", None)
+        if (payload.get("halt") or {}).get("outcome") == "RECORDED":
+            payload["halt"] = None  # the stage had finished: the chain goes on
+        return payload
     except StaleStateError as exc:
         log.info("case %s step %s %s: stale (%s)", case_id, key.step_seq, stage, exc.message)
         return _halt(payload, "STALE", "STALE_STATE")
@@ -132,6 +140,46 @@ def _release_distributed(rt: runtime.Runtime, payload: dict[str, Any]) -> None:
         rt.lock.release(payload["case_id"], payload["token"])
 
 
+def _time_limited(rt: runtime.Runtime, payload: dict[str, Any], stage: str, kind: str,
+                  limit_s: float | None) -> dict[str, Any]:
+    """A worker time limit stopped ``stage``: record it once, as what it is.
+
+    It is no worker crash, so it never counts towards ``STAGE_POISONED``. A query's
+    ``execute_tool`` is recorded as a failed result with the code ``STAGE_TIME_LIMIT``
+    and the step goes on (the model sees the failure and can ask for less); any other
+    stage parks the case ``BLOCKED`` / ``STAGE_TIME_LIMIT`` (running it again would hit
+    the same limit): raise the limit, then ``investigate resume``.
+
+    Returns:
+        The payload, with ``halt`` set unless the chain goes on (``{"outcome":
+        "RECORDED"}`` when the stage had finished after all: the caller re-dispatches).
+    """
+    key = StepKey(payload["case_id"], payload["revision"], payload["step_seq"])
+    limit = f"{limit_s:g} s" if limit_s else "configured"
+    log.error("case %s step %s %s: stopped by the worker's %s time limit (%s)", key.case_id,
+              key.step_seq, stage, kind, limit)
+    try:
+        deliveries.delivery_returned(rt.env.store, key, stage)
+        recorded = Stages(rt.env).record_tool_stopped(
+            key, BLOCK_STAGE_TIME_LIMIT,
+            f"the worker's {kind} time limit ({limit}) stopped this query before it "
+            "finished; ask for less (a narrower query or pattern)",
+        ) if stage == "execute_tool" else False
+        if recorded is not False:
+            payload["halt"] = None if recorded else {"outcome": "RECORDED"}
+            return payload
+        outcome = deliveries.block_for_time_limit(rt.env.store, key, stage)
+    except StaleStateError:
+        return _halt(payload, "STALE", "STALE_STATE")
+    if outcome is None:
+        return _halt(payload, "STALE", "STALE_STATE")
+    log.error("case %s: parked %s at %s of step %s; raise the worker's time limit "
+              "(--soft-time-limit/--time-limit), then `investigate resume %s`", key.case_id,
+              BLOCK_STAGE_TIME_LIMIT, stage, key.step_seq, key.case_id)
+    payload["halt"] = outcome.to_dict()
+    return payload
+
+
 def _stage_task(stage: str) -> Any:
     @app.task(name=f"{TASK_PREFIX}{stage}", bind=True)
     def task(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
@@ -144,11 +192,13 @@ def _stage_task(stage: str) -> Any:
 STAGE_TASKS = {stage: _stage_task(stage) for stage in STAGES}
 
 
-def step_chain(payload: dict[str, Any]) -> Any:
-    """The Celery chain of one step: eight stages, then ``advance``."""
-    first, *rest = STAGES
-    return chain(STAGE_TASKS[first].s(payload), *(STAGE_TASKS[s].s() for s in rest),
-                 advance.s())
+def step_chain(payload: dict[str, Any], start: str | None = None) -> Any:
+    """The Celery chain of one step: eight stages (or those from ``start`` on), then
+    ``advance``; every task carries the :func:`on_chain_error` error callback."""
+    stages = STAGES[STAGES.index(start):] if start else STAGES
+    first, *rest = stages
+    sigs = [STAGE_TASKS[first].s(payload), *(STAGE_TASKS[s].s() for s in rest), advance.s()]
+    return chain(*(sig.on_error(on_chain_error.s()) for sig in sigs))
 
 
 def new_payload(case_id: str, token: str, steps_left: int, mode: str,
@@ -286,6 +336,82 @@ def _advance(rt: runtime.Runtime, payload: dict[str, Any]) -> dict[str, Any]:
                      "the recovery sweep will dispatch it", case_id, halt["retry_not_before"])
     elif outcome not in (BLOCKED, COMPLETED):
         log.warning("case %s: dispatch ended with %s", case_id, halt)
+    return payload
+
+
+#: Task ids whose hard time limit this process has already handed on (bounded).
+_TIME_LIMITED: OrderedDict[str, None] = OrderedDict()
+
+
+@app.task(name=f"{TASK_PREFIX}on_chain_error")
+def on_chain_error(request: Any, exc: BaseException, traceback: Any) -> None:
+    """Error callback of every task of a step chain.
+
+    Celery calls it where the failure is seen; for a hard time limit that is the
+    worker's main process (its child was killed), so it only publishes a
+    :func:`time_limit` message (ids only). Other failures were handled by the task itself
+    (a stage releases the lock and re-raises), so they are ignored here.
+    """
+    if not isinstance(exc, TimeLimitExceeded):
+        return
+    task_id = str(getattr(request, "id", "") or "")
+    if task_id in _TIME_LIMITED:  # Celery reports one hard limit on two paths
+        return
+    _TIME_LIMITED[task_id] = None
+    while len(_TIME_LIMITED) > 1000:
+        _TIME_LIMITED.popitem(last=False)
+    args = getattr(request, "args", None) or ()
+    payload = args[0] if args and isinstance(args[0], dict) else None
+    name = str(getattr(request, "task", None) or getattr(request, "name", None) or "")
+    stage = name.removeprefix(TASK_PREFIX)
+    if payload is None or (stage not in STAGES and stage != "advance"):
+        return
+    limit = exc.args[0] if exc.args and isinstance(exc.args[0], int | float) else None
+    ids = {k: payload.get(k) for k in ("case_id", "revision", "step_seq", "token",
+                                       "steps_left", "max_steps", "mode")}
+    time_limit.apply_async((ids, stage, limit))
+
+
+@app.task(name=f"{TASK_PREFIX}time_limit", bind=True)
+def time_limit(self: Any, payload: dict[str, Any], stage: str,
+               limit_s: float | None) -> dict[str, Any]:
+    """A hard time limit killed ``stage`` of this chain's step: record it once (see
+    :func:`_time_limited`), then go on with the step's remaining stages or end the
+    dispatch with the case parked, releasing the lock either way."""
+    rt = runtime.current()
+    case_id, token = payload.get("case_id"), payload.get("token")
+    if not (isinstance(case_id, str) and isinstance(token, str)
+            and type(payload.get("revision")) is int and type(payload.get("step_seq")) is int
+            and type(payload.get("steps_left")) is int):
+        log.error("time_limit: malformed payload for %s; ignored", stage)
+        return {"outcome": "REFUSED", "code": "PAYLOAD_INVALID"}
+    payload = {**payload, "halt": None}
+    if not rt.lock.hold(case_id, token):
+        log.warning("case %s: lock lost before the time limit of %s was recorded", case_id,
+                    stage)
+        return payload
+    try:
+        if stage == "advance":
+            # The step was published; only its hand-over was cut: dispatch afresh.
+            rt.lock.release(case_id, token)
+            dispatch.apply_async((case_id, payload.get("max_steps")))
+            return payload
+        payload = _time_limited(rt, payload, stage, "hard", limit_s)
+        halt = payload.get("halt")
+        if halt is None:
+            nxt = STAGES[STAGES.index(stage) + 1]
+            step_chain(payload, start=nxt).apply_async()
+            return payload
+        if halt.get("outcome") == "RECORDED":
+            # The stage finished before its process was killed: a fresh dispatch goes
+            # on from the step's first unfinished stage.
+            rt.lock.release(case_id, token)
+            dispatch.apply_async((case_id, payload.get("max_steps")))
+            return payload
+    except Exception:
+        rt.lock.release(case_id, token)
+        raise
+    rt.lock.release(case_id, token)
     return payload
 
 
