@@ -174,9 +174,20 @@ def case_build(
     output: Annotated[Path, typer.Option("-o", "--output", help="package ZIP to write")],
     db: Annotated[Path | None, typer.Option("--db", help="SQLite database")] = None,
     logs: Annotated[Path | None, typer.Option("--logs", help="logs directory")] = None,
+    allow_secrets: Annotated[bool, typer.Option(
+        "--allow-secrets", help="pack files in which the secret scan found secrets "
+        "(tool results still mask them)")] = False,
 ) -> None:
-    """Make a case package (ZIP with manifest) from a source tree and a report."""
-    info = build_package(source, report, output, db=db, logs=logs)
+    """Make a case package (ZIP with manifest) from a source tree and a report.
+
+    The report, source and logs are scanned for secrets (detect-secrets); a finding
+    refuses the build (PKG_SECRETS_FOUND, listing file:line: type) unless --allow-secrets.
+    """
+    info = build_package(source, report, output, db=db, logs=logs,
+                         allow_secrets=allow_secrets)
+    for finding in info.secrets:
+        err.print(_term(f"warning: packed a secret (--allow-secrets): {finding}"),
+                  markup=False, highlight=False)
     out.print(f"package {info.package_id}")
     out.print(f"wrote {info.path} ({info.size_bytes} bytes, {info.file_count} files)")
 

@@ -34,10 +34,16 @@ outside the tree, dangling, into VCS metadata, or to a directory - is refused wi
 ``PKG_SYMLINK``: replace it with a copy or remove it. Device files, FIFOs and sockets
 are refused with ``PKG_UNSUPPORTED_ENTRY_TYPE``.
 
+Secrets: the report, source and log files are scanned with detect-secrets
+(:func:`investigation.secrets.scan_files`); a finding refuses the build with
+``PKG_SECRETS_FOUND`` listing ``path:line: type`` (never the secret), unless
+``allow_secrets`` is given. Databases are not scanned (their values are masked in every
+tool result instead, like everything else).
+
 Errors (:class:`~investigation.errors.PackageError`): ``PKG_BUILD_INPUT`` (an input is
 missing, of the wrong kind or unreadable, or the output cannot be written),
 ``PKG_SYMLINK``, ``PKG_UNSUPPORTED_ENTRY_TYPE``, ``PKG_DB_NOT_SQLITE``,
-``PKG_REPORT_INVALID``, the name codes of :func:`~investigation.cases.layout.check_relative_path`
+``PKG_REPORT_INVALID``, ``PKG_SECRETS_FOUND``, the name codes of :func:`~investigation.cases.layout.check_relative_path`
 (``PKG_BAD_NAME``, ...), ``PKG_DUPLICATE_ENTRY``, and the limit codes
 (``PKG_ENTRY_TOO_LARGE``, ``PKG_TOO_LARGE``, ``PKG_TOO_MANY_ENTRIES``). The finished
 archive is validated with :class:`~investigation.cases.reader.PackageReader` before it
@@ -77,6 +83,7 @@ from investigation.cases.zipscan import RATIO_MIN_BYTES
 from investigation.config import PackageLimits, canonical_json
 from investigation.constants import PACKAGE_FORMAT
 from investigation.errors import PackageError
+from investigation.secrets import SecretFinding, format_findings, scan_files
 
 __all__ = ["PackageInfo", "build_package", "package_bytes"]
 
@@ -99,6 +106,8 @@ class PackageInfo:
             databases and logs), i.e. the length of the manifest's ``files`` list.
         path: where the ZIP was written.
         manifest: the manifest that was packed.
+        secrets: what the secret scan found (``path:line: type``, never the secret);
+            empty unless ``allow_secrets`` was given.
     """
 
     package_id: str
@@ -106,6 +115,7 @@ class PackageInfo:
     file_count: int
     path: Path
     manifest: Mapping[str, Any]
+    secrets: tuple[SecretFinding, ...] = ()
 
 
 def build_package(
@@ -116,6 +126,7 @@ def build_package(
     logs: Path | None = None,
     *,
     limits: PackageLimits | None = None,
+    allow_secrets: bool = False,
 ) -> PackageInfo:
     """Pack a source tree, a report and optional database and logs into a case package.
 
@@ -127,6 +138,8 @@ def build_package(
         db: optional SQLite database file, packed as ``db/<stem>.sqlite``.
         logs: optional logs directory (or a single log file), packed under ``logs/``.
         limits: bounds the result must satisfy (default :class:`PackageLimits`()).
+        allow_secrets: pack files in which the secret scan found secrets (they are listed
+            in :attr:`PackageInfo.secrets`); without it such a build is refused.
 
     Returns:
         :class:`PackageInfo` of the written archive.
@@ -136,8 +149,19 @@ def build_package(
     """
     limits = limits if limits is not None else PackageLimits()
     output = Path(output)
-    files = collect_files(Path(source), Path(report), db=db, logs=logs, limits=limits,
-                          exclude=(output,))
+    plan = _plan(Path(source), Path(report), db=db, logs=logs, limits=limits,
+                 exclude=(output,))
+    files = _read_plan(plan, Path(report), db)
+    findings = scan_files({n: p for n, p in plan.items() if not n.startswith(DB_ROOT)}, files)
+    if findings and not allow_secrets:
+        raise PackageError(
+            "PKG_SECRETS_FOUND",
+            f"{len(findings)} secret(s) found in what would be packed: "
+            f"{format_findings(findings)}. Remove them (or leave the files out with "
+            ".gitignore), or pass --allow-secrets to pack them anyway (tool results "
+            "still mask them before a model sees them)",
+            findings=[str(f) for f in findings[:100]],
+        )
     data, manifest = package_bytes(files, databases=[n[len(DB_ROOT):] for n in files
                                                      if n.startswith(DB_ROOT)],
                                    has_logs=logs is not None, limits=limits)
@@ -149,6 +173,7 @@ def build_package(
         file_count=len(files),
         path=output,
         manifest=manifest,
+        secrets=tuple(findings),
     )
 
 
@@ -175,6 +200,13 @@ def collect_files(
         PackageError: see the module docstring.
     """
     limits = limits if limits is not None else PackageLimits()
+    return _read_plan(_plan(source, report, db=db, logs=logs, limits=limits, exclude=exclude),
+                      report, db)
+
+
+def _plan(source: Path, report: Path, db: Path | None, logs: Path | None,
+          limits: PackageLimits, exclude: tuple[Path, ...]) -> dict[str, Path]:
+    """Entry name -> file to read, names and limits checked (nothing read yet)."""
     skip = {_resolve(p) for p in exclude}
     if not source.is_dir():
         raise PackageError("PKG_BUILD_INPUT", f"source {source} is not a directory",
@@ -204,6 +236,10 @@ def collect_files(
         check_entry_name(name, limits)
     check_no_conflicts([*plan, MANIFEST_NAME])
     _check_limits(plan, limits)
+    return plan
+
+
+def _read_plan(plan: Mapping[str, Path], report: Path, db: Path | None) -> dict[str, bytes]:
     files = {name: _read(path) for name, path in plan.items()}
     try:
         files[REPORT_NAME].decode("utf-8", "strict")

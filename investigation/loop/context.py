@@ -41,6 +41,7 @@ from investigation.config import InvestigationConfig, canonical_json
 from investigation.constants import PROMPT_VERSION, REPLY_SCHEMA_VERSION
 from investigation.errors import InvestigationError
 from investigation.loop.outcome import StepKey
+from investigation.secrets import default_masker
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -149,7 +150,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
                        .order_by(col(Question.ordinal))).all()
     closing = budget.closing_reason(account, pending)
     allowed = ["finish", "reject"] if closing else ["query", "test", "finish", "reject"]
-    report = snapshot.report_text()
+    # Secrets in the report are masked like those in tool findings (investigation.secrets).
+    report = "\n".join(default_masker().mask_lines(snapshot.report_text().split("\n"))[0])
     report_bytes = report.encode("utf-8")
     limit = config.limits.max_report_bytes
     truncated = len(report_bytes) > limit
