@@ -2,12 +2,14 @@
 
 Two uses, two costs, one source of rules: Yelp's detect-secrets (a maintained scanner).
 
-**At build** (:func:`scan_files`, ``investigate case build``): every text file packed
-(report, ``source/``, ``logs/``) is scanned with detect-secrets itself, its file-type
-aware plugins, transformers and false-positive filters (``SecretsCollection.scan_file``),
-with every default plugin except the two high-entropy detectors and the public-IP
-detector. A file is handed to it only when a quick exact pre-check says a plugin could
-fire (a keyword of its ``KeywordDetector`` or a match of one of its regex detectors).
+**At build** (:func:`scan_files`, ``investigate case build``): every name and every
+line of every text file packed (report, ``source/``, ``logs/``) is checked with the
+run-time rules below, and the lines they flag are also scanned with detect-secrets
+itself, its file-type aware plugins and false-positive filters
+(``SecretsCollection.scan_file``), with every default plugin except the two high-entropy
+detectors and the public-IP detector. Its Python patterns are super-linear on crafted
+lines, so it sees at most :data:`MAX_DETECT_SECRETS_LINES` lines of at most
+:data:`MAX_DETECT_SECRETS_LINE` characters per build.
 
 **At run time** (:class:`SecretMasker`, every tool result): detect-secrets' regex
 detectors (AWS, GitHub, GitLab, Slack, Stripe, OpenAI, private keys, basic-auth URLs,
@@ -43,10 +45,9 @@ __all__ = ["MASK", "SecretFinding", "SecretMasker", "default_masker", "mask_mark
 
 #: What replaces a secret (``{type}`` is detect-secrets' secret type, e.g. "AWS Access Key").
 MASK = "[secret masked: {type}]"
-#: Characters of a line scanned at run time (every rule is linear, RE2); a longer line is
-#: masked in this prefix only, and the tools cut quoted lines far below it
-#: (``tools.max_line_bytes``; :class:`~investigation.config.ToolLimits` keeps it below).
-MAX_SCAN_CHARS = 1 << 20
+#: Lines of at most this many characters are cached (at most :data:`_CACHED_LINES`).
+_CACHED_CHARS = 1024
+_CACHED_LINES = 4096
 #: Keyword hits of one kind that are not secrets (templates, references, placeholders).
 _PLACEHOLDER = re2.compile(
     r"(?i)^(?:\$\{?.*|%\(.*|\{\{.*|<.*>|\*+|x+|\.+|-+|none|null|nil|true|false|undefined|"
@@ -70,7 +71,7 @@ class SecretFinding:
 
     Attributes:
         path: the package entry name (``source/.env``).
-        line: 1-based line number.
+        line: 1-based line number; 0 when the secret is in the entry's name.
         type: detect-secrets' secret type ("Secret Keyword", "AWS Access Key", ...).
     """
 
@@ -79,6 +80,8 @@ class SecretFinding:
     type: str
 
     def __str__(self) -> str:
+        if self.line == 0:
+            return f"{self.path}: {self.type} in the file name"
         return f"{self.path}:{self.line}: {self.type}"
 
 
@@ -199,32 +202,45 @@ class SecretMasker:
         if hit is not None:
             return hit
         result = self._mask(text)
-        with self._lock:
-            if len(self._cache) >= 4096:
-                self._cache.clear()
-            self._cache[text] = result
+        if len(text) <= _CACHED_CHARS:  # the cache stays within a few MiB
+            with self._lock:
+                if len(self._cache) >= _CACHED_LINES:
+                    self._cache.clear()
+                self._cache[text] = result
         return result
 
     def _mask(self, text: str) -> tuple[str, int]:
-        head, tail = text[:MAX_SCAN_CHARS], text[MAX_SCAN_CHARS:]
-        rules = self._rules
-        hits = rules.prefilter.Match(head)
-        if not hits:
+        spans = self.spans(text)
+        if not spans:
             return text, 0
-        spans: list[tuple[int, int, str]] = []
+        out, position = [], 0
+        for start, end, secret_type in spans:
+            out += [text[position:start], mask_marker(secret_type)]
+            position = end
+        out.append(text[position:])
+        return "".join(out), len(spans)
+
+    def spans(self, text: str) -> list[tuple[int, int, str]]:
+        """``(start, end, secret type)`` of every secret in ``text``, sorted, overlaps
+        merged (the first type is kept). Linear in ``len(text)``."""
+        rules = self._rules
+        hits = rules.prefilter.Match(text)
+        if not hits:
+            return []
+        found: list[tuple[int, int, str]] = []
         for index in sorted(hits):
             if index == len(rules.detectors):
                 continue
             secret_type, pattern = rules.detectors[index]
-            for match in pattern.finditer(head):
+            for match in pattern.finditer(text):
                 # A pattern's first group is the secret when it is long enough to be one
                 # (an AWS secret key); a short one is a prefix (``ghp``): mask it all.
                 value = match.group(1) if pattern.groups else None
                 start, end = match.span(1 if value and len(value) >= 8 else 0)
                 if end > start:
-                    spans.append((start, end, secret_type))
+                    found.append((start, end, secret_type))
         if len(rules.detectors) in hits:
-            for match in rules.keyword.finditer(head):
+            for match in rules.keyword.finditer(text):
                 keyword = match.group(1)
                 for group in (2, 3, 4, 5):
                     secret = match.group(group)
@@ -234,23 +250,16 @@ class SecretMasker:
                             keyword.lower() or (group == 5
                                                 and _REFERENCE.match(secret.rstrip(":."))):
                         break
-                    spans.append((*match.span(group), "Secret Keyword"))
+                    found.append((*match.span(group), "Secret Keyword"))
                     break
-        if not spans:
-            return text, 0
         merged: list[tuple[int, int, str]] = []
-        for start, end, secret_type in sorted(spans):
+        for start, end, secret_type in sorted(found):
             if merged and start < merged[-1][1]:
                 last = merged[-1]
                 merged[-1] = (last[0], max(last[1], end), last[2])
             else:
                 merged.append((start, end, secret_type))
-        out, position = [], 0
-        for start, end, secret_type in merged:
-            out += [head[position:start], mask_marker(secret_type)]
-            position = end
-        out.append(head[position:])
-        return "".join(out) + tail, len(merged)
+        return merged
 
     def mask_lines(self, lines: list[str]) -> tuple[list[str], int]:
         """Mask each line; the lines of a PEM private key block (from its ``BEGIN ...
@@ -316,49 +325,87 @@ def private_key_lines(lines: list[str]) -> set[int]:
 
 
 _SCAN_LOCK = threading.Lock()
+#: Lines handed to detect-secrets are at most this long, and at most
+#: :data:`MAX_DETECT_SECRETS_LINES` of them per build: its Python patterns are
+#: super-linear on crafted lines (about 25 ms for one 240-character line), so its cost
+#: stays bounded whatever a tree holds. Every line is still checked by the linear rules.
+MAX_DETECT_SECRETS_LINE = 200
+MAX_DETECT_SECRETS_LINES = 2000
 
 
 def scan_files(files: Mapping[str, Path], texts: Mapping[str, bytes]) -> list[SecretFinding]:
-    """Scan the text files of a package with detect-secrets (see the module docstring).
+    """Scan a package's names and text files for secrets (see the module docstring).
+
+    Every name and every line is checked with the run-time rules (:class:`SecretMasker`,
+    linear), so whatever tool results would mask is reported here. Lines those rules'
+    pre-check flags (at most :data:`MAX_DETECT_SECRETS_LINES`, each at most
+    :data:`MAX_DETECT_SECRETS_LINE` characters) are also scanned by detect-secrets itself,
+    with its file-type rules and filters, in a copy of their file that keeps the name and
+    line numbers and blanks every other line.
 
     Args:
-        files: package entry name -> file on disk (what detect-secrets reads).
-        texts: package entry name -> the bytes that are packed (for the pre-check; an
-            entry that is not UTF-8 text is skipped).
+        files: package entry name -> file on disk.
+        texts: package entry name -> the bytes that are packed (an entry that is not UTF-8
+            text is skipped).
 
     Returns:
-        Findings sorted by path and line (each line reported once per type).
+        Findings sorted by path and line (``line`` 0: the entry's name).
     """
-    from detect_secrets.core.secrets_collection import SecretsCollection
-    from detect_secrets.settings import default_settings, get_settings
-
+    masker = default_masker()
     rules = _rules()
-    candidates = []
+    found: set[SecretFinding] = set()
+    wanted: dict[str, dict[int, str]] = {}
+    budget = MAX_DETECT_SECRETS_LINES
     for name in sorted(files):
+        found.update(SecretFinding(name, 0, kind) for *_, kind in masker.spans(name))
         try:
             text = texts[name].decode("utf-8")
         except (KeyError, UnicodeDecodeError):
             continue
-        if "\x00" in text:
+        if "\x00" in text or not rules.prefilter.Match(text):
             continue
-        if rules.prefilter.Match(text):
-            candidates.append(name)
-    if not candidates:
-        return []
+        lines = text.split("\n")
+        for number, line in enumerate(lines, start=1):
+            if not rules.prefilter.Match(line):
+                continue
+            found.update(SecretFinding(name, number, kind) for *_, kind in masker.spans(line))
+            if budget and len(line) <= MAX_DETECT_SECRETS_LINE:
+                wanted.setdefault(name, {})[number] = line
+                budget -= 1
+        found.update(SecretFinding(name, number + 1, "Private Key")
+                     for number in private_key_lines(lines))
+    if wanted:
+        found.update(_detect_secrets(files, wanted))
+    return sorted(found, key=lambda f: (f.path, f.line, f.type))
+
+
+def _detect_secrets(files: Mapping[str, Path],
+                    wanted: Mapping[str, Mapping[int, str]]) -> set[SecretFinding]:
+    """detect-secrets on copies of the files holding only the ``wanted`` lines."""
+    import tempfile
+
+    from detect_secrets.core.secrets_collection import SecretsCollection
+    from detect_secrets.settings import default_settings, get_settings
+
     found: set[SecretFinding] = set()
-    with _SCAN_LOCK, default_settings():
+    with tempfile.TemporaryDirectory(prefix="investigate-secrets-") as tmp, \
+            _SCAN_LOCK, default_settings():
         get_settings().disable_plugins(*_EXCLUDED_PLUGINS)
         collection = SecretsCollection()
         by_path: dict[str, str] = {}
-        for name in candidates:
-            path = str(files[name])
-            by_path[path] = name
-            collection.scan_file(path)
+        for index, (name, lines) in enumerate(sorted(wanted.items())):
+            copy = Path(tmp) / str(index) / Path(files[name]).name
+            copy.parent.mkdir()
+            last = max(lines)
+            copy.write_text("\n".join(lines.get(n, "") for n in range(1, last + 1)) + "\n",
+                            encoding="utf-8")
+            by_path[str(copy)] = name
+            collection.scan_file(str(copy))
         for filename, secret in collection:
             entry = by_path.get(filename) or by_path.get(str(Path(filename)))
             if entry is not None and secret.line_number:
                 found.add(SecretFinding(entry, secret.line_number, secret.type))
-    return sorted(found, key=lambda f: (f.path, f.line, f.type))
+    return found
 
 
 def format_findings(findings: Iterable[SecretFinding], limit: int = 20) -> str:

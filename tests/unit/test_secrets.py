@@ -84,3 +84,33 @@ def test_hostile_lines_stay_linear() -> None:
                  "aws " + "key " * 50_000, "-----BEGIN " * 20_000]:
         shown, _ = masker.mask(line)
         assert len(shown) <= len(line) + 64
+
+
+def test_build_scan_reports_names_and_bounds_the_slow_scanner(tmp_path, monkeypatch) -> None:
+    """Every line is checked by the linear rules; detect-secrets (super-linear on crafted
+    lines) sees a bounded number of short lines; a secret in a file name is reported."""
+    from pathlib import Path
+
+    from investigation import secrets
+
+    seen: list[int] = []
+    real = secrets._detect_secrets
+
+    def counting(files, wanted):  # type: ignore[no-untyped-def]
+        seen.append(sum(len(lines) for lines in wanted.values()))
+        return real(files, wanted)
+
+    monkeypatch.setattr(secrets, "_detect_secrets", counting)
+    crafted = "var a={password:'abcdef12'};"
+    big = tmp_path / "min.js"
+    big.write_text((crafted + "\n") * (secrets.MAX_DETECT_SECRETS_LINES + 500)
+                   + "x = '" + "password" * 10_000 + "'\n")
+    named = tmp_path / "AKIAIOSFODNN7EXAMPLE.txt"
+    named.write_text("nothing here\n")
+    files = {"source/min.js": big, "source/AKIAIOSFODNN7EXAMPLE.txt": named}
+    found = secrets.scan_files(files, {k: Path(v).read_bytes() for k, v in files.items()})
+    assert seen == [secrets.MAX_DETECT_SECRETS_LINES]
+    lines = {f.line for f in found if f.path == "source/min.js"}
+    assert lines == set(range(1, secrets.MAX_DETECT_SECRETS_LINES + 501))
+    assert str(secrets.SecretFinding("source/AKIAIOSFODNN7EXAMPLE.txt", 0, "AWS Access Key")) \
+        in {str(f) for f in found}
