@@ -156,7 +156,7 @@ def _rules() -> _Rules:
                 detectors.append((secret_type, linear))
     words = "|".join(DENYLIST)
     key = rf"[\w.\-]*(?:{words})[\w.\-]*"
-    separator = r"[\"'\]]{0,2}\s*(?::=|=>|==|!=|=|:)\s*@?"
+    separator = r"[\"'\]]{0,2}\s*(?::=|=>|==|!=|=|:|>)\s*@?"  # ">": <password>x</password>
     value = (r"(?:\"([^\"\n]{4,256})\"|'([^'\n]{4,256})'|`([^`\n]{4,256})`"
              r"|([^\s\"'`,;()\[\]{}<>]{6,256}))")
     keyword = rf"(?i:(?:^|[^\w.\-])({key}){separator}{value})"

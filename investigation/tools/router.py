@@ -404,7 +404,7 @@ class ToolRouter:
             return [], {BINARY_SKIPPED}, {"total_lines": None, "start_line": None,
                                           "end_line": None}
         lines = tx.split_lines(text)
-        pem = private_key_lines(lines)
+        pem = private_key_lines(lines) if "PRIVATE KEY" in text else set()
         masked = 0
         codes: set[str] = set()
         end = args.end_line
@@ -489,7 +489,7 @@ class ToolRouter:
                 continue
             scanned += 1
             lines = tx.split_lines(text)
-            pem = private_key_lines(lines)
+            pem = private_key_lines(lines) if "PRIVATE KEY" in text else set()
             for number, line in enumerate(lines, start=1):
                 if number % _DEADLINE_EVERY_LINES == 0 and time.monotonic() >= deadline:
                     codes.add(PARTIAL)

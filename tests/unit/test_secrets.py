@@ -20,6 +20,8 @@ MASKED = [
      "url = postgres://admin:[secret masked: Basic Auth Credentials]@db:5432/app"),
     ("hook https://hooks.slack.com/services/T000/B000/XXXXXXXXXXXXXXXX ok",
      "hook [secret masked: Slack Token] ok"),
+    ("<db_password>hunter2x</db_password>",
+     "<db_password>[secret masked: Secret Keyword]</db_password>"),
     ("INFO login user=ada password=hunter2 took 3ms",
      "INFO login user=ada password=[secret masked: Secret Keyword] took 3ms"),
 ]
