@@ -46,6 +46,12 @@ Refusals raise :class:`~investigation.errors.PackageError` with one of these cod
 ``PKG_REPORT_INVALID``        the report is not UTF-8 text
 ============================  ===========================================================
 
+``investigate case build`` (:mod:`investigation.cases.builder`) also refuses with
+``PKG_BUILD_INPUT`` (a missing or unreadable input), ``PKG_SYMLINK`` (a link leaving the
+tree, to a directory, or a linked parent directory of a packed path) and
+``PKG_SECRETS_FOUND`` (the secret scan found secrets, :mod:`investigation.secrets`;
+``--allow-secrets`` packs them); ``investigate case add`` with ``PKG_UNREADABLE``.
+
 Cost: validation is linear in the archive's size (names are checked for collisions by
 one sort, never by building their prefixes), and its memory is the archive plus a small
 multiple of the names' total bytes; ``bench/package_validation.py`` measures the worst
