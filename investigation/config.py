@@ -133,6 +133,7 @@ class PackageLimits(_Strict):
     """PackageReader bounds, checked before any entry is read."""
 
     max_entries: int = Field(20_000, ge=1)
+    """Most entries (files and directories, the manifest included). Default 20,000."""
     max_entry_bytes: int = Field(32 << 20, ge=1)
     """Largest uncompressed entry. Default 32 MiB."""
     max_total_bytes: int = Field(512 << 20, ge=1)
@@ -140,6 +141,14 @@ class PackageLimits(_Strict):
     max_compression_ratio: int = Field(200, ge=1)
     """Largest uncompressed/compressed ratio of one entry. Default 200."""
     max_name_bytes: int = Field(1024, ge=1)
+    """Longest entry name (the whole path, e.g. ``source/app/main.py``) in UTF-8 bytes;
+    longer: ``PKG_NAME_TOO_LONG``. Default 1024."""
+    max_segment_bytes: int = Field(255, ge=1)
+    """Longest segment of an entry name (one file or directory name) in UTF-8 bytes, the
+    usual file-system bound; longer: ``PKG_NAME_TOO_LONG``. Default 255."""
+    max_path_depth: int = Field(64, ge=2)
+    """Most ``/``-separated segments of an entry name (``source/app/main.py`` has 3);
+    deeper: ``PKG_PATH_TOO_DEEP``. Default 64."""
     cache_entries: int = Field(8, ge=0)
     """Validated packages kept in the in-process cache (by sha256). Default 8."""
 

@@ -82,6 +82,9 @@ BLOCK_AWAITING_TEST_FEEDBACK = "AWAITING_TEST_FEEDBACK"
 BLOCK_STAGE_POISONED = "STAGE_POISONED"
 #: The case's model spending reached ``limits.max_model_cost`` (``llm.spend``).
 BLOCK_MODEL_COST_CAP = "MODEL_COST_CAP"
+#: A worker time limit (Celery's soft or hard ``--time-limit``) stopped a stage that
+#: cannot be recorded as a failed result (any stage but a query's ``execute_tool``).
+BLOCK_STAGE_TIME_LIMIT = "STAGE_TIME_LIMIT"
 
 #: Confidence labels, lowest to highest for scheduling (see docs/investigation-loop.md).
 CONFIDENCE_ORDER = ("weakened", "unassessed", "weak", "plausible", "supported", "strongly_supported")

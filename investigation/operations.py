@@ -17,6 +17,7 @@ from investigation.constants import (
     BLOCK_PROVIDER_CREDENTIALS,
     BLOCK_PROVIDER_EXHAUSTED,
     BLOCK_STAGE_POISONED,
+    BLOCK_STAGE_TIME_LIMIT,
     CASE_BLOCKED,
     CASE_CANCELLED,
     CASE_INVESTIGATING,
@@ -83,6 +84,12 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
                 detail = (f"stage {row.stage} of step {row.step_seq} was delivered "
                           f"{row.deliveries} times and {row.unfinished} deliveries never "
                           "returned (its worker died each time); see the worker logs")
+        elif case.blocked_reason == BLOCK_STAGE_TIME_LIMIT:
+            row = deliveries.last_delivered(s, case_id)
+            if row is not None:
+                detail = (f"stage {row.stage} of step {row.step_seq} was stopped by the "
+                          "worker's time limit (--soft-time-limit/--time-limit); raise the "
+                          "limit, then resume")
         elif case.blocked_reason is not None:
             rejected = [a for a in accounts if a.last_rejection_json]
             if rejected:

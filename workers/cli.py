@@ -36,6 +36,7 @@ from investigation.llm.spend import format_money
 from investigation.loop.outcome import Outcome
 from investigation.operations import cancel, export, pause, resume, status, summary_bytes
 from investigation.store import Store
+from investigation.text_safety import EscapingLogFilter, escape_text
 from workers.settings import Settings, load_settings
 
 app = typer.Typer(help="Investigate software bug cases with a language model.",
@@ -57,7 +58,7 @@ def _controlled(fn: F) -> F:
             return fn(*args, **kwargs)
         except LockBusy as exc:
             err.print("[bold red]error[/] ", end="", markup=True)
-            err.print(str(exc), markup=False, highlight=False)
+            err.print(_term(exc), markup=False, highlight=False)
             raise typer.Exit(3) from None
         except InvestigationError as exc:
             _fail(exc.code, exc.message)
@@ -88,7 +89,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _fail(code: str, message: str) -> NoReturn:
     err.print("[bold red]error[/] ", end="", markup=True)
-    err.print(f"{code}: {message}", markup=False, highlight=False)
+    err.print(_term(f"{code}: {message}"), markup=False, highlight=False)
     raise typer.Exit(2)
 
 
@@ -145,9 +146,11 @@ def _store(settings: Settings, existing: bool = False) -> Store:
 
 
 def _term(text: object) -> str:
-    """Data for the terminal: control characters (ANSI/OSC escapes included) shown as '?'."""
-    return "".join("?" if (ord(ch) < 0x20 and ch != "\t") or 0x7F <= ord(ch) <= 0x9F
-                   else ch for ch in str(text))
+    """Data for the terminal: control, bidirectional and zero-width characters (ANSI/OSC
+    escapes included) shown as visible escapes (``investigation.text_safety``). Print the
+    result with ``markup=False`` (or as a Rich ``Text``), so that Rich markup in untrusted
+    text stays text."""
+    return escape_text(str(text))
 
 
 def _print_outcome(o: Outcome) -> None:
@@ -172,9 +175,20 @@ def case_build(
     output: Annotated[Path, typer.Option("-o", "--output", help="package ZIP to write")],
     db: Annotated[Path | None, typer.Option("--db", help="SQLite database")] = None,
     logs: Annotated[Path | None, typer.Option("--logs", help="logs directory")] = None,
+    allow_secrets: Annotated[bool, typer.Option(
+        "--allow-secrets", help="pack files in which the secret scan found secrets "
+        "(tool results still mask them)")] = False,
 ) -> None:
-    """Make a case package (ZIP with manifest) from a source tree and a report."""
-    info = build_package(source, report, output, db=db, logs=logs)
+    """Make a case package (ZIP with manifest) from a source tree and a report.
+
+    The report, source and logs are scanned for secrets (detect-secrets); a finding
+    refuses the build (PKG_SECRETS_FOUND, listing file:line: type) unless --allow-secrets.
+    """
+    info = build_package(source, report, output, db=db, logs=logs,
+                         allow_secrets=allow_secrets)
+    for finding in info.secrets:
+        err.print(_term(f"warning: packed a secret (--allow-secrets): {finding}"),
+                  markup=False, highlight=False)
     out.print(f"package {info.package_id}")
     out.print(f"wrote {info.path} ({info.size_bytes} bytes, {info.file_count} files)")
 
@@ -281,19 +295,40 @@ def worker(
     beat: Annotated[bool, typer.Option(
         "--beat", help="also run the periodic recovery sweep (start exactly one such worker)")
     ] = False,
+    soft_time_limit: Annotated[float | None, typer.Option(
+        "--soft-time-limit", min=0.001, help="seconds a task may run before Celery raises "
+        "SoftTimeLimitExceeded in it (default: none)")] = None,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", min=0.001, help="seconds a task may run before Celery kills its "
+        "process (default: none)")] = None,
 ) -> None:
     """Start a Celery worker on the configured broker and case queue.
 
     Only process-based pools: the isolated SQL children are forked, which needs no other
     thread of the worker process to be inside SQLite (threads/gevent pools are refused).
+
+    Time limits are Celery's own (``--soft-time-limit``, ``--time-limit``), per task,
+    i.e. per stage. A stage stopped by one is recorded once as STAGE_TIME_LIMIT: a query
+    becomes a failed result and the case goes on; any other stage parks the case BLOCKED
+    (STAGE_TIME_LIMIT) until the limit is raised and the case resumed. Keep the limits
+    above the stages' own bounds (provider timeout_s, tools.sql_timeout_s + 1,
+    tools.search_timeout_s), and the soft limit below the hard one.
     """
     if pool not in ("prefork", "solo"):
         raise typer.BadParameter("use --pool prefork or --pool solo", param_hint="--pool")
+    if soft_time_limit is not None and time_limit is not None \
+            and soft_time_limit >= time_limit:
+        raise typer.BadParameter("the soft time limit must be below --time-limit",
+                                 param_hint="--soft-time-limit")
     settings = _settings()  # a broken environment fails here, as one line
     from workers.celery_app import app as celery_app
 
     argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}",
             f"--pool={pool}", "-Q", settings.queue, "-E"]
+    if soft_time_limit is not None:
+        argv.append(f"--soft-time-limit={soft_time_limit:g}")
+    if time_limit is not None:
+        argv.append(f"--time-limit={time_limit:g}")
     if beat:
         settings.home.mkdir(parents=True, exist_ok=True)
         argv += ["-B", f"--schedule={settings.home / 'celerybeat-schedule'}"]
@@ -451,8 +486,11 @@ def cancel_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
 @app.command("summary")
 @_controlled
 def summary_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
-    """Print summary.md."""
-    sys.stdout.buffer.write(summary_bytes(_store(_settings(), existing=True), case_id))
+    """Print summary.md (any control, bidirectional or zero-width character a stored
+    summary holds is shown as a visible escape; ``export`` writes the exact bytes)."""
+    data = summary_bytes(_store(_settings(), existing=True), case_id)
+    shown = escape_text(data.decode("utf-8", "replace"), newlines=True)
+    sys.stdout.buffer.write(shown.encode("utf-8"))
     sys.stdout.flush()
 
 
@@ -507,6 +545,8 @@ app.add_typer(cli_providers.providers_app, name="providers")
 def main() -> None:
     """Console entry point."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # log lines quote snapshot text too
+        handler.addFilter(EscapingLogFilter())
     app()
 
 

@@ -16,14 +16,18 @@ others), a countdown for ``RETRY_PENDING`` (never a sleeping worker), or the end
 from __future__ import annotations
 
 import logging
+import re
+from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any
 
 from celery import chain
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import worker_process_init
 from sqlalchemy.exc import OperationalError
 
 from investigation.constants import (
+    BLOCK_STAGE_TIME_LIMIT,
     BLOCKED,
     COMPLETED,
     CONTINUING,
@@ -37,10 +41,14 @@ from investigation.loop import deliveries
 from investigation.loop.investigator import Investigator
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.loop.stages import Stages
+from investigation.text_safety import escape_text
 from workers import runtime
 from workers.celery_app import app
 
 log = logging.getLogger(__name__)
+
+#: What a case id may look like on the broker (ids are ``case-`` + 16 hex digits).
+_CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 #: Countdown for transient store failures inside a stage (seconds, doubled per retry).
 STORE_RETRY_COUNTDOWN_S = 2
@@ -89,6 +97,11 @@ def _run_stage(task: Any, payload: dict[str, Any], stage: str) -> dict[str, Any]
             raise
         if result.halt is not None and stage != "publish":
             deliveries.delivery_returned(rt.env.store, key, stage)
+    except SoftTimeLimitExceeded:
+        payload = _time_limited(rt, payload, stage, "soft", None)
+        if (payload.get("halt") or {}).get("outcome") == "RECORDED":
+            payload["halt"] = None  # the stage had finished: the chain goes on
+        return payload
     except StaleStateError as exc:
         log.info("case %s step %s %s: stale (%s)", case_id, key.step_seq, stage, exc.message)
         return _halt(payload, "STALE", "STALE_STATE")
@@ -127,6 +140,46 @@ def _release_distributed(rt: runtime.Runtime, payload: dict[str, Any]) -> None:
         rt.lock.release(payload["case_id"], payload["token"])
 
 
+def _time_limited(rt: runtime.Runtime, payload: dict[str, Any], stage: str, kind: str,
+                  limit_s: float | None) -> dict[str, Any]:
+    """A worker time limit stopped ``stage``: record it once, as what it is.
+
+    It is no worker crash, so it never counts towards ``STAGE_POISONED``. A query's
+    ``execute_tool`` is recorded as a failed result with the code ``STAGE_TIME_LIMIT``
+    and the step goes on (the model sees the failure and can ask for less); any other
+    stage parks the case ``BLOCKED`` / ``STAGE_TIME_LIMIT`` (running it again would hit
+    the same limit): raise the limit, then ``investigate resume``.
+
+    Returns:
+        The payload, with ``halt`` set unless the chain goes on (``{"outcome":
+        "RECORDED"}`` when the stage had finished after all: the caller re-dispatches).
+    """
+    key = StepKey(payload["case_id"], payload["revision"], payload["step_seq"])
+    limit = f"{limit_s:g} s" if limit_s else "configured"
+    log.error("case %s step %s %s: stopped by the worker's %s time limit (%s)", key.case_id,
+              key.step_seq, stage, kind, limit)
+    try:
+        deliveries.delivery_returned(rt.env.store, key, stage)
+        recorded = Stages(rt.env).record_tool_stopped(
+            key, BLOCK_STAGE_TIME_LIMIT,
+            f"the worker's {kind} time limit ({limit}) stopped this query before it "
+            "finished; ask for less (a narrower query or pattern)",
+        ) if stage == "execute_tool" else False
+        if recorded is not False:
+            payload["halt"] = None if recorded else {"outcome": "RECORDED"}
+            return payload
+        outcome = deliveries.block_for_time_limit(rt.env.store, key, stage)
+    except StaleStateError:
+        return _halt(payload, "STALE", "STALE_STATE")
+    if outcome is None:
+        return _halt(payload, "STALE", "STALE_STATE")
+    log.error("case %s: parked %s at %s of step %s; raise the worker's time limit "
+              "(--soft-time-limit/--time-limit), then `investigate resume %s`", key.case_id,
+              BLOCK_STAGE_TIME_LIMIT, stage, key.step_seq, key.case_id)
+    payload["halt"] = outcome.to_dict()
+    return payload
+
+
 def _stage_task(stage: str) -> Any:
     @app.task(name=f"{TASK_PREFIX}{stage}", bind=True)
     def task(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
@@ -139,11 +192,13 @@ def _stage_task(stage: str) -> Any:
 STAGE_TASKS = {stage: _stage_task(stage) for stage in STAGES}
 
 
-def step_chain(payload: dict[str, Any]) -> Any:
-    """The Celery chain of one step: eight stages, then ``advance``."""
-    first, *rest = STAGES
-    return chain(STAGE_TASKS[first].s(payload), *(STAGE_TASKS[s].s() for s in rest),
-                 advance.s())
+def step_chain(payload: dict[str, Any], start: str | None = None) -> Any:
+    """The Celery chain of one step: eight stages (or those from ``start`` on), then
+    ``advance``; every task carries the :func:`on_chain_error` error callback."""
+    stages = STAGES[STAGES.index(start):] if start else STAGES
+    first, *rest = stages
+    sigs = [STAGE_TASKS[first].s(payload), *(STAGE_TASKS[s].s() for s in rest), advance.s()]
+    return chain(*(sig.on_error(on_chain_error.s()) for sig in sigs))
 
 
 def new_payload(case_id: str, token: str, steps_left: int, mode: str,
@@ -160,6 +215,28 @@ def new_payload(case_id: str, token: str, steps_left: int, mode: str,
             "max_steps": max_steps, "halt": None}
 
 
+def check_dispatch(case_id: Any, max_steps: Any, max_allowed: int) -> None:
+    """Refuse a dispatch request that did not come from the typed API: a message on the
+    broker carries whatever JSON (and kombu's datetime, Decimal, UUID) its sender put in.
+
+    Raises:
+        InvestigationError: ``DISPATCH_INVALID``: ``case_id`` is not a case id, or
+            ``max_steps`` is neither null nor an integer from 1 to ``max_allowed``.
+    """
+    if not isinstance(case_id, str) or not _CASE_ID.fullmatch(case_id):
+        raise InvestigationError(
+            "DISPATCH_INVALID",
+            f"dispatch case id {escape_text(repr(case_id))[:100]} is not a case id "
+            "(case-<16 hex digits>); send the id `investigate case add` printed")
+    if max_steps is not None and (type(max_steps) is not int
+                                  or not 1 <= max_steps <= max_allowed):
+        raise InvestigationError(
+            "DISPATCH_INVALID",
+            f"dispatch of {case_id}: max_steps {escape_text(repr(max_steps))[:100]} must be "
+            f"null or an integer from 1 to {max_allowed} (limits.max_checkpoints); nothing "
+            "was dispatched")
+
+
 def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
     """Take the case lock (never blocking) and enqueue the first step of a dispatch.
 
@@ -169,9 +246,11 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
 
     Raises:
         LockBusy: another dispatch of the case holds the lock.
-        InvestigationError: ``CASE_NOT_FOUND`` and similar.
+        InvestigationError: ``DISPATCH_INVALID`` (see :func:`check_dispatch`; checked
+            before the lock is taken), ``CASE_NOT_FOUND`` and similar.
     """
     rt = runtime.current()
+    check_dispatch(case_id, max_steps, rt.env.config.limits.max_checkpoints)
     token = rt.lock.acquire(case_id)
     try:
         steps = max_steps or rt.env.config.loop.max_steps_per_dispatch
@@ -190,19 +269,42 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
 
 @app.task(name=f"{TASK_PREFIX}dispatch", bind=True)
 def dispatch(self: Any, case_id: str, max_steps: int | None = None) -> dict[str, Any]:
-    """Worker-side dispatch (re-enqueued yields, due retries, upstream systems)."""
+    """Worker-side dispatch (re-enqueued yields, due retries, upstream systems).
+
+    A request that is not a valid dispatch (``DISPATCH_INVALID``) is refused before the
+    lock is taken and logged; it is not retried.
+    """
     try:
         start_dispatch(case_id, max_steps)
     except LockBusy:
         log.info("case %s: dispatch skipped, another dispatch holds the lock", case_id)
         return {"case_id": case_id, "outcome": "LOCK_BUSY"}
+    except InvestigationError as exc:
+        log.error("dispatch refused: %s: %s", exc.code, exc.message)
+        return {"case_id": case_id if isinstance(case_id, str) else None,
+                "outcome": "REFUSED", "code": exc.code}
     return {"case_id": case_id, "outcome": "DISPATCHED"}
 
 
 @app.task(name=f"{TASK_PREFIX}advance", bind=True)
 def advance(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
-    """After a step: continue, yield, schedule a retry countdown, or stop."""
+    """After a step: continue, yield, schedule a retry countdown, or stop.
+
+    Whatever fails here releases the chain's lock (if it still holds it) before the
+    error propagates, as the stage tasks do: the case never stays locked until the
+    lease runs out.
+    """
     rt = runtime.current()
+    try:
+        return _advance(rt, payload)
+    except Exception:
+        if isinstance(payload, dict) and isinstance(payload.get("case_id"), str) \
+                and isinstance(payload.get("token"), str):
+            _release_distributed(rt, payload)
+        raise
+
+
+def _advance(rt: runtime.Runtime, payload: dict[str, Any]) -> dict[str, Any]:
     halt = payload.get("halt") or {"outcome": "ERROR", "reason": "NO_OUTCOME"}
     outcome, case_id, token = halt["outcome"], payload["case_id"], payload["token"]
     log.info("case %s step %s: %s %s", case_id, payload["step_seq"], outcome,
@@ -234,6 +336,82 @@ def advance(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
                      "the recovery sweep will dispatch it", case_id, halt["retry_not_before"])
     elif outcome not in (BLOCKED, COMPLETED):
         log.warning("case %s: dispatch ended with %s", case_id, halt)
+    return payload
+
+
+#: Task ids whose hard time limit this process has already handed on (bounded).
+_TIME_LIMITED: OrderedDict[str, None] = OrderedDict()
+
+
+@app.task(name=f"{TASK_PREFIX}on_chain_error")
+def on_chain_error(request: Any, exc: BaseException, traceback: Any) -> None:
+    """Error callback of every task of a step chain.
+
+    Celery calls it where the failure is seen; for a hard time limit that is the
+    worker's main process (its child was killed), so it only publishes a
+    :func:`time_limit` message (ids only). Other failures were handled by the task itself
+    (a stage releases the lock and re-raises), so they are ignored here.
+    """
+    if not isinstance(exc, TimeLimitExceeded):
+        return
+    task_id = str(getattr(request, "id", "") or "")
+    if task_id in _TIME_LIMITED:  # Celery reports one hard limit on two paths
+        return
+    _TIME_LIMITED[task_id] = None
+    while len(_TIME_LIMITED) > 1000:
+        _TIME_LIMITED.popitem(last=False)
+    args = getattr(request, "args", None) or ()
+    payload = args[0] if args and isinstance(args[0], dict) else None
+    name = str(getattr(request, "task", None) or getattr(request, "name", None) or "")
+    stage = name.removeprefix(TASK_PREFIX)
+    if payload is None or (stage not in STAGES and stage != "advance"):
+        return
+    limit = exc.args[0] if exc.args and isinstance(exc.args[0], int | float) else None
+    ids = {k: payload.get(k) for k in ("case_id", "revision", "step_seq", "token",
+                                       "steps_left", "max_steps", "mode")}
+    time_limit.apply_async((ids, stage, limit))
+
+
+@app.task(name=f"{TASK_PREFIX}time_limit", bind=True)
+def time_limit(self: Any, payload: dict[str, Any], stage: str,
+               limit_s: float | None) -> dict[str, Any]:
+    """A hard time limit killed ``stage`` of this chain's step: record it once (see
+    :func:`_time_limited`), then go on with the step's remaining stages or end the
+    dispatch with the case parked, releasing the lock either way."""
+    rt = runtime.current()
+    case_id, token = payload.get("case_id"), payload.get("token")
+    if not (isinstance(case_id, str) and isinstance(token, str)
+            and type(payload.get("revision")) is int and type(payload.get("step_seq")) is int
+            and type(payload.get("steps_left")) is int):
+        log.error("time_limit: malformed payload for %s; ignored", stage)
+        return {"outcome": "REFUSED", "code": "PAYLOAD_INVALID"}
+    payload = {**payload, "halt": None}
+    if not rt.lock.hold(case_id, token):
+        log.warning("case %s: lock lost before the time limit of %s was recorded", case_id,
+                    stage)
+        return payload
+    try:
+        if stage == "advance":
+            # The step was published; only its hand-over was cut: dispatch afresh.
+            rt.lock.release(case_id, token)
+            dispatch.apply_async((case_id, payload.get("max_steps")))
+            return payload
+        payload = _time_limited(rt, payload, stage, "hard", limit_s)
+        halt = payload.get("halt")
+        if halt is None:
+            nxt = STAGES[STAGES.index(stage) + 1]
+            step_chain(payload, start=nxt).apply_async()
+            return payload
+        if halt.get("outcome") == "RECORDED":
+            # The stage finished before its process was killed: a fresh dispatch goes
+            # on from the step's first unfinished stage.
+            rt.lock.release(case_id, token)
+            dispatch.apply_async((case_id, payload.get("max_steps")))
+            return payload
+    except Exception:
+        rt.lock.release(case_id, token)
+        raise
+    rt.lock.release(case_id, token)
     return payload
 
 

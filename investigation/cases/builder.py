@@ -27,15 +27,23 @@ Source selection:
 * The output file is never packed, even when it lies inside the source tree.
 
 Symbolic links: a link to a regular file inside the same tree (and outside VCS metadata)
-is packed as the target's bytes under the link's own path. Every other link - pointing
+is packed as the target's bytes under the link's own path. Every parent directory of a
+packed path must be a real directory of the tree, never a link (git keeps listing
+``sub/passwd`` after ``sub`` became a link to ``/etc``). Every other link - pointing
 outside the tree, dangling, into VCS metadata, or to a directory - is refused with
 ``PKG_SYMLINK``: replace it with a copy or remove it. Device files, FIFOs and sockets
 are refused with ``PKG_UNSUPPORTED_ENTRY_TYPE``.
 
+Secrets: the report, source and log files are scanned with detect-secrets
+(:func:`investigation.secrets.scan_files`); a finding refuses the build with
+``PKG_SECRETS_FOUND`` listing ``path:line: type`` (never the secret), unless
+``allow_secrets`` is given. Databases are not scanned (their values are masked in every
+tool result instead, like everything else).
+
 Errors (:class:`~investigation.errors.PackageError`): ``PKG_BUILD_INPUT`` (an input is
 missing, of the wrong kind or unreadable, or the output cannot be written),
 ``PKG_SYMLINK``, ``PKG_UNSUPPORTED_ENTRY_TYPE``, ``PKG_DB_NOT_SQLITE``,
-``PKG_REPORT_INVALID``, the name codes of :func:`~investigation.cases.layout.check_relative_path`
+``PKG_REPORT_INVALID``, ``PKG_SECRETS_FOUND``, the name codes of :func:`~investigation.cases.layout.check_relative_path`
 (``PKG_BAD_NAME``, ...), ``PKG_DUPLICATE_ENTRY``, and the limit codes
 (``PKG_ENTRY_TOO_LARGE``, ``PKG_TOO_LARGE``, ``PKG_TOO_MANY_ENTRIES``). The finished
 archive is validated with :class:`~investigation.cases.reader.PackageReader` before it
@@ -67,14 +75,15 @@ from investigation.cases.layout import (
     SOURCE_ROOT,
     SQLITE_HEADER,
     VCS_NAMES,
+    check_entry_name,
     check_no_conflicts,
-    check_relative_path,
 )
 from investigation.cases.reader import PackageReader
 from investigation.cases.zipscan import RATIO_MIN_BYTES
 from investigation.config import PackageLimits, canonical_json
 from investigation.constants import PACKAGE_FORMAT
 from investigation.errors import PackageError
+from investigation.secrets import SecretFinding, format_findings, scan_files
 
 __all__ = ["PackageInfo", "build_package", "package_bytes"]
 
@@ -97,6 +106,8 @@ class PackageInfo:
             databases and logs), i.e. the length of the manifest's ``files`` list.
         path: where the ZIP was written.
         manifest: the manifest that was packed.
+        secrets: what the secret scan found (``path:line: type``, never the secret);
+            empty unless ``allow_secrets`` was given.
     """
 
     package_id: str
@@ -104,6 +115,7 @@ class PackageInfo:
     file_count: int
     path: Path
     manifest: Mapping[str, Any]
+    secrets: tuple[SecretFinding, ...] = ()
 
 
 def build_package(
@@ -114,6 +126,7 @@ def build_package(
     logs: Path | None = None,
     *,
     limits: PackageLimits | None = None,
+    allow_secrets: bool = False,
 ) -> PackageInfo:
     """Pack a source tree, a report and optional database and logs into a case package.
 
@@ -125,6 +138,8 @@ def build_package(
         db: optional SQLite database file, packed as ``db/<stem>.sqlite``.
         logs: optional logs directory (or a single log file), packed under ``logs/``.
         limits: bounds the result must satisfy (default :class:`PackageLimits`()).
+        allow_secrets: pack files in which the secret scan found secrets (they are listed
+            in :attr:`PackageInfo.secrets`); without it such a build is refused.
 
     Returns:
         :class:`PackageInfo` of the written archive.
@@ -134,8 +149,19 @@ def build_package(
     """
     limits = limits if limits is not None else PackageLimits()
     output = Path(output)
-    files = collect_files(Path(source), Path(report), db=db, logs=logs, limits=limits,
-                          exclude=(output,))
+    plan = _plan(Path(source), Path(report), db=db, logs=logs, limits=limits,
+                 exclude=(output,))
+    files = _read_plan(plan, Path(report), db)
+    findings = scan_files({n: p for n, p in plan.items() if not n.startswith(DB_ROOT)}, files)
+    if findings and not allow_secrets:
+        raise PackageError(
+            "PKG_SECRETS_FOUND",
+            f"{len(findings)} secret(s) found in what would be packed: "
+            f"{format_findings(findings)}. Remove them (or leave the files out with "
+            ".gitignore), or pass --allow-secrets to pack them anyway (tool results "
+            "still mask them before a model sees them)",
+            findings=[str(f) for f in findings[:100]],
+        )
     data, manifest = package_bytes(files, databases=[n[len(DB_ROOT):] for n in files
                                                      if n.startswith(DB_ROOT)],
                                    has_logs=logs is not None, limits=limits)
@@ -147,6 +173,7 @@ def build_package(
         file_count=len(files),
         path=output,
         manifest=manifest,
+        secrets=tuple(findings),
     )
 
 
@@ -173,6 +200,13 @@ def collect_files(
         PackageError: see the module docstring.
     """
     limits = limits if limits is not None else PackageLimits()
+    return _read_plan(_plan(source, report, db=db, logs=logs, limits=limits, exclude=exclude),
+                      report, db)
+
+
+def _plan(source: Path, report: Path, db: Path | None, logs: Path | None,
+          limits: PackageLimits, exclude: tuple[Path, ...]) -> dict[str, Path]:
+    """Entry name -> file to read, names and limits checked (nothing read yet)."""
     skip = {_resolve(p) for p in exclude}
     if not source.is_dir():
         raise PackageError("PKG_BUILD_INPUT", f"source {source} is not a directory",
@@ -199,9 +233,13 @@ def collect_files(
             raise PackageError("PKG_BUILD_INPUT", f"logs {logs} is neither a file nor a "
                                "directory", path=str(logs))
     for name in plan:
-        check_relative_path(name)
+        check_entry_name(name, limits)
     check_no_conflicts([*plan, MANIFEST_NAME])
     _check_limits(plan, limits)
+    return plan
+
+
+def _read_plan(plan: Mapping[str, Path], report: Path, db: Path | None) -> dict[str, bytes]:
     files = {name: _read(path) for name, path in plan.items()}
     try:
         files[REPORT_NAME].decode("utf-8", "strict")
@@ -295,6 +333,7 @@ def _tree_files(root: Path, skip: set[Path]) -> list[tuple[str, Path]]:
             if any(part in VCS_NAMES for part in rel.split("/")):
                 continue
             path = real_root / rel
+            _check_parents(real_root, rel)
             if not os.path.lexists(path):
                 continue  # tracked but deleted from the work tree
             if path.is_dir() and not path.is_symlink():  # a submodule (gitlink)
@@ -368,6 +407,35 @@ def _add_file(root: Path, path: Path, rel: str, skip: set[Path], found: dict[str
             path=str(path),
         )
     found[rel] = path
+
+
+def _check_parents(root: Path, rel: str) -> None:
+    """Refuse a listed path whose parent directories are not all real directories of the
+    tree: git lists what it committed (``sub/passwd``) even after ``sub`` was replaced by
+    a link, and opening the path would follow that link (to ``/etc`` or anywhere)."""
+    parts = rel.split("/")[:-1]
+    current = root
+    for depth, part in enumerate(parts, start=1):
+        current = current / part
+        try:
+            info = current.lstat()
+        except FileNotFoundError:
+            return  # tracked but deleted from the work tree: nothing is read
+        except OSError as exc:
+            raise PackageError("PKG_BUILD_INPUT", f"cannot stat {current}: {exc.strerror}",
+                               path=str(current)) from exc
+        if stat.S_ISLNK(info.st_mode):
+            link = "/".join(parts[:depth])
+            raise PackageError(
+                "PKG_SYMLINK",
+                f"{rel!r} lies under the symbolic link {link!r}, which the package would "
+                "follow; every component of a packed path must be a directory of the tree. "
+                f"Replace {link!r} with a real directory, or remove the tracked files under "
+                "it (git rm --cached)",
+                path=rel,
+            )
+        if not stat.S_ISDIR(info.st_mode):
+            return  # a file where git expects a directory: the path does not exist
 
 
 def _link_target(root: Path, path: Path, rel: str) -> Path:

@@ -9,8 +9,11 @@ A package is a ZIP with this layout (DESIGN.md "Case packages")::
     logs/<relpath>         optional logs
 
 Entry names are POSIX paths. A name is accepted only when its raw bytes are valid UTF-8
-and it is relative, has no backslash, no NUL or control character, no empty, ``.`` or
-``..`` segment, and fits ``PackageLimits.max_name_bytes``. Two names conflict when they
+and it is relative, has no backslash, no NUL or control character, no bidirectional,
+zero-width or other invisible format character (:mod:`investigation.text_safety`), no
+empty, ``.`` or ``..`` segment, fits ``PackageLimits.max_name_bytes``, has at most
+``PackageLimits.max_path_depth`` segments and no segment over
+``PackageLimits.max_segment_bytes``. Two names conflict when they
 are equal after Unicode NFC normalisation and case folding (they would collide on a
 case-insensitive or normalising file system), or when one is a file and the other
 treats it as a directory.
@@ -21,9 +24,12 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from itertools import pairwise
 from typing import Any
 
+from investigation.config import PackageLimits
 from investigation.errors import PackageError
+from investigation.text_safety import escape_text, first_unsafe
 
 #: Name of the manifest entry.
 MANIFEST_NAME = "manifest.json"
@@ -45,7 +51,8 @@ VCS_NAMES = frozenset({".git", ".hg", ".svn", ".bzr", "_darcs", "CVS"})
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
 
-def decode_entry_name(raw: bytes, max_name_bytes: int) -> str:
+def decode_entry_name(raw: bytes, max_name_bytes: int, *, max_depth: int | None = None,
+                      max_segment_bytes: int | None = None) -> str:
     """Decode and validate one raw ZIP entry name.
 
     A trailing ``/`` (a directory entry) is allowed and kept.
@@ -53,21 +60,26 @@ def decode_entry_name(raw: bytes, max_name_bytes: int) -> str:
     Args:
         raw: the name bytes exactly as stored in the central directory.
         max_name_bytes: upper bound of ``len(raw)`` in bytes.
+        max_depth: upper bound of the name's ``/``-separated segments (None: no bound).
+        max_segment_bytes: upper bound of one segment's UTF-8 bytes (None: no bound).
 
     Returns:
         The decoded name (``str``), unchanged.
 
     Raises:
-        PackageError: ``PKG_BAD_NAME`` (too long, empty, not UTF-8, NUL/control
-            character, backslash, empty or ``.`` segment), ``PKG_ABSOLUTE_PATH``
-            (leading ``/`` or a drive letter), ``PKG_PATH_TRAVERSAL`` (a ``..`` segment).
+        PackageError: ``PKG_NAME_TOO_LONG`` (over ``max_name_bytes``, or a segment over
+            ``max_segment_bytes``), ``PKG_PATH_TOO_DEEP`` (more segments than
+            ``max_depth``), ``PKG_BAD_NAME`` (empty, not UTF-8, NUL/control, bidirectional
+            or invisible format character, backslash, empty or ``.`` segment),
+            ``PKG_ABSOLUTE_PATH`` (leading ``/`` or a drive letter),
+            ``PKG_PATH_TRAVERSAL`` (a ``..`` segment).
     """
-    shown = raw[:200].decode("utf-8", "backslashreplace")
+    shown = escape_text(raw[:200].decode("utf-8", "backslashreplace"))
     if not raw:
         raise PackageError("PKG_BAD_NAME", "a ZIP entry has an empty name; rebuild the package")
     if len(raw) > max_name_bytes:
         raise PackageError(
-            "PKG_BAD_NAME",
+            "PKG_NAME_TOO_LONG",
             f"entry name {shown!r} is {len(raw)} bytes, over the limit of {max_name_bytes}; "
             "shorten the path or raise package.max_name_bytes",
             name=shown,
@@ -78,58 +90,106 @@ def decode_entry_name(raw: bytes, max_name_bytes: int) -> str:
         raise PackageError(
             "PKG_BAD_NAME", f"entry name {shown!r} is not valid UTF-8", name=shown
         ) from exc
-    return check_relative_path(name)
+    return check_relative_path(name, max_depth=max_depth, max_segment_bytes=max_segment_bytes)
 
 
-def check_relative_path(name: str) -> str:
+def check_relative_path(name: str, *, max_depth: int | None = None,
+                        max_segment_bytes: int | None = None) -> str:
     """Validate a decoded package path (see the module docstring for the rules).
 
     Args:
         name: a POSIX path; one trailing ``/`` marks a directory.
+        max_depth: most ``/``-separated segments (``source/app/main.py`` has 3); None: no
+            bound.
+        max_segment_bytes: most UTF-8 bytes of one segment; None: no bound.
 
     Returns:
         ``name`` unchanged.
 
     Raises:
-        PackageError: ``PKG_BAD_NAME``, ``PKG_ABSOLUTE_PATH`` or ``PKG_PATH_TRAVERSAL``.
+        PackageError: ``PKG_BAD_NAME``, ``PKG_ABSOLUTE_PATH``, ``PKG_PATH_TRAVERSAL``,
+            ``PKG_PATH_TOO_DEEP`` or ``PKG_NAME_TOO_LONG``.
     """
-    shown = name[:200]
     if not name:
         raise PackageError("PKG_BAD_NAME", "an entry has an empty name; rebuild the package")
     try:
         name.encode("utf-8", "strict")
     except UnicodeEncodeError as exc:
         raise PackageError(
-            "PKG_BAD_NAME", f"path {shown!r} is not valid UTF-8; rename the file", name=shown
+            "PKG_BAD_NAME", f"path {_shown(name)!r} is not valid UTF-8; rename the file",
+            name=_shown(name),
         ) from exc
-    if any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in name):
+    unsafe = first_unsafe(name)
+    if unsafe is not None:
+        kind = "a NUL or control character" if ord(unsafe) < 0xA0 else \
+            "an invisible or bidirectional formatting character"
         raise PackageError(
             "PKG_BAD_NAME",
-            f"path {shown!r} contains a NUL or control character; rename the file",
-            name=shown,
+            f"path {_shown(name)!r} contains {kind} (U+{ord(unsafe):04X}); rename the file",
+            name=_shown(name),
         )
     if name.startswith("/") or _DRIVE.match(name):
         raise PackageError(
-            "PKG_ABSOLUTE_PATH", f"path {shown!r} is absolute; package paths are relative",
-            name=shown,
+            "PKG_ABSOLUTE_PATH",
+            f"path {_shown(name)!r} is absolute; package paths are relative", name=_shown(name),
         )
     if "\\" in name:
         raise PackageError(
             "PKG_BAD_NAME",
-            f"path {shown!r} contains a backslash; package paths use '/' only",
-            name=shown,
+            f"path {_shown(name)!r} contains a backslash; package paths use '/' only",
+            name=_shown(name),
         )
     body = name[:-1] if name.endswith("/") else name
-    for segment in body.split("/"):
-        if segment == "..":
-            raise PackageError(
-                "PKG_PATH_TRAVERSAL", f"path {shown!r} has a '..' segment", name=shown
-            )
-        if segment in ("", "."):
-            raise PackageError(
-                "PKG_BAD_NAME", f"path {shown!r} has an empty or '.' segment", name=shown
-            )
+    segments = body.split("/")
+    if max_depth is not None and len(segments) > max_depth:
+        raise PackageError(
+            "PKG_PATH_TOO_DEEP",
+            f"path {_shown(name)!r} has {len(segments)} segments, over "
+            f"package.max_path_depth={max_depth}; pack a shallower tree or raise the limit",
+            name=_shown(name),
+        )
+    if ".." in segments:
+        raise PackageError(
+            "PKG_PATH_TRAVERSAL", f"path {_shown(name)!r} has a '..' segment", name=_shown(name)
+        )
+    if "" in segments or "." in segments:
+        raise PackageError(
+            "PKG_BAD_NAME", f"path {_shown(name)!r} has an empty or '.' segment",
+            name=_shown(name),
+        )
+    # A segment of n characters has at most 4n UTF-8 bytes: encode only the long ones.
+    if max_segment_bytes is not None and 4 * max(map(len, segments)) > max_segment_bytes:
+        for segment in segments:
+            size = len(segment.encode("utf-8"))
+            if size > max_segment_bytes:
+                raise PackageError(
+                    "PKG_NAME_TOO_LONG",
+                    f"path {_shown(name)!r} has a segment of {size} bytes, over "
+                    f"package.max_segment_bytes={max_segment_bytes}; rename it or raise "
+                    "the limit",
+                    name=_shown(name),
+                )
     return name
+
+
+def _shown(name: str) -> str:
+    """The start of a refused name as an error message shows it (escaped)."""
+    return escape_text(name[:200])
+
+
+def check_entry_name(name: str, limits: PackageLimits) -> str:
+    """Validate a package entry name the builder is about to write, with the reader's
+    rules and limits (:func:`decode_entry_name` on its UTF-8 bytes).
+
+    Raises:
+        PackageError: the codes of :func:`decode_entry_name`.
+    """
+    try:
+        raw = name.encode("utf-8", "strict")
+    except UnicodeEncodeError:
+        return check_relative_path(name)  # raises PKG_BAD_NAME (not UTF-8)
+    return decode_entry_name(raw, limits.max_name_bytes, max_depth=limits.max_path_depth,
+                             max_segment_bytes=limits.max_segment_bytes)
 
 
 def name_key(name: str) -> str:
@@ -138,7 +198,7 @@ def name_key(name: str) -> str:
 
 
 def check_no_conflicts(files: list[str], directories: list[str] | None = None) -> None:
-    """Refuse colliding paths.
+    """Refuse colliding paths, in time ``O(n log n)`` and memory linear in the names' size.
 
     Args:
         files: file paths (no trailing ``/``).
@@ -147,6 +207,11 @@ def check_no_conflicts(files: list[str], directories: list[str] | None = None) -
     Raises:
         PackageError: ``PKG_DUPLICATE_ENTRY`` when two names share a :func:`name_key`, or a
             file's key equals a directory (explicit or implied parent) of another path.
+
+    How: no prefix of any name is ever built. The keys are sorted with ``/`` mapped to
+    NUL, which sorts below every character a valid name holds, so every path lying under
+    a file ``K`` sorts directly after ``K``: comparing each file with its successor finds
+    every file that another path uses as a directory.
     """
     seen: dict[str, str] = {}
     for name in files:
@@ -154,25 +219,30 @@ def check_no_conflicts(files: list[str], directories: list[str] | None = None) -
         if key in seen:
             raise PackageError(
                 "PKG_DUPLICATE_ENTRY",
-                f"entries {seen[key]!r} and {name!r} collide (equal after Unicode NFC "
-                "normalisation and case folding); rename one of them",
+                f"entries {seen[key][:200]!r} and {name[:200]!r} collide (equal after "
+                "Unicode NFC normalisation and case folding); rename one of them",
                 name=name[:200],
             )
         seen[key] = name
     dirs: dict[str, str] = {}
-    for name in list(files) + list(directories or []):
-        parts = name_key(name).split("/")
-        for depth in range(1, len(parts)):
-            dirs.setdefault("/".join(parts[:depth]), name)
     for name in directories or []:
         dirs.setdefault(name_key(name), name)
     for key, name in seen.items():
         if key in dirs:
-            raise PackageError(
-                "PKG_DUPLICATE_ENTRY",
-                f"entry {name!r} is a file but {dirs[key]!r} uses it as a directory",
-                name=name[:200],
-            )
+            raise _used_as_directory(name, dirs[key])
+    ordered = sorted([(key.replace("/", "\0"), name, True) for key, name in seen.items()]
+                     + [(key.replace("/", "\0"), name, False) for key, name in dirs.items()])
+    for (key, name, is_file), (after, other, _) in pairwise(ordered):
+        if is_file and after.startswith(key + "\0"):
+            raise _used_as_directory(name, other)
+
+
+def _used_as_directory(name: str, other: str) -> PackageError:
+    return PackageError(
+        "PKG_DUPLICATE_ENTRY",
+        f"entry {name[:200]!r} is a file but {other[:200]!r} uses it as a directory",
+        name=name[:200],
+    )
 
 
 def strict_json_loads(text: str) -> Any:

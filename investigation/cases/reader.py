@@ -15,8 +15,12 @@ Refusals raise :class:`~investigation.errors.PackageError` with one of these cod
 ``PKG_UNSUPPORTED_ZIP``       ZIP64 or multi-disk archive
 ``PKG_HIDDEN_DATA``           archive comment, or bytes that belong to no entry
 ``PKG_TOO_MANY_ENTRIES``      more entries than ``max_entries``
-``PKG_BAD_NAME``              name too long, empty, not UTF-8, NUL/control character,
+``PKG_BAD_NAME``              name empty, not UTF-8, NUL/control character, an invisible
+                              or bidirectional format character (U+202E, U+200B, ...),
                               backslash, empty or ``.`` segment
+``PKG_NAME_TOO_LONG``         name over ``max_name_bytes``, or one segment over
+                              ``max_segment_bytes``
+``PKG_PATH_TOO_DEEP``         name with more segments than ``max_path_depth``
 ``PKG_ABSOLUTE_PATH``         name starts with ``/`` or a drive letter
 ``PKG_PATH_TRAVERSAL``        name has a ``..`` segment
 ``PKG_DUPLICATE_ENTRY``       two names equal after NFC + casefold, or file/dir conflict
@@ -41,6 +45,17 @@ Refusals raise :class:`~investigation.errors.PackageError` with one of these cod
 ``PKG_DB_NOT_SQLITE``         a ``db/`` entry does not start with the SQLite header
 ``PKG_REPORT_INVALID``        the report is not UTF-8 text
 ============================  ===========================================================
+
+``investigate case build`` (:mod:`investigation.cases.builder`) also refuses with
+``PKG_BUILD_INPUT`` (a missing or unreadable input), ``PKG_SYMLINK`` (a link leaving the
+tree, to a directory, or a linked parent directory of a packed path) and
+``PKG_SECRETS_FOUND`` (the secret scan found secrets, :mod:`investigation.secrets`;
+``--allow-secrets`` packs them); ``investigate case add`` with ``PKG_UNREADABLE``.
+
+Cost: validation is linear in the archive's size (names are checked for collisions by
+one sort, never by building their prefixes), and its memory is the archive plus a small
+multiple of the names' total bytes; ``bench/package_validation.py`` measures the worst
+package the default limits allow.
 """
 
 from __future__ import annotations

@@ -238,7 +238,9 @@ def _parse_central_directory(
             raise _not_zip("a central directory record overruns the central directory")
         raw_name = data[pos + _CENTRAL.size : name_end]
         pos = name_end + elen + clen
-        name = decode_entry_name(raw_name, limits.max_name_bytes)
+        name = decode_entry_name(raw_name, limits.max_name_bytes,
+                                 max_depth=limits.max_path_depth,
+                                 max_segment_bytes=limits.max_segment_bytes)
         if elen > MAX_EXTRA_BYTES or clen:
             raise PackageError("PKG_HIDDEN_DATA",
                                f"entry {name!r} carries a {elen}-byte extra field or a "

@@ -44,6 +44,7 @@ from investigation.errors import InvestigationError
 from investigation.llm.tokens import PromptBudget, estimate_tokens
 from investigation.loop.outcome import StepKey
 from investigation.loop.prompt import build_messages
+from investigation.secrets import default_masker
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -220,7 +221,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
     else:
         allowed = ["query", "test", "finish", "reject"] if tests_available \
             else ["query", "finish", "reject"]
-    report = snapshot.report_text()
+    # Secrets in the report are masked like those in tool findings (investigation.secrets).
+    report = "\n".join(default_masker().mask_lines(snapshot.report_text().split("\n"))[0])
     report_bytes = report.encode("utf-8")
     limit = config.limits.max_report_bytes
     truncated = len(report_bytes) > limit

@@ -11,6 +11,11 @@ finished stage has its marker and is never counted again. When ``unfinished`` ex
 configured limit the case becomes ``BLOCKED`` with ``STAGE_POISONED``; ``investigate
 resume`` (``investigation.operations.resume``) resets the counts.
 
+A worker time limit that stops a stage is not a crash: the runtime reports it once
+(:func:`delivery_returned`, so it never counts towards ``STAGE_POISONED``), and a stage
+that cannot be recorded as a failed query result parks the case ``BLOCKED`` with
+``STAGE_TIME_LIMIT`` (:func:`block_for_time_limit`).
+
 This module knows nothing of Celery: the runtime calls :func:`record_delivery` before a
 stage and :func:`delivery_returned` after one that ended without its marker.
 """
@@ -21,7 +26,13 @@ from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from investigation.constants import BLOCK_STAGE_POISONED, BLOCKED, CASE_BLOCKED, CASE_INVESTIGATING
+from investigation.constants import (
+    BLOCK_STAGE_POISONED,
+    BLOCK_STAGE_TIME_LIMIT,
+    BLOCKED,
+    CASE_BLOCKED,
+    CASE_INVESTIGATING,
+)
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.store.engine import Store, is_unique_violation
 from investigation.store.models import CaseRecord, StageDelivery, StageRun, utcnow
@@ -122,3 +133,32 @@ def poisoned_stage(s: Session, case_id: str) -> StageDelivery | None:
     return s.exec(select(StageDelivery).where(StageDelivery.case_id == case_id)
                   .order_by(col(StageDelivery.unfinished).desc(),
                             col(StageDelivery.step_seq).desc())).first()
+
+
+def block_for_time_limit(store: Store, key: StepKey, stage: str) -> Outcome | None:
+    """Park the case ``BLOCKED`` / ``STAGE_TIME_LIMIT``: a worker time limit stopped
+    ``stage`` of step ``key`` and running it again would hit the same limit.
+
+    Returns:
+        The ``BLOCKED`` outcome (``details``: ``stage``), or ``None`` when the step is no
+        longer the case's next one or the case is not investigating (nothing changed).
+    """
+    with store.session() as s:
+        case = Store.lock_case(s, key.case_id)
+        if (case.state != CASE_INVESTIGATING or case.current_revision != key.revision
+                or case.head_seq != key.step_seq - 1):
+            return None
+        case.state, case.blocked_reason = CASE_BLOCKED, BLOCK_STAGE_TIME_LIMIT
+        case.last_outcome, case.last_reason = BLOCKED, BLOCK_STAGE_TIME_LIMIT
+        case.retry_not_before = None
+        case.updated_at = utcnow()
+        s.add(case)
+    return Outcome(BLOCKED, key.case_id, key.step_seq, BLOCK_STAGE_TIME_LIMIT,
+                   details={"stage": stage})
+
+
+def last_delivered(s: Session, case_id: str) -> StageDelivery | None:
+    """The stage counter of the case's most recent delivery (for status)."""
+    return s.exec(select(StageDelivery).where(StageDelivery.case_id == case_id)
+                  .order_by(col(StageDelivery.last_delivered_at).desc(),
+                            col(StageDelivery.id).desc())).first()

@@ -661,6 +661,36 @@ class Stages:
                                   {"action": "query", "result_path": path,
                                    "result_sha256": digest})
 
+    def record_tool_stopped(self, key: StepKey, code: str, message: str) -> bool | None:
+        """Record the step's query as a failed result (``code``, ``message``) after the
+        runtime stopped ``execute_tool`` (a worker time limit): the step then goes on like
+        after any tool failure, instead of running the same query into the same limit.
+
+        Returns:
+            True when this call recorded ``execute_tool``; None when it was recorded
+            before (its stage finished, or another runner recorded it); False when the
+            step's action is not a query (the caller parks the case instead).
+
+        Raises:
+            StaleStateError: the step is no longer the case's next one.
+        """
+        with self.store.session() as s:
+            try:
+                self._fence(s, key, "execute_tool")
+            except _AlreadyRecorded:
+                return None
+            if self._output(s, key, "settle_reserve").get("skipped"):
+                return False
+            nxt = self._output(s, key, "validate")["decision"]["reply"]["next"]
+            if nxt["action"] != "query":
+                return False
+            path = ARTIFACT_RAW_RESULT.format(seq=key.step_seq)
+            digest = Store.put_artifact(s, key.case_id, path,
+                                        _failed_result(nxt, code, message))
+            self._complete(s, key, "execute_tool", {"action": "query", "result_path": path,
+                                                    "result_sha256": digest})
+        return True
+
     # -- 7. record_evidence --------------------------------------------------------------
 
     def _record_evidence(self, key: StepKey) -> StageResult:

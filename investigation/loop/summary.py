@@ -31,6 +31,7 @@ from investigation.store.models import (
     RevisionRecord,
     StageRun,
 )
+from investigation.text_safety import escape_text
 
 #: Findings quoted per evidence record.
 MAX_QUOTED_ITEMS = 12
@@ -39,7 +40,10 @@ MAX_QUOTE_CHARS = 300
 
 def code_span(text: str) -> str:
     """A Markdown code span that shows ``text`` exactly (CommonMark): the fence is one
-    backtick longer than the longest run inside, padded when the text touches a backtick."""
+    backtick longer than the longest run inside, padded when the text touches a backtick.
+    Control, bidirectional and zero-width characters are shown as visible escapes
+    (:func:`investigation.text_safety.escape_text`)."""
+    text = escape_text(text)
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * (longest + 1)
     if longest or (text.startswith(" ") and text.endswith(" ") and text.strip()):
@@ -52,9 +56,11 @@ def plain(text: str | None) -> str:
 
     Whitespace runs (line breaks included) collapse to one space, so the text can never
     start a line of its own (no heading, list, quote or fence); ``<``/``>`` become
-    entities (no HTML) and ``[``, ``]``, ``|`` are escaped (no links, no table cells).
+    entities (no HTML) and ``[``, ``]``, ``|`` are escaped (no links, no table cells);
+    control, bidirectional and zero-width characters become visible escapes first
+    (:func:`investigation.text_safety.escape_text`).
     """
-    flat = " ".join((text or "").split())
+    flat = escape_text(" ".join((text or "").split()))
     flat = flat.replace("\\", "\\\\").replace("<", "&lt;").replace(">", "&gt;")
     for ch in "[]|":
         flat = flat.replace(ch, "\\" + ch)

@@ -8,7 +8,9 @@ inside the process. :func:`run_isolated` therefore runs it in a forked child:
 * the child inherits the opened database copy (copy-on-write) and runs ``fn``;
 * ``RLIMIT_CPU`` and an address-space budget (``RLIMIT_AS``, the child's current size plus
   ``memory_bytes``) bound it; the parent kills it at ``timeout_s`` of wall time;
-* the result comes back pickled through a pipe; a :class:`ToolError` keeps its code.
+* the result comes back pickled through a pipe; a :class:`ToolError` keeps its code;
+* the child dies with its parent (Linux ``PR_SET_PDEATHSIG``), and a caller stopped from
+  outside (a worker's soft time limit) kills it before returning.
 
 The caller holds the database's own lock across the fork. A lock another thread held at
 the fork (SQLite's global allocator mutex, for one) stays locked in the child forever, so
@@ -22,6 +24,7 @@ The child runs only SQLite, pickling and ``os._exit``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import pickle
@@ -46,6 +49,8 @@ HANDSHAKE_S = 0.5
 #: worker child, the CLI) have none, so there the first child is always ready.
 FORK_TRIES = 10
 _READY = b"R"
+#: ``prctl`` option that sends the child a signal when its parent dies (Linux).
+_PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +70,22 @@ def _vm_size_bytes() -> int | None:
     return None
 
 
-def _child(fn: Callable[[], Any], probe: Callable[[], Any] | None, write_fd: int,
-           timeout_s: float, memory_bytes: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this child when its parent dies (a worker process killed
+    at its hard time limit must not leave a query running); elsewhere nothing."""
     try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _child(fn: Callable[[], Any], probe: Callable[[], Any] | None, write_fd: int,
+           timeout_s: float, memory_bytes: int, parent: int) -> None:
+    try:
+        _die_with_parent(parent)
         try:
             if probe is not None:
                 probe()
@@ -127,12 +145,13 @@ def run_isolated(fn: Callable[[], T], *, timeout_s: float, memory_bytes: int,
 def _run_once(fn: Callable[[], T], probe: Callable[[], Any] | None, timeout_s: float,
               memory_bytes: int, what: str) -> T:
     read_fd, write_fd = os.pipe()
+    parent = os.getpid()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process
         pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         os.close(read_fd)
-        _child(fn, probe, write_fd, timeout_s, memory_bytes)
+        _child(fn, probe, write_fd, timeout_s, memory_bytes, parent)
     os.close(write_fd)
     chunks: list[bytes] = []
     size = 0
@@ -161,6 +180,12 @@ def _run_once(fn: Callable[[], T], probe: Callable[[], Any] | None, timeout_s: f
                 os.kill(pid, signal.SIGKILL)
                 raise ToolError("TOOL_RESOURCE_LIMIT", f"{what} produced too large a result")
             chunks.append(chunk)
+    except BaseException:
+        # Stopped from outside (a worker's soft time limit, an interrupt) or a refusal: the
+        # child must not outlive this call.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        raise
     finally:
         os.close(read_fd)
         status = 0

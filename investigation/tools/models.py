@@ -30,9 +30,12 @@ BINARY_SKIPPED = "BINARY_SKIPPED"
 """At least one file was skipped because it holds a NUL byte or is not valid UTF-8."""
 RANGE_CLIPPED = "RANGE_CLIPPED"
 """A ``source.read`` range was clipped to ``max_read_lines`` or to the end of the file."""
+SECRET_MASKED = "SECRET_MASKED"
+"""At least one secret in the findings was replaced by ``[secret masked: <type>]``
+(:mod:`investigation.secrets`); ``stats["secrets_masked"]`` counts them."""
 
 WARNINGS = (EMPTY_RESULT, TRUNCATED, PARTIAL, TEXTUAL_SCOPE, LINE_CUT, BINARY_SKIPPED,
-            RANGE_CLIPPED)
+            RANGE_CLIPPED, SECRET_MASKED)
 
 #: A ``db.query`` parameter: a 64-bit integer (SQLite's range), a finite float, text or null.
 def _sqlite_scalar(value: Any) -> Any:

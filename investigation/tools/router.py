@@ -36,6 +36,7 @@ from investigation.cases.snapshot import Snapshot
 from investigation.config import ToolLimits, canonical_json
 from investigation.constants import OPERATIONS
 from investigation.errors import ToolError
+from investigation.secrets import default_masker, mask_marker, private_key_lines
 from investigation.tools import text as tx
 from investigation.tools.models import (
     ARGUMENT_MODELS,
@@ -44,6 +45,7 @@ from investigation.tools.models import (
     LINE_CUT,
     PARTIAL,
     RANGE_CLIPPED,
+    SECRET_MASKED,
     TEXTUAL_SCOPE,
     TRUNCATED,
     DbQueryArgs,
@@ -225,6 +227,8 @@ class ToolRouter:
         """
         args = self.validate(operation, arguments)
         items, codes, stats = self._handlers[operation](args)
+        if stats.get("secrets_masked"):
+            codes.add(SECRET_MASKED)
         items, over = self._bound_output(items)
         if over:
             codes.add(TRUNCATED)
@@ -341,20 +345,36 @@ class ToolRouter:
                                    memory_bytes=self._limits.sql_memory_bytes,
                                    isolate=self._limits.isolate_sql)
         base = f"{db}:{table}"
-        items: list[dict[str, Any]] = [
-            {"key": f"{base}.{_text(name)}", "column": _text(name), "type": _text(ctype),
-             "notnull": bool(notnull), "default": render_value(default), "pk": pk}
-            for _cid, name, ctype, notnull, default, pk in info["columns"]
-        ]
-        items.append({"key": f"{base}#ddl", "ddl": _text(info["ddl"])})
+        masked = [0]
+
+        def ddl_text(value: Any) -> Any:
+            shown = _text(value)
+            if isinstance(shown, str):
+                shown, n = default_masker().mask(shown)
+                masked[0] += n
+            return shown
+
+        items: list[dict[str, Any]] = []
+        for _cid, name, ctype, notnull, default, pk in info["columns"]:
+            shown_default = render_value(default)
+            if isinstance(shown_default, str):
+                shown_default, n = default_masker().mask(shown_default)
+                masked[0] += n
+            items.append({"key": f"{base}.{_text(name)}", "column": _text(name),
+                          "type": _text(ctype), "notnull": bool(notnull),
+                          "default": shown_default, "pk": pk})
+        items.append({"key": f"{base}#ddl", "ddl": ddl_text(info["ddl"])})
         for name, unique, origin, columns, ddl in info["indexes"]:
             items.append({"key": f"{base}#index:{_text(name)}", "index": _text(name),
                           "unique": unique, "origin": origin,
-                          "columns": [_text(c) for c in columns], "ddl": _text(ddl)})
+                          "columns": [_text(c) for c in columns], "ddl": ddl_text(ddl)})
         for name, ddl in info["triggers"]:
             items.append({"key": f"{base}#trigger:{_text(name)}", "trigger": _text(name),
-                          "ddl": _text(ddl)})
-        return items, set(), {"database": db, "table": table, "type": kind}
+                          "ddl": ddl_text(ddl)})
+        stats: dict[str, Any] = {"database": db, "table": table, "type": kind}
+        if masked[0]:
+            stats["secrets_masked"] = masked[0]
+        return items, set(), stats
 
     def _db_query(self, args: DbQueryArgs) -> _Outcome:
         db = self._first_db()
@@ -366,8 +386,14 @@ class ToolRouter:
         codes: set[str] = set()
         items = []
         seen: dict[str, int] = {}
+        masked = 0
         for row in rows:
             full = [render_value(v) for v in row]
+            for index, (column, value) in enumerate(zip(columns, full, strict=True)):
+                if isinstance(value, str):
+                    full[index], n = default_masker().mask_value(column, value)
+                    masked += n
+            # The key is computed from what is shown: nothing derived from a secret.
             digest = hashlib.sha256(canonical_json(full)).hexdigest()[:16]
             seen[digest] = seen.get(digest, 0) + 1
             key = f"row:{digest}" if seen[digest] == 1 else f"row:{digest}:{seen[digest]}"
@@ -381,7 +407,10 @@ class ToolRouter:
             codes.add(TRUNCATED)
         if deadline_hit:
             codes.add(PARTIAL)
-        return items, codes, {"database": db.name, "columns": columns, "rows": len(rows)}
+        stats: dict[str, Any] = {"database": db.name, "columns": columns, "rows": len(rows)}
+        if masked:
+            stats["secrets_masked"] = masked
+        return items, codes, stats
 
     def _cut_value(self, value: Any) -> tuple[Any, bool]:
         limit = self._limits.max_line_bytes
@@ -407,6 +436,8 @@ class ToolRouter:
             return [], {BINARY_SKIPPED}, {"total_lines": None, "start_line": None,
                                           "end_line": None}
         lines = tx.split_lines(text)
+        pem = private_key_lines(lines) if "PRIVATE KEY" in text else set()
+        masked = 0
         codes: set[str] = set()
         end = args.end_line
         if end - args.start_line + 1 > self._limits.max_read_lines:
@@ -417,15 +448,20 @@ class ToolRouter:
             codes.add(RANGE_CLIPPED)
         items = []
         for number in range(args.start_line, end + 1):
-            quoted, was_cut = tx.cut_text(lines[number - 1], self._limits.max_line_bytes)
+            shown, n = _masked_line(lines[number - 1], number - 1 in pem)
+            masked += n
+            quoted, was_cut = tx.cut_text(shown, self._limits.max_line_bytes)
             if was_cut:
                 codes.add(LINE_CUT)
             items.append({"key": f"{args.path}:{number}", "path": args.path, "line": number,
                           "text": quoted})
-        shown = end >= args.start_line
-        return items, codes, {"total_lines": len(lines),
-                              "start_line": args.start_line if shown else None,
-                              "end_line": end if shown else None}
+        shown_range = end >= args.start_line
+        stats: dict[str, Any] = {"total_lines": len(lines),
+                                 "start_line": args.start_line if shown_range else None,
+                                 "end_line": end if shown_range else None}
+        if masked:
+            stats["secrets_masked"] = masked
+        return items, codes, stats
 
     def _source_search(self, args: SourceSearchArgs) -> _Outcome:
         paths = self._snapshot.source_paths()
@@ -473,6 +509,7 @@ class ToolRouter:
         codes: set[str] = set()
         skipped: list[str] = []
         scanned = 0
+        masked = 0
         stop = False
         for path in paths:
             if time.monotonic() >= deadline:
@@ -483,7 +520,9 @@ class ToolRouter:
                 skipped.append(path)
                 continue
             scanned += 1
-            for number, line in enumerate(tx.split_lines(text), start=1):
+            lines = tx.split_lines(text)
+            pem = private_key_lines(lines) if "PRIVATE KEY" in text else set()
+            for number, line in enumerate(lines, start=1):
                 if number % _DEADLINE_EVERY_LINES == 0 and time.monotonic() >= deadline:
                     codes.add(PARTIAL)
                     stop = True
@@ -491,7 +530,14 @@ class ToolRouter:
                 hits = matcher(line)
                 if not hits:
                     continue
-                quoted, was_cut = tx.cut_text(line, max_line)
+                shown, n = _masked_line(line, number - 1 in pem)
+                if n:
+                    # Matched on what is shown only: a pattern that needs the secret's own
+                    # characters finds nothing, so a search cannot guess a secret.
+                    hits = matcher(shown)
+                    if not hits:
+                        continue
+                quoted, was_cut = tx.cut_text(shown, max_line)
                 for column in hits:
                     if len(items) >= cap:
                         codes.add(TRUNCATED)
@@ -499,6 +545,8 @@ class ToolRouter:
                         break
                     if was_cut:
                         codes.add(LINE_CUT)
+                    masked += n
+                    n = 0
                     if column is None:
                         items.append({"key": f"{path}:{number}", "path": path, "line": number,
                                       "text": quoted})
@@ -511,8 +559,11 @@ class ToolRouter:
                 break
         if skipped:
             codes.add(BINARY_SKIPPED)
-        stats = {"files_total": len(paths), "files_scanned": scanned,
-                 "files_skipped": len(skipped), "skipped_paths": skipped[:_MAX_SKIPPED_LISTED]}
+        stats: dict[str, Any] = {"files_total": len(paths), "files_scanned": scanned,
+                                 "files_skipped": len(skipped),
+                                 "skipped_paths": skipped[:_MAX_SKIPPED_LISTED]}
+        if masked:
+            stats["secrets_masked"] = masked
         return items, codes, stats
 
     def _bound_output(self, items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
@@ -524,6 +575,14 @@ class ToolRouter:
             if used > budget:
                 return items[:index], True
         return items, False
+
+
+def _masked_line(line: str, in_private_key: bool) -> tuple[str, int]:
+    """A line as the findings show it: secrets masked (a line of a PEM private key block
+    whole); returns ``(text, secrets masked)``."""
+    if in_private_key:
+        return mask_marker("Private Key"), 1
+    return default_masker().mask(line)
 
 
 def _line_matcher(args: SourceSearchArgs | LogsSearchArgs) -> Callable[[str], list[int | None]]:

@@ -94,13 +94,30 @@ ALLOWED_FUNCTIONS = frozenset({
 
 _ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ,
                               sqlite3.SQLITE_RECURSIVE})
-_ACTION_NAMES = {
-    getattr(sqlite3, name): name
-    for name in dir(sqlite3)
-    if name.startswith("SQLITE_") and name.isupper() and not name.startswith("SQLITE_LIMIT")
-    and name not in {"SQLITE_OK", "SQLITE_DENY", "SQLITE_IGNORE"}
-    and isinstance(getattr(sqlite3, name), int)
-}
+#: SQLite's authorizer action codes ("Authorizer Action Codes"), by name. Their numbers
+#: overlap the result codes (18 is both SQLITE_INSERT and SQLITE_TOOBIG), so the names are
+#: listed, never collected from every ``SQLITE_*`` integer of the module.
+AUTHORIZER_ACTIONS = (
+    "SQLITE_CREATE_INDEX", "SQLITE_CREATE_TABLE", "SQLITE_CREATE_TEMP_INDEX",
+    "SQLITE_CREATE_TEMP_TABLE", "SQLITE_CREATE_TEMP_TRIGGER", "SQLITE_CREATE_TEMP_VIEW",
+    "SQLITE_CREATE_TRIGGER", "SQLITE_CREATE_VIEW", "SQLITE_DELETE", "SQLITE_DROP_INDEX",
+    "SQLITE_DROP_TABLE", "SQLITE_DROP_TEMP_INDEX", "SQLITE_DROP_TEMP_TABLE",
+    "SQLITE_DROP_TEMP_TRIGGER", "SQLITE_DROP_TEMP_VIEW", "SQLITE_DROP_TRIGGER",
+    "SQLITE_DROP_VIEW", "SQLITE_INSERT", "SQLITE_PRAGMA", "SQLITE_READ", "SQLITE_SELECT",
+    "SQLITE_TRANSACTION", "SQLITE_UPDATE", "SQLITE_ATTACH", "SQLITE_DETACH",
+    "SQLITE_ALTER_TABLE", "SQLITE_REINDEX", "SQLITE_ANALYZE", "SQLITE_CREATE_VTABLE",
+    "SQLITE_DROP_VTABLE", "SQLITE_FUNCTION", "SQLITE_SAVEPOINT", "SQLITE_RECURSIVE",
+)
+_ACTION_NAMES = {getattr(sqlite3, name): name for name in AUTHORIZER_ACTIONS}
+assert len(_ACTION_NAMES) == len(AUTHORIZER_ACTIONS), "authorizer action codes collide"
+
+
+def action_name(action: int) -> str:
+    """The name of an authorizer action code (``SQLITE_INSERT`` for 18), as the refusal
+    text shows it; an unknown code as ``"action <n>"``."""
+    return _ACTION_NAMES.get(action, f"action {action}")
+
+
 _NONDETERMINISTIC_ARGS = frozenset({"now", "localtime", "utc"})
 _PROGRESS_OPS = 1_000
 #: VDBE opcodes that write the database or change the schema: the ones that clear
@@ -257,7 +274,7 @@ class ReadOnlyDatabase:
             return sqlite3.SQLITE_OK
         if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in ALLOWED_FUNCTIONS:
             return sqlite3.SQLITE_OK
-        what = _ACTION_NAMES.get(action, str(action))
+        what = action_name(action)
         target = arg2 if action == sqlite3.SQLITE_FUNCTION else arg1
         self._denials.append(f"{what}({target})" if target else what)
         return sqlite3.SQLITE_DENY

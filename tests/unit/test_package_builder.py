@@ -200,3 +200,79 @@ def test_highly_compressible_file_is_stored(inputs: dict[str, Path], tmp_path: P
         assert archive.getinfo("source/zeros.bin").compress_type == zipfile.ZIP_STORED
         assert archive.getinfo("source/app/main.py").compress_type == zipfile.ZIP_DEFLATED
     assert PackageReader().read(data).read_source("zeros.bin") == bytes(1 << 20)
+
+
+def _git_commit_all(source: Path, tmp_path: Path) -> list[str]:
+    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tmp_path)}
+    git = ["git", "-C", str(source), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True, env=env)
+    subprocess.run([*git, "add", "-A"], check=True, env=env)
+    subprocess.run([*git, "commit", "-q", "-m", "init"], check=True, env=env)
+    return git
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+@pytest.mark.parametrize("inside", [False, True])
+def test_git_mode_refuses_a_linked_parent_directory(inputs: dict[str, Path], tmp_path: Path,
+                                                    inside: bool) -> None:
+    """Issue 10.1: ``sub/passwd`` is committed, then ``sub`` becomes a link (to a directory
+    outside the tree, or inside it) and is ignored: ``git ls-files --cached`` still lists
+    ``sub/passwd``, and every component of the path must stay inside the tree."""
+    source = inputs["source"]
+    outside = _tree(tmp_path / "etc", {"passwd": b"root:x:0:0:root:/root:/bin/bash\n"})
+    _tree(source, {"sub/passwd": b"committed\n"})
+    _git_commit_all(source, tmp_path)
+    shutil.rmtree(source / "sub")
+    (source / "sub").symlink_to(source / "app" if inside else outside,
+                                target_is_directory=True)
+    if inside:
+        (source / "app" / "passwd").write_bytes(b"inside\n")
+    (source / ".gitignore").write_text("/sub\n")
+    with pytest.raises(PackageError) as err:
+        build_package(source, inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_SYMLINK"
+    assert "'sub'" in err.value.message and "sub/passwd" in err.value.message
+    assert not (tmp_path / "p.zip").exists()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_git_mode_refuses_a_linked_parent_of_a_linked_file(inputs: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    """A file link whose own parent is a link: its target would resolve through it."""
+    source = inputs["source"]
+    outside = _tree(tmp_path / "etc", {"passwd": b"root\n", "alias": b"x"})
+    _tree(source, {"sub/alias": b"committed\n"})
+    _git_commit_all(source, tmp_path)
+    shutil.rmtree(source / "sub")
+    (source / "sub").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(PackageError) as err:
+        build_package(source, inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_SYMLINK"
+
+
+def test_directory_mode_refuses_a_linked_directory_outside(inputs: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    outside = _tree(tmp_path / "etc", {"passwd": b"root\n"})
+    (inputs["source"] / "sub").symlink_to(outside, target_is_directory=True)
+    (inputs["logs"] / "more").symlink_to(outside, target_is_directory=True)
+    for logs in (None, inputs["logs"]):
+        source = inputs["source"] if logs is None else tmp_path / "clean"
+        source.mkdir(exist_ok=True)
+        with pytest.raises(PackageError) as err:
+            build_package(source, inputs["report"], tmp_path / "p.zip", logs=logs)
+        assert err.value.code == "PKG_SYMLINK"
+    assert not (tmp_path / "p.zip").exists()
+
+
+def test_builder_applies_the_name_limits(inputs: dict[str, Path], tmp_path: Path) -> None:
+    deep = "/".join(["d"] * 70) + "/f.py"
+    _tree(inputs["source"], {deep: b"x"})
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_PATH_TOO_DEEP"
+    shutil.rmtree(inputs["source"] / "d")
+    _tree(inputs["source"], {"evil\u202etxt.py": b"x"})
+    with pytest.raises(PackageError) as err:
+        build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
+    assert err.value.code == "PKG_BAD_NAME" and "\u202e" not in err.value.message
+    assert not (tmp_path / "p.zip").exists()

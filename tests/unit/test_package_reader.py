@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from investigation.cases.builder import build_package, package_bytes
 from investigation.cases.reader import PackageReader, PackageSnapshot
@@ -191,10 +193,103 @@ def test_reader_is_thread_safe() -> None:
     (b"source/x\x00.py", "PKG_BAD_NAME"),
     (b"source/x\n.py", "PKG_BAD_NAME"),
     (b"source/\xff.py", "PKG_BAD_NAME"),
-    (b"source/" + b"a" * 2000, "PKG_BAD_NAME"),
+    (b"source/" + b"a" * 2000, "PKG_NAME_TOO_LONG"),
+    (b"source/" + b"a" * 256 + b"/x.py", "PKG_NAME_TOO_LONG"),
+    (b"source/" + "\u00e9".encode() * 128 + b".py", "PKG_NAME_TOO_LONG"),
+    (b"source/" + b"a/" * 63 + b"x.py", "PKG_PATH_TOO_DEEP"),
+    (b"source/x\x1b[2J.py", "PKG_BAD_NAME"),
+    (b"source/x\xc2\x9b.py", "PKG_BAD_NAME"),
+    ("source/evil\u202etxt.exe".encode(), "PKG_BAD_NAME"),
+    ("source/a\u200bb.py".encode(), "PKG_BAD_NAME"),
+    ("source/a\u2066b.py".encode(), "PKG_BAD_NAME"),
+    ("source/\U000e0041.py".encode(), "PKG_BAD_NAME"),
+    ("source/\ufeffa.py".encode(), "PKG_BAD_NAME"),
 ])
 def test_hostile_names(name: bytes, code: str) -> None:
     assert code_of(package(extra=[Entry(name, b"x")])) == code
+
+
+def test_name_limits_are_configurable() -> None:
+    deep = b"source/" + b"a/" * 62 + b"x.py"  # 64 segments: the default limit
+    PackageReader().validate(package(extra=[Entry(deep, b"x")]))
+    limits = PackageLimits(max_path_depth=10, max_segment_bytes=13)  # manifest.json
+    for name, code in [(b"source/" + b"a/" * 9 + b"x", "PKG_PATH_TOO_DEEP"),
+                       (b"source/" + b"a" * 14, "PKG_NAME_TOO_LONG")]:
+        with pytest.raises(PackageError) as err:
+            PackageReader(limits).validate(package(extra=[Entry(name, b"x")]))
+        assert err.value.code == code
+        assert "package.max_" in err.value.message
+
+
+def test_a_refused_name_is_shown_escaped() -> None:
+    """The error message (printed to the operator's terminal) never carries the name's
+    control or bidirectional characters themselves."""
+    with pytest.raises(PackageError) as err:
+        PackageReader().validate(package(extra=[Entry("source/\x1b]0;pwned\x07\u202e.py"
+                                                      .encode(), b"x")]))
+    assert err.value.code == "PKG_BAD_NAME"
+    assert "\x1b" not in err.value.message and "\u202e" not in err.value.message
+    assert "\\x1b]0;pwned" in err.value.message and "U+001B" in err.value.message
+
+
+def _prefix_conflicts(files: list[str], directories: list[str]) -> bool:
+    """The former quadratic rule, kept as the test oracle: every prefix of every name."""
+    from investigation.cases.layout import name_key
+
+    keys = [name_key(f) for f in files]
+    if len(set(keys)) != len(keys):
+        return True
+    dirs = {name_key(d) for d in directories}
+    for name in files + directories:
+        parts = name_key(name).split("/")
+        dirs.update("/".join(parts[:depth]) for depth in range(1, len(parts)))
+    return any(k in dirs for k in keys)
+
+
+_SEGMENT = st.sampled_from(["a", "A", "b", "a-b", "a.b", "a b", "\u00e9", "e\u0301", "\u00c9",
+                            "a!", "a0"])
+_PATH = st.lists(_SEGMENT, min_size=1, max_size=4).map("/".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(files=st.lists(_PATH, max_size=8), directories=st.lists(_PATH, max_size=3))
+def test_conflict_check_agrees_with_every_prefix(files: list[str],
+                                                 directories: list[str]) -> None:
+    from investigation.cases.layout import check_no_conflicts
+
+    try:
+        check_no_conflicts(files, directories)
+        refused = False
+    except PackageError as exc:
+        assert exc.code == "PKG_DUPLICATE_ENTRY"
+        refused = True
+    assert refused == _prefix_conflicts(files, directories)
+
+
+def _deep_package(count: int, name_bytes: int) -> bytes:
+    files = {"report.md": b"r\n"}
+    for i in range(count):
+        head = f"source/{i}/"
+        files[head + "a/" * ((name_bytes - len(head) - 1) // 2) + "f"] = b""
+    return package_bytes(files, [], False)[0]
+
+
+def test_validation_memory_is_linear_in_the_names() -> None:
+    """Issue 10.2: 19,990 entries named ``source/<i>/a/a/.../f`` (1,000 bytes each) took
+    6.3 GB to validate, because every prefix of every name was kept. With the depth limit
+    raised out of the way, 300 such names must validate within a small multiple of the
+    archive's own size (the quadratic rule needed about 100 MB here)."""
+    import tracemalloc
+
+    data = _deep_package(300, 1000)
+    reader = PackageReader(PackageLimits(max_path_depth=1000), entry_cache_bytes=0)
+    tracemalloc.start()
+    try:
+        reader.validate(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 * len(data), (peak, len(data))
 
 
 def test_symlink_entry() -> None:

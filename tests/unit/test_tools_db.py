@@ -345,3 +345,57 @@ def test_db_query_accepts_reads(sql: str) -> None:
     result = make_router().execute("db.query", {"sql": sql})
     assert result.items
     assert "EMPTY_RESULT" not in result.warnings
+
+
+#: Every authorizer action code of Python's sqlite3 module (SQLite's "Authorizer Action
+#: Codes"), by name. The result codes (SQLITE_TOOBIG, SQLITE_INTERRUPT, ...) share their
+#: numbers and must never name a denied action.
+AUTHORIZER_ACTION_NAMES = (
+    "SQLITE_CREATE_INDEX", "SQLITE_CREATE_TABLE", "SQLITE_CREATE_TEMP_INDEX",
+    "SQLITE_CREATE_TEMP_TABLE", "SQLITE_CREATE_TEMP_TRIGGER", "SQLITE_CREATE_TEMP_VIEW",
+    "SQLITE_CREATE_TRIGGER", "SQLITE_CREATE_VIEW", "SQLITE_DELETE", "SQLITE_DROP_INDEX",
+    "SQLITE_DROP_TABLE", "SQLITE_DROP_TEMP_INDEX", "SQLITE_DROP_TEMP_TABLE",
+    "SQLITE_DROP_TEMP_TRIGGER", "SQLITE_DROP_TEMP_VIEW", "SQLITE_DROP_TRIGGER",
+    "SQLITE_DROP_VIEW", "SQLITE_INSERT", "SQLITE_PRAGMA", "SQLITE_READ", "SQLITE_SELECT",
+    "SQLITE_TRANSACTION", "SQLITE_UPDATE", "SQLITE_ATTACH", "SQLITE_DETACH",
+    "SQLITE_ALTER_TABLE", "SQLITE_REINDEX", "SQLITE_ANALYZE", "SQLITE_CREATE_VTABLE",
+    "SQLITE_DROP_VTABLE", "SQLITE_FUNCTION", "SQLITE_SAVEPOINT", "SQLITE_RECURSIVE",
+)
+
+
+@pytest.mark.parametrize("name", AUTHORIZER_ACTION_NAMES)
+def test_every_authorizer_action_code_has_its_own_name(name: str) -> None:
+    from investigation.tools.sqlite import action_name
+
+    assert action_name(getattr(sqlite3, name)) == name
+    assert action_name(9999) == "action 9999"
+
+
+@pytest.mark.parametrize(("sql", "denied"), [
+    ("INSERT INTO users (name) VALUES ('eve')", "SQLITE_INSERT(users)"),
+    ("DELETE FROM users", "SQLITE_DELETE(users)"),
+    ("UPDATE users SET name = 'eve'", "SQLITE_UPDATE(users)"),
+    ("ATTACH DATABASE ':memory:' AS x", "SQLITE_ATTACH(:memory:)"),
+    ("DETACH DATABASE main", "SQLITE_DETACH(main)"),
+    ("PRAGMA table_info(users)", "SQLITE_PRAGMA(table_info)"),
+    ("BEGIN", "SQLITE_TRANSACTION(BEGIN)"),
+    ("SAVEPOINT s", "SQLITE_SAVEPOINT(BEGIN)"),
+    ("ANALYZE", "SQLITE_ANALYZE(users), SQLITE_INSERT(sqlite_master)"),
+    ("REINDEX", "SQLITE_REINDEX(sqlite_autoindex_users_1), SQLITE_REINDEX(users_name)"),
+    ("ALTER TABLE users ADD COLUMN x", "SQLITE_ALTER_TABLE(main)"),
+    ("CREATE TABLE t (x)", "SQLITE_INSERT(sqlite_master)"),
+    ("CREATE TEMP TRIGGER t3 AFTER DELETE ON users BEGIN SELECT 1; END",
+     "SQLITE_CREATE_TEMP_TRIGGER(t3)"),
+    ("CREATE TRIGGER t2 AFTER DELETE ON users BEGIN SELECT 1; END",
+     "SQLITE_CREATE_TRIGGER(t2)"),
+    ("DROP TABLE users", "SQLITE_DELETE(sqlite_master)"),
+    ("DROP TRIGGER users_ai", "SQLITE_DROP_TRIGGER(users_ai)"),
+    ("SELECT random()", "SQLITE_FUNCTION(random)"),
+])
+def test_refusal_names_the_denied_action_exactly(sql: str, denied: str) -> None:
+    """The refusal text reaches the model as ``last_rejection``: it names SQLite's
+    authorizer action, never a result code that shares its number."""
+    error = refusal(make_router(), "db.query", {"sql": sql})
+    assert error.code == "TOOL_SQL_NOT_READ_ONLY"
+    assert error.message == ("not a read-only query (allowed: one SELECT using pure builtin "
+                             f"functions); denied: {denied}")

@@ -149,7 +149,8 @@ def test_result_is_frozen_and_canonical() -> None:
 def test_public_surface() -> None:
     assert "ToolRouter" in tools.__all__ and "ToolResult" in tools.__all__
     assert set(tools.WARNINGS) == {"EMPTY_RESULT", "TRUNCATED", "PARTIAL", "TEXTUAL_SCOPE",
-                                   "LINE_CUT", "BINARY_SKIPPED", "RANGE_CLIPPED"}
+                                   "LINE_CUT", "BINARY_SKIPPED", "RANGE_CLIPPED",
+                                   "SECRET_MASKED"}
 
 
 def test_tools_never_use_backtracking_re_or_workers() -> None:

@@ -1,0 +1,136 @@
+"""Showing untrusted text: one escaping function for terminals, Markdown and HTML reports.
+
+Everything a case package supplies (source and log lines, file names, database values,
+table names) and everything a model writes (notes, reasons, questions, test titles) is
+untrusted. Printed raw, an ``ESC [ 2 J`` clears the operator's terminal, an OSC 0
+sequence retitles the window, an OSC 8 sequence plants a hyperlink, a carriage return
+overwrites a line, and bidirectional or zero-width characters make text read differently
+from what it is (CVE-2021-42574, "Trojan Source"; U+E0020..E007F "tag" characters carry
+invisible text to language models).
+
+:func:`escape_text` shows each such character as a visible escape instead, the way
+Python writes it: ``\\x1b`` (ESC), ``\\x9b`` (C1 CSI), ``\\u202e`` (RIGHT-TO-LEFT
+OVERRIDE), ``\\u200b`` (ZERO WIDTH SPACE), ``\\U000e0041`` (TAG LATIN CAPITAL LETTER A).
+Everything else, including every printable non-ASCII letter, is kept as it is, and a
+backslash is not doubled: the escape is for the eye, the exact bytes stay in the stored
+artifacts (``investigate export``). The result depends only on the input (a fixed table,
+not the running Python's Unicode database), so reports built with it stay
+deterministic.
+
+The escaped characters (:data:`UNSAFE_RANGES`) are Unicode's general categories Cc
+(C0 and C1 controls, DEL), Cf (format: bidirectional controls, zero-width characters,
+soft hyphen, BOM, tags, ...), Zl and Zp (line and paragraph separators) and Cs
+(surrogates), as of Unicode 15.1. TAB is kept; LF is kept only where a caller shows a
+multi-line document (``newlines=True``).
+
+Use it on every value before it reaches a terminal or a report; a format's own escaping
+(Markdown code spans, HTML entities) comes after it, by the caller. Package names holding
+any of these characters are refused outright (``PKG_BAD_NAME``,
+:func:`investigation.cases.layout.check_relative_path`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+__all__ = ["UNSAFE_RANGES", "EscapingLogFilter", "escape_text", "first_unsafe", "is_unsafe"]
+
+#: Inclusive code point ranges that are never shown as themselves (see the module
+#: docstring): Unicode general categories Cc, Cf, Zl, Zp and Cs as of Unicode 15.1.
+UNSAFE_RANGES: tuple[tuple[int, int], ...] = (
+    (0x0000, 0x001F), (0x007F, 0x009F), (0x00AD, 0x00AD), (0x0600, 0x0605),
+    (0x061C, 0x061C), (0x06DD, 0x06DD), (0x070F, 0x070F), (0x0890, 0x0891),
+    (0x08E2, 0x08E2), (0x180E, 0x180E), (0x200B, 0x200F), (0x2028, 0x202E),
+    (0x2060, 0x2064), (0x2066, 0x206F), (0xD800, 0xDFFF), (0xFEFF, 0xFEFF),
+    (0xFFF9, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x13430, 0x1343F),
+    (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0001, 0xE0001), (0xE0020, 0xE007F),
+)
+
+
+def _char_class(keep: str) -> re.Pattern[str]:
+    """One character class of :data:`UNSAFE_RANGES` without the characters in ``keep``."""
+    kept = sorted(ord(ch) for ch in keep)
+    parts = []
+    for low, high in UNSAFE_RANGES:
+        start = low
+        for cp in kept:
+            if low <= cp <= high:
+                if start < cp:
+                    parts.append((start, cp - 1))
+                start = cp + 1
+        if start <= high:
+            parts.append((start, high))
+    return re.compile("[" + "".join(
+        re.escape(chr(low)) + ("" if low == high else "-" + re.escape(chr(high)))
+        for low, high in parts) + "]")
+
+
+_UNSAFE_LINE = _char_class("\t")
+_UNSAFE_DOCUMENT = _char_class("\t\n")
+_UNSAFE_ANY = _char_class("")
+
+
+def _escape_one(match: re.Match[str]) -> str:
+    cp = ord(match.group())
+    if cp <= 0xFF:
+        return f"\\x{cp:02x}"
+    if cp <= 0xFFFF:
+        return f"\\u{cp:04x}"
+    return f"\\U{cp:08x}"
+
+
+def escape_text(text: str, *, newlines: bool = False) -> str:
+    """``text`` with every unsafe character replaced by a visible escape.
+
+    Args:
+        text: untrusted text (any length; the work is linear in it, and printable text
+            is returned after one ``str.isprintable`` pass).
+        newlines: keep LF (a multi-line document such as ``summary.md``); otherwise LF is
+            shown as ``\\x0a`` like any other control character. CR is always escaped.
+
+    Returns:
+        The escaped text; ``text`` itself when it holds nothing unsafe.
+    """
+    # Fast path: every character of the table is non-printable for ``str.isprintable``
+    # (a test checks it), so printable text (TAB and LF set aside) holds none of them.
+    probe = text.replace("\t", "")
+    if newlines:
+        probe = probe.replace("\n", "")
+    if probe.isprintable():
+        return text
+    pattern = _UNSAFE_DOCUMENT if newlines else _UNSAFE_LINE
+    return pattern.sub(_escape_one, text)
+
+
+def is_unsafe(ch: str) -> bool:
+    """Whether the single character ``ch`` is one :func:`escape_text` escapes (TAB and LF
+    count as unsafe here: a name never holds them)."""
+    cp = ord(ch)
+    return any(low <= cp <= high for low, high in UNSAFE_RANGES)
+
+
+def first_unsafe(text: str) -> str | None:
+    """The first character of ``text`` that is a control, format (bidirectional,
+    zero-width, ...), separator or surrogate character, or ``None``."""
+    if text.isprintable():
+        return None
+    match = _UNSAFE_ANY.search(text)
+    return None if match is None else match.group()
+
+
+class EscapingLogFilter(logging.Filter):
+    """A logging filter (attach it to a handler) that shows every record's message and
+    traceback through :func:`escape_text`: a log line can neither carry terminal escapes
+    nor forge a line of its own (LF in a message is escaped; a traceback keeps its own
+    line breaks)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        escaped = escape_text(message)
+        if escaped != message:
+            record.msg, record.args = escaped, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = escape_text(
+                logging.Formatter().formatException(record.exc_info), newlines=True)
+        return True

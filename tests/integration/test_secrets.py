@@ -1,0 +1,147 @@
+"""Issue 10.7: secrets in a snapshot never reach the model.
+
+``case build`` refuses a tree holding secrets (``PKG_SECRETS_FOUND``, listing file, line
+and type, never the secret) unless ``--allow-secrets``; then every tool result masks them
+(``SECRET_MASKED``), so no request to the model, no context, evidence, export or
+``summary.md`` holds one, and a search cannot be used to guess one.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from sqlmodel import select
+from typer.testing import CliRunner
+
+from investigation.cases.builder import build_package
+from investigation.cases.reader import PackageReader
+from investigation.cases.registry import register_case
+from investigation.config import InvestigationConfig
+from investigation.errors import PackageError
+from investigation.operations import export
+from investigation.store import Store
+from investigation.store.models import Artifact, Evidence
+from tests import casekit
+from workers.cli import app
+
+OPENAI = "sk-live-4f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c"
+AWS_ID = "AKIAIOSFODNN7EXAMPLE"
+DB_PASSWORD = "Tr0ub4dor&3-horse"
+GITHUB = "ghp_16C7e42F292c6912E7710c838347Ae178B4a"
+PEM_BODY = "MIIEowIBAAKCAQEAq7BFUpkGp3+LQmlQKyBqCqNjTJxPZsPHXwQmb1kKzN0tGdNs"
+SECRETS = [OPENAI, AWS_ID, DB_PASSWORD, GITHUB, PEM_BODY]
+
+
+def _tree(root: Path) -> Path:
+    src = root / "src"
+    for rel, text in casekit.SOURCE.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    (src / ".env").write_text(f"DEBUG=1\nOPENAI_API_KEY={OPENAI}\n")
+    (src / "shop" / "settings.py").write_text(
+        f'AWS_ACCESS_KEY_ID = "{AWS_ID}"\nTIMEOUT = 30\n')
+    (src / "deploy").mkdir()
+    (src / "deploy" / "id_rsa").write_text(
+        f"-----BEGIN RSA PRIVATE KEY-----\n{PEM_BODY}\n-----END RSA PRIVATE KEY-----\n")
+    (root / "logs").mkdir()
+    (root / "logs" / "app.log").write_text(f"INFO boot token={GITHUB}\nINFO order 1 ok\n")
+    (root / "report.md").write_text(casekit.REPORT)
+    db = root / "shop.sqlite"
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT, password TEXT)")
+    conn.execute("INSERT INTO users VALUES (1, 'ada', ?)", (DB_PASSWORD,))
+    conn.commit()
+    conn.close()
+    return src
+
+
+def test_build_refuses_secrets_and_names_them_masked(tmp_path: Path) -> None:
+    src = _tree(tmp_path)
+    with pytest.raises(PackageError) as err:
+        build_package(src, tmp_path / "report.md", tmp_path / "p.zip",
+                      logs=tmp_path / "logs")
+    assert err.value.code == "PKG_SECRETS_FOUND"
+    message = err.value.message
+    for where in ("source/.env:2: Secret Keyword", "source/shop/settings.py:1: AWS Access Key",
+                  "source/deploy/id_rsa:1: Private Key", "logs/app.log:1: GitHub Token"):
+        assert where in message, message
+    assert not any(secret in message for secret in SECRETS)
+    assert not (tmp_path / "p.zip").exists()
+
+    runner = CliRunner()
+    args = ["case", "build", "--source", str(src), "--report", str(tmp_path / "report.md"),
+            "--logs", str(tmp_path / "logs"), "-o", str(tmp_path / "cli.zip")]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2
+    assert "PKG_SECRETS_FOUND" in refused.output and "--allow-secrets" in refused.output
+    assert not any(secret in refused.output for secret in SECRETS)
+    allowed = runner.invoke(app, [*args, "--allow-secrets"])
+    assert allowed.exit_code == 0, allowed.output
+    assert "warning: packed a secret (--allow-secrets): source/.env:2" in allowed.output
+    assert not any(secret in allowed.output for secret in SECRETS)
+
+
+def test_tool_results_mask_secrets_before_they_become_evidence(tmp_path: Path) -> None:
+    src = _tree(tmp_path)
+    package = build_package(src, tmp_path / "report.md", tmp_path / "p.zip",
+                            db=tmp_path / "shop.sqlite", logs=tmp_path / "logs",
+                            allow_secrets=True)
+    assert package.secrets
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    store.create_schema()
+    case_id = register_case(store, package.path.read_bytes(), casekit.INTERPRETATION,
+                            casekit.HYPOTHESES[:1], PackageReader(InvestigationConfig().package))
+    q = casekit.q
+    replies = [
+        q("source.search", {"pattern": "OPENAI_API_KEY"}),
+        q("source.search", {"pattern": OPENAI[:12]}, assessment=(50, ["E1"]), evidence=["E1"]),
+        q("source.read", {"path": "deploy/id_rsa", "start_line": 1, "end_line": 3},
+          assessment=(10, ["E2"]), evidence=["E1"]),
+        q("db.query", {"sql": "SELECT name, password FROM users"}, assessment=(40, ["E3"]),
+          evidence=["E1"]),
+        q("logs.search", {"pattern": "token", "regex": True}, assessment=(40, ["E4"]),
+          evidence=["E1"]),
+        q("source.search", {"pattern": "AKIA[0-9A-Z]{4}", "regex": True},
+          assessment=(40, ["E5"]), evidence=["E1"]),
+        casekit.finish("supported", (60, ["E6"]), ["E1"]),
+    ]
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "replies.jsonl").write_text("\n".join(json.dumps(r) for r in replies) + "\n")
+    (root / "providers.toml").write_text(
+        '[[providers]]\nname = "replay"\nkind = "scripted"\npath = "replies.jsonl"\n')
+    case = casekit.Case(store, case_id, package.path, root / "replies.jsonl",
+                        root / "providers.toml", root)
+    outcome = case.investigator().run(case_id)
+    assert outcome.outcome == "COMPLETED", outcome
+
+    with store.session() as s:
+        evidence = {e.evidence_id: e for e in s.exec(
+            select(Evidence).where(Evidence.case_id == case_id))}
+        artifacts = s.exec(select(Artifact).where(Artifact.case_id == case_id)).all()
+    found = json.loads(evidence["E1"].findings_json)
+    assert [i["text"] for i in found] == [
+        "OPENAI_API_KEY=[secret masked: Secret Keyword]"]
+    assert json.loads(evidence["E1"].warnings_json) == ["SECRET_MASKED"]
+    assert evidence["E2"].item_count == 0  # the search needed the secret's own text
+    assert [i["text"] for i in json.loads(evidence["E3"].findings_json)] == \
+        ["[secret masked: Private Key]"] * 3
+    assert json.loads(evidence["E4"].findings_json)[0]["row"] == \
+        {"name": "ada", "password": "[secret masked: Secret Keyword]"}
+    assert json.loads(evidence["E5"].findings_json)[0]["text"] == \
+        "INFO boot token=[secret masked: GitHub Token]"
+    assert evidence["E6"].item_count == 0  # a regex for the key's own shape finds nothing
+    # No stored byte (requests to the model, contexts, results, evidence, states,
+    # summary.md) and no exported file holds a secret.
+    for art in artifacts:
+        data = bytes(art.data)
+        for secret in SECRETS:
+            assert secret.encode() not in data, (art.path, secret)
+    export(store, case_id, tmp_path / "export")
+    for path in (tmp_path / "export").rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert not any(secret.encode() in data for secret in SECRETS), path

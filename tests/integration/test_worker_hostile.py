@@ -1,0 +1,87 @@
+"""Issue 10.5 with a real prefork worker on Redis: a dispatch message whose ``max_steps``
+is not an integer (kombu carries datetime, Decimal and UUID across intact) is refused at
+the entry point with ``DISPATCH_INVALID`` before anything is locked or run, and a task of
+the chain that fails (``advance`` included) releases the case lock."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlmodel import select
+
+from investigation.constants import CASE_BUILDING_DIAGNOSIS
+from investigation.errors import InvestigationError
+from investigation.store.models import StageRun
+from tests.integration.test_celery_worker import Harness, _assert_completed_case, running_harness
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+def _wait_log(h: Harness, pattern: str, count: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(re.findall(pattern, h.worker.log())) < count:
+        assert time.monotonic() < deadline, f"{pattern!r} not seen {count} time(s)"
+        time.sleep(0.05)
+
+
+BAD_MAX_STEPS: list[Any] = [datetime(2026, 1, 1, tzinfo=UTC), Decimal("2"), uuid.uuid4(),
+                            "3", 2.5, True, 0, -1, 10**9, [2], {"n": 2}]
+
+
+def test_a_malformed_dispatch_is_refused_and_locks_nothing(tmp_path: Path, redis_url: str,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           ) -> None:
+    from workers.tasks import dispatch, start_dispatch
+
+    with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
+        case_id = h.case.case_id
+        for value in ["3", 2.5, True, 0]:  # the typed API refuses them before locking
+            with pytest.raises(InvestigationError) as err:
+                start_dispatch(case_id, value)
+            assert err.value.code == "DISPATCH_INVALID"
+            assert h.lock_holder(case_id) is None
+        h.worker.start()
+        h.worker.wait_ready()
+        for done, value in enumerate(BAD_MAX_STEPS, start=1):
+            dispatch.apply_async((case_id, value))
+            _wait_log(h, r"Task investigation\.dispatch\[[0-9a-f-]+\] succeeded", done)
+            time.sleep(0.3)  # a chain it enqueued (the defect) would hold the lock now
+            h.wait_unlocked(timeout_s=2.0)
+        for forged in [None, 42, "../../etc", "x" * 100]:
+            dispatch.apply_async((forged, None))
+        _wait_log(h, r"dispatch refused: DISPATCH_INVALID", len(BAD_MAX_STEPS) + 4)
+        with h.case.store.session() as s:
+            assert s.exec(select(StageRun)).all() == []  # nothing ran
+        assert h.task_received("build_context") == 0
+        # The case itself is untouched and runs normally.
+        start_dispatch(case_id)
+        info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+        h.wait_unlocked()
+        _assert_completed_case(h, info)
+
+
+def test_a_failing_advance_releases_the_lock(tmp_path: Path, redis_url: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forged ``advance`` whose payload cannot be processed fails, and the lock its
+    token held is released at once instead of staying until its lease runs out."""
+    from workers import runtime
+    from workers.tasks import advance
+
+    with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
+        case_id = h.case.case_id
+        token = runtime.current().lock.acquire(case_id)
+        h.worker.start()
+        h.worker.wait_ready()
+        advance.apply_async(({"case_id": case_id, "revision": 1, "step_seq": 1,
+                              "token": token, "steps_left": "many", "mode": "distributed",
+                              "max_steps": None,
+                              "halt": {"outcome": "PROGRESSED", "reason": None}},))
+        _wait_log(h, r"Task investigation\.advance\[[0-9a-f-]+\] raised unexpected", 1)
+        h.wait_unlocked(timeout_s=5.0)
