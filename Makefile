@@ -34,6 +34,7 @@ lint: install-test
 
 bench: install-test services
 	$(PY) bench/step_overhead.py
+	$(PY) bench/search.py
 
 clean:
 	rm -rf $(VENV) .investigate var
