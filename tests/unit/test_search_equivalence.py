@@ -233,3 +233,25 @@ def test_random_files_and_patterns_equal_reference(
         for engine in engines:
             assert engine.execute(operation, arguments).to_json_bytes() == expected, \
                 (operation, arguments)
+
+
+# -- the deadline inside one file ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("operation,arguments", [
+    ("symbol.occurrences", {"symbol": "ab"}),  # every line a candidate, none an occurrence
+    ("source.search", {"pattern": r"\Aab", "regex": True}),  # line by line
+])
+def test_deadline_inside_a_file_gives_partial(monkeypatch: pytest.MonkeyPatch, operation: str,
+                                              arguments: dict[str, Any]) -> None:
+    clock = itertools.count()
+    monkeypatch.setattr("time.monotonic", lambda: float(next(clock)))
+    source = {"a.txt": b"xab\n" * 5000, "b.txt": b"ab\n"}
+    # each clock reading advances one second: the router reads it once (deadline 3), the
+    # check before a.txt once (1), then only the in-file checks (every 2,048 lines) read it
+    # (2, then 3: past the deadline at line 4,096 of 5,000)
+    result = ToolRouter(DictSnapshot(source), ToolLimits(search_timeout_s=3.0)).execute(
+        operation, arguments)
+    assert "PARTIAL" in result.warnings
+    assert result.items == []
+    assert result.stats["files_scanned"] == 1
