@@ -239,8 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         data = package.read_bytes()
         snapshot = PackageReader(text_index_dir=index_dir).read(data)
         router = ToolRouter(snapshot, ToolLimits())
-        elapsed, _ = time_search(router, {"pattern": QUERIES[0][1]})
+        elapsed, first = time_search(router, {"pattern": QUERIES[0][1]})
         report.add("1x first search (builds the text index)", ms(elapsed))
+        index = snapshot.text_index()
+        print(f"  text index: {index.size_bytes / 2**20:.1f} MiB" if index else
+              "  text index: NONE (searches read the package)",
+              f"({first.stats['files_scanned']} text files; "
+              f"{first.stats['files_skipped']} binary or not UTF-8)")
         other = PackageReader(text_index_dir=index_dir).read(data)
         started = time.perf_counter()
         assert other.text_index() is not None
