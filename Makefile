@@ -56,6 +56,7 @@ test-models: $(MODELS_VENV)/.installed services
 
 bench: install-test services
 	$(PY) bench/step_overhead.py
+	$(PY) bench/search.py
 
 clean:
 	rm -rf $(VENV) $(MODELS_VENV) .investigate var

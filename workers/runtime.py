@@ -71,7 +71,8 @@ def build_env(settings: Settings, config_path: Path | None = None,
         def factory() -> LLMGateway:
             return LLMGateway(store, build_providers(pc), pc.gateway)
     return StageEnv(store=store, config=config, gateway_factory=factory,
-                    reader=PackageReader(config.package),
+                    reader=PackageReader(config.package,
+                                         text_index_dir=settings.home.resolve() / "text-index"),
                     explicit_config=config_file is not None,
                     feedback_key=settings.feedback_key_bytes())
 

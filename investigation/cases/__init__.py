@@ -1,5 +1,5 @@
 """Case packages: the deterministic builder, the validating PackageReader, the Snapshot
-protocol and case registration.
+protocol, the shared text index searches read, and case registration.
 
 Names are imported lazily, so ``import investigation.cases.snapshot`` stays cheap and never
 pulls in the store (which keeps import cycles with ``investigation.store`` impossible).
@@ -22,6 +22,7 @@ _EXPORTS = {
     "load_interpretation": "investigation.cases.registry",
     "load_snapshot": "investigation.cases.registry",
     "register_case": "investigation.cases.registry",
+    "TextIndexStore": "investigation.cases.textindex",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -79,6 +80,11 @@ from investigation.cases.layout import (
     SQLITE_HEADER,
     check_relative_path,
     strict_json_loads,
+)
+from investigation.cases.textindex import (
+    DEFAULT_TEXT_INDEX_BYTES,
+    MappedTextIndex,
+    TextIndexStore,
 )
 from investigation.cases.zipscan import ZipEntry, read_entry, scan_zip
 from investigation.config import PackageLimits, canonical_json
@@ -129,15 +135,23 @@ class PackageReader:
         limits: package bounds; checked before any entry is decompressed.
         entry_cache_bytes: bound of decoded bytes each snapshot caches. Default 32 MiB;
             0 disables the snapshot entry cache.
+        text_index_dir: directory of the shared text indexes that searches map
+            (:mod:`investigation.cases.textindex`); None (the default) gives snapshots
+            without one, whose searches read and decode the package at every search.
+        text_index_bytes: bound of that directory in bytes. Default 2 GiB.
     """
 
     def __init__(
         self, limits: PackageLimits | None = None,
         entry_cache_bytes: int = DEFAULT_ENTRY_CACHE_BYTES,
+        text_index_dir: str | os.PathLike[str] | None = None,
+        text_index_bytes: int = DEFAULT_TEXT_INDEX_BYTES,
     ) -> None:
         self.limits = limits if limits is not None else PackageLimits()
         self._limits_key = canonical_json(self.limits.model_dump())
         self._entry_cache_bytes = max(0, entry_cache_bytes)
+        self.text_indexes = (TextIndexStore(text_index_dir, text_index_bytes)
+                             if text_index_dir is not None else None)
         self._cache: OrderedDict[tuple[str, bytes], ValidatedPackage] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -155,7 +169,8 @@ class PackageReader:
             PackageError: any code in the module docstring.
         """
         blob = bytes(data) if not isinstance(data, bytes) else data
-        return PackageSnapshot(blob, self.validate(blob), self._entry_cache_bytes)
+        return PackageSnapshot(blob, self.validate(blob), self._entry_cache_bytes,
+                               text_indexes=self.text_indexes)
 
     def validate(self, data: bytes) -> ValidatedPackage:
         """Validate ``data`` and return its detached metadata (cached by sha256 + limits).
@@ -195,10 +210,13 @@ class PackageSnapshot:
         data: the archive bytes ``validated`` was computed from.
         validated: validation metadata from :meth:`PackageReader.validate`.
         entry_cache_bytes: bound of decoded bytes kept in memory (0 disables the cache).
+        text_indexes: where :meth:`text_index` finds or builds the package's shared text
+            index; None: the snapshot has none.
     """
 
     def __init__(self, data: bytes, validated: ValidatedPackage,
-                 entry_cache_bytes: int = DEFAULT_ENTRY_CACHE_BYTES) -> None:
+                 entry_cache_bytes: int = DEFAULT_ENTRY_CACHE_BYTES,
+                 text_indexes: TextIndexStore | None = None) -> None:
         self._data = data
         self._meta = validated
         self._manifest: Mapping[str, Any] = MappingProxyType(json.loads(validated.manifest_json))
@@ -209,6 +227,10 @@ class PackageSnapshot:
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
+        self._text_indexes = text_indexes
+        self._text_index: MappedTextIndex | None = None
+        self._text_index_tried = False
+        self._text_index_lock = threading.Lock()
 
     @property
     def package_id(self) -> str:
@@ -262,6 +284,22 @@ class PackageSnapshot:
         if path not in self._logs:
             raise KeyError(path)
         return self._entry(LOGS_ROOT + path)
+
+    def text_index(self) -> MappedTextIndex | None:
+        """The package's shared text index (opened, or built, on first call), or None.
+
+        None when the reader has no index directory or the index is unavailable (see
+        :meth:`~investigation.cases.textindex.TextIndexStore.open`); searches then read
+        the package itself. The outcome is kept for the snapshot's lifetime (a snapshot
+        opened later tries again).
+        """
+        if self._text_indexes is None:
+            return None
+        with self._text_index_lock:
+            if not self._text_index_tried:
+                self._text_index = self._text_indexes.open(self)
+                self._text_index_tried = True
+            return self._text_index
 
     def entry_names(self) -> list[str]:
         """Every file entry name of the archive (including ``manifest.json``), sorted."""

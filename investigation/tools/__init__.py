@@ -1,6 +1,7 @@
 """Read-only snapshot operations: :class:`ToolRouter` and its :class:`ToolResult`.
 
 See :mod:`investigation.tools.router` for the outcome contract,
+:mod:`investigation.tools.search` for the whole-file line search,
 :mod:`investigation.tools.sqlite` for the read-only SQL construction and
 :mod:`investigation.tools.text` for path, glob and RE2 rules.
 """

@@ -33,10 +33,12 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from investigation.cases.snapshot import Snapshot
+from investigation.cases.textindex import IndexedSnapshot, LiveTextIndex, TextIndex
 from investigation.config import ToolLimits, canonical_json
 from investigation.constants import OPERATIONS
 from investigation.errors import ToolError
 from investigation.secrets import default_masker, mask_marker, private_key_lines
+from investigation.tools import search
 from investigation.tools import text as tx
 from investigation.tools.models import (
     ARGUMENT_MODELS,
@@ -61,11 +63,6 @@ from investigation.tools.models import (
 from investigation.tools.sqlite import ReadOnlyDatabase, render_value
 
 _Outcome = tuple[list[dict[str, Any]], set[str], dict[str, Any]]
-#: Skipped file paths listed in ``stats["skipped_paths"]`` (the count is always exact).
-_MAX_SKIPPED_LISTED = 20
-#: Lines between two deadline checks inside one file.
-_DEADLINE_EVERY_LINES = 2048
-
 
 #: Lines longer than this (characters) are not scanned for symbol occurrences: every
 #: candidate position is checked in Python, and a minified line can hold millions.
@@ -92,6 +89,8 @@ class ToolRouter:
         self._limits = limits
         self._dbs: dict[str, ReadOnlyDatabase] = {}
         self._dbs_lock = threading.Lock()
+        self._index: TextIndex | None = None
+        self._index_lock = threading.Lock()
         self._handlers: dict[str, Callable[[Any], _Outcome]] = {
             "source.list": self._source_list,
             "source.search": self._source_search,
@@ -240,11 +239,14 @@ class ToolRouter:
                           items=items, warnings=ordered_warnings(codes), stats=stats)
 
     def close(self) -> None:
-        """Free the cached database copies (the router stays usable; they reopen)."""
+        """Free the cached database copies and the text index handle (the router stays
+        usable; they reopen)."""
         with self._dbs_lock:
             dbs, self._dbs = self._dbs, {}
         for db in dbs.values():
             db.close()
+        with self._index_lock:
+            self._index = None
 
     # -- validation ---------------------------------------------------------------
 
@@ -468,12 +470,11 @@ class ToolRouter:
         if args.path_glob is not None:
             glob = tx.PathGlob(args.path_glob)
             paths = [p for p in paths if glob.matches(p)]
-        return self._scan(paths, self._snapshot.read_source, _line_matcher(args),
-                          self._cap(args.max_results))
+        return self._scan("source", paths, _line_query(args), self._cap(args.max_results))
 
     def _logs_search(self, args: LogsSearchArgs) -> _Outcome:
-        return self._scan(self._snapshot.log_paths(), self._snapshot.read_log,
-                          _line_matcher(args), self._cap(args.max_results))
+        return self._scan("logs", self._snapshot.log_paths(), _line_query(args),
+                          self._cap(args.max_results))
 
     def _symbol_occurrences(self, args: SymbolOccurrencesArgs) -> _Outcome:
         symbol = args.symbol
@@ -487,8 +488,8 @@ class ToolRouter:
                 return []
             return [col + 1 for col in tx.find_symbol(line, symbol)]
 
-        items, codes, stats = self._scan(self._snapshot.source_paths(),
-                                         self._snapshot.read_source, columns,
+        items, codes, stats = self._scan("source", self._snapshot.source_paths(),
+                                         search.symbol_query(symbol, columns),
                                          self._cap(args.max_results))
         codes.add(TEXTUAL_SCOPE)
         if long_lines[0]:
@@ -496,75 +497,27 @@ class ToolRouter:
             stats["long_lines_skipped"] = long_lines[0]
         return items, codes, stats
 
-    def _scan(self, paths: list[str], read: Callable[[str], bytes],
-              matcher: Callable[[str], list[int | None]], cap: int) -> _Outcome:
-        """Match every line of ``paths`` in order; stop after ``cap`` items or the deadline.
+    def _scan(self, root: str, paths: list[str], query: search.LineQuery, cap: int
+              ) -> _Outcome:
+        """Search ``paths`` under ``root`` in order (:func:`investigation.tools.search.scan`).
 
-        ``matcher(line)`` returns one entry per item: ``None`` for a line item, a 1-based
-        column for an occurrence item.
+        The snapshot's shared text index is opened once per router, outside the deadline
+        (building it is one-time work per package and host).
         """
+        index = self._text_index()
         deadline = time.monotonic() + self._limits.search_timeout_s
-        max_line = self._limits.max_line_bytes
-        items: list[dict[str, Any]] = []
-        codes: set[str] = set()
-        skipped: list[str] = []
-        scanned = 0
-        masked = 0
-        stop = False
-        for path in paths:
-            if time.monotonic() >= deadline:
-                codes.add(PARTIAL)
-                break
-            text = tx.decode_text(read(path))
-            if text is None:
-                skipped.append(path)
-                continue
-            scanned += 1
-            lines = tx.split_lines(text)
-            pem = private_key_lines(lines) if "PRIVATE KEY" in text else set()
-            for number, line in enumerate(lines, start=1):
-                if number % _DEADLINE_EVERY_LINES == 0 and time.monotonic() >= deadline:
-                    codes.add(PARTIAL)
-                    stop = True
-                    break
-                hits = matcher(line)
-                if not hits:
-                    continue
-                shown, n = _masked_line(line, number - 1 in pem)
-                if n:
-                    # Matched on what is shown only: a pattern that needs the secret's own
-                    # characters finds nothing, so a search cannot guess a secret.
-                    hits = matcher(shown)
-                    if not hits:
-                        continue
-                quoted, was_cut = tx.cut_text(shown, max_line)
-                for column in hits:
-                    if len(items) >= cap:
-                        codes.add(TRUNCATED)
-                        stop = True
-                        break
-                    if was_cut:
-                        codes.add(LINE_CUT)
-                    masked += n
-                    n = 0
-                    if column is None:
-                        items.append({"key": f"{path}:{number}", "path": path, "line": number,
-                                      "text": quoted})
-                    else:
-                        items.append({"key": f"{path}:{number}:{column}", "path": path,
-                                      "line": number, "column": column, "text": quoted})
-                if stop:
-                    break
-            if stop:
-                break
-        if skipped:
-            codes.add(BINARY_SKIPPED)
-        stats: dict[str, Any] = {"files_total": len(paths), "files_scanned": scanned,
-                                 "files_skipped": len(skipped),
-                                 "skipped_paths": skipped[:_MAX_SKIPPED_LISTED]}
-        if masked:
-            stats["secrets_masked"] = masked
+        items, codes, stats = search.scan(
+            index, root, paths, query, cap=cap, max_line_bytes=self._limits.max_line_bytes,
+            deadline=deadline, mask=_FileMask)
         return items, codes, stats
+
+    def _text_index(self) -> TextIndex:
+        with self._index_lock:
+            if self._index is None:
+                shared = (self._snapshot.text_index()
+                          if isinstance(self._snapshot, IndexedSnapshot) else None)
+                self._index = shared if shared is not None else LiveTextIndex(self._snapshot)
+            return self._index
 
     def _bound_output(self, items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
         """Keep the longest prefix of ``items`` whose canonical JSON array fits the bound."""
@@ -585,13 +538,25 @@ def _masked_line(line: str, in_private_key: bool) -> tuple[str, int]:
     return default_masker().mask(line)
 
 
-def _line_matcher(args: SourceSearchArgs | LogsSearchArgs) -> Callable[[str], list[int | None]]:
-    hit: list[int | None] = [None]
+
+class _FileMask:
+    """Masks the lines of one file as the findings show them (``investigation.secrets``);
+    built by the search only for a file with a matching line."""
+
+    def __init__(self, data: bytes) -> None:
+        self._pem: set[int] = set()
+        if b"PRIVATE KEY" in data:
+            self._pem = private_key_lines(tx.split_lines(data.decode("utf-8")))
+
+    def __call__(self, number: int, line: str) -> tuple[str, int]:
+        """``(shown text, secrets masked)`` of 1-based line ``number``."""
+        return _masked_line(line, number - 1 in self._pem)
+
+
+def _line_query(args: SourceSearchArgs | LogsSearchArgs) -> search.LineQuery:
     if args.regex:
-        regex = tx.compile_regex(args.pattern)
-        return lambda line: hit if regex.search(line) is not None else []
-    pattern = args.pattern
-    return lambda line: hit if pattern in line else []
+        return search.regex_query(args.pattern)
+    return search.literal_query(args.pattern)
 
 
 def _ascii_lower(value: str) -> str:

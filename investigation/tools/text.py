@@ -24,7 +24,24 @@ from typing import Any
 
 import re2
 
+from investigation.cases.textindex import decode_text
 from investigation.errors import ToolError
+
+__all__ = [
+    "RE2_MAX_MEM_BYTES",
+    "PathGlob",
+    "check_pattern_length",
+    "check_relative_path",
+    "check_symbol",
+    "compile_regex",
+    "cut_text",
+    "decode_text",
+    "find_symbol",
+    "glob_to_re2",
+    "is_identifier_char",
+    "re2_options",
+    "split_lines",
+]
 
 #: Memory bound of one compiled RE2 program (pattern + DFA cache), in bytes.
 RE2_MAX_MEM_BYTES = 8 << 20
@@ -74,7 +91,8 @@ def check_pattern_length(value: str, argument: str, max_bytes: int) -> None:
                         argument=argument, size_bytes=size, max_bytes=max_bytes)
 
 
-def _options() -> Any:
+def re2_options() -> Any:
+    """Fresh RE2 options of every model-supplied pattern (memory bound, no logging)."""
     options = re2.Options()
     options.max_mem = RE2_MAX_MEM_BYTES
     options.log_errors = False
@@ -92,7 +110,7 @@ def compile_regex(pattern: str, argument: str = "pattern") -> Any:
             feature such as backreferences or lookaround, or over the memory bound).
     """
     try:
-        return re2.compile(pattern, _options())
+        return re2.compile(pattern, re2_options())
     except (re2.error, TypeError, ValueError) as exc:
         detail = exc.args[0] if exc.args else exc
         if isinstance(detail, bytes):
@@ -179,16 +197,6 @@ class PathGlob:
         """True if ``path`` (relative, POSIX) matches the glob."""
         target = path.rsplit("/", 1)[-1] if self._basename_only else path
         return self._regex.search(target) is not None
-
-
-def decode_text(data: bytes) -> str | None:
-    """Strict UTF-8 text of a file, or None for a binary (NUL byte) or non-UTF-8 file."""
-    if b"\x00" in data:
-        return None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
 
 
 def split_lines(text: str) -> list[str]:

@@ -51,6 +51,10 @@ def test_user_flow_through_the_cli(tmp_path: Path, cli_env: Path) -> None:
     ran = runner.invoke(app, ["run", case_id, "--providers", str(tmp_path / "providers.toml")])
     assert ran.exit_code == 0, ran.output
     assert "COMPLETED" in ran.output
+    package_id = built.output.split()[1]
+    # the step's source.search built the package's shared text index under the home
+    assert [p.name for p in (cli_env / "text-index").glob("*.idx")] == \
+        [f"{package_id}.v1.idx"]
     summary_line = next(line for line in ran.output.splitlines() if line.startswith("summary:"))
     summary_path = Path(summary_line.split(":", 1)[1].strip())
     text = summary_path.read_text()
