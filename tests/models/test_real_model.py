@@ -39,6 +39,8 @@ from workers import demo
 
 pytestmark = pytest.mark.models
 REPO = Path(__file__).resolve().parents[2]
+#: The command users run, from the same environment.
+INVESTIGATE = str(Path(sys.executable).with_name("investigate"))
 OUT = REPO / "var" / "models"
 MAX_ITERATIONS = 3
 MIN_ACCEPTED = 0.8
@@ -115,7 +117,7 @@ def test_a_real_model_investigates_the_demo_case(llama_server: LlamaServer,
     policy.write_text(f"[loop]\nmax_iterations_per_hypothesis = {MAX_ITERATIONS}\n")
     env = {**os.environ, "INVESTIGATE_HOME": str(home)}
     run = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "run", case.case_id, "--providers",
+        [INVESTIGATE, "run", case.case_id, "--providers",
          str(providers), "--config", str(policy), "--max-steps", "60"],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=5000, check=False)
     rows = _outcomes(store, case.case_id)
@@ -140,7 +142,7 @@ def test_a_real_model_investigates_the_demo_case(llama_server: LlamaServer,
         queries = len(s.exec(select(Evidence).where(Evidence.case_id == case.case_id)).all())
     assert queries >= MIN_QUERIES, table
     info = json.loads(subprocess.run(
-        [sys.executable, "-m", "workers.cli", "status", case.case_id, "--json"], env=env,
+        [INVESTIGATE, "status", case.case_id, "--json"], env=env,
         cwd=REPO, capture_output=True, text=True, check=True).stdout)
     assert info["state"] == CASE_BUILDING_DIAGNOSIS, (run.stdout, run.stderr)
     assert run.returncode == 0
