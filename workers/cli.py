@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import shutil
 import sqlite3
 import sys
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import closing, suppress
 from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -22,10 +23,11 @@ import typer
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 from rich.console import Console
-from rich.table import Table
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
+from investigation import guidance
+from investigation.cases import registration
 from investigation.cases.builder import build_package
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import load_hypotheses, load_interpretation, register_case
@@ -36,13 +38,69 @@ from investigation.loop.outcome import Outcome
 from investigation.operations import cancel, export, pause, resume, status, summary_bytes
 from investigation.store import Store
 from workers.settings import Settings, load_settings
+from workers.views import outcome_line, print_guidance, status_view, term
+
+#: A case id as the examples show it.
+EXAMPLE_CASE = "case-30bce92d9fa25a72"
+
+
+def example(*commands: str) -> str:
+    """The ``Example:`` epilog of a command (the help walker test requires one)."""
+    return "Example:\n\n" + "\n\n".join(f"  $ {c}" for c in commands)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("investigation-engine")
+        except PackageNotFoundError:  # a source tree that was not installed
+            number = "unknown (not installed)"
+        typer.echo(f"investigate {number}")
+        raise typer.Exit()
+
 
 app = typer.Typer(help="Investigate software bug cases with a language model.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-case_app = typer.Typer(help="Build and register case packages.", no_args_is_help=True)
+                  no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
+                  epilog=example("investigate demo",
+                                 f"investigate status {EXAMPLE_CASE}",
+                                 "investigate --install-completion"))
+
+
+@app.callback()
+def _main(
+    show_version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True,
+        help="Print the installed version and exit.")] = False,
+) -> None:
+    """Investigate software bug cases with a language model.
+
+    Start with `investigate demo`; `investigate COMMAND --help` shows each command's
+    options and an example.
+    """
+
+
+case_app = typer.Typer(help="Build and register case packages.", no_args_is_help=True,
+                       epilog=example("investigate case build --source ~/src/shop "
+                                      "--report report.md -o case.zip",
+                                      "investigate case add case.zip --interpretation "
+                                      "interpretation.json --hypotheses hypotheses.json"))
 app.add_typer(case_app, name="case")
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
+
+#: Help of every ``CASE`` argument and ``--json`` option.
+CASE_HELP = "the case id that `investigate case add` printed, e.g. " + EXAMPLE_CASE
+JSON_HELP = "print the result as one JSON object on stdout instead of text"
+CaseArg = Annotated[str, typer.Argument(metavar="CASE", help=CASE_HELP)]
+JsonOpt = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,51 +202,81 @@ def _store(settings: Settings, existing: bool = False) -> Store:
 
 
 def _term(text: object) -> str:
-    """Data for the terminal: control characters (ANSI/OSC escapes included) shown as '?'."""
-    return "".join("?" if (ord(ch) < 0x20 and ch != "\t") or 0x7F <= ord(ch) <= 0x9F
-                   else ch for ch in str(text))
+    """Data for the terminal: control characters shown as '?' (``workers.views.term``)."""
+    return term(text)
 
 
 def _print_outcome(o: Outcome) -> None:
-    extra = f" until {o.retry_not_before.isoformat()}" if o.retry_not_before else ""
-    hyp = f" H{o.hypothesis_id}" if o.hypothesis_id is not None else ""
-    out.print(f"step {o.step_seq:>3}{hyp}: {o.outcome}"
-              + (f" ({o.reason})" if o.reason else "") + extra, highlight=False)
-    detail = o.details.get("rejection") or o.details.get("error_code")
-    if detail:
-        out.print(_term(f"         {detail}: {o.details.get('message', '')}".rstrip(": ")),
-                  highlight=False, markup=False)
+    for line in outcome_line(o):
+        out.print(line, highlight=False, markup=False)
 
 
 # -- case ----------------------------------------------------------------------------------
 
 
-@case_app.command("build")
+@case_app.command("build", epilog=example(
+    "investigate case build --source ~/src/shop --report report.md --db shop.sqlite "
+    "--logs logs/ -o case.zip"))
 @_controlled
 def case_build(
-    source: Annotated[Path, typer.Option("--source", help="directory or git checkout")],
-    report: Annotated[Path, typer.Option("--report", help="bug report file")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="package ZIP to write")],
-    db: Annotated[Path | None, typer.Option("--db", help="SQLite database")] = None,
-    logs: Annotated[Path | None, typer.Option("--logs", help="logs directory")] = None,
+    source: Annotated[Path, typer.Option(
+        "--source", help="the source tree: a directory or a git checkout (its tracked "
+        "files); paths in queries are relative to it")],
+    report: Annotated[Path, typer.Option("--report", help="the bug report (a text file)")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="the package ZIP to write")],
+    db: Annotated[Path | None, typer.Option(
+        "--db", help="a SQLite database snapshot to pack (queried read-only)")] = None,
+    logs: Annotated[Path | None, typer.Option(
+        "--logs", help="a directory of log files to pack")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Make a case package (ZIP with manifest) from a source tree and a report."""
+    """Make a case package (a ZIP with its manifest) from a source tree and a report."""
     info = build_package(source, report, output, db=db, logs=logs)
+    if as_json:
+        _print_json({"package_id": info.package_id, "path": str(info.path),
+                     "size_bytes": info.size_bytes, "file_count": info.file_count})
+        return
     out.print(f"package {info.package_id}")
     out.print(f"wrote {info.path} ({info.size_bytes} bytes, {info.file_count} files)")
 
 
-@case_app.command("add")
+@case_app.command("add", epilog=example(
+    "investigate case add case.zip --interpretation interpretation.json "
+    "--hypotheses hypotheses.json",
+    "investigate case add big.zip --interpretation i.json --hypotheses h.json "
+    "--package-limits limits.toml"))
 @_controlled
 def case_add(
-    package: Annotated[Path, typer.Argument(help="package ZIP")],
-    interpretation: Annotated[Path, typer.Option("--interpretation")],
-    hypotheses: Annotated[Path, typer.Option("--hypotheses")],
-    config: Annotated[Path | None, typer.Option("--config")] = None,
+    package: Annotated[Path, typer.Argument(help="the package ZIP `case build` wrote")],
+    interpretation: Annotated[Path, typer.Option(
+        "--interpretation", help='the accepted interpretation: a JSON object with at least '
+        '"summary"')],
+    hypotheses: Annotated[Path, typer.Option(
+        "--hypotheses", help='the hypotheses: a JSON array of {"id": int, "statement": str}')],
+    package_limits: Annotated[Path | None, typer.Option(
+        "--package-limits", help="a TOML file whose package table sets the package limits "
+        "(entries, sizes, compression ratio, name length) the package is validated "
+        "against; only that table is read. The loop and budget policy is not set here: "
+        "`run --config` sets it")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", hidden=True, help="deprecated name of --package-limits")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Register a case (revision 1); prints its id."""
+    """Register a case (revision 1); prints its id.
+
+    Adding the same package, interpretation and hypotheses again changes nothing and
+    prints the same id; a note on stderr says so, and says when the package limits given
+    now differ from those of the first registration.
+    """
+    if config is not None:
+        err.print("note: `case add --config` is deprecated; it only ever set the package "
+                  "limits: use --package-limits", highlight=False, markup=False)
+        if package_limits is not None:
+            raise InvestigationError("CONFIG_INVALID",
+                                     "give --package-limits only (--config is its old name)")
+        package_limits = config
     settings = _settings()
-    cfg = InvestigationConfig.load(config)
+    cfg = InvestigationConfig.load(package_limits)
     try:
         size = package.stat().st_size
         if not package.is_file() or size > cfg.package.max_total_bytes:
@@ -199,8 +287,33 @@ def case_add(
         data = package.read_bytes()
     except OSError as exc:
         raise InvestigationError("PKG_UNREADABLE", f"cannot read {package}: {exc}") from exc
-    case_id = register_case(_store(settings), data, load_interpretation(interpretation),
-                            load_hypotheses(hypotheses), PackageReader(cfg.package))
+    store = _store(settings)
+    interp, hyps = load_interpretation(interpretation), load_hypotheses(hypotheses)
+    before = registration.look_up(store, data, interp, hyps)
+    case_id = register_case(store, data, interp, hyps, PackageReader(cfg.package))
+    registration.record_limits(store, case_id, cfg.package)
+    notes: list[str] = []
+    changes = before.limit_changes(cfg.package)
+    if before.existed:
+        notes.append(f"case {case_id} was already registered with this package, "
+                     "interpretation and hypotheses; nothing changed")
+        if changes:
+            notes.append("the package limits given now differ from those it was first added "
+                         "with (" + "; ".join(changes) + "); they only validated the package "
+                         "again. A run validates the package with the package table of "
+                         "its own --config")
+        elif before.recorded_limits is None:
+            notes.append("the package limits of its first registration were not recorded")
+    elif before.other_cases:
+        notes.append(f"this package is also registered as {', '.join(before.other_cases)} "
+                     "(other interpretation or hypotheses); this is a new case")
+    if as_json:
+        _print_json({"case_id": case_id, "existed": before.existed,
+                     "other_cases": list(before.other_cases), "limit_changes": changes,
+                     "notes": notes})
+        return
+    for note in notes:
+        err.print(f"note: {note}", highlight=False, markup=False)
     out.print(case_id)
 
 
@@ -208,74 +321,130 @@ def case_add(
 
 
 def _run_embedded(settings: Settings, case_id: str, config: Path | None,
-                  providers: Path | None, max_steps: int | None, wait: bool) -> Outcome:
+                  providers: Path | None, max_steps: int | None, wait: bool,
+                  quiet: bool = False) -> tuple[Outcome, list[Outcome]]:
     from workers import runtime
     from workers.embedded import run_case
+    from workers.progress import RunProgress
 
-    _store(settings, existing=True)
+    store = _store(settings, existing=True)
     rt = runtime.embedded(settings, config, providers)
-    return run_case(rt, case_id, max_steps=max_steps, wait=wait, on_step=_print_outcome)
+    with RunProgress(out, store, case_id, quiet=quiet) as progress:
+        outcome = run_case(rt, case_id, max_steps=max_steps, wait=wait, on_step=progress)
+    return outcome, progress.outcomes
 
 
-def _finish(settings: Settings, case_id: str, outcome: Outcome) -> None:
-    out.print(f"case {case_id}: {outcome.outcome}"
-              + (f" ({outcome.reason})" if outcome.reason else ""), highlight=False)
+def _finish(settings: Settings, case_id: str, outcome: Outcome,
+            providers: Path | None = None, steps: list[Outcome] | None = None,
+            as_json: bool = False, env: str = "") -> None:
+    summary_path = None
     if outcome.outcome == COMPLETED:
         target = settings.home / "exports" / case_id
         shutil.rmtree(target, ignore_errors=True)
         export(_store(settings), case_id, target)
-        path = (target / "analysis" / "investigation" / "summary.md").resolve()
-        out.print(f"summary: {path}", highlight=False, soft_wrap=True)
-    elif outcome.outcome == BLOCKED:
+        summary_path = (target / "analysis" / "investigation" / "summary.md").resolve()
+    g = guidance.for_case(_store(settings, existing=True), case_id, "embedded",
+                          str(providers) if providers else None, env)
+    if as_json:
+        _print_json({"case_id": case_id, "outcome": outcome.to_dict(),
+                     "steps": [o.to_dict() for o in steps or []],
+                     "summary_path": str(summary_path) if summary_path else None,
+                     "next": g.to_dict()})
+    else:
+        out.print(f"case {case_id}: {outcome.outcome}"
+                  + (f" ({outcome.reason})" if outcome.reason else ""), highlight=False)
+        if summary_path is not None:
+            out.print(f"summary: {summary_path}", highlight=False, soft_wrap=True)
+        print_guidance(out, g)
+    if outcome.outcome == BLOCKED:
         raise typer.Exit(1)
-    elif outcome.outcome == RETRY_PENDING:
+    if outcome.outcome == RETRY_PENDING:
         raise typer.Exit(4)
 
 
-@app.command("run")
+@app.command("run", epilog=example(
+    f"investigate run {EXAMPLE_CASE} --providers providers.toml",
+    f"investigate run {EXAMPLE_CASE} --providers providers.toml --config policy.toml "
+    "--max-steps 5 --no-wait"))
 @_controlled
 def run(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    config: Annotated[Path | None, typer.Option("--config", help="policy TOML")] = None,
-    providers: Annotated[Path | None, typer.Option("--providers", help="providers TOML")] = None,
-    max_steps: Annotated[int | None, typer.Option("--max-steps", min=1)] = None,
-    wait: Annotated[bool, typer.Option(help="wait out provider backoff in this process")] = True,
+    case_id: CaseArg,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="the investigation policy TOML (loop, budget, limits, tools); "
+        "frozen by the case's first step. Default: INVESTIGATE_CONFIG or the built-in "
+        "defaults (config/investigation.example.toml lists every key)")] = None,
+    providers: Annotated[Path | None, typer.Option(
+        "--providers", help="the providers TOML: model servers or scripted replies, tried "
+        "in order (config/providers.example.toml). Default: INVESTIGATE_PROVIDERS")] = None,
+    max_steps: Annotated[int | None, typer.Option(
+        "--max-steps", min=1, help="stop after this many steps (default: until the case is "
+        "complete or blocked)")] = None,
+    wait: Annotated[bool, typer.Option(
+        help="wait out a provider backoff in this process; --no-wait exits with code 4 "
+        "instead")] = True,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Investigate on the embedded runtime until a terminal or blocked outcome."""
+    """Investigate on the embedded runtime until a terminal or blocked outcome.
+
+    On a terminal a live panel shows the step, whose turn it was, every account's
+    balance, the model time and the tokens; piped output gets one line per step. A
+    blocked case ends with exit code 1 and what to do next.
+    """
     settings = _settings()
-    outcome = _run_embedded(settings, case_id, config, providers, max_steps, wait)
-    _finish(settings, case_id, outcome)
+    outcome, steps = _run_embedded(settings, case_id, config, providers, max_steps, wait,
+                                   quiet=as_json)
+    _finish(settings, case_id, outcome, providers, steps, as_json)
 
 
-@app.command("dispatch")
+@app.command("dispatch", epilog=example(f"investigate dispatch {EXAMPLE_CASE}",
+                                        f"investigate dispatch {EXAMPLE_CASE} --max-steps 4"))
 @_controlled
 def dispatch_cmd(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    max_steps: Annotated[int | None, typer.Option("--max-steps", min=1)] = None,
+    case_id: CaseArg,
+    max_steps: Annotated[int | None, typer.Option(
+        "--max-steps", min=1, help="steps of this dispatch before it yields to other cases "
+        "(default: the policy's max_steps_per_dispatch)")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Enqueue a dispatch for the distributed workers (takes the case lock, never waits)."""
+    """Enqueue a dispatch for the distributed workers (takes the case lock, never waits).
+
+    Watch it with `investigate status CASE --watch`.
+    """
     from workers import runtime
     from workers.tasks import start_dispatch
 
     settings = _settings()
-    _store(settings, existing=True)
+    store = _store(settings, existing=True)
     runtime.configure(runtime.distributed(settings))
     token = start_dispatch(case_id, max_steps)
     if isinstance(token, Outcome):
-        out.print(f"case {case_id}: {token.outcome}"
-                  + (f" ({token.reason})" if token.reason else "")
-                  + "; nothing to dispatch", highlight=False)
+        g = guidance.for_case(store, case_id, "distributed")
+        if as_json:
+            _print_json({"case_id": case_id, "dispatched": False,
+                         "outcome": token.to_dict(), "next": g.to_dict()})
+        else:
+            out.print(f"case {case_id}: {token.outcome}"
+                      + (f" ({token.reason})" if token.reason else "")
+                      + "; nothing to dispatch", highlight=False)
+            print_guidance(out, g)
         if token.outcome == BLOCKED:
             raise typer.Exit(1)
         return
+    if as_json:
+        _print_json({"case_id": case_id, "dispatched": True, "lock_token": token[:8]})
+        return
     out.print(f"dispatched {case_id} (lock token {token[:8]}...)", highlight=False)
+    out.print(f"watch it: investigate status {case_id} --watch", highlight=False)
 
 
-@app.command("worker")
+@app.command("worker", epilog=example("investigate worker --concurrency 2",
+                                      "investigate worker --concurrency 2 --beat"))
 @_controlled
 def worker(
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 2,
-    loglevel: Annotated[str, typer.Option("--loglevel")] = "INFO",
+    concurrency: Annotated[int, typer.Option(
+        "--concurrency", "-c", min=1, help="worker processes (prefork children)")] = 2,
+    loglevel: Annotated[str, typer.Option(
+        "--loglevel", help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
     pool: Annotated[str, typer.Option("--pool", help="prefork or solo")] = "prefork",
     beat: Annotated[bool, typer.Option(
         "--beat", help="also run the periodic recovery sweep (start exactly one such worker)")
@@ -299,11 +468,13 @@ def worker(
     celery_app.worker_main(argv)
 
 
-@app.command("recover")
+@app.command("recover", epilog=example("investigate recover", "investigate recover --json"))
 @_controlled
-def recover_cmd(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Re-dispatch every case whose stored state shows pending work (after Redis lost
-    its data, or a dispatch was lost); cases whose dispatch is alive are left alone.
+def recover_cmd(as_json: JsonOpt = False) -> None:
+    """Re-dispatch every case whose stored state shows pending work.
+
+    Use it after Redis lost its data or a dispatch was lost; cases whose dispatch is
+    alive are left alone.
 
     Exit 0 when every pending case was dispatched or is busy; 2 when a case could not be
     dispatched (its code is printed).
@@ -335,11 +506,13 @@ def recover_cmd(as_json: Annotated[bool, typer.Option("--json")] = False) -> Non
         raise typer.Exit(2)
 
 
-@app.command("flower")
+@app.command("flower", epilog=example("investigate flower --port 5555"))
 @_controlled
 def flower(
-    port: Annotated[int, typer.Option("--port")] = 5555,
-    address: Annotated[str, typer.Option("--address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="the TCP port Flower listens on")] = 5555,
+    address: Annotated[str, typer.Option(
+        "--address", help="the address Flower binds (keep 127.0.0.1 behind a proxy)")
+    ] = "127.0.0.1",
 ) -> None:
     """Start Flower (Celery's monitor) on the configured broker."""
     _settings()  # a broken environment fails here, as one line
@@ -351,109 +524,143 @@ def flower(
 # -- operator ------------------------------------------------------------------------------
 
 
-@app.command("status")
+@app.command("status", epilog=example(f"investigate status {EXAMPLE_CASE}",
+                                      f"investigate status {EXAMPLE_CASE} --watch",
+                                      f"investigate status {EXAMPLE_CASE} --json"))
 @_controlled
 def status_cmd(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    case_id: CaseArg,
+    as_json: JsonOpt = False,
+    watch: Annotated[bool, typer.Option(
+        "--watch", help="redraw every --interval seconds until the case completes, blocks "
+        "or stops (for dispatched cases); Ctrl-C leaves")] = False,
+    interval: Annotated[float, typer.Option(
+        "--interval", min=0.2, help="seconds between redraws with --watch")] = 2.0,
 ) -> None:
-    """State, outcome, blocked reason, balances, evidence count."""
-    info = status(_store(_settings(), existing=True), case_id)
+    """State, outcome, blocked reason, balances, evidence count, and what to do next."""
+    settings = _settings()
+    store = _store(settings, existing=True)
+    if watch and not as_json:
+        from workers.progress import watch as watch_case
+
+        with suppress(KeyboardInterrupt):
+            watch_case(out, store, case_id, interval)
+        return
+    info = status(store, case_id)
+    g = guidance.for_case(store, case_id)
     if as_json:
-        sys.stdout.write(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        _print_json({**info, "next": g.to_dict()})
         return
-    out.print(f"case {info['case_id']}  state {info['state']}"
-              + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
-              + f"  published steps {info['steps']}  evidence {info['evidence_count']}"
-              + f"  open questions {info['open_questions']}", highlight=False)
-    if info["last_outcome"]:
-        out.print(f"last outcome {info['last_outcome']}"
-                  + (f" ({info['last_reason']})" if info["last_reason"] else "")
-                  + (f"  retry not before {info['retry_not_before']}"
-                     if info.get("retry_not_before") else ""), highlight=False)
-    if info["blocked_detail"]:
-        out.print(_term(f"why: {info['blocked_detail']}"), highlight=False, markup=False)
-    life = info["lifecycle"]
-    out.print(f"lifecycle {life['state']}"
-              + (f" (paused from {life['paused_from']})" if life.get("paused_from") else "")
-              + (f" ({life['termination_reason']})" if life.get("termination_reason") else "")
-              + (f"  iterations {life['iterations']}" if life.get("started") else
-                 "  (the session starts with the first step)"), highlight=False)
-    if not info["accounts"]:
-        out.print(f"{info['hypotheses']} hypotheses; no step has run yet", highlight=False)
-        return
-    table = Table("hypothesis", "status", "confidence", "balance", "iterations", "pending",
-                  "last rejection")
-    for a in info["accounts"]:
-        rej = a["last_rejection"]
-        label = a["status"]
-        if a["deferred_by"] is not None and label == "active":
-            label += f" (assessment-only, deferred by H{a['deferred_by']})"
-        table.add_row(str(a["hypothesis_id"]), label, a["confidence"],
-                      f"{a['balance_units']}/{a['credit_units']}", str(a["iterations"]),
-                      a["pending_evidence_id"] or "",
-                      f"{rej['code']} (step {rej['step_seq']}, {a['invalid_streak']} in a row)"
-                      if rej else "")
-    out.print(table)
-    for a in info["accounts"]:
-        if a["last_rejection"]:
-            out.print(_term(f"H{a['hypothesis_id']} last rejection: "
-                            f"{a['last_rejection']['code']}: {a['last_rejection']['detail']}"),
-                      highlight=False, markup=False)
+    out.print(status_view(info, g))
 
 
-@app.command("resume")
+@app.command("resume", epilog=example(
+    f"investigate resume {EXAMPLE_CASE}",
+    f"investigate resume {EXAMPLE_CASE} --retry-id retry-7-1"))
 @_controlled
 def resume_cmd(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    retry_id: Annotated[str | None, typer.Option("--retry-id")] = None,
+    case_id: CaseArg,
+    retry_id: Annotated[str | None, typer.Option(
+        "--retry-id", help="for a case blocked by its provider (PROVIDER_EXHAUSTED, "
+        "PROVIDER_CONFIGURATION, PROVIDER_CREDENTIALS): a new, never used id that opens a "
+        "new provider operation for the blocked call, after you fixed the cause. `status` "
+        "suggests one. It resets no iteration, credit or evidence")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Operator resume of a paused or blocked case (then `run` or `dispatch` it)."""
-    info = resume(_store(_settings(), existing=True), case_id, retry_id)
+    settings = _settings()
+    store = _store(settings, existing=True)
+    try:
+        info = resume(store, case_id, retry_id)
+    except InvestigationError as exc:
+        if exc.code in ("RETRY_ID_REQUIRED", "RETRY_ID_REUSED"):
+            fresh = guidance.facts_for(store, case_id).retry_id
+            err.print(f"try: investigate resume {case_id} --retry-id {fresh}",
+                      highlight=False, markup=False)
+        raise
+    g = guidance.for_case(store, case_id)
+    if as_json:
+        _print_json({**info, "next": g.to_dict()})
+        return
     out.print(f"resumed {case_id} (was {info['resumed_from']})"
               + (f"; now {info['state']}" if info.get("state") else ""), highlight=False)
+    print_guidance(out, g)
 
 
-@app.command("pause")
+@app.command("pause", epilog=example(f"investigate pause {EXAMPLE_CASE}"))
 @_controlled
-def pause_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
+def pause_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Pause a case at its next stage boundary (`resume` continues exactly there)."""
     info = pause(_store(_settings(), existing=True), case_id)
+    if as_json:
+        _print_json(info)
+        return
     out.print(f"paused {case_id} (was {info['paused_from']}); a running stage finishes, "
               "no new one starts", highlight=False)
+    out.print(f"continue later with: investigate resume {case_id}", highlight=False)
 
 
-@app.command("cancel")
+@app.command("cancel", epilog=example(f"investigate cancel {EXAMPLE_CASE}"))
 @_controlled
-def cancel_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
+def cancel_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Cancel a case for good at its next stage boundary (finished stages are kept)."""
     info = cancel(_store(_settings(), existing=True), case_id)
+    if as_json:
+        _print_json(info)
+        return
     out.print(f"cancelled {case_id} (was {info['cancelled_from']})", highlight=False)
 
 
-@app.command("summary")
+@app.command("summary", epilog=example(f"investigate summary {EXAMPLE_CASE}",
+                                       f"investigate summary {EXAMPLE_CASE} --json"))
 @_controlled
-def summary_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
-    """Print summary.md."""
-    sys.stdout.buffer.write(summary_bytes(_store(_settings(), existing=True), case_id))
+def summary_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
+    """Print summary.md (written when every hypothesis account is terminal)."""
+    data = summary_bytes(_store(_settings(), existing=True), case_id)
+    if as_json:
+        import hashlib
+
+        _print_json({"case_id": case_id, "path": "analysis/investigation/summary.md",
+                     "sha256": hashlib.sha256(data).hexdigest(),
+                     "markdown": data.decode("utf-8")})
+        return
+    sys.stdout.buffer.write(data)
     sys.stdout.flush()
 
 
-@app.command("export")
+@app.command("export", epilog=example(f"investigate export {EXAMPLE_CASE} ./export"))
 @_controlled
 def export_cmd(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    directory: Annotated[Path, typer.Argument(metavar="DIR")],
+    case_id: CaseArg,
+    directory: Annotated[Path, typer.Argument(
+        metavar="DIR", help="a new or empty directory to write the artifact tree into")],
+    as_json: JsonOpt = False,
 ) -> None:
-    """Write the case's artifact tree byte for byte."""
+    """Write the case's artifact tree byte for byte (with manifest.json of sha256s)."""
     paths = export(_store(_settings(), existing=True), case_id, directory)
+    if as_json:
+        _print_json({"case_id": case_id, "directory": str(directory), "artifacts": paths})
+        return
     out.print(f"wrote {len(paths)} artifacts under {directory}", highlight=False)
 
 
-@app.command("demo")
+def _home_env(home: Path) -> str:
+    """``INVESTIGATE_HOME=... `` for commands about a store the defaults do not open."""
+    try:
+        shown = str(home.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(home.resolve())
+    return f"INVESTIGATE_HOME={shlex.quote(shown)} "
+
+
+@app.command("demo", epilog=example("investigate demo"))
 @_controlled
-def demo() -> None:
-    """The real demo case (sqlite-utils 3.35, a real bug), end to end, embedded runtime."""
+def demo(as_json: JsonOpt = False) -> None:
+    """The real demo case (sqlite-utils 3.35, a real bug), end to end, embedded runtime.
+
+    Its store is .investigate/demo/ (started afresh each time); afterwards open its
+    report with the `investigate report` command it prints.
+    """
     from workers import demo as demo_mod
 
     settings = _settings()
@@ -463,24 +670,39 @@ def demo() -> None:
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("investigation.db", "investigation.db-wal", "investigation.db-shm"):
         (work / stale).unlink(missing_ok=True)
+    console = err if as_json else out
+
+    def say(text: str) -> None:
+        console.print(text, highlight=False)
+
     case = demo_mod.prepare_case(_store(settings), PackageReader(InvestigationConfig().package),
-                                 work, announce=lambda text: out.print(text, highlight=False))
-    out.print(f"case {case.case_id} registered from {case.package_path}", highlight=False)
+                                 work, announce=say)
+    say(f"case {case.case_id} registered from {case.package_path}")
     with demo_mod.replay_server() as server:
         providers = work / "providers.toml"
         providers.write_text(demo_mod.providers_toml(server.base_url))
-        out.print(f"model replies served by {server.base_url} (OpenAI-compatible, loopback)",
-                  highlight=False)
-        outcome = _run_embedded(settings, case.case_id, None, providers, None, True)
-    _finish(settings, case.case_id, outcome)
+        say(f"model replies served by {server.base_url} (OpenAI-compatible, loopback)")
+        outcome, steps = _run_embedded(settings, case.case_id, None, providers, None, True,
+                                       quiet=as_json)
+    env = _home_env(work)
+    if outcome.outcome == COMPLETED and not as_json:
+        from investigation.report import write_report
+
+        report = work / "report.html"
+        write_report(_store(settings, existing=True), case.case_id, report)
+        out.print(f"report: {report.resolve()} (open it in a browser)", highlight=False,
+                  soft_wrap=True)
+    _finish(settings, case.case_id, outcome, providers, steps, as_json, env)
     if outcome.outcome != COMPLETED:
         raise typer.Exit(1)
 
 
-from workers import cli_tests  # noqa: E402  (its commands use the helpers above)
+from workers import cli_report, cli_tests  # noqa: E402  (their commands use the helpers above)
 
 app.add_typer(cli_tests.tests_app, name="tests")
 app.add_typer(cli_tests.feedback_app, name="feedback")
+app.add_typer(cli_report.replies_app, name="replies")
+cli_report.register(app)
 
 
 def main() -> None:
