@@ -26,13 +26,22 @@ READ_SPAN = 6
 CONFIDENCE_CYCLE = ("weak", "plausible", "plausible", "supported", "plausible", "weak")
 
 
+#: A snapshot line a hostile package could hold: markup, a terminal escape, a bidi
+#: override, a zero-width space. H1's first query quotes it (line 2 of module_07).
+HOSTILE_LINE = ("# <script>alert(1)</script><img src=x onerror=alert(2)> \x1b[2J "
+                "\u202eevil\u202c zero\u200bwidth &amp; </details></svg>")
+
+
 def long_source(files: int = 30) -> dict[str, str]:
-    """A source tree of ``files`` modules with :data:`FILE_LINES` distinct lines each."""
+    """A source tree of ``files`` modules with :data:`FILE_LINES` distinct lines each
+    (line 2 of ``module_07`` is :data:`HOSTILE_LINE`)."""
     tree = {}
     for f in range(files):
         lines = [f"def handler_{f}_{n}(order):  # rule {f}.{n}: discount path {n % 7}"
                  if n % 3 == 0 else f"    return order['total'] * {n} / {f + 1}  # step {n}"
                  for n in range(FILE_LINES)]
+        if f == 7:
+            lines[1] = HOSTILE_LINE
         tree[f"shop/module_{f:02d}.py"] = "\n".join(lines) + "\n"
     return tree
 
@@ -142,23 +151,15 @@ def config_toml(research_per_hypothesis: int) -> str:
 
 
 def make_long_case(root: Path, hypotheses: int = 4, research_per_hypothesis: int = 100,
-                   files: int = 30, database_url: str | None = None) -> Case:
+                   files: int = 30, database_url: str | None = None,
+                   reject_every: int = 37) -> Case:
     """Register the long case under ``root`` with its reply script (not run yet)."""
-    from tests import casekit
-
-    saved = dict(casekit.SOURCE)
-    casekit.SOURCE.clear()
-    casekit.SOURCE.update(long_source(files))
-    try:
-        case = make_case(
-            root, replies=long_replies(hypotheses, research_per_hypothesis, files),
-            database_url=database_url,
-            hypotheses=[{"id": h, "statement": f"Rule family {h} computes the discount "
-                         "from the wrong base."} for h in range(1, hypotheses + 1)],
-            interpretation={"summary": f"Long case: {hypotheses} hypotheses, "
-                            f"{research_per_hypothesis} queries each."})
-    finally:
-        casekit.SOURCE.clear()
-        casekit.SOURCE.update(saved)
+    case = make_case(
+        root, replies=long_replies(hypotheses, research_per_hypothesis, files, reject_every),
+        database_url=database_url, source=long_source(files),
+        hypotheses=[{"id": h, "statement": f"Rule family {h} computes the discount "
+                     "from the wrong base."} for h in range(1, hypotheses + 1)],
+        interpretation={"summary": f"Long case: {hypotheses} hypotheses, "
+                        f"{research_per_hypothesis} queries each."})
     (root / "policy.toml").write_text(config_toml(research_per_hypothesis))
     return case

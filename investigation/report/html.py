@@ -83,6 +83,8 @@ ol.quotes .q{white-space:pre-wrap;background:#f7f7f7}
 .legend span{display:inline-block;margin-right:12px;font-size:12px}
 .legend i{display:inline-block;width:10px;height:10px;margin-right:4px;vertical-align:-1px}
 footer{color:var(--muted);font-size:12px;padding:20px 28px}
+#timeline,#evidence,#questions,#tests,#lifecycle{content-visibility:auto;
+contain-intrinsic-size:auto 900px}
 """
 
 _STATE_COLOURS = {"BUILDING_DIAGNOSIS": "#1e5bb8", "INVESTIGATING": "#3a8d3f",
@@ -201,6 +203,8 @@ def _next(h: CaseHistory) -> list[str]:
     out = [f'<section id="next"><h2>Next steps</h2><div class="next{" final" if g.final else ""}">',
            f"<b>{_e(g.headline)}</b><ol>"]
     for step in g.steps:
+        if step.command and " report " in step.command:
+            continue  # this page is that report
         out.append(f"<li>{_e(step.text)}")
         if step.command:
             out.append(f'<pre class="cmd">{_e(step.command)}</pre>')
