@@ -167,11 +167,14 @@ def _continue(f: CaseFacts, mode: Mode, providers: str | None) -> list[Step]:
             Step("distributed runtime: dispatch it to the workers", dispatch)]
 
 
-def _script_hint(f: CaseFacts) -> Step:
-    return Step(f"if the replies come from a scripted JSON Lines file: the next model call "
-                f"(call {f.next_call_index}) reads line {f.next_call_index + 1} of the file; "
-                "check the file against the case before running it",
-                f"investigate replies check REPLIES.jsonl {_q(f.case_id)}")
+def _script_hint(f: CaseFacts, replies: str | None) -> Step:
+    where = "the scripted reply file" if replies else \
+        "if the replies come from a scripted JSON Lines file: the file"
+    return Step(f"{where}: the next model call (call {f.next_call_index}) reads its line "
+                f"{f.next_call_index + 1} (lines already served stay in place); check the "
+                "file against the case before running it",
+                f"investigate replies check {_q(replies) if replies else 'REPLIES.jsonl'} "
+                f"{_q(f.case_id)}")
 
 
 def _why(f: CaseFacts) -> str:
@@ -181,13 +184,15 @@ def _why(f: CaseFacts) -> str:
     return ""
 
 
-def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None) -> Guidance:
+def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
+           replies: str | None = None) -> Guidance:
     """The advice for a case in the situation ``f`` describes.
 
     Args:
         f: the case's facts (:func:`facts_for`).
         mode: the runtime the caller uses (``embedded``/``distributed``), or ``None``.
         providers: the providers file the caller ran with, to repeat it in commands.
+        replies: the scripted reply file that providers file names, if any.
 
     Returns:
         The :class:`Guidance`; never raises for an unknown reason (a generic advice).
@@ -222,7 +227,7 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None) -> Gui
                          *(_continue(f, mode, None) if not reason else []),
                          Step("or stop it for good", f"investigate cancel {case}")))
     if f.state == CASE_BLOCKED:
-        return _blocked(f, mode, providers, report)
+        return _blocked(f, mode, providers, report, replies)
     if f.state == CASE_INVESTIGATING:
         if f.last_outcome == RETRY_PENDING:
             return Guidance(
@@ -244,7 +249,8 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None) -> Gui
                     (Step("see its state", f"investigate status {case}"), report))
 
 
-def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step) -> Guidance:
+def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
+             replies: str | None) -> Guidance:
     case = _q(f.case_id)
     reason = f.blocked_reason
     resume_retry = Step("then open a new provider operation for the blocked call (a new "
@@ -257,7 +263,7 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step) -> G
             (Step("fix what produced them: the model, its server's structured-output "
                   "setting, or the reply file (docs/reply-contract.md lists every rule; "
                   "`investigate status` shows the last rejection of each hypothesis)"),
-             _script_hint(f),
+             _script_hint(f, replies),
              Step("then resume the case", f"investigate resume {case}"),
              *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_EXHAUSTED:
@@ -277,7 +283,7 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step) -> G
         return Guidance(
             f"Blocked: the provider refused the request as configured{_why(f)}. Nothing "
             "was charged.",
-            (fix, *([_script_hint(f)] if script else []), resume_retry,
+            (fix, *([_script_hint(f, replies)] if script else []), resume_retry,
              *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_CREDENTIALS:
         return Guidance(
@@ -365,14 +371,14 @@ def facts_for(store: Store, case_id: str) -> CaseFacts:
 
 
 def for_case(store: Store, case_id: str, mode: Mode = None, providers: str | None = None,
-             env: str = "") -> Guidance:
+             env: str = "", replies: str | None = None) -> Guidance:
     """:func:`advise` for the case as stored now.
 
     Args:
         env: prefixed to every command, e.g. ``"INVESTIGATE_HOME=.investigate/demo "`` when
             the case lives in a store the default settings do not point at.
     """
-    g = advise(facts_for(store, case_id), mode, providers)
+    g = advise(facts_for(store, case_id), mode, providers, replies)
     if not env:
         return g
     return Guidance(g.headline, tuple(Step(s.text, env + s.command if s.command else None)

@@ -344,7 +344,8 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
         export(_store(settings), case_id, target)
         summary_path = (target / "analysis" / "investigation" / "summary.md").resolve()
     g = guidance.for_case(_store(settings, existing=True), case_id, "embedded",
-                          str(providers) if providers else None, env)
+                          str(providers) if providers else None, env,
+                          _scripted_file(providers or settings.providers))
     if as_json:
         _print_json({"case_id": case_id, "outcome": outcome.to_dict(),
                      "steps": [o.to_dict() for o in steps or []],
@@ -360,6 +361,27 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
         raise typer.Exit(1)
     if outcome.outcome == RETRY_PENDING:
         raise typer.Exit(4)
+
+
+def _scripted_file(providers: Path | None) -> str | None:
+    """The reply file of the first scripted provider in ``providers``, if any (relative to
+    the working directory when it is below it)."""
+    if providers is None:
+        return None
+    from investigation.config import ProvidersConfig
+
+    try:
+        config = ProvidersConfig.load(providers)
+    except InvestigationError:
+        return None
+    for p in config.providers:
+        if p.kind == "scripted" and p.path:
+            path = (Path(config.base_dir) / p.path).resolve()
+            try:
+                return str(path.relative_to(Path.cwd().resolve()))
+            except ValueError:
+                return str(path)
+    return None
 
 
 @app.command("run", epilog=example(
