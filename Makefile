@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test install install-test services lint typecheck bench clean
+.PHONY: demo test install install-test services lint typecheck bench bench-report clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ lint: install-test
 
 bench: install-test services
 	$(PY) bench/step_overhead.py
+
+bench-report: install-test services
+	$(PY) bench/report_render.py
 
 clean:
 	rm -rf $(VENV) .investigate var
