@@ -67,6 +67,7 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
         _print_json({"case_id": case_id, "outcome": outcome.to_dict(),
                      "steps": [o.to_dict() for o in steps or []],
                      "summary_path": str(summary_path) if summary_path else None,
+                     "report_path": str(report.resolve()) if report else None,
                      "next": g.to_dict()})
     else:
         out.print(f"case {case_id}: {outcome.outcome}"
