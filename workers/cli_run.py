@@ -179,7 +179,7 @@ def demo(as_json: JsonOpt = False) -> None:
         from investigation.report import write_report
 
         report = work / "report.html"
-        write_report(_store(settings, existing=True), case.case_id, report)
+        write_report(_store(settings, existing=True), case.case_id, report, _home_env(work))
     _finish(settings, case.case_id, outcome, providers, steps, as_json, _home_env(work),
             report)
     if outcome.outcome != COMPLETED:

@@ -126,14 +126,15 @@ def _items(findings_json: str) -> list[dict[str, str]]:
     return out
 
 
-def case_history(store: Store, case_id: str) -> CaseHistory:
-    """Read the whole history of ``case_id`` (see the module docstring).
+def case_history(store: Store, case_id: str, env: str = "") -> CaseHistory:
+    """Read the whole history of ``case_id`` (see the module docstring); ``env`` prefixes
+    the guidance's commands (``investigation.guidance.for_case``).
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``.
     """
     info = status(store, case_id)
-    guidance = for_case(store, case_id)
+    guidance = for_case(store, case_id, env=env)
     revision = int(info["revision"])
     with store.session() as s:
         rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == case_id,

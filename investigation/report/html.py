@@ -281,7 +281,7 @@ def _timeline(h: CaseHistory) -> list[str]:
         if s.refunded_units:
             units.append(f"+{s.refunded_units}")
         if s.balance_after is not None and units:
-            units.append(f"= {s.balance_after}")
+            units.append(f"({s.balance_after} left)")
         rejection = ""
         if s.rejection_code:
             rejection = f"<b>{_e(s.rejection_code)}</b>: {_e(s.rejection_detail or '')}"

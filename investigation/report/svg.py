@@ -103,7 +103,7 @@ def timeline(steps: Sequence[Any], hypothesis_ids: Sequence[int]) -> str:
     if any(s.hypothesis_id is None for s in steps):
         rows.append(None)
     max_seq = max((s.seq for s in steps), default=1)
-    cell = min(22.0, max(2.0, 900.0 / max_seq))
+    cell = min(48.0, max(2.0, 900.0 / max_seq))
     left, top, row_h = 78.0, 8.0, 20.0
     x = _Scale(max_seq, left, cell * max_seq)
     height = top + row_h * len(rows) + 34
@@ -143,7 +143,7 @@ def confidence(series: dict[int, list[tuple[int, str]]], max_seq: int) -> str:
     """
     levels = list(CONFIDENCE_ORDER)
     left, top, band = 128.0, 10.0, 26.0
-    width = min(900.0, max(360.0, 6.0 * max_seq))
+    width = 900.0
     x = _Scale(max_seq, left, width)
     bottom = top + band * (len(levels) - 1)
 
@@ -251,7 +251,7 @@ def bars(values: Sequence[tuple[int, float | None]], max_seq: int, label: str,
          unit: str, cls: str, fmt: Callable[[float], str] = lambda v: f"{v:g}") -> str:
     """A bar per step (``(step_seq, value)``; ``None`` draws nothing)."""
     left, top, plot_h = 56.0, 16.0, 70.0
-    cell = min(22.0, max(2.0, 900.0 / max(1, max_seq)))
+    cell = min(48.0, max(2.0, 900.0 / max(1, max_seq)))
     x = _Scale(max_seq, left, cell * max(1, max_seq))
     top_value = max([v for _, v in values if v is not None] + [0.0]) or 1.0
     body = [f'<text x="{_f(left)}" y="11" fill="#333">{svg_text(label)}</text>',
