@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from investigation.cases.reader import PackageReader
 from investigation.config import InvestigationConfig
@@ -115,13 +116,12 @@ def replies_check(
         for v in result.lines:
             why = v.detail if v.code is None else f"{v.code}: {v.detail}"
             if v.outcome in ("BLOCKED", "COMPLETED", "DEFERRED"):
-                why += f" [{v.outcome}]"
-            for note in v.notes:
-                why += f"\n- {note}"
+                why += f" ({v.outcome})"
+            text = "\n".join(term(part) for part in [why, *(f"- {n}" for n in v.notes)])
             table.add_row(str(v.line), "" if v.call_index is None else str(v.call_index),
                           "" if v.step_seq is None else str(v.step_seq),
                           "" if v.hypothesis_id is None else f"H{v.hypothesis_id}",
-                          f"[{_STYLE[v.verdict]}]{v.verdict}[/]", term(why))
+                          Text(v.verdict, style=_STYLE[v.verdict]), Text(text))
         out.print(table)
         counts = ", ".join(f"{n} {k}" for k, n in result.counts.items() if n)
         out.print(term(f"{counts or 'no reply lines'}; after the last line: {result.end}"),

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from investigation.errors import InvestigationError
 from investigation.external_tests import AsyncTestCoordinator
@@ -75,7 +76,7 @@ def tests_list(case_id: CaseArg, as_json: JsonOpt = False) -> None:
                   "evidence")
     for r in rows:
         table.add_row(r["request_id"], str(r["hypothesis_id"]), r["kind"], r["status"],
-                      r["deadline_at"], _term(r["request"]["test"]["title"]),
+                      r["deadline_at"], Text(_term(r["request"]["test"]["title"])),
                       r["evidence_id"] or "")
     out.print(table)
 

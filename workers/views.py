@@ -94,8 +94,8 @@ def status_view(info: dict[str, Any], g: Guidance | None = None) -> RenderableTy
             table.add_row(str(a["hypothesis_id"]), label, a["confidence"],
                           f"{a['balance_units']}/{a['credit_units']}", str(a["iterations"]),
                           a["pending_evidence_id"] or "",
-                          f"{rej['code']} (step {rej['step_seq']}, {a['invalid_streak']} in "
-                          f"a row)" if rej else "")
+                          Text(term(f"{rej['code']} (step {rej['step_seq']}, "
+                                    f"{a['invalid_streak']} in a row)")) if rej else "")
         parts.append(table)
         for a in info["accounts"]:
             if a["last_rejection"]:
