@@ -241,6 +241,11 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
                       f"investigate status {case} --watch")))
         if f.steps == 0 and f.last_outcome is None:
             return Guidance("No step has run yet.", tuple(_continue(f, mode, providers)))
+        if f.last_outcome == "RESUMED":
+            return Guidance(f"The case was resumed (it was {f.last_reason}); it goes on when "
+                            "it runs again.",
+                            (*_continue(f, mode, providers),
+                             Step("watch it", f"investigate status {case} --watch")))
         return Guidance(f"The case is investigating (last outcome {f.last_outcome}"
                         + (f", {f.last_reason}" if f.last_reason else "") + ").",
                         (*_continue(f, mode, providers),

@@ -67,6 +67,10 @@ def test_states_and_outcomes() -> None:
     pending = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
                             retry_not_before="2030-01-01T00:00:00+00:00"))
     assert "2030-01-01T00:00:00+00:00" in pending.headline and not pending.final
+    resumed = advise(_facts(state="INVESTIGATING", last_outcome="RESUMED",
+                            last_reason="INVALID_LLM_RESPONSES"), "embedded", "p.toml")
+    assert "resumed (it was INVALID_LLM_RESPONSES)" in resumed.headline
+    assert resumed.steps[0].command == f"investigate run {CASE} --providers p.toml"
     fresh = advise(_facts(state="INVESTIGATING", steps=0, last_outcome=None))
     assert fresh.headline == "No step has run yet."
     yielded = advise(_facts(state="INVESTIGATING", last_outcome="YIELDED",
