@@ -176,3 +176,17 @@ def test_repeated_case_add_says_what_it_did(tmp_path: Path,
                    "--hypotheses", str(tmp_path / "h.json"))
     assert other.exit_code == 0 and other.stdout.strip() != case_id
     assert f"also registered as {case_id}" in other.stderr
+
+
+def test_watch_follows_a_case_that_moves_until_it_completes(tiny_case: Case) -> None:
+    from workers.progress import watch
+
+    investigator = tiny_case.investigator()
+    buf = io.StringIO()
+    info = watch(Console(file=buf, width=200), tiny_case.store, tiny_case.case_id, 0.0,
+                 sleep=lambda _s: investigator.step(tiny_case.case_id))
+    assert info["state"] == "BUILDING_DIAGNOSIS"
+    lines = [ln for ln in buf.getvalue().splitlines() if f"case {tiny_case.case_id}:" in ln]
+    assert [ln.split(", step ")[1].split(",")[0] for ln in lines] == ["0", "1", "2", "3", "4",
+                                                                      "5"]
+    assert "next: The investigation is complete" in buf.getvalue()
