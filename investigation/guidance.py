@@ -104,6 +104,11 @@ class Guidance:
         return {"headline": self.headline, "final": self.final,
                 "steps": [s.to_dict() for s in self.steps]}
 
+    @property
+    def first_command(self) -> str | None:
+        """The first command to run, or ``None`` (for a one-line view such as a case list)."""
+        return next((s.command for s in self.steps if s.command), None)
+
     def lines(self) -> list[str]:
         """Plain text lines: the headline, then ``  - text`` / ``      $ command``."""
         out = [self.headline]

@@ -21,7 +21,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from investigation.constants import BLOCKED, COMPLETED
+from investigation.constants import CASE_INVESTIGATING
 from investigation.guidance import for_case
 from investigation.loop.outcome import Outcome
 from investigation.operations import status
@@ -126,7 +126,7 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
         while True:
             info = status(store, case_id)
             g = for_case(store, case_id)
-            settled = info["state"] != "INVESTIGATING"
+            settled = info["state"] != CASE_INVESTIGATING
             if live is not None:
                 live.update(status_view(info, g if settled else None))
             else:
@@ -152,4 +152,4 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
             live.__exit__(None, None, None)
 
 
-__all__ = ["BLOCKED", "COMPLETED", "RunProgress", "progress_view", "watch"]
+__all__ = ["RunProgress", "progress_view", "watch"]
