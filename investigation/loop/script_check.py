@@ -21,14 +21,14 @@ own rules over a simulation of the case that starts from the case as stored:
 What cannot be known without running the queries: how many items a query finds and how
 many are new. That decides ``SUPPORT_WITHOUT_FINDINGS``, the refunds (so
 ``BUDGET_UNAFFORDABLE`` and exhaustion), ``low_information`` closing turns
-(``ACTION_NOT_ALLOWED``) and the early-diagnosis review. The check therefore runs two
-worlds: one where every query of the file finds only new items, one where every query
-finds nothing (a query repeating one its hypothesis already made is a duplicate in both:
-the snapshot is immutable). A line both worlds judge the same way gets that verdict; a
-line they judge differently is ``depends``, with both verdicts. Once the worlds disagree on
-whose turn a call is, later lines are judged in the first world only and say so. Other
-assumptions: external tests can be handed out (every runtime built from settings has a
-feedback key) and test feedback, when it comes, is new information.
+(``ACTION_NOT_ALLOWED``) and the early-diagnosis review. The walk therefore assumes that
+every query of the file finds only new items, and judges each line a second time on the
+same history as if every query of the file had found nothing (a query repeating one its
+hypothesis already made is a duplicate either way: the snapshot is immutable). A line
+both judge the same way gets that verdict; otherwise it is ``depends``, with both
+verdicts (or both hypotheses, when whose turn it is differs). Other assumptions: external
+tests can be handed out (every runtime built from settings has a feedback key) and test
+feedback, when it comes, is new information.
 """
 
 from __future__ import annotations
@@ -460,8 +460,9 @@ def check_script(store: Store, case_id: str, path: Path,
         calls = len(s.exec(select(StageRun.id).where(
             StageRun.case_id == case_id, StageRun.stage == "llm_call")).all())
         awaiting = s.exec(select(TestRequest).where(
-            TestRequest.case_id == case_id, TestRequest.status.in_(  # type: ignore[attr-defined]
-                ("awaiting", "submitted"))).order_by(col(TestRequest.id))).all()
+            TestRequest.case_id == case_id,
+            col(TestRequest.status).in_(("awaiting", "submitted")))
+            .order_by(col(TestRequest.id))).all()
         state, reason, head = case.state, case.blocked_reason, case.head_seq
     credit = cfg.budget.credit_units
     accounts = [stored_accounts.get(h) or BudgetAccount(
