@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test install install-test services lint typecheck bench clean test-models
+.PHONY: demo test install install-test services lint typecheck bench bench-report clean test-models
 
 # The real-model target (`make test-models`): its own venv with llama-cpp-python built
 # from PyPI for the CPU (a native build can die on an illegal instruction on some of
@@ -57,6 +57,9 @@ test-models: $(MODELS_VENV)/.installed services
 bench: install-test services
 	$(PY) bench/step_overhead.py
 	$(PY) bench/search.py
+
+bench-report: install-test services
+	$(PY) bench/report_render.py
 
 clean:
 	rm -rf $(VENV) $(MODELS_VENV) .investigate var

@@ -34,7 +34,8 @@ from __future__ import annotations
 import logging
 import re
 
-__all__ = ["UNSAFE_RANGES", "EscapingLogFilter", "escape_text", "first_unsafe", "is_unsafe"]
+__all__ = ["UNSAFE_RANGES", "EscapingLogFilter", "escape_text", "first_unsafe", "is_unsafe",
+           "unsafe_characters"]
 
 #: Inclusive code point ranges that are never shown as themselves (see the module
 #: docstring): Unicode general categories Cc, Cf, Zl, Zp and Cs as of Unicode 15.1.
@@ -64,6 +65,12 @@ def _char_class(keep: str) -> re.Pattern[str]:
     return re.compile("[" + "".join(
         re.escape(chr(low)) + ("" if low == high else "-" + re.escape(chr(high)))
         for low, high in parts) + "]")
+
+
+def unsafe_characters(keep: str = "") -> re.Pattern[str]:
+    """A compiled character class of :data:`UNSAFE_RANGES` without the characters in
+    ``keep`` (for formats that show the characters their own way, e.g. the HTML report)."""
+    return _char_class(keep)
 
 
 _UNSAFE_LINE = _char_class("\t")

@@ -135,10 +135,11 @@ class Case:
         return Investigator(self.env(config, feedback_key=feedback_key))
 
 
-def build_tiny_package(root: Path) -> Path:
-    """Write the tiny source tree, report, db and logs under ``root``; return the ZIP."""
+def build_tiny_package(root: Path, source: dict[str, str] | None = None) -> Path:
+    """Write the tiny source tree (or ``source``), report, db and logs under ``root``;
+    return the ZIP."""
     src = root / "src"
-    for rel, text in SOURCE.items():
+    for rel, text in (SOURCE if source is None else source).items():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text(text)
     (root / "report.md").write_text(REPORT)
@@ -152,12 +153,13 @@ def build_tiny_package(root: Path) -> Path:
 def make_case(root: Path, replies: list[dict[str, Any]] | list[str] | None = None,
               database_url: str | None = None, gateway_toml: str = "",
               hypotheses: list[dict[str, Any]] | None = None,
-              interpretation: dict[str, Any] | None = None) -> Case:
+              interpretation: dict[str, Any] | None = None,
+              source: dict[str, str] | None = None) -> Case:
     """Build, register and script a tiny case under ``root`` (default: the two
     :data:`HYPOTHESES`; another ``interpretation`` gives another case id, so several
-    cases can share one store)."""
+    cases can share one store; ``source`` replaces the tiny source tree)."""
     root.mkdir(parents=True, exist_ok=True)
-    package = build_tiny_package(root)
+    package = build_tiny_package(root, source)
     store = Store(database_url or f"sqlite:///{root / 'store.db'}")
     store.create_schema()
     case_id = register_case(store, package.read_bytes(), interpretation or INTERPRETATION,

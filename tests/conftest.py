@@ -37,6 +37,28 @@ def need_service(name: str, host: str, port: int) -> None:
     pytest.skip(message)
 
 
+#: Debian's Chromium (``apt-get install chromium``; scripts/ensure-services.sh installs it).
+CHROMIUM = os.environ.get("TEST_CHROMIUM", "/usr/bin/chromium")
+
+
+def need_browser() -> str:
+    """The Chromium executable and Playwright's client: skip locally, fail in CI when
+    either is missing (CI must have them: scripts/ensure-services.sh, the test extras)."""
+    problem = None
+    if not Path(CHROMIUM).is_file():
+        problem = f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
+    else:
+        try:
+            import playwright.sync_api  # noqa: F401
+        except ImportError:
+            problem = "the playwright package is missing (pip install -e '.[test]')"
+    if problem is None:
+        return CHROMIUM
+    if IN_CI:
+        pytest.fail(problem + " (CI must provide it: scripts/ensure-services.sh)")
+    pytest.skip(problem)
+
+
 @pytest.fixture
 def tiny_case(tmp_path: Path) -> Case:
     """The tiny shop case on a fresh SQLite store with the happy scripted replies."""

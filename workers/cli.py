@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sqlite3
 import sys
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import closing, suppress
 from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -22,29 +21,85 @@ import typer
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 from rich.console import Console
-from rich.table import Table
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
+from investigation import guidance
+from investigation.cases import registration
 from investigation.cases.builder import build_package
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import load_hypotheses, load_interpretation, register_case
 from investigation.config import InvestigationConfig
-from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
+from investigation.constants import BLOCKED
 from investigation.errors import InvestigationError, LockBusy
-from investigation.llm.spend import format_money
 from investigation.loop.outcome import Outcome
 from investigation.operations import cancel, export, pause, resume, status, summary_bytes
 from investigation.store import Store
 from investigation.text_safety import EscapingLogFilter, escape_text
 from workers.settings import Settings, load_settings
+from workers.views import outcome_line, print_guidance, status_view, term
+
+#: A case id as the examples show it.
+EXAMPLE_CASE = "case-30bce92d9fa25a72"
+
+
+def example(*commands: str) -> str:
+    """The ``Example:`` epilog of a command (the help walker test requires one)."""
+    return "Example:\n\n" + "\n\n".join(f"  $ {c}" for c in commands)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("investigation-engine")
+        except PackageNotFoundError:  # a source tree that was not installed
+            number = "unknown (not installed)"
+        typer.echo(f"investigate {number}")
+        raise typer.Exit()
+
 
 app = typer.Typer(help="Investigate software bug cases with a language model.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-case_app = typer.Typer(help="Build and register case packages.", no_args_is_help=True)
+                  no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
+                  epilog=example("investigate demo",
+                                 f"investigate status {EXAMPLE_CASE}",
+                                 "investigate --install-completion"))
+
+
+@app.callback()
+def _main(
+    show_version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True,
+        help="Print the installed version and exit.")] = False,
+) -> None:
+    """Investigate software bug cases with a language model.
+
+    Start with `investigate demo`; `investigate COMMAND --help` shows each command's
+    options and an example.
+    """
+
+
+case_app = typer.Typer(help="Build and register case packages.", no_args_is_help=True,
+                       epilog=example("investigate case build --source ~/src/shop "
+                                      "--report report.md -o case.zip",
+                                      "investigate case add case.zip --interpretation "
+                                      "interpretation.json --hypotheses hypotheses.json"))
 app.add_typer(case_app, name="case")
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
+
+#: Help of every ``CASE`` argument and ``--json`` option.
+CASE_HELP = "the case id that `investigate case add` printed, e.g. " + EXAMPLE_CASE
+JSON_HELP = "print the result as one JSON object on stdout instead of text"
+CaseArg = Annotated[str, typer.Argument(metavar="CASE", help=CASE_HELP)]
+JsonOpt = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -150,36 +205,37 @@ def _term(text: object) -> str:
     escapes included) shown as visible escapes (``investigation.text_safety``). Print the
     result with ``markup=False`` (or as a Rich ``Text``), so that Rich markup in untrusted
     text stays text."""
-    return escape_text(str(text))
+    return term(text)
 
 
 def _print_outcome(o: Outcome) -> None:
-    extra = f" until {o.retry_not_before.isoformat()}" if o.retry_not_before else ""
-    hyp = f" H{o.hypothesis_id}" if o.hypothesis_id is not None else ""
-    out.print(f"step {o.step_seq:>3}{hyp}: {o.outcome}"
-              + (f" ({o.reason})" if o.reason else "") + extra, highlight=False)
-    detail = o.details.get("rejection") or o.details.get("error_code")
-    if detail:
-        out.print(_term(f"         {detail}: {o.details.get('message', '')}".rstrip(": ")),
-                  highlight=False, markup=False)
+    for line in outcome_line(o):
+        out.print(line, highlight=False, markup=False)
 
 
 # -- case ----------------------------------------------------------------------------------
 
 
-@case_app.command("build")
+@case_app.command("build", epilog=example(
+    "investigate case build --source ~/src/shop --report report.md --db shop.sqlite "
+    "--logs logs/ -o case.zip"))
 @_controlled
 def case_build(
-    source: Annotated[Path, typer.Option("--source", help="directory or git checkout")],
-    report: Annotated[Path, typer.Option("--report", help="bug report file")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="package ZIP to write")],
-    db: Annotated[Path | None, typer.Option("--db", help="SQLite database")] = None,
-    logs: Annotated[Path | None, typer.Option("--logs", help="logs directory")] = None,
+    source: Annotated[Path, typer.Option(
+        "--source", help="the source tree: a directory or a git checkout (its tracked "
+        "files); paths in queries are relative to it")],
+    report: Annotated[Path, typer.Option("--report", help="the bug report (a text file)")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="the package ZIP to write")],
+    db: Annotated[Path | None, typer.Option(
+        "--db", help="a SQLite database snapshot to pack (queried read-only)")] = None,
+    logs: Annotated[Path | None, typer.Option(
+        "--logs", help="a directory of log files to pack")] = None,
     allow_secrets: Annotated[bool, typer.Option(
         "--allow-secrets", help="pack files in which the secret scan found secrets "
         "(tool results still mask them)")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Make a case package (ZIP with manifest) from a source tree and a report.
+    """Make a case package (a ZIP with its manifest) from a source tree and a report.
 
     The report, source and logs are scanned for secrets (detect-secrets); a finding
     refuses the build (PKG_SECRETS_FOUND, listing file:line: type) unless --allow-secrets.
@@ -189,21 +245,52 @@ def case_build(
     for finding in info.secrets:
         err.print(_term(f"warning: packed a secret (--allow-secrets): {finding}"),
                   markup=False, highlight=False)
+    if as_json:
+        _print_json({"package_id": info.package_id, "path": str(info.path),
+                     "size_bytes": info.size_bytes, "file_count": info.file_count,
+                     "secrets_allowed": [str(f) for f in info.secrets]})
+        return
     out.print(f"package {info.package_id}")
     out.print(f"wrote {info.path} ({info.size_bytes} bytes, {info.file_count} files)")
 
 
-@case_app.command("add")
+@case_app.command("add", epilog=example(
+    "investigate case add case.zip --interpretation interpretation.json "
+    "--hypotheses hypotheses.json",
+    "investigate case add big.zip --interpretation i.json --hypotheses h.json "
+    "--package-limits limits.toml"))
 @_controlled
 def case_add(
-    package: Annotated[Path, typer.Argument(help="package ZIP")],
-    interpretation: Annotated[Path, typer.Option("--interpretation")],
-    hypotheses: Annotated[Path, typer.Option("--hypotheses")],
-    config: Annotated[Path | None, typer.Option("--config")] = None,
+    package: Annotated[Path, typer.Argument(help="the package ZIP `case build` wrote")],
+    interpretation: Annotated[Path, typer.Option(
+        "--interpretation", help='the accepted interpretation: a JSON object with at least '
+        '"summary"')],
+    hypotheses: Annotated[Path, typer.Option(
+        "--hypotheses", help='the hypotheses: a JSON array of {"id": int, "statement": str}')],
+    package_limits: Annotated[Path | None, typer.Option(
+        "--package-limits", help="a TOML file whose package table sets the package limits "
+        "(entries, sizes, compression ratio, name length) the package is validated "
+        "against; only that table is read. The loop and budget policy is not set here: "
+        "`run --config` sets it")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", hidden=True, help="deprecated name of --package-limits")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Register a case (revision 1); prints its id."""
+    """Register a case (revision 1); prints its id.
+
+    Adding the same package, interpretation and hypotheses again changes nothing and
+    prints the same id; a note on stderr says so, and says when the package limits given
+    now differ from those of the first registration.
+    """
+    if config is not None:
+        err.print("note: `case add --config` is deprecated; it only ever set the package "
+                  "limits: use --package-limits", highlight=False, markup=False)
+        if package_limits is not None:
+            raise InvestigationError("CONFIG_INVALID",
+                                     "give --package-limits only (--config is its old name)")
+        package_limits = config
     settings = _settings()
-    cfg = InvestigationConfig.load(config)
+    cfg = InvestigationConfig.load(package_limits)
     try:
         size = package.stat().st_size
         if not package.is_file() or size > cfg.package.max_total_bytes:
@@ -214,83 +301,88 @@ def case_add(
         data = package.read_bytes()
     except OSError as exc:
         raise InvestigationError("PKG_UNREADABLE", f"cannot read {package}: {exc}") from exc
-    case_id = register_case(_store(settings), data, load_interpretation(interpretation),
-                            load_hypotheses(hypotheses), PackageReader(cfg.package))
+    store = _store(settings)
+    interp, hyps = load_interpretation(interpretation), load_hypotheses(hypotheses)
+    before = registration.look_up(store, data, interp, hyps)
+    case_id = register_case(store, data, interp, hyps, PackageReader(cfg.package))
+    registration.record_limits(store, case_id, cfg.package)
+    notes: list[str] = []
+    changes = before.limit_changes(cfg.package)
+    if before.existed:
+        notes.append(f"case {case_id} was already registered with this package, "
+                     "interpretation and hypotheses; nothing changed")
+        if changes:
+            notes.append("the package limits given now differ from those it was first added "
+                         "with (" + "; ".join(changes) + "); they only validated the package "
+                         "again. A run validates the package with the package table of "
+                         "its own --config")
+        elif before.recorded_limits is None:
+            notes.append("the package limits of its first registration were not recorded")
+    elif before.other_cases:
+        notes.append(f"this package is also registered as {', '.join(before.other_cases)} "
+                     "(other interpretation or hypotheses); this is a new case")
+    if as_json:
+        _print_json({"case_id": case_id, "existed": before.existed,
+                     "other_cases": list(before.other_cases), "limit_changes": changes,
+                     "notes": notes})
+        return
+    for note in notes:
+        err.print(f"note: {note}", highlight=False, markup=False)
     out.print(case_id)
 
 
 # -- investigate ---------------------------------------------------------------------------
 
 
-def _run_embedded(settings: Settings, case_id: str, config: Path | None,
-                  providers: Path | None, max_steps: int | None, wait: bool) -> Outcome:
-    from workers import runtime
-    from workers.embedded import run_case
-
-    _store(settings, existing=True)
-    rt = runtime.embedded(settings, config, providers)
-    return run_case(rt, case_id, max_steps=max_steps, wait=wait, on_step=_print_outcome)
-
-
-def _finish(settings: Settings, case_id: str, outcome: Outcome) -> None:
-    out.print(f"case {case_id}: {outcome.outcome}"
-              + (f" ({outcome.reason})" if outcome.reason else ""), highlight=False)
-    if outcome.outcome == COMPLETED:
-        target = settings.home / "exports" / case_id
-        shutil.rmtree(target, ignore_errors=True)
-        export(_store(settings), case_id, target)
-        path = (target / "analysis" / "investigation" / "summary.md").resolve()
-        out.print(f"summary: {path}", highlight=False, soft_wrap=True)
-    elif outcome.outcome == BLOCKED:
-        raise typer.Exit(1)
-    elif outcome.outcome == RETRY_PENDING:
-        raise typer.Exit(4)
-
-
-@app.command("run")
-@_controlled
-def run(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    config: Annotated[Path | None, typer.Option("--config", help="policy TOML")] = None,
-    providers: Annotated[Path | None, typer.Option("--providers", help="providers TOML")] = None,
-    max_steps: Annotated[int | None, typer.Option("--max-steps", min=1)] = None,
-    wait: Annotated[bool, typer.Option(help="wait out provider backoff in this process")] = True,
-) -> None:
-    """Investigate on the embedded runtime until a terminal or blocked outcome."""
-    settings = _settings()
-    outcome = _run_embedded(settings, case_id, config, providers, max_steps, wait)
-    _finish(settings, case_id, outcome)
-
-
-@app.command("dispatch")
+@app.command("dispatch", epilog=example(f"investigate dispatch {EXAMPLE_CASE}",
+                                        f"investigate dispatch {EXAMPLE_CASE} --max-steps 4"))
 @_controlled
 def dispatch_cmd(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    max_steps: Annotated[int | None, typer.Option("--max-steps", min=1)] = None,
+    case_id: CaseArg,
+    max_steps: Annotated[int | None, typer.Option(
+        "--max-steps", min=1, help="steps of this dispatch before it yields to other cases "
+        "(default: the policy's max_steps_per_dispatch)")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Enqueue a dispatch for the distributed workers (takes the case lock, never waits)."""
+    """Enqueue a dispatch for the distributed workers (takes the case lock, never waits).
+
+    Watch it with `investigate status CASE --watch`.
+    """
     from workers import runtime
     from workers.tasks import start_dispatch
 
     settings = _settings()
-    _store(settings, existing=True)
+    store = _store(settings, existing=True)
     runtime.configure(runtime.distributed(settings))
     token = start_dispatch(case_id, max_steps)
     if isinstance(token, Outcome):
-        out.print(f"case {case_id}: {token.outcome}"
-                  + (f" ({token.reason})" if token.reason else "")
-                  + "; nothing to dispatch", highlight=False)
+        g = guidance.for_case(store, case_id, "distributed")
+        if as_json:
+            _print_json({"case_id": case_id, "dispatched": False,
+                         "outcome": token.to_dict(), "next": g.to_dict()})
+        else:
+            out.print(f"case {case_id}: {token.outcome}"
+                      + (f" ({token.reason})" if token.reason else "")
+                      + "; nothing to dispatch", highlight=False)
+            print_guidance(out, g)
         if token.outcome == BLOCKED:
             raise typer.Exit(1)
         return
+    if as_json:
+        _print_json({"case_id": case_id, "dispatched": True, "lock_token": token[:8]})
+        return
     out.print(f"dispatched {case_id} (lock token {token[:8]}...)", highlight=False)
+    out.print(f"watch it: investigate status {case_id} --watch", highlight=False)
 
 
-@app.command("worker")
+@app.command("worker", epilog=example("investigate worker --concurrency 2",
+                                      "investigate worker --concurrency 2 --beat"))
 @_controlled
 def worker(
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 2,
-    loglevel: Annotated[str, typer.Option("--loglevel")] = "INFO",
+    concurrency: Annotated[int, typer.Option(
+        "--concurrency", "-c", min=1, help="worker processes (prefork children)")] = 2,
+    loglevel: Annotated[str, typer.Option(
+        "--loglevel", help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
     pool: Annotated[str, typer.Option("--pool", help="prefork or solo")] = "prefork",
     beat: Annotated[bool, typer.Option(
         "--beat", help="also run the periodic recovery sweep (start exactly one such worker)")
@@ -335,11 +427,13 @@ def worker(
     celery_app.worker_main(argv)
 
 
-@app.command("recover")
+@app.command("recover", epilog=example("investigate recover", "investigate recover --json"))
 @_controlled
-def recover_cmd(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Re-dispatch every case whose stored state shows pending work (after Redis lost
-    its data, or a dispatch was lost); cases whose dispatch is alive are left alone.
+def recover_cmd(as_json: JsonOpt = False) -> None:
+    """Re-dispatch every case whose stored state shows pending work.
+
+    Use it after Redis lost its data or a dispatch was lost; cases whose dispatch is
+    alive are left alone.
 
     Exit 0 when every pending case was dispatched or is busy; 2 when a case could not be
     dispatched (its code is printed).
@@ -371,11 +465,13 @@ def recover_cmd(as_json: Annotated[bool, typer.Option("--json")] = False) -> Non
         raise typer.Exit(2)
 
 
-@app.command("flower")
+@app.command("flower", epilog=example("investigate flower --port 5555"))
 @_controlled
 def flower(
-    port: Annotated[int, typer.Option("--port")] = 5555,
-    address: Annotated[str, typer.Option("--address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="the TCP port Flower listens on")] = 5555,
+    address: Annotated[str, typer.Option(
+        "--address", help="the address Flower binds (keep 127.0.0.1 behind a proxy)")
+    ] = "127.0.0.1",
 ) -> None:
     """Start Flower (Celery's monitor) on the configured broker."""
     _settings()  # a broken environment fails here, as one line
@@ -387,159 +483,145 @@ def flower(
 # -- operator ------------------------------------------------------------------------------
 
 
-@app.command("status")
+@app.command("status", epilog=example(f"investigate status {EXAMPLE_CASE}",
+                                      f"investigate status {EXAMPLE_CASE} --watch",
+                                      f"investigate status {EXAMPLE_CASE} --json"))
 @_controlled
 def status_cmd(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    case_id: CaseArg,
+    as_json: JsonOpt = False,
+    watch: Annotated[bool, typer.Option(
+        "--watch", help="redraw every --interval seconds until the case completes, blocks "
+        "or stops (for dispatched cases); Ctrl-C leaves")] = False,
+    interval: Annotated[float, typer.Option(
+        "--interval", min=0.2, help="seconds between redraws with --watch")] = 2.0,
 ) -> None:
-    """State, outcome, blocked reason, balances, evidence count."""
-    info = status(_store(_settings(), existing=True), case_id)
+    """State, outcome, blocked reason, balances, evidence count, and what to do next."""
+    settings = _settings()
+    store = _store(settings, existing=True)
+    if watch and not as_json:
+        from workers.progress import watch as watch_case
+
+        with suppress(KeyboardInterrupt):
+            watch_case(out, store, case_id, interval)
+        return
+    info = status(store, case_id)
+    g = guidance.for_case(store, case_id)
     if as_json:  # model costs are in micros of limits.currency
-        sys.stdout.write(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        _print_json({**info, "next": g.to_dict()})
         return
-    out.print(f"case {info['case_id']}  state {info['state']}"
-              + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
-              + f"  published steps {info['steps']}  evidence {info['evidence_count']}"
-              + f"  open questions {info['open_questions']}", highlight=False)
-    if info["last_outcome"]:
-        out.print(f"last outcome {info['last_outcome']}"
-                  + (f" ({info['last_reason']})" if info["last_reason"] else "")
-                  + (f"  retry not before {info['retry_not_before']}"
-                     if info.get("retry_not_before") else ""), highlight=False)
-    if info["blocked_detail"]:
-        out.print(_term(f"why: {info['blocked_detail']}"), highlight=False, markup=False)
-    life = info["lifecycle"]
-    out.print(f"lifecycle {life['state']}"
-              + (f" (paused from {life['paused_from']})" if life.get("paused_from") else "")
-              + (f" ({life['termination_reason']})" if life.get("termination_reason") else "")
-              + (f"  iterations {life['iterations']}" if life.get("started") else
-                 "  (the session starts with the first step)"), highlight=False)
-    if not info["accounts"]:
-        out.print(f"{info['hypotheses']} hypotheses; no step has run yet", highlight=False)
-        return
-    table = Table("hypothesis", "status", "confidence", "balance", "iterations", "pending",
-                  "last rejection")
-    for a in info["accounts"]:
-        rej = a["last_rejection"]
-        label = a["status"]
-        if a["deferred_by"] is not None and label == "active":
-            label += f" (assessment-only, deferred by H{a['deferred_by']})"
-        table.add_row(str(a["hypothesis_id"]), label, a["confidence"],
-                      f"{a['balance_units']}/{a['credit_units']}", str(a["iterations"]),
-                      a["pending_evidence_id"] or "",
-                      f"{rej['code']} (step {rej['step_seq']}, {a['invalid_streak']} in a row)"
-                      if rej else "")
-    out.print(table)
-    for a in info["accounts"]:
-        if a["last_rejection"]:
-            out.print(_term(f"H{a['hypothesis_id']} last rejection: "
-                            f"{a['last_rejection']['code']}: {a['last_rejection']['detail']}"),
-                      highlight=False, markup=False)
-    usage = info["model_usage"]["hypotheses"]
-    if usage:
-        settings = _settings()
-        currency = (InvestigationConfig.load(settings.config) if settings.config
-                    else InvestigationConfig()).limits.currency
-        model = Table("hypothesis", "model calls", "attempts", "prompt tokens",
-                      "completion tokens", "cost",
-                      title="model usage (separate from investigation units)")
-        for u in usage:
-            model.add_row("unrecorded" if u["hypothesis_id"] is None else
-                          str(u["hypothesis_id"]), str(u["calls"]), str(u["attempts"]),
-                          str(u["prompt_tokens"]),
-                          str(u["completion_tokens"]),
-                          "not priced" if u["cost_micros"] < 0 else
-                          format_money(u["cost_micros"], currency))
-        out.print(model)
+    currency = (InvestigationConfig.load(settings.config) if settings.config
+                else InvestigationConfig()).limits.currency
+    out.print(status_view(info, g, currency))
 
 
-@app.command("resume")
+@app.command("resume", epilog=example(
+    f"investigate resume {EXAMPLE_CASE}",
+    f"investigate resume {EXAMPLE_CASE} --retry-id retry-7-1"))
 @_controlled
 def resume_cmd(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    retry_id: Annotated[str | None, typer.Option("--retry-id")] = None,
+    case_id: CaseArg,
+    retry_id: Annotated[str | None, typer.Option(
+        "--retry-id", help="for a case blocked by its provider or its money cap "
+        "(PROVIDER_EXHAUSTED, MODEL_COST_CAP, "
+        "PROVIDER_CONFIGURATION, PROVIDER_CREDENTIALS): a new, never used id that opens a "
+        "new provider operation for the blocked call, after you fixed the cause. `status` "
+        "suggests one. It resets no iteration, credit or evidence")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Operator resume of a paused or blocked case (then `run` or `dispatch` it)."""
-    info = resume(_store(_settings(), existing=True), case_id, retry_id)
+    settings = _settings()
+    store = _store(settings, existing=True)
+    try:
+        info = resume(store, case_id, retry_id)
+    except InvestigationError as exc:
+        if exc.code in ("RETRY_ID_REQUIRED", "RETRY_ID_REUSED"):
+            fresh = guidance.facts_for(store, case_id).retry_id
+            err.print(f"try: investigate resume {case_id} --retry-id {fresh}",
+                      highlight=False, markup=False)
+        raise
+    g = guidance.for_case(store, case_id)
+    if as_json:
+        _print_json({**info, "next": g.to_dict()})
+        return
     out.print(f"resumed {case_id} (was {info['resumed_from']})"
               + (f"; now {info['state']}" if info.get("state") else ""), highlight=False)
+    print_guidance(out, g)
 
 
-@app.command("pause")
+@app.command("pause", epilog=example(f"investigate pause {EXAMPLE_CASE}"))
 @_controlled
-def pause_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
+def pause_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Pause a case at its next stage boundary (`resume` continues exactly there)."""
     info = pause(_store(_settings(), existing=True), case_id)
+    if as_json:
+        _print_json(info)
+        return
     out.print(f"paused {case_id} (was {info['paused_from']}); a running stage finishes, "
               "no new one starts", highlight=False)
+    out.print(f"continue later with: investigate resume {case_id}", highlight=False)
 
 
-@app.command("cancel")
+@app.command("cancel", epilog=example(f"investigate cancel {EXAMPLE_CASE}"))
 @_controlled
-def cancel_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
+def cancel_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Cancel a case for good at its next stage boundary (finished stages are kept)."""
     info = cancel(_store(_settings(), existing=True), case_id)
+    if as_json:
+        _print_json(info)
+        return
     out.print(f"cancelled {case_id} (was {info['cancelled_from']})", highlight=False)
 
 
-@app.command("summary")
+@app.command("summary", epilog=example(f"investigate summary {EXAMPLE_CASE}",
+                                       f"investigate summary {EXAMPLE_CASE} --json"))
 @_controlled
-def summary_cmd(case_id: Annotated[str, typer.Argument(metavar="CASE")]) -> None:
-    """Print summary.md (any control, bidirectional or zero-width character a stored
-    summary holds is shown as a visible escape; ``export`` writes the exact bytes)."""
+def summary_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
+    """Print summary.md (written when every hypothesis account is terminal). Any control,
+    bidirectional or zero-width character a stored summary holds is shown as a visible
+    escape; ``export`` writes the exact bytes."""
     data = summary_bytes(_store(_settings(), existing=True), case_id)
+    if as_json:
+        import hashlib
+
+        _print_json({"case_id": case_id, "path": "analysis/investigation/summary.md",
+                     "sha256": hashlib.sha256(data).hexdigest(),
+                     "markdown": data.decode("utf-8")})
+        return
     shown = escape_text(data.decode("utf-8", "replace"), newlines=True)
     sys.stdout.buffer.write(shown.encode("utf-8"))
     sys.stdout.flush()
 
 
-@app.command("export")
+@app.command("export", epilog=example(f"investigate export {EXAMPLE_CASE} ./export"))
 @_controlled
 def export_cmd(
-    case_id: Annotated[str, typer.Argument(metavar="CASE")],
-    directory: Annotated[Path, typer.Argument(metavar="DIR")],
+    case_id: CaseArg,
+    directory: Annotated[Path, typer.Argument(
+        metavar="DIR", help="a new or empty directory to write the artifact tree into")],
+    as_json: JsonOpt = False,
 ) -> None:
-    """Write the case's artifact tree byte for byte."""
+    """Write the case's artifact tree byte for byte (with manifest.json of sha256s)."""
     paths = export(_store(_settings(), existing=True), case_id, directory)
+    if as_json:
+        _print_json({"case_id": case_id, "directory": str(directory), "artifacts": paths})
+        return
     out.print(f"wrote {len(paths)} artifacts under {directory}", highlight=False)
 
 
-@app.command("demo")
-@_controlled
-def demo() -> None:
-    """The real demo case (sqlite-utils 3.35, a real bug), end to end, embedded runtime."""
-    from workers import demo as demo_mod
-
-    settings = _settings()
-    work = settings.home / "demo"
-    settings = settings.model_copy(update={
-        "home": work, "database_url": f"sqlite:///{(work / 'investigation.db').resolve()}"})
-    work.mkdir(parents=True, exist_ok=True)
-    for stale in ("investigation.db", "investigation.db-wal", "investigation.db-shm"):
-        (work / stale).unlink(missing_ok=True)
-    case = demo_mod.prepare_case(_store(settings), PackageReader(InvestigationConfig().package),
-                                 work, announce=lambda text: out.print(text, highlight=False))
-    out.print(f"case {case.case_id} registered from {case.package_path}", highlight=False)
-    with demo_mod.replay_server() as server:
-        providers = work / "providers.toml"
-        providers.write_text(demo_mod.providers_toml(server.base_url))
-        out.print(f"model replies served by {server.base_url} (OpenAI-compatible, loopback)",
-                  highlight=False)
-        outcome = _run_embedded(settings, case.case_id, None, providers, None, True)
-    _finish(settings, case.case_id, outcome)
-    if outcome.outcome != COMPLETED:
-        raise typer.Exit(1)
-
-
-from workers import (  # noqa: E402  (their commands use the helpers above)
+from workers import (  # noqa: E402  (they use the helpers above)
     cli_providers,
+    cli_report,
+    cli_run,
     cli_tests,
 )
 
+cli_run.register(app)
 app.add_typer(cli_tests.tests_app, name="tests")
 app.add_typer(cli_tests.feedback_app, name="feedback")
 app.add_typer(cli_providers.providers_app, name="providers")
+app.add_typer(cli_report.replies_app, name="replies")
+cli_report.register(app)
 
 
 def main() -> None:

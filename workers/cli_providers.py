@@ -17,10 +17,11 @@ from rich.table import Table
 
 from investigation.config import InvestigationConfig, ProvidersConfig
 from investigation.loop.probe import ProbeResult, probe_provider
-from workers.cli import _controlled, _settings, _term, out
+from workers.cli import _controlled, _settings, _term, example, out
 
 providers_app: typer.Typer = typer.Typer(
-    help="Check model providers before a case needs them.", no_args_is_help=True)
+    help="Check model providers before a case needs them.", no_args_is_help=True,
+    epilog=example("investigate providers check --providers providers.toml"))
 
 #: What each verdict says about the checks, in the order they happen.
 CHECKS = ("reachable", "dialect accepted", "reply valid")
@@ -35,7 +36,9 @@ def _marks(result: ProbeResult) -> list[str]:
             for i in range(len(CHECKS))]
 
 
-@providers_app.command("check")
+@providers_app.command("check", epilog=example(
+    "investigate providers check --providers providers.toml",
+    "investigate providers check --providers providers.toml --json"))
 @_controlled
 def check(
     providers: Annotated[Path, typer.Option(
@@ -47,10 +50,9 @@ def check(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per provider")]
         = False,
 ) -> None:
-    """Send every provider one probe turn, as a case's first turn, and judge the reply.
-
-    Example: investigate providers check --providers providers.toml
-    """
+    """Send every provider one probe turn, as a case's first turn, and judge the reply:
+    reachable, dialect accepted, reply valid, seconds and tokens per second. Exit 1 when
+    a provider fails a check."""
     path = providers if str(providers) else _settings().providers
     if path is None or not str(path):
         typer.echo("give --providers FILE (or set INVESTIGATE_PROVIDERS)", err=True)

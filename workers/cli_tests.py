@@ -16,14 +16,28 @@ from rich.text import Text
 
 from investigation.errors import InvestigationError
 from investigation.external_tests import AsyncTestCoordinator
-from workers.cli import _controlled, _settings, _store, _term, out
+from workers.cli import (
+    EXAMPLE_CASE,
+    CaseArg,
+    JsonOpt,
+    _controlled,
+    _settings,
+    _store,
+    _term,
+    example,
+    out,
+)
 
-tests_app: typer.Typer = typer.Typer(help="External tests handed out by investigations.",
-                        no_args_is_help=True)
-feedback_app: typer.Typer = typer.Typer(help="Submit and confirm external test feedback.",
-                           no_args_is_help=True)
+tests_app: typer.Typer = typer.Typer(
+    help="External tests handed out by investigations.", no_args_is_help=True,
+    epilog=example(f"investigate tests list {EXAMPLE_CASE}",
+                   f"investigate tests show {EXAMPLE_CASE} T1 --secret"))
+feedback_app: typer.Typer = typer.Typer(
+    help="Submit and confirm external test feedback.", no_args_is_help=True,
+    epilog=example(f"investigate feedback submit {EXAMPLE_CASE} T1 --secret S --outcome "
+                   "as_expected --observation 'the total was 90'",
+                   f"investigate feedback confirm {EXAMPLE_CASE} T1 --secret S --digest D"))
 
-CaseArg = Annotated[str, typer.Argument(metavar="CASE")]
 RequestArg = Annotated[str, typer.Argument(metavar="REQUEST", help="test request id, e.g. T1")]
 SecretOpt = Annotated[str, typer.Option(
     "--secret", envvar="INVESTIGATE_FEEDBACK_SECRET",
@@ -46,10 +60,10 @@ def _print_json(data: Any) -> None:
     out.print_json(json.dumps(data))
 
 
-@tests_app.command("list")
+@tests_app.command("list", epilog=example(f"investigate tests list {EXAMPLE_CASE}",
+                                         f"investigate tests list {EXAMPLE_CASE} --json"))
 @_controlled
-def tests_list(case_id: CaseArg,
-               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+def tests_list(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Every test request of a case with its status and deadline."""
     rows = _coordinator().list_requests(case_id)
     if as_json:
@@ -67,13 +81,14 @@ def tests_list(case_id: CaseArg,
     out.print(table)
 
 
-@tests_app.command("show")
+@tests_app.command("show", epilog=example(f"investigate tests show {EXAMPLE_CASE} T1",
+                                         f"investigate tests show {EXAMPLE_CASE} T1 --secret"))
 @_controlled
 def tests_show(case_id: CaseArg, request_id: RequestArg,
                secret: Annotated[bool, typer.Option(
                    "--secret", help="also print the request's feedback secret (needs the "
                    "feedback key)")] = False,
-               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+               as_json: JsonOpt = False) -> None:
     """The exact request handed out (title, instructions, expected observation)."""
     coordinator = _coordinator(need_key=secret)
     info = coordinator.show(case_id, request_id)
@@ -100,12 +115,15 @@ def tests_show(case_id: CaseArg, request_id: RequestArg,
         out.print(_term(line), highlight=False, markup=False)
 
 
-@tests_app.command("expire")
+@tests_app.command("expire", epilog=example("investigate tests expire"))
 @_controlled
-def tests_expire() -> None:
+def tests_expire(as_json: JsonOpt = False) -> None:
     """Record every test whose deadline passed as a result without feedback (the
     recovery sweep does this too)."""
     done = _coordinator().expire_due()
+    if as_json:
+        _print_json(done)
+        return
     for d in done:
         out.print(f"{d['case_id']} {d['request_id']}: deadline passed, recorded as "
                   f"{d['evidence_id']}", highlight=False)
@@ -130,14 +148,23 @@ def _read_observation(path: Path) -> str:
         raise InvestigationError("FEEDBACK_INVALID", f"{path} is not UTF-8 text") from exc
 
 
-@feedback_app.command("submit")
+@feedback_app.command("submit", epilog=example(
+    f"investigate feedback submit {EXAMPLE_CASE} T1 --secret S --outcome as_expected "
+    "--observation 'the total was 90'",
+    f"investigate feedback submit {EXAMPLE_CASE} T1 --secret S --outcome inconclusive "
+    "--observation-file seen.txt"))
 @_controlled
 def feedback_submit(
     case_id: CaseArg, request_id: RequestArg, secret: SecretOpt,
     outcome: Annotated[str, typer.Option(
         "--outcome", help="as_expected | not_as_expected | inconclusive")],
-    observation: Annotated[str | None, typer.Option("--observation")] = None,
-    observation_file: Annotated[Path | None, typer.Option("--observation-file")] = None,
+    observation: Annotated[str | None, typer.Option(
+        "--observation", help="what was observed, as text (at most 8,000 characters)")
+    ] = None,
+    observation_file: Annotated[Path | None, typer.Option(
+        "--observation-file", help="a UTF-8 file holding what was observed (instead of "
+        "--observation)")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Step 1: submit feedback; prints the digest to confirm it with."""
     if (observation is None) == (observation_file is None):
@@ -147,19 +174,27 @@ def feedback_submit(
         _read_observation(observation_file)  # type: ignore[arg-type]
     res = _coordinator().submit(case_id, request_id, secret,
                                 {"outcome": outcome, "observation": text})
+    if as_json:
+        _print_json(res)
+        return
     out.print(f"{request_id}: submitted, digest {res['feedback_sha256']}", highlight=False)
     out.print(f"confirm with: investigate feedback confirm {case_id} {request_id} "
               f"--digest {res['feedback_sha256']} --secret ...", highlight=False)
 
 
-@feedback_app.command("confirm")
+@feedback_app.command("confirm", epilog=example(
+    f"investigate feedback confirm {EXAMPLE_CASE} T1 --secret S --digest D"))
 @_controlled
 def feedback_confirm(
     case_id: CaseArg, request_id: RequestArg, secret: SecretOpt,
     digest: Annotated[str, typer.Option("--digest", help="the digest printed by submit")],
+    as_json: JsonOpt = False,
 ) -> None:
     """Step 2: confirm the submitted feedback; it becomes evidence and the case resumes."""
     res = _coordinator().confirm(case_id, request_id, secret, digest)
+    if as_json:
+        _print_json(res)
+        return
     out.print(f"{request_id}: confirmed as evidence {res['evidence_id']}; case {case_id} is "
               f"{res['case_state']}", highlight=False)
     out.print(f"continue with: investigate run {case_id} (embedded) or investigate dispatch "

@@ -1,0 +1,415 @@
+"""What to do next, with the exact command, for every state a case can be left in.
+
+One place maps each scheduling outcome, blocked reason and case state to advice an
+operator can follow from the command line (``docs/operations.md``, "Blocked cases"). Every
+command that shows an outcome (``run``, ``dispatch``, ``status``, ``resume``, the HTML
+report, ...) prints :func:`advise`'s steps, so the words stay the same everywhere.
+
+Two layers:
+
+* :func:`advise` is pure: it turns :class:`CaseFacts` into a :class:`Guidance`.
+* :func:`facts_for` reads those facts from the store (one short read transaction).
+
+Covered situations (a test checks every code below has its own advice):
+
+==============================  ====================================================
+state / reason                  advice
+==============================  ====================================================
+``BUILDING_DIAGNOSIS``          read the summary and the report
+``INVESTIGATING`` (no step)     start it: ``run`` / ``dispatch``
+``INVESTIGATING`` ``YIELDED``   continue: ``run`` / ``dispatch``
+``RETRY_PENDING``               nothing: it comes back at ``retry_not_before``
+``INVALID_LLM_RESPONSES``       fix the model or the reply file, ``resume``, ``run``
+``PROVIDER_EXHAUSTED``          make the provider reachable, ``resume --retry-id``
+``PROVIDER_CONFIGURATION``      fix the providers file (or the script), ``--retry-id``
+``PROVIDER_CREDENTIALS``        set the key variable, ``resume --retry-id``
+``AWAITING_TEST_FEEDBACK``      ``tests show``, ``feedback submit`` / ``confirm``
+``STAGE_POISONED``              read the worker logs, ``resume``, ``dispatch``
+``STAGE_TIME_LIMIT``            raise the worker's time limit, ``resume``, ``dispatch``
+``MODEL_COST_CAP``              raise ``limits.max_model_cost``, ``resume --retry-id``
+``PAUSED``                      ``resume`` (or ``cancel``)
+``CANCELLED``                   final: keep the record (``report``, ``export``)
+``STOPPED`` ``SESSION_*``       final: a lifecycle bound ended it
+==============================  ====================================================
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sqlmodel import col, select
+
+from investigation.constants import (
+    BLOCK_AWAITING_TEST_FEEDBACK,
+    BLOCK_INVALID_LLM_RESPONSES,
+    BLOCK_MODEL_COST_CAP,
+    BLOCK_PROVIDER_CONFIGURATION,
+    BLOCK_PROVIDER_CREDENTIALS,
+    BLOCK_PROVIDER_EXHAUSTED,
+    BLOCK_STAGE_POISONED,
+    BLOCK_STAGE_TIME_LIMIT,
+    CASE_BLOCKED,
+    CASE_BUILDING_DIAGNOSIS,
+    CASE_CANCELLED,
+    CASE_INVESTIGATING,
+    CASE_PAUSED,
+    CASE_STOPPED,
+    RETRY_PENDING,
+)
+from investigation.errors import InvestigationError
+from investigation.store.engine import Store
+from investigation.store.models import (
+    BudgetAccount,
+    CaseRecord,
+    LLMOperation,
+    StageRun,
+    TestRequest,
+)
+
+#: Where the advice is shown: ``embedded`` (``run``), ``distributed`` (``dispatch``,
+#: workers) or ``None`` when the caller cannot tell (``status``): both ways are given.
+Mode = Literal["embedded", "distributed"] | None
+
+#: Every blocked reason the engine sets (``constants.BLOCK_*``); each has its own advice.
+BLOCK_REASONS = (BLOCK_INVALID_LLM_RESPONSES, BLOCK_PROVIDER_EXHAUSTED,
+                 BLOCK_PROVIDER_CONFIGURATION, BLOCK_PROVIDER_CREDENTIALS,
+                 BLOCK_MODEL_COST_CAP, BLOCK_AWAITING_TEST_FEEDBACK, BLOCK_STAGE_POISONED,
+                 BLOCK_STAGE_TIME_LIMIT)
+_PROVIDER_BLOCKS = (BLOCK_PROVIDER_EXHAUSTED, BLOCK_PROVIDER_CONFIGURATION,
+                    BLOCK_PROVIDER_CREDENTIALS, BLOCK_MODEL_COST_CAP)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing to do: what and why (``text``), and the command that does it, if any."""
+
+    text: str
+    command: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "command": self.command}
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """Advice for one case: a one-line ``headline`` and the ``steps`` in order.
+
+    ``final`` is True when nothing can continue the case (completed, cancelled, stopped).
+    """
+
+    headline: str
+    steps: tuple[Step, ...]
+    final: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (``status --json`` ``next``)."""
+        return {"headline": self.headline, "final": self.final,
+                "steps": [s.to_dict() for s in self.steps]}
+
+    @property
+    def first_command(self) -> str | None:
+        """The first command to run, or ``None`` (for a one-line view such as a case list)."""
+        return next((s.command for s in self.steps if s.command), None)
+
+    def lines(self) -> list[str]:
+        """Plain text lines: the headline, then ``  - text`` / ``      $ command``."""
+        out = [self.headline]
+        for step in self.steps:
+            out.append(f"  - {step.text}")
+            if step.command:
+                out.append(f"      $ {step.command}")
+        return out
+
+
+@dataclass(frozen=True)
+class CaseFacts:
+    """What the advice depends on (all read from the store by :func:`facts_for`).
+
+    Attributes:
+        case_id: the case.
+        state: the case state (``INVESTIGATING``, ``BLOCKED``, ``PAUSED``, ...).
+        blocked_reason: the block reason (kept while paused), or ``None``.
+        last_outcome, last_reason: the last scheduling outcome and its reason code.
+        steps: published steps (the case head).
+        retry_not_before: ISO 8601 time of a pending provider backoff, or ``None``.
+        error_code, error_message: the last provider failure or rejected reply, if any.
+        next_call_index: the 0-based index of the next model call (a scripted provider
+            serves line ``next_call_index + 1`` of its file for it).
+        retry_id: a retry id this case has never used (for ``resume --retry-id``).
+        awaiting_tests: request ids of external tests that wait for feedback.
+    """
+
+    case_id: str
+    state: str
+    blocked_reason: str | None = None
+    last_outcome: str | None = None
+    last_reason: str | None = None
+    steps: int = 0
+    retry_not_before: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    next_call_index: int = 0
+    retry_id: str = "retry-1"
+    awaiting_tests: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _q(value: str) -> str:
+    return shlex.quote(value)
+
+
+def _continue(f: CaseFacts, mode: Mode, providers: str | None) -> list[Step]:
+    """How to make the case run again on the runtime in use."""
+    case = _q(f.case_id)
+    run = f"investigate run {case} --providers " + (_q(providers) if providers
+                                                      else "PROVIDERS.toml")
+    dispatch = f"investigate dispatch {case}"
+    if mode == "embedded":
+        return [Step("run it again" + ("" if providers else
+                                        " (with the providers file you use)"), run)]
+    if mode == "distributed":
+        return [Step("dispatch it to the workers (or let the recovery sweep do it)",
+                     dispatch)]
+    return [Step("embedded runtime: run it again" + ("" if providers else
+                                                     " with your providers file"), run),
+            Step("distributed runtime: dispatch it to the workers", dispatch)]
+
+
+def _script_hint(f: CaseFacts, replies: str | None) -> Step:
+    where = "the scripted reply file" if replies else \
+        "if the replies come from a scripted JSON Lines file: the file"
+    return Step(f"{where}: the next model call (call {f.next_call_index}) reads its line "
+                f"{f.next_call_index + 1} (lines already served stay in place); check the "
+                "file against the case before running it",
+                f"investigate replies check {_q(replies) if replies else 'REPLIES.jsonl'} "
+                f"{_q(f.case_id)}")
+
+
+def _why(f: CaseFacts) -> str:
+    if f.error_code:
+        return f" ({f.error_code}: {f.error_message})" if f.error_message else \
+            f" ({f.error_code})"
+    return ""
+
+
+def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
+           replies: str | None = None) -> Guidance:
+    """The advice for a case in the situation ``f`` describes.
+
+    Args:
+        f: the case's facts (:func:`facts_for`).
+        mode: the runtime the caller uses (``embedded``/``distributed``), or ``None``.
+        providers: the providers file the caller ran with, to repeat it in commands.
+        replies: the scripted reply file that providers file names, if any.
+
+    Returns:
+        The :class:`Guidance`; never raises for an unknown reason (a generic advice).
+    """
+    case = _q(f.case_id)
+    reason = f.blocked_reason
+    report = Step("see the whole investigation in a browser",
+                  f"investigate report {case} -o report.html")
+    if f.state == CASE_BUILDING_DIAGNOSIS:
+        return Guidance("The investigation is complete: every hypothesis account is "
+                        "terminal (state BUILDING_DIAGNOSIS).",
+                        (Step("read the summary", f"investigate summary {case}"), report,
+                         Step("write every artifact to a directory",
+                              f"investigate export {case} EXPORT_DIR")), final=True)
+    if f.state == CASE_CANCELLED:
+        return Guidance("The case was cancelled; nothing more runs. Everything done so far "
+                        "is kept.",
+                        (report, Step("write every artifact to a directory",
+                                      f"investigate export {case} EXPORT_DIR")), final=True)
+    if f.state == CASE_STOPPED:
+        return Guidance(f"The case stopped for good: its lifecycle session ended "
+                        f"({reason}), for example when limits.max_execution_seconds ran "
+                        "out. Everything done so far is kept.",
+                        (report, Step("to investigate further, register the case again "
+                                      "with a new interpretation (a new case) and a policy "
+                                      "with a larger bound")), final=True)
+    if f.state == CASE_PAUSED:
+        held = f" (it was blocked for {reason}; a resume restores that block)" if reason \
+            else ""
+        return Guidance(f"The case is paused by an operator{held}.",
+                        (Step("resume it where it stopped", f"investigate resume {case}"),
+                         *(_continue(f, mode, None) if not reason else []),
+                         Step("or stop it for good", f"investigate cancel {case}")))
+    if f.state == CASE_BLOCKED:
+        return _blocked(f, mode, providers, report, replies)
+    if f.state == CASE_INVESTIGATING:
+        if f.last_outcome == RETRY_PENDING:
+            return Guidance(
+                f"The provider asked for a pause{_why(f)}: the case continues by itself "
+                f"after {f.retry_not_before} (no worker waits meanwhile).",
+                (Step("embedded: `run` waits in the command (or exits 4 with --no-wait); "
+                      "run it again after that time",
+                      f"investigate run {case} --providers "
+                      + (_q(providers) if providers else "PROVIDERS.toml")),
+                 Step("distributed: the workers come back by themselves; watch it",
+                      f"investigate status {case} --watch")))
+        if f.steps == 0 and f.last_outcome is None:
+            return Guidance("No step has run yet.", tuple(_continue(f, mode, providers)))
+        if f.last_outcome == "RESUMED":
+            return Guidance(f"The case was resumed (it was {f.last_reason}); it goes on when "
+                            "it runs again.",
+                            (*_continue(f, mode, providers),
+                             Step("watch it", f"investigate status {case} --watch")))
+        return Guidance(f"The case is investigating (last outcome {f.last_outcome}"
+                        + (f", {f.last_reason}" if f.last_reason else "") + ").",
+                        (*_continue(f, mode, providers),
+                         Step("watch it", f"investigate status {case} --watch")))
+    return Guidance(f"The case is {f.state}" + (f" ({reason})" if reason else "") + ".",
+                    (Step("see its state", f"investigate status {case}"), report))
+
+
+def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
+             replies: str | None) -> Guidance:
+    case = _q(f.case_id)
+    reason = f.blocked_reason
+    resume_retry = Step("then open a new provider operation for the blocked call (a new "
+                        "retry id each time; it keeps every iteration, credit and evidence)",
+                        f"investigate resume {case} --retry-id {_q(f.retry_id)}")
+    if reason == BLOCK_INVALID_LLM_RESPONSES:
+        return Guidance(
+            f"Blocked: the model's replies broke the reply contract several times in a "
+            f"row{_why(f)}. Budgets, evidence and the pending work are kept.",
+            (Step("fix what produced them: the model, its server's structured-output "
+                  "setting, or the reply file (docs/reply-contract.md lists every rule; "
+                  "`investigate status` shows the last rejection of each hypothesis)"),
+             _script_hint(f, replies),
+             Step("then resume the case", f"investigate resume {case}"),
+             *_continue(f, mode, providers)))
+    if reason == BLOCK_PROVIDER_EXHAUSTED:
+        return Guidance(
+            f"Blocked: every attempt to reach the model failed{_why(f)}. Nothing was "
+            "charged.",
+            (Step("make the provider reachable (is the server up? the base_url and "
+                  "timeout_s in the providers file right?)"),
+             resume_retry, *_continue(f, mode, providers)))
+    if reason == BLOCK_PROVIDER_CONFIGURATION:
+        script = f.error_code in ("PROVIDER_SCRIPT_EXHAUSTED", "PROVIDER_SCRIPT_UNREADABLE")
+        fix = Step("add replies to the scripted file (or fix it): "
+                   f"the blocked call {f.next_call_index} reads line "
+                   f"{f.next_call_index + 1}") if script else \
+            Step("fix the providers file: the model name, base_url, structured_output "
+                 "dialect, or add a provider with a larger context")
+        return Guidance(
+            f"Blocked: the provider refused the request as configured{_why(f)}. Nothing "
+            "was charged.",
+            (fix, *([_script_hint(f, replies)] if script else []), resume_retry,
+             *_continue(f, mode, providers)))
+    if reason == BLOCK_PROVIDER_CREDENTIALS:
+        return Guidance(
+            f"Blocked: the provider refused the credentials{_why(f)}.",
+            (Step("set the environment variable the providers file names in api_key_env "
+                  "(the key itself never goes into a file or the store)"),
+             resume_retry, *_continue(f, mode, providers)))
+    if reason == BLOCK_AWAITING_TEST_FEEDBACK:
+        first = f.awaiting_tests[0] if f.awaiting_tests else "T1"
+        return Guidance(
+            "Waiting for external test feedback: a person or a rig runs the test the model "
+            "handed out and reports what they saw; no worker waits meanwhile.",
+            (Step("read the test (--secret also prints the feedback secret)",
+                  f"investigate tests show {case} {first} --secret"),
+             Step("report the observation (step 1 of 2; it prints a digest)",
+                  f"investigate feedback submit {case} {first} --secret SECRET "
+                  "--outcome as_expected --observation 'what was seen'"),
+             Step("confirm it (step 2 of 2); the case then continues",
+                  f"investigate feedback confirm {case} {first} --secret SECRET "
+                  "--digest DIGEST"),
+             *_continue(f, mode, providers)))
+    if reason == BLOCK_STAGE_POISONED:
+        return Guidance(
+            f"Blocked: one stage kept killing its worker{_why(f)}.",
+            (Step("find the cause in the worker logs (memory limit, a native crash on this "
+                  "case's data) and fix it"),
+             Step("then resume (this resets the delivery counters)",
+                  f"investigate resume {case}"),
+             *_continue(f, "distributed" if mode is None else mode, providers)))
+    if reason == BLOCK_MODEL_COST_CAP:
+        return Guidance(
+            f"Blocked: the case's model calls reached their money cap{_why(f)}. Nothing "
+            "more was sent.",
+            (Step("raise [limits] max_model_cost in the policy file the runtime reads "
+                  "(--config, or INVESTIGATE_CONFIG for workers), if the case is worth it"),
+             resume_retry, *_continue(f, mode, providers)))
+    if reason == BLOCK_STAGE_TIME_LIMIT:
+        return Guidance(
+            f"Blocked: a worker time limit stopped a stage{_why(f)}.",
+            (Step("raise the worker's --soft-time-limit/--time-limit above the stage's "
+                  "longest run (a model call's timeout_s, at least), or find why it was "
+                  "slow"),
+             Step("then resume the case", f"investigate resume {case}"),
+             *_continue(f, "distributed" if mode is None else mode, providers)))
+    if reason in ("PAUSED", CASE_PAUSED):
+        return Guidance("The case is paused.", (Step("resume it",
+                                                     f"investigate resume {case}"),))
+    return Guidance(f"Blocked ({reason}){_why(f)}.",
+                    (Step("see the details", f"investigate status {case}"),
+                     Step("resume it after fixing the cause", f"investigate resume {case}"),
+                     report))
+
+
+def facts_for(store: Store, case_id: str) -> CaseFacts:
+    """Read the :class:`CaseFacts` of a case.
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``.
+    """
+    with store.session() as s:
+        case = s.get(CaseRecord, case_id)
+        if case is None:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+        ops = s.exec(select(LLMOperation).where(LLMOperation.case_id == case_id)
+                     .order_by(col(LLMOperation.id))).all()
+        calls = len(s.exec(select(StageRun.id).where(
+            StageRun.case_id == case_id, StageRun.stage == "llm_call")).all())
+        tests = s.exec(select(TestRequest.request_id).where(
+            TestRequest.case_id == case_id, TestRequest.status == "awaiting")
+            .order_by(col(TestRequest.id))).all()
+        error_code = error_message = None
+        reason = case.blocked_reason
+        if reason in _PROVIDER_BLOCKS or case.last_outcome == RETRY_PENDING:
+            failed = [o for o in ops if o.error_code]
+            if failed:
+                error_code, error_message = failed[-1].error_code, failed[-1].error_message
+        elif reason == BLOCK_INVALID_LLM_RESPONSES:
+            rows = s.exec(select(BudgetAccount).where(
+                BudgetAccount.case_id == case_id,
+                BudgetAccount.revision == case.current_revision,
+                col(BudgetAccount.last_rejection_json).is_not(None))).all()
+            latest = max((json.loads(r.last_rejection_json or "{}") for r in rows),
+                         key=lambda r: int(r.get("step_seq", 0)), default=None)
+            if latest:
+                error_code, error_message = latest.get("code"), latest.get("detail")
+        used = {o.retry_id for o in ops} | {case.llm_retry_id}
+        n = 1
+        while f"retry-{case.head_seq + 1}-{n}" in used:
+            n += 1
+        return CaseFacts(
+            case_id=case.id, state=case.state, blocked_reason=reason,
+            last_outcome=case.last_outcome, last_reason=case.last_reason,
+            steps=case.head_seq,
+            retry_not_before=case.retry_not_before.isoformat()
+            if case.retry_not_before else None,
+            error_code=error_code,
+            error_message=(error_message or "")[:300] or None,
+            next_call_index=calls, retry_id=f"retry-{case.head_seq + 1}-{n}",
+            awaiting_tests=tuple(tests))
+
+
+def for_case(store: Store, case_id: str, mode: Mode = None, providers: str | None = None,
+             env: str = "", replies: str | None = None) -> Guidance:
+    """:func:`advise` for the case as stored now.
+
+    Args:
+        env: prefixed to every command, e.g. ``"INVESTIGATE_HOME=.investigate/demo "`` when
+            the case lives in a store the default settings do not point at.
+    """
+    g = advise(facts_for(store, case_id), mode, providers, replies)
+    if not env:
+        return g
+    return Guidance(g.headline, tuple(Step(s.text, env + s.command if s.command else None)
+                                      for s in g.steps), g.final)

@@ -1,0 +1,39 @@
+"""The visual case report (``investigate report CASE -o report.html``).
+
+:func:`render_report` returns the page; :func:`write_report` writes it. See
+``investigation.report.html`` for what the page shows and ``docs/report.md``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from investigation.report.history import CaseHistory, StepRow, case_history
+from investigation.report.html import render
+from investigation.store.engine import Store
+
+__all__ = ["CaseHistory", "StepRow", "case_history", "render_report", "write_report"]
+
+
+def render_report(store: Store, case_id: str, env: str = "") -> str:
+    """The self-contained HTML report of ``case_id`` (``env`` prefixes the commands of its
+    next steps, e.g. ``"INVESTIGATE_HOME=.investigate/demo "``).
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``.
+    """
+    return render(case_history(store, case_id, env))
+
+
+def write_report(store: Store, case_id: str, path: Path, env: str = "") -> int:
+    """Write the report to ``path`` (UTF-8; replaced atomically). Returns its size in bytes.
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``.
+        OSError: the file cannot be written.
+    """
+    data = render_report(store, case_id, env).encode("utf-8", "backslashreplace")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return len(data)

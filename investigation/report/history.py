@@ -1,0 +1,301 @@
+"""A case's whole investigation history as plain data, read from the store.
+
+:func:`case_history` gathers, in one read transaction and one query per table, what the
+HTML report (``investigation.report.html``) draws: every step (hypothesis, action,
+operation, outcome, rejection code, model time, tokens), each hypothesis's confidence
+over the steps, each account's ledger (credit, charges, refunds, balance after), the
+evidence with its findings and artifact paths, the questions, the external tests, the
+early-diagnosis reviews, the lifecycle and what to do next.
+
+Only stored rows are read (no artifact bytes, no clock): the same store gives the same
+history, except the model times, which are the attempts' recorded wall-clock durations.
+Every string in it is untrusted text as stored (the snapshot's, the model's); escaping
+is the renderer's job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlmodel import col, select
+
+from investigation.constants import ARTIFACT_RAW_RESULT
+from investigation.external_tests.coordinator import FEEDBACK_OPERATION
+from investigation.guidance import Guidance, for_case
+from investigation.operations import status
+from investigation.store.engine import Store
+from investigation.store.models import (
+    Checkpoint,
+    Evidence,
+    HypothesisBirth,
+    LedgerEntry,
+    LLMAttempt,
+    LLMOperation,
+    Plan,
+    Question,
+    RevisionRecord,
+    StageRun,
+    TestRequest,
+)
+
+#: Ledger kinds in the order they happen within one step (settle before reserve).
+_KIND_ORDER = {"credit": 0, "refund": 1, "reserve": 2}
+
+
+@dataclass
+class StepRow:
+    """One step of the case (a published checkpoint, or the step in progress).
+
+    ``model_ms`` sums the recorded duration of every finished attempt of the step's model
+    calls; ``prompt_tokens``/``completion_tokens`` are ``None`` when no provider reported
+    them (a scripted provider reports none).
+    """
+
+    seq: int
+    hypothesis_id: int | None
+    published: bool
+    outcome: str | None
+    reason: str | None
+    closing_step: bool = False
+    action: str | None = None
+    operation: str | None = None
+    arguments: Any = None
+    confidence: str | None = None
+    score: int | None = None
+    note: str = ""
+    rejection_code: str | None = None
+    rejection_detail: str | None = None
+    evidence_id: str | None = None
+    charged_units: int = 0
+    refunded_units: int = 0
+    balance_after: int | None = None
+    model_ms: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    attempts: int = 0
+    providers: list[str] = field(default_factory=list)
+    provider_errors: list[str] = field(default_factory=list)
+    new_questions: list[str] = field(default_factory=list)
+    resolved_questions: list[str] = field(default_factory=list)
+    test_request: str | None = None
+
+
+@dataclass
+class CaseHistory:
+    """Everything the report shows (see the module docstring)."""
+
+    status: dict[str, Any]
+    interpretation: dict[str, Any]
+    statements: dict[int, str]
+    steps: list[StepRow]
+    confidence: dict[int, list[tuple[int, str]]]
+    ledger: dict[int, list[dict[str, Any]]]
+    evidence: list[dict[str, Any]]
+    questions: list[dict[str, Any]]
+    tests: list[dict[str, Any]]
+    reviews: list[dict[str, Any]]
+    guidance: Guidance
+
+    @property
+    def case_id(self) -> str:
+        return str(self.status["case_id"])
+
+
+def _ms(start: datetime | None, end: datetime | None) -> int | None:
+    if start is None or end is None:
+        return None
+    return max(0, round((end - start).total_seconds() * 1000))
+
+
+def _items(findings_json: str) -> list[dict[str, str]]:
+    """Each finding as ``{"key", "quote"}``: the snapshot's exact text (or the row as JSON)."""
+    out = []
+    for item in json.loads(findings_json):
+        if "text" in item:
+            quote = str(item["text"])
+        elif "row" in item:
+            quote = json.dumps(item["row"], sort_keys=True, ensure_ascii=False)
+        else:
+            quote = json.dumps({k: v for k, v in item.items() if k != "key"},
+                               sort_keys=True, ensure_ascii=False)
+        out.append({"key": str(item.get("key", "")), "quote": quote})
+    return out
+
+
+def case_history(store: Store, case_id: str, env: str = "") -> CaseHistory:
+    """Read the whole history of ``case_id`` (see the module docstring); ``env`` prefixes
+    the guidance's commands (``investigation.guidance.for_case``).
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``.
+    """
+    info = status(store, case_id)
+    guidance = for_case(store, case_id, env=env)
+    revision = int(info["revision"])
+    with store.session() as s:
+        rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == case_id,
+                                                  RevisionRecord.revision == revision)).one()
+        births = s.exec(select(HypothesisBirth).where(
+            HypothesisBirth.case_id == case_id, HypothesisBirth.revision == revision)
+            .order_by(col(HypothesisBirth.hypothesis_id))).all()
+        checkpoints = s.exec(select(Checkpoint).where(Checkpoint.case_id == case_id)
+                             .order_by(col(Checkpoint.seq))).all()
+        runs = s.exec(select(StageRun).where(
+            StageRun.case_id == case_id, StageRun.revision == revision,
+            col(StageRun.stage).in_(("build_context", "validate")))).all()
+        plans = s.exec(select(Plan).where(Plan.case_id == case_id, Plan.revision == revision)
+                       .order_by(col(Plan.step_seq))).all()
+        ledger_rows = s.exec(select(LedgerEntry).where(
+            LedgerEntry.case_id == case_id, LedgerEntry.revision == revision)).all()
+        evidence_rows = s.exec(select(Evidence).where(
+            Evidence.case_id == case_id, Evidence.revision == revision)
+            .order_by(col(Evidence.ordinal))).all()
+        question_rows = s.exec(select(Question).where(
+            Question.case_id == case_id, Question.revision == revision)
+            .order_by(col(Question.ordinal))).all()
+        operations = s.exec(select(LLMOperation).where(
+            LLMOperation.case_id == case_id, LLMOperation.revision == revision)).all()
+        op_step = {o.id: o.step_seq for o in operations}
+        attempts = s.exec(select(LLMAttempt).where(
+            col(LLMAttempt.operation_id).in_(list(op_step) or [-1]))
+            .order_by(col(LLMAttempt.id))).all()
+        test_rows = s.exec(select(TestRequest).where(
+            TestRequest.case_id == case_id, TestRequest.revision == revision)
+            .order_by(col(TestRequest.id))).all()
+
+    built: dict[int, dict[str, Any]] = {}
+    verdicts: dict[int, dict[str, Any]] = {}
+    for r in runs:
+        (built if r.stage == "build_context" else verdicts)[r.step_seq] = json.loads(
+            r.output_json)
+    published = {c.seq: c for c in checkpoints}
+    seqs = sorted(set(published) | set(built))
+    steps: dict[int, StepRow] = {}
+    for seq in seqs:
+        cp = published.get(seq)
+        b = built.get(seq, {})
+        hid = cp.hypothesis_id if cp is not None else b.get("hypothesis_id")
+        row = StepRow(seq=seq, hypothesis_id=hid, published=cp is not None,
+                      outcome=cp.outcome if cp else None, reason=cp.reason if cp else None,
+                      closing_step=bool(b.get("finalize")))
+        v = verdicts.get(seq)
+        if v is not None and v.get("accepted") is False:
+            row.rejection_code, row.rejection_detail = v.get("code"), v.get("detail")
+        steps[seq] = row
+    if seqs and not steps[seqs[-1]].published:  # the step in progress (blocked, backoff)
+        last = steps[seqs[-1]]
+        last.outcome, last.reason = info["last_outcome"], info["last_reason"]
+
+    for a in attempts:
+        at = steps.get(op_step.get(a.operation_id, -1))
+        if at is None:
+            continue
+        at.attempts += 1
+        if a.provider not in at.providers:
+            at.providers.append(a.provider)
+        if a.error_code:
+            at.provider_errors.append(a.error_code)
+        ms = _ms(a.started_at, a.finished_at)
+        if ms is not None:
+            at.model_ms = (at.model_ms or 0) + ms
+        if a.prompt_tokens is not None:
+            at.prompt_tokens = (at.prompt_tokens or 0) + a.prompt_tokens
+        if a.completion_tokens is not None:
+            at.completion_tokens = (at.completion_tokens or 0) + a.completion_tokens
+
+    confidence: dict[int, list[tuple[int, str]]] = {b.hypothesis_id: [(0, "unassessed")]
+                                                    for b in births}
+    reviews = []
+    for p in plans:
+        decision = json.loads(p.decision_json)
+        reply = decision["reply"]
+        upd, nxt = reply["update"], reply["next"]
+        confidence.setdefault(p.hypothesis_id, [(0, "unassessed")]).append(
+            (p.step_seq, upd["confidence"]))
+        planned = steps.get(p.step_seq)
+        if planned is not None:
+            planned.action, planned.operation = nxt["action"], nxt.get("operation")
+            planned.arguments = nxt.get("arguments") if "arguments" in nxt else (
+                nxt.get("test") or {"reason": nxt.get("reason", "")})
+            planned.confidence, planned.note = upd["confidence"], upd.get("note", "")
+            planned.score = (reply.get("assessment") or {}).get("score")
+            planned.new_questions = list(upd.get("new_questions", []))
+            planned.resolved_questions = list(upd.get("resolve_questions", []))
+        review = decision.get("early_diagnosis")
+        if review:
+            reviews.append({"step_seq": p.step_seq, "hypothesis_id": p.hypothesis_id,
+                            **review})
+
+    ledger: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for entry in sorted(ledger_rows, key=lambda x: (x.hypothesis_id, x.step_seq,
+                                                    _KIND_ORDER.get(x.kind, 9), x.id or 0)):
+        ledger[entry.hypothesis_id].append({
+            "step_seq": entry.step_seq, "kind": entry.kind,
+            "amount_units": entry.amount_units,
+            "balance_after_units": entry.balance_after_units, "reference": entry.reference})
+        moved = steps.get(entry.step_seq)
+        if moved is not None and entry.hypothesis_id == moved.hypothesis_id:
+            if entry.kind == "reserve":
+                moved.charged_units += -entry.amount_units
+            elif entry.kind == "refund":
+                moved.refunded_units += entry.amount_units
+            moved.balance_after = entry.balance_after_units
+
+    evidence = []
+    for e in evidence_rows:
+        if e.step_seq in steps:
+            steps[e.step_seq].evidence_id = steps[e.step_seq].evidence_id or e.evidence_id
+        evidence.append({
+            "evidence_id": e.evidence_id, "step_seq": e.step_seq,
+            "hypothesis_id": e.hypothesis_id, "operation": e.operation,
+            "arguments": json.loads(e.arguments_json), "item_count": e.item_count,
+            "new_item_count": e.new_item_count, "duplicate": e.duplicate,
+            "cost_units": e.cost_units, "assessed": e.assessed,
+            "assessment_score": e.assessment_score, "refund_units": e.refund_units,
+            "warnings": json.loads(e.warnings_json), "artifact_path": e.artifact_path,
+            "artifact_sha256": e.artifact_sha256,
+            "result_path": ARTIFACT_RAW_RESULT.format(seq=e.step_seq)
+            if e.operation != FEEDBACK_OPERATION else None,
+            "items": _items(e.findings_json)})
+    tests = []
+    for t in test_rows:
+        if t.step_seq in steps:
+            steps[t.step_seq].test_request = t.request_id
+        tests.append({"request_id": t.request_id, "step_seq": t.step_seq,
+                      "hypothesis_id": t.hypothesis_id, "kind": t.kind, "status": t.status,
+                      "deadline_at": t.deadline_at.isoformat(), "evidence_id": t.evidence_id,
+                      "artifact_path": t.artifact_path})
+    questions = [{"question_id": q.question_id, "hypothesis_id": q.hypothesis_id,
+                  "text": q.text, "status": q.status, "created_step": q.created_step,
+                  "resolved_step": q.resolved_step,
+                  "resolution_evidence": json.loads(q.resolution_evidence_json or "[]")}
+                 for q in question_rows]
+    return CaseHistory(
+        status=info, interpretation=json.loads(rev.interpretation_json),
+        statements={b.hypothesis_id: b.statement for b in births},
+        steps=[steps[k] for k in seqs], confidence=confidence, ledger=dict(ledger),
+        evidence=evidence, questions=questions, tests=tests, reviews=reviews,
+        guidance=guidance)
+
+
+def usage_totals(store: Store, case_id: str) -> dict[str, int | None]:
+    """Model time and tokens of every model call of the case so far.
+
+    Returns:
+        ``{"calls", "attempts", "model_ms", "prompt_tokens", "completion_tokens"}``; a
+        token total is ``None`` when no provider reported one.
+    """
+    with store.session() as s:
+        op_ids = s.exec(select(LLMOperation.id).where(LLMOperation.case_id == case_id)).all()
+        attempts = s.exec(select(LLMAttempt).where(
+            col(LLMAttempt.operation_id).in_(list(op_ids) or [-1]))).all()
+    prompt = [a.prompt_tokens for a in attempts if a.prompt_tokens is not None]
+    completion = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
+    return {"calls": len(op_ids), "attempts": len(attempts),
+            "model_ms": sum(_ms(a.started_at, a.finished_at) or 0 for a in attempts),
+            "prompt_tokens": sum(prompt) if prompt else None,
+            "completion_tokens": sum(completion) if completion else None}

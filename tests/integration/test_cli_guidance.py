@@ -1,0 +1,192 @@
+"""From a blocked case back to a finished one using only the command line's own words.
+
+Each test blocks a real case on purpose, then runs exactly the commands the output
+printed (``$ ...`` lines), changing only the placeholders a person fills in (the reply
+file's name); the case must complete. Also: ``status --json``/``--watch``, the live
+progress of ``run`` on a terminal and its quiet form elsewhere, and a repeated
+``case add``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner, Result
+
+from tests import casekit
+from tests.casekit import Case, make_case, q
+from workers.cli import app
+
+BAD = json.dumps(q("source.search", {"pattern": "x"}, evidence=["E9"]))
+HAPPY = [json.dumps(r) for r in casekit.HAPPY_REPLIES]
+
+
+@pytest.fixture
+def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Case]:
+    case = make_case(tmp_path / "case", replies=[BAD, BAD, BAD])
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    monkeypatch.delenv("INVESTIGATE_PROVIDERS", raising=False)
+    monkeypatch.delenv("INVESTIGATE_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    yield case
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(app, list(args))
+
+
+def commands(output: str) -> list[list[str]]:
+    """The ``$ investigate ...`` commands an output tells the user to run."""
+    found = []
+    for line in output.splitlines():
+        text = line.strip()
+        if text.startswith("$ investigate "):
+            found.append(shlex.split(text[2:])[1:])
+    return found
+
+
+def follow(cmd: list[str], replies: Path) -> Result:
+    args = [str(replies) if a == "REPLIES.jsonl" else a for a in cmd]
+    return invoke(*args)
+
+
+def test_three_invalid_replies_then_fix_and_resume(cli: Case) -> None:
+    providers = str(cli.providers_path)
+    ran = invoke("run", cli.case_id, "--providers", providers)
+    assert ran.exit_code == 1, ran.output
+    assert f"case {cli.case_id}: BLOCKED (INVALID_LLM_RESPONSES)" in ran.output
+    assert "UNKNOWN_EVIDENCE_ID" in ran.output and "next: Blocked" in ran.output
+    todo = commands(ran.output)
+    assert todo == [["replies", "check", "case/replies.jsonl", cli.case_id],
+                    ["resume", cli.case_id],
+                    ["run", cli.case_id, "--providers", providers]]
+    assert "the next model call (call 3) reads its line 4" in ran.output
+    # The user fixes the file: the three served lines stay, the next call reads line 4.
+    cli.replies_path.write_text("\n".join([BAD, BAD, BAD, *HAPPY]) + "\n")
+    checked = follow(todo[0], cli.replies_path)
+    assert checked.exit_code == 0, checked.output
+    assert "after `resume`, call 3 reads reply line 4" in checked.output
+    resumed = follow(todo[1], cli.replies_path)
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resumed {cli.case_id} (was INVALID_LLM_RESPONSES)" in resumed.output
+    assert ["run", cli.case_id, "--providers", "PROVIDERS.toml"] in commands(resumed.output)
+    done = follow(todo[2], cli.replies_path)
+    assert done.exit_code == 0, done.output
+    assert f"case {cli.case_id}: COMPLETED" in done.output
+    assert ["summary", cli.case_id] in commands(done.output)
+    assert follow(["summary", cli.case_id], cli.replies_path).exit_code == 0
+
+
+def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> None:
+    cli.replies_path.write_text("\n".join(HAPPY[:2]) + "\n")
+    providers = str(cli.providers_path)
+    ran = invoke("run", cli.case_id, "--providers", providers)
+    assert ran.exit_code == 1, ran.output
+    assert "BLOCKED (PROVIDER_CONFIGURATION)" in ran.output
+    assert "PROVIDER_SCRIPT_EXHAUSTED" in ran.output and "reads line 3" in ran.output
+    assert ["replies", "check", "case/replies.jsonl", cli.case_id] in commands(ran.output)
+    todo = commands(ran.output)
+    resume = next(c for c in todo if c[0] == "resume")
+    assert resume == ["resume", cli.case_id, "--retry-id", "retry-3-1"]
+    st = invoke("status", cli.case_id, "--json")
+    info = json.loads(st.stdout)
+    assert info["next"]["steps"][2]["command"] == f"investigate resume {cli.case_id} " \
+        "--retry-id retry-3-1"
+    plain = invoke("resume", cli.case_id)
+    assert plain.exit_code == 2 and "RETRY_ID_REQUIRED" in plain.output
+    assert f"try: investigate resume {cli.case_id} --retry-id retry-3-1" in plain.output
+    cli.replies_path.write_text("\n".join(HAPPY) + "\n")
+    assert follow(resume, cli.replies_path).exit_code == 0
+    done = follow(next(c for c in todo if c[0] == "run"), cli.replies_path)
+    assert done.exit_code == 0 and "COMPLETED" in done.output, done.output
+
+
+def test_status_watch_without_a_terminal_prints_changes_and_stops(cli: Case) -> None:
+    assert invoke("run", cli.case_id, "--providers", str(cli.providers_path)).exit_code == 1
+    res = invoke("status", cli.case_id, "--watch", "--interval", "0.2")
+    assert res.exit_code == 0, res.output
+    assert f"case {cli.case_id}: state BLOCKED (INVALID_LLM_RESPONSES), step 3" in res.output
+    assert f"$ investigate resume {cli.case_id}" in res.output
+
+
+def test_run_json_and_quiet_output(cli: Case) -> None:
+    cli.replies_path.write_text("\n".join(HAPPY) + "\n")
+    res = invoke("run", cli.case_id, "--providers", str(cli.providers_path), "--json")
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["outcome"]["outcome"] == "COMPLETED" and len(info["steps"]) == 5
+    assert info["next"]["final"] is True and Path(info["summary_path"]).is_file()
+
+
+def test_live_progress_on_a_terminal_and_plain_lines_elsewhere(cli: Case) -> None:
+    from workers import runtime
+    from workers.embedded import run_case
+    from workers.progress import RunProgress
+    from workers.settings import load_settings
+
+    cli.replies_path.write_text("\n".join(HAPPY) + "\n")
+    settings = load_settings()
+    tty = io.StringIO()
+    console = Console(file=tty, force_terminal=True, width=120)
+    rt = runtime.embedded(settings, None, cli.providers_path)
+    with RunProgress(console, cli.store, cli.case_id) as progress:
+        outcome = run_case(rt, cli.case_id, max_steps=2, on_step=progress)
+    assert outcome.outcome == "YIELDED"
+    screen = tty.getvalue()
+    assert "investigate run " + cli.case_id in screen
+    assert "model time" in screen and "H2" in screen and "57/60" in screen
+    assert "step   1 H1: PROGRESSED" in screen
+    piped = io.StringIO()
+    with RunProgress(Console(file=piped, width=120), cli.store, cli.case_id) as progress:
+        run_case(rt, cli.case_id, on_step=progress)
+    lines = piped.getvalue().splitlines()
+    assert lines == ["step   3 H1: PROGRESSED", "step   4 H1: PROGRESSED",
+                     "step   5 H2: COMPLETED"]
+
+
+def test_repeated_case_add_says_what_it_did(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
+    package = casekit.build_tiny_package(tmp_path)
+    (tmp_path / "i.json").write_text(json.dumps(casekit.INTERPRETATION))
+    (tmp_path / "i2.json").write_text(json.dumps({"summary": "another reading"}))
+    (tmp_path / "h.json").write_text(json.dumps(casekit.HYPOTHESES))
+    (tmp_path / "limits.toml").write_text("[package]\nmax_entries = 500\n")
+    args = ["case", "add", str(package), "--interpretation", str(tmp_path / "i.json"),
+            "--hypotheses", str(tmp_path / "h.json")]
+    first = invoke(*args)
+    assert first.exit_code == 0 and first.stderr == "", first.output
+    case_id = first.stdout.strip()
+    again = invoke(*args, "--package-limits", str(tmp_path / "limits.toml"))
+    assert again.exit_code == 0 and again.stdout.strip() == case_id
+    assert "already registered" in again.stderr and "nothing changed" in again.stderr
+    assert "max_entries: 20000 -> 500" in again.stderr
+    old = invoke(*args, "--config", str(tmp_path / "limits.toml"), "--json")
+    assert old.exit_code == 0 and "deprecated" in old.stderr
+    assert json.loads(old.stdout)["limit_changes"] == ["max_entries: 20000 -> 500"]
+    other = invoke("case", "add", str(package), "--interpretation", str(tmp_path / "i2.json"),
+                   "--hypotheses", str(tmp_path / "h.json"))
+    assert other.exit_code == 0 and other.stdout.strip() != case_id
+    assert f"also registered as {case_id}" in other.stderr
+
+
+def test_watch_follows_a_case_that_moves_until_it_completes(tiny_case: Case) -> None:
+    from workers.progress import watch
+
+    investigator = tiny_case.investigator()
+    buf = io.StringIO()
+    info = watch(Console(file=buf, width=200), tiny_case.store, tiny_case.case_id, 0.0,
+                 sleep=lambda _s: investigator.step(tiny_case.case_id))
+    assert info["state"] == "BUILDING_DIAGNOSIS"
+    lines = [ln for ln in buf.getvalue().splitlines() if f"case {tiny_case.case_id}:" in ln]
+    assert [ln.split(", step ")[1].split(",")[0] for ln in lines] == ["0", "1", "2", "3", "4",
+                                                                      "5"]
+    assert "next: The investigation is complete" in buf.getvalue()

@@ -1,0 +1,210 @@
+"""The HTML case report (``investigate report``): what it contains, that everything the
+snapshot or the model supplied is inert, and what a real browser draws.
+
+The browser test runs Debian's Chromium headless through Playwright (never a downloaded
+browser); locally it skips without them, under CI it fails (``tests.conftest.need_browser``).
+"""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlmodel import select
+from typer.testing import CliRunner
+
+from investigation.constants import BLOCKED, COMPLETED
+from investigation.report import case_history, render_report, write_report
+from investigation.store.models import Checkpoint, Evidence, LedgerEntry
+from tests.casekit import Case, make_case, q
+from tests.conftest import need_browser
+from tests.longcase import HOSTILE_LINE, long_config, make_long_case
+
+RESEARCH = 8
+HYPOTHESES = 3
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Case, Path]:
+    """A real run of a multi-hypothesis case with rejections, questions and a hostile
+    snapshot line, and its report."""
+    root = tmp_path_factory.mktemp("report")
+    case = make_long_case(root / "case", HYPOTHESES, RESEARCH, reject_every=10)
+    outcome = case.investigator(long_config(RESEARCH)).run(case.case_id, max_steps=10_000)
+    assert outcome.outcome == COMPLETED, outcome
+    target = root / "report.html"
+    write_report(case.store, case.case_id, target)
+    return case, target
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def _parse(html: str) -> _Tags:
+    parser = _Tags()
+    parser.feed(html)
+    return parser
+
+
+def _classes(tag: tuple[str, dict[str, str | None]]) -> set[str]:
+    return set((tag[1].get("class") or "").split())
+
+
+def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path]) -> None:
+    case, target = long_run
+    html = target.read_text(encoding="utf-8")
+    parsed = _parse(html)
+    with case.store.session() as s:
+        steps = len(s.exec(select(Checkpoint).where(Checkpoint.case_id == case.case_id)).all())
+        evidence = [e.evidence_id for e in s.exec(select(Evidence).where(
+            Evidence.case_id == case.case_id))]
+        charges = len(s.exec(select(LedgerEntry).where(
+            LedgerEntry.case_id == case.case_id, LedgerEntry.kind == "reserve")).all())
+        refunds = len(s.exec(select(LedgerEntry).where(
+            LedgerEntry.case_id == case.case_id, LedgerEntry.kind == "refund",
+            LedgerEntry.amount_units > 0)).all())
+    assert steps > HYPOTHESES * RESEARCH and len(evidence) == HYPOTHESES * RESEARCH
+    rects = [t for t in parsed.tags if t[0] == "rect" and "step" in _classes(t)]
+    assert [int(t[1]["data-seq"] or 0) for t in rects] == list(range(1, steps + 1))
+    assert sum(1 for t in parsed.tags if t[0] == "path" and "series" in _classes(t)) == \
+        HYPOTHESES
+    assert sum(1 for t in parsed.tags if t[0] == "svg" and "chart-budget" in _classes(t)) == \
+        HYPOTHESES
+    assert sum(1 for t in parsed.tags if t[0] == "line" and "charge" in _classes(t)) == charges
+    assert sum(1 for t in parsed.tags if t[0] == "line" and "refund" in _classes(t)) == refunds
+    ids = {t[1].get("id") for t in parsed.tags}
+    assert {f"ev-{e}" for e in evidence} <= ids
+    text = "".join(parsed.text)
+    assert "UNKNOWN_EVIDENCE_ID" in text  # the rejected replies, with their code
+    history = case_history(case.store, case.case_id)
+    for e in history.evidence:
+        assert e["artifact_path"] in text
+        for item in e["items"]:
+            if "\x1b" not in item["quote"] and "\u202e" not in item["quote"]:
+                assert item["quote"] in text  # the exact quote, unescaped by the parser
+    for qn in history.questions:
+        assert qn["text"] in text
+
+
+def test_everything_supplied_is_inert(long_run: tuple[Case, Path]) -> None:
+    _, target = long_run
+    html = target.read_text(encoding="utf-8")
+    parsed = _parse(html)
+    assert not [t for t in parsed.tags if t[0] in ("script", "img", "iframe", "object",
+                                                   "embed", "link", "base", "form")]
+    for tag, attrs in parsed.tags:
+        assert not [a for a in attrs if a.startswith("on")], (tag, attrs)
+        for name in ("src", "href", "action", "xlink:href"):
+            value = attrs.get(name)
+            assert value is None or value.startswith("#"), (tag, name, value)
+    csp = [a for t, a in parsed.tags if t == "meta" and a.get("http-equiv") ==
+           "Content-Security-Policy"]
+    assert csp and "default-src 'none'" in (csp[0]["content"] or "")
+    for raw in ("\x1b", "\u202e", "\u202c", "\u200b"):
+        assert raw not in html
+    text = "".join(parsed.text)
+    visible = (HOSTILE_LINE.replace("\x1b", "U+001B").replace("\u202e", "U+202E")
+               .replace("\u202c", "U+202C").replace("\u200b", "U+200B"))
+    assert visible in text  # shown as written, every invisible character marked
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_a_blocked_case_report_says_what_to_do(tmp_path: Path) -> None:
+    bad = q("source.search", {"pattern": "x"}, evidence=["E9"])
+    case = make_case(tmp_path / "case", replies=[bad, bad, bad])
+    outcome = case.investigator().run(case.case_id)
+    assert outcome.outcome == BLOCKED
+    html = render_report(case.store, case.case_id)
+    text = "".join(_parse(html).text)
+    assert "INVALID_LLM_RESPONSES" in text
+    assert f"investigate resume {case.case_id}" in text
+    assert f"investigate replies check REPLIES.jsonl {case.case_id}" in text
+    assert text.count("UNKNOWN_EVIDENCE_ID") >= 3
+
+
+def test_report_command(long_run: tuple[Case, Path], tmp_path: Path,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    case, _ = long_run
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    from workers.cli import app
+
+    target = tmp_path / "out.html"
+    res = CliRunner().invoke(app, ["report", case.case_id, "-o", str(target), "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["bytes"] == target.stat().st_size and info["path"] == str(target.resolve())
+    res = CliRunner().invoke(app, ["report", "case-0000000000000000", "-o", str(target)])
+    assert res.exit_code == 2 and "CASE_NOT_FOUND" in res.output
+
+
+def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) -> None:
+    chromium = need_browser()
+    from playwright.sync_api import sync_playwright
+
+    case, target = long_run
+    with case.store.session() as s:
+        steps = len(s.exec(select(Checkpoint).where(Checkpoint.case_id == case.case_id)).all())
+        evidence = [e.evidence_id for e in s.exec(select(Evidence).where(
+            Evidence.case_id == case.case_id))]
+    requests: list[str] = []
+    problems: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=chromium, headless=True,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+            page.on("request", lambda r: requests.append(r.url))
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto(target.as_uri())
+            drawn: dict[str, Any] = page.evaluate("""() => {
+                const box = el => { const r = el.getBoundingClientRect();
+                                    return r.width > 0 && r.height > 0; };
+                const stroke = el => { const r = el.getBoundingClientRect();
+                                       return r.height > 0 && r.x > 0; };
+                const all = sel => Array.from(document.querySelectorAll(sel));
+                return {
+                  steps: all('svg.chart-timeline rect.step').filter(box).length,
+                  series: all('svg.chart-confidence path.series').filter(box).length,
+                  points: all('svg.chart-confidence circle.point').filter(box).length,
+                  budgets: all('svg.chart-budget').filter(box).length,
+                  balances: all('svg.chart-budget path.balance').filter(box).length,
+                  charges: all('svg.chart-budget line.charge').filter(stroke).length,
+                  bars: all('svg.chart-bars rect.bar').length,
+                  scripts: all('script').length,
+                  evidence: all('details.ev summary b.evid').filter(box)
+                              .map(e => e.textContent),
+                };
+            }""")
+            page.screenshot(path=str(tmp_path / "report.png"), full_page=False)
+            page.click("#ev-E1 summary")
+            opened = page.inner_text("#ev-E1")
+            page.locator("#charts").screenshot(path=str(tmp_path / "charts.png"))
+        finally:
+            browser.close()
+    assert requests == [target.as_uri()]  # nothing but the file itself
+    assert problems == []  # no CSP violation, no error
+    assert drawn["steps"] == steps
+    assert drawn["series"] == HYPOTHESES and drawn["budgets"] == HYPOTHESES
+    assert drawn["balances"] == HYPOTHESES and drawn["charges"] == HYPOTHESES * RESEARCH
+    assert drawn["points"] > 0 and drawn["bars"] > 0 and drawn["scripts"] == 0
+    assert drawn["evidence"] == evidence
+    assert "<script>alert(1)</script>" in opened and "U+202E" in opened
+    assert (tmp_path / "report.png").stat().st_size > 10_000

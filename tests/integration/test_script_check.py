@@ -1,0 +1,167 @@
+"""``investigate replies check``: a reply file judged against a case without running
+anything, checked against what a real run then does with the same file.
+
+For every call the real run made, the check must have predicted whose turn it was and the
+validator's verdict (a line the check calls ``depends`` may go either way; the scripts
+here find new items, which is the check's first world). Nothing is written by a check.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlmodel import col, select
+from typer.testing import CliRunner
+
+from investigation.constants import BLOCKED, COMPLETED
+from investigation.llm.scripted import read_script_lines
+from investigation.loop.script_check import (
+    ACCEPTED,
+    DEPENDS,
+    REJECTED_VERDICT,
+    SERVED,
+    UNREADABLE,
+    UNUSED,
+    check_script,
+    script_lines,
+)
+from investigation.store.models import StageRun
+from tests import casekit
+from tests.casekit import Case, q
+from tests.longcase import long_config, make_long_case
+
+
+def _actual(case: Case) -> list[tuple[int, bool, str | None]]:
+    """(hypothesis, accepted, code) of every validated call of the case, in call order."""
+    with case.store.session() as s:
+        runs = s.exec(select(StageRun).where(StageRun.case_id == case.case_id)
+                      .order_by(col(StageRun.step_seq))).all()
+    built = {r.step_seq: json.loads(r.output_json) for r in runs if r.stage == "build_context"}
+    out = []
+    for r in runs:
+        if r.stage != "validate":
+            continue
+        v = json.loads(r.output_json)
+        if v.get("skipped"):
+            continue
+        out.append((int(built[r.step_seq]["hypothesis_id"]), bool(v["accepted"]),
+                    v.get("code")))
+    return out
+
+
+def _agrees(predicted: list[Any], actual: list[tuple[int, bool, str | None]]) -> None:
+    judged = [v for v in predicted if v.verdict not in (SERVED, UNUSED)]
+    assert len(judged) >= len(actual)
+    for v, (hid, accepted, code) in zip(judged, actual, strict=False):
+        assert v.hypothesis_id == hid, (v, hid)
+        if v.verdict == DEPENDS:
+            continue
+        assert (v.verdict == ACCEPTED) == accepted, (v, accepted, code)
+        assert v.code == code, (v, code)
+
+
+def test_happy_script_is_predicted_line_by_line(tiny_case: Case) -> None:
+    before = tiny_case.store.url
+    result = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
+    assert [v.verdict for v in result.lines] == [ACCEPTED, ACCEPTED, DEPENDS, DEPENDS,
+                                                 ACCEPTED]
+    assert result.ok and "completes" in result.end
+    assert [v.hypothesis_id for v in result.lines] == [1, 2, 1, 1, 2]
+    assert "SUPPORT_WITHOUT_FINDINGS" in (result.lines[2].other or "")
+    assert result.lines[-1].outcome == COMPLETED
+    assert _actual(tiny_case) == []  # nothing ran, nothing was written
+    assert tiny_case.store.url == before
+    outcome = tiny_case.investigator().run(tiny_case.case_id, max_steps=100)
+    assert outcome.outcome == COMPLETED
+    _agrees(result.lines, _actual(tiny_case))
+
+
+def test_long_script_with_rejections_and_questions(tmp_path: Path) -> None:
+    case = make_long_case(tmp_path / "case", hypotheses=3, research_per_hypothesis=6,
+                          reject_every=5)
+    cfg = long_config(6)
+    result = check_script(case.store, case.case_id, case.replies_path, cfg)
+    rejected = [v for v in result.lines if v.verdict == REJECTED_VERDICT]
+    assert rejected and all(v.code == "UNKNOWN_EVIDENCE_ID" for v in rejected)
+    assert result.lines[-1].outcome == COMPLETED and not result.ok
+    outcome = case.investigator(cfg).run(case.case_id, max_steps=1000)
+    assert outcome.outcome == COMPLETED
+    actual = _actual(case)
+    assert len(actual) == len(result.lines)
+    _agrees(result.lines, actual)
+
+
+def test_three_invalid_replies_block_and_the_check_says_where_to_go_on(tiny_case: Case) -> None:
+    bad = json.dumps(q("source.search", {"pattern": "x"}, evidence=["E9"]))
+    lines = [bad, "not json", json.dumps(casekit.HAPPY_REPLIES[0]) + "x"]
+    tiny_case.replies_path.write_text("\n".join(lines) + "\n")
+    result = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
+    assert [(v.verdict, v.code) for v in result.lines] == [
+        (REJECTED_VERDICT, "UNKNOWN_EVIDENCE_ID"), (REJECTED_VERDICT, "REPLY_NOT_JSON"),
+        (REJECTED_VERDICT, "REPLY_NOT_JSON")]
+    assert result.lines[-1].outcome == BLOCKED
+    assert any("INVALID_LLM_RESPONSES" in n for n in result.lines[-1].notes)
+    assert "PROVIDER_SCRIPT_EXHAUSTED" in result.end
+    outcome = tiny_case.investigator().run(tiny_case.case_id)
+    assert outcome.outcome == BLOCKED and outcome.reason == "INVALID_LLM_RESPONSES"
+    _agrees(result.lines, _actual(tiny_case))
+    # The fixed file keeps the three served lines; line 4 answers the next call.
+    fixed = lines + [json.dumps(r) for r in casekit.HAPPY_REPLIES]
+    tiny_case.replies_path.write_text("\n".join(fixed) + "\n")
+    again = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
+    assert "after `resume`, call 3 reads reply line 4" in again.start
+    assert [v.verdict for v in again.lines[:3]] == [SERVED] * 3
+    assert again.ok and again.lines[-1].outcome == COMPLETED
+
+
+def test_lines_after_completion_are_unused_and_blank_lines_keep_numbers(
+        tiny_case: Case) -> None:
+    text = "\n\n".join(json.dumps(r) for r in casekit.HAPPY_REPLIES) + "\n\n" + \
+        json.dumps(casekit.HAPPY_REPLIES[0]) + "\n"
+    tiny_case.replies_path.write_text(text)
+    data = tiny_case.replies_path.read_bytes()
+    assert [b for _, b in script_lines(data)] == read_script_lines(tiny_case.replies_path)
+    result = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
+    assert [v.line for v in result.lines] == [1, 3, 5, 7, 9, 11]
+    assert result.lines[-1].verdict == UNUSED and result.ok
+
+
+def test_unreadable_line_and_a_duplicate_query(tiny_case: Case) -> None:
+    first = json.dumps(casekit.HAPPY_REPLIES[0])
+    h2 = json.dumps(casekit.HAPPY_REPLIES[1])
+    again = json.dumps(q("source.search", {"pattern": "percent / 10"}, confidence="plausible",
+                         assessment=(50, ["E1"]), evidence=["E1"]))
+    tiny_case.replies_path.write_bytes((first + "\n" + h2 + "\n" + again + "\n").encode()
+                                       + b"\xff\xfe\n")
+    result = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
+    assert "duplicate" in result.lines[2].detail
+    assert result.lines[3].verdict == UNREADABLE
+    assert result.lines[3].code == "PROVIDER_SCRIPT_UNREADABLE" and not result.ok
+
+
+def test_cli_replies_check(tiny_case: Case, tmp_path: Path,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.cli import app
+
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", tiny_case.store.url)
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("INVESTIGATE_CONFIG", raising=False)
+    res = CliRunner().invoke(app, ["replies", "check", str(tiny_case.replies_path),
+                                   tiny_case.case_id])
+    assert res.exit_code == 0, res.output
+    assert "the next call (0) reads reply line 1" in res.output
+    assert "depends" in res.output and "SUPPORT_WITHOUT_FINDINGS" in res.output
+    res = CliRunner().invoke(app, ["replies", "check", str(tiny_case.replies_path),
+                                   tiny_case.case_id, "--json"])
+    info = json.loads(res.stdout)
+    assert info["counts"]["accepted"] == 3 and info["ok"] is True
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{}\n")
+    res = CliRunner().invoke(app, ["replies", "check", str(bad), tiny_case.case_id])
+    assert res.exit_code == 1 and "REPLY_SCHEMA_INVALID" in res.output
+    res = CliRunner().invoke(app, ["replies", "check", str(tmp_path / "none.jsonl"),
+                                   tiny_case.case_id])
+    assert res.exit_code == 2 and "SCRIPT_UNREADABLE" in res.output

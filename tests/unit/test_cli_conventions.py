@@ -1,0 +1,122 @@
+"""The command line's conventions, checked over the whole Typer app, so that a command
+added later is held to them too:
+
+* every command and group has help text and an ``Example:`` epilog whose examples are
+  commands of that command (``$ investigate <its path> ...``) using only options it has;
+* every option and argument has help text;
+* every command that prints a result has ``--json`` (servers excepted);
+* ``--version`` and Typer's shell completion are there.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+from typer.testing import CliRunner
+
+from workers.cli import app
+
+#: Commands that start a long-running server and print no result.
+SERVERS = {"worker", "flower"}
+
+
+def _is_group(cmd: Any) -> bool:
+    """A group of commands (Typer ships its own copy of Click: no isinstance check)."""
+    return hasattr(cmd, "list_commands")
+
+
+def _commands() -> Iterator[tuple[str, Any]]:
+    root = typer.main.get_command(app)
+
+    def walk(cmd: Any, path: str) -> Iterator[tuple[str, Any]]:
+        yield path, cmd
+        if _is_group(cmd):
+            ctx = cmd.context_class(cmd)
+            for name in cmd.list_commands(ctx):
+                sub = cmd.get_command(ctx, name)
+                assert sub is not None
+                yield from walk(sub, f"{path} {name}".strip())
+
+    yield from walk(root, "")
+
+
+def _examples(cmd: Any) -> list[str]:
+    return [m.group(1).strip() for m in re.finditer(r"\$ (investigate[^\n]*)", cmd.epilog or "")]
+
+
+def test_every_command_has_help_and_an_example() -> None:
+    missing = []
+    for path, cmd in _commands():
+        name = f"investigate {path}".strip()
+        if not (cmd.help or "").strip():
+            missing.append(f"{name}: no help")
+        if "Example:" not in (cmd.epilog or "") or not _examples(cmd):
+            missing.append(f"{name}: no example")
+        for ex in _examples(cmd):
+            if not ex.startswith(name):
+                missing.append(f"{name}: example {ex!r} is not for this command")
+    assert missing == []
+
+
+def test_every_option_and_argument_has_help() -> None:
+    missing = []
+    for path, cmd in _commands():
+        for param in cmd.params:
+            text = getattr(param, "help", None)
+            if not (text or "").strip():
+                missing.append(f"investigate {path}: {param.opts or param.name}")
+    assert missing == []
+
+
+def test_examples_use_existing_options() -> None:
+    root = typer.main.get_command(app)
+    bad = []
+    for path, cmd in _commands():
+        for ex in _examples(cmd):
+            words = shlex.split(ex)[1:]
+            target: Any = root
+            while words and _is_group(target):
+                sub = target.get_command(target.context_class(target), words[0])
+                if sub is None:
+                    break
+                words.pop(0)
+                target = sub
+            known = {o for p in target.params for o in (*p.opts, *p.secondary_opts)}
+            known |= {"--help"}
+            for w in words:
+                if w.startswith("-") and w.split("=", 1)[0] not in known:
+                    bad.append(f"investigate {path}: {ex!r} uses unknown option {w}")
+    assert bad == []
+
+
+def test_every_command_that_prints_a_result_has_json() -> None:
+    missing = []
+    for path, cmd in _commands():
+        if _is_group(cmd) or path in SERVERS:
+            continue
+        if not any("--json" in p.opts for p in cmd.params):
+            missing.append(f"investigate {path}")
+    assert missing == []
+
+
+def test_version_and_completion() -> None:
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0 and re.fullmatch(r"investigate \S+\n", res.output)
+    res = CliRunner().invoke(app, ["--help"])
+    assert "--install-completion" in res.output and "--show-completion" in res.output
+    res = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="investigate",
+                             env={"SHELL": "/bin/bash"})
+    assert res.exit_code == 0 and "_INVESTIGATE_COMPLETE" in res.output, res.output
+
+
+def test_deprecated_case_add_config_is_hidden_but_works() -> None:
+    res = CliRunner().invoke(app, ["case", "add", "--help"])
+    assert "--package-limits" in res.output and "--config " not in res.output
+    res = CliRunner().invoke(app, ["case", "add", "missing.zip", "--interpretation", "i.json",
+                                   "--hypotheses", "h.json", "--config", "x.toml",
+                                   "--package-limits", "y.toml"])
+    assert res.exit_code == 2 and "deprecated" in res.output

@@ -1,0 +1,91 @@
+"""``investigation.guidance``: every state and blocked reason gets its own advice with
+commands that can be copied as they are."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from investigation import constants
+from investigation.guidance import BLOCK_REASONS, CaseFacts, advise
+from investigation.lifecycle import TerminationReason
+
+CASE = "case-0123456789abcdef"
+
+
+def _facts(**kw: object) -> CaseFacts:
+    base: dict[str, object] = {"case_id": CASE, "state": "BLOCKED", "steps": 4,
+                               "retry_id": "retry-5-1", "next_call_index": 6}
+    base.update(kw)
+    return CaseFacts(**base)  # type: ignore[arg-type]
+
+
+def test_every_block_reason_the_engine_sets_is_covered() -> None:
+    declared = {v for k, v in vars(constants).items() if k.startswith("BLOCK_")}
+    assert declared == set(BLOCK_REASONS)
+    generic = advise(_facts(blocked_reason="SOMETHING_NEW")).headline
+    headlines = set()
+    for reason in BLOCK_REASONS:
+        g = advise(_facts(blocked_reason=reason))
+        assert g.headline != generic and not g.final
+        assert any(s.command for s in g.steps)
+        headlines.add(g.headline)
+    assert len(headlines) == len(BLOCK_REASONS)
+
+
+@pytest.mark.parametrize("reason", ["PROVIDER_EXHAUSTED", "PROVIDER_CONFIGURATION",
+                                    "PROVIDER_CREDENTIALS"])
+def test_provider_blocks_give_the_exact_resume_with_a_fresh_retry_id(reason: str) -> None:
+    g = advise(_facts(blocked_reason=reason, error_code="PROVIDER_SERVER_ERROR",
+                      error_message="HTTP 503"), "embedded", "conf/providers.toml")
+    commands = [s.command for s in g.steps if s.command]
+    assert f"investigate resume {CASE} --retry-id retry-5-1" in commands
+    assert f"investigate run {CASE} --providers conf/providers.toml" in commands
+    assert "PROVIDER_SERVER_ERROR: HTTP 503" in g.headline
+
+
+def test_invalid_replies_point_at_the_next_script_line() -> None:
+    g = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES", error_code="REPLY_NOT_JSON"),
+               "distributed")
+    text = "\n".join(g.lines())
+    assert f"$ investigate resume {CASE}\n" in text + "\n"
+    assert "--retry-id" not in text  # a plain resume: the provider is not the problem
+    assert "reads its line 7" in text
+    assert f"investigate replies check REPLIES.jsonl {CASE}" in text
+    assert f"investigate dispatch {CASE}" in text and "investigate run" not in text
+
+
+def test_states_and_outcomes() -> None:
+    assert advise(_facts(state="BUILDING_DIAGNOSIS")).final
+    assert advise(_facts(state="CANCELLED")).final
+    stopped = advise(_facts(state="STOPPED", blocked_reason="SESSION_BUDGET_EXHAUSTED"))
+    assert stopped.final and "SESSION_BUDGET_EXHAUSTED" in stopped.headline
+    paused = advise(_facts(state="PAUSED", blocked_reason="PROVIDER_EXHAUSTED"))
+    assert paused.steps[0].command == f"investigate resume {CASE}"
+    assert "PROVIDER_EXHAUSTED" in paused.headline
+    pending = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
+                            retry_not_before="2030-01-01T00:00:00+00:00"))
+    assert "2030-01-01T00:00:00+00:00" in pending.headline and not pending.final
+    resumed = advise(_facts(state="INVESTIGATING", last_outcome="RESUMED",
+                            last_reason="INVALID_LLM_RESPONSES"), "embedded", "p.toml")
+    assert "resumed (it was INVALID_LLM_RESPONSES)" in resumed.headline
+    assert resumed.steps[0].command == f"investigate run {CASE} --providers p.toml"
+    fresh = advise(_facts(state="INVESTIGATING", steps=0, last_outcome=None))
+    assert fresh.headline == "No step has run yet."
+    yielded = advise(_facts(state="INVESTIGATING", last_outcome="YIELDED",
+                            last_reason="MAX_STEPS"), "embedded", "p.toml")
+    assert yielded.steps[0].command == f"investigate run {CASE} --providers p.toml"
+    test = advise(_facts(blocked_reason="AWAITING_TEST_FEEDBACK", awaiting_tests=("T2",)))
+    assert f"investigate tests show {CASE} T2 --secret" in [s.command for s in test.steps]
+    # Every lifecycle stop reason reads as a stop, never as something to resume.
+    for reason in TerminationReason:
+        g = advise(_facts(state="STOPPED", blocked_reason=f"SESSION_{reason.value}"))
+        assert g.final and not any("resume" in (s.command or "") for s in g.steps)
+
+
+def test_commands_quote_what_they_carry() -> None:
+    g = advise(_facts(blocked_reason="PROVIDER_EXHAUSTED"), "embedded",
+               "my providers/it's.toml")
+    run = next(s.command for s in g.steps if s.command and " run " in s.command)
+    assert shlex.split(run)[-1] == "my providers/it's.toml"

@@ -1,0 +1,29 @@
+"""The report's escaping: markup inert, invisible and reordering characters visible."""
+
+from __future__ import annotations
+
+import pytest
+
+from investigation.report.escape import html_attr, html_text, svg_text
+
+
+def test_markup_is_text() -> None:
+    assert html_text('<script>"a" & \'b\'</script>') == \
+        "&lt;script&gt;&quot;a&quot; &amp; &#x27;b&#x27;&lt;/script&gt;"
+    assert svg_text("</svg><a>") == "&lt;/svg&gt;&lt;a&gt;"
+
+
+@pytest.mark.parametrize("ch", ["\x00", "\x1b", "\r", "\x7f", "\x85", "\u061c", "\u200b",
+                                "\u200e", "\u2028", "\u202a", "\u202e", "\u2066", "\u2069",
+                                "\ufeff", "\ud800"])
+def test_invisible_characters_are_shown(ch: str) -> None:
+    marker = f"U+{ord(ch):04X}"
+    out = html_text(f"a{ch}b")
+    assert ch not in out and marker in out and out.startswith("a") and out.endswith("b")
+    assert '<span class="ctl"' in out
+    assert svg_text(f"a{ch}b") == f"a[{marker}]b" == html_attr(f"a{ch}b")
+
+
+def test_tab_newline_and_ordinary_text_pass() -> None:
+    text = "päth\tline\nnext — 数据 ✓"
+    assert html_text(text) == text and svg_text(text) == text

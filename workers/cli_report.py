@@ -1,0 +1,130 @@
+"""``investigate report`` (the HTML case report) and ``investigate replies check`` (a
+scripted reply file judged against a case without running anything).
+
+Registered on the main app by ``workers.cli``; the same exit codes apply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from investigation.cases.reader import PackageReader
+from investigation.config import InvestigationConfig
+from investigation.loop.script_check import (
+    ACCEPTED,
+    DEPENDS,
+    REJECTED_VERDICT,
+    SERVED,
+    UNREADABLE,
+    UNUSED,
+    check_script,
+)
+from investigation.report import write_report
+from workers.cli import (
+    EXAMPLE_CASE,
+    CaseArg,
+    JsonOpt,
+    _controlled,
+    _print_json,
+    _settings,
+    _store,
+    example,
+    out,
+)
+from workers.views import term
+
+replies_app: typer.Typer = typer.Typer(
+    help="Scripted reply files (JSON Lines, one model reply per line).", no_args_is_help=True,
+    epilog=example(f"investigate replies check replies.jsonl {EXAMPLE_CASE}"))
+
+_STYLE = {ACCEPTED: "green", REJECTED_VERDICT: "bold red", DEPENDS: "yellow",
+          SERVED: "dim", UNUSED: "dim", UNREADABLE: "bold red"}
+
+
+@_controlled
+def report_cmd(
+    case_id: CaseArg,
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", help="the HTML file to write (default: CASE.html here); it is "
+        "replaced if it exists")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write the case report: one self-contained HTML file to open in a browser.
+
+    It shows the state and what to do next, the hypotheses, a timeline of every step,
+    each hypothesis's confidence over the steps, each account's budget burn-down with
+    its charges and refunds, model time and tokens, the evidence with its exact quotes
+    and artifact paths, the questions and the lifecycle. It loads nothing from the
+    network (no script, no external file).
+    """
+    target = output or Path(f"{case_id}.html")
+    size = write_report(_store(_settings(), existing=True), case_id, target)
+    if as_json:
+        _print_json({"case_id": case_id, "path": str(target.resolve()), "bytes": size})
+        return
+    out.print(f"wrote {target} ({size} bytes); open it in a browser: "
+              f"{target.resolve().as_uri()}", highlight=False, soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``report`` to the main app."""
+    app.command("report", epilog=example(
+        f"investigate report {EXAMPLE_CASE} -o report.html",
+        f"investigate report {EXAMPLE_CASE} -o report.html --json"))(report_cmd)
+
+
+@replies_app.command("check", epilog=example(
+    f"investigate replies check replies.jsonl {EXAMPLE_CASE}",
+    f"investigate replies check replies.jsonl {EXAMPLE_CASE} --config policy.toml --json"))
+@_controlled
+def replies_check(
+    file: Annotated[Path, typer.Argument(
+        metavar="FILE", help="the JSON Lines reply file a scripted provider would serve")],
+    case_id: CaseArg,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="the policy TOML you will run with, for a case whose policy is "
+        "not frozen yet (its first step freezes it); default: INVESTIGATE_CONFIG or the "
+        "built-in defaults")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Judge each line of a reply file against the case, without running anything.
+
+    Line N answers model call N-1 of the case. Each line gets a verdict from the engine's
+    own parser and validator, on a simulation of the case from its stored state:
+    accepted, rejected (with the code and the rule), depends (the verdict turns on what
+    earlier queries will find: both outcomes are given), served (that call was already
+    made), unused (the case completes before it), or unreadable. Nothing is written, no
+    model is called and no query runs. Exit 0 when no line the case will read is rejected,
+    1 otherwise. docs/reply-contract.md says what can and cannot be checked this way.
+    """
+    settings = _settings()
+    config_path = config or settings.config
+    cfg = InvestigationConfig.load(config_path) if config_path else None
+    result = check_script(_store(settings, existing=True), case_id, file, cfg,
+                          PackageReader((cfg or InvestigationConfig()).package))
+    if as_json:
+        _print_json(result.to_dict())
+    else:
+        out.print(term(f"{file} against {case_id} ({result.policy}): {result.start}"),
+                  highlight=False, markup=False)
+        table = Table("line", "call", "step", "hyp.", "verdict", "what / why")
+        for v in result.lines:
+            why = v.detail if v.code is None else f"{v.code}: {v.detail}"
+            if v.outcome in ("BLOCKED", "COMPLETED", "DEFERRED"):
+                why += f" ({v.outcome})"
+            text = "\n".join(term(part) for part in [why, *(f"- {n}" for n in v.notes)])
+            table.add_row(str(v.line), "" if v.call_index is None else str(v.call_index),
+                          "" if v.step_seq is None else str(v.step_seq),
+                          "" if v.hypothesis_id is None else f"H{v.hypothesis_id}",
+                          Text(v.verdict, style=_STYLE[v.verdict]), Text(text))
+        out.print(table)
+        counts = ", ".join(f"{n} {k}" for k, n in result.counts.items() if n)
+        out.print(term(f"{counts or 'no reply lines'}; after the last line: {result.end}"),
+                  highlight=False, markup=False)
+    if not result.ok:
+        raise typer.Exit(1)

@@ -1,0 +1,195 @@
+"""``investigate run`` and ``investigate demo``: the embedded runtime from the command line,
+with the live progress panel and what to do next.
+
+Registered on the main app by ``workers.cli``; the same exit codes apply (0 done, 1
+blocked, 2 a controlled error, 3 ``LockBusy``, 4 ``run --no-wait`` at a backoff).
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from investigation import guidance
+from investigation.cases.reader import PackageReader
+from investigation.config import InvestigationConfig
+from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
+from investigation.errors import InvestigationError
+from investigation.loop.outcome import Outcome
+from investigation.operations import export
+from workers.cli import (
+    EXAMPLE_CASE,
+    CaseArg,
+    JsonOpt,
+    _controlled,
+    _print_json,
+    _settings,
+    _store,
+    err,
+    example,
+    out,
+)
+from workers.settings import Settings
+from workers.views import print_guidance
+
+
+def _run_embedded(settings: Settings, case_id: str, config: Path | None,
+                  providers: Path | None, max_steps: int | None, wait: bool,
+                  quiet: bool = False) -> tuple[Outcome, list[Outcome]]:
+    from workers import runtime
+    from workers.embedded import run_case
+    from workers.progress import RunProgress
+
+    store = _store(settings, existing=True)
+    rt = runtime.embedded(settings, config, providers)
+    with RunProgress(out, store, case_id, quiet=quiet) as progress:
+        outcome = run_case(rt, case_id, max_steps=max_steps, wait=wait, on_step=progress)
+    return outcome, progress.outcomes
+
+
+def _finish(settings: Settings, case_id: str, outcome: Outcome,
+            providers: Path | None = None, steps: list[Outcome] | None = None,
+            as_json: bool = False, env: str = "", report: Path | None = None) -> None:
+    summary_path = None
+    if outcome.outcome == COMPLETED:
+        target = settings.home / "exports" / case_id
+        shutil.rmtree(target, ignore_errors=True)
+        export(_store(settings), case_id, target)
+        summary_path = (target / "analysis" / "investigation" / "summary.md").resolve()
+    g = guidance.for_case(_store(settings, existing=True), case_id, "embedded",
+                          str(providers) if providers else None, env,
+                          _scripted_file(providers or settings.providers))
+    if as_json:
+        _print_json({"case_id": case_id, "outcome": outcome.to_dict(),
+                     "steps": [o.to_dict() for o in steps or []],
+                     "summary_path": str(summary_path) if summary_path else None,
+                     "report_path": str(report.resolve()) if report else None,
+                     "next": g.to_dict()})
+    else:
+        out.print(f"case {case_id}: {outcome.outcome}"
+                  + (f" ({outcome.reason})" if outcome.reason else ""), highlight=False)
+        if summary_path is not None:
+            out.print(f"summary: {summary_path}", highlight=False, soft_wrap=True)
+        if report is not None:
+            out.print(f"report: {report.resolve()} (open it in a browser)", highlight=False,
+                      soft_wrap=True)
+        print_guidance(out, g)
+    if outcome.outcome == BLOCKED:
+        raise typer.Exit(1)
+    if outcome.outcome == RETRY_PENDING:
+        raise typer.Exit(4)
+
+
+def _scripted_file(providers: Path | None) -> str | None:
+    """The reply file of the first scripted provider in ``providers``, if any (relative to
+    the working directory when it is below it)."""
+    if providers is None:
+        return None
+    from investigation.config import ProvidersConfig
+
+    try:
+        config = ProvidersConfig.load(providers)
+    except InvestigationError:
+        return None
+    for p in config.providers:
+        if p.kind == "scripted" and p.path:
+            path = (Path(config.base_dir) / p.path).resolve()
+            try:
+                return str(path.relative_to(Path.cwd().resolve()))
+            except ValueError:
+                return str(path)
+    return None
+
+
+@_controlled
+def run(
+    case_id: CaseArg,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="the investigation policy TOML (loop, budget, limits, tools); "
+        "frozen by the case's first step. Default: INVESTIGATE_CONFIG or the built-in "
+        "defaults (config/investigation.example.toml lists every key)")] = None,
+    providers: Annotated[Path | None, typer.Option(
+        "--providers", help="the providers TOML: model servers or scripted replies, tried "
+        "in order (config/providers.example.toml). Default: INVESTIGATE_PROVIDERS")] = None,
+    max_steps: Annotated[int | None, typer.Option(
+        "--max-steps", min=1, help="stop after this many steps (default: until the case is "
+        "complete or blocked)")] = None,
+    wait: Annotated[bool, typer.Option(
+        help="wait out a provider backoff in this process; --no-wait exits with code 4 "
+        "instead")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Investigate on the embedded runtime until a terminal or blocked outcome.
+
+    On a terminal a live panel shows the step, whose turn it was, every account's
+    balance, the model time and the tokens; piped output gets one line per step. A
+    blocked case ends with exit code 1 and what to do next.
+    """
+    settings = _settings()
+    outcome, steps = _run_embedded(settings, case_id, config, providers, max_steps, wait,
+                                   quiet=as_json)
+    _finish(settings, case_id, outcome, providers, steps, as_json)
+
+
+def _home_env(home: Path) -> str:
+    """``INVESTIGATE_HOME=... `` for commands about a store the defaults do not open."""
+    try:
+        shown = str(home.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(home.resolve())
+    return f"INVESTIGATE_HOME={shlex.quote(shown)} "
+
+
+@_controlled
+def demo(as_json: JsonOpt = False) -> None:
+    """The real demo case (sqlite-utils 3.35, a real bug), end to end, embedded runtime.
+
+    Its store is .investigate/demo/ (started afresh each time); afterwards open its
+    report with the `investigate report` command it prints.
+    """
+    from workers import demo as demo_mod
+
+    settings = _settings()
+    work = settings.home / "demo"
+    settings = settings.model_copy(update={
+        "home": work, "database_url": f"sqlite:///{(work / 'investigation.db').resolve()}"})
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in ("investigation.db", "investigation.db-wal", "investigation.db-shm"):
+        (work / stale).unlink(missing_ok=True)
+    console = err if as_json else out
+
+    def say(text: str) -> None:
+        console.print(text, highlight=False)
+
+    case = demo_mod.prepare_case(_store(settings), PackageReader(InvestigationConfig().package),
+                                 work, announce=say)
+    say(f"case {case.case_id} registered from {case.package_path}")
+    with demo_mod.replay_server() as server:
+        providers = work / "providers.toml"
+        providers.write_text(demo_mod.providers_toml(server.base_url))
+        say(f"model replies served by {server.base_url} (OpenAI-compatible, loopback)")
+        outcome, steps = _run_embedded(settings, case.case_id, None, providers, None, True,
+                                       quiet=as_json)
+    report = None
+    if outcome.outcome == COMPLETED:
+        from investigation.report import write_report
+
+        report = work / "report.html"
+        write_report(_store(settings, existing=True), case.case_id, report, _home_env(work))
+    _finish(settings, case.case_id, outcome, providers, steps, as_json, _home_env(work),
+            report)
+    if outcome.outcome != COMPLETED:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``run`` and ``demo`` to the main app."""
+    app.command("run", epilog=example(
+        f"investigate run {EXAMPLE_CASE} --providers providers.toml",
+        f"investigate run {EXAMPLE_CASE} --providers providers.toml --config policy.toml "
+        "--max-steps 5 --no-wait"))(run)
+    app.command("demo", epilog=example("investigate demo"))(demo)

@@ -1,0 +1,155 @@
+"""The live progress display of ``investigate run`` (Rich), and ``status --watch``.
+
+On a terminal, ``run`` shows a live panel under the step lines: the last step, whose turn
+it was and its outcome, each account's balance bar, confidence and status, the model time
+and the tokens so far. When stdout is not a terminal (a pipe, a log file, CI) nothing
+animates: only the plain step lines are printed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+from investigation.constants import CASE_INVESTIGATING
+from investigation.guidance import for_case
+from investigation.loop.outcome import Outcome
+from investigation.operations import status
+from investigation.report.history import usage_totals
+from investigation.store import Store
+from workers.views import outcome_line, status_view, term
+
+
+def _seconds(ms: int | None) -> str:
+    return f"{(ms or 0) / 1000:.1f} s"
+
+
+def progress_view(info: dict[str, Any], usage: dict[str, Any], last: Outcome | None,
+                  started: float) -> RenderableType:
+    """The live panel (see the module docstring)."""
+    head = Text()
+    if last is None:
+        head.append("starting ...")
+    else:
+        head.append(f"step {last.step_seq}", style="bold")
+        if last.hypothesis_id is not None:
+            head.append(f"  H{last.hypothesis_id}")
+        head.append(f"  {last.outcome}" + (f" ({last.reason})" if last.reason else ""))
+    tokens = "not reported"
+    if usage["prompt_tokens"] is not None or usage["completion_tokens"] is not None:
+        tokens = f"{usage['prompt_tokens'] or 0} + {usage['completion_tokens'] or 0}"
+    head.append(f"   model time {_seconds(usage['model_ms'])} over {usage['calls']} call(s)"
+                f"   tokens {tokens}   wall {time.monotonic() - started:.0f} s")
+    table = Table("hypothesis", "status", "confidence", "balance", "", "iterations",
+                  box=None, pad_edge=False)
+    for a in info["accounts"]:
+        credit = max(1, int(a["credit_units"]))
+        table.add_row(f"H{a['hypothesis_id']}", a["status"], a["confidence"],
+                      f"{a['balance_units']}/{a['credit_units']}",
+                      ProgressBar(total=credit, completed=max(0, a["balance_units"]), width=24),
+                      str(a["iterations"]))
+    waiting = Spinner("dots", text=Text(" working on the next step", style="dim"))
+    return Panel(Group(head, table, waiting), title=f"investigate run {info['case_id']}",
+                 title_align="left")
+
+
+class RunProgress:
+    """``on_step`` callback of the embedded runner with the live panel on a terminal.
+
+    Use as a context manager around ``run_case``; ``quiet`` prints nothing at all
+    (``--json``).
+    """
+
+    def __init__(self, console: Console, store: Store, case_id: str,
+                 quiet: bool = False) -> None:
+        self.console = console
+        self.store = store
+        self.case_id = case_id
+        self.quiet = quiet
+        self.live_mode = console.is_terminal and not quiet
+        self.outcomes: list[Outcome] = []
+        self.started = time.monotonic()
+        self._live: Live | None = None
+
+    def _view(self) -> RenderableType:
+        info = status(self.store, self.case_id)
+        return progress_view(info, usage_totals(self.store, self.case_id),
+                             self.outcomes[-1] if self.outcomes else None, self.started)
+
+    def __enter__(self) -> RunProgress:
+        if self.live_mode:
+            self._live = Live(self._view(), console=self.console, refresh_per_second=8,
+                              transient=True)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._live is not None:
+            self._live.__exit__(exc_type, exc, tb)
+            self._live = None
+
+    def __call__(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+        if self.quiet:
+            return
+        for line in outcome_line(outcome):
+            self.console.print(line, highlight=False, markup=False)
+        if self._live is not None:
+            self._live.update(self._view())
+
+
+def watch(console: Console, store: Store, case_id: str, interval_s: float,
+          stop_after_s: float | None = None,
+          sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """``status --watch``: redraw the status (and what to do next) every ``interval_s``
+    until the case stops moving (complete, blocked, paused, cancelled, stopped) or
+    ``stop_after_s`` passes. On a terminal the screen is redrawn in place; elsewhere a line
+    is printed whenever the published step or the state changes. Returns the last status.
+    """
+    started = time.monotonic()
+    seen: tuple[Any, ...] | None = None
+    live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
+    if live is not None:
+        live.__enter__()
+    try:
+        while True:
+            info = status(store, case_id)
+            g = for_case(store, case_id)
+            settled = info["state"] != CASE_INVESTIGATING
+            if live is not None:
+                live.update(status_view(info, g if settled else None))
+            else:
+                key = (info["steps"], info["state"], info["last_outcome"], info["last_reason"])
+                if key != seen:
+                    seen = key
+                    console.print(term(
+                        f"{time.strftime('%H:%M:%S')} case {case_id}: state {info['state']}"
+                        + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
+                        + f", step {info['steps']}, last outcome {info['last_outcome']}"
+                        + (f" ({info['last_reason']})" if info["last_reason"] else "")
+                        + f", evidence {info['evidence_count']}"), highlight=False,
+                        markup=False)
+            if settled:
+                if live is None:
+                    console.print(status_view(info, g))
+                return info
+            if stop_after_s is not None and time.monotonic() - started >= stop_after_s:
+                return info
+            sleep(interval_s)
+    finally:
+        if live is not None:
+            live.__exit__(None, None, None)
+
+
+__all__ = ["RunProgress", "progress_view", "watch"]

@@ -1,0 +1,128 @@
+"""What the command line shows of a case: the status view, the guidance block and the
+per-step line, shared by ``status``, ``status --watch``, ``run``, ``dispatch``, ``resume``.
+
+Untrusted text (a provider's message, a rejection detail) goes through :func:`term`, which
+shows control, bidirectional and zero-width characters as visible escapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from investigation.guidance import Guidance
+from investigation.llm.spend import format_money
+from investigation.loop.outcome import Outcome
+from investigation.text_safety import escape_text
+
+
+def term(text: object) -> str:
+    """Data for the terminal: control, bidirectional and zero-width characters (ANSI/OSC
+    escapes included) as visible escapes (``investigation.text_safety.escape_text``)."""
+    return escape_text(str(text))
+
+
+def outcome_line(o: Outcome) -> list[str]:
+    """The line ``run`` prints per step (and the rejection detail under it)."""
+    extra = f" until {o.retry_not_before.isoformat()}" if o.retry_not_before else ""
+    hyp = f" H{o.hypothesis_id}" if o.hypothesis_id is not None else ""
+    lines = [f"step {o.step_seq:>3}{hyp}: {o.outcome}" + (f" ({o.reason})" if o.reason else "")
+             + extra]
+    detail = o.details.get("rejection") or o.details.get("error_code")
+    if detail:
+        lines.append(term(f"         {detail}: {o.details.get('message', '')}".rstrip(": ")))
+    return lines
+
+
+def guidance_text(g: Guidance) -> Text:
+    """The guidance as styled terminal text: the headline, then numbered steps, each
+    with its command on its own line (``$ ...``) ready to copy."""
+    out = Text()
+    out.append("next: ", style="bold")
+    out.append(term(g.headline) + "\n")
+    for i, step in enumerate(g.steps, start=1):
+        out.append(f"  {i}. {term(step.text)}\n")
+        if step.command:
+            out.append("     $ ", style="dim")
+            out.append(term(step.command) + "\n", style="bold cyan")
+    out.rstrip()
+    return out
+
+
+def print_guidance(console: Console, g: Guidance) -> None:
+    """Print :func:`guidance_text`."""
+    console.print(guidance_text(g), highlight=False)
+
+
+def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
+    """Model calls, attempts, tokens and cost per hypothesis (``llm.spend``), or None."""
+    usage = info.get("model_usage", {}).get("hypotheses") or []
+    if not usage:
+        return None
+    table = Table("hypothesis", "model calls", "attempts", "prompt tokens",
+                  "completion tokens", "cost",
+                  title="model usage (separate from investigation units)")
+    for u in usage:
+        table.add_row("unrecorded" if u["hypothesis_id"] is None else str(u["hypothesis_id"]),
+                      str(u["calls"]), str(u["attempts"]), str(u["prompt_tokens"]),
+                      str(u["completion_tokens"]),
+                      "not priced" if u["cost_micros"] < 0
+                      else format_money(u["cost_micros"], currency))
+    return table
+
+
+def status_view(info: dict[str, Any], g: Guidance | None = None,
+                currency: str = "USD") -> RenderableType:
+    """The ``status`` screen: state line, last outcome, why, lifecycle, the accounts
+    table, each last rejection, the model usage and (if given) what to do next."""
+    parts: list[RenderableType] = []
+
+    def line(text: str) -> None:
+        parts.append(Text(term(text)))
+
+    line(f"case {info['case_id']}  state {info['state']}"
+         + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
+         + f"  published steps {info['steps']}  evidence {info['evidence_count']}"
+         + f"  open questions {info['open_questions']}")
+    if info["last_outcome"]:
+        line(f"last outcome {info['last_outcome']}"
+             + (f" ({info['last_reason']})" if info["last_reason"] else "")
+             + (f"  retry not before {info['retry_not_before']}"
+                if info.get("retry_not_before") else ""))
+    if info["blocked_detail"]:
+        line(f"why: {info['blocked_detail']}")
+    life = info["lifecycle"]
+    line(f"lifecycle {life['state']}"
+         + (f" (paused from {life['paused_from']})" if life.get("paused_from") else "")
+         + (f" ({life['termination_reason']})" if life.get("termination_reason") else "")
+         + (f"  iterations {life['iterations']}" if life.get("started") else
+            "  (the session starts with the first step)"))
+    if not info["accounts"]:
+        line(f"{info['hypotheses']} hypotheses; no step has run yet")
+    else:
+        table = Table("hypothesis", "status", "confidence", "balance", "iterations",
+                      "pending", "last rejection")
+        for a in info["accounts"]:
+            rej = a["last_rejection"]
+            label = a["status"]
+            if a["deferred_by"] is not None and label == "active":
+                label += f" (assessment-only, deferred by H{a['deferred_by']})"
+            table.add_row(str(a["hypothesis_id"]), label, a["confidence"],
+                          f"{a['balance_units']}/{a['credit_units']}", str(a["iterations"]),
+                          a["pending_evidence_id"] or "",
+                          Text(term(f"{rej['code']} (step {rej['step_seq']}, "
+                                    f"{a['invalid_streak']} in a row)")) if rej else "")
+        parts.append(table)
+        for a in info["accounts"]:
+            if a["last_rejection"]:
+                line(f"H{a['hypothesis_id']} last rejection: "
+                     f"{a['last_rejection']['code']}: {a['last_rejection']['detail']}")
+    usage = model_usage_table(info, currency)
+    if usage is not None:
+        parts.append(usage)
+    if g is not None:
+        parts.append(guidance_text(g))
+    return Group(*parts)
