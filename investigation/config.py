@@ -210,9 +210,10 @@ class ProviderConfig(_Strict):
     """The model's context window in tokens (llama.cpp ``--n_ctx``, vLLM
     ``--max-model-len``). Set, the engine fits each request within it before sending
     (prompt estimate plus ``max_tokens``, or :data:`DEFAULT_OUTPUT_RESERVE_TOKENS`)."""
-    bytes_per_token: float = Field(3.0, ge=1.0, le=8.0)
-    """The prompt-size estimate: UTF-8 bytes per token. Default 3.0 (measured on JSON
-    contexts; lower it for tokenizers that split text finer)."""
+    bytes_per_token: float = Field(2.5, ge=1.0, le=8.0)
+    """The prompt-size estimate: UTF-8 bytes per token. Default 2.5: SmolLM2's tokenizer
+    took 2.7 to 3.7 bytes per token on the demo's contexts (a file listing is the
+    densest); lower it for tokenizers that split text finer (CJK, base64)."""
     tokenizer: Literal["estimate", "llama.cpp", "llama-cpp-python", "vllm"] = "estimate"
     """Where exact prompt token counts come from before a request is sent: the estimate
     only, or the server's own tokenize endpoint of that server kind."""

@@ -10,7 +10,7 @@ Estimate (deterministic, no tokenizer needed)::
                            + MESSAGE_OVERHEAD_TOKENS for each message)
                        + REPLY_PRIMER_TOKENS
 
-``bytes_per_token`` is a provider setting (default 3.0). A provider whose server has a
+``bytes_per_token`` is a provider setting (default 2.5). A provider whose server has a
 tokenize endpoint (``tokenizer = "llama.cpp" | "llama-cpp-python" | "vllm"``) also counts
 exactly before sending (:mod:`investigation.llm.openai`); the estimate still decides how
 far the context is shrunk when it is built.

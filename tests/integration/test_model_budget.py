@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,8 @@ def test_a_call_reserves_its_worst_case_lowers_max_tokens_and_settles(rig: Rig) 
     (attempt,) = rig.attempts()
     sent = rig.server.requests[-1].body
     assert json.loads(sent)["max_tokens"] == 400
-    prompt = -(-len(sent) // 3)  # the whole body at 3 bytes a token
+    bpt = rig.provider.bytes_per_token
+    prompt = math.ceil(len(sent) / bpt)  # the whole body at bytes_per_token
     assert attempt.reserved_micros == 2 * prompt + 8 * 400
     assert attempt.cost_micros == 2 * attempt.prompt_tokens + 8 * attempt.completion_tokens
     assert attempt.cost_micros < attempt.reserved_micros  # settled below the worst case
@@ -172,7 +174,7 @@ def test_a_call_reserves_its_worst_case_lowers_max_tokens_and_settles(rig: Rig) 
     # A cap leaving the prompt and exactly 100 output tokens: max_tokens is lowered.
     probe = provider.build_request_bytes(dataclasses.replace(_request(1, None),
                                                              max_tokens=400))
-    cap = spent + 2 * -(-len(probe) // 3) + 8 * 100
+    cap = spent + 2 * math.ceil(len(probe) / bpt) + 8 * 100
     second = gateway.call("c1", 1, 2, _request(1, cap))
     assert isinstance(second, Succeeded)
     assert json.loads(rig.server.requests[-1].body)["max_tokens"] == 100
@@ -239,7 +241,7 @@ def test_unpriced_usage_is_reported_in_tokens(rig: Rig) -> None:
 def test_plan_call_lowers_max_tokens_to_what_the_cap_leaves() -> None:
     config = ProviderConfig(name="p", kind="openai", base_url="http://x/v1", model="m",
                             input_price_per_mtok=1.0, output_price_per_mtok=10.0,
-                            max_tokens=1000)
+                            max_tokens=1000, bytes_per_token=3.0)
     prompt = spend.prompt_estimate(config, b"x" * 336)
     assert prompt == 112
     assert spend.plan_call(config, prompt, None) == spend.CallBudget(112 + 10_000, 1000)
