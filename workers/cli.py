@@ -74,11 +74,30 @@ def _controlled(fn: F) -> F:
         except UnicodeError as exc:  # an argument or file that is not text
             _fail("INPUT_INVALID", f"an argument or input file is not valid text: "
                   f"{_first_line(exc)}")
-        except (ImportError, ValueError) as exc:  # a URL or setting nothing can use
+        except ImportError as exc:  # an install without a module a dependency needs
+            _fail("DEPENDENCY_MISSING", _missing_module(exc))
+        except ValueError as exc:  # a URL or setting nothing can use
             _fail("CONFIG_INVALID", f"{type(exc).__name__}: {_first_line(exc)}; check the "
                   "INVESTIGATE_* settings")
 
     return wrapper  # type: ignore[return-value]
+
+
+def _missing_module(exc: ImportError) -> str:
+    """Name the missing module and who needed it; the fix is an install, not a setting."""
+    needed_by = ""
+    tb = exc.__traceback__
+    while tb is not None:  # the innermost frame that is not importlib's own
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module and not module.startswith(("importlib", "_frozen_importlib")):
+            needed_by = module
+        tb = tb.tb_next
+    name = exc.name or _first_line(exc)
+    return (f"the Python module {name!r} is not installed"
+            + (f" (imported by {needed_by})" if needed_by else "")
+            + "; install the engine with its runtime dependencies (pip install "
+            "investigation-engine, or pip install . in a checkout; the broker needs "
+            "celery[redis])")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -271,34 +290,6 @@ def dispatch_cmd(
     out.print(f"dispatched {case_id} (lock token {token[:8]}...)", highlight=False)
 
 
-@app.command("worker")
-@_controlled
-def worker(
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 2,
-    loglevel: Annotated[str, typer.Option("--loglevel")] = "INFO",
-    pool: Annotated[str, typer.Option("--pool", help="prefork or solo")] = "prefork",
-    beat: Annotated[bool, typer.Option(
-        "--beat", help="also run the periodic recovery sweep (start exactly one such worker)")
-    ] = False,
-) -> None:
-    """Start a Celery worker on the configured broker and case queue.
-
-    Only process-based pools: the isolated SQL children are forked, which needs no other
-    thread of the worker process to be inside SQLite (threads/gevent pools are refused).
-    """
-    if pool not in ("prefork", "solo"):
-        raise typer.BadParameter("use --pool prefork or --pool solo", param_hint="--pool")
-    settings = _settings()  # a broken environment fails here, as one line
-    from workers.celery_app import app as celery_app
-
-    argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}",
-            f"--pool={pool}", "-Q", settings.queue, "-E"]
-    if beat:
-        settings.home.mkdir(parents=True, exist_ok=True)
-        argv += ["-B", f"--schedule={settings.home / 'celerybeat-schedule'}"]
-    celery_app.worker_main(argv)
-
-
 @app.command("recover")
 @_controlled
 def recover_cmd(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
@@ -333,19 +324,6 @@ def recover_cmd(as_json: Annotated[bool, typer.Option("--json")] = False) -> Non
                   f"{report.not_due} waiting for a provider backoff", highlight=False)
     if report.failed:
         raise typer.Exit(2)
-
-
-@app.command("flower")
-@_controlled
-def flower(
-    port: Annotated[int, typer.Option("--port")] = 5555,
-    address: Annotated[str, typer.Option("--address")] = "127.0.0.1",
-) -> None:
-    """Start Flower (Celery's monitor) on the configured broker."""
-    _settings()  # a broken environment fails here, as one line
-    from workers.celery_app import app as celery_app
-
-    celery_app.start(["flower", f"--port={port}", f"--address={address}"])
 
 
 # -- operator ------------------------------------------------------------------------------
@@ -477,15 +455,22 @@ def demo() -> None:
         raise typer.Exit(1)
 
 
-from workers import cli_tests  # noqa: E402  (its commands use the helpers above)
+from workers import cli_ops, cli_tests  # noqa: E402  (their commands use the helpers above)
 
 app.add_typer(cli_tests.tests_app, name="tests")
 app.add_typer(cli_tests.feedback_app, name="feedback")
+cli_ops.register(app)
 
 
 def main() -> None:
     """Console entry point."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from workers import logs
+
+    try:
+        fmt = load_settings().log_format
+    except Exception:  # reported as one line by the command that needs the settings
+        fmt = "text"
+    logs.setup(fmt, logging.WARNING)
     app()
 
 
