@@ -158,7 +158,12 @@ def _store(settings: Settings, existing: bool = False) -> Store:
         if versions != [head_revision()]:
             raise not_a_store
         return store
-    store.create_schema()
+    if settings.auto_migrate:
+        store.create_schema()
+    else:
+        from investigation.store.migrate import require_head
+
+        require_head(store.engine)
     return store
 
 

@@ -51,14 +51,19 @@ def _node_name(name: str) -> str:
 def _refuse_taken_name(settings: Settings, nodename: str) -> None:
     """Celery only warns about a duplicate node name; two workers under one name look like
     one in Flower and split its replies, so a name that answers ping is refused."""
-    from workers.celery_app import app as celery_app
-    from workers.celery_app import configure
+    import subprocess
 
-    configure(settings)
+    # Asked from a separate process: a ping from this one leaves kombu's reply consumer
+    # behind, and the worker's warm shutdown would then never finish.
+    probe = ("import json, sys\nfrom celery import Celery\n"
+             "app = Celery(broker=sys.argv[1])\n"
+             "print(json.dumps(app.control.ping(destination=[sys.argv[2]], timeout=1.0)))\n")
     try:
-        replies = celery_app.control.ping(destination=[nodename], timeout=1.0) or []
-    except Exception:  # the broker is down: the worker reports that itself when it starts
-        return
+        done = subprocess.run([sys.executable, "-c", probe, settings.broker_url, nodename],
+                              capture_output=True, text=True, timeout=30, check=True)
+        replies = json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return  # the broker is down: the worker reports that itself when it starts
     if any(nodename in reply for reply in replies):
         raise InvestigationError("WORKER_NAME_TAKEN",
                                  f"a worker named {nodename} already answers ping; start this "

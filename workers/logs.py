@@ -74,6 +74,7 @@ class ContextFilter(logging.Filter):
             match = _ARGSREPR.search(str(args.get("args") or ""))
             if match:
                 ctx.update({k: v for k, v in match.groupdict().items() if v})
+                ctx["step"] = int(ctx["step"])
                 ctx.setdefault("stage", str(args.get("name", "")).rpartition(".")[2] or None)
                 ctx.setdefault("task_id", args.get("id"))
         if _worker_name and "worker" not in ctx:
