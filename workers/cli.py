@@ -92,7 +92,7 @@ def _missing_module(exc: ImportError) -> str:
         if module and not module.startswith(("importlib", "_frozen_importlib")):
             needed_by = module
         tb = tb.tb_next
-    name = exc.name or _first_line(exc)
+    name = (exc.name or _first_line(exc)).split(".")[0]
     return (f"the Python module {name!r} is not installed"
             + (f" (imported by {needed_by})" if needed_by else "")
             + "; install the engine with its runtime dependencies (pip install "

@@ -34,6 +34,8 @@ from investigation.constants import (
     BLOCKED,
     COMPLETED,
     CONTINUING,
+    DISPATCH_CONTRACT_VERSION,
+    DISPATCH_TASK,
     RETRY_PENDING,
     STAGES,
     TASK_PREFIX,
@@ -251,9 +253,19 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
     return token
 
 
-@app.task(name=f"{TASK_PREFIX}dispatch", bind=True)
-def dispatch(self: Any, case_id: str, max_steps: int | None = None) -> dict[str, Any]:
-    """Worker-side dispatch (re-enqueued yields, due retries, upstream systems)."""
+@app.task(name=DISPATCH_TASK, bind=True)
+def dispatch(self: Any, case_id: str, max_steps: int | None = None,
+             contract: int = DISPATCH_CONTRACT_VERSION) -> dict[str, Any]:
+    """Worker-side dispatch (re-enqueued yields, due retries, upstream systems).
+
+    The upstream message contract (``docs/message-contract.md``): args ``[case_id]`` or
+    ``[case_id, max_steps]``, optional kwarg ``contract`` (the version, 1).
+    """
+    if contract != DISPATCH_CONTRACT_VERSION:
+        log.error("case %s: dispatch message of contract version %r refused; this worker "
+                  "speaks version %s (docs/message-contract.md)", case_id, contract,
+                  DISPATCH_CONTRACT_VERSION)
+        return {"outcome": "CONTRACT_UNSUPPORTED", "case_id": case_id, "contract": contract}
     try:
         start_dispatch(case_id, max_steps)
     except LockBusy:
