@@ -33,8 +33,11 @@ from tests.integration.test_celery_worker import HAPPY_STEPS, Harness, Worker, r
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent / "investigate"
+# The interrupted model request stays "in flight" for the gateway's grace (twice the
+# provider timeout plus 5 s), longer than the countdowns allowed here: the recovery sweep
+# (beat in the second worker, every second) dispatches the case when that has passed.
 FAST_REDELIVERY = {"INVESTIGATE_VISIBILITY_TIMEOUT_S": "4", "INVESTIGATE_MAX_COUNTDOWN_S": "2",
-                   "INVESTIGATE_RESTORE_INTERVAL_S": "1"}
+                   "INVESTIGATE_RESTORE_INTERVAL_S": "1", "INVESTIGATE_SWEEP_INTERVAL_S": "1"}
 
 
 def providers(base_url: str, timeout_s: int) -> str:
@@ -43,8 +46,8 @@ def providers(base_url: str, timeout_s: int) -> str:
             f"timeout_s = {timeout_s}\nstructured_output = \"json_schema\"\n")
 
 
-def cli_worker(h: Harness, tmp_path: Path, name: str) -> Worker:
-    return Worker([str(BIN), "worker", "-n", f"{h.queue}-{name}@%h", "-c", "2"],
+def cli_worker(h: Harness, tmp_path: Path, name: str, *extra: str) -> Worker:
+    return Worker([str(BIN), "worker", "-n", f"{h.queue}-{name}@%h", "-c", "2", *extra],
                   dict(h.worker.env),
                   tmp_path / f"{name}.log")
 
@@ -63,8 +66,8 @@ def llm_call_recorded(h: Harness) -> bool:
                                              StageRun.stage == "llm_call")).first() is not None
 
 
-def finish_with_a_new_worker(h: Harness, tmp_path: Path) -> list[str]:
-    h.worker = cli_worker(h, tmp_path, "second")
+def finish_with_a_new_worker(h: Harness, tmp_path: Path, *extra: str) -> list[str]:
+    h.worker = cli_worker(h, tmp_path, "second", *extra)
     h.worker.start()
     info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
     assert info["steps"] == HAPPY_STEPS
@@ -128,7 +131,7 @@ def test_a_cold_shutdown_interrupts_the_stage_and_it_is_delivered_again(
         first.proc.wait(timeout=30)
         assert not re.search(r"Task investigation\.llm_call\[[0-9a-f-]+\] succeeded",
                              first.log())
-        hashes = finish_with_a_new_worker(h, tmp_path)
+        hashes = finish_with_a_new_worker(h, tmp_path, "--beat")
         assert len(hashes) == HAPPY_STEPS
         assert "Task investigation.llm_call" in h.worker.log()  # delivered again
 
