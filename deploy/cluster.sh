@@ -7,7 +7,8 @@
 #   deploy/cluster.sh status
 # Settings come from deploy/cluster.env (copy cluster.env.example) or the environment:
 #   WORKER_CONCURRENCY (2), WORKER_METRICS_BASE_PORT (9810: worker i serves base+i),
-#   METRICS_PORT (9808), FLOWER_PORT (5555), STOP_TIMEOUT_S (120), INVESTIGATE_RUN_DIR.
+#   METRICS_PORT (9808), FLOWER_PORT (5555), STOP_TIMEOUT_S (120), START_TIMEOUT_S (90:
+#   how long start waits for every worker to answer ping), INVESTIGATE_RUN_DIR.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -20,6 +21,7 @@ export INVESTIGATE_HOME="${INVESTIGATE_HOME:-$run/home}"
 concurrency="${WORKER_CONCURRENCY:-2}"
 metrics_base="${WORKER_METRICS_BASE_PORT:-9810}"
 stop_timeout="${STOP_TIMEOUT_S:-120}"
+start_timeout="${START_TIMEOUT_S:-90}"
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
@@ -57,6 +59,14 @@ start() {
   echo $! >"$run/metrics.pid"
   nohup "$bin" flower --port "${FLOWER_PORT:-5555}" >"$run/flower.log" 2>&1 &
   echo $! >"$run/flower.pid"
+  local waited=0   # ready when every worker answers ping
+  until "$bin" health --check workers --min-workers "$n" --timeout 1 >/dev/null 2>&1; do
+    if [ "$waited" -ge "$start_timeout" ]; then
+      echo "warning: not every worker answers ping after ${start_timeout}s; see $run/worker-*.log" >&2
+      break
+    fi
+    sleep 1; waited=$((waited + 1))
+  done
   echo "started $n worker(s) of $concurrency processes (worker1@$(hostname) ...), beat,"
   echo "metrics on http://127.0.0.1:${METRICS_PORT:-9808}/metrics (workers: $((metrics_base + 1))..$((metrics_base + n))),"
   echo "Flower on http://127.0.0.1:${FLOWER_PORT:-5555} (logs in $run)"

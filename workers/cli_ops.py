@@ -160,6 +160,9 @@ def flower(
         "visible to every local user")] = None,
     url_prefix: Annotated[str | None, typer.Option(
         "--url-prefix", help="serve under this path (behind a reverse proxy)")] = None,
+    tasks_columns: Annotated[str, typer.Option(
+        "--tasks-columns", help="columns of Flower's tasks page (Flower's tasks_columns)")
+    ] = "name,args,state,result,received,runtime,worker",
 ) -> None:
     """Start Flower (Celery's monitor) on the configured broker.
 
@@ -182,7 +185,8 @@ def flower(
             "that authenticates")
     from workers.celery_app import app as celery_app
 
-    argv = ["flower", f"--port={port}", f"--address={address}"]
+    argv = ["flower", f"--port={port}", f"--address={address}",
+            f"--tasks_columns={tasks_columns}"]
     if basic_auth:
         # Passed through the environment, so Flower's own argv does not repeat them.
         os.environ["FLOWER_BASIC_AUTH"] = ",".join(basic_auth)

@@ -102,7 +102,13 @@ def _run_stage(task: Any, payload: dict[str, Any], stage: str,
         finally:
             gauge.dec()
             engine_metrics.stage_timed(stage, result, time.monotonic() - started)
-    return payload
+    return _halt_first(payload)
+
+
+def _halt_first(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload with ``halt`` first: a task's result in Flower's list starts with the
+    step's outcome and reason (``{'halt': {'outcome': 'BLOCKED', 'reason': ...}, ...}``)."""
+    return {"halt": payload.get("halt"), **payload}
 
 
 def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
@@ -281,7 +287,7 @@ def advance(self: Any, payload: dict[str, Any], token: str | None = None) -> dic
     with logs.step_context(case_id=payload["case_id"], step=payload["step_seq"],
                            stage="advance", task_id=self.request.id,
                            worker=getattr(self.request, "hostname", None)):
-        return _advance(payload, token)
+        return _halt_first(_advance(payload, token))
 
 
 def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:

@@ -162,6 +162,11 @@ def test_an_operator_sees_a_blocked_case_everywhere_and_resumes_it(
                 blocked = [t for t in tasks.values()
                            if "INVALID_LLM_RESPONSES" in (t.get("result") or "")]
                 assert blocked, tasks
+                assert all(t["result"].startswith("{'halt': {'outcome': 'BLOCKED', "
+                                                  "'reason': 'INVALID_LLM_RESPONSES'")
+                           for t in blocked), blocked
+                page = http_get(f"http://127.0.0.1:{flower_port}/tasks", AUTH)[1].decode()
+                assert ">args<" in page and ">Result<" in page  # listed on the tasks page
                 for t in blocked:
                     assert f"case={h.case.case_id}" in t["args"], t
                     assert re.search(r"step=\d+ stage=\w+", t["args"]), t
