@@ -67,6 +67,7 @@ def llm_call_recorded(h: Harness) -> bool:
 
 
 def finish_with_a_new_worker(h: Harness, tmp_path: Path, *extra: str) -> list[str]:
+    h.worker.stop()  # the first one has exited; the harness stops the one in h.worker
     h.worker = cli_worker(h, tmp_path, "second", *extra)
     h.worker.start()
     info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
