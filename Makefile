@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test install install-test services lint typecheck bench bench-report clean test-models
+.PHONY: demo test install install-test services lint typecheck bench bench-report clean test-models test-dist
 
 # The real-model target (`make test-models`): its own venv with llama-cpp-python built
 # from PyPI for the CPU (a native build can die on an illegal instruction on some of
@@ -36,6 +36,17 @@ services:
 test: install-test services
 	$(PY) -m pytest -q
 
+# The distributed path on a runtime-only install: a fresh venv with `pip install .` (no
+# test extras), a real worker and dispatch finishing the demo case on PostgreSQL and Redis.
+DIST_VENV ?= var/dist-venv
+test-dist: services
+	rm -rf $(DIST_VENV) var/dist-check
+	$(PYTHON) -m venv $(DIST_VENV)
+	$(DIST_VENV)/bin/pip install --quiet --upgrade pip
+	$(DIST_VENV)/bin/pip install --quiet .
+	$(DIST_VENV)/bin/python -I scripts/dist_check.py --bin $(DIST_VENV)/bin --repo . \
+	    --work var/dist-check
+
 lint: install-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
@@ -62,4 +73,4 @@ bench-report: install-test services
 	$(PY) bench/report_render.py
 
 clean:
-	rm -rf $(VENV) $(MODELS_VENV) .investigate var
+	rm -rf $(VENV) $(MODELS_VENV) .investigate var build

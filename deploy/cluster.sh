@@ -1,54 +1,108 @@
 #!/usr/bin/env bash
 # Run the distributed set on one machine: PostgreSQL store, Redis broker and locks,
-# N Celery workers on the case queue and Flower.  Usage:
-#   deploy/cluster.sh start [WORKERS]   # default 2 workers, 2 processes each
-#   deploy/cluster.sh stop
+# N Celery workers on the case queue, beat (the recovery sweep), the metrics exporter
+# and Flower.  Usage:
+#   deploy/cluster.sh start [WORKERS]   # default 2 workers of WORKER_CONCURRENCY processes
+#   deploy/cluster.sh stop              # warm shutdown; waits until every process exited
 #   deploy/cluster.sh status
-# Settings come from deploy/cluster.env (copy cluster.env.example) or the environment.
+# Settings come from deploy/cluster.env (copy cluster.env.example) or the environment:
+#   WORKER_CONCURRENCY (2), WORKER_METRICS_BASE_PORT (9810: worker i serves base+i),
+#   METRICS_PORT (9808), FLOWER_PORT (5555), STOP_TIMEOUT_S (120), START_TIMEOUT_S (90:
+#   how long start waits for every worker to answer ping), INVESTIGATE_RUN_DIR.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
+[ -f "$here/cluster.env" ] && set -a && . "$here/cluster.env" && set +a
 run="${INVESTIGATE_RUN_DIR:-$root/var/cluster}"
 bin="${INVESTIGATE_BIN:-$root/.venv/bin/investigate}"
-[ -f "$here/cluster.env" ] && set -a && . "$here/cluster.env" && set +a
 export INVESTIGATE_DATABASE_URL="${INVESTIGATE_DATABASE_URL:-postgresql+psycopg://postgres@127.0.0.1:5432/investigation}"
 export INVESTIGATE_BROKER_URL="${INVESTIGATE_BROKER_URL:-redis://127.0.0.1:6379/0}"
+export INVESTIGATE_HOME="${INVESTIGATE_HOME:-$run/home}"
+concurrency="${WORKER_CONCURRENCY:-2}"
+metrics_base="${WORKER_METRICS_BASE_PORT:-9810}"
+stop_timeout="${STOP_TIMEOUT_S:-120}"
+start_timeout="${START_TIMEOUT_S:-90}"
+
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+ensure_database() {
+  # A local PostgreSQL database named in the URL is created when missing.
+  case "$INVESTIGATE_DATABASE_URL" in
+    postgresql*@127.0.0.1:*/*|postgresql*@localhost:*/*)
+      local db="${INVESTIGATE_DATABASE_URL##*/}"; db="${db%%\?*}"
+      psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname='$db'" \
+        | grep -q 1 || createdb -h 127.0.0.1 -U postgres "$db" ;;
+  esac
+}
 
 start() {
-  local n="${1:-2}"
+  local n="${1:-2}" pidfile
+  for pidfile in "$run"/*.pid; do
+    if alive "$pidfile"; then
+      echo "already running: $(basename "$pidfile" .pid) (pid $(cat "$pidfile")); run '$0 stop' first" >&2
+      exit 1
+    fi
+  done
+  rm -f "$run"/*.pid
   bash "$root/scripts/ensure-services.sh"
-  case "$INVESTIGATE_DATABASE_URL" in
-    postgresql*/investigation)
-      psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname='investigation'" \
-        | grep -q 1 || createdb -h 127.0.0.1 -U postgres investigation ;;
-  esac
-  mkdir -p "$run"
+  ensure_database
+  mkdir -p "$run" "$INVESTIGATE_HOME"
+  "$bin" db upgrade
   for i in $(seq 1 "$n"); do
-    beat=""; [ "$i" = 1 ] && beat="--beat"   # exactly one worker runs the recovery sweep
-    nohup "$bin" worker --concurrency 2 $beat >"$run/worker-$i.log" 2>&1 &
+    nohup "$bin" worker --name "worker$i@%h" --concurrency "$concurrency" \
+      --metrics-port "$((metrics_base + i))" >"$run/worker-$i.log" 2>&1 &
     echo $! >"$run/worker-$i.pid"
   done
+  nohup "$bin" beat --schedule "$INVESTIGATE_HOME/celerybeat-schedule" >"$run/beat.log" 2>&1 &
+  echo $! >"$run/beat.pid"
+  nohup "$bin" metrics --port "${METRICS_PORT:-9808}" >"$run/metrics.log" 2>&1 &
+  echo $! >"$run/metrics.pid"
   nohup "$bin" flower --port "${FLOWER_PORT:-5555}" >"$run/flower.log" 2>&1 &
   echo $! >"$run/flower.pid"
-  echo "started $n worker(s) and Flower on http://127.0.0.1:${FLOWER_PORT:-5555} (logs in $run)"
+  local waited=0   # ready when every worker answers ping
+  until "$bin" health --check workers --min-workers "$n" --timeout 1 >/dev/null 2>&1; do
+    if [ "$waited" -ge "$start_timeout" ]; then
+      echo "warning: not every worker answers ping after ${start_timeout}s; see $run/worker-*.log" >&2
+      break
+    fi
+    sleep 1; waited=$((waited + 1))
+  done
+  echo "started $n worker(s) of $concurrency processes (worker1@$(hostname) ...), beat,"
+  echo "metrics on http://127.0.0.1:${METRICS_PORT:-9808}/metrics (workers: $((metrics_base + 1))..$((metrics_base + n))),"
+  echo "Flower on http://127.0.0.1:${FLOWER_PORT:-5555} (logs in $run)"
 }
 
 stop() {
+  local pidfile waited=0 left
   for pidfile in "$run"/*.pid; do
     [ -e "$pidfile" ] || continue
-    kill -TERM "$(cat "$pidfile")" 2>/dev/null || true
-    rm -f "$pidfile"
+    kill -TERM "$(cat "$pidfile")" 2>/dev/null || true   # warm shutdown
   done
-  echo "stopped (workers finish or requeue their current stage: late acks)"
+  while :; do
+    left=""
+    for pidfile in "$run"/*.pid; do
+      [ -e "$pidfile" ] || continue
+      if alive "$pidfile"; then left="$left $(basename "$pidfile" .pid)"; else rm -f "$pidfile"; fi
+    done
+    [ -z "$left" ] && break
+    if [ "$waited" -ge "$stop_timeout" ]; then
+      echo "still running after ${stop_timeout}s:$left (their running stages go on)." >&2
+      echo "Run '$0 stop' again to keep waiting, or kill -QUIT the pid for a cold shutdown" >&2
+      echo "(the interrupted stage is delivered again: late acks)." >&2
+      exit 1
+    fi
+    sleep 1; waited=$((waited + 1))
+  done
+  echo "stopped (every running stage finished: warm shutdown)"
 }
 
 status() {
-  local any=""
+  local any="" pidfile name
   for pidfile in "$run"/*.pid; do
     [ -e "$pidfile" ] || continue
     name="$(basename "$pidfile" .pid)"
     any=1
-    if kill -0 "$(cat "$pidfile")" 2>/dev/null; then echo "$name running"; else echo "$name dead"; fi
+    if alive "$pidfile"; then echo "$name running (pid $(cat "$pidfile"))"; else echo "$name dead"; fi
   done
   [ -n "$any" ] || echo "nothing running (no pid files in $run)"
 }

@@ -46,6 +46,11 @@ STAGES = (
 REDIS_LOCK_KEY = "investigation:lock:{case_id}"
 CELERY_QUEUE = "cases"
 TASK_PREFIX = "investigation."
+#: The upstream message contract (``docs/message-contract.md``): task
+#: ``investigation.dispatch``, args ``[case_id]`` or ``[case_id, max_steps]``, kwargs
+#: ``{"contract": 1}`` (optional; a message without it is version 1).
+DISPATCH_TASK = TASK_PREFIX + "dispatch"
+DISPATCH_CONTRACT_VERSION = 1
 
 #: Scheduling outcomes.
 PROGRESSED = "PROGRESSED"

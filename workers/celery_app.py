@@ -21,12 +21,20 @@ The beat schedule holds one periodic task, ``investigation.recover`` (the recove
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from celery import Celery
+from celery.signals import (
+    celeryd_init,
+    setup_logging,
+    worker_process_init,
+    worker_process_shutdown,
+)
 from kombu import Queue  # type: ignore[attr-defined]
 
 from investigation.constants import TASK_PREFIX
+from workers import logs
 from workers.settings import Settings, load_settings
 
 
@@ -88,12 +96,44 @@ def configure(settings: Settings, target: Celery | None = None) -> None:
         worker_send_task_events=True,
         task_send_sent_event=True,
         worker_max_memory_per_child=settings.worker_max_memory_kib,
+        worker_soft_shutdown_timeout=settings.soft_shutdown_s,
         beat_schedule=beat_schedule(settings),
     )
     # Drop cached producer state; kombu keeps pools in a process-wide registry, so the
     # old pool is left alone rather than closed.
     target._pool = None
     target.__dict__.pop("amqp", None)
+
+
+@setup_logging.connect
+def _setup_logging(loglevel: Any = None, **_: Any) -> None:
+    """Celery leaves logging to us (its documented ``setup_logging`` signal): timestamps,
+    the step context and ``INVESTIGATE_LOG_FORMAT`` for worker and beat alike."""
+    try:
+        fmt = load_settings().log_format
+    except Exception:  # broken settings are reported where they are used
+        fmt = "text"
+    logs.setup(fmt, loglevel or "INFO")
+
+
+@celeryd_init.connect
+def _worker_name(sender: Any = None, **_: Any) -> None:
+    """Every line a worker (and its pool children) logs names the node (``name@host``)."""
+    logs.set_worker_name(str(sender) if sender else None)
+
+
+@worker_process_init.connect
+def _child_metrics(**_: Any) -> None:
+    from workers import metrics
+
+    metrics.close_inherited_server()
+
+
+@worker_process_shutdown.connect
+def _child_exit(pid: int | None = None, **_: Any) -> None:
+    from workers import metrics
+
+    metrics.process_exited(pid or os.getpid())
 
 
 app = make_app()

@@ -35,7 +35,7 @@ from investigation.errors import InvestigationError, LockBusy
 from investigation.loop.outcome import Outcome
 from investigation.operations import cancel, export, pause, resume, status, summary_bytes
 from investigation.store import Store
-from investigation.text_safety import EscapingLogFilter, escape_text
+from investigation.text_safety import escape_text
 from workers.settings import Settings, load_settings
 from workers.views import outcome_line, print_guidance, status_view, term
 
@@ -131,11 +131,30 @@ def _controlled(fn: F) -> F:
         except UnicodeError as exc:  # an argument or file that is not text
             _fail("INPUT_INVALID", f"an argument or input file is not valid text: "
                   f"{_first_line(exc)}")
-        except (ImportError, ValueError) as exc:  # a URL or setting nothing can use
+        except ImportError as exc:  # an install without a module a dependency needs
+            _fail("DEPENDENCY_MISSING", _missing_module(exc))
+        except ValueError as exc:  # a URL or setting nothing can use
             _fail("CONFIG_INVALID", f"{type(exc).__name__}: {_first_line(exc)}; check the "
                   "INVESTIGATE_* settings")
 
     return wrapper  # type: ignore[return-value]
+
+
+def _missing_module(exc: ImportError) -> str:
+    """Name the missing module and who needed it; the fix is an install, not a setting."""
+    needed_by = ""
+    tb = exc.__traceback__
+    while tb is not None:  # the innermost frame that is not importlib's own
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module and not module.startswith(("importlib", "_frozen_importlib")):
+            needed_by = module
+        tb = tb.tb_next
+    name = (exc.name or _first_line(exc)).split(".")[0]
+    return (f"the Python module {name!r} is not installed"
+            + (f" (imported by {needed_by})" if needed_by else "")
+            + "; install the engine with its runtime dependencies (pip install "
+            "investigation-engine, or pip install . in a checkout; the broker needs "
+            "celery[redis])")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -196,7 +215,12 @@ def _store(settings: Settings, existing: bool = False) -> Store:
         if versions != [head_revision()]:
             raise not_a_store
         return store
-    store.create_schema()
+    if settings.auto_migrate:
+        store.create_schema()
+    else:
+        from investigation.store.migrate import require_head
+
+        require_head(store.engine)
     return store
 
 
@@ -375,58 +399,6 @@ def dispatch_cmd(
     out.print(f"watch it: investigate status {case_id} --watch", highlight=False)
 
 
-@app.command("worker", epilog=example("investigate worker --concurrency 2",
-                                      "investigate worker --concurrency 2 --beat"))
-@_controlled
-def worker(
-    concurrency: Annotated[int, typer.Option(
-        "--concurrency", "-c", min=1, help="worker processes (prefork children)")] = 2,
-    loglevel: Annotated[str, typer.Option(
-        "--loglevel", help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
-    pool: Annotated[str, typer.Option("--pool", help="prefork or solo")] = "prefork",
-    beat: Annotated[bool, typer.Option(
-        "--beat", help="also run the periodic recovery sweep (start exactly one such worker)")
-    ] = False,
-    soft_time_limit: Annotated[float | None, typer.Option(
-        "--soft-time-limit", min=0.001, help="seconds a task may run before Celery raises "
-        "SoftTimeLimitExceeded in it (default: none)")] = None,
-    time_limit: Annotated[float | None, typer.Option(
-        "--time-limit", min=0.001, help="seconds a task may run before Celery kills its "
-        "process (default: none)")] = None,
-) -> None:
-    """Start a Celery worker on the configured broker and case queue.
-
-    Only process-based pools: the isolated SQL children are forked, which needs no other
-    thread of the worker process to be inside SQLite (threads/gevent pools are refused).
-
-    Time limits are Celery's own (``--soft-time-limit``, ``--time-limit``), per task,
-    i.e. per stage. A stage stopped by one is recorded once as STAGE_TIME_LIMIT: a query
-    becomes a failed result and the case goes on; any other stage parks the case BLOCKED
-    (STAGE_TIME_LIMIT) until the limit is raised and the case resumed. Keep the limits
-    above the stages' own bounds (provider timeout_s, tools.sql_timeout_s + 1,
-    tools.search_timeout_s), and the soft limit below the hard one.
-    """
-    if pool not in ("prefork", "solo"):
-        raise typer.BadParameter("use --pool prefork or --pool solo", param_hint="--pool")
-    if soft_time_limit is not None and time_limit is not None \
-            and soft_time_limit >= time_limit:
-        raise typer.BadParameter("the soft time limit must be below --time-limit",
-                                 param_hint="--soft-time-limit")
-    settings = _settings()  # a broken environment fails here, as one line
-    from workers.celery_app import app as celery_app
-
-    argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}",
-            f"--pool={pool}", "-Q", settings.queue, "-E"]
-    if soft_time_limit is not None:
-        argv.append(f"--soft-time-limit={soft_time_limit:g}")
-    if time_limit is not None:
-        argv.append(f"--time-limit={time_limit:g}")
-    if beat:
-        settings.home.mkdir(parents=True, exist_ok=True)
-        argv += ["-B", f"--schedule={settings.home / 'celerybeat-schedule'}"]
-    celery_app.worker_main(argv)
-
-
 @app.command("recover", epilog=example("investigate recover", "investigate recover --json"))
 @_controlled
 def recover_cmd(as_json: JsonOpt = False) -> None:
@@ -463,21 +435,6 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
                   f"{report.not_due} waiting for a provider backoff", highlight=False)
     if report.failed:
         raise typer.Exit(2)
-
-
-@app.command("flower", epilog=example("investigate flower --port 5555"))
-@_controlled
-def flower(
-    port: Annotated[int, typer.Option("--port", help="the TCP port Flower listens on")] = 5555,
-    address: Annotated[str, typer.Option(
-        "--address", help="the address Flower binds (keep 127.0.0.1 behind a proxy)")
-    ] = "127.0.0.1",
-) -> None:
-    """Start Flower (Celery's monitor) on the configured broker."""
-    _settings()  # a broken environment fails here, as one line
-    from workers.celery_app import app as celery_app
-
-    celery_app.start(["flower", f"--port={port}", f"--address={address}"])
 
 
 # -- operator ------------------------------------------------------------------------------
@@ -610,6 +567,7 @@ def export_cmd(
 
 
 from workers import (  # noqa: E402  (they use the helpers above)
+    cli_ops,
     cli_providers,
     cli_report,
     cli_run,
@@ -622,13 +580,18 @@ app.add_typer(cli_tests.feedback_app, name="feedback")
 app.add_typer(cli_providers.providers_app, name="providers")
 app.add_typer(cli_report.replies_app, name="replies")
 cli_report.register(app)
+cli_ops.register(app)
 
 
 def main() -> None:
     """Console entry point."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:  # log lines quote snapshot text too
-        handler.addFilter(EscapingLogFilter())
+    from workers import logs
+
+    try:
+        fmt = load_settings().log_format
+    except Exception:  # reported as one line by the command that needs the settings
+        fmt = "text"
+    logs.setup(fmt, logging.WARNING)
     app()
 
 

@@ -63,7 +63,12 @@ def build_env(settings: Settings, config_path: Path | None = None,
                     f"(paths are relative to the providers file, {providers_config.base_dir})")
         build_providers(providers_config)  # constructors validate URLs, models, dialects
     store = Store(settings.effective_database_url)
-    store.create_schema()
+    if settings.auto_migrate:
+        store.create_schema()
+    else:
+        from investigation.store.migrate import require_head
+
+        require_head(store.engine)
     factory: Callable[[], LLMGateway] | None = None
     if providers_config is not None:
         pc = providers_config

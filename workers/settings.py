@@ -18,6 +18,9 @@
 | ``INVESTIGATE_WORKER_MAX_MEMORY_KIB`` | 1048576 | a prefork child above this is replaced |
 | ``INVESTIGATE_FEEDBACK_KEY`` | none | key deriving external-test feedback secrets (>= 32 chars) |
 | ``INVESTIGATE_FEEDBACK_KEY_FILE`` | ``$HOME/feedback.key`` | used without the variable; created (0600) on first use |
+| ``INVESTIGATE_LOG_FORMAT`` | ``text`` | ``text`` or ``json`` (one JSON object per line) |
+| ``INVESTIGATE_AUTO_MIGRATE`` | true | a process that opens the store migrates it; false: only ``investigate db upgrade`` does |
+| ``INVESTIGATE_SOFT_SHUTDOWN_S`` | 0 | seconds a cold shutdown still lets running tasks finish (Celery's soft shutdown) |
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import secrets
 import tempfile
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -68,6 +72,16 @@ class Settings(BaseSettings):
     queue: str = Field("cases", min_length=1)
     worker_max_memory_kib: int = Field(1_048_576, ge=65_536)
     """Resident memory after which a prefork child is replaced (KiB). Default 1 GiB."""
+
+    log_format: Literal["text", "json"] = "text"
+    """``text`` (default) or ``json``: one JSON object per log line (``workers/logs.py``)."""
+    auto_migrate: bool = True
+    """Default true: the first process that opens the store brings it to the newest
+    migration. False: only ``investigate db upgrade`` migrates; a worker meeting an older
+    schema stops with ``STORE_NOT_MIGRATED``."""
+    soft_shutdown_s: float = Field(0.0, ge=0)
+    """Seconds a cold shutdown (SIGQUIT, a second SIGTERM) still gives running tasks
+    before they are terminated (Celery's ``worker_soft_shutdown_timeout``). Default 0."""
 
     feedback_key: SecretStr | None = Field(None, min_length=32)
     """Key that derives each external test's feedback secret (``docs/async-tests.md``)."""

@@ -4,7 +4,13 @@ A step is the chain ``build_context | llm_call | validate | persist_plan |
 settle_reserve | execute_tool | record_evidence | publish | advance``. Every task
 takes and returns a small JSON payload of ids::
 
-    {"case_id", "revision", "step_seq", "token", "steps_left", "max_steps", "mode", "halt"}
+    {"case_id", "revision", "step_seq", "steps_left", "max_steps", "mode", "halt"}
+
+and the dispatch's lock token as the keyword argument ``token``, bound to every
+signature of the chain. The token never appears in a payload, a result or a log line:
+Flower and the worker log show the tasks through ``argsrepr``/``kwargsrepr``
+(``case=C rev=R step=N stage=S`` and the token's first 8 characters). A payload that
+still carries ``token`` (enqueued by an older version) is accepted.
 
 A stage task renews the case lock, runs ``Stages.run`` (idempotent and fenced in SQL)
 and, when the step ends early (``RETRY_PENDING``, ``BLOCKED``), sets ``halt`` so the
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any
@@ -31,6 +38,8 @@ from investigation.constants import (
     BLOCKED,
     COMPLETED,
     CONTINUING,
+    DISPATCH_CONTRACT_VERSION,
+    DISPATCH_TASK,
     RETRY_PENDING,
     STAGES,
     TASK_PREFIX,
@@ -42,7 +51,8 @@ from investigation.loop.investigator import Investigator
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.loop.stages import Stages
 from investigation.text_safety import escape_text
-from workers import runtime
+from workers import logs, runtime
+from workers import metrics as engine_metrics
 from workers.celery_app import app
 
 log = logging.getLogger(__name__)
@@ -63,21 +73,61 @@ def _fresh_process(**_: Any) -> None:
 
 def _halt(payload: dict[str, Any], outcome: str, reason: str | None,
           **extra: Any) -> dict[str, Any]:
-    payload["halt"] = {"outcome": outcome, "case_id": payload["case_id"],
-                       "step_seq": payload["step_seq"], "reason": reason,
-                       "retry_not_before": None, "hypothesis_id": None, "details": extra}
+    payload["halt"] = {"outcome": outcome, "reason": reason, "case_id": payload["case_id"],
+                       "step_seq": payload["step_seq"], "retry_not_before": None,
+                       "hypothesis_id": None, "details": extra}
     return payload
 
 
-def _run_stage(task: Any, payload: dict[str, Any], stage: str) -> dict[str, Any]:
+def _token(payload: dict[str, Any], token: str | None) -> str:
+    """The chain's lock token: the keyword argument, or an older payload's ``token``."""
+    value = token or payload.get("token")  # an older chain passes it on in the payload
+    if not value:
+        raise InvestigationError("PAYLOAD_INVALID", "a stage task came without a lock token")
+    return str(value)
+
+
+def describe(payload: dict[str, Any], stage: str | None = None) -> str:
+    """What Flower and the worker log show as a task's arguments (``argsrepr``)."""
+    return (f"case={payload['case_id']} rev={payload['revision']} step={payload['step_seq']}"
+            + (f" stage={stage}" if stage else ""))
+
+
+def _run_stage(task: Any, payload: dict[str, Any], stage: str,
+               token: str | None = None) -> dict[str, Any]:
+    token = _token(payload, token)
     if payload.get("halt"):
         return payload
+    with logs.step_context(case_id=payload["case_id"], step=payload["step_seq"], stage=stage,
+                           task_id=task.request.id,
+                           worker=getattr(task.request, "hostname", None)):
+        gauge = engine_metrics.stage_running(stage)
+        gauge.inc()
+        started, since = time.monotonic(), datetime.now(UTC)
+        result = "error"
+        try:
+            payload, result = _timed_stage(task, payload, stage, token, since)
+        finally:
+            gauge.dec()
+            engine_metrics.stage_timed(stage, result, time.monotonic() - started)
+    return _halt_first(payload)
+
+
+def _halt_first(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload with ``halt`` first: a task's result in Flower's list starts with the
+    step's outcome and reason (``{'halt': {'outcome': 'BLOCKED', 'reason': ...}, ...}``)."""
+    return {"halt": payload.get("halt"), **payload}
+
+
+def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
+                 since: datetime) -> tuple[dict[str, Any], str]:
+    """Run the stage; returns the payload and the metrics' result label."""
     rt = runtime.current()
-    case_id, token = payload["case_id"], payload["token"]
+    case_id = payload["case_id"]
     if not rt.lock.hold(case_id, token):
-        log.warning("case %s: lock lost before %s of step %s; stopping this chain",
-                    case_id, stage, payload["step_seq"])
-        return _halt(payload, "LOCK_LOST", "LOCK_LOST")
+        log.warning("case %s: lock %s lost before %s of step %s; stopping this chain",
+                    case_id, logs.short_token(token), stage, payload["step_seq"])
+        return _halt(payload, "LOCK_LOST", "LOCK_LOST"), "halt"
     key = StepKey(case_id, payload["revision"], payload["step_seq"])
     try:
         # Counted before the stage runs, committed on its own: survives a killed worker.
@@ -89,7 +139,7 @@ def _run_stage(task: Any, payload: dict[str, Any], stage: str) -> dict[str, Any]
                       key.step_seq, stage, parked.reason, parked.details["unfinished"] - 1,
                       case_id)
             payload["halt"] = parked.to_dict()
-            return payload
+            return payload, "halt"
         try:
             result = Stages(rt.env).run(stage, key)
         except InvestigationError:
@@ -101,43 +151,57 @@ def _run_stage(task: Any, payload: dict[str, Any], stage: str) -> dict[str, Any]
         payload = _time_limited(rt, payload, stage, "soft", None)
         if (payload.get("halt") or {}).get("outcome") == "RECORDED":
             payload["halt"] = None  # the stage had finished: the chain goes on
-        return payload
+        return payload, "time_limit"
     except StaleStateError as exc:
         log.info("case %s step %s %s: stale (%s)", case_id, key.step_seq, stage, exc.message)
-        return _halt(payload, "STALE", "STALE_STATE")
+        return _halt(payload, "STALE", "STALE_STATE"), "halt"
     except InvestigationError as exc:
         # The embedded CLI reports the error itself; a worker's log is the operator's view.
         log.log(logging.DEBUG if payload.get("mode") == "embedded" else logging.ERROR,
                 "case %s step %s %s failed: %s", case_id, key.step_seq, stage, exc)
-        return _halt(payload, "ERROR", exc.code, message=exc.message)
+        return _halt(payload, "ERROR", exc.code, message=exc.message), "error"
     except OperationalError as exc:
         # The store is unreachable or busy: retry this stage later (countdown, no sleep).
         if task.request.retries >= STORE_MAX_RETRIES:
             # Give up through ``advance`` with the lock released: no orphan lock holds the
             # case until its lease runs out.
-            _release_distributed(rt, payload)
+            _release_distributed(rt, payload, token)
             log.error("case %s step %s %s: store unavailable after %s retries: %s", case_id,
                       key.step_seq, stage, STORE_MAX_RETRIES, exc)
             return _halt(payload, "ERROR", "STORE_UNAVAILABLE",
-                         message=f"the store failed {STORE_MAX_RETRIES + 1} times in {stage}")
+                         message=f"the store failed {STORE_MAX_RETRIES + 1} times in {stage}"
+                         ), "error"
         countdown = STORE_RETRY_COUNTDOWN_S * 2 ** task.request.retries
         raise task.retry(exc=exc, countdown=min(countdown, rt.settings.max_countdown_s),
                          max_retries=STORE_MAX_RETRIES) from exc
     except Exception:
-        _release_distributed(rt, payload)  # a failed chain never keeps the case locked
+        _release_distributed(rt, payload, token)  # a failed chain never keeps the case locked
         raise
+    if stage == "llm_call":
+        engine_metrics.record_model_calls(rt.env.store, case_id, key.revision, key.step_seq,
+                                          since)
+    elif stage == "settle_reserve" and result.halt is None:
+        engine_metrics.record_settlement(rt.env.store, case_id, key.revision, key.step_seq,
+                                         result.output, since)
     if result.halt is not None:
-        payload["halt"] = result.halt.to_dict()
-    return payload
+        payload["halt"] = _outcome_first(result.halt.to_dict())
+        return payload, "halt"
+    return payload, "ok"
 
 
-def _release_distributed(rt: runtime.Runtime, payload: dict[str, Any]) -> None:
+def _outcome_first(halt: dict[str, Any]) -> dict[str, Any]:
+    """The halt with ``outcome`` and ``reason`` first, so a task's result in Flower and
+    the log starts with them (a search for BLOCKED finds the step that blocked)."""
+    return {"outcome": halt["outcome"], "reason": halt.get("reason"), **halt}
+
+
+def _release_distributed(rt: runtime.Runtime, payload: dict[str, Any], token: str) -> None:
     """Release a distributed chain's lock (only if still its own) when the chain ends early.
 
     The embedded driver owns its file lock across steps and releases it itself.
     """
     if payload.get("mode") != "embedded":
-        rt.lock.release(payload["case_id"], payload["token"])
+        rt.lock.release(payload["case_id"], token)
 
 
 def _time_limited(rt: runtime.Runtime, payload: dict[str, Any], stage: str, kind: str,
@@ -182,8 +246,8 @@ def _time_limited(rt: runtime.Runtime, payload: dict[str, Any], stage: str, kind
 
 def _stage_task(stage: str) -> Any:
     @app.task(name=f"{TASK_PREFIX}{stage}", bind=True)
-    def task(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
-        return _run_stage(self, payload, stage)
+    def task(self: Any, payload: dict[str, Any], token: str | None = None) -> dict[str, Any]:
+        return _run_stage(self, payload, stage, token)
 
     task.__doc__ = f"Stage ``{stage}`` of one investigation step (payload of ids in and out)."
     return task
@@ -192,16 +256,23 @@ def _stage_task(stage: str) -> Any:
 STAGE_TASKS = {stage: _stage_task(stage) for stage in STAGES}
 
 
-def step_chain(payload: dict[str, Any], start: str | None = None) -> Any:
+def step_chain(payload: dict[str, Any], token: str, start: str | None = None) -> Any:
     """The Celery chain of one step: eight stages (or those from ``start`` on), then
-    ``advance``; every task carries the :func:`on_chain_error` error callback."""
+    ``advance``. Every signature carries the lock ``token``, shows itself as
+    ``describe(payload, stage)`` and has the :func:`on_chain_error` error callback."""
+    shown = repr({"token": logs.short_token(token)})
+
+    def sig(task: Any, stage: str | None, *args: Any) -> Any:
+        return task.s(*args, token=token).set(argsrepr=describe(payload, stage),
+                                              kwargsrepr=shown).on_error(on_chain_error.s())
+
     stages = STAGES[STAGES.index(start):] if start else STAGES
     first, *rest = stages
-    sigs = [STAGE_TASKS[first].s(payload), *(STAGE_TASKS[s].s() for s in rest), advance.s()]
-    return chain(*(sig.on_error(on_chain_error.s()) for sig in sigs))
+    return chain(sig(STAGE_TASKS[first], first, payload),
+                 *(sig(STAGE_TASKS[s], s) for s in rest), sig(advance, "advance"))
 
 
-def new_payload(case_id: str, token: str, steps_left: int, mode: str,
+def new_payload(case_id: str, steps_left: int, mode: str,
                 max_steps: int | None = None) -> dict[str, Any] | None:
     """Payload for the case's next step, or ``None`` if it has no eligible step.
 
@@ -211,7 +282,7 @@ def new_payload(case_id: str, token: str, steps_left: int, mode: str,
     key = Investigator(runtime.current().env).next_step(case_id)
     if isinstance(key, Outcome):
         return None
-    return {**key.to_dict(), "token": token, "steps_left": steps_left, "mode": mode,
+    return {**key.to_dict(), "steps_left": steps_left, "mode": mode,
             "max_steps": max_steps, "halt": None}
 
 
@@ -254,26 +325,35 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
     token = rt.lock.acquire(case_id)
     try:
         steps = max_steps or rt.env.config.loop.max_steps_per_dispatch
-        payload = new_payload(case_id, token, steps, "distributed", max_steps)
+        payload = new_payload(case_id, steps, "distributed", max_steps)
         if payload is None:
             rt.lock.release(case_id, token)
             outcome = Investigator(rt.env).next_step(case_id)
             assert isinstance(outcome, Outcome)
             return outcome
-        step_chain(payload).apply_async()
+        step_chain(payload, token).apply_async()
     except BaseException:
         rt.lock.release(case_id, token)
         raise
     return token
 
 
-@app.task(name=f"{TASK_PREFIX}dispatch", bind=True)
-def dispatch(self: Any, case_id: str, max_steps: int | None = None) -> dict[str, Any]:
+@app.task(name=DISPATCH_TASK, bind=True)
+def dispatch(self: Any, case_id: str, max_steps: int | None = None,
+             contract: int = DISPATCH_CONTRACT_VERSION) -> dict[str, Any]:
     """Worker-side dispatch (re-enqueued yields, due retries, upstream systems).
 
-    A request that is not a valid dispatch (``DISPATCH_INVALID``) is refused before the
-    lock is taken and logged; it is not retried.
+    The upstream message contract (``docs/message-contract.md``): args ``[case_id]`` or
+    ``[case_id, max_steps]``, optional kwarg ``contract`` (the version, 1). A request that
+    is not a valid dispatch (``DISPATCH_INVALID``) is refused before the lock is taken and
+    logged; it is not retried.
     """
+    if contract != DISPATCH_CONTRACT_VERSION:
+        log.error("case %s: dispatch message of contract version %s refused; this worker "
+                  "speaks version %s (docs/message-contract.md)",
+                  escape_text(repr(case_id))[:100], escape_text(repr(contract))[:40],
+                  DISPATCH_CONTRACT_VERSION)
+        return {"outcome": "CONTRACT_UNSUPPORTED", "case_id": case_id, "contract": contract}
     try:
         start_dispatch(case_id, max_steps)
     except LockBusy:
@@ -287,37 +367,41 @@ def dispatch(self: Any, case_id: str, max_steps: int | None = None) -> dict[str,
 
 
 @app.task(name=f"{TASK_PREFIX}advance", bind=True)
-def advance(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
+def advance(self: Any, payload: dict[str, Any], token: str | None = None) -> dict[str, Any]:
     """After a step: continue, yield, schedule a retry countdown, or stop.
 
     Whatever fails here releases the chain's lock (if it still holds it) before the
-    error propagates, as the stage tasks do: the case never stays locked until the
-    lease runs out.
+    error propagates, as the stage tasks do.
     """
+    token = _token(payload, token)
+    with logs.step_context(case_id=payload["case_id"], step=payload["step_seq"],
+                           stage="advance", task_id=self.request.id,
+                           worker=getattr(self.request, "hostname", None)):
+        try:
+            return _halt_first(_advance(payload, token))
+        except Exception:
+            # As the stage tasks do: a failed advance never keeps the case locked until
+            # the lease runs out.
+            if isinstance(payload, dict) and isinstance(payload.get("case_id"), str):
+                _release_distributed(runtime.current(), payload, token)
+            raise
+
+
+def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
     rt = runtime.current()
-    try:
-        return _advance(rt, payload)
-    except Exception:
-        if isinstance(payload, dict) and isinstance(payload.get("case_id"), str) \
-                and isinstance(payload.get("token"), str):
-            _release_distributed(rt, payload)
-        raise
-
-
-def _advance(rt: runtime.Runtime, payload: dict[str, Any]) -> dict[str, Any]:
     halt = payload.get("halt") or {"outcome": "ERROR", "reason": "NO_OUTCOME"}
-    outcome, case_id, token = halt["outcome"], payload["case_id"], payload["token"]
+    outcome, case_id = halt["outcome"], payload["case_id"]
     log.info("case %s step %s: %s %s", case_id, payload["step_seq"], outcome,
              halt.get("reason") or "")
+    engine_metrics.step_ended(outcome, halt.get("reason"))
     if payload.get("mode") == "embedded" or outcome in ("LOCK_LOST",):
         return payload
     if outcome in CONTINUING:
         steps_left = int(payload["steps_left"]) - 1
         if steps_left > 0 and rt.lock.hold(case_id, token):
-            nxt = new_payload(case_id, token, steps_left, "distributed",
-                              payload.get("max_steps"))
+            nxt = new_payload(case_id, steps_left, "distributed", payload.get("max_steps"))
             if nxt is not None:
-                step_chain(nxt).apply_async()
+                step_chain(nxt, token).apply_async()
                 return payload
         rt.lock.release(case_id, token)
         dispatch.apply_async((case_id, payload.get("max_steps")))  # behind other cases
@@ -367,19 +451,24 @@ def on_chain_error(request: Any, exc: BaseException, traceback: Any) -> None:
     if payload is None or (stage not in STAGES and stage != "advance"):
         return
     limit = exc.args[0] if exc.args and isinstance(exc.args[0], int | float) else None
-    ids = {k: payload.get(k) for k in ("case_id", "revision", "step_seq", "token",
-                                       "steps_left", "max_steps", "mode")}
-    time_limit.apply_async((ids, stage, limit))
+    kwargs = getattr(request, "kwargs", None) or {}
+    token = kwargs.get("token") or payload.get("token")  # older payloads carried it
+    ids = {k: payload.get(k) for k in ("case_id", "revision", "step_seq", "steps_left",
+                                       "max_steps", "mode")}
+    time_limit.s(ids, stage, limit, token=token).set(
+        argsrepr=describe(payload, stage) if isinstance(payload.get("case_id"), str) else "",
+        kwargsrepr=repr({"token": logs.short_token(str(token))})).apply_async()
 
 
 @app.task(name=f"{TASK_PREFIX}time_limit", bind=True)
 def time_limit(self: Any, payload: dict[str, Any], stage: str,
-               limit_s: float | None) -> dict[str, Any]:
+               limit_s: float | None, token: str | None = None) -> dict[str, Any]:
     """A hard time limit killed ``stage`` of this chain's step: record it once (see
     :func:`_time_limited`), then go on with the step's remaining stages or end the
     dispatch with the case parked, releasing the lock either way."""
     rt = runtime.current()
-    case_id, token = payload.get("case_id"), payload.get("token")
+    case_id = payload.get("case_id")
+    token = token or payload.get("token")
     if not (isinstance(case_id, str) and isinstance(token, str)
             and type(payload.get("revision")) is int and type(payload.get("step_seq")) is int
             and type(payload.get("steps_left")) is int):
@@ -400,7 +489,7 @@ def time_limit(self: Any, payload: dict[str, Any], stage: str,
         halt = payload.get("halt")
         if halt is None:
             nxt = STAGES[STAGES.index(stage) + 1]
-            step_chain(payload, start=nxt).apply_async()
+            step_chain(payload, token, start=nxt).apply_async()
             return payload
         if halt.get("outcome") == "RECORDED":
             # The stage finished before its process was killed: a fresh dispatch goes
@@ -417,10 +506,10 @@ def time_limit(self: Any, payload: dict[str, Any], stage: str,
 
 def run_embedded_step(case_id: str, token: str) -> Outcome | None:
     """Run one step's chain in process (``chain.apply()``); ``None`` if no step is eligible."""
-    payload = new_payload(case_id, token, 1, "embedded")
+    payload = new_payload(case_id, 1, "embedded")
     if payload is None:
         return None
-    result = step_chain(payload).apply().get()
+    result = step_chain(payload, token).apply().get()
     halt = result.get("halt")
     if halt is None:
         raise InvestigationError("STAGE_ORDER", "the step chain ended without an outcome")

@@ -44,6 +44,29 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
         conn.commit()
 
 
+def current_revisions(engine: Engine) -> list[str]:
+    """The migration revisions the database is at (``[]``: never migrated). Reads only."""
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return sorted(MigrationContext.configure(conn).get_current_heads())
+
+
+def require_head(engine: Engine) -> None:
+    """Raise unless the database is at this code's newest migration.
+
+    Raises:
+        StoreError: ``STORE_NOT_MIGRATED`` naming the current and the needed revision.
+    """
+    current, head = current_revisions(engine), head_revision()
+    if current != [head]:
+        raise StoreError(
+            "STORE_NOT_MIGRATED",
+            f"the store at {engine.url.render_as_string(hide_password=True)} is at migration "
+            f"{', '.join(current) or 'none'}, this engine needs {head}; run "
+            "`investigate db upgrade` (or set INVESTIGATE_AUTO_MIGRATE=true)")
+
+
 def head_revision() -> str:
     """The newest migration revision this code knows."""
     cfg = Config()

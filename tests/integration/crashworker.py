@@ -59,13 +59,14 @@ def _fire(step: int, stage: str, phase: str) -> None:
 if _POINT:
     _run_stage = tasks._run_stage
 
-    def _run_stage_with_crashes(task: Any, payload: dict[str, Any], stage: str) -> Any:
+    def _run_stage_with_crashes(task: Any, payload: dict[str, Any], stage: str,
+                                token: str | None = None) -> Any:
         if payload.get("halt"):
-            return _run_stage(task, payload, stage)
+            return _run_stage(task, payload, stage, token)
         step = int(payload["step_seq"])
         _current.update(step=step, stage=stage)
         _fire(step, stage, "before")
-        out = _run_stage(task, payload, stage)
+        out = _run_stage(task, payload, stage, token)
         _fire(step, stage, "after")
         return out
 

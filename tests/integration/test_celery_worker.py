@@ -198,6 +198,8 @@ def running_harness(tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPa
         yield h
     finally:
         worker.stop()
+        if h.worker is not worker:  # a test started its own worker in the harness's place
+            h.worker.stop()
         runtime.configure(None)
         rt.env.store.dispose()
         undo_app()

@@ -70,9 +70,11 @@ def run(stage: str, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def payload_for(case: Case, token: str) -> dict[str, Any]:
-    payload = tasks.new_payload(case.case_id, token, 1, "distributed")
+    """A payload in the format of older chains, which carried the token in the payload
+    (still accepted, so a rolling upgrade finishes the chains in flight)."""
+    payload = tasks.new_payload(case.case_id, 1, "distributed")
     assert payload is not None
-    return payload
+    return payload | {"token": token}
 
 
 def effects(case: Case) -> dict[str, Any]:
@@ -191,7 +193,7 @@ def test_store_retries_inside_a_locked_stage_leave_no_orphan_lock(
     # Two failures, then the stage succeeds on its retry: the step completes, the lock is
     # handed on to the follow-up dispatch (released, re-enqueued).
     token = lock.acquire(case.case_id)
-    result = tasks.step_chain(payload_for(case, token)).apply().get()
+    result = tasks.step_chain(payload_for(case, token), token).apply().get()
     assert result["halt"]["outcome"] == "YIELDED"  # the dispatch's one step is done
     assert failures["left"] == 0
     assert lock.holder(case.case_id) is None and len(enqueued) == 1
@@ -199,7 +201,7 @@ def test_store_retries_inside_a_locked_stage_leave_no_orphan_lock(
     monkeypatch.setattr(tasks, "STORE_MAX_RETRIES", 2)
     failures["left"] = 10
     token = lock.acquire(case.case_id)
-    result = tasks.step_chain(payload_for(case, token)).apply().get()
+    result = tasks.step_chain(payload_for(case, token), token).apply().get()
     assert (result["halt"]["outcome"], result["halt"]["reason"]) == ("ERROR",
                                                                      "STORE_UNAVAILABLE")
     assert failures["left"] == 10 - 3
@@ -220,7 +222,7 @@ def test_an_unexpected_stage_failure_releases_the_lock(
     monkeypatch.setattr(Stages, "run", broken)
     token = lock.acquire(case.case_id)
     with pytest.raises(RuntimeError):
-        tasks.step_chain(payload_for(case, token)).apply().get()
+        tasks.step_chain(payload_for(case, token), token).apply().get()
     assert lock.holder(case.case_id) is None
     # A stale chain meeting a newer holder stops before the stage and keeps its key.
     other = lock.acquire(case.case_id)

@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from workers.cli import app
 
 #: Commands that start a long-running server and print no result.
-SERVERS = {"worker", "flower"}
+#: Commands that start a long-running server print no result (no --json).
+SERVERS = {"worker", "flower", "beat", "metrics"}
 
 
 def _is_group(cmd: Any) -> bool:

@@ -1,0 +1,368 @@
+"""An operator's fleet, for real: ``investigate worker`` (prefork, Redis), ``investigate
+flower`` with a login, ``investigate metrics``, a case that blocks, found with
+``investigate cases``, in Flower and in the metrics, then resumed to the end.
+
+Also: node names are unique, a dispatch sent by a process that has only Celery installed
+runs the case (the upstream message contract), and the deploy script works on one
+machine (refuses a second start, waits for its workers on stop).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from investigation.constants import CASE_BLOCKED, CASE_BUILDING_DIAGNOSIS
+from tests.casekit import HAPPY_REPLIES
+from tests.integration.test_celery_worker import REPO, Worker, running_harness
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+BIN = Path(sys.executable).parent / "investigate"
+INVALID = "this is not a JSON reply"
+AUTH = "operator:s3cret-pass"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, auth: str | None = None, timeout_s: float = 5.0) -> tuple[int, bytes]:
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization",
+                           "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return int(response.status), response.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+
+
+def wait_http(url: str, auth: str | None = None, timeout_s: float = 40.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status, _ = http_get(url, auth, timeout_s=2)
+            if status == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer 200 in time"
+        time.sleep(0.3)
+
+
+def cli(env: dict[str, str], *argv: str, expect: int = 0) -> str:
+    proc = subprocess.run([str(BIN), *argv], env=env, capture_output=True, text=True,
+                          timeout=120, check=False, cwd=REPO)
+    assert proc.returncode == expect, (argv, proc.returncode, proc.stdout, proc.stderr)
+    return proc.stdout + proc.stderr
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # as exposed
+    pattern = rf"^{re.escape(name)}{re.escape('{' + want + '}') if want else ''} (\S+)$"
+    found = re.search(pattern, text, re.M)
+    return float(found.group(1)) if found else None
+
+
+class Server:
+    """A long-running CLI process (Flower, the metrics exporter) and its log."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log_path = log
+        with log.open("ab") as fh:
+            self.proc = subprocess.Popen([str(BIN), *argv], env=env, cwd=REPO, stdout=fh,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def test_an_operator_sees_a_blocked_case_everywhere_and_resumes_it(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.tasks import start_dispatch
+
+    replies = [INVALID] * 3 + HAPPY_REPLIES  # three rejected replies block the case
+    with running_harness(tmp_path, redis_url, monkeypatch, replies=replies) as h:
+        env = dict(h.worker.env)
+        flower_port, metrics_port = free_port(), free_port()
+        worker = Worker([str(BIN), "worker", "-n", f"{h.queue}-a@%h", "-c", "2",
+                         "--metrics-port", "0"], env, tmp_path / "cli-worker.log")
+        h.worker = worker  # the harness stops it
+        flower = Server(["flower", "--port", str(flower_port), "--basic-auth", AUTH], env,
+                        tmp_path / "flower.log")
+        exporter = Server(["metrics", "--port", str(metrics_port)], env,
+                          tmp_path / "metrics.log")
+        try:
+            with h.dump_on_failure():
+                worker.start()
+                worker.wait_ready()
+                wait_http(f"http://127.0.0.1:{flower_port}/workers", AUTH)
+                assert http_get(f"http://127.0.0.1:{flower_port}/workers")[0] == 401
+                worker_metrics = re.search(r"metrics on (http://\S+/metrics)",
+                                           worker.log())
+                assert worker_metrics, worker.log()
+                # Flower subscribes to events every few seconds: give it one round.
+                time.sleep(3)
+
+                token = start_dispatch(h.case.case_id)
+                assert isinstance(token, str)
+                info = h.wait_for_state(CASE_BLOCKED)
+                assert info["blocked_reason"] == "INVALID_LLM_RESPONSES"
+                h.wait_unlocked()
+
+                # investigate cases --state blocked finds it, with its reason.
+                rows = json.loads(cli(env, "cases", "--state", "blocked", "--json"))
+                assert [(r["case_id"], r["state"], r["blocked_reason"]) for r in rows] == [
+                    (h.case.case_id, "BLOCKED", "INVALID_LLM_RESPONSES")]
+                assert rows[0]["steps"] == 3 and rows[0]["hypotheses"] == 2
+                assert rows[0]["last_outcome"] == "BLOCKED"
+                assert "next" in rows[0]
+                table = cli(env, "cases")
+                assert h.case.case_id in table and "INVALID_LLM_RESPONSES" in table
+                assert json.loads(cli(env, "cases", "--state", "paused", "--json")) == []
+                assert "STATE_UNKNOWN" in cli(env, "cases", "--state", "nope", expect=2)
+
+                # Flower: a search for BLOCKED finds the step's tasks; their arguments say
+                # which case, step and stage; the lock token is never shown whole.
+                deadline = time.monotonic() + 20
+                while True:
+                    status, body = http_get(
+                        f"http://127.0.0.1:{flower_port}/api/tasks?search=result:BLOCKED",
+                        AUTH)
+                    assert status == 200
+                    tasks = json.loads(body)
+                    if any(t["name"] == "investigation.llm_call" or
+                           t["name"] == "investigation.publish" for t in tasks.values()):
+                        break
+                    assert time.monotonic() < deadline, tasks
+                    time.sleep(0.5)
+                blocked = [t for t in tasks.values()
+                           if "INVALID_LLM_RESPONSES" in (t.get("result") or "")]
+                assert blocked, tasks
+                assert all(t["result"].startswith("{'halt': {'outcome': 'BLOCKED', "
+                                                  "'reason': 'INVALID_LLM_RESPONSES'")
+                           for t in blocked), blocked
+                page = http_get(f"http://127.0.0.1:{flower_port}/tasks", AUTH)[1].decode()
+                assert ">args<" in page and ">Result<" in page  # listed on the tasks page
+                for t in blocked:
+                    assert f"case={h.case.case_id}" in t["args"], t
+                    assert re.search(r"step=\d+ stage=\w+", t["args"]), t
+                everything = http_get(f"http://127.0.0.1:{flower_port}/api/tasks", AUTH)[1]
+                assert token not in everything.decode()
+                shown = repr({"token": token[:8] + "…"})
+                assert any(t["kwargs"] == shown for t in json.loads(everything).values())
+
+                # Metrics: the worker counted the steps; the exporter shows the block.
+                text = http_get(worker_metrics.group(1))[1].decode()
+                assert metric(text, "investigation_steps_total", outcome="REJECTED",
+                              reason="REPLY_NOT_JSON") == 2.0, text
+                assert metric(text, "investigation_steps_total", outcome="BLOCKED",
+                              reason="INVALID_LLM_RESPONSES") == 1.0, text
+                assert (metric(text, "investigation_stage_duration_seconds_count",
+                               stage="llm_call", result="ok") or 0) >= 2, text
+                wait_http(f"http://127.0.0.1:{metrics_port}/metrics")
+                store_text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")[1].decode()
+                assert metric(store_text, "investigation_blocked_cases",
+                              reason="INVALID_LLM_RESPONSES") == 1.0, store_text
+                assert metric(store_text, "investigation_cases", state="BLOCKED") == 1.0
+                assert metric(store_text, "investigation_store_up") == 1.0
+                assert metric(store_text, "investigation_queue_messages",
+                              queue=h.queue) == 0.0
+
+                # Logs: timestamps, the step context, the token only shortened.
+                log = worker.log()
+                assert token not in log
+                assert re.search(
+                    rf"^\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{{3}}\+00:00 \w+ \S+ "
+                    rf"\[worker={re.escape(h.queue)}-a@\S+ case={h.case.case_id} step=1 "
+                    rf"stage=llm_call\]", log, re.M), log[-3000:]
+
+                # The operator fixes the cause (here: the script goes on with valid
+                # replies), resumes and dispatches; the case completes.
+                cli(env, "resume", h.case.case_id)
+                cli(env, "dispatch", h.case.case_id)
+                h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+                store_text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")[1].decode()
+                assert metric(store_text, "investigation_cases",
+                              state="BUILDING_DIAGNOSIS") == 1.0
+                assert metric(store_text, "investigation_blocked_cases",
+                              reason="INVALID_LLM_RESPONSES") is None
+                text = http_get(worker_metrics.group(1))[1].decode()
+                assert metric(text, "investigation_steps_total", outcome="COMPLETED",
+                              reason="") == 1.0
+                assert (metric(text, "investigation_units_spent_total") or 0) > 0
+                assert (metric(text, "investigation_model_calls_total", provider="replay",
+                               status="succeeded", code="") or 0) >= 8, text
+                rows = json.loads(cli(env, "cases", "--json"))
+                assert rows[0]["state"] == "BUILDING_DIAGNOSIS"
+                assert rows[0]["balance_units"] < rows[0]["credit_units"]
+        finally:
+            flower.stop()
+            exporter.stop()
+
+
+def test_a_second_worker_under_a_taken_node_name_is_refused(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
+        h.worker.start()
+        h.worker.wait_ready()
+        out = cli(dict(h.worker.env), "worker", "-n", f"{h.queue}@%h", expect=2)
+        assert "WORKER_NAME_TAKEN" in out
+        health = json.loads(cli(dict(h.worker.env), "health", "--json", "--check", "workers",
+                                "--check", "queue", "--check", "broker"))
+        assert health["healthy"] is True
+        names = next(c["value"] for c in health["checks"] if c["name"] == "workers")
+        assert any(n.startswith(f"{h.queue}@") for n in names)
+
+
+UPSTREAM_VENV = REPO / "var" / "test-upstream-venv"
+UPSTREAM_SCRIPT = """
+import json, sys
+from celery import Celery
+try:
+    import investigation  # noqa: F401
+    sys.exit("the upstream process must not have the engine installed")
+except ImportError:
+    pass
+broker, queue, case_id = sys.argv[1:4]
+app = Celery("upstream", broker=broker)
+app.conf.update(task_serializer="json", accept_content=["json"])
+result = app.send_task("investigation.dispatch", args=[case_id], kwargs={"contract": 1},
+                       queue=queue)
+print(result.id)
+"""
+
+
+def upstream_python() -> Path:
+    """A virtual environment with only ``celery[redis]`` (made once, reused)."""
+    python = UPSTREAM_VENV / "bin" / "python"
+    ok = python.exists() and subprocess.run(
+        [str(python), "-c", "import celery, redis"], capture_output=True,
+        check=False).returncode == 0
+    if not ok:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(UPSTREAM_VENV)],
+                       check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "celery[redis]"],
+                       check=True, timeout=600)
+    return python
+
+
+def test_a_dispatch_sent_by_a_process_with_only_celery_runs_the_case(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python = upstream_python()
+    with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
+        h.worker.start()
+        h.worker.wait_ready()
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("INVESTIGATE_", "PYTHON"))}
+        sent = subprocess.run([str(python), "-I", "-c", UPSTREAM_SCRIPT, h.broker_url,
+                               h.queue, h.case.case_id], env=env, capture_output=True,
+                              text=True, timeout=60, check=False, cwd=tmp_path)
+        assert sent.returncode == 0, sent.stderr
+        info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+        assert info["steps"] == 5
+        # A message of an unknown contract version is refused, visibly, and runs nothing.
+        from workers.tasks import dispatch
+
+        assert dispatch.apply(args=(h.case.case_id,), kwargs={"contract": 2}).get() == {
+            "outcome": "CONTRACT_UNSUPPORTED", "case_id": h.case.case_id, "contract": 2}
+
+
+def test_cluster_sh_refuses_a_second_start_and_waits_for_its_workers_on_stop(
+    tmp_path: Path, redis_url: str, postgres_url: str
+) -> None:
+    from tests.integration.test_celery_worker import _broker_url
+
+    db = "inv_cluster_" + os.urandom(4).hex()
+    subprocess.run(["dropdb", "-h", "127.0.0.1", "-U", "postgres", "--if-exists", db],
+                   check=False, capture_output=True)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+    env.update({
+        "INVESTIGATE_RUN_DIR": str(run_dir),
+        "INVESTIGATE_BIN": str(BIN),
+        "INVESTIGATE_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:5432/{db}",
+        "INVESTIGATE_BROKER_URL": _broker_url(redis_url),
+        "INVESTIGATE_QUEUE": f"cluster-{os.urandom(4).hex()}",
+        "WORKER_CONCURRENCY": "1",
+        "WORKER_METRICS_BASE_PORT": str(free_port() - 1),
+        "METRICS_PORT": str(free_port()),
+        "FLOWER_PORT": str(free_port()),
+        "STOP_TIMEOUT_S": "60",
+    })
+    script = ["bash", str(REPO / "deploy" / "cluster.sh")]
+    try:
+        started = subprocess.run([*script, "start", "1"], env=env, capture_output=True,
+                                 text=True, timeout=120, check=False)
+        assert started.returncode == 0, started.stdout + started.stderr
+        pids = {p.stem: int(p.read_text()) for p in run_dir.glob("*.pid")}
+        assert set(pids) == {"worker-1", "beat", "metrics", "flower"}
+        again = subprocess.run([*script, "start", "1"], env=env, capture_output=True,
+                               text=True, timeout=60, check=False)
+        assert again.returncode == 1 and "already running" in again.stderr
+        assert {p.stem: int(p.read_text()) for p in run_dir.glob("*.pid")} == pids
+        deadline = time.monotonic() + 60
+        while " ready." not in (run_dir / "worker-1.log").read_text(errors="replace"):
+            assert time.monotonic() < deadline, (run_dir / "worker-1.log").read_text()
+            time.sleep(0.3)
+        assert "worker1@" in (run_dir / "worker-1.log").read_text()
+        stopped = subprocess.run([*script, "stop"], env=env, capture_output=True, text=True,
+                                 timeout=120, check=False)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        for name, pid in pids.items():  # every process has exited when stop returns
+            assert not Path(f"/proc/{pid}").exists() or \
+                Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z", name
+        assert not list(run_dir.glob("*.pid"))
+    finally:
+        for pidfile in run_dir.glob("*.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pidfile.read_text()), 9)
+        subprocess.run(["dropdb", "-h", "127.0.0.1", "-U", "postgres", "--if-exists",
+                        "--force", db], check=False, capture_output=True)
+
+
+def test_flower_refuses_to_listen_beyond_loopback_without_a_login(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("INVESTIGATE_", "FLOWER_"))}
+    env["INVESTIGATE_HOME"] = str(tmp_path)
+    out = cli(env, "flower", "--address", "0.0.0.0", "--port", str(free_port()), expect=2)
+    assert "FLOWER_AUTH_REQUIRED" in out
+    out = cli(env, "flower", "--basic-auth", "nopassword", expect=2)
+    assert "USER:PASSWORD" in out
+
+
+def test_a_missing_module_is_reported_as_a_missing_module(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+    env["INVESTIGATE_HOME"] = str(tmp_path)
+    code = ("import sys; sys.modules['packaging'] = None; sys.argv = ['investigate', "
+            "'health', '--check', 'broker']; from workers.cli import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60, check=False, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert "DEPENDENCY_MISSING" in proc.stderr and "'packaging'" in proc.stderr
+    assert "kombu" in proc.stderr and "CONFIG_INVALID" not in proc.stderr

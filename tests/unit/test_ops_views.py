@@ -1,0 +1,139 @@
+"""Log lines, the case list and the store gauges, in process."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from investigation.errors import InvestigationError
+from investigation.overview import fleet_counts, list_cases
+from investigation.store.models import CaseRecord
+from tests.casekit import Case, make_case
+from workers import logs
+from workers.metrics import StoreCollector
+
+
+@pytest.fixture
+def stream() -> io.StringIO:
+    out = io.StringIO()
+    yield out
+    logs.setup("text", logging.WARNING)  # back to stderr for the other tests
+
+
+def test_text_lines_have_a_utc_timestamp_and_the_step_context(stream: io.StringIO) -> None:
+    logs.setup("text", "INFO", stream)
+    logs.set_worker_name("w1@host")
+    try:
+        with logs.step_context(case_id="case-1", step=3, stage="validate"):
+            logging.getLogger("workers.tasks").info("hello %s", "there")
+        logging.getLogger("x").warning("outside")
+    finally:
+        logs.set_worker_name(None)
+    first, second = stream.getvalue().splitlines()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00 INFO workers\.tasks "
+                        r"\[worker=w1@host case=case-1 step=3 stage=validate\] hello there",
+                        first), first
+    assert second.endswith("WARNING x [worker=w1@host] outside")
+
+
+def test_json_lines_carry_the_context_and_celerys_task_lines_are_recognised(
+    stream: io.StringIO
+) -> None:
+    logs.setup("json", "INFO", stream)
+    with logs.step_context(case_id="case-2", step=1, stage="llm_call", task_id="t-1"):
+        logging.getLogger("a").info("inside")
+    # Celery's own line about one of our tasks (args: its argsrepr).
+    logging.getLogger("celery.worker.strategy").info(
+        "Task %(name)s[%(id)s] received",
+        {"name": "investigation.publish", "id": "t-2",
+         "args": "case=case-3 rev=1 step=7 stage=publish", "kwargs": "{'token': 'ab…'}"})
+    inside, celery_line = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert inside["message"] == "inside" and inside["level"] == "INFO"
+    assert (inside["case_id"], inside["step"], inside["stage"], inside["task_id"]) == (
+        "case-2", 1, "llm_call", "t-1")
+    assert datetime.fromisoformat(inside["timestamp"]).tzinfo is not None
+    assert (celery_line["case_id"], celery_line["step"], celery_line["stage"],
+            celery_line["task_id"]) == ("case-3", 7, "publish", "t-2")
+    assert "worker" not in inside  # absent fields are left out, not null
+
+
+def test_short_token() -> None:
+    assert logs.short_token("0123456789abcdef0123456789abcdef") == "01234567…"
+    assert logs.short_token(None) == "-"
+    with pytest.raises(ValueError):
+        logs.formatter("xml")
+
+
+def _set(case: Case, **fields: object) -> None:
+    with case.store.session() as s:
+        row = s.get(CaseRecord, case.case_id)
+        assert row is not None
+        for name, value in fields.items():
+            setattr(row, name, value)
+        s.add(row)
+
+
+def test_the_case_list_and_the_fleet_counts(tmp_path: Path) -> None:
+    a = make_case(tmp_path / "a")
+    url = str(a.store.url)
+    b = make_case(tmp_path / "b", database_url=url, interpretation={"summary": "other"})
+    c = make_case(tmp_path / "c", database_url=url, interpretation={"summary": "third"})
+    assert a.investigator().step(a.case_id).outcome == "PROGRESSED"
+    now = datetime.now(UTC)
+    _set(b, state="BLOCKED", blocked_reason="PROVIDER_EXHAUSTED",
+         updated_at=now - timedelta(minutes=1))
+    _set(c, retry_not_before=now - timedelta(seconds=120), updated_at=now - timedelta(hours=1))
+    _set(a, updated_at=now - timedelta(seconds=30))
+
+    rows = list_cases(a.store)
+    assert [r.case_id for r in rows] == [a.case_id, b.case_id, c.case_id]  # newest first
+    first = rows[0]
+    assert (first.state, first.steps, first.last_outcome, first.hypotheses) == (
+        "INVESTIGATING", 1, "PROGRESSED", 2)
+    assert first.balance_units < first.credit_units and first.next is None
+    blocked = list_cases(a.store, "blocked")
+    assert [(r.case_id, r.blocked_reason) for r in blocked] == [(b.case_id,
+                                                                  "PROVIDER_EXHAUSTED")]
+    assert list_cases(a.store, "Building-Diagnosis") == []
+    with pytest.raises(InvestigationError) as err:
+        list_cases(a.store, "stuck")
+    assert err.value.code == "STATE_UNKNOWN"
+    assert rows[2].retry_not_before is not None
+
+    counts = fleet_counts(a.store, now)
+    assert counts.cases_by_state["INVESTIGATING"] == 2
+    assert counts.cases_by_state["BLOCKED"] == 1
+    assert counts.blocked_by_reason == {"PROVIDER_EXHAUSTED": 1}
+    assert counts.pending_retries == 1
+    assert counts.oldest_retry_overdue_s == pytest.approx(120, abs=1)
+    assert counts.oldest_idle_s == pytest.approx(120, abs=1)  # a idle 30 s, c due 120 s
+
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(a.store, lambda: 4, "cases"))
+    text = generate_latest(registry).decode()
+    assert 'investigation_cases{state="BLOCKED"} 1.0' in text
+    assert 'investigation_blocked_cases{reason="PROVIDER_EXHAUSTED"} 1.0' in text
+    assert 'investigation_queue_messages{queue="cases"} 4.0' in text
+    assert "investigation_store_up 1.0" in text
+    assert "investigation_pending_retries 1.0" in text
+
+
+def test_the_store_gauges_say_when_the_store_is_down(tmp_path: Path) -> None:
+    case = make_case(tmp_path / "a")
+
+    class Down:
+        def session(self) -> object:
+            raise OSError("the store is down")
+
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(Down(), None))  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    assert "investigation_store_up 0.0" in text and "investigation_cases" not in text
+    assert case.case_id  # the fixture case is untouched

@@ -1,0 +1,402 @@
+"""Fleet commands: ``worker``, ``beat``, ``flower``, ``metrics``, ``cases``, ``health`` and
+``db upgrade|current`` (``docs/operations.md``).
+
+Registered on the main app by ``workers.cli`` (:func:`register`); the same exit codes
+apply (0 fine, 1 see each command, 2 a controlled error ``error CODE: message``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from investigation import guidance
+from investigation.errors import InvestigationError
+from investigation.overview import CaseRow, list_cases
+from workers.cli import JsonOpt, _controlled, _settings, _store, _term, err, example, out
+from workers.settings import Settings
+
+db_app = typer.Typer(help="The store's schema migrations (Alembic).", no_args_is_help=True,
+                     epilog=example("investigate db current", "investigate db upgrade"))
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the ``investigate`` app."""
+    app.command("worker", epilog=example(
+        "investigate worker -n w1@%h --concurrency 2",
+        "investigate worker -n w1@%h --beat --metrics-port 9100",
+        "investigate worker -n w1@%h --soft-time-limit 600 --time-limit 660"))(worker)
+    app.command("beat", epilog=example("investigate beat"))(beat)
+    app.command("flower", epilog=example(
+        "investigate flower --port 5555",
+        "FLOWER_BASIC_AUTH=ops:secret investigate flower --address 0.0.0.0"))(flower)
+    app.command("metrics", epilog=example("investigate metrics --port 9808"))(metrics_cmd)
+    app.command("cases", epilog=example("investigate cases", "investigate cases --state blocked",
+                                        "investigate cases --json"))(cases)
+    app.command("health", epilog=example("investigate health",
+                                         "investigate health --check store --check workers",
+                                         "investigate health --json"))(health)
+    app.add_typer(db_app, name="db")
+
+
+# -- processes ----------------------------------------------------------------------------
+
+
+def _node_name(name: str) -> str:
+    from celery.utils.nodenames import default_nodename, host_format
+
+    return str(default_nodename(host_format(name)))
+
+
+def _refuse_taken_name(settings: Settings, nodename: str) -> None:
+    """Celery only warns about a duplicate node name; two workers under one name look like
+    one in Flower and split its replies, so a name that answers ping is refused."""
+    import subprocess
+
+    # Asked from a separate process: a ping from this one leaves kombu's reply consumer
+    # behind, and the worker's warm shutdown would then never finish.
+    probe = ("import json, sys\nfrom celery import Celery\n"
+             "app = Celery(broker=sys.argv[1])\n"
+             "print(json.dumps(app.control.ping(destination=[sys.argv[2]], timeout=1.0)))\n")
+    try:
+        done = subprocess.run([sys.executable, "-c", probe, settings.broker_url, nodename],
+                              capture_output=True, text=True, timeout=30, check=True)
+        replies = json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return  # the broker is down: the worker reports that itself when it starts
+    if any(nodename in reply for reply in replies):
+        raise InvestigationError("WORKER_NAME_TAKEN",
+                                 f"a worker named {nodename} already answers ping; start this "
+                                 "one with another -n NAME@%h")
+
+
+@_controlled
+def worker(
+    name: Annotated[str | None, typer.Option(
+        "--name", "-n", help="Celery node name, NAME@%h (%h: this host's name); unique per "
+        "worker. Default: QUEUE@%h")] = None,
+    concurrency: Annotated[int, typer.Option(
+        "--concurrency", "-c", min=1, help="worker processes (prefork children)")] = 2,
+    queue: Annotated[str | None, typer.Option(
+        "--queue", "-Q", help="the case queue (default INVESTIGATE_QUEUE, 'cases')")] = None,
+    loglevel: Annotated[str, typer.Option(
+        "--loglevel", help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+    pool: Annotated[str, typer.Option("--pool", help="prefork or solo")] = "prefork",
+    beat: Annotated[bool, typer.Option(
+        "--beat", help="also run the periodic recovery sweep (start exactly one such worker, "
+        "or run `investigate beat` instead)")] = False,
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", min=0, help="serve Prometheus metrics on this port (0: a free one)"
+    )] = None,
+    metrics_address: Annotated[str, typer.Option(
+        "--metrics-address", help="the address the metrics endpoint binds")] = "127.0.0.1",
+    soft_time_limit: Annotated[float | None, typer.Option(
+        "--soft-time-limit", min=0.001, help="seconds a task may run before Celery raises "
+        "SoftTimeLimitExceeded in it (default: none)")] = None,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", min=0.001, help="seconds a task may run before Celery kills its "
+        "process (default: none)")] = None,
+) -> None:
+    """Start a Celery worker on the configured broker and case queue.
+
+    Only process-based pools: the isolated SQL children are forked, which needs no other
+    thread of the worker process to be inside SQLite (threads/gevent pools are refused).
+    SIGTERM is a warm shutdown (running tasks finish, nothing new starts); SIGQUIT a cold
+    one (running tasks stop and are delivered again: late acks).
+
+    Time limits are Celery's own (--soft-time-limit, --time-limit), per task, i.e. per
+    stage. A stage stopped by one is recorded once as STAGE_TIME_LIMIT: a query becomes a
+    failed result and the case goes on; any other stage parks the case BLOCKED
+    (STAGE_TIME_LIMIT) until the limit is raised and the case resumed. Keep the limits
+    above the stages' own bounds (provider timeout_s, tools.sql_timeout_s + 1,
+    tools.search_timeout_s), and the soft limit below the hard one.
+    """
+    if pool not in ("prefork", "solo"):
+        raise typer.BadParameter("use --pool prefork or --pool solo", param_hint="--pool")
+    if soft_time_limit is not None and time_limit is not None \
+            and soft_time_limit >= time_limit:
+        raise typer.BadParameter("the soft time limit must be below --time-limit",
+                                 param_hint="--soft-time-limit")
+    if queue:
+        os.environ["INVESTIGATE_QUEUE"] = queue  # the pool children read it too
+    settings = _settings()  # a broken environment fails here, as one line
+    nodename = _node_name(name or f"{settings.queue}@%h")
+    _refuse_taken_name(settings, nodename)
+    if metrics_port is not None:
+        from workers import metrics
+
+        safe = re.sub(r"[^A-Za-z0-9_.@-]", "_", nodename)
+        metrics.enable_multiprocess((settings.home / "metrics" / safe).resolve())
+        port = metrics.serve_worker(metrics_port, metrics_address)
+        err.print(f"metrics on http://{metrics_address}:{port}/metrics", highlight=False)
+    from workers.celery_app import app as celery_app
+    from workers.celery_app import configure
+
+    configure(settings)
+    argv = ["worker", f"--loglevel={loglevel}", f"--concurrency={concurrency}",
+            f"--pool={pool}", "-Q", settings.queue, "-E", "-n", nodename]
+    if soft_time_limit is not None:
+        argv.append(f"--soft-time-limit={soft_time_limit:g}")
+    if time_limit is not None:
+        argv.append(f"--time-limit={time_limit:g}")
+    if beat:
+        settings.home.mkdir(parents=True, exist_ok=True)
+        argv += ["-B", f"--schedule={settings.home / 'celerybeat-schedule'}"]
+    celery_app.worker_main(argv)
+
+
+@_controlled
+def beat(
+    loglevel: Annotated[str, typer.Option(
+        "--loglevel", help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+    schedule: Annotated[Path | None, typer.Option(
+        "--schedule", help="beat's state file (default INVESTIGATE_HOME/celerybeat-schedule)"
+    )] = None,
+) -> None:
+    """Run Celery beat alone: it sends the recovery sweep every INVESTIGATE_SWEEP_INTERVAL_S
+    (run exactly one per deployment, and no worker with --beat beside it)."""
+    settings = _settings()
+    from workers.celery_app import app as celery_app
+    from workers.celery_app import configure
+
+    configure(settings)
+    path = schedule or settings.home / "celerybeat-schedule"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    celery_app.start(["beat", f"--loglevel={loglevel}", f"--schedule={path}"])
+
+
+def _loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+@_controlled
+def flower(
+    port: Annotated[int, typer.Option("--port", help="the TCP port Flower listens on")] = 5555,
+    address: Annotated[str, typer.Option(
+        "--address", help="listen address; anything but loopback needs a login")] = "127.0.0.1",
+    basic_auth: Annotated[list[str] | None, typer.Option(
+        "--basic-auth", help="USER:PASSWORD (repeatable; Flower's own option). Prefer "
+        "FLOWER_BASIC_AUTH=user:pass[,user2:pass2] in the environment: arguments are "
+        "visible to every local user")] = None,
+    url_prefix: Annotated[str | None, typer.Option(
+        "--url-prefix", help="serve under this path (behind a reverse proxy)")] = None,
+    tasks_columns: Annotated[str, typer.Option(
+        "--tasks-columns", help="columns of Flower's tasks page (Flower's tasks_columns)")
+    ] = "name,args,state,result,received,runtime,worker",
+) -> None:
+    """Start Flower (Celery's monitor) on the configured broker.
+
+    Flower's own authentication options apply (``--basic-auth``, or its ``FLOWER_*``
+    environment variables such as ``FLOWER_BASIC_AUTH``, ``FLOWER_AUTH`` with
+    ``FLOWER_AUTH_PROVIDER``). Without any, it listens only on loopback.
+    """
+    _settings()  # a broken environment fails here, as one line
+    for entry in basic_auth or []:
+        if ":" not in entry or not entry.split(":", 1)[0] or not entry.split(":", 1)[1]:
+            raise typer.BadParameter("give USER:PASSWORD", param_hint="--basic-auth")
+    has_login = bool(basic_auth) or any(os.environ.get(v) for v in (
+        "FLOWER_BASIC_AUTH", "FLOWER_AUTH", "FLOWER_AUTH_PROVIDER"))
+    if not _loopback(address) and not has_login:
+        raise InvestigationError(
+            "FLOWER_AUTH_REQUIRED",
+            f"Flower would listen on {address or 'every address'} without a login; set "
+            "FLOWER_BASIC_AUTH=user:password (or --basic-auth, or Flower's OAuth "
+            "FLOWER_AUTH/FLOWER_AUTH_PROVIDER), or keep --address 127.0.0.1 behind a proxy "
+            "that authenticates")
+    from workers.celery_app import app as celery_app
+
+    argv = ["flower", f"--port={port}", f"--address={address}",
+            f"--tasks_columns={tasks_columns}"]
+    if basic_auth:
+        # Passed through the environment, so Flower's own argv does not repeat them.
+        os.environ["FLOWER_BASIC_AUTH"] = ",".join(basic_auth)
+    if url_prefix:
+        argv.append(f"--url_prefix={url_prefix.strip('/')}")
+    celery_app.start(argv)
+
+
+@_controlled
+def metrics_cmd(
+    port: Annotated[int, typer.Option(
+        "--port", min=0, help="the TCP port of the metrics endpoint (0: a free port)")] = 9808,
+    address: Annotated[str, typer.Option(
+        "--address", help="the address the metrics endpoint binds")] = "127.0.0.1",
+) -> None:
+    """Serve the fleet's gauges from the store (cases by state, blocked cases by reason,
+    pending retries, idle cases, queue depth) for Prometheus; one per deployment."""
+    from workers import health as health_mod
+    from workers.metrics import StoreCollector, serve_store
+
+    settings = _settings()
+    store = _store(settings, existing=True)
+    collector = StoreCollector(
+        store, lambda: health_mod.queue_depth(settings.broker_url, settings.queue),
+        settings.queue)
+    server = serve_store(collector, port, address)
+    err.print(f"metrics on http://{address}:{server.server_port}/metrics", highlight=False)
+    with contextlib.suppress(KeyboardInterrupt):
+        threading.Event().wait()
+
+
+# -- looking at the fleet -----------------------------------------------------------------
+
+
+def next_step_hint(store: Any, row: CaseRow) -> str | None:
+    """What to do next for a case (the ``next`` column and field): the first command of
+    the guidance ``investigate status`` prints (``investigation.guidance``), so both
+    commands say the same thing; ``None`` for a case that needs nothing."""
+    if row.state not in ("BLOCKED", "PAUSED"):
+        return None
+    return guidance.for_case(store, row.case_id).first_command
+
+
+@_controlled
+def cases(
+    state: Annotated[str | None, typer.Option(
+        "--state", help="only this state: investigating, blocked, paused, "
+        "building_diagnosis, cancelled, stopped")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="newest N cases")] = 200,
+    as_json: JsonOpt = False,
+) -> None:
+    """List cases: state, blocked reason, retry time, last step, balances, and for a
+    blocked or paused case the command that continues it."""
+    store = _store(_settings(), existing=True)
+    rows = list_cases(store, state, limit)
+    for row in rows:
+        row.next = next_step_hint(store, row)
+    if as_json:
+        sys.stdout.write(json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
+        return
+    if not rows:
+        out.print("no cases" + (f" in state {state}" if state else ""), highlight=False)
+        return
+    with_next = any(r.next for r in rows)
+    table = Table("case", "state", "reason", "retry not before", "steps", "last outcome",
+                  "balance", "hypotheses", "updated", *(["next"] if with_next else []))
+    for r in rows:
+        table.add_row(
+            r.case_id, r.state, r.blocked_reason or "", r.retry_not_before or "",
+            str(r.steps),
+            (r.last_outcome or "") + (f" ({r.last_reason})" if r.last_reason else ""),
+            f"{r.balance_units}/{r.credit_units}",
+            f"{r.active_hypotheses}/{r.hypotheses} active", r.updated_at[:19],
+            *([_term(r.next or "")] if with_next else []))
+    out.print(table)
+    out.print(f"{len(rows)} case(s)", highlight=False)
+
+
+@_controlled
+def health(
+    check: Annotated[list[str] | None, typer.Option(
+        "--check", help="run only these checks (repeatable): broker, locks, store, "
+        "migrations, workers, queue")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1,
+                                           help="seconds per check")] = 2.0,
+    min_workers: Annotated[int, typer.Option(
+        "--min-workers", min=0, help="workers that must answer ping")] = 1,
+    max_queue: Annotated[int | None, typer.Option(
+        "--max-queue", min=0, help="fail when more messages wait in the case queue")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check broker, lock Redis, store, migrations, workers answering ping and queue depth.
+
+    Exit 0 when every check passed, 1 when one failed (for liveness/readiness probes),
+    2 for a broken setting.
+    """
+    from workers.health import CHECKS, run_checks
+
+    unknown = [c for c in check or [] if c not in CHECKS]
+    if unknown:
+        raise typer.BadParameter(f"unknown check {unknown[0]!r}; use {', '.join(CHECKS)}",
+                                 param_hint="--check")
+    results = run_checks(_settings(), check or None, timeout, min_workers, max_queue)
+    healthy = all(c.ok for c in results)
+    if as_json:
+        sys.stdout.write(json.dumps({"healthy": healthy,
+                                     "checks": [c.to_dict() for c in results]},
+                                    indent=2) + "\n")
+    else:
+        for c in results:
+            out.print(_term(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<10} {c.detail}"),
+                      highlight=False, markup=False)
+        out.print("healthy" if healthy else "unhealthy", highlight=False)
+    if not healthy:
+        raise typer.Exit(1)
+
+
+# -- migrations ---------------------------------------------------------------------------
+
+
+def _schema_store(settings: Settings) -> Any:
+    from investigation.store import Store
+
+    return Store(settings.effective_database_url)
+
+
+@db_app.command("upgrade", epilog=example("investigate db upgrade",
+                                          "investigate db upgrade --revision head --json"))
+@_controlled
+def db_upgrade(
+    revision: Annotated[str, typer.Option("--revision", help="target revision")] = "head",
+    as_json: JsonOpt = False,
+) -> None:
+    """Bring the store to the newest migration (or --revision); safe to run any time and
+    from several hosts at once (serialised by the database)."""
+    from investigation.store.migrate import current_revisions, upgrade
+
+    store = _schema_store(_settings())
+    before = current_revisions(store.engine)
+    upgrade(store.engine, revision)
+    after = current_revisions(store.engine)
+    if as_json:
+        sys.stdout.write(json.dumps({"before": before, "after": after}) + "\n")
+        return
+    out.print(f"store at {', '.join(after) or 'none'}"
+              + (f" (was {', '.join(before) or 'none'})" if before != after
+                 else " (nothing to do)"), highlight=False)
+
+
+@db_app.command("current", epilog=example("investigate db current",
+                                          "investigate db current --check"))
+@_controlled
+def db_current(
+    check: Annotated[bool, typer.Option("--check", help="exit 1 unless at head")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Print the store's migration revision and this engine's head (reads only)."""
+    from sqlalchemy.engine import make_url
+
+    from investigation.store.migrate import current_revisions, head_revision
+
+    settings = _settings()
+    url = settings.effective_database_url
+    head = head_revision()
+    if make_url(url).get_backend_name() == "sqlite" and not Path(
+            make_url(url).database or "").is_file():
+        current: list[str] = []
+    else:
+        current = current_revisions(_schema_store(settings).engine)
+    at_head = current == [head]
+    if as_json:
+        sys.stdout.write(json.dumps({"current": current, "head": head, "at_head": at_head})
+                         + "\n")
+    else:
+        out.print(f"current {', '.join(current) or 'none'}  head {head}"
+                  + ("" if at_head else "  (run `investigate db upgrade`)"), highlight=False)
+    if check and not at_head:
+        raise typer.Exit(1)

@@ -1,0 +1,190 @@
+"""Health checks of a deployment: broker, lock Redis, store, migrations, workers, queue.
+
+``investigate health`` runs them (``docs/operations.md`` "Health"); each check is one
+:class:`Check` with ``ok`` and a one-line ``detail``. Nothing is created or migrated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from workers.settings import Settings
+
+#: Checks in the order they run; ``investigate health --check NAME`` picks some.
+CHECKS = ("broker", "locks", "store", "migrations", "workers", "queue")
+#: kombu's Redis transport keeps priority messages in extra lists named
+#: ``queue + "\\x06\\x16" + priority`` (``kombu.transport.redis``, ``priority_steps``).
+_PRIORITY_SEP = "\x06\x16"
+_PRIORITY_STEPS = (3, 6, 9)
+
+
+@dataclass
+class Check:
+    """The result of one check."""
+
+    name: str
+    ok: bool
+    detail: str
+    value: Any = None
+    """The figure behind it, where there is one (workers answering, queue depth)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _where(url: str) -> str:
+    """A URL without its password, for output."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]
+
+
+def queue_depth(broker_url: str, queue: str, timeout_s: float = 2.0) -> int:
+    """Messages waiting in ``queue`` on a Redis broker (all priority lists).
+
+    Raises:
+        redis.exceptions.RedisError: the broker cannot be reached.
+    """
+    client = redis.Redis.from_url(broker_url, socket_timeout=timeout_s,
+                                  socket_connect_timeout=timeout_s)
+    try:
+        names = [queue] + [f"{queue}{_PRIORITY_SEP}{p}" for p in _PRIORITY_STEPS]
+        pipe = client.pipeline()
+        for name in names:
+            pipe.llen(name)
+        return int(sum(pipe.execute()))
+    finally:
+        client.close()
+
+
+def _redis_ping(url: str, timeout_s: float) -> None:
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                  socket_connect_timeout=timeout_s)
+    try:
+        client.ping()
+    finally:
+        client.close()
+
+
+def check_broker(settings: Settings, timeout_s: float) -> Check:
+    from kombu import Connection  # type: ignore[attr-defined]
+
+    try:
+        with Connection(settings.broker_url, connect_timeout=timeout_s) as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout_s)
+    except ImportError:
+        raise
+    except Exception as exc:
+        return Check("broker", False, f"{_where(settings.broker_url)}: {_first_line(exc)}")
+    return Check("broker", True, _where(settings.broker_url))
+
+
+def check_locks(settings: Settings, timeout_s: float) -> Check:
+    url = settings.effective_redis_url
+    try:
+        _redis_ping(url, timeout_s)
+    except redis.exceptions.RedisError as exc:
+        return Check("locks", False, f"{_where(url)}: {_first_line(exc)}")
+    return Check("locks", True, _where(url))
+
+
+def check_store(settings: Settings, timeout_s: float) -> Check:
+    from investigation.store import Store
+
+    url = settings.effective_database_url
+    if make_url(url).get_backend_name() == "sqlite":
+        path = make_url(url).database or ""
+        from pathlib import Path
+
+        if not Path(path).is_file():
+            return Check("store", False, f"{_where(url)}: no such file (no case was added)")
+    try:
+        store = Store(url)
+        with store.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        store.dispose()
+    except Exception as exc:
+        return Check("store", False, f"{_where(url)}: {_first_line(exc)}")
+    return Check("store", True, _where(url))
+
+
+def check_migrations(settings: Settings, timeout_s: float) -> Check:
+    from investigation.store import Store
+    from investigation.store.migrate import current_revisions, head_revision
+
+    url = settings.effective_database_url
+    head = head_revision()
+    try:
+        store = Store(url)
+        current = current_revisions(store.engine)
+        store.dispose()
+    except Exception as exc:
+        return Check("migrations", False, f"cannot read the migration version: "
+                                          f"{_first_line(exc)}")
+    if current != [head]:
+        return Check("migrations", False,
+                     f"at {', '.join(current) or 'none'}, needs {head}: run "
+                     "`investigate db upgrade`", current)
+    return Check("migrations", True, f"at head {head}", current)
+
+
+def check_workers(settings: Settings, timeout_s: float, min_workers: int = 1) -> Check:
+    """Workers that answer a broadcast ``ping`` within ``timeout_s``."""
+    from workers.celery_app import app, configure
+
+    configure(settings)
+    try:
+        replies = app.control.ping(timeout=timeout_s) or []
+    except Exception as exc:
+        return Check("workers", False, f"ping failed: {_first_line(exc)}", 0)
+    names = sorted(name for reply in replies for name in reply)
+    ok = len(names) >= min_workers
+    detail = (f"{len(names)} answered ping" + (f": {', '.join(names)}" if names else "")
+              + ("" if ok else f" (at least {min_workers} needed)"))
+    return Check("workers", ok, detail, names)
+
+
+def check_queue(settings: Settings, timeout_s: float, max_queue: int | None = None) -> Check:
+    try:
+        depth = queue_depth(settings.broker_url, settings.queue, timeout_s)
+    except redis.exceptions.RedisError as exc:
+        return Check("queue", False, f"{settings.queue}: {_first_line(exc)}")
+    ok = max_queue is None or depth <= max_queue
+    return Check("queue", ok, f"{settings.queue}: {depth} message(s) waiting"
+                 + ("" if ok else f" (more than {max_queue})"), depth)
+
+
+def run_checks(settings: Settings, names: list[str] | None = None, timeout_s: float = 2.0,
+               min_workers: int = 1, max_queue: int | None = None) -> list[Check]:
+    """Run the named checks (all of :data:`CHECKS` by default), in that order."""
+    runners: dict[str, Callable[[], Check]] = {
+        "broker": lambda: check_broker(settings, timeout_s),
+        "locks": lambda: check_locks(settings, timeout_s),
+        "store": lambda: check_store(settings, timeout_s),
+        "migrations": lambda: check_migrations(settings, timeout_s),
+        "workers": lambda: check_workers(settings, timeout_s, min_workers),
+        "queue": lambda: check_queue(settings, timeout_s, max_queue),
+    }
+    wanted = [n for n in CHECKS if names is None or n in names]
+    results: list[Check] = []
+    for name in wanted:
+        if name == "migrations" and any(c.name == "store" and not c.ok for c in results):
+            results.append(Check("migrations", False, "skipped: the store is unavailable"))
+            continue
+        if name in ("workers", "queue") and any(c.name == "broker" and not c.ok
+                                                 for c in results):
+            results.append(Check(name, False, "skipped: the broker is unavailable"))
+            continue
+        results.append(runners[name]())
+    return results

@@ -1,0 +1,158 @@
+"""Log lines for operators: timestamps always, JSON lines on request, step context.
+
+Every process (CLI, worker, beat, Flower, exporter) logs through :func:`setup`:
+
+* ``text`` (default): ``2026-12-01T10:15:02.118+00:00 INFO workers.tasks
+  [worker=w1@host case=case-0123 step=3 stage=validate] message``.
+* ``json``: one JSON object per line (python-json-logger) with ``timestamp``, ``level``,
+  ``logger``, ``message``, ``process`` and, where known, ``worker``, ``case_id``,
+  ``step``, ``stage``, ``task_id``.
+
+The step context comes from :func:`step_context` (set by every stage task around the
+stage) or, for Celery's own lines about our tasks (``received``, ``succeeded``), from the
+task's ``argsrepr`` (``case=... rev=... step=... stage=...``, see ``workers.tasks``).
+Lock tokens are shown shortened (:func:`short_token`); provider keys and feedback keys
+never reach a log line (they are not in task arguments, payloads or settings output).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from pythonjsonlogger.json import JsonFormatter
+
+from investigation.text_safety import EscapingLogFilter
+
+#: Fields a line about a step carries.
+CONTEXT_FIELDS = ("worker", "case_id", "step", "stage", "task_id")
+#: ``argsrepr`` of a stage task (``workers.tasks.describe``): ``case=C rev=R step=N stage=S``.
+_ARGSREPR = re.compile(r"case=(?P<case_id>[\w.-]+) rev=\d+ step=(?P<step>\d+)"
+                       r"(?: stage=(?P<stage>\w+))?")
+
+_context: ContextVar[dict[str, Any] | None] = ContextVar("investigation_log_context",
+                                                         default=None)
+_worker_name: str | None = None
+
+
+def short_token(token: str | None) -> str:
+    """A lock token as logs and Flower show it: its first 8 characters and an ellipsis."""
+    if not token:
+        return "-"
+    return token[:8] + "…"
+
+
+def set_worker_name(name: str | None) -> None:
+    """The Celery node name (``name@host``) this process logs as (inherited by children)."""
+    global _worker_name
+    _worker_name = name
+
+
+@contextmanager
+def step_context(**fields: Any) -> Iterator[None]:
+    """Attach ``case_id``, ``step``, ``stage`` (and ``task_id``) to every line logged inside."""
+    merged = {**(_context.get() or {}), **{k: v for k, v in fields.items() if v is not None}}
+    reset = _context.set(merged)
+    try:
+        yield
+    finally:
+        _context.reset(reset)
+
+
+class ContextFilter(logging.Filter):
+    """Puts the step context on each record (attributes named as :data:`CONTEXT_FIELDS`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx: dict[str, Any] = dict(_context.get() or {})
+        args = record.args
+        if not ctx.get("case_id") and isinstance(args, Mapping):
+            # Celery's own task lines: ``{"name", "id", "args": argsrepr, ...}``.
+            match = _ARGSREPR.search(str(args.get("args") or ""))
+            if match:
+                ctx.update({k: v for k, v in match.groupdict().items() if v})
+                ctx["step"] = int(ctx["step"])
+                ctx.setdefault("stage", str(args.get("name", "")).rpartition(".")[2] or None)
+                ctx.setdefault("task_id", args.get("id"))
+        if _worker_name and "worker" not in ctx:
+            ctx["worker"] = _worker_name
+        for name in CONTEXT_FIELDS:
+            setattr(record, name, ctx.get(name))
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    """``ISO-8601 time LEVEL logger [context] message`` (UTC, milliseconds)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s%(context)s %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        return f"{stamp}.{int(record.msecs):03d}+00:00"
+
+    def format(self, record: logging.LogRecord) -> str:
+        parts = [f"{'case' if name == 'case_id' else name}={getattr(record, name)}"
+                 for name in ("worker", "case_id", "step", "stage")
+                 if getattr(record, name, None) is not None]
+        record.context = f" [{' '.join(parts)}]" if parts else ""
+        return super().format(record)
+
+
+class JsonLineFormatter(JsonFormatter):
+    """One JSON object per line; empty context fields are left out."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "%(asctime)s %(levelname)s %(name)s %(message)s %(process)d",
+            rename_fields={"asctime": "timestamp", "levelname": "level", "name": "logger"},
+            timestamp=False)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        return f"{stamp}.{int(record.msecs):03d}+00:00"
+
+    def add_fields(self, log_data: dict[str, Any], record: logging.LogRecord,
+                   message_dict: dict[str, Any]) -> None:
+        super().add_fields(log_data, record, message_dict)
+        for name in CONTEXT_FIELDS:
+            value = getattr(record, name, None)
+            if value is None:
+                log_data.pop(name, None)
+            else:
+                log_data[name] = value
+
+
+def formatter(fmt: str) -> logging.Formatter:
+    """The formatter for ``fmt`` (``text`` or ``json``).
+
+    Raises:
+        ValueError: another format name.
+    """
+    if fmt == "json":
+        return JsonLineFormatter()
+    if fmt == "text":
+        return TextFormatter()
+    raise ValueError(f"log format {fmt!r}: use text or json")
+
+
+def setup(fmt: str = "text", level: str | int = "WARNING", stream: Any = None) -> None:
+    """Configure the root logger of this process: one stream handler (stderr by default)
+    with the context filter and the ``fmt`` formatter. Calling it again replaces it."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(formatter(fmt))
+    handler.addFilter(ContextFilter())
+    # Log lines quote snapshot and model text: no terminal escapes, no forged lines.
+    handler.addFilter(EscapingLogFilter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if getattr(old, "_investigation", False):
+            root.removeHandler(old)
+    handler._investigation = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)
