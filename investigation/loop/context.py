@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from sqlalchemy.orm import defer
 from sqlmodel import Session, col, select
 
 from investigation.budget import BudgetManager, novelty_permille
@@ -131,7 +132,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
                                               RevisionRecord.revision == key.revision)).one()
     statements = {b.hypothesis_id: b.statement for b in births}
     account = next(a for a in accounts if a.hypothesis_id == selected)
-    evidence = list(s.exec(select(Evidence).where(
+    # Findings are read only for the records that show them (see ``_evidence_entry``).
+    evidence = list(s.exec(select(Evidence).options(defer(Evidence.findings_json)).where(  # type: ignore[arg-type]
         Evidence.case_id == key.case_id, Evidence.revision == key.revision)
         .order_by(col(Evidence.ordinal))).all())
     own = [e for e in evidence if e.hypothesis_id == selected]
