@@ -21,6 +21,7 @@ Output: one JSON object on stdout (``{"mode", "median_ms" | "store_bytes", ...}`
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import operator
 import os
@@ -70,7 +71,7 @@ def build(saver: SqliteSaver) -> Any:
     for stage in STAGES:
         graph.add_node(stage, _node(stage))
     graph.add_edge(START, STAGES[0])
-    for a, b in zip(STAGES, STAGES[1:], strict=False):
+    for a, b in itertools.pairwise(STAGES):
         graph.add_edge(a, b)
     graph.add_edge(STAGES[-1], END)
     return graph.compile(checkpointer=saver)
