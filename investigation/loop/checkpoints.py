@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func
+from sqlalchemy import bindparam, func
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
@@ -53,6 +53,20 @@ from investigation.store.models import (
     RevisionRecord,
     StageRun,
 )
+
+# Statements built once (building a statement costs more than running it on SQLite).
+_CHAIN_SIZE = sa_select(func.max(col(Checkpoint.seq)), func.count()).where(
+    col(Checkpoint.case_id) == bindparam("case_id"))
+_PUBLISHED = sa_select(func.max(col(StageRun.step_seq))).where(
+    col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "publish")
+_BUILT = sa_select(col(StageRun.output_json)).where(
+    col(StageRun.case_id) == bindparam("case_id"), col(StageRun.revision) == bindparam("rev"),
+    col(StageRun.step_seq) == bindparam("seq"), col(StageRun.stage) == "build_context")
+_POINTER = sa_select(col(ManifestPointer.path), col(ManifestPointer.sha256)).where(
+    col(ManifestPointer.case_id) == bindparam("case_id"),
+    col(ManifestPointer.name) == POINTER_STATE)
+_PARENT_DIGEST = sa_select(col(Checkpoint.archive_digest)).where(
+    col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) == bindparam("seq"))
 
 
 def checkpoint_hash(case_id: str, seq: int, parent_hash: str | None, state_sha256: str,
@@ -159,8 +173,8 @@ def publish(s: Session, key: StepKey, case: CaseRecord, state: dict[str, Any],
     parent = case.head_hash if key.step_seq > 1 else None
     previous = ""
     if key.step_seq > 1:
-        previous = s.exec(select(Checkpoint.archive_digest).where(
-            Checkpoint.case_id == key.case_id, Checkpoint.seq == key.step_seq - 1)).first() or ""
+        previous = s.execute(_PARENT_DIGEST, {"case_id": key.case_id,
+                                              "seq": key.step_seq - 1}).scalar() or ""
     cp = Checkpoint(
         case_id=key.case_id, revision=key.revision, seq=key.step_seq, parent_hash=parent,
         hash=checkpoint_hash(key.case_id, key.step_seq, parent, digest, context_sha256,
@@ -265,9 +279,8 @@ def _verify_generation(s: Session, case_id: str, cp: Checkpoint, parent: str | N
             (cp.seq, case_id, cp.hypothesis_id, cp.context_sha256, cp.outcome, cp.reason):
         raise _invalid(case_id, cp.seq, "its state names another step, hypothesis, context "
                                         "or outcome")
-    built = s.exec(select(StageRun.output_json).where(
-        StageRun.case_id == case_id, StageRun.revision == cp.revision,
-        StageRun.step_seq == cp.seq, StageRun.stage == "build_context")).first()
+    built = s.execute(_BUILT, {"case_id": case_id, "rev": cp.revision,
+                               "seq": cp.seq}).scalar()
     built_sha = text_sha256(built) if built is not None else None
     if cp.context_sha256 is None:
         return _Generation(state, art.sha256, None, built_sha)
@@ -323,15 +336,13 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
         InvestigationError: ``CHECKPOINT_INVALID`` (with ``seq``) at the first broken
         generation; ``POLICY_CHANGED`` when the frozen policy was altered or removed.
     """
-    top, count = s.exec(select(func.max(Checkpoint.seq), func.count()).where(
-        Checkpoint.case_id == case.id)).one()
+    top, count = s.execute(_CHAIN_SIZE, {"case_id": case.id}).one()
     top, count = int(top or 0), int(count or 0)
     if top != count or count != case.head_seq:
         raise _invalid(case.id, case.head_seq,
                        f"the case head is {case.head_seq} but {count} checkpoint(s) "
                        "are stored or their sequence has a gap")
-    published = s.exec(select(func.max(StageRun.step_seq)).where(
-        StageRun.case_id == case.id, StageRun.stage == "publish")).one() or 0
+    published = s.execute(_PUBLISHED, {"case_id": case.id}).scalar() or 0
     if published != case.head_seq:
         raise _invalid(case.id, case.head_seq,
                        f"step {published} was published but the case head is "
@@ -371,8 +382,7 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     if head_state is None:  # nothing new since the cached generation: read the head state
         art = Store.get_artifact(s, case.id, head.state_path)
         head_state = _json_object(art.data) if art is not None else {}
-    pointer = s.exec(select(ManifestPointer.path, ManifestPointer.sha256).where(
-        ManifestPointer.case_id == case.id, ManifestPointer.name == POINTER_STATE)).first()
+    pointer = s.execute(_POINTER, {"case_id": case.id}).first()
     if pointer is None or pointer[0] != head.state_path or pointer[1] != head_sha:
         raise _invalid(case.id, head.seq, f"the {POINTER_STATE} pointer is missing or does "
                                           "not name the head state")

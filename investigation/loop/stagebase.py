@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import bindparam, insert
+from sqlalchemy import select as sa_select
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col, select
 
@@ -43,11 +45,26 @@ from investigation.store.engine import (
     is_serialization_failure,
     sha256_hex,
 )
-from investigation.store.models import BudgetAccount, CaseRecord, RevisionRecord, StageRun
+from investigation.store.models import (
+    BudgetAccount,
+    CaseRecord,
+    RevisionRecord,
+    StageRun,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
 
 SKIPPED: dict[str, Any] = {"skipped": True}
+# Statements built once (building a statement costs more than running it on SQLite).
+_STEP = (col(StageRun.case_id) == bindparam("case_id"),
+         col(StageRun.revision) == bindparam("revision"),
+         col(StageRun.step_seq) == bindparam("step_seq"))
+_FINISHED = sa_select(col(StageRun.stage)).where(*_STEP)
+_MARKERS = sa_select(col(StageRun.stage), col(StageRun.output_json)).where(*_STEP)
+_MARKER = sa_select(col(StageRun.output_json)).where(
+    *_STEP, col(StageRun.stage) == bindparam("stage"))
+_MARKER_INSERT = insert(StageRun)
 #: Times a stage runs again after its transaction lost a PostgreSQL serialization race.
 RACE_RETRIES = 5
 
@@ -222,9 +239,7 @@ class StageFramework:
                 seq=key.step_seq)
         done = self._recorded.get((key, stage))
         if done is None and stage != "build_context":
-            finished = s.exec(select(StageRun.stage).where(
-                StageRun.case_id == key.case_id, StageRun.revision == key.revision,
-                StageRun.step_seq == key.step_seq)).all()
+            finished = s.execute(_FINISHED, key.to_dict()).scalars().all()
             if stage in finished:
                 self._load_markers(s, key)
                 done = self._recorded.get((key, stage))
@@ -297,22 +312,19 @@ class StageFramework:
 
     def _load_markers(self, s: Session, key: StepKey) -> None:
         """Read every recorded stage output of the step in one query."""
-        rows = s.exec(select(StageRun).where(
-            StageRun.case_id == key.case_id, StageRun.revision == key.revision,
-            StageRun.step_seq == key.step_seq)).all()
-        for row in rows:
+        for stage, text in s.execute(_MARKERS, key.to_dict()).all():
             try:
-                out = _loads(row.output_json)
+                out = _loads(text)
             except ValueError:
                 out = None
-            if not isinstance(out, dict) or (row.stage == "build_context"
+            if not isinstance(out, dict) or (stage == "build_context"
                                              and "finalize" not in out):
                 raise InvestigationError(
                     "CHECKPOINT_INVALID",
-                    f"the recorded {row.stage} of step {key.step_seq} of {key.case_id} is "
+                    f"the recorded {stage} of step {key.step_seq} of {key.case_id} is "
                     "not a stage record: the store was changed outside the engine",
                     seq=key.step_seq)
-            self._recorded[(key, row.stage)] = out
+            self._recorded[(key, stage)] = out
 
     def _output(self, s: Session, key: StepKey, stage: str) -> dict[str, Any]:
         out = self._recorded.get((key, stage))
@@ -326,9 +338,9 @@ class StageFramework:
 
     @staticmethod
     def _complete(s: Session, key: StepKey, stage: str, output: dict[str, Any]) -> StageResult:
-        s.add(StageRun(case_id=key.case_id, revision=key.revision, step_seq=key.step_seq,
-                       stage=stage, output_json=canonical_json(output).decode()))
-        s.flush()
+        s.execute(_MARKER_INSERT, {**key.to_dict(), "stage": stage,
+                                   "output_json": canonical_json(output).decode(),
+                                   "completed_at": utcnow()})
         return StageResult(output)
 
     def _fence(self, s: Session, key: StepKey, stage: str, *, active: bool = True) -> CaseRecord:
@@ -347,11 +359,9 @@ class StageFramework:
             raise StaleStateError(
                 f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",
                 head_seq=case.head_seq)
-        row = s.exec(select(StageRun).where(
-            StageRun.case_id == key.case_id, StageRun.revision == key.revision,
-            StageRun.step_seq == key.step_seq, StageRun.stage == stage)).first()
+        row = s.execute(_MARKER, {**key.to_dict(), "stage": stage}).first()
         if row is not None:
-            raise _AlreadyRecorded(dict(_loads(row.output_json)))
+            raise _AlreadyRecorded(dict(_loads(row[0])))
         if active and case.state not in (CASE_INVESTIGATING, *CASE_HELD):
             # A stage already running when the operator paused or cancelled finishes.
             raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event, insert
+from sqlalchemy import bindparam, event, insert
 from sqlalchemy import select as sa_select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -31,6 +31,13 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
 sha256_hex = blobs.sha256_hex
+
+# Statements built once (building a statement costs more than running it on SQLite).
+_ARTIFACT_ROW = sa_select(
+    col(Artifact.sha256), col(Artifact.media_type), col(Artifact.size_bytes),
+    col(Artifact.created_at)).where(col(Artifact.case_id) == bindparam("case_id"),
+                                    col(Artifact.path) == bindparam("path"))
+_ARTIFACT_INSERT = insert(Artifact)
 
 
 @dataclass(frozen=True)
@@ -146,8 +153,7 @@ class Store:
             StoreError: ``STORE_ARTIFACT_CONFLICT`` when different bytes exist at ``path``.
         """
         digest = sha256_hex(data)
-        existing = session.execute(select(Artifact.sha256).where(
-            Artifact.case_id == case_id, Artifact.path == path)).first()
+        existing = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         if existing is not None:
             if existing[0] != digest:
                 raise StoreError(
@@ -158,9 +164,9 @@ class Store:
             return digest
         kind = blobs.kind_of(path)
         blobs.store(session, case_id, kind, data, digest)
-        session.execute(insert(Artifact).values(
-            case_id=case_id, path=path, kind=kind, sha256=digest, size_bytes=len(data),
-            media_type=media_type, created_at=models.utcnow()))
+        session.execute(_ARTIFACT_INSERT, {
+            "case_id": case_id, "path": path, "kind": kind, "sha256": digest,
+            "size_bytes": len(data), "media_type": media_type, "created_at": models.utcnow()})
         return digest
 
     @staticmethod
@@ -175,9 +181,7 @@ class Store:
         Raises:
             StoreError: ``STORE_ARTIFACT_CORRUPT`` when its bytes are missing or altered.
         """
-        row = session.execute(select(
-            Artifact.sha256, Artifact.media_type, Artifact.size_bytes, Artifact.created_at)
-            .where(Artifact.case_id == case_id, Artifact.path == path)).first()
+        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         if row is None:
             return None
         sha, media_type, size, created = row
@@ -187,16 +191,14 @@ class Store:
     @staticmethod
     def artifact_sha256(session: Session, case_id: str, path: str) -> str | None:
         """The sha256 recorded for ``path`` (no bytes are read), or ``None``."""
-        row = session.execute(select(Artifact.sha256).where(
-            Artifact.case_id == case_id, Artifact.path == path)).first()
+        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         return None if row is None else str(row[0])
 
     @staticmethod
     def artifact_created_at(session: Session, case_id: str, path: str) -> datetime | None:
         """When the artifact at ``path`` was stored (no bytes are read), or ``None``."""
-        row = session.execute(select(Artifact.created_at).where(
-            Artifact.case_id == case_id, Artifact.path == path)).first()
-        return None if row is None else row[0]
+        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        return None if row is None else row[3]
 
     @staticmethod
     def artifacts(session: Session, case_id: str) -> Iterator[StoredArtifact]:
@@ -233,10 +235,10 @@ class Store:
     @staticmethod
     def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
         """:meth:`lock_case`, but ``None`` for an unknown case."""
-        stmt = select(CaseRecord).where(CaseRecord.id == case_id)
         if session.get_bind().dialect.name == "postgresql":
-            stmt = stmt.with_for_update()
-        return session.exec(stmt).first()
+            return session.get(CaseRecord, case_id, with_for_update=True,
+                               populate_existing=True)
+        return session.get(CaseRecord, case_id, populate_existing=True)
 
     @staticmethod
     def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:

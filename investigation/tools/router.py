@@ -23,6 +23,7 @@ interface has no database argument, and ATTACH is refused by design.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -68,6 +69,17 @@ _DEADLINE_EVERY_LINES = 2048
 #: Lines longer than this (characters) are not scanned for symbol occurrences: every
 #: candidate position is checked in Python, and a minified line can hold millions.
 MAX_SYMBOL_LINE_CHARS = 100_000
+
+
+@functools.cache
+def _schema_json(operation: str) -> str:
+    # pydantic builds a JSON Schema afresh on every call; the models are static.
+    return json.dumps(ARGUMENT_MODELS[operation].model_json_schema())
+
+
+def _argument_schema(operation: str) -> dict[str, Any]:
+    """The JSON Schema of an operation's argument model (a fresh copy each call)."""
+    return dict(json.loads(_schema_json(operation)))
 
 
 class ToolRouter:
@@ -127,7 +139,7 @@ class ToolRouter:
         }
         result = []
         for op in OPERATIONS:
-            schema = ARGUMENT_MODELS[op].model_json_schema()
+            schema = _argument_schema(op)
             schema.pop("description", None)  # the class docstring; the operation says it
             result.append({"operation": op, "description": descriptions[op],
                            "arguments_schema": schema})
