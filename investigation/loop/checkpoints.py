@@ -80,8 +80,7 @@ def checkpoint_hash(case_id: str, seq: int, parent_hash: str | None, state_sha25
 
 
 def _revision(s: Session, case_id: str, revision: int) -> RevisionRecord:
-    return s.exec(select(RevisionRecord).where(RevisionRecord.case_id == case_id,
-                                               RevisionRecord.revision == revision)).one()
+    return Store.revision(s, case_id, revision)
 
 
 def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[BudgetAccount],

@@ -42,13 +42,13 @@ from investigation.config import InvestigationConfig, canonical_json
 from investigation.constants import PROMPT_VERSION, REPLY_SCHEMA_VERSION
 from investigation.errors import InvestigationError
 from investigation.loop.outcome import StepKey
+from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
     Evidence,
     HypothesisBirth,
     Question,
-    RevisionRecord,
 )
 from investigation.tools import ToolRouter
 
@@ -128,8 +128,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
           births: list[HypothesisBirth], router: ToolRouter,
           snapshot: Snapshot, external_tests: bool = False) -> dict[str, Any]:
     """Build the context document for ``selected`` (see the module docstring)."""
-    rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == key.case_id,
-                                              RevisionRecord.revision == key.revision)).one()
+    rev = Store.revision(s, key.case_id, key.revision)
     statements = {b.hypothesis_id: b.statement for b in births}
     account = next(a for a in accounts if a.hypothesis_id == selected)
     # Findings are read only for the records that show them (see ``_evidence_entry``).

@@ -48,7 +48,6 @@ from investigation.store.engine import (
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
-    RevisionRecord,
     StageRun,
     utcnow,
 )
@@ -375,9 +374,7 @@ class StageFramework:
         return None
 
     def _policy(self, s: Session, key: StepKey) -> tuple[InvestigationConfig, BudgetManager]:
-        rev = s.exec(select(RevisionRecord).where(
-            RevisionRecord.case_id == key.case_id,
-            RevisionRecord.revision == key.revision)).one()
+        rev = Store.revision(s, key.case_id, key.revision)
         cache_key = (rev.policy_sha256 or "", id(self.env.config), self.env.explicit_config)
         cached = self._policies.get(cache_key)
         if cached is None or rev.policy_json is None or \

@@ -75,7 +75,6 @@ from investigation.store.models import (
     HypothesisBirth,
     Plan,
     Question,
-    RevisionRecord,
     StageRun,
     utcnow,
 )
@@ -116,9 +115,7 @@ class Stages(StageFramework):
                 HypothesisBirth.revision == key.revision)).all()
             accounts = budget.ensure_accounts(
                 s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births))
-            rev = s.exec(select(RevisionRecord).where(
-                RevisionRecord.case_id == key.case_id,
-                RevisionRecord.revision == key.revision)).one()
+            rev = Store.revision(s, key.case_id, key.revision)
             lifecycle.ensure(case, cfg, len(births), str(
                 json.loads(rev.interpretation_json).get("summary", "")))
             s.add(case)

@@ -24,7 +24,7 @@ from sqlmodel import Session, col, create_engine, select
 
 from investigation.errors import InvestigationError, StoreError
 from investigation.store import blobs, models
-from investigation.store.models import Artifact, CaseRecord, ManifestPointer
+from investigation.store.models import Artifact, CaseRecord, ManifestPointer, RevisionRecord
 
 #: SQLite busy timeout: writers wait for each other instead of failing at once.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -231,6 +231,22 @@ class Store:
         if case is None:
             raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
         return case
+
+    @staticmethod
+    def revision(session: Session, case_id: str, revision: int) -> RevisionRecord:
+        """The revision row, read once per transaction (it changes only when its policy is
+        frozen, through this very object).
+
+        Raises:
+            sqlalchemy.exc.NoResultFound: no such revision.
+        """
+        memo: dict[tuple[str, int], RevisionRecord] = session.info.setdefault("revisions", {})
+        row = memo.get((case_id, revision))
+        if row is None:
+            row = session.exec(select(RevisionRecord).where(
+                RevisionRecord.case_id == case_id, RevisionRecord.revision == revision)).one()
+            memo[(case_id, revision)] = row
+        return row
 
     @staticmethod
     def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
