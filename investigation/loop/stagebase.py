@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,10 +67,23 @@ _MARKER = sa_select(col(StageRun.output_json)).where(
 _MARKER_INSERT = insert(StageRun)
 #: Times a stage runs again after its transaction lost a PostgreSQL serialization race.
 RACE_RETRIES = 5
+#: Stage outputs kept per process (eight per step).
+RECORDED_OUTPUTS = 8 * 256
 
 
 def _loads(text: str | bytes) -> Any:
     return json.loads(text)
+
+
+class _Recorded(OrderedDict[tuple[StepKey, str], dict[str, Any]]):
+    """Recorded stage outputs, the most recent :data:`RECORDED_OUTPUTS` (a long-lived
+    worker process runs any number of steps)."""
+
+    def __setitem__(self, key: tuple[StepKey, str], value: dict[str, Any]) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > RECORDED_OUTPUTS:
+            self.popitem(last=False)
 
 
 class _AlreadyRecorded(Exception):
@@ -115,7 +129,7 @@ class StageFramework:
         self.env = env
         self.store = env.store
         # Recorded stage outputs are immutable once committed, so they are cached.
-        self._recorded: dict[tuple[StepKey, str], dict[str, Any]] = {}
+        self._recorded = _Recorded()
         self._open: _Open | None = None
         self._attempt = _Attempt()
         #: Cases whose deliveries this process has counted (a first one is counted apart).
