@@ -69,6 +69,20 @@ _PARENT_DIGEST = sa_select(col(Checkpoint.archive_digest)).where(
     col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) == bindparam("seq"))
 
 
+#: State documents this process published or parsed, by the sha256 of their bytes
+#: (content-addressed, so never stale; read-only). The incremental replay reads the head
+#: state at every step: a long case's state is tens of kilobytes of JSON.
+_STATES: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_STATES_KEPT = 64
+
+
+def _remember_state(sha: str, state: dict[str, Any]) -> None:
+    _STATES[sha] = state
+    _STATES.move_to_end(sha)
+    while len(_STATES) > _STATES_KEPT:
+        _STATES.popitem(last=False)
+
+
 def checkpoint_hash(case_id: str, seq: int, parent_hash: str | None, state_sha256: str,
                     context_sha256: str | None, hypothesis_id: int | None) -> str:
     """The checkpoint hash (see the module docstring)."""
@@ -168,6 +182,7 @@ def publish(s: Session, key: StepKey, case: CaseRecord, state: dict[str, Any],
     data = canonical_json(state)
     path = ARTIFACT_STATE.format(seq=key.step_seq)
     digest = Store.put_artifact(s, key.case_id, path, data)
+    _remember_state(digest, dict(state))
     state["_state_sha256"] = digest
     parent = case.head_hash if key.step_seq > 1 else None
     previous = ""
@@ -272,7 +287,10 @@ def _verify_generation(s: Session, case_id: str, cp: Checkpoint, parent: str | N
     if checkpoint_hash(case_id, cp.seq, parent, art.sha256, cp.context_sha256,
                        cp.hypothesis_id) != cp.hash:
         raise _invalid(case_id, cp.seq, "its hash does not bind its state")
-    state = _json_object(art.data)
+    state = _STATES.get(art.sha256) if fresh is None else None
+    if state is None:
+        state = _json_object(art.data)
+        _remember_state(art.sha256, state)
     if (state.get("seq"), state.get("case_id"), state.get("hypothesis_id"),
             state.get("context_sha256"), state.get("outcome"), state.get("reason")) != \
             (cp.seq, case_id, cp.hypothesis_id, cp.context_sha256, cp.outcome, cp.reason):
@@ -379,8 +397,10 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
         raise _invalid(case.id, head.seq, "it does not match the case head")
     head_sha = Store.artifact_sha256(s, case.id, head.state_path)
     if head_state is None:  # nothing new since the cached generation: read the head state
-        art = Store.get_artifact(s, case.id, head.state_path)
-        head_state = _json_object(art.data) if art is not None else {}
+        head_state = _STATES.get(head_sha or "")
+        if head_state is None:
+            art = Store.get_artifact(s, case.id, head.state_path)
+            head_state = _json_object(art.data) if art is not None else {}
     pointer = s.execute(_POINTER, {"case_id": case.id}).first()
     if pointer is None or pointer[0] != head.state_path or pointer[1] != head_sha:
         raise _invalid(case.id, head.seq, f"the {POINTER_STATE} pointer is missing or does "

@@ -30,10 +30,12 @@ the same bytes. Its shape (keys in canonical order when serialised):
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy.orm import defer
+from sqlalchemy import bindparam
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from investigation.budget import BudgetManager, novelty_permille
@@ -52,17 +54,37 @@ from investigation.store.models import (
 )
 from investigation.tools import ToolRouter
 
+# The evidence columns a context shows, read as plain rows (findings only for the records
+# that show them): a long case has hundreds of records.
+_EVIDENCE_ROWS = sa_select(
+    col(Evidence.evidence_id), col(Evidence.hypothesis_id), col(Evidence.operation),
+    col(Evidence.arguments_json), col(Evidence.item_count), col(Evidence.new_item_count),
+    col(Evidence.duplicate), col(Evidence.warnings_json), col(Evidence.assessed),
+    col(Evidence.cost_units)).where(
+    col(Evidence.case_id) == bindparam("case_id"),
+    col(Evidence.revision) == bindparam("revision")).order_by(col(Evidence.ordinal))
+_FINDINGS = sa_select(col(Evidence.evidence_id), col(Evidence.findings_json)).where(
+    col(Evidence.case_id) == bindparam("case_id"),
+    col(Evidence.evidence_id).in_(bindparam("ids", expanding=True)))
 
-def _evidence_entry(e: Evidence, full: bool) -> dict[str, Any]:
+
+@functools.lru_cache(maxsize=8192)
+def _parsed(text: str) -> Any:
+    """A record's arguments or warnings, parsed once per process (records are write-once;
+    the result is shared and never changed)."""
+    return json.loads(text)
+
+
+def _evidence_entry(e: Any, findings_json: str | None) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "evidence_id": e.evidence_id, "hypothesis_id": e.hypothesis_id,
-        "operation": e.operation, "arguments": json.loads(e.arguments_json),
+        "operation": e.operation, "arguments": _parsed(e.arguments_json),
         "item_count": e.item_count, "new_item_count": e.new_item_count,
-        "duplicate": e.duplicate, "warnings": json.loads(e.warnings_json),
+        "duplicate": e.duplicate, "warnings": _parsed(e.warnings_json),
         "assessed": e.assessed,
     }
-    if full:
-        entry["items"] = json.loads(e.findings_json)
+    if findings_json is not None:
+        entry["items"] = json.loads(findings_json)
     return entry
 
 
@@ -131,24 +153,26 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
     rev = Store.revision(s, key.case_id, key.revision)
     statements = {b.hypothesis_id: b.statement for b in births}
     account = next(a for a in accounts if a.hypothesis_id == selected)
-    # Findings are read only for the records that show them (see ``_evidence_entry``).
-    evidence = list(s.exec(select(Evidence).options(defer(Evidence.findings_json)).where(  # type: ignore[arg-type]
-        Evidence.case_id == key.case_id, Evidence.revision == key.revision)
-        .order_by(col(Evidence.ordinal))).all())
+    evidence = s.execute(_EVIDENCE_ROWS, {"case_id": key.case_id,
+                                          "revision": key.revision}).all()
     own = [e for e in evidence if e.hypothesis_id == selected]
     full_ids = {e.evidence_id for e in own[-config.limits.full_evidence_in_context:]}
     pending = next((e for e in own if e.evidence_id == account.pending_evidence_id), None)
+    if pending is not None:
+        full_ids.add(pending.evidence_id)
+    findings: dict[str, str] = dict(s.execute(_FINDINGS, {
+        "case_id": key.case_id, "ids": sorted(full_ids)}).all()) if full_ids else {}
     previous = None
     if pending is not None:
-        previous = _evidence_entry(pending, True)
+        previous = _evidence_entry(pending, findings[pending.evidence_id])
         previous["cost_units"] = pending.cost_units
         previous["novelty_permille"] = novelty_permille(
             pending.item_count, pending.new_item_count, pending.duplicate)
-        full_ids.add(pending.evidence_id)
     questions = s.exec(select(Question).where(Question.case_id == key.case_id,
                                               Question.revision == key.revision)
                        .order_by(col(Question.ordinal))).all()
-    closing = budget.closing_reason(account, pending)
+    # The row carries the columns closing_reason reads (counts, duplicate, cost).
+    closing = budget.closing_reason(account, cast("Evidence | None", pending))
     allowed = ["finish", "reject"] if closing else ["query", "test", "finish", "reject"]
     report = snapshot.report_text()
     report_bytes = report.encode("utf-8")
@@ -188,7 +212,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         "allowed_actions": allowed,
         "closing_reason": closing,
         "previous_result": previous,
-        "evidence": [_evidence_entry(e, e.evidence_id in full_ids) for e in evidence],
+        "evidence": [_evidence_entry(e, findings.get(e.evidence_id)) for e in evidence],
         "questions": [
             {"question_id": q.question_id, "hypothesis_id": q.hypothesis_id, "text": q.text,
              "status": q.status}

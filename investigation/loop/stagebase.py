@@ -420,10 +420,16 @@ class StageFramework:
             BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision,
             BudgetAccount.hypothesis_id == hid)).one()
 
-    def _context_doc(self, s: Session, key: StepKey) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _context_bytes(self, s: Session, key: StepKey) -> tuple[dict[str, Any], bytes]:
+        """The step's recorded ``build_context`` and its stored context's exact bytes
+        (canonical JSON, as ``context.fit`` wrote them)."""
         built = self._output(s, key, "build_context")
         art = Store.get_artifact(s, key.case_id, built["context_path"])
         if art is None or art.sha256 != built["context_sha256"]:
             raise InvestigationError(
                 "CONTEXT_IDENTITY", f"the stored context of step {key.step_seq} was changed")
-        return built, dict(_loads(art.data))
+        return built, art.data
+
+    def _context_doc(self, s: Session, key: StepKey) -> tuple[dict[str, Any], dict[str, Any]]:
+        built, data = self._context_bytes(s, key)
+        return built, dict(_loads(data))

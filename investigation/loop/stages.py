@@ -149,10 +149,9 @@ class Stages(StageFramework):
             built = self._output(s, key, "build_context")
             if built["finalize"]:
                 return self._complete(s, key, "llm_call", SKIPPED)
-            _, doc = self._context_doc(s, key)
+            _, context_bytes = self._context_bytes(s, key)
             case = self._fence(s, key, "llm_call")
             retry_id = case.llm_retry_id
-        context_bytes = canonical_json(doc)
         request = ChatRequest(
             messages=build_messages(context_bytes), response_schema=reply_json_schema(),
             schema_name="investigation_reply", call_index=int(built["call_index"]),
