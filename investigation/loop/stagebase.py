@@ -94,6 +94,12 @@ class _AlreadyRecorded(Exception):
         self.output = output
 
 
+def _log_parked(key: StepKey, stage: str, parked: Outcome) -> None:
+    log.error("case %s step %s %s: parked %s after %s deliveries that never returned; fix "
+              "the cause, then `investigate resume %s`", key.case_id, key.step_seq, stage,
+              parked.reason, parked.details["unfinished"] - 1, key.case_id)
+
+
 @dataclass
 class _Open:
     """The stage transaction ``run`` opened and fenced, until the body takes it over."""
@@ -276,6 +282,7 @@ class StageFramework:
             self._attempt.counted = True
             parked = deliveries.count(s, case, key, stage, delivery.max_unfinished)
             if parked is not None:
+                _log_parked(key, stage, parked)
                 return StageResult({}, parked)
         return case
 
@@ -295,10 +302,7 @@ class StageFramework:
                 self._load_markers(s, key)
         self._met.add(key.case_id)
         if parked is not None:
-            log.error("case %s step %s %s: parked %s after %s deliveries that never "
-                      "returned; fix the cause, then `investigate resume %s`", key.case_id,
-                      key.step_seq, stage, parked.reason, parked.details["unfinished"] - 1,
-                      key.case_id)
+            _log_parked(key, stage, parked)
         return parked
 
     @contextmanager
