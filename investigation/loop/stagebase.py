@@ -165,17 +165,18 @@ class StageFramework:
             # so a head rewritten under a long-lived runner is seen (below).
             return StageResult(done, self._recorded_halt(stage, key, done))
         count_here = delivery is not None
+        apart = False  # counted (and committed) before the stage transaction
         if delivery is not None and (delivery.redelivered or key.case_id not in self._met):
             parked = self._count_apart(stage, key, delivery)
             if parked is not None:
                 return StageResult({}, parked)
-            count_here = False
+            count_here, apart = False, True
             done = self._recorded.get((key, stage))
             if done is not None and stage != "build_context":
                 return StageResult(done, self._recorded_halt(stage, key, done))
         fn: Callable[[StepKey], StageResult] = getattr(self, "_" + stage)
         for attempt in range(RACE_RETRIES + 1):
-            self._attempt = _Attempt()
+            self._attempt = _Attempt(counted=apart, committed=apart)
             try:
                 try:
                     result = self._run_once(fn, stage, key, delivery if count_here else None)
@@ -206,9 +207,9 @@ class StageFramework:
         if result.halt is None or stage == "publish":  # committed with its marker
             if result.halt is None or not self._attempt.early:
                 self._recorded[(key, stage)] = result.output
-        elif self._attempt.counted and not self._attempt.early:
-            # The delivery returned without its marker (RETRY_PENDING, BLOCKED): it did
-            # not kill its worker.
+        elif self._attempt.counted and (apart or not self._attempt.early):
+            # The delivery returned without its marker (RETRY_PENDING, BLOCKED, a hold): it
+            # did not kill its worker. (One parked in the stage transaction stays counted.)
             deliveries.delivery_returned(self.store, key, stage,
                                          counted=self._attempt.committed)
         return result

@@ -156,3 +156,23 @@ def test_a_controlled_error_inside_the_stage_transaction_counts_a_returned_deliv
             stages.run("llm_call", key, Delivery(2))
     row = _row(tiny_case, key, "llm_call")
     assert (row.deliveries, row.unfinished) == (3, 0)  # returned every time: not poisoned
+
+
+def test_a_delivery_counted_apart_that_returns_restarts_the_count(
+        tiny_case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    from investigation.loop.deliveries import Delivery
+    from investigation.loop.stages import Stages
+
+    key = StepKey(tiny_case.case_id, 1, 1)
+    assert Stages(tiny_case.env()).run("build_context", key, Delivery(1)).halt is None
+
+    def failing(self: Stages, k: StepKey) -> object:
+        raise InvestigationError("CONTEXT_IDENTITY", "injected")
+
+    monkeypatch.setattr(Stages, "_llm_call", failing)
+    for redelivered in (False, True, False):  # each a new process or a broker redelivery
+        with pytest.raises(InvestigationError):
+            Stages(tiny_case.env()).run("llm_call", key, Delivery(3, redelivered))
+        assert _row(tiny_case, key, "llm_call").unfinished == 0  # it returned
+    # The redelivery found nothing unfinished, so it also counted the delivery it followed.
+    assert _row(tiny_case, key, "llm_call").deliveries == 4
