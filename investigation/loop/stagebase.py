@@ -60,7 +60,6 @@ SKIPPED: dict[str, Any] = {"skipped": True}
 _STEP = (col(StageRun.case_id) == bindparam("case_id"),
          col(StageRun.revision) == bindparam("revision"),
          col(StageRun.step_seq) == bindparam("step_seq"))
-_FINISHED = sa_select(col(StageRun.stage)).where(*_STEP)
 _MARKERS = sa_select(col(StageRun.stage), col(StageRun.output_json)).where(*_STEP)
 _MARKER = sa_select(col(StageRun.output_json)).where(
     *_STEP, col(StageRun.stage) == bindparam("stage"))
@@ -259,10 +258,10 @@ class StageFramework:
                 seq=key.step_seq)
         done = self._recorded.get((key, stage))
         if done is None and stage != "build_context":
-            finished = s.execute(_FINISHED, key.to_dict()).scalars().all()
-            if stage in finished:
-                self._load_markers(s, key)
-                done = self._recorded.get((key, stage))
+            # One query: this stage's marker (another runner finished it) and the earlier
+            # stages' outputs this process has not seen (another worker process ran them).
+            self._load_markers(s, key)
+            done = self._recorded.get((key, stage))
         if done is not None:
             return StageResult(done, self._recorded_halt(stage, key, done))
         if case.head_seq >= key.step_seq or case.current_revision != key.revision:
@@ -331,6 +330,8 @@ class StageFramework:
     def _load_markers(self, s: Session, key: StepKey) -> None:
         """Read every recorded stage output of the step in one query."""
         for stage, text in s.execute(_MARKERS, key.to_dict()).all():
+            if (key, stage) in self._recorded:
+                continue  # recorded outputs never change
             try:
                 out = _loads(text)
             except ValueError:
