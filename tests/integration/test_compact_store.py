@@ -274,3 +274,30 @@ def test_migration_moves_every_byte_and_the_case_continues_as_it_would_have(
                     halfway.providers_path, halfway.root)
     _run(migrated)
     assert _tree(old, halfway.case_id, tmp_path / "done-out") == expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_downgrade_puts_the_bytes_back_inline_and_upgrading_again_changes_nothing(
+        backend: str, tmp_path: Path) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    from investigation.store.migrate import MIGRATIONS
+
+    case = make_case(tmp_path / "c", database_url=backend)
+    _run(case)
+    before = _tree(case.store, case.case_id, tmp_path / "before")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with case.store.engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0005_case_session")
+        conn.commit()
+    with case.store.engine.connect() as conn:
+        rows = conn.execute(text("SELECT sha256, data FROM artifact")).all()
+        assert rows and all(hashlib.sha256(bytes(d)).hexdigest() == sha for sha, d in rows)
+        assert guards.guard_names(conn) == set()
+    case.store.dispose()
+    again = Store(case.store.url)
+    again.create_schema()
+    assert _tree(again, case.case_id, tmp_path / "after") == before
