@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test install install-test services lint typecheck bench bench-report clean test-models test-dist
+.PHONY: demo test install install-test services lint typecheck bench bench-env bench-report clean test-models test-dist
 
 # The real-model target (`make test-models`): its own venv with llama-cpp-python built
 # from PyPI for the CPU (a native build can die on an illegal instruction on some of
@@ -13,6 +13,12 @@ PIP     = $(VENV)/bin/pip
 MODELS_VENV ?= .venv-models
 LLAMA_CMAKE_ARGS = -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF \
 	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
+# The benchmarks' own environment: LangGraph, the reference of bench/step_overhead.py,
+# is never a dependency of the engine.
+BENCH_VENV ?= .venv-bench
+# Redis database the benchmarks use as broker; it is FLUSHED.
+BENCH_BROKER_DB ?= 6
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,12 +71,25 @@ $(MODELS_VENV)/.installed: pyproject.toml
 test-models: $(MODELS_VENV)/.installed services
 	$(MODELS_VENV)/bin/python -m pytest -q -p no:cacheprovider -m models tests/models
 
-bench: install-test services
-	$(PY) bench/step_overhead.py
+$(BENCH_VENV)/.installed:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet langgraph langgraph-checkpoint-sqlite
+	touch $@
+
+bench-env: $(BENCH_VENV)/.installed
+
+# Every benchmark of issue 13; each prints its figures with the target beside them.
+bench: install-test services bench-env
+	uptime
+	$(PY) bench/long_case.py
+	$(PY) bench/step_overhead.py --broker-db $(BENCH_BROKER_DB) --bench-python $(BENCH_VENV)/bin/python
+	$(PY) bench/throughput.py --broker-db $(BENCH_BROKER_DB)
 	$(PY) bench/search.py
+	uptime
 
 bench-report: install-test services
 	$(PY) bench/report_render.py
 
 clean:
-	rm -rf $(VENV) $(MODELS_VENV) .investigate var build
+	rm -rf $(VENV) $(MODELS_VENV) $(BENCH_VENV) .investigate var build

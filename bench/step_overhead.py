@@ -19,8 +19,14 @@ wall time: (a) between consecutive ``on_step`` outcomes; (b) between consecutive
 publications (``checkpoint.created_at``; the first step from the ``start_dispatch`` call).
 (c) is the wall time from ``apply_async`` to the tail's report, per chain.
 
-Prints medians and ratios; asserts nothing. The Redis database ``--broker-db`` (default
-6) is flushed before and after. Usage (from the repository root)::
+(d) for reference, LangGraph: eight nodes in a line with ``SqliteSaver`` and
+``durability="sync"`` (``bench/langgraph_step.py``, run in the benchmarks' own environment
+``.venv-bench``, built by ``make bench-env``; never a dependency of the engine).
+
+Prints medians and ratios with their targets (issue 13: Redis step / bare chain <= 2.0;
+``Investigator.step`` <= 2 x the LangGraph step), the SQL statements and transactions of
+one ``Investigator.step``, and the load average beside each figure; asserts nothing. The
+Redis database ``--broker-db`` (default 6) is flushed before and after. Usage (from the repository root)::
 
     .venv/bin/python bench/step_overhead.py [--cases 10] [--steps 100]
 """
@@ -84,14 +90,15 @@ class Cases:
     providers_path: Path
 
 
-def prepare_cases(root: Path, n: int) -> Cases:
-    """Register ``n`` distinct copies of the tiny case (case ids differ by interpretation)."""
+def prepare_cases(root: Path, n: int, url: str | None = None) -> Cases:
+    """Register ``n`` distinct copies of the tiny case (case ids differ by interpretation)
+    in the store at ``url`` (default: a SQLite file under ``root``)."""
     from investigation.cases.reader import PackageReader
     from investigation.cases.registry import register_case
     from investigation.config import InvestigationConfig
     from tests.casekit import HYPOTHESES, INTERPRETATION, make_case
 
-    url = f"sqlite:///{root / 'store.db'}"
+    url = url or f"sqlite:///{root / 'store.db'}"
     first = make_case(root / "case", database_url=url)
     data = first.package.read_bytes()
     reader = PackageReader(InvestigationConfig().package)
@@ -194,6 +201,8 @@ class Result:
     per_step: list[float] = field(default_factory=list)
     per_case_step: list[float] = field(default_factory=list)
     in_task: dict[str, list[float]] = field(default_factory=dict)
+    statements: list[int] = field(default_factory=list)
+    transactions: list[int] = field(default_factory=list)
 
 
 def bench_redis(cases: Cases, warmup: int, worker: Worker) -> Result:
@@ -277,23 +286,58 @@ def bench_embedded(cases: Cases, warmup: int, home: Path) -> Result:
 
 
 def bench_direct(cases: Cases, warmup: int, home: Path) -> Result:
+    from sqlalchemy import event
+
     from investigation.loop.investigator import Investigator
     from workers.runtime import build_env
     from workers.settings import Settings
 
     env = build_env(Settings(home=home, database_url=cases.url), None, cases.providers_path)
     investigator = Investigator(env)
+    counts = {"statements": 0, "transactions": 0}
+
+    @event.listens_for(env.store.engine, "before_cursor_execute")
+    def _statement(*_: Any) -> None:
+        counts["statements"] += 1
+
+    @event.listens_for(env.store.engine, "begin")
+    def _begin(*_: Any) -> None:
+        counts["transactions"] += 1
+
     res = Result()
     for i, case_id in enumerate(cases.case_ids):
         stamps = [time.perf_counter()]
         for _ in range(STEPS_PER_CASE):
+            before = dict(counts)
             investigator.step(case_id)
             stamps.append(time.perf_counter())
+            if i >= warmup:
+                res.statements.append(counts["statements"] - before["statements"])
+                res.transactions.append(counts["transactions"] - before["transactions"])
         check_completed(cases, case_id)
         if i >= warmup:
             res.per_step += [b - a for a, b in pairwise(stamps)]
     env.store.dispose()
     return res
+
+
+def langgraph_step_ms(python: str, cases: int, warmup: int) -> float | None:
+    """Median ms of a LangGraph eight-node step (bench/langgraph_step.py), run in the
+    benchmarks' own environment; ``None`` when that environment is missing."""
+    import json
+
+    if not Path(python).exists():
+        return None
+    done = subprocess.run([python, str(REPO / "bench" / "langgraph_step.py"), "--cases",
+                           str(cases), "--steps", str(STEPS_PER_CASE), "--warmup-cases",
+                           str(warmup)], capture_output=True, text=True, timeout=600,
+                          check=True)
+    return float(json.loads(done.stdout)["median_ms"])
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.2f} {five:.2f} {fifteen:.2f}"
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -319,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--broker-db", type=int, default=6,
                         help="Redis database for broker and locks; FLUSHED (default 6)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--bench-python", default=str(REPO / ".venv-bench" / "bin" / "python"),
+                        help="the benchmarks' own environment with LangGraph "
+                             "(`make bench-env`); the LangGraph reference is skipped without "
+                             "it")
     args = parser.parse_args(argv)
     if args.cases < 1 or args.steps < 1:
         parser.error("--cases and --steps must be at least 1")
@@ -360,9 +408,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         bare_worker = Worker("bench.bare_chain:app", bare_queue, worker_env,
                              work / "bare-worker.log", args.concurrency)
         bare_res = bench_bare(args.steps, args.warmup_chains, bare_worker, broker_url)
+        load_redis = load_average()
         print("(a) embedded runtime ...", flush=True)
         emb_res = bench_embedded(embedded, args.warmup_cases, work / "embedded" / "home")
+        load_embedded = load_average()
         direct_res = bench_direct(direct, args.warmup_cases, work / "direct" / "home")
+        langgraph_ms = langgraph_step_ms(args.bench_python, args.cases, args.warmup_cases)
+        load_direct = load_average()
     finally:
         admin.flushdb()
         admin.close()
@@ -402,11 +454,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"      {describe(bare_res.per_step)}")
     print(f"      in-task time, sum of per-task medians: {ms(bare_task)}")
     print()
-    print("ratios (medians)")
+    print("(d) LangGraph, eight nodes in a line, SqliteSaver, durability=\"sync\" "
+          "(bench/langgraph_step.py in .venv-bench), wall per step")
+    print(f"      {ms(langgraph_ms / 1000) if langgraph_ms else 'not measured: make bench-env'}")
+    print(f"    SQL per Investigator.step: median {statistics.median(direct_res.statements):.0f} "
+          f"statements, {statistics.median(direct_res.transactions):.0f} transactions")
+    print()
+    print("ratios (medians), with their targets (issue 13)")
     print(f"    Redis engine step / bare chain      {redis_step / bare_step:6.2f}x  "
-          f"(engine adds {ms(redis_step - bare_step).strip()} per step)")
+          f"(target <= 2.0, then 1.3; engine adds {ms(redis_step - bare_step).strip()} per "
+          f"step)   [{load_redis}]")
+    if langgraph_ms:
+        print(f"    Investigator.step / LangGraph step  "
+              f"{direct_step * 1000 / langgraph_ms:6.2f}x  (target <= 2.0)   [{load_direct}]")
     print(f"    Redis engine step / embedded step   {redis_step / emb_step:6.2f}x")
-    print(f"    embedded step / Investigator.step   {emb_step / direct_step:6.2f}x")
+    print(f"    embedded step / Investigator.step   {emb_step / direct_step:6.2f}x   "
+          f"[{load_embedded}]")
 
 
 if __name__ == "__main__":

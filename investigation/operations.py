@@ -1,4 +1,5 @@
-"""Operator actions over the store: status, pause, resume, cancel, summary and export."""
+"""Operator actions over the store: status, pause, resume, cancel, summary, export and
+verify."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ from investigation.constants import (
 from investigation.errors import InvestigationError
 from investigation.lifecycle import InvestigationSession, SessionState, TerminationReason
 from investigation.llm import spend
-from investigation.loop import deliveries, lifecycle
-from investigation.store.engine import Store, sha256_hex
+from investigation.loop import checkpoints, deliveries, lifecycle, live
+from investigation.loop.checkpoints import verify_chain
+from investigation.store.engine import Store
 from investigation.store.models import (
-    Artifact,
     BudgetAccount,
     CaseRecord,
     Evidence,
@@ -38,6 +39,7 @@ from investigation.store.models import (
     ManifestPointer,
     Question,
     RevisionRecord,
+    StageRun,
     utcnow,
 )
 
@@ -296,38 +298,88 @@ def summary_bytes(store: Store, case_id: str) -> bytes:
 
 def export(store: Store, case_id: str, directory: Path) -> list[str]:
     """Write every artifact of the case under ``directory`` byte for byte, plus
-    ``manifest.json`` with the pointers and each artifact's sha256. Returns the paths."""
+    ``manifest.json`` with the pointers and each artifact's sha256. Returns the paths.
+
+    The checkpoint chain is replayed in full first (every byte read from the store again,
+    no process cache), and every artifact's bytes are decoded from the store and checked
+    against its sha256 as it is written.
+
+    Raises:
+        InvestigationError: ``EXPORT_TARGET_NOT_EMPTY``, ``EXPORT_UNSAFE_PATH``; the
+        replay's ``CHECKPOINT_INVALID``/``POLICY_CHANGED`` (nothing is written);
+        ``STORE_ARTIFACT_CORRUPT`` for bytes that fail their sha256.
+    """
     _case(store, case_id)
     if directory.is_symlink() or (directory.exists() and any(directory.iterdir())):
         raise InvestigationError(
             "EXPORT_TARGET_NOT_EMPTY",
             f"{directory} exists and is not an empty directory; export into a new one")
+    with store.session() as s:
+        verify_chain(s, case_id)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
+    files = []
+    root = directory.resolve()
     with store.session() as s:
-        artifacts = s.exec(select(Artifact).where(Artifact.case_id == case_id)
-                           .order_by(col(Artifact.path))).all()
         pointers = s.exec(select(ManifestPointer).where(ManifestPointer.case_id == case_id)
                           .order_by(col(ManifestPointer.name))).all()
-    root = directory.resolve()
-    for art in artifacts:
-        rel = PurePosixPath(art.path)
-        if rel.is_absolute() or ".." in rel.parts:
-            raise InvestigationError("EXPORT_UNSAFE_PATH", f"artifact path {art.path} is unsafe")
-        if sha256_hex(art.data) != art.sha256:
-            raise InvestigationError("ARTIFACT_CORRUPT", f"artifact {art.path} fails its sha256")
-        target = root.joinpath(*rel.parts)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if not target.parent.resolve().is_relative_to(root) or target.is_symlink():
-            raise InvestigationError("EXPORT_UNSAFE_PATH",
-                                     f"{target} would leave {root} (a symlink); nothing more "
-                                     "is written")
-        target.write_bytes(art.data)
-        written.append(art.path)
+        for art in Store.artifacts(s, case_id):
+            rel = PurePosixPath(art.path)
+            if rel.is_absolute() or ".." in rel.parts:
+                raise InvestigationError("EXPORT_UNSAFE_PATH",
+                                         f"artifact path {art.path} is unsafe")
+            target = root.joinpath(*rel.parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.parent.resolve().is_relative_to(root) or target.is_symlink():
+                raise InvestigationError("EXPORT_UNSAFE_PATH",
+                                         f"{target} would leave {root} (a symlink); nothing "
+                                         "more is written")
+            target.write_bytes(art.data)
+            written.append(art.path)
+            files.append({"path": art.path, "sha256": art.sha256})
     manifest = {
         "case_id": case_id,
         "artifacts": {p.name: {"path": p.path, "sha256": p.sha256} for p in pointers},
-        "files": [{"path": a.path, "sha256": a.sha256} for a in artifacts],
+        "files": files,
     }
     (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return written
+
+
+def verify(store: Store, case_id: str) -> dict[str, Any]:
+    """Check a whole case from the store's bytes (``investigate verify``).
+
+    The checkpoint chain is replayed in full (no process cache: every state and context
+    read again, every archive digest recomputed), the live rows are checked against the
+    head state at full depth (every evidence fingerprint recomputed, its artifact re-read)
+    unless a step is in progress, and every artifact of the case is decoded and checked
+    against its sha256.
+
+    Returns:
+        ``{"case_id", "checkpoints", "artifacts", "artifact_bytes", "live_rows"}`` where
+        ``live_rows`` is ``"checked"`` or ``"step N in progress"``.
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``; ``CHECKPOINT_INVALID``,
+        ``POLICY_CHANGED``, ``STATE_TAMPERED`` or ``STORE_ARTIFACT_CORRUPT`` at the first
+        fact that differs.
+    """
+    with store.session() as s:
+        case = s.get(CaseRecord, case_id)
+        if case is None:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+        head = checkpoints.replay(s, case)
+        running = s.exec(select(StageRun.stage).where(
+            StageRun.case_id == case_id, StageRun.revision == case.current_revision,
+            StageRun.step_seq == case.head_seq + 1)).first()
+        if running is None:
+            live.verify_live_state(s, case, head.head_state, head.head_seq, head.head_revision,
+                                   full=True)
+        count = total = 0
+        for art in Store.artifacts(s, case_id):
+            count += 1
+            total += len(art.data)
+    return {"case_id": case_id, "checkpoints": head.head_seq, "artifacts": count,
+            "artifact_bytes": total,
+            "live_rows": "checked" if running is None
+            else f"step {case.head_seq + 1} in progress"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,3 +176,27 @@ def make_case(root: Path, replies: list[dict[str, Any]] | list[str] | None = Non
         (gateway_toml or "[gateway]\nattempts = 3\ndelay_s = 0\n")
         + '\n[[providers]]\nname = "replay"\nkind = "scripted"\npath = "replies.jsonl"\n')
     return Case(store, case_id, package, replies_path, providers_path, root)
+
+
+@contextmanager
+def unguarded(store: Store) -> Iterator[None]:
+    """Drop the store's guard triggers for the block and restore them after: what someone
+    with DDL rights on the database can do (tests show what the replay then finds)."""
+    from investigation.store.guards import create_guards, drop_guards
+
+    with store.engine.begin() as conn:
+        drop_guards(conn)
+    try:
+        yield
+    finally:
+        with store.engine.begin() as conn:
+            create_guards(conn)
+
+
+def refused_by_store(store: Store, statement: Any) -> None:
+    """Run ``statement`` and check that the store's guards refuse it (nothing changes)."""
+    import pytest
+    from sqlalchemy.exc import DBAPIError
+
+    with pytest.raises(DBAPIError, match="STORE_IMMUTABLE"), store.session() as s:
+        s.execute(statement)

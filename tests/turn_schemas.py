@@ -15,7 +15,8 @@ from typing import Any
 from sqlmodel import select
 
 from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig
-from investigation.store.models import Artifact, StageRun
+from investigation.store import Store
+from investigation.store.models import StageRun
 from tests.casekit import make_case
 
 
@@ -27,7 +28,7 @@ def _schemas(root: Path, config: InvestigationConfig) -> list[tuple[dict[str, An
         if inv.step(case.case_id).outcome in ("COMPLETED", "BLOCKED"):
             break
     with case.store.session() as s:
-        arts = {a.path: a.data for a in s.exec(select(Artifact))}
+        arts = {a.path: a.data for a in Store.artifacts(s, case.case_id)}
         built = [json.loads(r.output_json) for r in s.exec(
             select(StageRun).where(StageRun.stage == "build_context")
             .order_by(StageRun.step_seq))]  # type: ignore[arg-type]

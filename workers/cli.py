@@ -33,7 +33,15 @@ from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED
 from investigation.errors import InvestigationError, LockBusy
 from investigation.loop.outcome import Outcome
-from investigation.operations import cancel, export, pause, resume, status, summary_bytes
+from investigation.operations import (
+    cancel,
+    export,
+    pause,
+    resume,
+    status,
+    summary_bytes,
+    verify,
+)
 from investigation.store import Store
 from investigation.text_safety import escape_text
 from workers.settings import Settings, load_settings
@@ -564,6 +572,21 @@ def export_cmd(
         _print_json({"case_id": case_id, "directory": str(directory), "artifacts": paths})
         return
     out.print(f"wrote {len(paths)} artifacts under {directory}", highlight=False)
+
+
+@app.command("verify", epilog=example(f"investigate verify {EXAMPLE_CASE}",
+                                      f"investigate verify {EXAMPLE_CASE} --json"))
+@_controlled
+def verify_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
+    """Check the whole case from the store's bytes: full checkpoint replay, live rows,
+    every artifact against its sha256 (exit 0 intact, 2 with the first difference)."""
+    report = verify(_store(_settings(), existing=True), case_id)
+    if as_json:
+        out.print_json(json.dumps(report))
+        return
+    out.print(f"{case_id}: intact: {report['checkpoints']} checkpoints replayed from their "
+              f"bytes, {report['artifacts']} artifacts ({report['artifact_bytes']} bytes) "
+              f"match their sha256, live rows {report['live_rows']}", highlight=False)
 
 
 from workers import (  # noqa: E402  (they use the helpers above)

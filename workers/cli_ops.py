@@ -285,19 +285,21 @@ def cases(
     if not rows:
         out.print("no cases" + (f" in state {state}" if state else ""), highlight=False)
         return
-    with_next = any(r.next for r in rows)
     table = Table("case", "state", "reason", "retry not before", "steps", "last outcome",
-                  "balance", "hypotheses", "updated", *(["next"] if with_next else []))
+                  "balance", "hypotheses", "updated")
+    table.columns[0].no_wrap = True  # a case id is what the operator copies
     for r in rows:
         table.add_row(
             r.case_id, r.state, r.blocked_reason or "", r.retry_not_before or "",
             str(r.steps),
             (r.last_outcome or "") + (f" ({r.last_reason})" if r.last_reason else ""),
             f"{r.balance_units}/{r.credit_units}",
-            f"{r.active_hypotheses}/{r.hypotheses} active", r.updated_at[:19],
-            *([_term(r.next or "")] if with_next else []))
+            f"{r.active_hypotheses}/{r.hypotheses} active", r.updated_at[:19])
     out.print(table)
     out.print(f"{len(rows)} case(s)", highlight=False)
+    for r in rows:  # the command that continues each held case, one per line
+        if r.next:
+            out.print(_term(f"next for {r.case_id}: {r.next}"), highlight=False, markup=False)
 
 
 @_controlled

@@ -21,6 +21,7 @@ from investigation.config import InvestigationConfig, ProvidersConfig
 from investigation.errors import ConfigError
 from investigation.llm.gateway import LLMGateway, build_providers
 from investigation.loop.env import StageEnv
+from investigation.loop.stages import Stages
 from investigation.store import Store
 from workers.locks import CaseLock, FileCaseLock, RedisCaseLock
 from workers.settings import Settings, load_settings
@@ -36,6 +37,11 @@ class Runtime:
     settings: Settings
     env: StageEnv
     lock: CaseLock
+
+    def __post_init__(self) -> None:
+        #: One stage runner per process: recorded outputs, policies and the cases whose
+        #: deliveries this process counted are kept across tasks.
+        self.stages = Stages(self.env)
 
 
 def build_env(settings: Settings, config_path: Path | None = None,

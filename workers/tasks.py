@@ -47,6 +47,7 @@ from investigation.constants import (
 )
 from investigation.errors import InvestigationError, LockBusy, StaleStateError
 from investigation.loop import deliveries
+from investigation.loop.deliveries import Delivery
 from investigation.loop.investigator import Investigator
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.loop.stages import Stages
@@ -129,24 +130,13 @@ def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
                     case_id, logs.short_token(token), stage, payload["step_seq"])
         return _halt(payload, "LOCK_LOST", "LOCK_LOST"), "halt"
     key = StepKey(case_id, payload["revision"], payload["step_seq"])
+    # The delivery is counted by the stage (loop.deliveries): in its own transaction, or
+    # apart before it when an earlier delivery may have died (the broker's redelivered
+    # flag; a process meeting the case first).
+    delivery = Delivery(rt.settings.max_stage_deliveries,
+                        redelivered=bool((task.request.delivery_info or {}).get("redelivered")))
     try:
-        # Counted before the stage runs, committed on its own: survives a killed worker.
-        parked = deliveries.record_delivery(rt.env.store, key, stage,
-                                            rt.settings.max_stage_deliveries)
-        if parked is not None:
-            log.error("case %s step %s %s: parked %s after %s deliveries that never "
-                      "returned; fix the cause, then `investigate resume %s`", case_id,
-                      key.step_seq, stage, parked.reason, parked.details["unfinished"] - 1,
-                      case_id)
-            payload["halt"] = parked.to_dict()
-            return payload, "halt"
-        try:
-            result = Stages(rt.env).run(stage, key)
-        except InvestigationError:
-            deliveries.delivery_returned(rt.env.store, key, stage)
-            raise
-        if result.halt is not None and stage != "publish":
-            deliveries.delivery_returned(rt.env.store, key, stage)
+        result = rt.stages.run(stage, key, delivery)
     except SoftTimeLimitExceeded:
         payload = _time_limited(rt, payload, stage, "soft", None)
         if (payload.get("halt") or {}).get("outcome") == "RECORDED":

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlmodel import Session, select
+from sqlalchemy import case, func
+from sqlalchemy import select as sa_select
+from sqlmodel import Session, col, select
 
 from investigation.budget import rules
 from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig, canonical_json
@@ -102,13 +104,35 @@ class BudgetManager:
         Raises:
             InvestigationError: ``BUDGET_ORIGIN_MISMATCH`` when they differ.
         """
-        rows = session.exec(select(LedgerEntry).where(
-            LedgerEntry.case_id == account.case_id, LedgerEntry.revision == account.revision,
-            LedgerEntry.hypothesis_id == account.hypothesis_id)).all()
-        total = sum(r.amount_units for r in rows)
-        credits = [r for r in rows if r.kind == "credit"]
-        if total != account.balance_units or len(credits) != 1 or \
-                credits[0].amount_units != account.credit_units:
+        self.verify_all_origins(session, [account])
+
+    @staticmethod
+    def verify_all_origins(session: Session, accounts: list[BudgetAccount]) -> None:
+        """:meth:`verify_origins` for accounts of one case revision, in one query (the
+        ledger is summed by the database).
+
+        Raises:
+            InvestigationError: ``BUDGET_ORIGIN_MISMATCH`` naming the first that differs.
+        """
+        if not accounts:
+            return
+        first = accounts[0]
+        is_credit = case((col(LedgerEntry.kind) == "credit", 1), else_=0)
+        credit = case((col(LedgerEntry.kind) == "credit", col(LedgerEntry.amount_units)),
+                      else_=0)
+        sums = {hid: (int(total or 0), int(credits or 0), int(credited or 0))
+                for hid, total, credits, credited in session.execute(
+                    sa_select(col(LedgerEntry.hypothesis_id),
+                              func.sum(col(LedgerEntry.amount_units)),
+                              func.sum(is_credit), func.sum(credit))
+                    .where(col(LedgerEntry.case_id) == first.case_id,
+                           col(LedgerEntry.revision) == first.revision)
+                    .group_by(col(LedgerEntry.hypothesis_id))).all()}
+        for account in accounts:
+            total, credits, credited = sums.get(account.hypothesis_id, (0, 0, 0))
+            if total == account.balance_units and credits == 1 and \
+                    credited == account.credit_units:
+                continue
             raise InvestigationError(
                 "BUDGET_ORIGIN_MISMATCH",
                 f"hypothesis {account.hypothesis_id}: balance {account.balance_units} does not "

@@ -8,6 +8,7 @@ equals an earlier record's is a duplicate and earns no novelty.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -24,6 +25,12 @@ def fingerprint(operation: str, arguments: dict[str, Any], items: list[dict[str,
     """sha256 over the canonical operation, normalised arguments and findings."""
     return sha256_hex(canonical_json({"operation": operation, "arguments": arguments,
                                       "items": items}))
+
+
+@functools.lru_cache(maxsize=8192)
+def _keys(keys_json: str) -> tuple[str, ...]:
+    """A stored record's item keys, parsed once per process (records are write-once)."""
+    return tuple(json.loads(keys_json))
 
 
 class EvidenceStore:
@@ -53,13 +60,13 @@ class EvidenceStore:
         operation = str(result["operation"])
         arguments = dict(result.get("arguments", {}))
         fp = fingerprint(operation, arguments, items)
-        prior = session.exec(select(Evidence).where(
+        prior = session.exec(select(Evidence.item_keys_json, Evidence.fingerprint).where(
             Evidence.case_id == case_id, Evidence.revision == revision,
-            Evidence.hypothesis_id == hypothesis_id).order_by(col(Evidence.ordinal))).all()
+            Evidence.hypothesis_id == hypothesis_id)).all()
         seen: set[str] = set()
-        for row in prior:
-            seen.update(json.loads(row.item_keys_json))
-        duplicate = any(row.fingerprint == fp for row in prior)
+        for keys_json, _ in prior:
+            seen.update(_keys(keys_json))
+        duplicate = any(row_fp == fp for _, row_fp in prior)
         new_count = 0 if duplicate else len(set(keys) - seen)
         ordinal = (session.exec(select(func.max(Evidence.ordinal)).where(
             Evidence.case_id == case_id)).one() or 0) + 1

@@ -31,9 +31,12 @@ the same bytes. Its shape (keys in canonical order when serialised):
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from typing import Any, cast
 
+from sqlalchemy import bindparam
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from investigation.budget import BudgetManager, novelty_permille
@@ -45,28 +48,48 @@ from investigation.llm.tokens import PromptBudget, estimate_tokens
 from investigation.loop.outcome import StepKey
 from investigation.loop.prompt import build_messages
 from investigation.secrets import default_masker
+from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
     Evidence,
     HypothesisBirth,
     Question,
-    RevisionRecord,
     StageRun,
 )
 from investigation.tools import ToolRouter
 
+# The evidence columns a context shows, read as plain rows (findings only for the records
+# that show them): a long case has hundreds of records.
+_EVIDENCE_ROWS = sa_select(
+    col(Evidence.evidence_id), col(Evidence.hypothesis_id), col(Evidence.operation),
+    col(Evidence.arguments_json), col(Evidence.item_count), col(Evidence.new_item_count),
+    col(Evidence.duplicate), col(Evidence.warnings_json), col(Evidence.assessed),
+    col(Evidence.cost_units)).where(
+    col(Evidence.case_id) == bindparam("case_id"),
+    col(Evidence.revision) == bindparam("revision")).order_by(col(Evidence.ordinal))
+_FINDINGS = sa_select(col(Evidence.evidence_id), col(Evidence.findings_json)).where(
+    col(Evidence.case_id) == bindparam("case_id"),
+    col(Evidence.evidence_id).in_(bindparam("ids", expanding=True)))
 
-def _evidence_entry(e: Evidence, full: bool) -> dict[str, Any]:
+
+@functools.lru_cache(maxsize=8192)
+def _parsed(text: str) -> Any:
+    """A record's arguments or warnings, parsed once per process (records are write-once;
+    the result is shared and never changed)."""
+    return json.loads(text)
+
+
+def _evidence_entry(e: Any, findings_json: str | None) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "evidence_id": e.evidence_id, "hypothesis_id": e.hypothesis_id,
-        "operation": e.operation, "arguments": json.loads(e.arguments_json),
+        "operation": e.operation, "arguments": _parsed(e.arguments_json),
         "item_count": e.item_count, "new_item_count": e.new_item_count,
-        "duplicate": e.duplicate, "warnings": json.loads(e.warnings_json),
+        "duplicate": e.duplicate, "warnings": _parsed(e.warnings_json),
         "assessed": e.assessed,
     }
-    if full:
-        entry["items"] = json.loads(e.findings_json)
+    if findings_json is not None:
+        entry["items"] = json.loads(findings_json)
     return entry
 
 
@@ -102,9 +125,11 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
     (``items``, marked ``"items_omitted": true``); compact references get abbreviated
     arguments; the hypothesis keeps only its last note; compact references of other
     hypotheses are dropped (``"evidence_omitted"`` counts them); other hypotheses'
-    questions are dropped (``"questions_omitted"``) and their statements abbreviated.
-    The previous result, the selected hypothesis's questions and the contract are never
-    cut: they are bounded by the contract (questions per hypothesis, text lengths).
+    questions are dropped (``"questions_omitted"``) and their statements abbreviated;
+    last, the previous result keeps only its first findings, halved until it fits (at
+    least one; ``"items_shown"`` says how many of ``item_count``). The selected
+    hypothesis's questions and the contract are never cut: they are bounded by the
+    contract (questions per hypothesis, text lengths).
 
     Raises:
         InvestigationError: ``CONTEXT_TOO_LARGE`` when even the smallest form is over.
@@ -145,6 +170,14 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
     data = canonical_json(doc)
     if len(data) <= limit:
         return data
+    result = doc.get("previous_result")
+    items = result.get("items") if isinstance(result, dict) else None
+    while isinstance(result, dict) and isinstance(items, list) and len(items) > 1:
+        items = items[:len(items) // 2]
+        result["items"], result["items_shown"] = items, len(items)
+        data = canonical_json(doc)
+        if len(data) <= limit:
+            return data
     raise InvestigationError(
         "CONTEXT_TOO_LARGE",
         f"the context is {len(data)} bytes even in its smallest form, over "
@@ -194,27 +227,29 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
           births: list[HypothesisBirth], router: ToolRouter,
           snapshot: Snapshot, external_tests: bool = False) -> dict[str, Any]:
     """Build the context document for ``selected`` (see the module docstring)."""
-    rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == key.case_id,
-                                              RevisionRecord.revision == key.revision)).one()
+    rev = Store.revision(s, key.case_id, key.revision)
     statements = {b.hypothesis_id: b.statement for b in births}
     account = next(a for a in accounts if a.hypothesis_id == selected)
-    evidence = list(s.exec(select(Evidence).where(
-        Evidence.case_id == key.case_id, Evidence.revision == key.revision)
-        .order_by(col(Evidence.ordinal))).all())
+    evidence = s.execute(_EVIDENCE_ROWS, {"case_id": key.case_id,
+                                          "revision": key.revision}).all()
     own = [e for e in evidence if e.hypothesis_id == selected]
     full_ids = {e.evidence_id for e in own[-config.limits.full_evidence_in_context:]}
     pending = next((e for e in own if e.evidence_id == account.pending_evidence_id), None)
+    if pending is not None:
+        full_ids.add(pending.evidence_id)
+    findings: dict[str, str] = dict(s.execute(_FINDINGS, {
+        "case_id": key.case_id, "ids": sorted(full_ids)}).all()) if full_ids else {}
     previous = None
     if pending is not None:
-        previous = _evidence_entry(pending, True)
+        previous = _evidence_entry(pending, findings[pending.evidence_id])
         previous["cost_units"] = pending.cost_units
         previous["novelty_permille"] = novelty_permille(
             pending.item_count, pending.new_item_count, pending.duplicate)
-        full_ids.add(pending.evidence_id)
     questions = s.exec(select(Question).where(Question.case_id == key.case_id,
                                               Question.revision == key.revision)
                        .order_by(col(Question.ordinal))).all()
-    closing = budget.closing_reason(account, pending)
+    # The row carries the columns closing_reason reads (counts, duplicate, cost).
+    closing = budget.closing_reason(account, cast("Evidence | None", pending))
     tests_available = external_tests and bool(config.budget.test_costs)
     if closing:
         allowed = ["finish", "reject"]
@@ -262,7 +297,9 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         "allowed_actions": allowed,
         "closing_reason": closing,
         "previous_result": previous,
-        "evidence": [_evidence_entry(e, e.evidence_id in full_ids) for e in evidence],
+        # The previous result's findings travel once, in previous_result.
+        "evidence": [_evidence_entry(e, None if pending is not None and e is pending
+                                     else findings.get(e.evidence_id)) for e in evidence],
         "questions": [
             {"question_id": q.question_id, "hypothesis_id": q.hypothesis_id, "text": q.text,
              "status": q.status}

@@ -4,25 +4,41 @@ Seed 000, "Persistence and recovery": after a crash an accepted plan resumes its
 At-least-once delivery (late acks, reject on worker lost) redelivers a stage whose worker
 died; if the stage itself kills the worker (a crash in native code, memory exhaustion),
 that would repeat forever. Every delivery of a stage that has no completion marker yet is
-counted in the ``stage_delivery`` table *before* the stage runs, in its own transaction,
-so the count survives the kill. A delivery that returns without finishing (a halt such
-as ``RETRY_PENDING``, a controlled error) resets the stage's ``unfinished`` count; a
-finished stage has its marker and is never counted again. When ``unfinished`` exceeds the
-configured limit the case becomes ``BLOCKED`` with ``STAGE_POISONED``; ``investigate
-resume`` (``investigation.operations.resume``) resets the counts.
+counted in the ``stage_delivery`` table. A delivery that returns without finishing (a
+halt such as ``RETRY_PENDING``, a controlled error) resets the stage's ``unfinished``
+count; a finished stage has its marker and is never counted again. When ``unfinished``
+exceeds the configured limit the case becomes ``BLOCKED`` with ``STAGE_POISONED``;
+``investigate resume`` (``investigation.operations.resume``) resets the counts.
+
+Where the count is written (issue 13: one transaction per stage):
+
+* An ordinary delivery is counted **inside the stage's own transaction** (the first one of
+  the stage: before its model call or query, for the two stages that have one). A worker
+  killed inside a one-transaction stage loses that count with everything else the
+  transaction wrote.
+* A delivery that may follow such a loss is counted **in a transaction of its own, before
+  the stage runs** (:func:`record_delivery`), as every delivery was before: a redelivery
+  (the broker marks it: kombu's Redis transport sets ``redelivered`` on every message it
+  restores) and the first delivery a process counts for a case (a new worker process or
+  CLI run after a crash). A redelivery that finds no unfinished delivery counted adds the
+  one that was lost. So the number of kills before a case is parked is what it was.
+
+This module knows nothing of Celery: the runtime says how a stage was delivered
+(:class:`Delivery`) and ``Stages.run`` counts.
 
 A worker time limit that stops a stage is not a crash: the runtime reports it once
 (:func:`delivery_returned`, so it never counts towards ``STAGE_POISONED``), and a stage
 that cannot be recorded as a failed query result parks the case ``BLOCKED`` with
 ``STAGE_TIME_LIMIT`` (:func:`block_for_time_limit`).
-
-This module knows nothing of Celery: the runtime calls :func:`record_delivery` before a
-stage and :func:`delivery_returned` after one that ended without its marker.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sqlalchemy import update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
@@ -38,64 +54,46 @@ from investigation.store.engine import Store, is_unique_violation
 from investigation.store.models import CaseRecord, StageDelivery, StageRun, utcnow
 
 
-def record_delivery(store: Store, key: StepKey, stage: str,
-                    max_unfinished: int) -> Outcome | None:
-    """Count one delivery of ``stage`` of step ``key``; park the case if it is poisoned.
-
-    Nothing is counted when the stage already has its completion marker (a redelivery of
-    finished work is harmless and returns at once) or when the step is stale (the stage's
-    own fence reports that).
+@dataclass(frozen=True)
+class Delivery:
+    """How the runtime delivered a stage.
 
     Args:
-        store: the SQL store.
-        key: the step.
-        stage: one of ``investigation.constants.STAGES``.
-        max_unfinished: deliveries that started and never returned that are tolerated;
-            the next one parks the case (``INVESTIGATE_MAX_STAGE_DELIVERIES``, >= 1).
+        max_unfinished: deliveries that started and never returned that are tolerated; the
+            next one parks the case (``INVESTIGATE_MAX_STAGE_DELIVERIES``, >= 1).
+        redelivered: the broker restored this message after an earlier delivery of it
+            (a killed worker, an expired visibility timeout).
+    """
+
+    max_unfinished: int
+    redelivered: bool = False
+
+
+def count(s: Session, case: CaseRecord, key: StepKey, stage: str, max_unfinished: int,
+          lost: int = 0) -> Outcome | None:
+    """Count one delivery (plus ``lost`` earlier ones) of ``stage`` in transaction ``s``;
+    park the case (in the same transaction) when too many never returned.
+
+    The caller has locked the case row and checked that the step is current and the
+    stage unfinished.
 
     Returns:
-        ``None`` to run the stage, or a ``BLOCKED``/``STAGE_POISONED`` outcome (the case
-        was parked in this call, ``details`` has ``stage``, ``deliveries``,
-        ``unfinished``) that ends the step without running it.
-
-    Raises:
-        sqlalchemy.exc.OperationalError: the store is unavailable (the runtime retries).
+        ``None`` to run the stage, or the ``BLOCKED``/``STAGE_POISONED`` outcome
+        (``details``: ``stage``, ``deliveries``, ``unfinished``).
     """
-    for attempt in range(2):
-        try:
-            with store.session() as s:
-                return _count(s, key, stage, max_unfinished)
-        except IntegrityError as exc:  # two first deliveries inserted the row at once
-            if attempt or not is_unique_violation(exc):
-                raise
-    raise AssertionError("unreachable")
-
-
-def _count(s: Session, key: StepKey, stage: str, max_unfinished: int) -> Outcome | None:
-    stmt = select(CaseRecord).where(CaseRecord.id == key.case_id)
-    if s.get_bind().dialect.name == "postgresql":
-        stmt = stmt.with_for_update()
-    case = s.exec(stmt).first()
-    if (case is None or case.state != CASE_INVESTIGATING
-            or case.current_revision != key.revision or case.head_seq != key.step_seq - 1):
-        return None
-    marker = s.exec(select(StageRun.id).where(
-        StageRun.case_id == key.case_id, StageRun.revision == key.revision,
-        StageRun.step_seq == key.step_seq, StageRun.stage == stage)).first()
-    if marker is not None:
-        return None
-    row = s.exec(select(StageDelivery).where(
-        StageDelivery.case_id == key.case_id, StageDelivery.revision == key.revision,
-        StageDelivery.step_seq == key.step_seq, StageDelivery.stage == stage)).first()
-    if row is None:
-        row = StageDelivery(case_id=key.case_id, revision=key.revision,
-                            step_seq=key.step_seq, stage=stage)
-    row.deliveries += 1
-    row.unfinished += 1
-    row.last_delivered_at = utcnow()
-    s.add(row)
-    s.flush()
-    if row.unfinished <= max_unfinished:
+    n = 1 + lost
+    insert = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
+    now = utcnow()
+    stmt = insert(StageDelivery).values(
+        case_id=key.case_id, revision=key.revision, step_seq=key.step_seq, stage=stage,
+        deliveries=n, unfinished=n, last_delivered_at=now)
+    upsert = stmt.on_conflict_do_update(
+        index_elements=["case_id", "revision", "step_seq", "stage"],
+        set_={"deliveries": StageDelivery.deliveries + n,
+              "unfinished": StageDelivery.unfinished + n, "last_delivered_at": now},
+    ).returning(col(StageDelivery.deliveries), col(StageDelivery.unfinished))
+    deliveries, unfinished = s.execute(upsert).one()
+    if unfinished <= max_unfinished:
         return None
     case.state, case.blocked_reason = CASE_BLOCKED, BLOCK_STAGE_POISONED
     case.last_outcome, case.last_reason = BLOCKED, BLOCK_STAGE_POISONED
@@ -103,20 +101,88 @@ def _count(s: Session, key: StepKey, stage: str, max_unfinished: int) -> Outcome
     case.updated_at = utcnow()
     s.add(case)
     return Outcome(BLOCKED, key.case_id, key.step_seq, BLOCK_STAGE_POISONED,
-                   details={"stage": stage, "deliveries": row.deliveries,
-                            "unfinished": row.unfinished})
+                   details={"stage": stage, "deliveries": int(deliveries),
+                            "unfinished": int(unfinished)})
 
 
-def delivery_returned(store: Store, key: StepKey, stage: str) -> None:
+def record_delivery(store: Store, key: StepKey, stage: str, max_unfinished: int,
+                    redelivered: bool = False) -> Outcome | None:
+    """Count one delivery of ``stage`` of step ``key`` in a transaction of its own, before
+    the stage runs; park the case if it is poisoned.
+
+    Nothing is counted when the stage already has its completion marker (a redelivery of
+    finished work is harmless and returns at once) or when the step is stale or the case
+    not investigating (the stage's own fence reports that).
+
+    Args:
+        store: the SQL store.
+        key: the step.
+        stage: one of ``investigation.constants.STAGES``.
+        max_unfinished: see :class:`Delivery`.
+        redelivered: see :class:`Delivery`; a redelivery that finds no unfinished
+            delivery counted also counts the one that was lost with its transaction.
+
+    Returns:
+        ``None`` to run the stage, or a ``BLOCKED``/``STAGE_POISONED`` outcome (the case
+        was parked in this call) that ends the step without running it.
+
+    Raises:
+        sqlalchemy.exc.OperationalError: the store is unavailable (the runtime retries).
+    """
+    for attempt in range(2):
+        try:
+            with store.session() as s:
+                case = Store.lock_case_row(s, key.case_id)
+                if (case is None or case.state != CASE_INVESTIGATING
+                        or case.current_revision != key.revision
+                        or case.head_seq != key.step_seq - 1):
+                    return None
+                marker = s.exec(select(StageRun.id).where(
+                    StageRun.case_id == key.case_id, StageRun.revision == key.revision,
+                    StageRun.step_seq == key.step_seq, StageRun.stage == stage)).first()
+                if marker is not None:
+                    return None
+                lost = 0
+                if redelivered:
+                    unfinished = s.exec(select(StageDelivery.unfinished).where(
+                        StageDelivery.case_id == key.case_id,
+                        StageDelivery.revision == key.revision,
+                        StageDelivery.step_seq == key.step_seq,
+                        StageDelivery.stage == stage)).first()
+                    lost = 1 if not unfinished else 0
+                return count(s, case, key, stage, max_unfinished, lost)
+        except IntegrityError as exc:  # pragma: no cover - the upsert does not conflict
+            if attempt or not is_unique_violation(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def delivery_returned(store: Store, key: StepKey, stage: str, counted: bool = True) -> None:
     """A delivery of ``stage`` returned without its marker (a halt or a controlled
-    error): it did not kill its worker, so the stage's ``unfinished`` count restarts."""
+    error): it did not kill its worker, so the stage's ``unfinished`` count restarts.
+
+    Args:
+        counted: whether the delivery's count was committed; if its transaction was
+            rolled back (a controlled error inside it), the delivery is counted here as
+            one that returned.
+    """
     with store.session() as s:
-        s.execute(update(StageDelivery).where(
-            col(StageDelivery.case_id) == key.case_id,
-            col(StageDelivery.revision) == key.revision,
-            col(StageDelivery.step_seq) == key.step_seq,
-            col(StageDelivery.stage) == stage,
-            col(StageDelivery.unfinished) > 0).values(unfinished=0))
+        if counted:
+            s.execute(update(StageDelivery).where(
+                col(StageDelivery.case_id) == key.case_id,
+                col(StageDelivery.revision) == key.revision,
+                col(StageDelivery.step_seq) == key.step_seq,
+                col(StageDelivery.stage) == stage,
+                col(StageDelivery.unfinished) > 0).values(unfinished=0))
+            return
+        insert = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
+        now = utcnow()
+        s.execute(insert(StageDelivery).values(
+            case_id=key.case_id, revision=key.revision, step_seq=key.step_seq, stage=stage,
+            deliveries=1, unfinished=0, last_delivered_at=now).on_conflict_do_update(
+            index_elements=["case_id", "revision", "step_seq", "stage"],
+            set_={"deliveries": StageDelivery.deliveries + 1, "unfinished": 0,
+                  "last_delivered_at": now}))
 
 
 def reset_case(s: Session, case_id: str) -> int:

@@ -16,6 +16,9 @@ from investigation.loop.checkpoints import ReplayCache
 from investigation.store.engine import Store, sha256_hex
 from investigation.tools import ToolRouter
 
+#: Case ids whose package id a process remembers.
+PACKAGE_IDS_KEPT = 4096
+
 
 @dataclass
 class StageEnv:
@@ -29,8 +32,9 @@ class StageEnv:
         reader: the package reader (validation cache shared across steps).
         explicit_config: True when the operator passed ``--config``; a different stored
             policy is then refused instead of adopted.
-        snapshot_cache_size: cases whose snapshot and tool router stay open in this
-            process (least recently used are closed). Default 4.
+        snapshot_cache_size: packages whose snapshot and tool router stay open in this
+            process (least recently used are closed); cases of the same package share
+            them. Default 4.
         feedback_key: the key that derives external-test feedback secrets
             (``docs/async-tests.md``); without it ``test`` actions are refused.
     """
@@ -49,7 +53,10 @@ class StageEnv:
         self.replay_cache = ReplayCache()
         #: The operational limits in force, as the replay cache's key.
         self.limits_key = sha256_hex(canonical_json(self.config.limits.model_dump(mode="json")))
+        #: Snapshot and router per package id (a package is immutable: its id is its
+        #: sha256, so every case of it reads the same snapshot).
         self._routers: OrderedDict[str, tuple[Snapshot, ToolRouter]] = OrderedDict()
+        self._packages: OrderedDict[str, str] = OrderedDict()  # case id -> package id
 
     @property
     def gateway(self) -> LLMGateway:
@@ -63,18 +70,28 @@ class StageEnv:
         return self._gateway
 
     def snapshot(self, case_id: str) -> Snapshot:
-        """The case's validated package snapshot (a bounded LRU per process)."""
-        if case_id in self._routers:
-            self._routers.move_to_end(case_id)
-        else:
-            snapshot = load_snapshot(self.store, case_id, self.reader)
-            self._routers[case_id] = (snapshot, ToolRouter(snapshot, self.config.tools))
+        """The case's validated package snapshot (a bounded LRU of packages per process)."""
+        return self._open(case_id)[0]
+
+    def router(self, case_id: str) -> ToolRouter:
+        """The ToolRouter over the case's snapshot (cached per package)."""
+        return self._open(case_id)[1]
+
+    def _open(self, case_id: str) -> tuple[Snapshot, ToolRouter]:
+        package = self._packages.get(case_id)
+        if package is not None and package in self._routers:
+            self._routers.move_to_end(package)
+            self._packages.move_to_end(case_id)
+            return self._routers[package]
+        snapshot = load_snapshot(self.store, case_id, self.reader)
+        package = snapshot.package_id
+        self._packages[case_id] = package
+        while len(self._packages) > PACKAGE_IDS_KEPT:
+            self._packages.popitem(last=False)
+        if package not in self._routers:
+            self._routers[package] = (snapshot, ToolRouter(snapshot, self.config.tools))
             while len(self._routers) > max(1, self.snapshot_cache_size):
                 _, (_, evicted) = self._routers.popitem(last=False)
                 evicted.close()
-        return self._routers[case_id][0]
-
-    def router(self, case_id: str) -> ToolRouter:
-        """The ToolRouter over the case's snapshot (cached per case)."""
-        self.snapshot(case_id)
-        return self._routers[case_id][1]
+        self._routers.move_to_end(package)
+        return self._routers[package]

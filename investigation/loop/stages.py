@@ -1,7 +1,9 @@
 """The eight stages of one step (DESIGN.md "One step, eight stages"; seed 000 cycle).
 
 Each stage is written once and called by both runtimes (``Investigator.step`` in process,
-one Celery task per stage in ``workers``). Rules every stage follows:
+one Celery task per stage in ``workers``) through ``loop.stagebase.StageFramework.run``,
+which opens the stage's transaction, fences it and counts its delivery; a body's first
+``with self._tx() as s:`` block continues that transaction. Rules every stage follows:
 
 * Idempotent by ``(case_id, revision, step_seq, stage)``: a finished stage has a
   ``stage_run`` row holding its output, written in the same transaction as its effects.
@@ -20,15 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import update
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy import func, update
 from sqlmodel import Session, col, select
 
-from investigation.budget import BudgetManager, rules
-from investigation.config import InvestigationConfig, canonical_json, ordered_json
+from investigation.budget import rules
+from investigation.config import canonical_json, ordered_json
 from investigation.constants import (
     ARTIFACT_CONTEXT,
     ARTIFACT_PLAN,
@@ -52,7 +52,6 @@ from investigation.constants import (
     REJECTED,
     REPLY_SCHEMA_VERSION,
     RETRY_PENDING,
-    STAGES,
 )
 from investigation.errors import InvestigationError, StaleStateError, ToolError
 from investigation.evidence import EvidenceStore
@@ -61,7 +60,7 @@ from investigation.lifecycle import SessionState, TerminationReason
 from investigation.llm.gateway import Blocked, RetryPending, Succeeded
 from investigation.llm.spend import to_micros
 from investigation.llm.types import ChatRequest
-from investigation.loop import checkpoints, lifecycle
+from investigation.loop import checkpoints, lifecycle, live
 from investigation.loop import context as context_builder
 from investigation.loop.contract import (
     Reply,
@@ -70,18 +69,14 @@ from investigation.loop.contract import (
     read_reply,
     reply_json_schema,
 )
-from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StageResult, StepKey
 from investigation.loop.prompt import build_messages
 from investigation.loop.reply_schema import turn_schema
 from investigation.loop.scheduler import select_hypothesis
+from investigation.loop.stagebase import SKIPPED, StageFramework, _AlreadyRecorded, _loads
 from investigation.loop.summary import write_summary
 from investigation.loop.validation import validate_reply
-from investigation.store.engine import (
-    Store,
-    is_lost_race,
-    is_serialization_failure,
-)
+from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -89,20 +84,11 @@ from investigation.store.models import (
     HypothesisBirth,
     Plan,
     Question,
-    RevisionRecord,
     StageRun,
     utcnow,
 )
 
 log = logging.getLogger(__name__)
-
-SKIPPED: dict[str, Any] = {"skipped": True}
-#: Times a stage runs again after its transaction lost a PostgreSQL serialization race.
-RACE_RETRIES = 5
-
-
-def _loads(text: str | bytes) -> Any:
-    return json.loads(text)
 
 
 def _failed_result(nxt: dict[str, Any], code: str, message: str) -> bytes:
@@ -112,189 +98,11 @@ def _failed_result(nxt: dict[str, Any], code: str, message: str) -> bytes:
         "warnings": ["TOOL_FAILED"], "stats": {"error_code": code, "error": message}})
 
 
-class _AlreadyRecorded(Exception):
-    """Another runner finished this stage while we waited for the case lock."""
+class Stages(StageFramework):
+    """The stage functions. ``run(stage, key)`` (``loop.stagebase``) is the only entry
+    point runtimes use."""
 
-    def __init__(self, output: dict[str, Any]) -> None:
-        super().__init__("stage already recorded")
-        self.output = output
-
-
-class Stages:
-    """The stage functions. ``run(stage, key)`` is the only entry point runtimes use."""
-
-    def __init__(self, env: StageEnv) -> None:
-        self.env = env
-        self.store = env.store
-        # Recorded stage outputs are immutable once committed, so they are cached.
-        self._recorded: dict[tuple[StepKey, str], dict[str, Any]] = {}
-
-    # -- framework -----------------------------------------------------------------------
-
-    def run(self, stage: str, key: StepKey) -> StageResult:
-        """Run ``stage`` of step ``key`` once; a finished stage returns its recorded output.
-
-        Raises:
-            StaleStateError: the case head moved past this step (a newer worker won).
-            InvestigationError: unsafe input, exceeded limits or a changed policy.
-        """
-        if stage not in STAGES:
-            raise InvestigationError("STAGE_UNKNOWN", f"unknown stage {stage!r}")
-        done = self._recorded.get((key, stage))
-        if done is not None and stage != "build_context":
-            # Recorded outputs are immutable; a step's first stage still goes to the store,
-            # so a head rewritten under a long-lived runner is seen (below).
-            return StageResult(done, self._recorded_halt(stage, key, done))
-        with self.store.session() as s:
-            self._load_markers(s, key)
-            case = s.get(CaseRecord, key.case_id)
-            if case is None:
-                raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
-            if (key, "publish") in self._recorded and case.head_seq < key.step_seq:
-                # Publishing writes its marker and moves the head in one transaction.
-                self._recorded.clear()
-                raise InvestigationError(
-                    "CHECKPOINT_INVALID",
-                    f"step {key.step_seq} of {key.case_id} was published but the case head "
-                    f"is {case.head_seq}: checkpoints or the head were changed",
-                    seq=key.step_seq)
-            done = self._recorded.get((key, stage))
-            if done is not None:
-                return StageResult(done, self._recorded_halt(stage, key, done))
-            if case.head_seq >= key.step_seq or case.current_revision != key.revision:
-                raise StaleStateError(
-                    f"step {key.step_seq} of {key.case_id} is already published",
-                    head_seq=case.head_seq)
-            if case.state in CASE_HELD:
-                # An operator pause or cancel: stop at this stage boundary. Every finished
-                # stage is kept; a resumed case continues with this very stage.
-                return StageResult({}, Outcome(BLOCKED, key.case_id, key.step_seq,
-                                               case.state))
-        fn: Callable[[StepKey], StageResult] = getattr(self, "_" + stage)
-        for attempt in range(RACE_RETRIES + 1):
-            try:
-                result = fn(key)
-                break
-            except _AlreadyRecorded as done_by_other:
-                self._recorded[(key, stage)] = done_by_other.output
-                return StageResult(done_by_other.output,
-                                   self._recorded_halt(stage, key, done_by_other.output))
-            except DBAPIError as exc:
-                if not is_lost_race(exc):
-                    raise
-                # A concurrent duplicate finished this stage first: return its output.
-                with self.store.session() as s:
-                    self._load_markers(s, key)
-                done = self._recorded.get((key, stage))
-                if done is not None:
-                    return StageResult(done, self._recorded_halt(stage, key, done))
-                if not is_serialization_failure(exc) or attempt == RACE_RETRIES:
-                    raise
-                # The transaction lost a race and wrote nothing: run the stage again.
-                log.info("case %s step %s %s: serialization failure, running it again",
-                         key.case_id, key.step_seq, stage)
-        if result.halt is None or stage == "publish":  # committed with its marker
-            self._recorded[(key, stage)] = result.output
-        return result
-
-    def _load_markers(self, s: Session, key: StepKey) -> None:
-        """Read every recorded stage output of the step in one query."""
-        rows = s.exec(select(StageRun).where(
-            StageRun.case_id == key.case_id, StageRun.revision == key.revision,
-            StageRun.step_seq == key.step_seq)).all()
-        for row in rows:
-            try:
-                out = _loads(row.output_json)
-            except ValueError:
-                out = None
-            if not isinstance(out, dict) or (row.stage == "build_context"
-                                             and "finalize" not in out):
-                raise InvestigationError(
-                    "CHECKPOINT_INVALID",
-                    f"the recorded {row.stage} of step {key.step_seq} of {key.case_id} is "
-                    "not a stage record: the store was changed outside the engine",
-                    seq=key.step_seq)
-            self._recorded[(key, row.stage)] = out
-
-    def _output(self, s: Session, key: StepKey, stage: str) -> dict[str, Any]:
-        out = self._recorded.get((key, stage))
-        if out is None:
-            self._load_markers(s, key)
-            out = self._recorded.get((key, stage))
-        if out is None:
-            raise InvestigationError(
-                "STAGE_ORDER", f"stage {stage} of step {key.step_seq} has not finished")
-        return out
-
-    @staticmethod
-    def _complete(s: Session, key: StepKey, stage: str, output: dict[str, Any]) -> StageResult:
-        s.add(StageRun(case_id=key.case_id, revision=key.revision, step_seq=key.step_seq,
-                       stage=stage, output_json=canonical_json(output).decode()))
-        s.flush()
-        return StageResult(output)
-
-    def _fence(self, s: Session, key: StepKey, stage: str, *, active: bool = True) -> CaseRecord:
-        """Lock the case row and check the head; then re-check the stage's marker.
-
-        The marker check inside the fenced transaction closes the race in which two
-        runners both passed ``run``'s first check: the second one finds the first one's
-        marker here and returns its recorded output instead of redoing the stage.
-        """
-        case = Store.lock_case(s, key.case_id)
-        if case.head_seq != key.step_seq - 1 or case.current_revision != key.revision:
-            raise StaleStateError(
-                f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",
-                head_seq=case.head_seq)
-        row = s.exec(select(StageRun).where(
-            StageRun.case_id == key.case_id, StageRun.revision == key.revision,
-            StageRun.step_seq == key.step_seq, StageRun.stage == stage)).first()
-        if row is not None:
-            raise _AlreadyRecorded(dict(_loads(row.output_json)))
-        if active and case.state not in (CASE_INVESTIGATING, *CASE_HELD):
-            # A stage already running when the operator paused or cancelled finishes.
-            raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
-        return case
-
-    @staticmethod
-    def _recorded_halt(stage: str, key: StepKey, out: dict[str, Any]) -> Outcome | None:
-        if stage == "publish":
-            return Outcome(out["outcome"], key.case_id, key.step_seq, out.get("reason"),
-                           hypothesis_id=out.get("hypothesis_id"))
-        return None
-
-    def _policy(self, s: Session, key: StepKey) -> tuple[InvestigationConfig, BudgetManager]:
-        rev = s.exec(select(RevisionRecord).where(
-            RevisionRecord.case_id == key.case_id,
-            RevisionRecord.revision == key.revision)).one()
-        cfg = BudgetManager.freeze_policy(s, rev, self.env.config, self.env.explicit_config)
-        built = self._recorded.get((key, "build_context"))
-        if built is not None and built.get("policy_sha256") not in (None, rev.policy_sha256):
-            # The step was planned under another policy: a swap between its stages.
-            raise InvestigationError(
-                "POLICY_CHANGED",
-                f"the policy of revision {key.revision} changed during step {key.step_seq}",
-                step_seq=key.step_seq)
-        return cfg, BudgetManager(cfg.budget, cfg.loop)
-
-    @staticmethod
-    def _accounts(s: Session, key: StepKey) -> list[BudgetAccount]:
-        return list(s.exec(select(BudgetAccount).where(
-            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision)
-            .order_by(col(BudgetAccount.hypothesis_id))).all())
-
-    @staticmethod
-    def _account(s: Session, key: StepKey, hid: int) -> BudgetAccount:
-        return s.exec(select(BudgetAccount).where(
-            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision,
-            BudgetAccount.hypothesis_id == hid)).one()
-
-    def _context_doc(self, s: Session, key: StepKey) -> tuple[dict[str, Any], dict[str, Any]]:
-        built = self._output(s, key, "build_context")
-        art = Store.get_artifact(s, key.case_id, built["context_path"])
-        if art is None or art.sha256 != built["context_sha256"]:
-            raise InvestigationError(
-                "CONTEXT_IDENTITY", f"the stored context of step {key.step_seq} was changed")
-        return built, dict(_loads(art.data))
+    SNAPSHOT_STAGES = frozenset({"build_context", "validate", "execute_tool"})
 
     @staticmethod
     def _reply_schema(s: Session, key: StepKey, built: dict[str, Any]) -> dict[str, Any]:
@@ -314,11 +122,11 @@ class Stages:
 
     def _build_context(self, key: StepKey) -> StageResult:
         router = self.env.router(key.case_id)
-        with self.store.session() as s:
+        with self._tx() as s:
             case = self._fence(s, key, "build_context")
-            checkpoints.verify_replay(s, case, self.env.replay_cache,
-                                      self.env.limits_key)
-            checkpoints.verify_live_state(s, case)
+            head = checkpoints.replay(s, case, self.env.replay_cache, self.env.limits_key)
+            live.verify_live_state(s, case, head.head_state, head.head_seq, head.head_revision,
+                                   full=head.full)
             cfg, budget = self._policy(s, key)
             if key.step_seq > cfg.limits.max_checkpoints:
                 raise InvestigationError(
@@ -330,21 +138,19 @@ class Stages:
                 HypothesisBirth.revision == key.revision)).all()
             accounts = budget.ensure_accounts(
                 s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births))
-            rev = s.exec(select(RevisionRecord).where(
-                RevisionRecord.case_id == key.case_id,
-                RevisionRecord.revision == key.revision)).one()
+            rev = Store.revision(s, key.case_id, key.revision)
             lifecycle.ensure(case, cfg, len(births), str(
                 json.loads(rev.interpretation_json).get("summary", "")))
             s.add(case)
+            budget.verify_all_origins(s, accounts)
             for account in accounts:
-                budget.verify_origins(s, account)
                 budget.apply_automatic_disposition(account)
                 s.add(account)
             selected = select_hypothesis(accounts)
             if selected is None:
                 return self._complete(s, key, "build_context", {"finalize": True})
-            llm_steps = s.exec(select(StageRun).where(
-                StageRun.case_id == key.case_id, StageRun.stage == "llm_call")).all()
+            llm_steps = s.exec(select(func.count()).select_from(StageRun).where(
+                StageRun.case_id == key.case_id, StageRun.stage == "llm_call")).one()
             doc = context_builder.build(
                 s, key=key, case=case, config=cfg, budget=budget, selected=selected,
                 accounts=accounts, births=list(births), router=router,
@@ -361,7 +167,7 @@ class Stages:
                                                ordered_json(schema))
             return self._complete(s, key, "build_context", {
                 "finalize": False, "hypothesis_id": selected, "context_path": path,
-                "context_sha256": digest, "call_index": len(llm_steps),
+                "context_sha256": digest, "call_index": llm_steps,
                 "closing_reason": doc["closing_reason"], "policy_sha256": rev.policy_sha256,
                 "reply_schema_path": schema_path, "reply_schema_sha256": schema_digest,
             })
@@ -369,17 +175,16 @@ class Stages:
     # -- 2. llm_call ---------------------------------------------------------------------
 
     def _llm_call(self, key: StepKey) -> StageResult:
-        with self.store.session() as s:
+        with self._tx() as s:
             built = self._output(s, key, "build_context")
             if built["finalize"]:
                 return self._complete(s, key, "llm_call", SKIPPED)
-            _, doc = self._context_doc(s, key)
+            _, context_bytes = self._context_bytes(s, key)
             schema = self._reply_schema(s, key, built)
             case = self._fence(s, key, "llm_call")
             retry_id = case.llm_retry_id
         limits = self.env.config.limits  # operational bounds: not frozen, raise and resume
         cap = None if limits.max_model_cost is None else to_micros(limits.max_model_cost)
-        context_bytes = canonical_json(doc)
         request = ChatRequest(
             messages=build_messages(context_bytes), response_schema=schema,
             schema_name="investigation_reply", call_index=int(built["call_index"]),
@@ -392,7 +197,7 @@ class Stages:
                                        retry_id=retry_id)
         hid = int(built["hypothesis_id"])
         if isinstance(result, RetryPending):
-            with self.store.session() as s:
+            with self._tx() as s:
                 case = self._fence(s, key, "llm_call")
                 case.retry_not_before = result.retry_not_before
                 case.last_outcome, case.last_reason = RETRY_PENDING, result.error_code
@@ -401,7 +206,7 @@ class Stages:
             return StageResult({}, Outcome(RETRY_PENDING, key.case_id, key.step_seq,
                                            result.error_code, result.retry_not_before, hid))
         if isinstance(result, Blocked):
-            with self.store.session() as s:
+            with self._tx() as s:
                 case = self._fence(s, key, "llm_call")
                 case.state, case.blocked_reason = CASE_BLOCKED, result.reason
                 case.last_outcome, case.last_reason = BLOCKED, result.reason
@@ -421,7 +226,7 @@ class Stages:
             # Lone surrogates from a provider: keep them visible as escapes so the reply is
             # stored and then rejected by validation, instead of wedging the step.
             content = content.encode("utf-8", "backslashreplace").decode("utf-8")
-        with self.store.session() as s:
+        with self._tx() as s:
             self._fence(s, key, "llm_call")
             return self._complete(s, key, "llm_call", {
                 "operation_id": result.operation_id, "attempt": result.attempt,
@@ -437,7 +242,7 @@ class Stages:
 
     def _validate(self, key: StepKey) -> StageResult:
         router = self.env.router(key.case_id)
-        with self.store.session() as s:
+        with self._tx() as s:
             self._fence(s, key, "validate")
             call = self._output(s, key, "llm_call")
             if call.get("skipped"):
@@ -498,7 +303,7 @@ class Stages:
     # -- 4. persist_plan -----------------------------------------------------------------
 
     def _persist_plan(self, key: StepKey) -> StageResult:
-        with self.store.session() as s:
+        with self._tx() as s:
             self._fence(s, key, "persist_plan")
             verdict = self._output(s, key, "validate")
             if not verdict.get("accepted"):
@@ -536,7 +341,7 @@ class Stages:
     # -- 5. settle_reserve ---------------------------------------------------------------
 
     def _settle_reserve(self, key: StepKey) -> StageResult:
-        with self.store.session() as s:
+        with self._tx() as s:
             self._fence(s, key, "settle_reserve")
             if self._output(s, key, "persist_plan").get("skipped"):
                 return self._complete(s, key, "settle_reserve", SKIPPED)
@@ -619,13 +424,13 @@ class Stages:
     # -- 6. execute_tool -----------------------------------------------------------------
 
     def _execute_tool(self, key: StepKey) -> StageResult:
-        with self.store.session() as s:
+        with self._tx() as s:
             self._fence(s, key, "execute_tool")
             if self._output(s, key, "settle_reserve").get("skipped"):
                 return self._complete(s, key, "execute_tool", SKIPPED)
             nxt = self._output(s, key, "validate")["decision"]["reply"]["next"]
         if nxt["action"] == "test":
-            with self.store.session() as s:
+            with self._tx() as s:
                 self._fence(s, key, "execute_tool")
                 cfg, _ = self._policy(s, key)
                 built = self._output(s, key, "build_context")
@@ -640,7 +445,7 @@ class Stages:
                     "request_path": request.artifact_path,
                     "request_sha256": request.request_sha256})
         if nxt["action"] != "query":
-            with self.store.session() as s:
+            with self._tx() as s:
                 self._fence(s, key, "execute_tool")
                 return self._complete(s, key, "execute_tool", {"action": nxt["action"]})
         try:
@@ -653,7 +458,7 @@ class Stages:
         except (ValueError, TypeError, OverflowError, UnicodeError, sqlite3.Error) as exc:
             # The same query on the same snapshot fails the same way every time: record it.
             data = _failed_result(nxt, "TOOL_FAILED", f"{type(exc).__name__}: {exc}"[:500])
-        with self.store.session() as s:
+        with self._tx() as s:
             self._fence(s, key, "execute_tool")
             path = ARTIFACT_RAW_RESULT.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
@@ -674,7 +479,7 @@ class Stages:
         Raises:
             StaleStateError: the step is no longer the case's next one.
         """
-        with self.store.session() as s:
+        with self._tx() as s:
             try:
                 self._fence(s, key, "execute_tool")
             except _AlreadyRecorded:
@@ -694,7 +499,7 @@ class Stages:
     # -- 7. record_evidence --------------------------------------------------------------
 
     def _record_evidence(self, key: StepKey) -> StageResult:
-        with self.store.session() as s:
+        with self._tx() as s:
             self._fence(s, key, "record_evidence")
             executed = self._output(s, key, "execute_tool")
             if executed.get("skipped") or executed.get("action") != "query":
@@ -733,8 +538,8 @@ class Stages:
         if paused:
             session.resume()
         decision = verdict.get("decision") or {}
-        context = Store.get_artifact(s, key.case_id, ARTIFACT_CONTEXT.format(seq=key.step_seq))
-        started = context.created_at if context is not None else None  # the step's start
+        started = Store.artifact_created_at(  # the step's start
+            s, key.case_id, ARTIFACT_CONTEXT.format(seq=key.step_seq))
         stop = lifecycle.record_step(
             case, session, accepted=bool(verdict.get("accepted")),
             action=(decision.get("reply") or {}).get("next", {}).get("action"),
@@ -748,7 +553,7 @@ class Stages:
         return stop
 
     def _publish(self, key: StepKey) -> StageResult:
-        with self.store.session() as s:
+        with self._tx() as s:
             case = self._fence(s, key, "publish")
             # An operator hold that arrived during this step is kept on the case but not
             # in the state document: the checkpoint records the investigation only.
@@ -795,7 +600,7 @@ class Stages:
             elif stop is not None and outcome != COMPLETED:
                 case_state, blocked_reason = CASE_STOPPED, f"SESSION_{stop.value}"
             cp = checkpoints.publish(s, key, case, state, built.get("context_sha256"), hid,
-                                     outcome, reason)
+                                     outcome, reason, canonical_json(built).decode())
             res = s.execute(
                 update(CaseRecord)
                 .where(col(CaseRecord.id) == key.case_id,

@@ -6,31 +6,52 @@ PostgreSQL URL (``postgresql+psycopg://...``) works the same way.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import bindparam, event, insert
+from sqlalchemy import select as sa_select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.pool import QueuePool
-from sqlmodel import Session, create_engine, select
+from sqlmodel import Session, col, create_engine, select
 
 from investigation.errors import InvestigationError, StoreError
-from investigation.store import models
-from investigation.store.models import Artifact, CaseRecord, ManifestPointer
+from investigation.store import blobs, models
+from investigation.store.models import Artifact, CaseRecord, ManifestPointer, RevisionRecord
 
 #: SQLite busy timeout: writers wait for each other instead of failing at once.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
-def sha256_hex(data: bytes) -> str:
-    """Lower-case hex sha256 of ``data``."""
-    return hashlib.sha256(data).hexdigest()
+sha256_hex = blobs.sha256_hex
+
+# Statements built once (building a statement costs more than running it on SQLite).
+_ARTIFACT_ROW = sa_select(
+    col(Artifact.sha256), col(Artifact.media_type), col(Artifact.size_bytes),
+    col(Artifact.created_at)).where(col(Artifact.case_id) == bindparam("case_id"),
+                                    col(Artifact.path) == bindparam("path"))
+_ARTIFACT_INSERT = insert(Artifact)
+
+
+@dataclass(frozen=True)
+class StoredArtifact:
+    """An artifact read back: its path, recorded sha256, media type, size, creation time
+    and exact bytes (already checked against the sha256)."""
+
+    case_id: str
+    path: str
+    sha256: str
+    media_type: str
+    size_bytes: int
+    created_at: datetime
+    data: bytes
 
 
 def make_engine(url: str) -> Engine:
@@ -123,27 +144,79 @@ class Store:
     ) -> str:
         """Store ``data`` under ``path`` once; return its sha256.
 
-        Writing the same bytes again is a no-op (idempotent stages rely on it).
+        The bytes go to the content-addressed, compressed blob store
+        (``investigation.store.blobs``: stored once, as a delta of the previous artifact of
+        the same kind). Writing the same bytes again is a no-op (idempotent stages rely on
+        it).
 
         Raises:
             StoreError: ``STORE_ARTIFACT_CONFLICT`` when different bytes exist at ``path``.
         """
         digest = sha256_hex(data)
-        existing = session.exec(
-            select(Artifact).where(Artifact.case_id == case_id, Artifact.path == path)
-        ).first()
+        existing = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         if existing is not None:
-            if existing.sha256 != digest:
+            if existing[0] != digest:
                 raise StoreError(
                     "STORE_ARTIFACT_CONFLICT",
                     f"artifact {path} of case {case_id} already holds other bytes",
                     path=path,
                 )
             return digest
-        session.add(Artifact(case_id=case_id, path=path, sha256=digest, media_type=media_type,
-                             data=data))
-        session.flush()
+        kind = blobs.kind_of(path)
+        blobs.store(session, case_id, kind, data, digest)
+        session.execute(_ARTIFACT_INSERT, {
+            "case_id": case_id, "path": path, "kind": kind, "sha256": digest,
+            "size_bytes": len(data), "media_type": media_type, "created_at": models.utcnow()})
         return digest
+
+    @staticmethod
+    def get_artifact(session: Session, case_id: str, path: str, *,
+                     cache: blobs.ByteCache | None = None) -> StoredArtifact | None:
+        """The artifact at ``path`` with its exact bytes, or ``None``.
+
+        Args:
+            cache: decoded bytes to reuse (default: the process cache); pass a new
+                :class:`~investigation.store.blobs.ByteCache` to decode from the store.
+
+        Raises:
+            StoreError: ``STORE_ARTIFACT_CORRUPT`` when its bytes are missing or altered.
+        """
+        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        if row is None:
+            return None
+        sha, media_type, size, created = row
+        return StoredArtifact(case_id, path, sha, media_type, size, created,
+                              blobs.load(session, sha, cache=cache))
+
+    @staticmethod
+    def artifact_sha256(session: Session, case_id: str, path: str) -> str | None:
+        """The sha256 recorded for ``path`` (no bytes are read), or ``None``."""
+        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        return None if row is None else str(row[0])
+
+    @staticmethod
+    def artifact_created_at(session: Session, case_id: str, path: str) -> datetime | None:
+        """When the artifact at ``path`` was stored (no bytes are read), or ``None``."""
+        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        return None if row is None else row[3]
+
+    @staticmethod
+    def artifacts(session: Session, case_id: str) -> Iterator[StoredArtifact]:
+        """Every artifact of the case in path order, each with its exact bytes, decoded from
+        the store (not from a process cache) and checked against its sha256.
+
+        Raises:
+            StoreError: ``STORE_ARTIFACT_CORRUPT`` at the first artifact whose bytes are
+            missing or altered.
+        """
+        rows = session.execute(sa_select(
+            col(Artifact.path), col(Artifact.sha256), col(Artifact.media_type),
+            col(Artifact.size_bytes), col(Artifact.created_at)).where(col(Artifact.case_id) == case_id)
+            .order_by(col(Artifact.path))).all()
+        fresh = blobs.ByteCache()
+        for path, sha, media_type, size, created in rows:
+            yield StoredArtifact(case_id, path, sha, media_type, size, created,
+                                 blobs.load(session, sha, cache=fresh))
 
     @staticmethod
     def lock_case(session: Session, case_id: str) -> CaseRecord:
@@ -154,20 +227,34 @@ class Store:
         Raises:
             InvestigationError: ``CASE_NOT_FOUND``.
         """
-        stmt = select(CaseRecord).where(CaseRecord.id == case_id)
-        if session.get_bind().dialect.name == "postgresql":
-            stmt = stmt.with_for_update()
-        case = session.exec(stmt).first()
+        case = Store.lock_case_row(session, case_id)
         if case is None:
             raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
         return case
 
     @staticmethod
-    def get_artifact(session: Session, case_id: str, path: str) -> Artifact | None:
-        """The artifact at ``path``, or ``None``."""
-        return session.exec(
-            select(Artifact).where(Artifact.case_id == case_id, Artifact.path == path)
-        ).first()
+    def revision(session: Session, case_id: str, revision: int) -> RevisionRecord:
+        """The revision row, read once per transaction (it changes only when its policy is
+        frozen, through this very object).
+
+        Raises:
+            sqlalchemy.exc.NoResultFound: no such revision.
+        """
+        memo: dict[tuple[str, int], RevisionRecord] = session.info.setdefault("revisions", {})
+        row = memo.get((case_id, revision))
+        if row is None:
+            row = session.exec(select(RevisionRecord).where(
+                RevisionRecord.case_id == case_id, RevisionRecord.revision == revision)).one()
+            memo[(case_id, revision)] = row
+        return row
+
+    @staticmethod
+    def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
+        """:meth:`lock_case`, but ``None`` for an unknown case."""
+        if session.get_bind().dialect.name == "postgresql":
+            return session.get(CaseRecord, case_id, with_for_update=True,
+                               populate_existing=True)
+        return session.get(CaseRecord, case_id, populate_existing=True)
 
     @staticmethod
     def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:

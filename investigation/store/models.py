@@ -7,7 +7,13 @@ Uniqueness constraints carry the idempotency and fencing rules:
 * ``checkpoint`` (case_id, seq): publishing is a compare-and-set on the head.
 * ``ledger_entry`` (case_id, revision, hypothesis_id, step_seq, kind): one charge/refund per step.
 * ``evidence`` (case_id, evidence_id) and (case_id, revision, step_seq): one record per plan.
-* ``artifact`` (case_id, path): exact bytes written once under a logical path.
+* ``artifact`` (case_id, path): exact bytes written once under a logical path; the bytes
+  themselves are a ``blob`` (sha256), stored once.
+
+Immutable tables (``IMMUTABLE_TABLES``; and the frozen columns of ``GUARDED_TABLES``)
+are protected by the store itself: triggers refuse UPDATE and DELETE (migration
+``0007_compact_store``), so a published fact cannot be rewritten by a bug or a stray
+statement.
 
 JSON columns hold canonical JSON text (``str``), so rows compare byte for byte across
 SQLite and PostgreSQL.
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import BigInteger, Column, LargeBinary, UniqueConstraint
+from sqlalchemy import BigInteger, Column, Index, LargeBinary, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 
@@ -141,17 +147,43 @@ class LedgerEntry(SQLModel, table=True):
 
 
 class Artifact(SQLModel, table=True):
-    """Exact bytes under a logical path, with their sha256."""
+    """An artifact: a logical path of a case naming exact bytes by their sha256.
+
+    The bytes live once in :class:`Blob` (content-addressed, compressed, possibly a delta
+    of the previous artifact of the same ``kind``); ``investigation.store.blobs`` reads
+    them back exactly. Rows are write-once (the store refuses UPDATE and DELETE).
+    """
 
     __tablename__ = "artifact"
-    __table_args__ = (UniqueConstraint("case_id", "path"),)
+    __table_args__ = (UniqueConstraint("case_id", "path"),
+                      Index("ix_artifact_lineage", "case_id", "kind", "id"))
     id: int | None = Field(default=None, primary_key=True)
     case_id: str = Field(index=True, max_length=64)
     path: str = Field(max_length=512)
+    kind: str = Field(max_length=512)
+    """The path with every run of digits replaced by ``*`` (``.../*/context.json``): the
+    artifacts of one kind form the lineage a new one is stored as a delta against."""
     sha256: str = Field(max_length=64)
+    size_bytes: int
     media_type: str = "application/json"
-    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     created_at: datetime = Field(default_factory=utcnow)
+
+
+class Blob(SQLModel, table=True):
+    """Exact bytes once per sha256, zstandard-compressed (``investigation.store.blobs``).
+
+    ``encoding`` is ``zstd`` (a whole frame) or ``zstd-delta`` (a frame compressed with the
+    bytes of blob ``base_sha256`` as its raw-content dictionary); ``depth`` counts the
+    deltas down to a whole frame. Rows are write-once.
+    """
+
+    __tablename__ = "blob"
+    sha256: str = Field(primary_key=True, max_length=64)
+    size_bytes: int
+    encoding: str = Field(max_length=16)
+    base_sha256: str | None = Field(default=None, max_length=64)
+    depth: int = 0
+    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
 
 
 class ManifestPointer(SQLModel, table=True):
@@ -182,6 +214,9 @@ class Checkpoint(SQLModel, table=True):
     hypothesis_id: int | None = None
     outcome: str
     reason: str | None = None
+    archive_digest: str | None = Field(default=None, max_length=64)
+    """The running archive digest after this generation (``loop.checkpoints``): it binds the
+    previous generation's digest and this one's rows and artifact bytes."""
     created_at: datetime = Field(default_factory=utcnow)
 
 
@@ -189,7 +224,8 @@ class StageRun(SQLModel, table=True):
     """Completion marker and recorded output of one stage of one step."""
 
     __tablename__ = "stage_run"
-    __table_args__ = (UniqueConstraint("case_id", "revision", "step_seq", "stage"),)
+    __table_args__ = (UniqueConstraint("case_id", "revision", "step_seq", "stage"),
+                      Index("ix_stage_run_stage", "case_id", "stage", "step_seq"))
     id: int | None = Field(default=None, primary_key=True)
     case_id: str = Field(index=True, max_length=64)
     revision: int
@@ -288,6 +324,10 @@ class Evidence(SQLModel, table=True):
     __table_args__ = (
         UniqueConstraint("case_id", "evidence_id"),
         UniqueConstraint("case_id", "revision", "step_seq"),
+        # The records still open to assessment (few at any time): the live-state check
+        # reads only these between steps (``loop.live``).
+        Index("ix_evidence_open", "case_id", "revision", sqlite_where=text("NOT assessed"),
+              postgresql_where=text("NOT assessed")),
     )
     id: int | None = Field(default=None, primary_key=True)
     case_id: str = Field(index=True, max_length=64)

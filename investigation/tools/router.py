@@ -23,6 +23,7 @@ interface has no database argument, and ATTACH is refused by design.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -71,6 +72,17 @@ MAX_SYMBOL_LINE_CHARS = 100_000
 MAX_LISTED_TABLES = 200
 #: Arguments capped at ``tools.max_results``; their schema states the cap as ``maximum``.
 CAPPED_ARGUMENTS = ("limit", "max_results", "max_rows")
+
+
+@functools.cache
+def _schema_json(operation: str) -> str:
+    # pydantic builds a JSON Schema afresh on every call; the models are static.
+    return json.dumps(ARGUMENT_MODELS[operation].model_json_schema())
+
+
+def _argument_schema(operation: str) -> dict[str, Any]:
+    """The JSON Schema of an operation's argument model (a fresh copy each call)."""
+    return dict(json.loads(_schema_json(operation)))
 
 
 class ToolRouter:
@@ -132,7 +144,7 @@ class ToolRouter:
         }
         result = []
         for op in OPERATIONS:
-            schema = ARGUMENT_MODELS[op].model_json_schema()
+            schema = _argument_schema(op)
             schema.pop("description", None)  # the class docstring; the operation says it
             schema.pop("title", None)  # pydantic's class and field titles: noise to a model
             for prop in schema.get("properties", {}).values():

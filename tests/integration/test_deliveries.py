@@ -84,3 +84,95 @@ def test_settings_refuse_a_countdown_not_below_the_visibility_timeout() -> None:
 def test_resume_of_a_running_case_is_refused(tiny_case: Case) -> None:
     with pytest.raises(InvestigationError, match="only a paused or blocked case"):
         resume(tiny_case.store, tiny_case.case_id)
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL inside a stage: nothing after it runs, its transaction is lost."""
+
+
+def test_a_kill_inside_a_stage_transaction_is_still_counted(
+        tiny_case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ordinary delivery is counted in the stage's own transaction (lost with it when the
+    worker dies there); the redelivery counts itself apart and adds the lost one, so a
+    stage that kills its worker is parked after as many deliveries as before."""
+    from investigation.loop.deliveries import Delivery
+    from investigation.loop.stages import Stages
+
+    key = StepKey(tiny_case.case_id, 1, 1)
+    runs = {"validate": 0}
+    real = Stages._validate
+
+    def killing(self: Stages, k: StepKey) -> object:
+        runs["validate"] += 1
+        with self._tx() as s:  # the stage transaction is open and has counted
+            self._fence(s, k, "validate")
+            raise _Killed()
+        return real(self, k)  # pragma: no cover
+
+    first = Stages(tiny_case.env())  # process A
+    for stage in ("build_context", "llm_call"):
+        assert first.run(stage, key, Delivery(2)).halt is None
+    assert _row(tiny_case, key, "llm_call").unfinished == 1  # counted with the stage
+    monkeypatch.setattr(Stages, "_validate", killing)
+    with pytest.raises(_Killed):
+        first.run("validate", key, Delivery(2))  # counted in the lost transaction
+    with tiny_case.store.session() as s:
+        assert s.exec(select(StageDelivery).where(
+            StageDelivery.stage == "validate")).first() is None
+    with pytest.raises(_Killed):  # process B gets the redelivery: counts it and the lost one
+        Stages(tiny_case.env()).run("validate", key, Delivery(2, redelivered=True))
+    assert (_row(tiny_case, key, "validate").deliveries,
+            _row(tiny_case, key, "validate").unfinished) == (2, 2)
+    parked = Stages(tiny_case.env()).run("validate", key, Delivery(2, redelivered=True)).halt
+    assert parked is not None and (parked.outcome, parked.reason) == (BLOCKED,
+                                                                     BLOCK_STAGE_POISONED)
+    assert runs["validate"] == 2  # the limit, as when every delivery was counted apart
+    assert _row(tiny_case, key, "validate").deliveries == 3
+    monkeypatch.setattr(Stages, "_validate", real)
+    resume(tiny_case.store, tiny_case.case_id)  # the operator fixed it; a new dispatch
+    again = Stages(tiny_case.env())
+    for stage in STAGES[2:]:
+        assert again.run(stage, key, Delivery(2)).output is not None
+    assert _row(tiny_case, key, "validate").deliveries == 4
+
+
+def test_a_controlled_error_inside_the_stage_transaction_counts_a_returned_delivery(
+        tiny_case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    from investigation.loop.deliveries import Delivery
+    from investigation.loop.stages import Stages
+
+    key = StepKey(tiny_case.case_id, 1, 1)
+    stages = Stages(tiny_case.env())
+    assert stages.run("build_context", key, Delivery(2)).halt is None
+
+    def failing(self: Stages, k: StepKey) -> object:
+        with self._tx() as s:
+            self._fence(s, k, "llm_call")
+            raise InvestigationError("CONTEXT_IDENTITY", "injected")
+
+    monkeypatch.setattr(Stages, "_llm_call", failing)
+    for _ in range(3):
+        with pytest.raises(InvestigationError):
+            stages.run("llm_call", key, Delivery(2))
+    row = _row(tiny_case, key, "llm_call")
+    assert (row.deliveries, row.unfinished) == (3, 0)  # returned every time: not poisoned
+
+
+def test_a_delivery_counted_apart_that_returns_restarts_the_count(
+        tiny_case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    from investigation.loop.deliveries import Delivery
+    from investigation.loop.stages import Stages
+
+    key = StepKey(tiny_case.case_id, 1, 1)
+    assert Stages(tiny_case.env()).run("build_context", key, Delivery(1)).halt is None
+
+    def failing(self: Stages, k: StepKey) -> object:
+        raise InvestigationError("CONTEXT_IDENTITY", "injected")
+
+    monkeypatch.setattr(Stages, "_llm_call", failing)
+    for redelivered in (False, True, False):  # each a new process or a broker redelivery
+        with pytest.raises(InvestigationError):
+            Stages(tiny_case.env()).run("llm_call", key, Delivery(3, redelivered))
+        assert _row(tiny_case, key, "llm_call").unfinished == 0  # it returned
+    # The redelivery found nothing unfinished, so it also counted the delivery it followed.
+    assert _row(tiny_case, key, "llm_call").deliveries == 4

@@ -23,7 +23,7 @@ from investigation.llm import (
 )
 from investigation.llm.replay_server import Fault
 from investigation.store.engine import Store
-from investigation.store.models import Artifact, LLMAttempt
+from investigation.store.models import LLMAttempt
 
 T0 = datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
 CASE = "case-http"
@@ -95,7 +95,7 @@ def test_success_over_http_stores_exact_bytes(
     assert received.headers["authorization"] == f"Bearer {KEY}"
     with store.session() as s:
         att = s.exec(select(LLMAttempt)).one()
-        stored = {a.path: a for a in s.exec(select(Artifact))}
+        stored = {a.path: a for a in Store.artifacts(s, CASE)}
     assert stored[att.request_path].data == received.body  # the stored bytes went on the wire
     assert KEY.encode() not in received.body
     response = stored[att.response_path or ""]

@@ -181,11 +181,11 @@ def test_store_retries_inside_a_locked_stage_leave_no_orphan_lock(
     original = Stages.run
     failures = {"left": 2}
 
-    def flaky(self: Stages, stage: str, key: Any) -> Any:
+    def flaky(self: Stages, stage: str, key: Any, delivery: Any = None) -> Any:
         if stage == "validate" and failures["left"] > 0:
             failures["left"] -= 1
             raise OperationalError("UPDATE", {}, Exception("database is locked"))
-        return original(self, stage, key)
+        return original(self, stage, key, delivery)
 
     monkeypatch.setattr(Stages, "run", flaky)
     enqueued: list[Any] = []
@@ -214,10 +214,10 @@ def test_an_unexpected_stage_failure_releases_the_lock(
     case, lock = setup
     original = Stages.run
 
-    def broken(self: Stages, stage: str, key: Any) -> Any:
+    def broken(self: Stages, stage: str, key: Any, delivery: Any = None) -> Any:
         if stage == "persist_plan":
             raise RuntimeError("a bug")
-        return original(self, stage, key)
+        return original(self, stage, key, delivery)
 
     monkeypatch.setattr(Stages, "run", broken)
     token = lock.acquire(case.case_id)

@@ -26,7 +26,15 @@ from investigation.errors import InvestigationError
 from investigation.loop.investigator import Investigator
 from investigation.store import Store
 from investigation.store.models import BudgetAccount, Evidence, LedgerEntry, Plan, Question
-from tests.casekit import HAPPY_REPLIES, Case, finish, make_case, q
+from tests.casekit import (
+    HAPPY_REPLIES,
+    Case,
+    finish,
+    make_case,
+    q,
+    refused_by_store,
+    unguarded,
+)
 
 H = HAPPY_REPLIES
 
@@ -339,14 +347,16 @@ def test_tampered_balance_stops_the_next_step(tmp_path: Path) -> None:
     assert info.value.code == "STATE_TAMPERED"  # the account differs from the checkpoint
 
 
-def test_a_tampered_ledger_stops_the_next_step(tmp_path: Path) -> None:
+def test_a_tampered_ledger_is_refused_by_the_store_or_stops_the_next_step(
+        tmp_path: Path) -> None:
     case = make_case(tmp_path / "c")
     inv = case.investigator()
     steps(inv, case, 1)
-    with case.store.session() as s:  # the account still matches its checkpoint
-        s.execute(update(LedgerEntry).where(col(LedgerEntry.hypothesis_id) == 1,
-                                            col(LedgerEntry.kind) == "reserve")
-                  .values(amount_units=0))
+    forged = update(LedgerEntry).where(col(LedgerEntry.hypothesis_id) == 1,
+                                       col(LedgerEntry.kind) == "reserve").values(amount_units=0)
+    refused_by_store(case.store, forged)  # ledger rows are write-once
+    with unguarded(case.store), case.store.session() as s:
+        s.execute(forged)  # the account still matches its checkpoint
     with pytest.raises(InvestigationError) as info:
         inv.step(case.case_id)
     assert info.value.code == "BUDGET_ORIGIN_MISMATCH"

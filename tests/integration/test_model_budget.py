@@ -45,7 +45,8 @@ from investigation.loop.env import StageEnv
 from investigation.loop.investigator import Investigator
 from investigation.loop.outcome import Outcome
 from investigation.loop.prompt import build_messages
-from investigation.store.models import Artifact, LLMAttempt, StageRun
+from investigation.store import Store
+from investigation.store.models import LLMAttempt, StageRun
 from tests.casekit import HAPPY_REPLIES, Case, make_case
 
 
@@ -70,6 +71,12 @@ class Rig:
     def chat_bodies(self) -> list[dict[str, Any]]:
         return [json.loads(r.body) for r in self.server.requests
                 if r.path == "/v1/chat/completions"]
+
+    def artifact(self, path: str) -> bytes:
+        with self.case.store.session() as s:
+            art = Store.get_artifact(s, self.case.case_id, path)
+        assert art is not None
+        return bytes(art.data)
 
     def attempts(self) -> list[LLMAttempt]:
         with self.case.store.session() as s:
@@ -99,8 +106,8 @@ def test_a_request_over_the_window_is_refused_before_sending(rig: Rig) -> None:
     with rig.case.store.session() as s:
         built = json.loads(s.exec(select(StageRun).where(
             StageRun.stage == "build_context")).one().output_json)
-        context = json.loads(s.exec(select(Artifact).where(
-            Artifact.path == built["context_path"])).one().data)
+        pass
+    context = json.loads(rig.artifact(built["context_path"]))
     assert "questions_omitted" in context
 
 
@@ -110,8 +117,8 @@ def test_the_context_shrinks_in_its_fixed_order_to_fit_the_window(rig: Rig) -> N
     with rig.case.store.session() as s:
         built = [json.loads(r.output_json) for r in s.exec(
             select(StageRun).where(StageRun.stage == "build_context"))]
-        doc = json.loads(s.exec(select(Artifact).where(
-            Artifact.path == built[-1]["context_path"])).one().data)
+        pass
+    doc = json.loads(rig.artifact(built[-1]["context_path"]))
     # Make the other evidence heavy, as a long case's is.
     for entry in doc["evidence"]:
         if entry["evidence_id"] != doc["previous_result"]["evidence_id"]:
@@ -127,6 +134,29 @@ def test_the_context_shrinks_in_its_fixed_order_to_fit_the_window(rig: Rig) -> N
     assert any(e.get("items_omitted") for e in shrunk["evidence"])  # first level of fit
     assert shrunk["previous_result"] == doc["previous_result"]  # never cut
     assert "questions_omitted" not in shrunk  # later levels were not needed
+
+
+def test_a_large_previous_result_is_cut_last_and_carried_once(rig: Rig) -> None:
+    for _ in range(3):
+        assert rig.step().outcome == PROGRESSED
+    with rig.case.store.session() as s:
+        built = [json.loads(r.output_json) for r in s.exec(
+            select(StageRun).where(StageRun.stage == "build_context"))]
+    doc = json.loads(rig.artifact(built[-1]["context_path"]))
+    previous = doc["previous_result"]
+    # Its findings travel once: the evidence entry is a compact reference.
+    entry = next(e for e in doc["evidence"] if e["evidence_id"] == previous["evidence_id"])
+    assert "items" not in entry and previous["items"]
+    previous["items"] = [{"key": f"k{i}", "text": "y" * 300} for i in range(200)]
+    previous["item_count"] = 200
+    full = estimate_tokens(build_messages(canonical_json(doc)), 3.0)
+    budget = PromptBudget("small", full // 3, 3.0)
+    data = fit_for_model(copy.deepcopy(doc), 1 << 20, [budget])
+    shrunk = json.loads(data)
+    assert budget.fits(build_messages(data))
+    shown = shrunk["previous_result"]["items_shown"]
+    assert 1 <= shown < 200 and shrunk["previous_result"]["items"] == previous["items"][:shown]
+    assert "questions_omitted" in shrunk  # every earlier level was used first
 
 
 @pytest.mark.parametrize("rig", [{"tokenizer": "llama-cpp-python",

@@ -139,9 +139,11 @@ def test_an_operator_sees_a_blocked_case_everywhere_and_resumes_it(
                     (h.case.case_id, "BLOCKED", "INVALID_LLM_RESPONSES")]
                 assert rows[0]["steps"] == 3 and rows[0]["hypotheses"] == 2
                 assert rows[0]["last_outcome"] == "BLOCKED"
-                assert "next" in rows[0]
+                # what to do next: the guidance's first step (fix the model, then resume)
+                assert rows[0]["next"] and h.case.case_id in rows[0]["next"]
                 table = cli(env, "cases")
                 assert h.case.case_id in table and "INVALID_LLM_RESPONSES" in table
+                assert f"next for {h.case.case_id}: " in table
                 assert json.loads(cli(env, "cases", "--state", "paused", "--json")) == []
                 assert "STATE_UNKNOWN" in cli(env, "cases", "--state", "nope", expect=2)
 

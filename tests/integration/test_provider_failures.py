@@ -32,6 +32,7 @@ from investigation.llm.types import ChatRequest, Provider, ProviderReply
 from investigation.loop.env import StageEnv
 from investigation.loop.investigator import Investigator
 from investigation.operations import resume, status, summary_bytes
+from investigation.store.engine import Store
 from investigation.store.models import (
     Artifact,
     Evidence,
@@ -173,10 +174,9 @@ def first_step(rig: Rig) -> dict[str, Any]:
 
 def step2_context(case: Case) -> bytes:
     with case.store.session() as s:
-        art = s.exec(select(Artifact).where(
-            Artifact.case_id == case.case_id,
-            Artifact.path == "analysis/investigation/0002/context.json")).one()
-    return bytes(art.data)
+        art = Store.get_artifact(s, case.case_id, "analysis/investigation/0002/context.json")
+    assert art is not None
+    return art.data
 
 
 def step2_requests(case: Case) -> list[str]:

@@ -30,7 +30,8 @@ from investigation.llm.replay_server import Fault, ReplayServer
 from investigation.loop.env import StageEnv
 from investigation.loop.investigator import Investigator
 from investigation.loop.outcome import Outcome
-from investigation.store.models import Artifact, LLMAttempt, StageRun
+from investigation.store import Store
+from investigation.store.models import LLMAttempt, StageRun
 from tests import casekit
 from tests.casekit import Case, make_case
 
@@ -68,7 +69,9 @@ class Rig:
 
     def artifact(self, path: str) -> bytes:
         with self.case.store.session() as s:
-            return s.exec(select(Artifact).where(Artifact.path == path)).one().data
+            art = Store.get_artifact(s, self.case.case_id, path)
+        assert art is not None
+        return bytes(art.data)
 
 
 @pytest.fixture

@@ -21,7 +21,8 @@ from sqlmodel import select
 from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig
 from investigation.loop.contract import read_reply
 from investigation.loop.validation import validate_reply
-from investigation.store.models import Artifact, StageRun
+from investigation.store import Store
+from investigation.store.models import StageRun
 from tests import casekit
 from tests.casekit import Case, make_case
 from tests.schema_sampler import sample
@@ -37,7 +38,7 @@ def turns(case: Case, config: InvestigationConfig) -> list[tuple[dict[str, Any],
             break
     out = []
     with case.store.session() as s:
-        arts = {a.path: a.data for a in s.exec(select(Artifact))}
+        arts = {a.path: a.data for a in Store.artifacts(s, case.case_id)}
         for row in s.exec(select(StageRun).where(StageRun.stage == "build_context")):
             built = json.loads(row.output_json)
             if built.get("finalize"):

@@ -23,7 +23,7 @@ from investigation.config import InvestigationConfig
 from investigation.errors import PackageError
 from investigation.operations import export
 from investigation.store import Store
-from investigation.store.models import Artifact, Evidence
+from investigation.store.models import Evidence
 from tests import casekit
 from workers.cli import app
 
@@ -121,7 +121,7 @@ def test_tool_results_mask_secrets_before_they_become_evidence(tmp_path: Path) -
     with store.session() as s:
         evidence = {e.evidence_id: e for e in s.exec(
             select(Evidence).where(Evidence.case_id == case_id))}
-        artifacts = s.exec(select(Artifact).where(Artifact.case_id == case_id)).all()
+        artifacts = list(Store.artifacts(s, case_id))  # exact bytes, decoded
     found = json.loads(evidence["E1"].findings_json)
     assert [i["text"] for i in found] == [
         "OPENAI_API_KEY=[secret masked: Secret Keyword]"]

@@ -28,7 +28,6 @@ from investigation.constants import CASE_BUILDING_DIAGNOSIS
 from investigation.loop.contract import normalise_reply_text
 from investigation.store import Store
 from investigation.store.models import (
-    Artifact,
     Evidence,
     LLMAttempt,
     LLMOperation,
@@ -62,8 +61,7 @@ def _outcomes(store: Store, case_id: str) -> list[dict[str, Any]]:
     with store.session() as s:
         runs = {(r.step_seq, r.stage): json.loads(r.output_json)
                 for r in s.exec(select(StageRun).where(StageRun.case_id == case_id))}
-        arts = {a.path: a.data for a in s.exec(select(Artifact).where(
-            Artifact.case_id == case_id))}
+        arts = {a.path: a.data for a in Store.artifacts(s, case_id)}
         ops = {o.id: o for o in s.exec(select(LLMOperation).where(
             LLMOperation.case_id == case_id))}
         attempts = s.exec(select(LLMAttempt).where(

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Throughput of one worker under many cases at once (issue 13, target 4).
+
+One ``celery worker`` (prefork, two processes) on the Redis broker; ``--cases`` (default
+100) fresh copies of the tests' tiny case (``tests/casekit.py``: five steps, three
+snapshot queries, a scripted model of zero latency) are dispatched at once with
+``workers.tasks.start_dispatch``; the figure is published steps per second from the first
+dispatch to the last case's completion. Beside it, the same number of bare chains (eight
+trivial tasks and a tail, ``bench/bare_chain.py``) enqueued at once on a worker with the
+same options and Celery settings: chains per second. Target: bare chains per second /
+engine steps per second <= 2.5, on a SQLite store and on PostgreSQL (a fresh schema of
+``--postgres`` dropped afterwards; ``--no-postgres`` skips it).
+
+Prints figures and ratios with the load average; asserts nothing. The Redis database
+``--broker-db`` is flushed before and after. Usage (repository root)::
+
+    .venv/bin/python bench/throughput.py [--cases 100] [--broker-db 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.step_overhead import STEPS_PER_CASE, Worker, prepare_cases, running  # noqa: E402
+
+TIMEOUT_S = 900.0
+POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def engine_rate(url: str, root: Path, n: int, broker_url: str, queue: str,
+                concurrency: int) -> tuple[float, str]:
+    """Engine steps per second for ``n`` cases dispatched at once on store ``url``."""
+    from sqlmodel import col, func, select
+
+    from investigation.constants import CASE_BUILDING_DIAGNOSIS
+    from investigation.store.models import CaseRecord
+    from workers import runtime
+    from workers.tasks import start_dispatch
+
+    cases = prepare_cases(root, n, url)
+    env = {"INVESTIGATE_HOME": str(root / "home"), "INVESTIGATE_DATABASE_URL": cases.url,
+           "INVESTIGATE_PROVIDERS": str(cases.providers_path),
+           "INVESTIGATE_BROKER_URL": broker_url, "INVESTIGATE_QUEUE": queue}
+    for name in [k for k in os.environ if k.startswith("INVESTIGATE_")]:
+        del os.environ[name]
+    os.environ.update(env)
+    runtime.configure(None)
+    rt = runtime.current()
+    worker = Worker("workers.celery_app", queue, dict(os.environ, PYTHONUNBUFFERED="1"),
+                    root / "engine-worker.log", concurrency)
+    with running(worker):
+        started = time.perf_counter()
+        for case_id in cases.case_ids:
+            start_dispatch(case_id)
+        deadline = started + TIMEOUT_S
+        while True:
+            with cases.store.session() as s:
+                done = s.exec(select(func.count()).select_from(CaseRecord).where(
+                    col(CaseRecord.state) == CASE_BUILDING_DIAGNOSIS)).one()
+            if done == n:
+                break
+            if time.perf_counter() > deadline:
+                raise SystemExit(f"{done}/{n} cases done after {TIMEOUT_S}s:\n"
+                                 + worker.log()[-4000:])
+            time.sleep(0.05)
+        elapsed = time.perf_counter() - started
+    rt.env.store.dispose()
+    cases.store.dispose()
+    runtime.configure(None)
+    return n * STEPS_PER_CASE / elapsed, load_average()
+
+
+def bare_rate(n: int, root: Path, broker_url: str, queue: str,
+              concurrency: int) -> tuple[float, str]:
+    """Bare chains per second for ``n`` chains enqueued at once."""
+    import redis
+
+    os.environ["INVESTIGATE_BROKER_URL"] = broker_url
+    os.environ["BENCH_BARE_QUEUE"] = queue
+    from bench.bare_chain import DONE_KEY, bare_chain
+
+    client = redis.Redis.from_url(broker_url)
+    worker = Worker("bench.bare_chain:app", queue, dict(os.environ, PYTHONUNBUFFERED="1"),
+                    root / "bare-worker.log", concurrency)
+    with running(worker):
+        for i in range(10):  # warm-up
+            bare_chain({"id": f"w{i}", "case_id": "bench", "step_seq": i}).apply_async()
+        for _ in range(10):
+            client.blpop([DONE_KEY], timeout=60)
+        started = time.perf_counter()
+        for i in range(n):
+            bare_chain({"id": uuid.uuid4().hex, "case_id": "bench",
+                        "step_seq": i}).apply_async()
+        for _ in range(n):
+            if client.blpop([DONE_KEY], timeout=120) is None:
+                raise SystemExit("bare chains did not finish:\n" + worker.log()[-4000:])
+        elapsed = time.perf_counter() - started
+    client.close()
+    return n / elapsed, load_average()
+
+
+def postgres_schema(base: str) -> tuple[str, Any]:
+    import sqlalchemy
+
+    schema = "bench_" + uuid.uuid4().hex[:10]
+    admin = sqlalchemy.create_engine(base)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+
+    def drop() -> None:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+        admin.dispose()
+
+    return f"{base}?options=-csearch_path%3D{schema}", drop
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=100)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379")
+    parser.add_argument("--broker-db", type=int, default=6,
+                        help="Redis database for broker and locks; FLUSHED (default 6)")
+    parser.add_argument("--postgres", default=POSTGRES)
+    parser.add_argument("--no-postgres", action="store_true")
+    args = parser.parse_args(argv)
+    import redis
+
+    broker_url = f"{args.redis.rstrip('/')}/{args.broker_db}"
+    admin = redis.Redis.from_url(broker_url)
+    admin.flushdb()
+    work = Path(tempfile.mkdtemp(prefix="throughput-"))
+    tag = uuid.uuid4().hex[:8]
+    figures: dict[str, float] = {}
+    lines: list[str] = []
+    try:
+        print(f"bare chains: {args.cases} at once ...", flush=True)
+        bare, bare_load = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
+                                    args.concurrency)
+        stores = [("SQLite", f"sqlite:///{work / 'sqlite' / 'store.db'}", None)]
+        if not args.no_postgres:
+            url, drop = postgres_schema(args.postgres)
+            stores.append(("PostgreSQL", url, drop))
+        for name, url, drop in stores:
+            print(f"engine on {name}: {args.cases} cases at once ...", flush=True)
+            try:
+                rate, load = engine_rate(url, work / name.lower(), args.cases, broker_url,
+                                         f"bench-engine-{name.lower()}-{tag}",
+                                         args.concurrency)
+            finally:
+                if drop is not None:
+                    drop()
+            admin.flushdb()
+            figures[f"ratio_{name.lower()}"] = bare / rate
+            lines.append(f"    engine steps/s on {name:10s} {rate:7.1f}   bare chains/s / "
+                         f"engine steps/s {bare / rate:5.2f}x   (target <= 2.5)   [{load}]")
+    finally:
+        admin.flushdb()
+        admin.close()
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(f"throughput: one worker --pool=prefork -c {args.concurrency}, {args.cases} tiny "
+          f"cases ({STEPS_PER_CASE} steps each) or bare chains at once; broker {broker_url}")
+    print(f"    bare chains/s            {bare:7.1f}   [{bare_load}]")
+    for line in lines:
+        print(line)
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The live rows against the head checkpoint, before a step builds on them.
+
+Accounts (status, disposition, confidence, credit, balance, turns, iterations, invalid
+streak, deferral, pending result, novelty streak), evidence records (ids, fingerprints,
+assessment, refund) and question statuses must be what the head state recorded. The one
+change allowed between steps is the import of an external test's result
+(``test.feedback`` evidence of a closed request, which becomes its account's pending
+result; ``docs/async-tests.md``).
+
+Two depths, so that a step's cost does not grow with the case (issue 13):
+
+* **full** (a process meeting the case first, after a redelivery, ``investigate
+  verify``): every evidence record's fingerprint is recomputed from its stored findings
+  and its artifact bytes are read from the store and hashed again.
+* **incremental** (every other step): the store refuses changes to a published evidence
+  record's findings, fingerprint and artifact, to an assessed record and to a closed
+  question, and refuses deleting them (``investigation.store.guards``). What can still
+  change between steps is therefore checked: the number of evidence records, every record
+  that is not assessed (in the store or in the head state), every account and every
+  question (both bounded by the policy, not by the number of steps).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import func, text
+from sqlmodel import Session, col, select
+
+from investigation.errors import InvestigationError, StoreError
+from investigation.evidence.store import fingerprint
+from investigation.store.blobs import ByteCache
+from investigation.store.engine import Store
+from investigation.store.models import (
+    BudgetAccount,
+    CaseRecord,
+    Evidence,
+    Question,
+    TestRequest,
+)
+
+#: The predicate of the partial index ``ix_evidence_open``: records not assessed yet.
+OPEN_EVIDENCE = text("NOT evidence.assessed")
+ACCOUNT_FIELDS = ("status", "disposition_reason", "confidence", "credit_units", "balance_units",
+                  "turns", "iterations", "invalid_streak", "deferred_by", "deferred_step")
+
+
+def _json(data: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
+                      head_seq: int, head_revision: int, *, full: bool) -> None:
+    """Check the live rows against ``head_state`` (the head checkpoint's state document).
+
+    Args:
+        head_seq: the head checkpoint's seq (0: nothing is checked).
+        head_revision: its revision; rows of a newer revision start afresh.
+        full: recompute every fingerprint and re-read every evidence artifact (see the
+            module docstring); otherwise check only what the store lets change.
+
+    Raises:
+        InvestigationError: ``STATE_TAMPERED`` naming the first row that differs.
+    """
+    if head_seq == 0 or head_revision != case.current_revision:
+        return
+
+    def tampered(what: str) -> InvestigationError:
+        return InvestigationError("STATE_TAMPERED",
+                                  f"case {case.id}: {what} differs from checkpoint "
+                                  f"{head_seq}; the store was changed outside the engine",
+                                  seq=head_seq)
+
+    recorded_ev = {e.get("evidence_id"): e for e in head_state.get("evidence", [])
+                   if isinstance(e, dict)}
+    imported = set(s.exec(select(TestRequest.evidence_id).where(
+        TestRequest.case_id == case.id,
+        col(TestRequest.status).in_(("confirmed", "expired")),
+        col(TestRequest.evidence_id).is_not(None))).all())
+    where = (Evidence.case_id == case.id, Evidence.revision == head_revision)
+    if full:
+        live = s.exec(select(Evidence).where(*where).order_by(col(Evidence.ordinal))).all()
+        _check_evidence_bytes(s, case, list(live), tampered)
+        count = len(live)
+    else:
+        count = s.exec(select(func.count()).select_from(Evidence).where(*where)).one()
+        live = list(s.exec(select(Evidence).where(*where, OPEN_EVIDENCE)).all())
+        seen = {e.evidence_id for e in live}
+        closed = [eid for eid, e in recorded_ev.items()
+                  if not e.get("assessed") and eid not in seen]
+        if closed:  # recorded as open, assessed since: only a settlement may do that
+            live += s.exec(select(Evidence).where(
+                *where, col(Evidence.evidence_id).in_(closed))).all()
+    pending_imports: set[str] = set()
+    for e in live:
+        rec = recorded_ev.get(e.evidence_id)
+        if rec is None:
+            if e.evidence_id not in imported or e.assessed:
+                raise tampered(f"evidence {e.evidence_id}")
+            pending_imports.add(e.evidence_id)
+            continue
+        if (rec.get("hypothesis_id"), rec.get("fingerprint"), rec.get("assessed"),
+                rec.get("refund_units")) != (e.hypothesis_id, e.fingerprint, e.assessed,
+                                              e.refund_units):
+            raise tampered(f"evidence {e.evidence_id}")
+    if len(recorded_ev) != count - len(pending_imports):
+        raise tampered("the evidence records")
+    _check_accounts(s, case, head_state, head_revision, pending_imports, tampered)
+    questions = s.exec(select(Question.question_id, Question.hypothesis_id, Question.status)
+                       .where(Question.case_id == case.id, Question.revision == head_revision)
+                       .order_by(col(Question.ordinal))).all()
+    if [tuple(q) for q in questions] != \
+            [(q.get("question_id"), q.get("hypothesis_id"), q.get("status"))
+             for q in head_state.get("questions", [])]:
+        raise tampered("the questions")
+
+
+def _check_evidence_bytes(s: Session, case: CaseRecord, live: list[Evidence],
+                          tampered: Any) -> None:
+    """Full depth: fingerprints recomputed from the findings, artifacts read again."""
+    fresh = ByteCache()
+    for e in live:
+        items = _json(e.findings_json)
+        arguments = _json(e.arguments_json)
+        if not isinstance(items, list) or not isinstance(arguments, dict) or \
+                e.fingerprint != fingerprint(e.operation, arguments, items):
+            raise tampered(f"evidence {e.evidence_id}'s findings")
+        try:
+            art = Store.get_artifact(s, case.id, e.artifact_path, cache=fresh)
+        except StoreError:
+            art = None
+        if art is None or art.sha256 != e.artifact_sha256:
+            raise tampered(f"evidence {e.evidence_id}'s artifact")
+
+
+def _check_accounts(s: Session, case: CaseRecord, head_state: dict[str, Any], revision: int,
+                    pending_imports: set[str], tampered: Any) -> None:
+    accounts = s.exec(select(BudgetAccount).where(
+        BudgetAccount.case_id == case.id, BudgetAccount.revision == revision)).all()
+    recorded = {a.get("hypothesis_id"): a for a in head_state.get("accounts", [])
+                if isinstance(a, dict)}
+    for a in accounts:
+        rec = recorded.get(a.hypothesis_id)
+        if rec is None or any(rec.get(f) != getattr(a, f) for f in ACCOUNT_FIELDS):
+            raise tampered(f"hypothesis {a.hypothesis_id}'s account")
+        imported_now = a.pending_evidence_id in pending_imports
+        if a.pending_evidence_id != rec.get("pending_evidence_id") and not imported_now:
+            raise tampered(f"hypothesis {a.hypothesis_id}'s pending result")
+        if a.no_novelty_streak != rec.get("no_novelty_streak") and not imported_now:
+            raise tampered(f"hypothesis {a.hypothesis_id}'s novelty streak")
+    if len(recorded) != len(accounts):
+        raise tampered("the accounts")

@@ -1,0 +1,441 @@
+"""The stage framework: one transaction per stage, fencing, recorded outputs, delivery count.
+
+``Stages`` (``loop.stages``) holds the eight stage bodies; this base class runs them. Rules:
+
+* Idempotent by ``(case_id, revision, step_seq, stage)``: a finished stage has a
+  ``stage_run`` row holding its output, written in the same transaction as its effects.
+  Running it again returns that output and changes nothing.
+* One transaction per stage: :meth:`StageFramework.run` opens it, locks the case row,
+  checks the head (fencing), the stage's marker and an operator hold, counts the delivery
+  (``loop.deliveries``), and hands the same transaction to the stage body, whose first
+  ``with self._tx() as s:`` block joins it and commits it at its end. A stage with an
+  external effect (the model call, the snapshot query) commits before the effect and
+  opens a second, fenced transaction for its result.
+* Fenced: every write transaction first checks that the case head is still
+  ``step_seq - 1`` on the same revision; a stale worker gets ``StaleStateError``.
+* Per process, recorded outputs (immutable once committed) and the frozen policy of a
+  revision (keyed by its sha256, re-checked every stage) are cached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import bindparam, insert
+from sqlalchemy import select as sa_select
+from sqlalchemy.exc import DBAPIError
+from sqlmodel import Session, col, select
+
+from investigation.budget import BudgetManager
+from investigation.config import InvestigationConfig, canonical_json
+from investigation.constants import BLOCKED, CASE_HELD, CASE_INVESTIGATING, STAGES
+from investigation.errors import InvestigationError, StaleStateError
+from investigation.loop import checkpoints, deliveries
+from investigation.loop.deliveries import Delivery
+from investigation.loop.env import StageEnv
+from investigation.loop.outcome import Outcome, StageResult, StepKey
+from investigation.store.engine import (
+    Store,
+    is_lost_race,
+    is_serialization_failure,
+    sha256_hex,
+)
+from investigation.store.models import (
+    BudgetAccount,
+    CaseRecord,
+    StageRun,
+    utcnow,
+)
+
+log = logging.getLogger(__name__)
+
+SKIPPED: dict[str, Any] = {"skipped": True}
+# Statements built once (building a statement costs more than running it on SQLite).
+_STEP = (col(StageRun.case_id) == bindparam("case_id"),
+         col(StageRun.revision) == bindparam("revision"),
+         col(StageRun.step_seq) == bindparam("step_seq"))
+_MARKERS = sa_select(col(StageRun.stage), col(StageRun.output_json)).where(*_STEP)
+_MARKER = sa_select(col(StageRun.output_json)).where(
+    *_STEP, col(StageRun.stage) == bindparam("stage"))
+_MARKER_INSERT = insert(StageRun)
+#: Times a stage runs again after its transaction lost a PostgreSQL serialization race.
+RACE_RETRIES = 5
+#: Stage outputs kept per process (eight per step).
+RECORDED_OUTPUTS = 8 * 256
+
+
+def _loads(text: str | bytes) -> Any:
+    return json.loads(text)
+
+
+class _Recorded(OrderedDict[tuple[StepKey, str], dict[str, Any]]):
+    """Recorded stage outputs, the most recent :data:`RECORDED_OUTPUTS` (a long-lived
+    worker process runs any number of steps)."""
+
+    def __setitem__(self, key: tuple[StepKey, str], value: dict[str, Any]) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > RECORDED_OUTPUTS:
+            self.popitem(last=False)
+
+
+class _AlreadyRecorded(Exception):
+    """Another runner finished this stage while we waited for the case lock."""
+
+    def __init__(self, output: dict[str, Any]) -> None:
+        super().__init__("stage already recorded")
+        self.output = output
+
+
+def _log_parked(key: StepKey, stage: str, parked: Outcome) -> None:
+    log.error("case %s step %s %s: parked %s after %s deliveries that never returned; fix "
+              "the cause, then `investigate resume %s`", key.case_id, key.step_seq, stage,
+              parked.reason, parked.details["unfinished"] - 1, key.case_id)
+
+
+@dataclass
+class _Open:
+    """The stage transaction ``run`` opened and fenced, until the body takes it over."""
+
+    session: Session
+    case: CaseRecord
+    key: StepKey
+    joined: bool = False
+
+
+@dataclass
+class _Attempt:
+    """What one attempt of a stage did with its delivery count."""
+
+    counted: bool = False  # counted in the stage transaction
+    committed: bool = False  # and that transaction committed
+    early: bool = False  # the stage ended at the checks (recorded, held, parked)
+
+
+class StageFramework:
+    """Runs stage bodies (``_<stage>(key)`` methods of a subclass). ``run(stage, key)`` is
+    the only entry point runtimes use.
+
+    Args:
+        env: what the stages need in this process (store, policy, gateway, routers).
+    """
+
+    #: Stages whose body opens the case's snapshot: it is opened (its own read of the
+    #: store) before the stage transaction, which on SQLite holds the write lock.
+    SNAPSHOT_STAGES: frozenset[str] = frozenset()
+
+    def __init__(self, env: StageEnv) -> None:
+        self.env = env
+        self.store = env.store
+        # Recorded stage outputs are immutable once committed, so they are cached.
+        self._recorded = _Recorded()
+        self._open: _Open | None = None
+        self._attempt = _Attempt()
+        #: Cases whose deliveries this process has counted (a first one is counted apart).
+        self._met: set[str] = set()
+        #: Frozen policies by (policy sha256, config identity).
+        self._policies: dict[tuple[str, int, bool], tuple[InvestigationConfig,
+                                                          BudgetManager]] = {}
+
+    # -- running a stage ---------------------------------------------------------------
+
+    def run(self, stage: str, key: StepKey, delivery: Delivery | None = None) -> StageResult:
+        """Run ``stage`` of step ``key`` once; a finished stage returns its recorded output.
+
+        Args:
+            delivery: how the runtime delivered the stage; ``None`` (the in-process
+                ``Investigator``) counts nothing.
+
+        Raises:
+            StaleStateError: the case head moved past this step (a newer worker won).
+            InvestigationError: unsafe input, exceeded limits or a changed policy.
+        """
+        if stage not in STAGES:
+            raise InvestigationError("STAGE_UNKNOWN", f"unknown stage {stage!r}")
+        done = self._recorded.get((key, stage))
+        if done is not None and stage != "build_context":
+            # Recorded outputs are immutable; a step's first stage still goes to the store,
+            # so a head rewritten under a long-lived runner is seen (below).
+            return StageResult(done, self._recorded_halt(stage, key, done))
+        count_here = delivery is not None
+        apart = False  # counted (and committed) before the stage transaction
+        if delivery is not None and (delivery.redelivered or key.case_id not in self._met):
+            parked = self._count_apart(stage, key, delivery)
+            if parked is not None:
+                return StageResult({}, parked)
+            count_here, apart = False, True
+            done = self._recorded.get((key, stage))
+            if done is not None and stage != "build_context":
+                return StageResult(done, self._recorded_halt(stage, key, done))
+        fn: Callable[[StepKey], StageResult] = getattr(self, "_" + stage)
+        for attempt in range(RACE_RETRIES + 1):
+            self._attempt = _Attempt(counted=apart, committed=apart)
+            try:
+                try:
+                    result = self._run_once(fn, stage, key, delivery if count_here else None)
+                except InvestigationError:
+                    if self._attempt.counted:  # a controlled error: the delivery returned
+                        deliveries.delivery_returned(self.store, key, stage,
+                                                     counted=self._attempt.committed)
+                    raise
+                break
+            except _AlreadyRecorded as done_by_other:
+                self._recorded[(key, stage)] = done_by_other.output
+                return StageResult(done_by_other.output,
+                                   self._recorded_halt(stage, key, done_by_other.output))
+            except DBAPIError as exc:
+                if not is_lost_race(exc):
+                    raise
+                # A concurrent duplicate finished this stage first: return its output.
+                with self.store.session() as s:
+                    self._load_markers(s, key)
+                done = self._recorded.get((key, stage))
+                if done is not None:
+                    return StageResult(done, self._recorded_halt(stage, key, done))
+                if not is_serialization_failure(exc) or attempt == RACE_RETRIES:
+                    raise
+                # The transaction lost a race and wrote nothing: run the stage again.
+                log.info("case %s step %s %s: serialization failure, running it again",
+                         key.case_id, key.step_seq, stage)
+        if result.halt is None or stage == "publish":  # committed with its marker
+            if result.halt is None or not self._attempt.early:
+                self._recorded[(key, stage)] = result.output
+        elif self._attempt.counted and (apart or not self._attempt.early):
+            # The delivery returned without its marker (RETRY_PENDING, BLOCKED, a hold): it
+            # did not kill its worker. (One parked in the stage transaction stays counted.)
+            deliveries.delivery_returned(self.store, key, stage,
+                                         counted=self._attempt.committed)
+        return result
+
+    def _run_once(self, fn: Callable[[StepKey], StageResult], stage: str, key: StepKey,
+                  delivery: Delivery | None) -> StageResult:
+        """One attempt: open the stage transaction, check and count, run the body."""
+        if stage in self.SNAPSHOT_STAGES:
+            self.env.router(key.case_id)
+        s = Session(self.store.engine, expire_on_commit=False)
+        attempt = self._attempt
+        try:
+            early = self._enter(s, stage, key, delivery)
+            if isinstance(early, StageResult):
+                s.commit()
+                attempt.early = True
+                attempt.committed = True
+                return early
+            opened = self._open = _Open(s, early, key)
+            result = fn(key)
+            if not opened.joined:  # the body never used the transaction: end it
+                s.commit()
+                attempt.committed = True
+            if attempt.counted and attempt.committed:
+                self._met.add(key.case_id)
+            return result
+        except BaseException:
+            s.rollback()
+            raise
+        finally:
+            self._open = None
+            s.close()
+
+    def _enter(self, s: Session, stage: str, key: StepKey,
+               delivery: Delivery | None) -> CaseRecord | StageResult:
+        """The checks at the start of a stage transaction; a result ends the stage early."""
+        case = Store.lock_case(s, key.case_id)
+        if stage == "build_context":
+            self._load_markers(s, key)
+        if (key, "publish") in self._recorded and case.head_seq < key.step_seq:
+            # Publishing writes its marker and moves the head in one transaction.
+            self._recorded.clear()
+            raise InvestigationError(
+                "CHECKPOINT_INVALID",
+                f"step {key.step_seq} of {key.case_id} was published but the case head "
+                f"is {case.head_seq}: checkpoints or the head were changed",
+                seq=key.step_seq)
+        done = self._recorded.get((key, stage))
+        if done is None and stage != "build_context":
+            # One query: this stage's marker (another runner finished it) and the earlier
+            # stages' outputs this process has not seen (another worker process ran them).
+            self._load_markers(s, key)
+            done = self._recorded.get((key, stage))
+        if done is not None:
+            return StageResult(done, self._recorded_halt(stage, key, done))
+        if case.head_seq >= key.step_seq or case.current_revision != key.revision:
+            raise StaleStateError(
+                f"step {key.step_seq} of {key.case_id} is already published",
+                head_seq=case.head_seq)
+        if case.head_seq != key.step_seq - 1:
+            raise StaleStateError(
+                f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",
+                head_seq=case.head_seq)
+        if case.state in CASE_HELD:
+            # An operator pause or cancel: stop at this stage boundary. Every finished
+            # stage is kept; a resumed case continues with this very stage.
+            return StageResult({}, Outcome(BLOCKED, key.case_id, key.step_seq, case.state))
+        if case.state != CASE_INVESTIGATING:
+            raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
+        if delivery is not None:
+            self._attempt.counted = True
+            parked = deliveries.count(s, case, key, stage, delivery.max_unfinished)
+            if parked is not None:
+                _log_parked(key, stage, parked)
+                return StageResult({}, parked)
+        return case
+
+    def _count_apart(self, stage: str, key: StepKey, delivery: Delivery) -> Outcome | None:
+        """Count a delivery that may follow a lost one in its own transaction, before the
+        stage; after a redelivery, replay the whole chain (no cache)."""
+        parked = deliveries.record_delivery(self.store, key, stage, delivery.max_unfinished,
+                                            delivery.redelivered)
+        if delivery.redelivered:
+            # Full replay after a redelivery: now (the chain up to the head), and again with
+            # the live rows at the next build_context (its cache entry is gone).
+            self.env.replay_cache.forget(key.case_id)
+            with self.store.session() as s:
+                case = s.get(CaseRecord, key.case_id)
+                if case is not None and stage != "build_context":
+                    checkpoints.replay(s, case)
+                self._load_markers(s, key)
+        self._met.add(key.case_id)
+        if parked is not None:
+            _log_parked(key, stage, parked)
+        return parked
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        """A stage body's transaction: the first one joins (and ends) the transaction
+        ``run`` opened and fenced; any later one is new (and must fence itself)."""
+        opened = self._open
+        if opened is not None and not opened.joined:
+            opened.joined = True
+            try:
+                yield opened.session
+                opened.session.commit()
+                self._attempt.committed = True
+            except BaseException:
+                opened.session.rollback()
+                raise
+            finally:
+                self._open = None
+            return
+        with self.store.session() as s:
+            yield s
+
+    # -- inside a stage ----------------------------------------------------------------
+
+    def _load_markers(self, s: Session, key: StepKey) -> None:
+        """Read every recorded stage output of the step in one query."""
+        for stage, text in s.execute(_MARKERS, key.to_dict()).all():
+            if (key, stage) in self._recorded:
+                continue  # recorded outputs never change
+            try:
+                out = _loads(text)
+            except ValueError:
+                out = None
+            if not isinstance(out, dict) or (stage == "build_context"
+                                             and "finalize" not in out):
+                raise InvestigationError(
+                    "CHECKPOINT_INVALID",
+                    f"the recorded {stage} of step {key.step_seq} of {key.case_id} is "
+                    "not a stage record: the store was changed outside the engine",
+                    seq=key.step_seq)
+            self._recorded[(key, stage)] = out
+
+    def _output(self, s: Session, key: StepKey, stage: str) -> dict[str, Any]:
+        out = self._recorded.get((key, stage))
+        if out is None:
+            self._load_markers(s, key)
+            out = self._recorded.get((key, stage))
+        if out is None:
+            raise InvestigationError(
+                "STAGE_ORDER", f"stage {stage} of step {key.step_seq} has not finished")
+        return out
+
+    @staticmethod
+    def _complete(s: Session, key: StepKey, stage: str, output: dict[str, Any]) -> StageResult:
+        s.execute(_MARKER_INSERT, {**key.to_dict(), "stage": stage,
+                                   "output_json": canonical_json(output).decode(),
+                                   "completed_at": utcnow()})
+        return StageResult(output)
+
+    def _fence(self, s: Session, key: StepKey, stage: str, *, active: bool = True) -> CaseRecord:
+        """Lock the case row and check the head; then re-check the stage's marker.
+
+        In the transaction ``run`` opened this was done already (the case row is returned).
+        The marker check inside a later fenced transaction closes the race in which two
+        runners both passed the first check: the second one finds the first one's marker
+        here and returns its recorded output instead of redoing the stage.
+        """
+        opened = self._open
+        if opened is not None and opened.session is s and opened.key == key:
+            return opened.case
+        case = Store.lock_case(s, key.case_id)
+        if case.head_seq != key.step_seq - 1 or case.current_revision != key.revision:
+            raise StaleStateError(
+                f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",
+                head_seq=case.head_seq)
+        row = s.execute(_MARKER, {**key.to_dict(), "stage": stage}).first()
+        if row is not None:
+            raise _AlreadyRecorded(dict(_loads(row[0])))
+        if active and case.state not in (CASE_INVESTIGATING, *CASE_HELD):
+            # A stage already running when the operator paused or cancelled finishes.
+            raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
+        return case
+
+    @staticmethod
+    def _recorded_halt(stage: str, key: StepKey, out: dict[str, Any]) -> Outcome | None:
+        if stage == "publish":
+            return Outcome(out["outcome"], key.case_id, key.step_seq, out.get("reason"),
+                           hypothesis_id=out.get("hypothesis_id"))
+        return None
+
+    def _policy(self, s: Session, key: StepKey) -> tuple[InvestigationConfig, BudgetManager]:
+        rev = Store.revision(s, key.case_id, key.revision)
+        cache_key = (rev.policy_sha256 or "", id(self.env.config), self.env.explicit_config)
+        cached = self._policies.get(cache_key)
+        if cached is None or rev.policy_json is None or \
+                sha256_hex(rev.policy_json.encode("utf-8")) != rev.policy_sha256:
+            cfg = BudgetManager.freeze_policy(s, rev, self.env.config,
+                                              self.env.explicit_config)
+            cached = (cfg, BudgetManager(cfg.budget, cfg.loop))
+            if rev.policy_sha256:
+                self._policies[(rev.policy_sha256, id(self.env.config),
+                                self.env.explicit_config)] = cached
+        built = self._recorded.get((key, "build_context"))
+        if built is not None and built.get("policy_sha256") not in (None, rev.policy_sha256):
+            # The step was planned under another policy: a swap between its stages.
+            raise InvestigationError(
+                "POLICY_CHANGED",
+                f"the policy of revision {key.revision} changed during step {key.step_seq}",
+                step_seq=key.step_seq)
+        return cached
+
+    @staticmethod
+    def _accounts(s: Session, key: StepKey) -> list[BudgetAccount]:
+        return list(s.exec(select(BudgetAccount).where(
+            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision)
+            .order_by(col(BudgetAccount.hypothesis_id))).all())
+
+    @staticmethod
+    def _account(s: Session, key: StepKey, hid: int) -> BudgetAccount:
+        return s.exec(select(BudgetAccount).where(
+            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision,
+            BudgetAccount.hypothesis_id == hid)).one()
+
+    def _context_bytes(self, s: Session, key: StepKey) -> tuple[dict[str, Any], bytes]:
+        """The step's recorded ``build_context`` and its stored context's exact bytes
+        (canonical JSON, as ``context.fit`` wrote them)."""
+        built = self._output(s, key, "build_context")
+        art = Store.get_artifact(s, key.case_id, built["context_path"])
+        if art is None or art.sha256 != built["context_sha256"]:
+            raise InvestigationError(
+                "CONTEXT_IDENTITY", f"the stored context of step {key.step_seq} was changed")
+        return built, art.data
+
+    def _context_doc(self, s: Session, key: StepKey) -> tuple[dict[str, Any], dict[str, Any]]:
+        built, data = self._context_bytes(s, key)
+        return built, dict(_loads(data))

@@ -1,0 +1,219 @@
+"""Artifact bytes stored once, compressed, as deltas of their predecessors, exact on read.
+
+Issue 13 (DESIGN.md "Cost that does not grow with history"): a step's context extends the
+previous step's, its model request embeds it, and its state repeats the previous state
+plus one record. Stored whole, those copies make storage grow with the square of the
+number of steps. Here:
+
+* Bytes are **content-addressed**: one ``blob`` row per sha256, whatever the number of
+  artifact paths (and cases) that name those bytes.
+* Each blob is one **zstandard** frame: a *keyframe* (``zstd``) or a *delta*
+  (``zstd-delta``): the frame compressed with the bytes of a *base* blob as zstd's
+  raw-content dictionary (what ``zstd --patch-from`` does), so it costs about what it
+  adds to its base.
+* The base of a new artifact is the newest artifact of the same case and **kind** (its
+  path with every run of digits replaced by ``*``): the previous step's context for a
+  context, the previous request for a request, the previous state for a state.
+* A delta chain is at most :data:`MAX_DELTA_DEPTH` deltas long; the next blob is a
+  keyframe. A read therefore decodes at most that many frames, and storage per step grows
+  by a keyframe's share only (its size over the chain length).
+* Reads are **exact**: decoded bytes are hashed and compared with the sha256 before they
+  are returned (``STORE_ARTIFACT_CORRUPT`` otherwise). Decoded bytes are kept in a bounded
+  per-process cache keyed by their sha256; a content address cannot go stale, and a
+  ``fresh`` read (the full replay, export, ``investigate verify``) bypasses the cache and
+  decodes everything from the store again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections import OrderedDict
+
+import zstandard
+from sqlalchemy import bindparam, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlmodel import Session, col
+
+from investigation.errors import StoreError
+from investigation.store.models import Artifact, Blob
+
+#: Deltas at most between a blob and its keyframe (bounds a read to this many frames).
+MAX_DELTA_DEPTH = 32
+#: zstandard compression level (3 is zstd's default: fast, and deltas stay small).
+LEVEL = 3
+#: Bytes of decoded blobs kept per process (least recently used are dropped).
+CACHE_BYTES = 64 << 20
+ENCODING_WHOLE = "zstd"
+ENCODING_DELTA = "zstd-delta"
+
+_DIGITS = re.compile(r"\d+")
+
+
+def kind_of(path: str) -> str:
+    """The lineage of an artifact path: every run of digits replaced by ``*``."""
+    return _DIGITS.sub("*", path)
+
+
+def sha256_hex(data: bytes) -> str:
+    """Lower-case hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+class ByteCache:
+    """Decoded blob bytes by sha256, bounded by total size (thread-safe LRU).
+
+    The process keeps one (:data:`CACHE`); a read that must not trust it (a full replay,
+    an export) passes a new, private one, so every blob it needs is read and checked once.
+
+    Args:
+        max_bytes: total bytes kept. Default 32 MiB.
+    """
+
+    def __init__(self, max_bytes: int = 32 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, sha: str) -> bytes | None:
+        with self._lock:
+            data = self._items.get(sha)
+            if data is not None:
+                self._items.move_to_end(sha)
+            return data
+
+    def put(self, sha: str, data: bytes) -> None:
+        if len(data) > self.max_bytes // 4:
+            return
+        with self._lock:
+            if sha in self._items:
+                self._items.move_to_end(sha)
+                return
+            self._items[sha] = data
+            self._size += len(data)
+            while self._size > self.max_bytes:
+                _, dropped = self._items.popitem(last=False)
+                self._size -= len(dropped)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._size = 0
+
+
+#: The process-wide cache (content addresses cannot go stale).
+CACHE = ByteCache(CACHE_BYTES)
+
+
+def _dictionary(base: bytes) -> zstandard.ZstdCompressionDict:
+    return zstandard.ZstdCompressionDict(base, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+
+
+def compress(data: bytes, base: bytes | None = None) -> bytes:
+    """One zstd frame of ``data``; with ``base``, a delta against those bytes."""
+    if base is None:
+        return zstandard.ZstdCompressor(level=LEVEL).compress(data)
+    return zstandard.ZstdCompressor(level=LEVEL, dict_data=_dictionary(base)).compress(data)
+
+
+def decompress(frame: bytes, base: bytes | None = None) -> bytes:
+    """The bytes of one frame written by :func:`compress` (same ``base``).
+
+    Raises:
+        zstandard.ZstdError: the frame is damaged.
+    """
+    if base is None:
+        return zstandard.ZstdDecompressor().decompress(frame)
+    return zstandard.ZstdDecompressor(dict_data=_dictionary(base)).decompress(frame)
+
+
+def _corrupt(sha: str, why: str) -> StoreError:
+    return StoreError("STORE_ARTIFACT_CORRUPT",
+                      f"the stored bytes of blob {sha} {why}; the store was damaged or changed "
+                      "outside the engine: restore it from a backup", sha256=sha)
+
+
+# Statements built once (building a statement costs more than running it on SQLite).
+_BLOB = select(col(Blob.encoding), col(Blob.base_sha256), col(Blob.data)).where(
+    col(Blob.sha256) == bindparam("sha"))
+_LINEAGE_HEAD = (select(col(Artifact.sha256), col(Blob.depth))
+                 .join(Blob, col(Blob.sha256) == col(Artifact.sha256))
+                 .where(col(Artifact.case_id) == bindparam("case_id"),
+                        col(Artifact.kind) == bindparam("kind"))
+                 .order_by(col(Artifact.id).desc()).limit(1))
+_INSERTS = {name: insert(Blob).on_conflict_do_nothing(index_elements=["sha256"])
+            for name, insert in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
+
+
+def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes:
+    """The exact bytes whose sha256 is ``sha``.
+
+    Args:
+        cache: where decoded bytes are looked up and kept; default the process's
+            :data:`CACHE`. A new, empty one makes the read decode every blob of the chain
+            from the store again.
+
+    Raises:
+        StoreError: ``STORE_ARTIFACT_CORRUPT`` when the blob (or a base of its chain) is
+        missing, does not decode, or decodes to other bytes.
+    """
+    cache = CACHE if cache is None else cache
+    cached = cache.get(sha)
+    if cached is not None:
+        return cached
+    chain: list[tuple[str, str, bytes]] = []  # (sha, encoding, frame), newest first
+    known: bytes | None = None
+    current: str | None = sha
+    while current is not None:
+        if chain:
+            known = cache.get(current)
+            if known is not None:
+                break
+        row = session.execute(_BLOB, {"sha": current}).first()
+        if row is None:
+            raise _corrupt(current, "are missing")
+        encoding, base_sha, frame = row
+        chain.append((current, str(encoding), bytes(frame)))
+        if len(chain) > MAX_DELTA_DEPTH + 1 or encoding == ENCODING_WHOLE:
+            current = None
+        elif encoding == ENCODING_DELTA and base_sha:
+            current = str(base_sha)
+        else:
+            raise _corrupt(current, f"have an unknown encoding {encoding!r}")
+    data = known
+    for blob_sha, encoding, frame in reversed(chain):
+        if encoding == ENCODING_DELTA and data is None:
+            raise _corrupt(blob_sha, "form a delta chain longer than the engine writes")
+        try:
+            data = decompress(frame, data if encoding == ENCODING_DELTA else None)
+        except zstandard.ZstdError as exc:
+            raise _corrupt(blob_sha, f"do not decode ({exc})") from exc
+        if sha256_hex(data) != blob_sha:
+            raise _corrupt(blob_sha, "decode to other bytes than their sha256 names")
+        cache.put(blob_sha, data)
+    assert data is not None
+    return data
+
+
+def store(session: Session, case_id: str, kind: str, data: bytes, sha: str) -> None:
+    """Store ``data`` (whose sha256 is ``sha``) as a blob unless it exists: a delta of the
+    newest blob of the same case and kind, or a keyframe when there is none or its chain
+    is full. Concurrent writers of the same bytes are harmless (the first row stays)."""
+    base = session.execute(_LINEAGE_HEAD, {"case_id": case_id, "kind": kind}).first()
+    base_sha: str | None = None
+    depth = 0
+    frame: bytes
+    if base is not None and base[0] != sha and int(base[1]) < MAX_DELTA_DEPTH:
+        base_sha, depth = str(base[0]), int(base[1]) + 1
+        frame = compress(data, load(session, base_sha))
+    else:
+        frame = compress(data)
+    values = {"sha256": sha, "size_bytes": len(data),
+              "encoding": ENCODING_DELTA if base_sha else ENCODING_WHOLE,
+              "base_sha256": base_sha, "depth": depth, "data": frame}
+    dialect = session.get_bind().dialect.name
+    session.execute(_INSERTS["postgresql" if dialect == "postgresql" else "sqlite"], values)
+    CACHE.put(sha, data)

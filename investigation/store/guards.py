@@ -1,0 +1,145 @@
+"""The store refuses to rewrite what the engine published (issue 13; DESIGN.md "Cost that does
+not grow with history").
+
+Triggers on SQLite and PostgreSQL, created by migration ``0007_compact_store``:
+
+* :data:`IMMUTABLE_TABLES` are write-once: every UPDATE and DELETE (and, on PostgreSQL,
+  TRUNCATE) is refused.
+* :data:`GUARDED_TABLES` have a few columns the engine legitimately changes once, while the
+  row is *open* (an evidence record until it is assessed, a question while it is open, a
+  revision until its policy is frozen); any other change, a change of a closed row, and
+  every DELETE are refused.
+
+A refused statement fails with ``STORE_IMMUTABLE`` in its message (SQLite ``RAISE(ABORT)``,
+PostgreSQL SQLSTATE ``55000``), the transaction is rolled back and nothing changes. The
+checkpoint replay (``loop.checkpoints``) still re-reads every byte when a process first
+meets a case, after a redelivery, at export and on ``investigate verify``, so a change
+made by someone who can also drop triggers is found there.
+
+Maintenance: SQLite names each guarded column in its trigger, and Alembic's batch mode
+recreates a table it alters (its triggers go with it). A migration that adds a column to,
+or batch-alters, a table listed here must call :func:`drop_guards` first and
+:func:`create_guards` after; ``tests/integration/test_store_guards.py`` checks that every
+guard exists after the migrations on both databases.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import Connection
+
+#: Tables whose rows never change once written.
+IMMUTABLE_TABLES = ("package", "hypothesis_birth", "ledger_entry", "artifact", "blob",
+                    "checkpoint", "stage_run", "plan")
+
+#: Table -> (SQL condition on ``OLD`` under which the row is still open, the columns that
+#: may change while it is).
+GUARDED_TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "evidence": ("NOT OLD.assessed", ("assessed", "assessment_score", "refund_units")),
+    "question": ("OLD.status = 'open'", ("status", "resolved_step", "resolution_evidence_json")),
+    "revision": ("OLD.policy_json IS NULL", ("policy_json", "policy_sha256")),
+}
+
+#: Prefix of every trigger (and PostgreSQL function) this module creates.
+PREFIX = "guard_"
+#: The marker in every refusal message.
+CODE = "STORE_IMMUTABLE"
+
+
+def _message(table: str) -> str:
+    return (f"{CODE}: {table} rows are published facts and cannot be changed or deleted; "
+            "a new fact is a new row")
+
+
+def create_guards(conn: Connection) -> None:
+    """Create every guard (idempotent on SQLite: existing triggers are kept)."""
+    if conn.dialect.name == "postgresql":
+        _create_postgres(conn)
+    else:
+        _create_sqlite(conn)
+
+
+def drop_guards(conn: Connection) -> None:
+    """Drop every guard. For migrations that recreate a guarded table, and for tests that
+    show what the replay finds when someone with DDL rights rewrites the store."""
+    if conn.dialect.name == "postgresql":
+        for table in (*IMMUTABLE_TABLES, *GUARDED_TABLES):
+            conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table} ON "{table}"')
+            conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_truncate '
+                                 f'ON "{table}"')
+        for table in GUARDED_TABLES:
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {PREFIX}{table}_fn()")
+        conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {PREFIX}refuse()")
+        return
+    for (name,) in conn.exec_driver_sql(
+            "SELECT name FROM sqlite_master WHERE type = 'trigger' AND name LIKE ?",
+            (f"{PREFIX}%",)).all():
+        conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS "{name}"')
+
+
+def guard_names(conn: Connection) -> set[str]:
+    """The names of the guard triggers present (for checks and tests)."""
+    if conn.dialect.name == "postgresql":
+        rows = conn.exec_driver_sql(
+            "SELECT t.tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = current_schema() AND NOT t.tgisinternal").all()
+    else:
+        rows = conn.exec_driver_sql(
+            "SELECT name FROM sqlite_master WHERE type = 'trigger'").all()
+    return {r[0] for r in rows if str(r[0]).startswith(PREFIX)}
+
+
+def expected_guard_names(dialect: str) -> set[str]:
+    """The trigger names :func:`create_guards` creates on ``dialect``."""
+    tables = (*IMMUTABLE_TABLES, *GUARDED_TABLES)
+    if dialect == "postgresql":
+        return {f"{PREFIX}{t}" for t in tables} | {f"{PREFIX}{t}_truncate" for t in tables}
+    return {f"{PREFIX}{t}_update" for t in tables} | {f"{PREFIX}{t}_delete" for t in tables}
+
+
+def _create_sqlite(conn: Connection) -> None:
+    for table in IMMUTABLE_TABLES:
+        for op in ("UPDATE", "DELETE"):
+            conn.exec_driver_sql(
+                f'CREATE TRIGGER IF NOT EXISTS {PREFIX}{table}_{op.lower()} BEFORE {op} '
+                f'ON "{table}" BEGIN SELECT RAISE(ABORT, \'{_message(table)}\'); END')
+    for table, (is_open, mutable) in GUARDED_TABLES.items():
+        columns = [r[1] for r in conn.exec_driver_sql(f'PRAGMA table_info("{table}")').all()]
+        frozen = " OR ".join(f'NEW."{c}" IS NOT OLD."{c}"' for c in columns
+                             if c not in mutable)
+        conn.exec_driver_sql(
+            f'CREATE TRIGGER IF NOT EXISTS {PREFIX}{table}_update BEFORE UPDATE ON "{table}" '
+            f"WHEN NOT ({is_open}) OR {frozen} "
+            f"BEGIN SELECT RAISE(ABORT, '{_message(table)}'); END")
+        conn.exec_driver_sql(
+            f'CREATE TRIGGER IF NOT EXISTS {PREFIX}{table}_delete BEFORE DELETE ON "{table}" '
+            f"BEGIN SELECT RAISE(ABORT, '{_message(table)}'); END")
+
+
+def _create_postgres(conn: Connection) -> None:
+    conn.exec_driver_sql(
+        f"CREATE OR REPLACE FUNCTION {PREFIX}refuse() RETURNS trigger LANGUAGE plpgsql AS $$ "
+        f"BEGIN RAISE EXCEPTION '{CODE}: %% rows are published facts and cannot be changed "
+        "or deleted; a new fact is a new row', TG_TABLE_NAME USING ERRCODE = '55000'; "
+        "END $$")
+    for table in IMMUTABLE_TABLES:
+        _pg_triggers(conn, table, f"{PREFIX}refuse()", "UPDATE OR DELETE")
+    for table, (is_open, mutable) in GUARDED_TABLES.items():
+        keep = ", ".join(f"'{c}'" for c in mutable)
+        conn.exec_driver_sql(
+            f"CREATE OR REPLACE FUNCTION {PREFIX}{table}_fn() RETURNS trigger "
+            f"LANGUAGE plpgsql AS $$ BEGIN "
+            f"IF TG_OP = 'UPDATE' AND ({is_open}) AND "
+            f"(to_jsonb(NEW) - ARRAY[{keep}]) = (to_jsonb(OLD) - ARRAY[{keep}]) "
+            f"THEN RETURN NEW; END IF; "
+            f"RAISE EXCEPTION '{_message(table)}' USING ERRCODE = '55000'; END $$")
+        _pg_triggers(conn, table, f"{PREFIX}{table}_fn()", "UPDATE OR DELETE")
+
+
+def _pg_triggers(conn: Connection, table: str, function: str, ops: str) -> None:
+    conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table} ON "{table}"')
+    conn.exec_driver_sql(f'CREATE TRIGGER {PREFIX}{table} BEFORE {ops} ON "{table}" '
+                         f"FOR EACH ROW EXECUTE FUNCTION {function}")
+    conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_truncate ON "{table}"')
+    conn.exec_driver_sql(f'CREATE TRIGGER {PREFIX}{table}_truncate BEFORE TRUNCATE '
+                         f'ON "{table}" FOR EACH STATEMENT EXECUTE FUNCTION {PREFIX}refuse()')

@@ -1,0 +1,303 @@
+"""The compact store (issue 13), on SQLite and PostgreSQL alike: artifact bytes are stored
+once, compressed and as deltas, read back exactly; the guards refuse rewriting published
+rows; migration ``0007_compact_store`` moves an existing store's bytes without
+changing one of them, and a migrated case continues exactly as it would have."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import delete, text, update
+from sqlmodel import col, select
+from typer.testing import CliRunner
+
+from investigation import operations
+from investigation.errors import StoreError
+from investigation.loop import checkpoints
+from investigation.store import Store, blobs, guards
+from investigation.store.migrate import upgrade
+from investigation.store.models import (
+    Artifact,
+    Blob,
+    Checkpoint,
+    Evidence,
+    LedgerEntry,
+    Question,
+    RevisionRecord,
+    StageRun,
+)
+from tests.casekit import Case, make_case, refused_by_store
+
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+def _url(request: pytest.FixtureRequest, tmp_path: Path, name: str) -> str:
+    if request.param == "postgres":
+        if name == "a":
+            return str(request.getfixturevalue("postgres_url"))
+        return str(request.getfixturevalue("second_postgres_url"))
+    return f"sqlite:///{tmp_path / (name + '.db')}"
+
+
+@pytest.fixture
+def second_postgres_url(postgres_url: str) -> Any:
+    """Another fresh schema on the test server (the first is ``postgres_url``'s)."""
+    import uuid
+
+    base, _, _ = postgres_url.partition("?")
+    schema = "t_" + uuid.uuid4().hex[:12]
+    admin = sa.create_engine(base)
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    try:
+        yield f"{base}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+        admin.dispose()
+
+
+def _run(case: Case, steps: int | None = None) -> None:
+    inv = case.investigator()
+    done = 0
+    while steps is None or done < steps:
+        if inv.step(case.case_id).outcome == "COMPLETED":
+            return
+        done += 1
+
+
+def _tree(store: Store, case_id: str, root: Path) -> dict[str, bytes]:
+    operations.export(store, case_id, root)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+# -- bytes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_bytes_are_exact_deduplicated_and_stored_as_bounded_deltas(backend: str) -> None:
+    store = Store(backend)
+    store.create_schema()
+    base = b'{"evidence":[' + b",".join(b'{"id":"E%d","x":"%s"}' % (i, b"y" * 40)
+                                        for i in range(200)) + b"]}"
+    versions = [base[:-2] + b',{"id":"N%d"}]}' % i for i in range(blobs.MAX_DELTA_DEPTH + 3)]
+    with store.session() as s:
+        for i, data in enumerate(versions):
+            Store.put_artifact(s, "c1", f"analysis/investigation/{i + 1:04d}/context.json",
+                               data)
+        Store.put_artifact(s, "c2", "analysis/investigation/0001/context.json", versions[0])
+    with store.session() as s:
+        rows = s.exec(select(Blob)).all()
+        assert len(rows) == len(versions)  # c2's copy is the same blob
+        depths = [r.depth for r in sorted(rows, key=lambda r: versions.index(
+            next(v for v in versions if hashlib.sha256(v).hexdigest() == r.sha256)))]
+        assert depths[0] == 0 and depths[1] == 1
+        assert max(depths) == blobs.MAX_DELTA_DEPTH  # then a new keyframe
+        assert depths[blobs.MAX_DELTA_DEPTH + 1] == 0
+        deltas = [r for r in rows if r.encoding == blobs.ENCODING_DELTA]
+        assert all(len(r.data) < 200 for r in deltas)  # a delta costs what it adds
+        for i, data in enumerate(versions):
+            art = Store.get_artifact(s, "c1", f"analysis/investigation/{i + 1:04d}/context.json",
+                                     cache=blobs.ByteCache())
+            assert art is not None and art.data == data
+            assert art.sha256 == hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return _url(request, tmp_path, "a")
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_damaged_bytes_are_never_returned(backend: str) -> None:
+    store = Store(backend)
+    store.create_schema()
+    with store.session() as s:
+        sha = Store.put_artifact(s, "c", "analysis/investigation/0001/state.json", b"{}" * 50)
+    with store.engine.begin() as conn:
+        guards.drop_guards(conn)
+        conn.execute(update(Blob).where(col(Blob.sha256) == sha)
+                     .values(data=blobs.compress(b"[]" * 50)))
+    with pytest.raises(StoreError) as err, store.session() as s:
+        Store.get_artifact(s, "c", "analysis/investigation/0001/state.json",
+                           cache=blobs.ByteCache())
+    assert err.value.code == "STORE_ARTIFACT_CORRUPT"
+
+
+# -- guards --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_every_guard_exists_after_the_migrations(backend: str) -> None:
+    store = Store(backend)
+    store.create_schema()
+    with store.engine.connect() as conn:
+        assert guards.guard_names(conn) == guards.expected_guard_names(conn.dialect.name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_published_rows_are_refused_and_open_ones_change_once(backend: str,
+                                                              tmp_path: Path) -> None:
+    case = make_case(tmp_path / "c", database_url=backend)
+    _run(case)
+    store = case.store
+    cid = case.case_id
+    for table in (Artifact, Blob, Checkpoint, StageRun, LedgerEntry):
+        refused_by_store(store, delete(table))
+    refused_by_store(store, update(Artifact).values(sha256="0" * 64))
+    refused_by_store(store, update(Checkpoint).values(outcome="COMPLETED"))
+    refused_by_store(store, update(StageRun).values(output_json="{}"))
+    refused_by_store(store, update(RevisionRecord).values(policy_json="{}"))  # frozen
+    refused_by_store(store, update(Evidence).where(col(Evidence.evidence_id) == "E1")
+                     .values(refund_units=0))  # assessed
+    refused_by_store(store, update(Evidence).values(findings_json="[]"))
+    refused_by_store(store, update(Question).values(status="open"))  # resolved
+    refused_by_store(store, delete(Evidence))
+    if store.engine.dialect.name == "postgresql":
+        refused_by_store(store, text("TRUNCATE checkpoint"))
+    # What the engine itself does is allowed: an open record is assessed once, an open
+    # question resolved once, a revision's policy frozen once.
+    with store.session() as s:
+        s.add(Evidence(case_id=cid, revision=2, step_seq=99, ordinal=99, evidence_id="E99",
+                       hypothesis_id=1, operation="db.tables", arguments_json="{}",
+                       findings_json="[]", item_keys_json="[]", warnings_json="[]",
+                       fingerprint="f", item_count=0, new_item_count=0, cost_units=1,
+                       artifact_path="p", artifact_sha256="s"))
+        s.add(Question(case_id=cid, revision=2, ordinal=99, question_id="Q99",
+                       hypothesis_id=1, text="?", created_step=99))
+        s.add(RevisionRecord(case_id=cid, revision=2, interpretation_json="{}",
+                             hypotheses_sha256="h"))
+    with store.session() as s:
+        s.execute(update(Evidence).where(col(Evidence.evidence_id) == "E99")
+                  .values(assessed=True, assessment_score=50, refund_units=0))
+        s.execute(update(Question).where(col(Question.question_id) == "Q99")
+                  .values(status="resolved", resolved_step=100))
+        s.execute(update(RevisionRecord).where(col(RevisionRecord.revision) == 2)
+                  .values(policy_json="{}", policy_sha256="x"))
+    refused_by_store(store, update(Evidence).where(col(Evidence.evidence_id) == "E99")
+                     .values(assessed=False))
+
+
+def test_verify_cli_reports_an_intact_case_and_the_first_difference(tmp_path: Path,
+                                                                     monkeypatch: Any) -> None:
+    from workers.cli import app
+
+    case = make_case(tmp_path / "c")
+    _run(case)
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    runner = CliRunner()
+    ok = runner.invoke(app, ["verify", case.case_id, "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert '"checkpoints": 5' in ok.output and '"live_rows": "checked"' in ok.output
+    with case.store.engine.begin() as conn:
+        guards.drop_guards(conn)
+        conn.execute(update(StageRun).where(col(StageRun.step_seq) == 2,
+                                            col(StageRun.stage) == "build_context")
+                     .values(output_json='{"finalize":false}'))
+    bad = runner.invoke(app, ["verify", case.case_id])
+    assert bad.exit_code == 2
+    assert "CHECKPOINT_INVALID" in bad.output and "checkpoint 2" in bad.output
+
+
+# -- migration -----------------------------------------------------------------------------
+
+
+def _copy_to_0005(source: Store, target_url: str) -> Store:
+    """A store at migration 0005 holding ``source``'s rows, artifact bytes inline (the
+    layout before issue 13)."""
+    target = Store(target_url)
+    upgrade(target.engine, "0005_case_session")
+    meta = sa.MetaData()
+    meta.reflect(target.engine)
+    arts: dict[tuple[str, str], bytes] = {}
+    with source.session() as s:
+        for case_id in s.exec(select(Artifact.case_id).distinct()).all():
+            for a in Store.artifacts(s, case_id):
+                arts[(case_id, a.path)] = a.data
+    with source.engine.connect() as src, target.engine.begin() as dst:
+        for table in meta.sorted_tables:
+            if table.name == "alembic_version":
+                continue
+            columns = [c for c in table.columns
+                       if not (table.name == "artifact" and c.name == "data")]
+            rows = [dict(r._mapping) for r in src.execute(sa.select(*columns))]
+            if table.name == "artifact":
+                for r in rows:
+                    r["data"] = arts[(r["case_id"], r["path"])]
+            if rows:
+                dst.execute(table.insert(), rows)
+        if target.engine.dialect.name == "postgresql":
+            for table in meta.sorted_tables:
+                if "id" in table.columns and isinstance(table.c.id.type, sa.Integer):
+                    dst.exec_driver_sql(
+                        f"SELECT setval(pg_get_serial_sequence('\"{table.name}\"', 'id'), "
+                        f"coalesce((SELECT max(id) FROM \"{table.name}\"), 1))")
+    return target
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_migration_moves_every_byte_and_the_case_continues_as_it_would_have(
+        backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    reference = make_case(tmp_path / "ref")
+    _run(reference)
+    expected = _tree(reference.store, reference.case_id, tmp_path / "ref-out")
+
+    halfway = make_case(tmp_path / "half", database_url=backend)
+    _run(halfway, steps=3)
+    before = _tree(halfway.store, halfway.case_id, tmp_path / "half-out")
+    with halfway.store.session() as s:
+        digests = s.exec(select(Checkpoint.archive_digest).order_by(
+            col(Checkpoint.seq))).all()
+    other_url = (str(request.getfixturevalue("second_postgres_url"))
+                 if backend.startswith("postgresql") else f"sqlite:///{tmp_path / 'old.db'}")
+    old = _copy_to_0005(halfway.store, other_url)
+    with old.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM artifact WHERE length(data) > 0") \
+            .scalar_one() == len(before) - 1  # every file but manifest.json, inline
+    old.create_schema()  # 0006: bytes to blobs, digests, guards
+    with old.session() as s:
+        assert s.exec(select(Checkpoint.archive_digest).order_by(
+            col(Checkpoint.seq))).all() == digests
+        encodings = {b.encoding for b in s.exec(select(Blob)).all()}
+        assert encodings == {blobs.ENCODING_WHOLE, blobs.ENCODING_DELTA}
+        assert checkpoints.verify_chain(s, halfway.case_id) == 3
+    assert _tree(old, halfway.case_id, tmp_path / "migrated-out") == before
+    assert operations.verify(old, halfway.case_id)["live_rows"] == "checked"
+    with old.engine.connect() as conn:
+        assert guards.guard_names(conn) == guards.expected_guard_names(conn.dialect.name)
+    migrated = Case(old, halfway.case_id, halfway.package, halfway.replies_path,
+                    halfway.providers_path, halfway.root)
+    _run(migrated)
+    assert _tree(old, halfway.case_id, tmp_path / "done-out") == expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_downgrade_puts_the_bytes_back_inline_and_upgrading_again_changes_nothing(
+        backend: str, tmp_path: Path) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    from investigation.store.migrate import MIGRATIONS
+
+    case = make_case(tmp_path / "c", database_url=backend)
+    _run(case)
+    before = _tree(case.store, case.case_id, tmp_path / "before")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with case.store.engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0005_case_session")
+        conn.commit()
+    with case.store.engine.connect() as conn:
+        rows = conn.execute(text("SELECT sha256, data FROM artifact")).all()
+        assert rows and all(hashlib.sha256(bytes(d)).hexdigest() == sha for sha, d in rows)
+        assert guards.guard_names(conn) == set()
+    case.store.dispose()
+    again = Store(case.store.url)
+    again.create_schema()
+    assert _tree(again, case.case_id, tmp_path / "after") == before
