@@ -217,9 +217,9 @@ class ProviderConfig(_Strict):
     tokenizer: Literal["estimate", "llama.cpp", "llama-cpp-python", "vllm"] = "estimate"
     """Where exact prompt token counts come from before a request is sent: the estimate
     only, or the server's own tokenize endpoint of that server kind."""
-    input_price_per_mtok: float | None = Field(None, ge=0, allow_inf_nan=False)
+    input_price_per_mtok: float | None = Field(None, ge=0, le=1_000_000, allow_inf_nan=False)
     """Price of one million input (prompt) tokens, in ``limits.currency``."""
-    output_price_per_mtok: float | None = Field(None, ge=0, allow_inf_nan=False)
+    output_price_per_mtok: float | None = Field(None, ge=0, le=1_000_000, allow_inf_nan=False)
     """Price of one million output (completion) tokens, in ``limits.currency``."""
 
     @field_validator("name")

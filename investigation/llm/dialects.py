@@ -25,10 +25,15 @@ schema``)                                                  ranges as enums
 ``none``       not sent                                    no schema is sent
 =============  ==========================================  ============================
 
-Every transform only narrows or re-spells the schema: a reply it admits is admitted by
-the per-turn schema, except that ``openai`` may send an absent optional value as
-``null`` (the reply reader drops a ``null`` optional query argument,
-``NULL_OPTIONAL_ARGUMENT``; ``early_diagnosis: null`` is the contract's own "absent").
+A transform narrows, re-spells or widens the schema; it never adds a rule the validator
+does not have. Where a converter or an API cannot take a rule, the transform drops it and
+the validator alone enforces it: ``openai`` drops length keywords, widens enums past
+OpenAI's limits to plain strings (:func:`_fit_openai_enums`) and may send an absent
+optional value as ``null`` (the reply reader drops a ``null`` optional query argument,
+``NULL_OPTIONAL_ARGUMENT``; ``early_diagnosis: null`` is the contract's own "absent");
+the grammar dialects cap string lengths and write a string enum holding a character the
+converter mis-copies as a plain string. A reply the sent schema admits can so still be
+rejected by validation, with a reason the next turn carries back.
 """
 
 from __future__ import annotations
@@ -48,6 +53,12 @@ DIALECT_ALIASES = {
 GRAMMAR_MAX_STRING_CHARS = 1000
 #: Largest integer range written out as an enum by :func:`grammar_friendly`.
 GRAMMAR_MAX_ENUM_RANGE = 1000
+#: OpenAI's limits on enums in a strict schema ("Supported schemas", "Objects have
+#: limitations on nesting depth and size"): values in all enums, and the total length of
+#: one string enum's values once it has more than :data:`OPENAI_LONG_ENUM_VALUES`.
+OPENAI_MAX_ENUM_VALUES = 1000
+OPENAI_LONG_ENUM_VALUES = 250
+OPENAI_MAX_LONG_ENUM_CHARS = 7500
 #: Keywords OpenAI's strict mode accepts (structured outputs, "Supported schemas").
 OPENAI_STRICT_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "enum", "const",
@@ -134,11 +145,28 @@ def cap_strings(schema: dict[str, Any], max_chars: int) -> dict[str, Any]:
     return result
 
 
+def _grammar_safe(value: Any) -> bool:
+    """Whether a converter that copies a JSON string literal into GBNF writes it right:
+    llama-cpp-python's does not escape a backslash it copies, so a quote, a backslash or a
+    control character in an enum value gives a grammar llama.cpp refuses (and a server
+    that dies on it)."""
+    return not isinstance(value, str) or not any(
+        ch in '"\\' or ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in value)
+
+
 def grammar_friendly(schema: dict[str, Any], max_chars: int) -> dict[str, Any]:
     """The llama.cpp-converter form: strings capped at ``max_chars``; an integer with both
     ``minimum`` and ``maximum`` spanning at most :data:`GRAMMAR_MAX_ENUM_RANGE` values
-    becomes an ``enum`` (llama-cpp-python's converter ignores the bounds)."""
-    def ints(node: dict[str, Any]) -> dict[str, Any]:
+    becomes an ``enum`` (llama-cpp-python's converter ignores the bounds); a string enum
+    holding a value the converter cannot copy safely (:func:`_grammar_safe`, e.g. a table
+    name with a quote in a hostile snapshot) becomes a plain string of that length (the
+    validator still checks the name)."""
+    def per_node(node: dict[str, Any]) -> dict[str, Any]:
+        values = node.get("enum")
+        if isinstance(values, list) and not all(_grammar_safe(v) for v in values):
+            longest = max(len(v) for v in values if isinstance(v, str))
+            return {k: v for k, v in node.items() if k != "enum"} | {
+                "type": "string", "minLength": 1, "maxLength": min(longest, max_chars)}
         if node.get("type") == "integer" and "minimum" in node and "maximum" in node:
             low, high = int(node["minimum"]), int(node["maximum"])
             if 0 <= high - low < GRAMMAR_MAX_ENUM_RANGE:
@@ -147,7 +175,7 @@ def grammar_friendly(schema: dict[str, Any], max_chars: int) -> dict[str, Any]:
                 return rest
         return node
 
-    result: dict[str, Any] = _walk(cap_strings(schema, max_chars), ints)
+    result: dict[str, Any] = _walk(cap_strings(schema, max_chars), per_node)
     return result
 
 
@@ -190,5 +218,64 @@ def openai_strict(schema: dict[str, Any]) -> dict[str, Any]:
             node["additionalProperties"] = False
         return node
 
-    result: dict[str, Any] = _walk(_merge_roots(schema), strict)
+    result: dict[str, Any] = _fit_openai_enums(_walk(_merge_roots(schema), strict))
     return result
+
+
+def _enum_nodes(schema: Any) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+
+    def visit(node: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(node.get("enum"), list):
+            found.append(node)
+        return node
+
+    _walk_in_place(schema, visit)
+    return found
+
+
+def _walk_in_place(schema: Any, fn: Any) -> None:
+    """Call ``fn`` on every sub-schema of ``schema`` (the same keys as :func:`_walk`)."""
+    if isinstance(schema, list):
+        for sub in schema:
+            _walk_in_place(sub, fn)
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in ("properties", "$defs") and isinstance(value, dict):
+            for sub in value.values():
+                _walk_in_place(sub, fn)
+        elif (key in ("items", "additionalProperties") and isinstance(value, dict)) or (key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list)):
+            _walk_in_place(value, fn)
+    fn(schema)
+
+
+def _fit_openai_enums(schema: dict[str, Any]) -> dict[str, Any]:
+    """Widen enums until the schema is within OpenAI's enum limits: a string enum of more
+    than :data:`OPENAI_LONG_ENUM_VALUES` values longer than
+    :data:`OPENAI_MAX_LONG_ENUM_CHARS` in total becomes a plain string, then the largest
+    enums become plain strings (or integer ranges) until all hold at most
+    :data:`OPENAI_MAX_ENUM_VALUES` values. The validator still checks every value (a
+    snapshot with thousands of tables, a hypothesis with many questions)."""
+    def widen(node: dict[str, Any]) -> None:
+        values = node.pop("enum")
+        if values and all(type(v) is int for v in values):
+            node.update(type="integer", minimum=min(values), maximum=max(values))
+        else:
+            node["type"] = "string"
+
+    nodes = _enum_nodes(schema)
+    for node in nodes:
+        values = node["enum"]
+        if len(values) > OPENAI_LONG_ENUM_VALUES and sum(
+                len(v) for v in values if isinstance(v, str)) > OPENAI_MAX_LONG_ENUM_CHARS:
+            widen(node)
+    nodes = sorted((n for n in nodes if "enum" in n), key=lambda n: -len(n["enum"]))
+    total = sum(len(n["enum"]) for n in nodes)
+    for node in nodes:
+        if total <= OPENAI_MAX_ENUM_VALUES:
+            break
+        total -= len(node["enum"])
+        widen(node)
+    return schema

@@ -87,9 +87,12 @@ from investigation.llm.tokens import PromptBudget, output_budget, prompt_budget
 from investigation.llm.types import (
     PROVIDER_BAD_CONFIG,
     PROVIDER_CREDENTIALS,
+    PROVIDER_CREDENTIALS_MISSING,
     PROVIDER_INTERRUPTED,
     PROVIDER_REQUEST_REJECTED,
+    PROVIDER_REQUEST_TOO_LARGE,
     PROVIDER_UNEXPECTED,
+    PROVIDER_UNREACHABLE,
     Blocked,
     ChatRequest,
     GatewayOutcome,
@@ -154,6 +157,25 @@ class _InFlight(Exception):
     def __init__(self, until: datetime) -> None:
         super().__init__("attempt in flight")
         self.until = until
+
+
+#: Failure codes of attempts whose request never reached a server.
+_NOT_SENT_CODES = frozenset({
+    PROVIDER_UNREACHABLE, PROVIDER_CREDENTIALS_MISSING, PROVIDER_BAD_CONFIG,
+})
+
+
+def _was_sent(failure: Failure) -> bool:
+    """Whether a failed attempt's request left this process (money: an unsent request
+    costs nothing). A too-large refusal without an HTTP status is this side's own."""
+    if failure.code in _NOT_SENT_CODES:
+        return False
+    return not (failure.code == PROVIDER_REQUEST_TOO_LARGE and failure.http_status is None)
+
+
+def _sent_max_tokens(request: ChatRequest, config: ProviderConfig) -> int | None:
+    """The output cap a request carried: its own, else the provider's."""
+    return request.max_tokens if request.max_tokens is not None else config.max_tokens
 
 
 @dataclass
@@ -556,18 +578,23 @@ class LLMGateway:
             reserved = budget.reserved_micros if budget is not None else None
             if reply is not None:
                 cost = None if config is None else spend.settled_micros(
-                    config, reserved, answered=True, succeeded=True,
-                    prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+                    config, reserved, spend.Attempted(
+                        len(request_bytes), _sent_max_tokens(request, config), sent=True,
+                        answered=True, succeeded=True, prompt_tokens=reply.prompt_tokens,
+                        completion_tokens=reply.completion_tokens))
                 return self._finish_success(
                     case_id, step_seq, state, attempt_no, provider.name, request_sha, reply, now,
                     cost,
                 )
             assert failure is not None
             if config is not None:
+                prompt_used, completion_used = spend.usage_of(failure.raw)
                 failure = dataclasses.replace(failure, cost_micros=spend.settled_micros(
-                    config, reserved,
-                    answered=failure.http_status is not None, succeeded=False,
-                    prompt_tokens=None, completion_tokens=None))
+                    config, reserved, spend.Attempted(
+                        len(request_bytes), _sent_max_tokens(request, config),
+                        sent=_was_sent(failure), answered=failure.http_status is not None,
+                        succeeded=False, prompt_tokens=prompt_used,
+                        completion_tokens=completion_used)))
             state.attempts_made = attempt_no
             if failure.kind == "credentials":
                 code = failure.code if failure.code.startswith(PROVIDER_CREDENTIALS) else (

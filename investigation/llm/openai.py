@@ -282,13 +282,9 @@ class OpenAIProvider:
         output = req.max_tokens or output_budget(self.config)
         count, method = None, f"estimate at {self.config.bytes_per_token:g} bytes per token"
         if self.config.tokenizer != "estimate":
-            try:
-                with self._client() as client:
-                    count = tokens.server_count(self.config, req.messages, client, headers)
+            count = self._server_count(req, headers)
+            if count is not None:
                 method = f"the server's {self.config.tokenizer} tokenizer"
-            except (ValueError, *HTTPX_ERRORS) as exc:
-                log.info("provider %r: tokenize failed (%s); using the estimate", self.name,
-                         type(exc).__name__)
         if count is None:
             count = tokens.estimate_tokens(req.messages, self.config.bytes_per_token)
         if count + output > window:
@@ -300,11 +296,48 @@ class OpenAIProvider:
                 "max_tokens, or lower limits.max_context_bytes",
                 provider=self.name, prompt_tokens=count, context_window_tokens=window)
 
+    def _server_count(self, req: ChatRequest, headers: dict[str, str]) -> int | None:
+        """The server's token count of ``req``'s messages within ``timeout_s`` in total
+        (a helper thread, closed at the deadline, as for the chat exchange), or ``None``
+        when the tokenizer fails, is too slow or answers implausibly (the estimate is
+        used then)."""
+        outcome: list[Any] = []
+        clients: list[httpx.Client] = []
+        done = threading.Event()
+        deadline = time.monotonic() + self.config.timeout_s
+
+        def work() -> None:
+            try:
+                with self._client() as client:
+                    clients.append(client)
+                    outcome.append(tokens.server_count(self.config, req.messages, client,
+                                                       headers, deadline))
+            except BaseException as exc:
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name=f"tokenize-{self.name}", daemon=True).start()
+        if not done.wait(self.config.timeout_s + 1.0):
+            for client in clients:
+                with contextlib.suppress(Exception):
+                    client.close()
+            log.info("provider %r: tokenize took longer than timeout_s; using the estimate",
+                     self.name)
+            return None
+        if isinstance(outcome[0], BaseException):
+            log.info("provider %r: tokenize failed (%s); using the estimate", self.name,
+                     type(outcome[0]).__name__)
+            return None
+        return int(outcome[0])
+
     def _api_key(self) -> str | None:
         var = self.config.api_key_env
         if not var:
             return None
-        key = self._env.get(var)
+        # A key read from a file often ends in a newline: surrounding whitespace is not
+        # part of any key (and a header with it would fail, quoting the key).
+        key = (self._env.get(var) or "").strip()
         if not key:
             raise ProviderCredentialsError(
                 PROVIDER_CREDENTIALS_MISSING,
@@ -313,6 +346,12 @@ class OpenAIProvider:
                 provider=self.name,
                 api_key_env=var,
             )
+        if any(ch.isspace() or not ch.isprintable() for ch in key):
+            raise ProviderCredentialsError(
+                PROVIDER_CREDENTIALS_MISSING,
+                f"provider {self.name!r}: the key in {var} holds whitespace or control "
+                "characters inside it; export the key alone", provider=self.name,
+                api_key_env=var)
         return key
 
     @contextlib.contextmanager

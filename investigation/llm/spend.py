@@ -16,15 +16,18 @@ where ``max_tokens`` is the provider's output budget, lowered so the reservation
 the case's cap (``limits.max_model_cost``) leaves; below :data:`MIN_OUTPUT_TOKENS` the call
 is refused (``MODEL_COST_CAP_REACHED``, the case blocks ``MODEL_COST_CAP``). While a cap is
 set, a provider without prices is not used (``PROVIDER_PRICE_UNKNOWN``). After the
-attempt the reservation is settled (:func:`settled_micros`): actual usage when the server
-reports it, nothing for an error answer, the reservation when no answer came (the server
-may have done the work).
+attempt the reservation is settled (:func:`settled_micros`): nothing when the request never
+left this process; the usage the server reports (each count clamped to what the request
+allows) when it reports some; nothing for an error answer without usage; the reservation
+when no answer came (the server may have done the work).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from sqlmodel import Session, col, func, select
 
@@ -101,17 +104,72 @@ def plan_call(config: ProviderConfig, prompt_tokens: int,
     return CallBudget(prompt_cost + cost_micros(config, 0, want), want)
 
 
-def settled_micros(config: ProviderConfig, reserved: int | None, *, answered: bool,
-                   succeeded: bool, prompt_tokens: int | None,
-                   completion_tokens: int | None) -> int | None:
-    """What a finished attempt cost (see the module docstring); ``None`` if unpriced."""
+@dataclass(frozen=True)
+class Attempted:
+    """What an attempt sent and got, for its settlement.
+
+    Attributes:
+        request_bytes: the size of the request sent (bounds the prompt tokens a server
+            can truthfully report: a token covers at least one byte).
+        max_tokens: the output cap sent, if any (bounds the completion tokens).
+        sent: whether the request left this process (a refusal before sending, a
+            connection that never opened, a key that is not set: nothing was sent).
+        answered: whether an HTTP answer came back.
+        succeeded: whether it was a chat completion.
+        prompt_tokens, completion_tokens: usage the server reported, if any.
+    """
+
+    request_bytes: int
+    max_tokens: int | None
+    sent: bool
+    answered: bool
+    succeeded: bool
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def settled_micros(config: ProviderConfig, reserved: int | None, attempt: Attempted
+                   ) -> int | None:
+    """What a finished attempt cost; ``None`` if the provider is unpriced.
+
+    Reported usage (of a success, or of an answer that refused) is charged, each count
+    clamped to what the request allows (prompt tokens to its bytes, completion tokens to
+    its ``max_tokens``): a server cannot bill past what it was sent. An attempt never sent
+    costs nothing, an error answer without usage nothing, an attempt without an answer
+    its reservation (the server may have done the work).
+    """
     if not priced(config):
         return None
-    if succeeded and prompt_tokens is not None and completion_tokens is not None:
-        return cost_micros(config, prompt_tokens, completion_tokens)
-    if answered and not succeeded:
+    if not attempt.sent:
+        return 0
+    if attempt.prompt_tokens is not None and attempt.completion_tokens is not None:
+        prompt = min(attempt.prompt_tokens, attempt.request_bytes)
+        completion = attempt.completion_tokens if attempt.max_tokens is None \
+            else min(attempt.completion_tokens, attempt.max_tokens)
+        return cost_micros(config, prompt, completion)
+    if attempt.answered:
         return 0
     return reserved
+
+
+def usage_of(raw: bytes | None) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of an answer body that is not a completion
+    (a refusal can still report usage), or ``(None, None)``."""
+    if not raw or len(raw) > 1 << 20:
+        return None, None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None, None
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(usage, dict):
+        return None, None
+
+    def count(value: Any) -> int | None:
+        ok = type(value) is int and 0 <= value < 2**31
+        return value if ok else None
+
+    return count(usage.get("prompt_tokens")), count(usage.get("completion_tokens"))
 
 
 def case_spent_micros(s: Session, case_id: str) -> int:

@@ -18,7 +18,9 @@ far the context is shrunk when it is built.
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -78,8 +80,10 @@ def prompt_budget(config: ProviderConfig) -> PromptBudget | None:
 
 # -- exact counts from the server's own tokenizer ------------------------------------------
 
-#: Largest tokenize answer read (bytes).
+#: Largest tokenize answer read (bytes, decoded).
 MAX_TOKENIZE_RESPONSE_BYTES = 4 << 20
+#: Most tokens a text can count per UTF-8 byte (a token covers at least one byte).
+MAX_TOKENS_PER_BYTE = 1
 
 
 def _server_root(base_url: str) -> str:
@@ -88,7 +92,8 @@ def _server_root(base_url: str) -> str:
 
 
 def server_count(config: ProviderConfig, messages: list[dict[str, Any]],
-                 client: httpx.Client, headers: dict[str, str]) -> int:
+                 client: httpx.Client, headers: dict[str, str],
+                 deadline: float | None = None) -> int:
     """The prompt tokens of ``messages`` by the server's tokenize endpoint.
 
     ``llama.cpp``: ``POST /tokenize {"content"}`` per message; ``llama-cpp-python``:
@@ -97,42 +102,60 @@ def server_count(config: ProviderConfig, messages: list[dict[str, Any]],
     markers are estimated); ``vllm``: ``POST /tokenize {"model", "messages",
     "add_generation_prompt": true}``, which applies the chat template (exact).
 
+    Every answer is read within ``deadline`` (``time.monotonic()``) and
+    :data:`MAX_TOKENIZE_RESPONSE_BYTES` (decoded), and a count must be plausible: at least
+    one token and at most :data:`MAX_TOKENS_PER_BYTE` per byte of the text counted.
+
     Raises:
-        ValueError: the server's answer is not a count (the caller falls back to the
-            estimate), and any httpx error.
+        ValueError: the server's answer is not a plausible count, too large or too late
+            (the caller falls back to the estimate), and any httpx error.
     """
     assert config.base_url is not None
     root = _server_root(config.base_url)
+    sent = {**headers, "Accept-Encoding": "identity"}
 
     def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = client.post(root + path, json=body, headers=headers)
-        if response.status_code != 200 or len(response.content) > MAX_TOKENIZE_RESPONSE_BYTES:
-            raise ValueError(f"{path} answered HTTP {response.status_code}")
-        doc = response.json()
+        with client.stream("POST", root + path, json=body, headers=sent) as response:
+            if response.status_code != 200:
+                raise ValueError(f"{path} answered HTTP {response.status_code}")
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > MAX_TOKENIZE_RESPONSE_BYTES:
+                    raise ValueError(f"{path} answered more than "
+                                     f"{MAX_TOKENIZE_RESPONSE_BYTES} bytes")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ValueError(f"{path} did not answer in time")
+                chunks.append(chunk)
+        doc = json.loads(b"".join(chunks))
         if not isinstance(doc, dict):
             raise ValueError(f"{path} did not answer a JSON object")
         return doc
+
+    def plausible(count: Any, text_bytes: int) -> int:
+        if type(count) is not int or not 1 <= count <= MAX_TOKENS_PER_BYTE * text_bytes + 64:
+            raise ValueError(f"implausible token count {count!r}")
+        return count
+
+    def size(text: str) -> int:
+        return len(text.encode("utf-8", "surrogatepass"))
 
     if config.tokenizer == "vllm":
         doc = post("/tokenize", {"model": config.model, "add_generation_prompt": True,
                                  "messages": [{"role": m["role"], "content": m["content"]}
                                               for m in messages]})
-        count = doc.get("count")
-        if not isinstance(count, int):
-            raise ValueError("/tokenize gave no count")
-        return count
+        return plausible(doc.get("count"), sum(size(m["content"]) for m in messages))
     total = REPLY_PRIMER_TOKENS
     for message in messages:
+        content = message["content"]
         if config.tokenizer == "llama.cpp":
-            tokens = post("/tokenize", {"content": message["content"]}).get("tokens")
+            tokens = post("/tokenize", {"content": content}).get("tokens")
             if not isinstance(tokens, list):
                 raise ValueError("/tokenize gave no tokens")
-            total += len(tokens)
+            total += plausible(len(tokens), size(content)) if content else 0
         else:
-            count = post("/extras/tokenize/count", {"input": message["content"],
+            count = post("/extras/tokenize/count", {"input": content,
                                                     "model": config.model}).get("count")
-            if not isinstance(count, int):
-                raise ValueError("/extras/tokenize/count gave no count")
-            total += count
+            total += plausible(count, size(content)) if content else 0
         total += MESSAGE_OVERHEAD_TOKENS
     return total

@@ -35,6 +35,7 @@ provider failure and never sleeps.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -282,8 +283,13 @@ GatewayOutcome = Succeeded | RetryPending | Blocked
 
 
 def redact(text: str, secrets: Iterable[str | None]) -> str:
-    """Replace every non-empty secret value in ``text`` with ``***``."""
+    """Replace every non-empty secret value in ``text`` with ``***``: as it is, and as a
+    ``repr`` or a JSON string would spell it (an exception message quotes values that way,
+    escaping a newline, say)."""
     for value in secrets:
         if value:
-            text = text.replace(value, "***")
+            for form in {value, repr(value)[1:-1], json.dumps(value)[1:-1],
+                         value.strip()}:
+                if form:
+                    text = text.replace(form, "***")
     return text

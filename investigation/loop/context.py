@@ -118,6 +118,40 @@ def _last_rejection(s: Session, key: StepKey, account: BudgetAccount) -> dict[st
     return rejection
 
 
+#: The shrunk forms of the rejected reply (characters) and of the report (UTF-8 bytes).
+SHRUNK_REJECTED_REPLY_CHARS = 1000
+SHRUNK_REPORT_BYTES = 4096
+
+
+def _cut_rejected_reply(doc: dict[str, Any]) -> bool:
+    rejection = doc.get("last_rejection")
+    if not isinstance(rejection, dict):
+        return False
+    reply = rejection.get("reply")
+    if not isinstance(reply, str) or len(reply) <= SHRUNK_REJECTED_REPLY_CHARS:
+        return False
+    rejection["reply"] = reply[:SHRUNK_REJECTED_REPLY_CHARS] + " [cut]"
+    return True
+
+
+def _drop_tables(doc: dict[str, Any]) -> bool:
+    snapshot = doc["case"]["snapshot"]
+    if not snapshot.get("tables"):
+        return False
+    snapshot["tables_omitted"] = len(snapshot["tables"])
+    snapshot["tables"] = []
+    return True
+
+
+def _cut_report(doc: dict[str, Any]) -> bool:
+    report = doc["case"]["report"].encode("utf-8")
+    if len(report) <= SHRUNK_REPORT_BYTES:
+        return False
+    doc["case"]["report"] = report[:SHRUNK_REPORT_BYTES].decode("utf-8", errors="ignore")
+    doc["case"]["report_truncated"] = True
+    return True
+
+
 def fit(doc: dict[str, Any], limit: int) -> bytes:
     """Serialise ``doc`` within ``limit`` bytes, shrinking it deterministically if needed.
 
@@ -125,11 +159,14 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
     (``items``, marked ``"items_omitted": true``); compact references get abbreviated
     arguments; the hypothesis keeps only its last note; compact references of other
     hypotheses are dropped (``"evidence_omitted"`` counts them); other hypotheses'
-    questions are dropped (``"questions_omitted"``) and their statements abbreviated;
-    last, the previous result keeps only its first findings, halved until it fits (at
-    least one; ``"items_shown"`` says how many of ``item_count``). The selected
-    hypothesis's questions and the contract are never cut: they are bounded by the
-    contract (questions per hypothesis, text lengths).
+    questions are dropped (``"questions_omitted"``) and their statements abbreviated; the
+    rejected reply carried back is cut to :data:`SHRUNK_REJECTED_REPLY_CHARS`; the table
+    list is dropped (``"tables_omitted"``); the report is cut to
+    :data:`SHRUNK_REPORT_BYTES` (``"report_truncated": true``); last, the previous result
+    keeps only its first findings, halved until it fits (at least one; ``"items_shown"``
+    says how many of ``item_count``). The selected hypothesis's questions and the
+    contract are never cut: they are bounded by the contract (questions per hypothesis,
+    text lengths).
 
     Raises:
         InvestigationError: ``CONTEXT_TOO_LARGE`` when even the smallest form is over.
@@ -170,6 +207,11 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
     data = canonical_json(doc)
     if len(data) <= limit:
         return data
+    for shrink in (_cut_rejected_reply, _drop_tables, _cut_report):
+        if shrink(doc):
+            data = canonical_json(doc)
+            if len(data) <= limit:
+                return data
     result = doc.get("previous_result")
     items = result.get("items") if isinstance(result, dict) else None
     while isinstance(result, dict) and isinstance(items, list) and len(items) > 1:

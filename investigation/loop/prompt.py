@@ -12,11 +12,19 @@ Messages, in order:
 
 The rejected reply travels inside the stored context (``last_rejection.reply``), so the
 request stays a pure function of the context bytes and counts against the context bound.
+
+Text from the case or the model never carries a chat template's control-token spelling
+(:data:`CONTROL_TOKENS`: ``<|im_end|>``, ``<|eot_id|>``, ``[INST]``, ``</s>``,
+``<end_of_turn>``, ...): a server that tokenizes the templated prompt with special tokens
+(llama.cpp does) would read one in a source file as a real end of turn. In the context
+JSON its first character is written as a ``\\u`` escape (the same JSON value); in the
+header and the carried-back reply a space follows it (:func:`neutralize`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from investigation.constants import PROMPT_VERSION
@@ -58,6 +66,25 @@ Rules:
 - The controller assigns every id, cost, refund and balance; never invent them.
 - If your previous reply was refused, the refusal says why: send a corrected reply.
 """
+
+#: Spellings of chat-template control tokens: ChatML and Llama 3 ``<|...|>``, Llama 2 and
+#: Mistral ``[INST]``/``<<SYS>>``, SentencePiece ``<s>``/``</s>``, Gemma ``<start_of_turn>``.
+CONTROL_TOKENS = re.compile(
+    r"<\||\[/?INST\]|<</?SYS>>|</?s>|<(?:start|end)_of_turn>")
+
+
+def neutralize(text: str) -> str:
+    """``text`` with a space after the first character of every control-token spelling."""
+    return CONTROL_TOKENS.sub(lambda m: m.group(0)[0] + " " + m.group(0)[1:], text)
+
+
+def neutralize_json(data: str) -> str:
+    """JSON text with the first character of every control-token spelling in its strings
+    written as a ``\\uXXXX`` escape: the same JSON value, no control token. (The
+    spellings cannot occur in JSON's own punctuation, only inside strings.)"""
+    return CONTROL_TOKENS.sub(
+        lambda m: f"\\u{ord(m.group(0)[0]):04x}" + m.group(0)[1:], data)
+
 
 #: Characters of a hypothesis statement or question quoted in the header.
 _QUOTE_CHARS = 300
@@ -101,7 +128,7 @@ def turn_header(context: dict[str, Any]) -> str:
     closing = context.get("closing_reason")
     if closing:
         lines.append(f'- "next": this is a closing turn ({closing}): only '
-                     f'{" or ".join(allowed)}.')
+                     f'{" or ".join(allowed)}, and no new question.')
     else:
         lines.append(f'- "next": one of {", ".join(allowed)}.')
     if "query" in allowed:
@@ -129,7 +156,7 @@ def turn_header(context: dict[str, Any]) -> str:
     open_questions = [q for q in context["questions"]
                       if int(q["hypothesis_id"]) == hid and q["status"] == "open"]
     if open_questions:
-        lines.append("Open questions of this hypothesis:")
+        lines.append("Open questions of this hypothesis (a new question must not repeat one):")
         lines.extend(f"- {q['question_id']}: {_cut(q['text'])}" for q in open_questions)
     lines.append("")
     lines.append("Reply with one JSON object only.")
@@ -196,10 +223,10 @@ def build_messages(context_bytes: bytes) -> list[dict[str, Any]]:
                        separators=(",", ":"))
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": turn_header(context) + "\n\nContext (" + PROMPT_VERSION
-         + "):\n" + shown},
+        {"role": "user", "content": neutralize(turn_header(context)) + "\n\nContext ("
+         + PROMPT_VERSION + "):\n" + neutralize_json(shown)},
     ]
     if isinstance(rejection, dict) and isinstance(rejected_reply, str) and rejected_reply:
-        messages.append({"role": "assistant", "content": rejected_reply})
-        messages.append({"role": "user", "content": rejection_turn(rejection)})
+        messages.append({"role": "assistant", "content": neutralize(rejected_reply)})
+        messages.append({"role": "user", "content": neutralize(rejection_turn(rejection))})
     return messages

@@ -24,7 +24,8 @@ reply part             what this turn's schema admits
 ``update.evidence_ids``enum of the evidence ids in the context (``[]`` when none)
 ``resolve_questions``  enum of this hypothesis's open question ids, non-empty only
                        together with non-empty ``evidence_ids`` (``[]`` when none)
-``new_questions``      at most ``min(10, max_questions - own questions)`` texts
+``new_questions``      at most ``min(10, max_questions - own questions)`` texts; none
+                       on a closing turn (it ends the hypothesis)
 ``next``               only the context's ``allowed_actions``
 ``query``              an ``anyOf`` over the operations this turn can afford, each
                        ``{"action": "query", "operation": <that operation>, "arguments":
@@ -65,6 +66,8 @@ TURN_SCHEMA_VERSION = "turn-schema-v1"
 CONFIDENCE_LABELS = ("unassessed", "weak", "plausible", "supported", "strongly_supported",
                      "weakened")
 SUPPORT_LABELS = ("supported", "strongly_supported")
+#: Longest table name ``db.schema`` takes (``DbSchemaArgs.table``).
+MAX_TABLE_NAME_CHARS = 1000
 #: Operations that read a packed database / the packed logs.
 DB_OPERATIONS = ("db.tables", "db.schema", "db.query")
 LOG_OPERATIONS = ("logs.search",)
@@ -113,6 +116,8 @@ def _update_variants(context: dict[str, Any], max_questions: int) -> tuple[
     own = [q for q in context["questions"] if int(q["hypothesis_id"]) == hid]
     open_ids = [str(q["question_id"]) for q in own if q["status"] == "open"]
     room = max(0, min(MAX_NEW_QUESTIONS, max_questions - len(own)))
+    if context.get("closing_reason"):
+        room = 0  # a closing turn ends the hypothesis: a new question would never be worked
     new_questions = {"type": "array", "items": _text(MAX_QUESTION_CHARS), "maxItems": room}
     note = _text(MAX_TEXT_CHARS, min_chars=0)
     plain_labels = [c for c in CONFIDENCE_LABELS if c not in SUPPORT_LABELS]
@@ -175,7 +180,9 @@ def affordable_test_kinds(context: dict[str, Any]) -> list[str]:
 def _query_variants(context: dict[str, Any]) -> list[dict[str, Any]]:
     schemas = {op["operation"]: argument_schema(op["arguments_schema"])
                for op in context["operations"]}
-    tables = context["case"]["snapshot"].get("tables") or []
+    # Names db.schema takes (the validator refuses a longer one).
+    tables = [t for t in context["case"]["snapshot"].get("tables") or []
+              if 0 < len(t) <= MAX_TABLE_NAME_CHARS]
     if tables and "db.schema" in schemas:
         schemas["db.schema"]["properties"]["table"] = {"type": "string", "enum": tables}
     return [_object({"action": {"type": "string", "enum": ["query"]},
