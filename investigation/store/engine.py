@@ -80,6 +80,9 @@ def make_engine(url: str) -> Engine:
             cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=NORMAL")
+            # INSERT OR REPLACE deletes the row it replaces: only with recursive triggers
+            # does that deletion meet the store's guards (store.guards).
+            cur.execute("PRAGMA recursive_triggers=ON")
             cur.close()
 
         @event.listens_for(engine, "begin")

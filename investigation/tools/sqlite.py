@@ -147,6 +147,14 @@ def _text_factory(data: bytes) -> str | InvalidText:
         return InvalidText(data)
 
 
+def name_text(value: Any) -> str:
+    """A name read from the snapshot's catalogue as text: a name that is not valid UTF-8
+    (a hostile snapshot) is spelled with ``\\xNN`` escapes, the same on every run."""
+    if isinstance(value, InvalidText):
+        return value.data.decode("utf-8", "backslashreplace")
+    return str(value)
+
+
 class _Interrupted(Exception):
     """The progress handler stopped the statement (deadline or preflight)."""
 
@@ -182,9 +190,13 @@ class ReadOnlyDatabase:
             for fn in DATE_FUNCTIONS:
                 conn.create_function(fn, -1, self._date_wrapper(fn), deterministic=True)
             conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, UnicodeDecodeError) as exc:
+            # SQLite's message can quote the snapshot's own bytes (a malformed schema):
+            # Python fails to decode it; the database is as unreadable either way.
             conn.close()
-            raise ToolError("TOOL_SQL_ERROR", f"database {name!r} cannot be opened: {exc}",
+            why = "its schema is malformed and not UTF-8" \
+                if isinstance(exc, UnicodeDecodeError) else str(exc)
+            raise ToolError("TOOL_SQL_ERROR", f"database {name!r} cannot be opened: {why}",
                             database=name) from exc
         self._conn = conn
 
@@ -218,7 +230,7 @@ class ReadOnlyDatabase:
             rows = self._conn.execute(
                 "SELECT name, type FROM sqlite_master WHERE type IN ('table', 'view') "
                 "ORDER BY name").fetchall()
-        return [(str(name), str(kind)) for name, kind in rows]
+        return [(name_text(name), name_text(kind)) for name, kind in rows]
 
     def schema(self, table: str, timeout_s: float = 3.0, memory_bytes: int = 256 << 20,
                isolate: bool = True) -> dict[str, Any]:

@@ -160,6 +160,11 @@ def test_published_rows_are_refused_and_open_ones_change_once(backend: str,
     refused_by_store(store, delete(Evidence))
     if store.engine.dialect.name == "postgresql":
         refused_by_store(store, text("TRUNCATE checkpoint"))
+    else:  # a REPLACE deletes the row it replaces: the guards see that deletion
+        refused_by_store(store, text(
+            "INSERT OR REPLACE INTO checkpoint SELECT * FROM checkpoint LIMIT 1"))
+        refused_by_store(store, text(
+            "INSERT OR REPLACE INTO evidence SELECT * FROM evidence LIMIT 1"))
     # What the engine itself does is allowed: an open record is assessed once, an open
     # question resolved once, a revision's policy frozen once.
     with store.session() as s:

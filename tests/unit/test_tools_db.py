@@ -399,3 +399,30 @@ def test_refusal_names_the_denied_action_exactly(sql: str, denied: str) -> None:
     assert error.code == "TOOL_SQL_NOT_READ_ONLY"
     assert error.message == ("not a read-only query (allowed: one SELECT using pure builtin "
                              f"functions); denied: {denied}")
+
+
+def test_a_table_name_that_is_not_utf8_is_listed_the_same_every_time() -> None:
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.execute("CREATE TABLE plain (a INTEGER)")
+        conn.execute("CREATE TABLE tabl_ (a INTEGER)")
+        conn.execute("PRAGMA writable_schema = ON")
+        bad = "CAST(X'7461626cff' AS TEXT)"  # b"tabl\xff"
+        conn.execute(f"UPDATE sqlite_master SET name = {bad}, tbl_name = {bad}, "
+                     f"sql = 'CREATE TABLE \"' || {bad} || '\" (a INTEGER)' "
+                     "WHERE name = 'tabl_'")
+        conn.commit()
+        data = conn.serialize()
+        conn.execute(f"UPDATE sqlite_master SET tbl_name = 'x' || {bad} WHERE name = 'plain'")
+        conn.commit()
+        malformed = conn.serialize()
+    finally:
+        conn.close()
+    error = refusal(make_router({"m.sqlite": malformed}), "db.tables", {})
+    assert error.code == "TOOL_SQL_ERROR" and "cannot be opened" in str(error)
+    listed = [make_router({"h.sqlite": data}).execute("db.tables", {}).items
+              for _ in range(2)]
+    assert listed[0] == listed[1]
+    texts = json.dumps(listed[0])
+    assert "object at 0x" not in texts and "InvalidText" not in texts
+    assert "tabl\\\\xff" in texts and "plain" in texts
