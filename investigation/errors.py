@@ -121,5 +121,8 @@ class LockBusy(Exception):
     code = "LOCK_BUSY"
 
     def __init__(self, case_id: str) -> None:
-        super().__init__(f"LOCK_BUSY: case {case_id} is being dispatched by another worker")
+        super().__init__(
+            f"LOCK_BUSY: case {case_id} is already being dispatched (a worker, the recovery "
+            f"sweep or another `run` holds its lock); nothing to do: `investigate status "
+            f"{case_id}` shows its progress")
         self.case_id = case_id

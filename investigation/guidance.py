@@ -177,9 +177,18 @@ def _continue(f: CaseFacts, mode: Mode, providers: str | None) -> list[Step]:
             Step("distributed runtime: dispatch it to the workers", dispatch)]
 
 
+def _watch(f: CaseFacts, mode: Mode) -> list[Step]:
+    """Following the case live: only where workers run it (an embedded ``run`` shows its
+    own progress, and nothing moves between two runs)."""
+    if mode == "embedded":
+        return []
+    return [Step("distributed runtime: watch it" if mode is None else "watch it",
+                 f"investigate status {_q(f.case_id)} --watch")]
+
+
 def _script_hint(f: CaseFacts, replies: str | None) -> Step:
     where = "the scripted reply file" if replies else \
-        "if the replies come from a scripted JSON Lines file: the file"
+        "if the replies come from a scripted JSON Lines file"
     return Step(f"{where}: the next model call (call {f.next_call_index}) reads its line "
                 f"{f.next_call_index + 1} (lines already served stay in place); check the "
                 "file against the case before running it",
@@ -254,12 +263,10 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
         if f.last_outcome == "RESUMED":
             return Guidance(f"The case was resumed (it was {f.last_reason}); it goes on when "
                             "it runs again.",
-                            (*_continue(f, mode, providers),
-                             Step("watch it", f"investigate status {case} --watch")))
+                            (*_continue(f, mode, providers), *_watch(f, mode)))
         return Guidance(f"The case is investigating (last outcome {f.last_outcome}"
                         + (f", {f.last_reason}" if f.last_reason else "") + ").",
-                        (*_continue(f, mode, providers),
-                         Step("watch it", f"investigate status {case} --watch")))
+                        (*_continue(f, mode, providers), *_watch(f, mode)))
     return Guidance(f"The case is {f.state}" + (f" ({reason})" if reason else "") + ".",
                     (Step("see its state", f"investigate status {case}"), report))
 

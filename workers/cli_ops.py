@@ -130,6 +130,13 @@ def worker(
     if queue:
         os.environ["INVESTIGATE_QUEUE"] = queue  # the pool children read it too
     settings = _settings()  # a broken environment fails here, as one line
+    for option, limit in (("--soft-time-limit", soft_time_limit), ("--time-limit", time_limit)):
+        if limit is not None and limit >= settings.lock_ttl_s:
+            # A stage outliving the case lock's lease loses the lock; its time limit could
+            # then not be recorded by the chain that ran it.
+            raise typer.BadParameter(
+                f"keep it below INVESTIGATE_LOCK_TTL_S ({settings.lock_ttl_s:g} s), or raise "
+                "that", param_hint=option)
     nodename = _node_name(name or f"{settings.queue}@%h")
     _refuse_taken_name(settings, nodename)
     if metrics_port is not None:
@@ -184,6 +191,12 @@ def _loopback(address: str) -> bool:
         return False
 
 
+def _login_entry(entry: str) -> bool:
+    """Whether ``entry`` is ``USER:PASSWORD`` with both parts non-blank."""
+    user, colon, password = entry.partition(":")
+    return bool(colon and user.strip() and password.strip())
+
+
 @_controlled
 def flower(
     port: Annotated[int, typer.Option("--port", help="the TCP port Flower listens on")] = 5555,
@@ -207,10 +220,15 @@ def flower(
     """
     _settings()  # a broken environment fails here, as one line
     for entry in basic_auth or []:
-        if ":" not in entry or not entry.split(":", 1)[0] or not entry.split(":", 1)[1]:
+        if not _login_entry(entry):
             raise typer.BadParameter("give USER:PASSWORD", param_hint="--basic-auth")
-    has_login = bool(basic_auth) or any(os.environ.get(v) for v in (
-        "FLOWER_BASIC_AUTH", "FLOWER_AUTH", "FLOWER_AUTH_PROVIDER"))
+    from_env = os.environ.get("FLOWER_BASIC_AUTH", "")
+    if from_env.strip() and not all(_login_entry(e) for e in from_env.split(",")):
+        raise InvestigationError(
+            "FLOWER_AUTH_INVALID", "FLOWER_BASIC_AUTH must be user:password[,user2:pass2], "
+            "each with a user and a password")
+    has_login = bool(basic_auth) or bool(from_env.strip()) or any(
+        os.environ.get(v, "").strip() for v in ("FLOWER_AUTH", "FLOWER_AUTH_PROVIDER"))
     if not _loopback(address) and not has_login:
         raise InvestigationError(
             "FLOWER_AUTH_REQUIRED",

@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from investigation.config import InvestigationConfig, ProvidersConfig
+from investigation.errors import InvestigationError
 from investigation.loop.probe import ProbeResult, probe_provider
 from workers.cli import _controlled, _settings, _term, example, out
 
@@ -41,9 +42,9 @@ def _marks(result: ProbeResult) -> list[str]:
     "investigate providers check --providers providers.toml --json"))
 @_controlled
 def check(
-    providers: Annotated[Path, typer.Option(
+    providers: Annotated[Path | None, typer.Option(
         "--providers", help="the providers TOML to check (default: INVESTIGATE_PROVIDERS)",
-        show_default=False)] = Path(""),
+        show_default=False)] = None,
     config: Annotated[Path | None, typer.Option(
         "--config", help="an investigation policy TOML (costs and caps of the probe turn)")]
         = None,
@@ -52,11 +53,16 @@ def check(
 ) -> None:
     """Send every provider one probe turn, as a case's first turn, and judge the reply:
     reachable, dialect accepted, reply valid, seconds and tokens per second. Exit 1 when
-    a provider fails a check."""
-    path = providers if str(providers) else _settings().providers
-    if path is None or not str(path):
-        typer.echo("give --providers FILE (or set INVESTIGATE_PROVIDERS)", err=True)
-        raise typer.Exit(2)
+    a provider fails a check.
+
+    A probe is a real chat request: a server that replays scripted replies (the demo's)
+    answers it with its next line. Scripted providers are not probed (``skipped``;
+    ``investigate replies check`` checks their file)."""
+    path = providers if providers is not None else _settings().providers
+    if path is None:
+        raise InvestigationError(
+            "PROVIDERS_NOT_GIVEN", "no providers file: give --providers FILE or set "
+            "INVESTIGATE_PROVIDERS (config/providers.example.toml is an example)")
     loaded = ProvidersConfig.load(path)
     policy = InvestigationConfig.load(config) if config else InvestigationConfig()
     results = [probe_provider(entry, policy=policy) for entry in loaded.providers]
@@ -72,7 +78,11 @@ def check(
                           r.action or "")
         out.print(table)
         for r in results:
-            if r.verdict not in ("ok", "skipped"):
+            if r.verdict == "skipped":
+                out.print(_term(f"{r.provider}: skipped ({r.detail}; `investigate replies "
+                                "check FILE CASE` checks a reply file)"),
+                          highlight=False, markup=False)
+            elif r.verdict != "ok":
                 out.print(_term(f"{r.provider}: {r.verdict} {r.code}: {r.detail}"),
                           highlight=False, markup=False)
     if failed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -182,8 +183,26 @@ def demo(as_json: JsonOpt = False) -> None:
         write_report(_store(settings, existing=True), case.case_id, report, _home_env(work))
     _finish(settings, case.case_id, outcome, providers, steps, as_json, _home_env(work),
             report)
+    hint = _activate_hint()
+    if hint and not as_json:
+        say(hint)
     if outcome.outcome != COMPLETED:
         raise typer.Exit(1)
+
+
+def _activate_hint() -> str | None:
+    """How to reach ``investigate`` when this shell's PATH does not (``make demo`` runs
+    it from the virtual environment, which the user's shell has not activated)."""
+    command = Path(sys.executable).with_name("investigate")
+    found = shutil.which("investigate")
+    if not command.exists() or (found and Path(found).resolve() == command.resolve()):
+        return None
+    try:
+        shown = command.relative_to(Path.cwd())
+    except ValueError:
+        shown = command
+    return (f"The commands above need `investigate` on PATH: run `. {shown.parent}/activate` "
+            f"first, or call it as {shown}.")
 
 
 def register(app: typer.Typer) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from sqlalchemy import text
@@ -43,11 +44,34 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _where(url: str) -> str:
-    """A URL without its password, for output."""
+    """A URL without its password, for output: the user information is read as the
+    clients read it (``urlsplit``: the part of the authority before its last ``@``), so a
+    password holding ``@`` is masked whole; a URL with an ``@`` past its authority (a
+    password holding ``/``, say) is shown as its scheme alone."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("@")[-1]
+        parts = urlsplit(url)
+    except ValueError:
+        return "(a URL that cannot be parsed)"
+    prefix = f"{parts.scheme}://{parts.netloc}"
+    if not url.startswith(prefix) or "@" in url[len(prefix):]:
+        return f"{parts.scheme}://***" if "@" in url else url
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at:
+        return url
+    user, colon, _password = userinfo.partition(":")
+    shown = f"{user}:***@{host}" if colon else f"{user}@{host}"
+    return f"{parts.scheme}://{shown}{url[len(prefix):]}"
+
+
+def _first_line_of(exc: BaseException, url: str) -> str:
+    """:func:`_first_line` with the URL (as :func:`_where` shows it) and its password, if
+    any, masked."""
+    line = _first_line(exc).replace(url, _where(url))
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    return line.replace(password, "***") if password else line
 
 
 def queue_depth(broker_url: str, queue: str, timeout_s: float = 2.0) -> int:
@@ -86,7 +110,7 @@ def check_broker(settings: Settings, timeout_s: float) -> Check:
     except ImportError:
         raise
     except Exception as exc:
-        return Check("broker", False, f"{_where(settings.broker_url)}: {_first_line(exc)}")
+        return Check("broker", False, f"{_where(settings.broker_url)}: {_first_line_of(exc, settings.broker_url)}")
     return Check("broker", True, _where(settings.broker_url))
 
 
@@ -95,7 +119,7 @@ def check_locks(settings: Settings, timeout_s: float) -> Check:
     try:
         _redis_ping(url, timeout_s)
     except redis.exceptions.RedisError as exc:
-        return Check("locks", False, f"{_where(url)}: {_first_line(exc)}")
+        return Check("locks", False, f"{_where(url)}: {_first_line_of(exc, url)}")
     return Check("locks", True, _where(url))
 
 
@@ -115,7 +139,7 @@ def check_store(settings: Settings, timeout_s: float) -> Check:
             conn.execute(text("SELECT 1"))
         store.dispose()
     except Exception as exc:
-        return Check("store", False, f"{_where(url)}: {_first_line(exc)}")
+        return Check("store", False, f"{_where(url)}: {_first_line_of(exc, url)}")
     return Check("store", True, _where(url))
 
 
@@ -131,7 +155,7 @@ def check_migrations(settings: Settings, timeout_s: float) -> Check:
         store.dispose()
     except Exception as exc:
         return Check("migrations", False, f"cannot read the migration version: "
-                                          f"{_first_line(exc)}")
+                                          f"{_first_line_of(exc, url)}")
     if current != [head]:
         return Check("migrations", False,
                      f"at {', '.join(current) or 'none'}, needs {head}: run "
@@ -147,7 +171,8 @@ def check_workers(settings: Settings, timeout_s: float, min_workers: int = 1) ->
     try:
         replies = app.control.ping(timeout=timeout_s) or []
     except Exception as exc:
-        return Check("workers", False, f"ping failed: {_first_line(exc)}", 0)
+        return Check("workers", False,
+                     f"ping failed: {_first_line_of(exc, settings.broker_url)}", 0)
     names = sorted(name for reply in replies for name in reply)
     ok = len(names) >= min_workers
     detail = (f"{len(names)} answered ping" + (f": {', '.join(names)}" if names else "")
@@ -159,7 +184,8 @@ def check_queue(settings: Settings, timeout_s: float, max_queue: int | None = No
     try:
         depth = queue_depth(settings.broker_url, settings.queue, timeout_s)
     except redis.exceptions.RedisError as exc:
-        return Check("queue", False, f"{settings.queue}: {_first_line(exc)}")
+        return Check("queue", False,
+                     f"{settings.queue}: {_first_line_of(exc, settings.broker_url)}")
     ok = max_queue is None or depth <= max_queue
     return Check("queue", ok, f"{settings.queue}: {depth} message(s) waiting"
                  + ("" if ok else f" (more than {max_queue})"), depth)

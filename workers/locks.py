@@ -55,6 +55,10 @@ class CaseLock(Protocol):
         """Release if ``token`` still owns it; never deletes another holder's key."""
         ...
 
+    def holder(self, case_id: str) -> str | None:
+        """The token that holds the lock now, if any (never takes or renews it)."""
+        ...
+
 
 class RedisCaseLock:
     """Redis lease lock: ``SET key token NX PX ttl``; renew and release by Lua compare.
@@ -127,6 +131,12 @@ class FileCaseLock:
         with self._mutex:
             held = self._held.get(case_id)
             return held is not None and held[0] == token
+
+    def holder(self, case_id: str) -> str | None:
+        """This process's token for the case, if it holds the lock."""
+        with self._mutex:
+            held = self._held.get(case_id)
+            return None if held is None else held[0]
 
     def release(self, case_id: str, token: str) -> bool:
         with self._mutex:

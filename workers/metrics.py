@@ -21,6 +21,7 @@ the ``advance`` task that ends it (a redelivered ``advance`` can count it twice)
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlmodel import col, select
 
+from investigation.constants import OUTCOMES
 from investigation.overview import fleet_counts
 from investigation.store.engine import Store
 from investigation.store.models import LLMAttempt, LLMOperation, StageRun
@@ -160,8 +162,18 @@ def process_exited(pid: int) -> None:
 # -- what the tasks record ---------------------------------------------------------------
 
 
+#: What a step's outcome and reason labels may be: the engine's own codes (a message on
+#: the broker could carry anything, and every new label value is a new series).
+_OUTCOMES = frozenset({*OUTCOMES, "ERROR", "STALE", "LOCK_LOST"})
+_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+
+
 def step_ended(outcome: str, reason: str | None) -> None:
-    metrics().steps.labels(outcome, reason or "").inc()
+    """Count a step's end (labels bounded to the engine's codes; anything else ``OTHER``)."""
+    shown = outcome if outcome in _OUTCOMES else "OTHER"
+    why = reason if reason is None or (isinstance(reason, str) and _CODE.fullmatch(reason)) \
+        else "OTHER"
+    metrics().steps.labels(shown, why or "").inc()
 
 
 def stage_timed(stage: str, result: str, seconds: float) -> None:

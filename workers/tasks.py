@@ -465,10 +465,13 @@ def time_limit(self: Any, payload: dict[str, Any], stage: str,
         log.error("time_limit: malformed payload for %s; ignored", stage)
         return {"outcome": "REFUSED", "code": "PAYLOAD_INVALID"}
     payload = {**payload, "halt": None}
-    if not rt.lock.hold(case_id, token):
-        log.warning("case %s: lock lost before the time limit of %s was recorded", case_id,
-                    stage)
-        return payload
+    # Only the chain that holds the case's lock right now may record its time limit: a
+    # message with any other token (a forged one, or a chain whose lease ran out) changes
+    # nothing (hold() alone would take a free lock for any token).
+    if rt.lock.holder(case_id) != token or not rt.lock.hold(case_id, token):
+        log.warning("case %s: time limit of %s not recorded: this message's chain does not "
+                    "hold the case's lock", case_id, stage)
+        return {"outcome": "REFUSED", "code": "LOCK_NOT_HELD", "case_id": case_id}
     try:
         if stage == "advance":
             # The step was published; only its hand-over was cut: dispatch afresh.

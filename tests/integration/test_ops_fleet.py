@@ -356,6 +356,29 @@ def test_flower_refuses_to_listen_beyond_loopback_without_a_login(tmp_path: Path
     assert "FLOWER_AUTH_REQUIRED" in out
     out = cli(env, "flower", "--basic-auth", "nopassword", expect=2)
     assert "USER:PASSWORD" in out
+    for blank in (":", "ops:", ":secret", "ops:secret,:"):  # not a login at all
+        out = cli({**env, "FLOWER_BASIC_AUTH": blank}, "flower", "--address", "0.0.0.0",
+                  "--port", str(free_port()), expect=2)
+        assert "FLOWER_AUTH_INVALID" in out, blank
+
+
+@pytest.mark.parametrize(("url", "shown", "secret"), [
+    ("redis://:p@ss@host:6379/0", "redis://:***@host:6379/0", "p@ss"),
+    ("redis://user:se@cr@et@h/1", "redis://user:***@h/1", "se@cr@et"),
+    ("postgresql+psycopg://u:pw9@127.0.0.1:5432/test",
+     "postgresql+psycopg://u:***@127.0.0.1:5432/test", "pw9"),
+    ("redis://:pa/ss@h:1/0", "redis://***", "pa/ss"),  # an @ past the authority
+    ("sqlite:////tmp/x.db", "sqlite:////tmp/x.db", None),
+    ("redis://h:6379/0", "redis://h:6379/0", None),
+])
+def test_health_never_shows_a_password(url: str, shown: str, secret: str | None) -> None:
+    from workers.health import _first_line_of, _where
+
+    assert _where(url) == shown
+    line = _first_line_of(ConnectionError(f"cannot reach {url}: refused"), url)
+    assert line == f"cannot reach {shown}: refused"
+    if secret:
+        assert secret not in line
 
 
 def test_a_missing_module_is_reported_as_a_missing_module(tmp_path: Path) -> None:

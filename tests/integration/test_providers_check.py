@@ -10,6 +10,7 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from investigation.config import ProviderConfig
@@ -83,3 +84,13 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
     broken.write_text('[[providers]]\nname = "x"\nkind = "openai"\nstructured_output = "gbnf"\n')
     res = runner.invoke(app, ["providers", "check", "--providers", str(broken)])
     assert res.exit_code == 2 and "CONFIG_INVALID" in res.output
+
+
+def test_cli_without_a_providers_file_names_the_option(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    monkeypatch.delenv("INVESTIGATE_PROVIDERS", raising=False)
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    res = CliRunner().invoke(app, ["providers", "check"])
+    assert res.exit_code == 2, res.output
+    assert "PROVIDERS_NOT_GIVEN" in res.output and "--providers FILE" in res.output
+    assert not (tmp_path / "home").exists()  # nothing was created or stored

@@ -89,3 +89,21 @@ def test_commands_quote_what_they_carry() -> None:
                "my providers/it's.toml")
     run = next(s.command for s in g.steps if s.command and " run " in s.command)
     assert shlex.split(run)[-1] == "my providers/it's.toml"
+
+
+@pytest.mark.parametrize(("mode", "watched"), [("embedded", False), ("distributed", True),
+                                               (None, True)])
+def test_a_yielded_case_is_watched_only_where_workers_run_it(mode: str | None,
+                                                             watched: bool) -> None:
+    g = advise(_facts(state="INVESTIGATING", blocked_reason=None, last_outcome="YIELDED"),
+               mode, "p.toml")  # type: ignore[arg-type]
+    text = "\n".join(g.lines())
+    assert ("--watch" in text) is watched
+    if mode == "embedded":
+        assert f"investigate run {CASE} --providers p.toml" in text
+
+
+def test_the_script_hint_names_the_file_once() -> None:
+    g = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES", error_code="REPLY_NOT_JSON"))
+    text = "\n".join(g.lines())
+    assert "file: the file" not in text and "JSON Lines file: the next model call" in text
