@@ -44,7 +44,7 @@ class CheckFailed(Exception):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bin", required=True, type=Path, help="the venv's bin directory")
-    parser.add_argument("--repo", required=True, type=Path, help="the checkout (demo/)")
+    parser.add_argument("--repo", required=True, type=Path, help="the checkout (workers/demo_case/)")
     parser.add_argument("--work", required=True, type=Path, help="scratch directory")
     args = parser.parse_args()
     import investigation  # the installed package, never the checkout
@@ -114,9 +114,25 @@ class DistCheck:
 
     # -- the run ---------------------------------------------------------------------------
 
+    def demo(self) -> None:
+        """`investigate demo` on the runtime install, embedded default, outside the
+        checkout: the demo's files must ship in the wheel."""
+        home = self.work / "demo-home"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+        env["INVESTIGATE_HOME"] = str(home)
+        proc = subprocess.run([str(self.bin), "demo"], env=env, cwd=self.work,
+                              capture_output=True, text=True, timeout=600, check=False)
+        if proc.returncode != 0:
+            raise CheckFailed(f"investigate demo exited {proc.returncode}:\n"
+                              f"{proc.stdout}{proc.stderr}")
+        if not list(home.rglob("summary.md")):
+            raise CheckFailed(f"investigate demo wrote no summary.md under {home}")
+        self.ok("investigate demo (embedded, runtime install)")
+
     def run(self) -> None:
         import psycopg
 
+        self.demo()
         with psycopg.connect(self.server_url, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{self.db_name}"')
         self.ok("database created")
@@ -129,9 +145,18 @@ class DistCheck:
         self.cli("db", "current", "--check")
         self.ok("db upgrade / db current")
 
-        from workers.demo import DemoSource, fetch_source, providers_toml, replay_server
+        from workers.demo import (
+            DEMO_DIR,
+            DemoSource,
+            fetch_source,
+            providers_toml,
+            replay_server,
+        )
 
-        demo = self.repo / "demo"
+        # The demo's files come from the installed wheel, not the checkout.
+        demo = DEMO_DIR
+        if (self.repo / "workers").resolve() in demo.resolve().parents:
+            raise CheckFailed(f"workers.demo was imported from the checkout ({demo})")
         source = fetch_source(DemoSource.load(demo), self.work / "cache")
         package = self.work / "demo-case.zip"
         self.cli("case", "build", "--source", str(source), "--report", str(demo / "report.md"),

@@ -7,6 +7,7 @@ blocked, 2 a controlled error, 3 ``LockBusy``, 4 ``run --no-wait`` at a backoff)
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import sys
@@ -137,12 +138,19 @@ def run(
 
 
 def _home_env(home: Path) -> str:
-    """``INVESTIGATE_HOME=... `` for commands about a store the defaults do not open."""
+    """``INVESTIGATE_HOME=... `` for commands about a store the defaults do not open.
+
+    When the shell sets ``INVESTIGATE_DATABASE_URL`` (a fleet's database), the prefix
+    clears it too: that URL would take precedence over the SQLite store in ``home``, and
+    the printed command would read another store's case of the same id."""
     try:
         shown = str(home.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         shown = str(home.resolve())
-    return f"INVESTIGATE_HOME={shlex.quote(shown)} "
+    prefix = f"INVESTIGATE_HOME={shlex.quote(shown)} "
+    if os.environ.get("INVESTIGATE_DATABASE_URL"):
+        prefix += "INVESTIGATE_DATABASE_URL= "
+    return prefix
 
 
 @_controlled

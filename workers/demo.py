@@ -1,9 +1,9 @@
 """``investigate demo``: a real bug in a real project, end to end, on the embedded runtime.
 
 The source is the sqlite-utils 3.35 sdist from the package registry (verified against
-the sha256 in ``demo/source.toml``; nothing of it is written here). The report, the
-interpretation, the hypotheses, the SQLite database and the log live in ``demo/``. The
-model's replies (``demo/replies.jsonl``) are served by a local OpenAI-compatible server on
+the sha256 in ``workers/demo_case/source.toml``; nothing of it is written here). The report, the
+interpretation, the hypotheses, the SQLite database and the log live in ``workers/demo_case/``. The
+model's replies (``workers/demo_case/replies.jsonl``) are served by a local OpenAI-compatible server on
 loopback and reach the engine through the real HTTP provider.
 """
 
@@ -25,12 +25,12 @@ from investigation.errors import InvestigationError
 from investigation.llm.replay_server import ReplayServer
 from investigation.llm.scripted import read_script_lines
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
+DEMO_DIR = Path(__file__).resolve().parent / "demo_case"
 
 
 @dataclass(frozen=True)
 class DemoSource:
-    """The pinned upstream source of the demo (``demo/source.toml``)."""
+    """The pinned upstream source of the demo (``workers/demo_case/source.toml``)."""
 
     package: str
     version: str
@@ -110,7 +110,7 @@ def prepare_case(runtime_store: object, reader: object, work: Path,
 
 
 def replay_server(demo_dir: Path = DEMO_DIR) -> ReplayServer:
-    """The loopback OpenAI-compatible server serving ``demo/replies.jsonl``."""
+    """The loopback OpenAI-compatible server serving ``workers/demo_case/replies.jsonl``."""
     lines = [line.decode("utf-8") for line in read_script_lines(demo_dir / "replies.jsonl")]
     return ReplayServer(lines)
 

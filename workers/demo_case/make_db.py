@@ -1,7 +1,7 @@
-"""Build demo/demo.sqlite: the pre-migration backup of a small help-centre database.
+"""Build workers/demo_case/demo.sqlite: the pre-migration backup of a small help-centre database.
 
 Deterministic, stdlib sqlite3 only: no timestamps, no randomness. Run it with
-`python demo/make_db.py [OUTPUT]` (default: demo.sqlite next to this file).
+`python workers/demo_case/make_db.py [OUTPUT]` (default: demo.sqlite next to this file).
 
 What it contains, and why it matters to the bug (see NOTES.md):
 
