@@ -60,6 +60,7 @@ from investigation.constants import (
     RETRY_PENDING,
 )
 from investigation.errors import InvestigationError
+from investigation.llm.scripted import script_path_of
 from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
@@ -218,6 +219,9 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
     """
     case = _q(f.case_id)
     reason = f.blocked_reason
+    if replies is None and f.error_code in ("PROVIDER_SCRIPT_EXHAUSTED",
+                                            "PROVIDER_SCRIPT_UNREADABLE"):
+        replies = script_path_of(f.error_message)  # the file the failing provider read
     report = Step("see the whole investigation in a browser",
                   f"investigate report {case} -o report.html")
     if f.state == CASE_BUILDING_DIAGNOSIS:

@@ -471,13 +471,19 @@ def status_cmd(
             watch_case(out, store, case_id, interval)
         return
     info = status(store, case_id)
-    g = guidance.for_case(store, case_id)
+    g = guidance.for_case(store, case_id, providers=_providers_shown(settings))
     if as_json:  # model costs are in micros of limits.currency
         _print_json({**info, "next": g.to_dict()})
         return
     currency = (InvestigationConfig.load(settings.config) if settings.config
                 else InvestigationConfig()).limits.currency
     out.print(status_view(info, g, currency))
+
+
+def _providers_shown(settings: Settings) -> str | None:
+    """The providers file guidance repeats in ``run`` commands: ``INVESTIGATE_PROVIDERS``
+    when set (else the guidance shows a placeholder)."""
+    return str(settings.providers) if settings.providers else None
 
 
 @app.command("resume", epilog=example(
@@ -505,7 +511,7 @@ def resume_cmd(
             err.print(f"try: investigate resume {case_id} --retry-id {fresh}",
                       highlight=False, markup=False)
         raise
-    g = guidance.for_case(store, case_id)
+    g = guidance.for_case(store, case_id, providers=_providers_shown(settings))
     if as_json:
         _print_json({**info, "next": g.to_dict()})
         return

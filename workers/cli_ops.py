@@ -311,7 +311,7 @@ def cases(
             r.case_id, r.state, r.blocked_reason or "", r.retry_not_before or "",
             str(r.steps),
             (r.last_outcome or "") + (f" ({r.last_reason})" if r.last_reason else ""),
-            f"{r.balance_units}/{r.credit_units}",
+            f"{r.balance_units}/{r.credit_units}" if r.credit_units else "- (no step yet)",
             f"{r.active_hypotheses}/{r.hypotheses} active", r.updated_at[:19])
     out.print(table)
     out.print(f"{len(rows)} case(s)", highlight=False)

@@ -32,9 +32,23 @@ _PASSED = {"ok": 3, "invalid_reply": 2, "refused": 1, "unreachable": 0}
 def _marks(result: ProbeResult) -> list[str]:
     if result.verdict == "skipped":
         return ["-", "-", "-"]
+    if result.verdict == "refused" and result.code != "PROVIDER_SCHEMA_REFUSED":
+        return ["yes", "?", "-"]  # an error answer that does not say the dialect is wrong
     passed = _PASSED[result.verdict]
     return ["yes" if i < passed else ("NO" if i == passed else "-")
             for i in range(len(CHECKS))]
+
+
+def _address_hint(result: ProbeResult) -> str:
+    """Where the probe went, when the address is the likely cause."""
+    if result.base_url is None:
+        return ""
+    if result.verdict == "unreachable":
+        return f" (base_url {result.base_url})"
+    if result.verdict == "refused" and result.code != "PROVIDER_SCHEMA_REFUSED":
+        return (f" (base_url {result.base_url}: is it an OpenAI-compatible /v1 address "
+                "that serves chat completions?)")
+    return ""
 
 
 @providers_app.command("check", epilog=example(
@@ -48,7 +62,7 @@ def check(
     config: Annotated[Path | None, typer.Option(
         "--config", help="an investigation policy TOML (costs and caps of the probe turn)")]
         = None,
-    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per provider")]
+    as_json: Annotated[bool, typer.Option("--json", help="a JSON array, one object per provider")]
         = False,
 ) -> None:
     """Send every provider one probe turn, as a case's first turn, and judge the reply:
@@ -65,7 +79,8 @@ def check(
             "INVESTIGATE_PROVIDERS (config/providers.example.toml is an example)")
     loaded = ProvidersConfig.load(path)
     policy = InvestigationConfig.load(config) if config else InvestigationConfig()
-    results = [probe_provider(entry, policy=policy) for entry in loaded.providers]
+    results = [probe_provider(entry, policy=policy, base_dir=loaded.base_dir)
+               for entry in loaded.providers]
     failed = any(r.verdict not in ("ok", "skipped") for r in results)
     if as_json:
         sys.stdout.write(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
@@ -83,7 +98,7 @@ def check(
                                 "check FILE CASE` checks a reply file)"),
                           highlight=False, markup=False)
             elif r.verdict != "ok":
-                out.print(_term(f"{r.provider}: {r.verdict} {r.code}: {r.detail}"),
-                          highlight=False, markup=False)
+                out.print(_term(f"{r.provider}: {r.verdict} {r.code}: {r.detail}"
+                                + _address_hint(r)), highlight=False, markup=False)
     if failed:
         raise typer.Exit(1)

@@ -164,20 +164,37 @@ def check_migrations(settings: Settings, timeout_s: float) -> Check:
 
 
 def check_workers(settings: Settings, timeout_s: float, min_workers: int = 1) -> Check:
-    """Workers that answer a broadcast ``ping`` within ``timeout_s``."""
+    """Workers that answer a broadcast ``ping`` within ``timeout_s`` and consume
+    ``settings.queue`` (``inspect active_queues``): at least ``min_workers`` of them.
+
+    A worker that answers but reads other queues leaves this deployment's dispatches
+    waiting, so it does not count. ``value`` is the names of the consuming workers."""
     from workers.celery_app import app, configure
 
     configure(settings)
     try:
         replies = app.control.ping(timeout=timeout_s) or []
+        names = sorted(name for reply in replies for name in reply)
+        queues: dict[str, list[str]] = {}
+        if names:
+            active = app.control.inspect(destination=names, timeout=timeout_s)
+            for worker, entries in (active.active_queues() or {}).items():
+                queues[worker] = sorted(str(q.get("name")) for q in entries or [])
     except Exception as exc:
         return Check("workers", False,
                      f"ping failed: {_first_line_of(exc, settings.broker_url)}", 0)
-    names = sorted(name for reply in replies for name in reply)
-    ok = len(names) >= min_workers
-    detail = (f"{len(names)} answered ping" + (f": {', '.join(names)}" if names else "")
-              + ("" if ok else f" (at least {min_workers} needed)"))
-    return Check("workers", ok, detail, names)
+    consuming = [n for n in names if settings.queue in queues.get(n, [])]
+    ok = len(consuming) >= min_workers
+    detail = f"{len(names)} answered ping" + (f": {', '.join(names)}" if names else "")
+    if names:
+        detail += f"; {len(consuming)} consume queue {settings.queue!r}"
+        others = sorted({q for n in names if n not in consuming for q in queues.get(n, [])})
+        if not consuming:
+            detail += (f" (they read {', '.join(others) or 'no queue'}: start a worker with "
+                       f"INVESTIGATE_QUEUE={settings.queue} or dispatch to their queue)")
+    if not ok:
+        detail += f" (at least {min_workers} needed)"
+    return Check("workers", ok, detail, consuming)
 
 
 def check_queue(settings: Settings, timeout_s: float, max_queue: int | None = None) -> Check:

@@ -136,7 +136,8 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
                     console.print(term(
                         f"{time.strftime('%H:%M:%S')} case {case_id}: state {info['state']}"
                         + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
-                        + f", step {info['steps']}, last outcome {info['last_outcome']}"
+                        + f", step {info['steps']}, last outcome "
+                        + (info["last_outcome"] or "none (no step has run)")
                         + (f" ({info['last_reason']})" if info["last_reason"] else "")
                         + f", evidence {info['evidence_count']}"), highlight=False,
                         markup=False)

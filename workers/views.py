@@ -101,7 +101,8 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
          + (f"  iterations {life['iterations']}" if life.get("started") else
             "  (the session starts with the first step)"))
     if not info["accounts"]:
-        line(f"{info['hypotheses']} hypotheses; no step has run yet")
+        count = info["hypotheses"]
+        line(f"{count} {'hypothesis' if count == 1 else 'hypotheses'}; no step has run yet")
     else:
         table = Table("hypothesis", "status", "confidence", "balance", "iterations",
                       "pending", "last rejection")

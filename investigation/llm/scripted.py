@@ -19,6 +19,7 @@ order. Decisions made here:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from investigation.config import ProviderConfig, canonical_json
@@ -30,6 +31,17 @@ from investigation.llm.types import (
     ChatRequest,
     ProviderReply,
 )
+
+_SCRIPT_IN_MESSAGE = re.compile(r"^provider '.*?': (?:cannot read script|script) (.+?)"
+                                r"(?: has \d+ replies but call |: )")
+
+
+def script_path_of(message: str | None) -> str | None:
+    """The reply file a ``PROVIDER_SCRIPT_EXHAUSTED`` / ``PROVIDER_SCRIPT_UNREADABLE``
+    message of :class:`ScriptedProvider` names (its format is this module's), else
+    ``None``. Lets guidance print the real file instead of a placeholder."""
+    found = _SCRIPT_IN_MESSAGE.search(message or "")
+    return found.group(1) if found else None
 
 
 def read_script_lines(path: Path) -> list[bytes]:

@@ -7,9 +7,11 @@ describes a small built-in snapshot (:func:`probe_snapshot`); the reply is read 
 validated by the real contract and validator against it. Nothing is stored.
 
 Verdicts (:class:`ProbeResult`): ``ok`` (a valid reply), ``invalid_reply`` (the server took
-the request; the reply breaks the contract), ``refused`` (the server refused the request:
-a dialect or schema it cannot take, a context too large, credentials), ``unreachable``
-(no answer), ``skipped`` (a scripted provider).
+the request; the reply breaks the contract), ``refused`` (the server answered with an
+error: a dialect or schema it cannot take (``PROVIDER_SCHEMA_REFUSED``), a context too
+large, credentials, an address that is no chat-completions endpoint), ``unreachable`` (no
+HTTP answer: nothing listening, a timeout, a connection reset), ``skipped`` (a scripted
+provider).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from investigation.constants import PROMPT_VERSION, REPLY_SCHEMA_VERSION
 from investigation.errors import ProviderError, TransientProviderError
 from investigation.llm.dialects import canonical_dialect
 from investigation.llm.openai import OpenAIProvider
+from investigation.llm.scripted import read_script_lines
 from investigation.llm.types import ChatRequest
 from investigation.loop.contract import ReplyRejected, read_reply
 from investigation.loop.prompt import build_messages
@@ -117,6 +120,7 @@ class ProbeResult:
         prompt_tokens, completion_tokens: usage the server reported.
         tokens_per_s: completion tokens per second of wall time, when reported.
         action: the reply's ``next.action`` when it parsed.
+        base_url: the address probed (``None`` for a scripted provider).
     """
 
     provider: str
@@ -130,19 +134,37 @@ class ProbeResult:
     completion_tokens: int | None = None
     tokens_per_s: float | None = None
     action: str | None = None
+    base_url: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return asdict(self)
 
 
+#: Provider errors where no HTTP answer came back: the address is the suspect.
+_NO_ANSWER = frozenset({"PROVIDER_UNREACHABLE", "PROVIDER_TIMEOUT", "PROVIDER_NETWORK_ERROR",
+                        "PROVIDER_REQUEST_DROPPED"})
+
+
 def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
-                   policy: InvestigationConfig | None = None) -> ProbeResult:
+                   policy: InvestigationConfig | None = None,
+                   base_dir: str | Path = ".") -> ProbeResult:
     """Send one probe turn to ``config`` (see the module docstring); never raises for what
-    the provider does."""
+    the provider does. A scripted provider is not probed; its file must be readable
+    (relative paths resolve against ``base_dir``, the providers file's directory), else
+    ``unreachable`` with ``PROVIDER_SCRIPT_UNREADABLE``."""
     if config.kind != "openai":
+        script = Path(base_dir) / (config.path or "")
+        try:
+            lines = len(read_script_lines(script))
+        except (OSError, ValueError) as exc:
+            return ProbeResult(config.name, config.kind, None, "unreachable",
+                               "PROVIDER_SCRIPT_UNREADABLE",
+                               f"cannot read the reply file {script}: "
+                               f"{getattr(exc, 'strerror', None) or exc}")
         return ProbeResult(config.name, config.kind, None, "skipped",
-                           detail="scripted replies are not probed")
+                           detail=f"scripted replies are not probed; {script} has "
+                                  f"{lines} line(s)")
     policy = policy or InvestigationConfig()
     dialect = canonical_dialect(config.structured_output)
     snapshot = probe_snapshot()
@@ -161,13 +183,14 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
         try:
             reply = provider.send(provider.build_request_bytes(request), request)
         except TransientProviderError as exc:
-            verdict = "unreachable" if exc.code in ("PROVIDER_UNREACHABLE",
-                                                    "PROVIDER_TIMEOUT") else "refused"
+            verdict = "unreachable" if exc.code in _NO_ANSWER else "refused"
             return ProbeResult(config.name, config.kind, dialect, verdict, exc.code,
-                               exc.message, round(time.monotonic() - started, 3))
+                               exc.message, round(time.monotonic() - started, 3),
+                               base_url=config.base_url)
         except ProviderError as exc:
             return ProbeResult(config.name, config.kind, dialect, "refused", exc.code,
-                               exc.message, round(time.monotonic() - started, 3))
+                               exc.message, round(time.monotonic() - started, 3),
+                               base_url=config.base_url)
         seconds = round(time.monotonic() - started, 3)
         rate = (round(reply.completion_tokens / seconds, 1)
                 if reply.completion_tokens and seconds > 0 else None)
@@ -176,7 +199,7 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                    action: str | None = None) -> ProbeResult:
             return ProbeResult(config.name, config.kind, dialect, verdict, code, detail,
                                seconds, reply.prompt_tokens, reply.completion_tokens, rate,
-                               action)
+                               action, config.base_url)
 
         try:
             parsed, _ = read_reply(reply.content)

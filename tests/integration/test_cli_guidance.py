@@ -99,6 +99,15 @@ def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> Non
     info = json.loads(st.stdout)
     assert info["next"]["steps"][2]["command"] == f"investigate resume {cli.case_id} " \
         "--retry-id retry-3-1"
+    # `status` knows neither file from its own arguments: it names the reply file the
+    # failing provider read, and the providers file only from INVESTIGATE_PROVIDERS.
+    shown = commands(invoke("status", cli.case_id).output)
+    assert ["replies", "check", str(cli.replies_path.resolve()), cli.case_id] in shown, shown
+    assert ["run", cli.case_id, "--providers", "PROVIDERS.toml"] in shown
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("INVESTIGATE_PROVIDERS", providers)
+        shown = commands(invoke("status", cli.case_id).output)
+    assert ["run", cli.case_id, "--providers", providers] in shown, shown
     plain = invoke("resume", cli.case_id)
     assert plain.exit_code == 2 and "RETRY_ID_REQUIRED" in plain.output
     assert f"try: investigate resume {cli.case_id} --retry-id retry-3-1" in plain.output

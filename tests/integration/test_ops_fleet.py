@@ -239,6 +239,14 @@ def test_a_second_worker_under_a_taken_node_name_is_refused(
         assert health["healthy"] is True
         names = next(c["value"] for c in health["checks"] if c["name"] == "workers")
         assert any(n.startswith(f"{h.queue}@") for n in names)
+        # A queue no worker reads: dispatches there would wait forever.
+        elsewhere = {**dict(h.worker.env), "INVESTIGATE_QUEUE": f"{h.queue}-nobody"}
+        out = cli(elsewhere, "health", "--json", "--check", "workers", "--check", "broker",
+                  expect=1)
+        workers = next(c for c in json.loads(out)["checks"] if c["name"] == "workers")
+        assert workers["ok"] is False and workers["value"] == []
+        assert f"0 consume queue '{h.queue}-nobody'" in workers["detail"]
+        assert f"INVESTIGATE_QUEUE={h.queue}-nobody" in workers["detail"]
 
 
 UPSTREAM_VENV = REPO / "var" / "test-upstream-venv"

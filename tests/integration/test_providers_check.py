@@ -58,14 +58,17 @@ def test_probe_verdicts_over_http(tmp_path: Path) -> None:
     gone = probe_provider(ProviderConfig(name="d", kind="openai", base_url=dead, model="m",
                                          timeout_s=2), env={})
     assert (gone.verdict, gone.code) == ("unreachable", "PROVIDER_UNREACHABLE")
-    skipped = probe_provider(ProviderConfig(name="e", kind="scripted", path="x.jsonl"))
-    assert skipped.verdict == "skipped"
+    (tmp_path / "x.jsonl").write_text(VALID + "\n")
+    skipped = probe_provider(ProviderConfig(name="e", kind="scripted", path="x.jsonl"),
+                             base_dir=tmp_path)
+    assert skipped.verdict == "skipped" and "1 line(s)" in (skipped.detail or "")
 
 
 def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
     runner = CliRunner()
     # Identical request bodies get the same line: local -> line 1, strict -> line 2.
     with ReplayServer([VALID, INVALID]) as server:
+        (tmp_path / "r.jsonl").write_text(VALID + "\n")
         good = tmp_path / "good.toml"
         good.write_text(_entry("local", server.base_url)
                         + '[[providers]]\nname = "replay"\nkind = "scripted"\n'
@@ -94,3 +97,37 @@ def test_cli_without_a_providers_file_names_the_option(monkeypatch: pytest.Monke
     assert res.exit_code == 2, res.output
     assert "PROVIDERS_NOT_GIVEN" in res.output and "--providers FILE" in res.output
     assert not (tmp_path / "home").exists()  # nothing was created or stored
+
+
+def test_cli_points_at_the_address_not_the_dialect(tmp_path: Path) -> None:
+    """A server that is no chat-completions endpoint, a connection cut mid-answer and a
+    missing reply file: the table says what failed and the line names the address."""
+    runner = CliRunner()
+    with ReplayServer([VALID]) as server:
+        server.add_faults(Fault(status=501, body=b"<!DOCTYPE HTML><p>Unsupported method</p>"),
+                          Fault(cut_after=3))
+        entries = tmp_path / "p.toml"
+        entries.write_text(_entry("web", server.base_url) + _entry("cut", server.base_url)
+                           + '[[providers]]\nname = "replay"\nkind = "scripted"\n'
+                             'path = "missing.jsonl"\n')
+        res = runner.invoke(app, ["providers", "check", "--providers", str(entries),
+                                  "--json"])
+        assert res.exit_code == 1, res.output
+        by_name = {r["provider"]: r for r in json.loads(res.output)}
+        assert (by_name["web"]["verdict"], by_name["web"]["code"]) == (
+            "refused", "PROVIDER_SERVER_ERROR")
+        assert by_name["web"]["base_url"] == server.base_url
+        assert by_name["cut"]["verdict"] == "unreachable", by_name["cut"]
+        assert (by_name["replay"]["verdict"], by_name["replay"]["code"]) == (
+            "unreachable", "PROVIDER_SCRIPT_UNREADABLE")
+        assert "missing.jsonl" in by_name["replay"]["detail"]
+        server.add_faults(Fault(status=501, body=b"<!DOCTYPE HTML>"))
+        only_web = tmp_path / "web.toml"
+        only_web.write_text(_entry("web", server.base_url))
+        res = runner.invoke(app, ["providers", "check", "--providers", str(only_web)],
+                            terminal_width=200)
+        address = server.base_url
+    assert res.exit_code == 1, res.output
+    row = next(line for line in res.output.splitlines() if line.strip("│ ").startswith("web"))
+    assert "?" in row and "NO" not in row, res.output  # not the dialect's fault
+    assert f"base_url {address}: is it an OpenAI-compatible" in res.output
