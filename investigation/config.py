@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from investigation.constants import OPERATIONS
 from investigation.errors import ConfigError
@@ -179,7 +179,13 @@ class ToolLimits(_Strict):
 
 
 class ProviderConfig(_Strict):
-    """One entry of the ordered failover list (``[[providers]]``)."""
+    """One entry of the ordered failover list (``[[providers]]``).
+
+    Values are taken as TOML types them (``timeout_s = "30"`` is refused, not coerced);
+    an ``openai`` entry needs ``base_url`` and ``model``, a ``scripted`` entry ``path``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     name: str
     kind: Literal["openai", "scripted"]
@@ -229,9 +235,20 @@ class ProviderConfig(_Strict):
             raise ValueError("provider name must not be empty")
         return value
 
+    @model_validator(mode="after")
+    def _required_by_kind(self) -> ProviderConfig:
+        required = ("base_url", "model") if self.kind == "openai" else ("path",)
+        missing = [k for k in required if not getattr(self, k)]
+        if missing:
+            raise ValueError(f"provider {self.name!r} of kind {self.kind!r} needs "
+                             + " and ".join(missing))
+        return self
+
 
 class GatewayConfig(_Strict):
     """Retry timing of the LLM gateway; failover order is the providers list."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     attempts: int = Field(10, ge=1)
     """Attempts per provider operation over all providers. Default 10 (seed)."""
@@ -257,6 +274,10 @@ class ProvidersConfig(_Strict):
             ConfigError: ``CONFIG_UNREADABLE`` or ``CONFIG_INVALID``.
         """
         data = _read_toml(path)
+        if isinstance(data.get("providers"), dict):
+            raise ConfigError("CONFIG_INVALID", f"{path}: providers: write each provider as "
+                              "an array-of-tables entry `[[providers]]`, not `[providers]`",
+                              path=str(path))
         data.setdefault("base_dir", str(Path(path).resolve().parent))
         return _validate(cls, data, path)
 

@@ -92,3 +92,23 @@ def test_a_file_that_is_not_utf8_is_invalid(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         InvestigationConfig.load(path)
     assert err.value.code == "CONFIG_INVALID"
+
+
+@pytest.mark.parametrize(("entry", "expected"), [
+    # `[providers]` instead of `[[providers]]`: the message names the TOML form to write.
+    ('[providers]\nname = "m"\nkind = "openai"\n', "`[[providers]]`, not `[providers]`"),
+    # A string where TOML has a number is refused, not coerced.
+    ('[[providers]]\nname = "m"\nkind = "openai"\nbase_url = "http://127.0.0.1:8/v1"\n'
+     'model = "x"\ntimeout_s = "30"\n', "timeout_s: Input should be a valid number"),
+    ('[gateway]\nattempts = "3"\n[[providers]]\nname = "m"\nkind = "scripted"\npath = "r"\n',
+     "gateway.attempts: Input should be a valid integer"),
+    ('[[providers]]\nname = "m"\nkind = "openai"\nmodel = "x"\n', "'m' of kind 'openai' needs base_url"),
+    ('[[providers]]\nname = "m"\nkind = "openai"\n', "needs base_url and model"),
+])
+def test_providers_file_mistakes_are_named(tmp_path: Path, entry: str, expected: str) -> None:
+    file = tmp_path / "providers.toml"
+    file.write_text(entry)
+    with pytest.raises(ConfigError) as info:
+        ProvidersConfig.load(file)
+    assert info.value.code == "CONFIG_INVALID"
+    assert expected in info.value.message

@@ -10,6 +10,7 @@ from email.utils import format_datetime
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from investigation.config import ProviderConfig
 from investigation.errors import (
@@ -168,11 +169,14 @@ def test_missing_key_variable_is_a_credentials_error_without_network() -> None:
 
 def test_bad_config_fails_fast() -> None:
     with pytest.raises(ProviderConfigurationError):
-        OpenAIProvider(ProviderConfig(name="x", kind="openai", model="m"))
-    with pytest.raises(ProviderConfigurationError):
         OpenAIProvider(ProviderConfig(name="x", kind="openai", base_url="ftp://h/v1", model="m"))
-    with pytest.raises(ProviderConfigurationError):
-        OpenAIProvider(ProviderConfig(name="x", kind="openai", base_url="http://h/v1"))
+    # A missing base_url or model is refused when the entry is read, naming what is missing.
+    with pytest.raises(ValidationError, match="needs base_url"):
+        ProviderConfig(name="x", kind="openai", model="m")
+    with pytest.raises(ValidationError, match="needs model"):
+        ProviderConfig(name="x", kind="openai", base_url="http://h/v1")
+    with pytest.raises(ValidationError, match="needs path"):
+        ProviderConfig(name="x", kind="scripted")
 
 
 # -- HTTP status classification ------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from investigation.config import ProviderConfig, ProvidersConfig
-from investigation.errors import ProviderConfigurationError
+from investigation.errors import ConfigError, ProviderConfigurationError
 from investigation.llm import ChatRequest, OpenAIProvider, ScriptedProvider, build_providers
 
 
@@ -67,10 +67,14 @@ def test_unreadable_script(tmp_path: Path) -> None:
     assert info.value.code == "PROVIDER_SCRIPT_UNREADABLE"
 
 
-def test_path_required() -> None:
-    with pytest.raises(ProviderConfigurationError) as info:
-        ScriptedProvider(ProviderConfig(name="r", kind="scripted"), ".")
-    assert info.value.code == "PROVIDER_BAD_CONFIG"
+def test_path_required(tmp_path: Path) -> None:
+    """A scripted entry without ``path`` is refused when the providers file is read."""
+    file = tmp_path / "providers.toml"
+    file.write_text('[[providers]]\nname = "r"\nkind = "scripted"\n')
+    with pytest.raises(ConfigError) as info:
+        ProvidersConfig.load(file)
+    assert info.value.code == "CONFIG_INVALID"
+    assert "'r' of kind 'scripted' needs path" in info.value.message
 
 
 def test_build_providers_in_order(tmp_path: Path) -> None:
