@@ -205,7 +205,7 @@ def _why(f: CaseFacts) -> str:
 
 
 def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
-           replies: str | None = None) -> Guidance:
+           replies: str | None = None, out_dir: str | None = None) -> Guidance:
     """The advice for a case in the situation ``f`` describes.
 
     Args:
@@ -213,6 +213,9 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
         mode: the runtime the caller uses (``embedded``/``distributed``), or ``None``.
         providers: the providers file the caller ran with, to repeat it in commands.
         replies: the scripted reply file that providers file names, if any.
+        out_dir: where the suggested report and export should go (the demo passes its own
+            store directory, so nothing lands in the checkout); default the working
+            directory (``report.html``, ``EXPORT_DIR``).
 
     Returns:
         The :class:`Guidance`; never raises for an unknown reason (a generic advice).
@@ -222,19 +225,21 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
     if replies is None and f.error_code in ("PROVIDER_SCRIPT_EXHAUSTED",
                                             "PROVIDER_SCRIPT_UNREADABLE"):
         replies = script_path_of(f.error_message)  # the file the failing provider read
+    prefix = out_dir.rstrip("/") + "/" if out_dir else ""
     report = Step("see the whole investigation in a browser",
-                  f"investigate report {case} -o report.html")
+                  f"investigate report {case} -o {_q(prefix + 'report.html')}")
+    export_dir = _q(prefix + "export") if out_dir else "EXPORT_DIR"
     if f.state == CASE_BUILDING_DIAGNOSIS:
         return Guidance("The investigation is complete: every hypothesis account is "
                         "terminal (state BUILDING_DIAGNOSIS).",
                         (Step("read the summary", f"investigate summary {case}"), report,
                          Step("write every artifact to a directory",
-                              f"investigate export {case} EXPORT_DIR")), final=True)
+                              f"investigate export {case} {export_dir}")), final=True)
     if f.state == CASE_CANCELLED:
         return Guidance("The case was cancelled; nothing more runs. Everything done so far "
                         "is kept.",
                         (report, Step("write every artifact to a directory",
-                                      f"investigate export {case} EXPORT_DIR")), final=True)
+                                      f"investigate export {case} {export_dir}")), final=True)
     if f.state == CASE_STOPPED:
         return Guidance(f"The case stopped for good: its lifecycle session ended "
                         f"({reason}), for example when limits.max_execution_seconds ran "
@@ -412,14 +417,16 @@ def facts_for(store: Store, case_id: str) -> CaseFacts:
 
 
 def for_case(store: Store, case_id: str, mode: Mode = None, providers: str | None = None,
-             env: str = "", replies: str | None = None) -> Guidance:
+             env: str = "", replies: str | None = None,
+             out_dir: str | None = None) -> Guidance:
     """:func:`advise` for the case as stored now.
 
     Args:
         env: prefixed to every command, e.g. ``"INVESTIGATE_HOME=.investigate/demo "`` when
             the case lives in a store the default settings do not point at.
+        out_dir: as in :func:`advise`.
     """
-    g = advise(facts_for(store, case_id), mode, providers, replies)
+    g = advise(facts_for(store, case_id), mode, providers, replies, out_dir)
     if not env:
         return g
     return Guidance(g.headline, tuple(Step(s.text, env + s.command if s.command else None)

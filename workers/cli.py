@@ -361,6 +361,12 @@ def case_add(
     for note in notes:
         err.print(f"note: {note}", highlight=False, markup=False)
     out.print(case_id)
+    # What to do next goes to stderr: stdout stays the bare id for `$(investigate case add ...)`.
+    err.print(f"next: check a scripted reply file against it, then run it here, or send it "
+              f"to the workers\n"
+              f"  $ investigate replies check replies.jsonl {case_id}\n"
+              f"  $ investigate run {case_id} --providers providers.toml\n"
+              f"  $ investigate dispatch {case_id}", highlight=False, markup=False)
 
 
 # -- investigate ---------------------------------------------------------------------------

@@ -55,7 +55,8 @@ def _run_embedded(settings: Settings, case_id: str, config: Path | None,
 
 def _finish(settings: Settings, case_id: str, outcome: Outcome,
             providers: Path | None = None, steps: list[Outcome] | None = None,
-            as_json: bool = False, env: str = "", report: Path | None = None) -> None:
+            as_json: bool = False, env: str = "", report: Path | None = None,
+            out_dir: Path | None = None) -> None:
     summary_path = None
     if outcome.outcome == COMPLETED:
         target = settings.home / "exports" / case_id
@@ -64,7 +65,8 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
         summary_path = (target / "analysis" / "investigation" / "summary.md").resolve()
     g = guidance.for_case(_store(settings, existing=True), case_id, "embedded",
                           str(providers) if providers else None, env,
-                          _scripted_file(providers or settings.providers))
+                          _scripted_file(providers or settings.providers),
+                          _shown(out_dir) if out_dir else None)
     if as_json:
         _print_json({"case_id": case_id, "outcome": outcome.to_dict(),
                      "steps": [o.to_dict() for o in steps or []],
@@ -137,17 +139,21 @@ def run(
     _finish(settings, case_id, outcome, providers, steps, as_json)
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is below it, else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
 def _home_env(home: Path) -> str:
     """``INVESTIGATE_HOME=... `` for commands about a store the defaults do not open.
 
     When the shell sets ``INVESTIGATE_DATABASE_URL`` (a fleet's database), the prefix
     clears it too: that URL would take precedence over the SQLite store in ``home``, and
     the printed command would read another store's case of the same id."""
-    try:
-        shown = str(home.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        shown = str(home.resolve())
-    prefix = f"INVESTIGATE_HOME={shlex.quote(shown)} "
+    prefix = f"INVESTIGATE_HOME={shlex.quote(_shown(home))} "
     if os.environ.get("INVESTIGATE_DATABASE_URL"):
         prefix += "INVESTIGATE_DATABASE_URL= "
     return prefix
@@ -190,7 +196,7 @@ def demo(as_json: JsonOpt = False) -> None:
         report = work / "report.html"
         write_report(_store(settings, existing=True), case.case_id, report, _home_env(work))
     _finish(settings, case.case_id, outcome, providers, steps, as_json, _home_env(work),
-            report)
+            report, out_dir=work)
     hint = _activate_hint()
     if hint and not as_json:
         say(hint)

@@ -172,8 +172,14 @@ def test_repeated_case_add_says_what_it_did(tmp_path: Path,
     args = ["case", "add", str(package), "--interpretation", str(tmp_path / "i.json"),
             "--hypotheses", str(tmp_path / "h.json")]
     first = invoke(*args)
-    assert first.exit_code == 0 and first.stderr == "", first.output
+    assert first.exit_code == 0, first.output
     case_id = first.stdout.strip()
+    # stdout is the bare id (for `$(investigate case add ...)`); what to do next is on stderr.
+    assert first.stdout == case_id + "\n"
+    assert first.stderr.splitlines()[1:] == [
+        f"  $ investigate replies check replies.jsonl {case_id}",
+        f"  $ investigate run {case_id} --providers providers.toml",
+        f"  $ investigate dispatch {case_id}"]
     again = invoke(*args, "--package-limits", str(tmp_path / "limits.toml"))
     assert again.exit_code == 0 and again.stdout.strip() == case_id
     assert "already registered" in again.stderr and "nothing changed" in again.stderr

@@ -43,3 +43,14 @@ def test_demo_runs_and_its_printed_commands_reach_its_store(tmp_path: Path) -> N
     case_id = re.search(r"case-[0-9a-f]{16}", command)
     assert case_id and case_id.group(0) in shown.stdout
     assert shown.stdout.replace("\r", "") == summary.read_text().replace("\r", "")
+    # The report and export it suggests go to the demo's own directory, not the checkout.
+    for word in (" report ", " export "):
+        (line,) = [ln.strip()[2:] for ln in run.stdout.splitlines()
+                   if ln.strip().startswith("$ ") and word in ln]
+        done = subprocess.run(["bash", "-c", line.replace("investigate ", f"{INVESTIGATE} ",
+                                                           1)],
+                              env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == 0, line + done.stdout + done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+    assert list((tmp_path / "home").rglob("export/analysis/investigation/summary.md"))
