@@ -36,12 +36,16 @@ state / reason                  advice
 from __future__ import annotations
 
 import json
+import os
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from sqlmodel import col, select
 
+from investigation.config import ProvidersConfig
 from investigation.constants import (
     BLOCK_AWAITING_TEST_FEEDBACK,
     BLOCK_INVALID_LLM_RESPONSES,
@@ -416,16 +420,52 @@ def facts_for(store: Store, case_id: str) -> CaseFacts:
             awaiting_tests=tuple(tests))
 
 
+def scripted_file(providers: str | Path | None) -> str | None:
+    """The reply file of the first scripted provider in ``providers``, if any (relative to
+    the working directory when it is below it); ``None`` when there is none or the file
+    cannot be read (the guidance then shows a placeholder)."""
+    if providers is None:
+        return None
+    try:
+        config = ProvidersConfig.load(providers)
+    except InvestigationError:
+        return None
+    for p in config.providers:
+        if p.kind == "scripted" and p.path:
+            path = (Path(config.base_dir) / p.path).resolve()
+            try:
+                return str(path.relative_to(Path.cwd().resolve()))
+            except ValueError:
+                return str(path)
+    return None
+
+
+def shell_env(environ: Mapping[str, str] | None = None) -> str:
+    """The prefix that makes a printed command open the store this process opened:
+    ``INVESTIGATE_HOME=<value> `` when ``INVESTIGATE_HOME`` is set (exported or given
+    inline on the command line, which a process cannot tell apart) and no
+    ``INVESTIGATE_DATABASE_URL`` overrides it; else ``""``. A database URL is never
+    repeated: it may hold a password."""
+    environ = os.environ if environ is None else environ
+    home = environ.get("INVESTIGATE_HOME", "")
+    if not home or environ.get("INVESTIGATE_DATABASE_URL"):
+        return ""
+    return f"INVESTIGATE_HOME={_q(home)} "
+
+
 def for_case(store: Store, case_id: str, mode: Mode = None, providers: str | None = None,
-             env: str = "", replies: str | None = None,
+             env: str | None = None, replies: str | None = None,
              out_dir: str | None = None) -> Guidance:
     """:func:`advise` for the case as stored now.
 
     Args:
         env: prefixed to every command, e.g. ``"INVESTIGATE_HOME=.investigate/demo "`` when
-            the case lives in a store the default settings do not point at.
+            the case lives in a store the default settings do not point at; default
+            :func:`shell_env`, so a command pasted into the same shell finds the same store.
         out_dir: as in :func:`advise`.
     """
+    if env is None:
+        env = shell_env()
     g = advise(facts_for(store, case_id), mode, providers, replies, out_dir)
     if not env:
         return g

@@ -477,7 +477,8 @@ def status_cmd(
             watch_case(out, store, case_id, interval)
         return
     info = status(store, case_id)
-    g = guidance.for_case(store, case_id, providers=_providers_shown(settings))
+    g = guidance.for_case(store, case_id, providers=_providers_shown(settings),
+                          replies=guidance.scripted_file(settings.providers))
     if as_json:  # model costs are in micros of limits.currency
         _print_json({**info, "next": g.to_dict()})
         return
@@ -517,7 +518,8 @@ def resume_cmd(
             err.print(f"try: investigate resume {case_id} --retry-id {fresh}",
                       highlight=False, markup=False)
         raise
-    g = guidance.for_case(store, case_id, providers=_providers_shown(settings))
+    g = guidance.for_case(store, case_id, providers=_providers_shown(settings),
+                          replies=guidance.scripted_file(settings.providers))
     if as_json:
         _print_json({**info, "next": g.to_dict()})
         return

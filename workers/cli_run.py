@@ -20,7 +20,6 @@ from investigation import guidance
 from investigation.cases.reader import PackageReader
 from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
-from investigation.errors import InvestigationError
 from investigation.loop.outcome import Outcome
 from investigation.operations import export
 from workers.cli import (
@@ -55,7 +54,7 @@ def _run_embedded(settings: Settings, case_id: str, config: Path | None,
 
 def _finish(settings: Settings, case_id: str, outcome: Outcome,
             providers: Path | None = None, steps: list[Outcome] | None = None,
-            as_json: bool = False, env: str = "", report: Path | None = None,
+            as_json: bool = False, env: str | None = None, report: Path | None = None,
             out_dir: Path | None = None) -> None:
     summary_path = None
     if outcome.outcome == COMPLETED:
@@ -89,24 +88,9 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
 
 
 def _scripted_file(providers: Path | None) -> str | None:
-    """The reply file of the first scripted provider in ``providers``, if any (relative to
-    the working directory when it is below it)."""
-    if providers is None:
-        return None
-    from investigation.config import ProvidersConfig
-
-    try:
-        config = ProvidersConfig.load(providers)
-    except InvestigationError:
-        return None
-    for p in config.providers:
-        if p.kind == "scripted" and p.path:
-            path = (Path(config.base_dir) / p.path).resolve()
-            try:
-                return str(path.relative_to(Path.cwd().resolve()))
-            except ValueError:
-                return str(path)
-    return None
+    """The reply file of the first scripted provider in ``providers``
+    (:func:`investigation.guidance.scripted_file`)."""
+    return guidance.scripted_file(providers)
 
 
 @_controlled

@@ -15,9 +15,10 @@ from investigation.store.engine import Store
 __all__ = ["CaseHistory", "StepRow", "case_history", "render_report", "write_report"]
 
 
-def render_report(store: Store, case_id: str, env: str = "") -> str:
+def render_report(store: Store, case_id: str, env: str | None = None) -> str:
     """The self-contained HTML report of ``case_id`` (``env`` prefixes the commands of its
-    next steps, e.g. ``"INVESTIGATE_HOME=.investigate/demo "``).
+    next steps, e.g. ``"INVESTIGATE_HOME=.investigate/demo "``; default
+    ``investigation.guidance.shell_env()``).
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``.
@@ -25,7 +26,7 @@ def render_report(store: Store, case_id: str, env: str = "") -> str:
     return render(case_history(store, case_id, env))
 
 
-def write_report(store: Store, case_id: str, path: Path, env: str = "") -> int:
+def write_report(store: Store, case_id: str, path: Path, env: str | None = None) -> int:
     """Write the report to ``path`` (UTF-8; replaced atomically). Returns its size in bytes.
 
     Raises:

@@ -126,7 +126,7 @@ def _items(findings_json: str) -> list[dict[str, str]]:
     return out
 
 
-def case_history(store: Store, case_id: str, env: str = "") -> CaseHistory:
+def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHistory:
     """Read the whole history of ``case_id`` (see the module docstring); ``env`` prefixes
     the guidance's commands (``investigation.guidance.for_case``).
 

@@ -205,3 +205,33 @@ def test_watch_follows_a_case_that_moves_until_it_completes(tiny_case: Case) -> 
     assert [ln.split(", step ")[1].split(",")[0] for ln in lines] == ["0", "1", "2", "3", "4",
                                                                       "5"]
     assert "next: The investigation is complete" in buf.getvalue()
+
+
+def test_printed_commands_carry_the_home_given_inline(tmp_path: Path) -> None:
+    """`INVESTIGATE_HOME=dir investigate status CASE` prints commands that open `dir` when
+    pasted into the same shell (where INVESTIGATE_HOME is not exported), and the reply file
+    of INVESTIGATE_PROVIDERS instead of a placeholder."""
+    import os
+    import subprocess
+    import sys
+
+    exe = str(Path(sys.executable).with_name("investigate"))
+    case = make_case(tmp_path / "case", replies=[BAD, BAD, BAD],
+                     database_url=f"sqlite:///{tmp_path / 'my home' / 'investigation.db'}")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+    inline = {**base, "INVESTIGATE_HOME": "my home",
+              "INVESTIGATE_PROVIDERS": str(case.providers_path)}
+    ran = subprocess.run([exe, "run", case.case_id], env=inline, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert ran.returncode == 1 and "INVALID_LLM_RESPONSES" in ran.stdout, ran.stdout + ran.stderr
+    st = subprocess.run([exe, "status", case.case_id], env=inline, cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120, check=False)
+    printed = [ln.strip()[2:] for ln in st.stdout.splitlines() if ln.strip().startswith("$ ")]
+    assert printed and all(c.startswith("INVESTIGATE_HOME='my home' investigate ")
+                           for c in printed), st.stdout
+    check = next(c for c in printed if " replies check " in c)
+    assert f" replies check case/replies.jsonl {case.case_id}" in check, check
+    pasted = subprocess.run(["bash", "-c", check.replace("investigate ", f"{exe} ", 1)],
+                            env=base, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert pasted.returncode == 0 and case.case_id in pasted.stdout, pasted.stdout + pasted.stderr

@@ -42,7 +42,7 @@ def test_user_flow_through_the_cli(tmp_path: Path, cli_env: Path) -> None:
     added = runner.invoke(app, ["case", "add", str(tmp_path / "p.zip"), "--interpretation",
                                 str(tmp_path / "i.json"), "--hypotheses", str(tmp_path / "h.json")])
     assert added.exit_code == 0, added.output
-    case_id = added.output.strip()
+    case_id = added.stdout.strip()
     assert case_id.startswith("case-")
     (tmp_path / "replies.jsonl").write_text(
         "\n".join(json.dumps(r) for r in casekit.HAPPY_REPLIES) + "\n")

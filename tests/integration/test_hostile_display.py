@@ -60,7 +60,7 @@ def test_snapshot_escapes_are_shown_escaped_everywhere(tmp_path: Path, cli_env: 
                                 str(tmp_path / "i.json"), "--hypotheses",
                                 str(tmp_path / "h.json")])
     assert added.exit_code == 0, added.output
-    case_id = added.output.strip()
+    case_id = added.stdout.strip()
     replies = [
         casekit.q("source.search", {"pattern": "percent"}, note=NOTE),
         casekit.q("logs.search", {"pattern": "pwned"}, assessment=(60, ["E1"]),
