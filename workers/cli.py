@@ -30,7 +30,7 @@ from investigation.cases.builder import build_package
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import load_hypotheses, load_interpretation, register_case
 from investigation.config import InvestigationConfig
-from investigation.constants import BLOCKED
+from investigation.constants import BLOCKED, CASE_INVESTIGATING, CASE_PAUSED
 from investigation.errors import InvestigationError, LockBusy
 from investigation.loop.outcome import Outcome
 from investigation.operations import (
@@ -306,9 +306,16 @@ def case_add(
         "`run --config` sets it")] = None,
     config: Annotated[Path | None, typer.Option(
         "--config", hidden=True, help="deprecated name of --package-limits")] = None,
+    paused: Annotated[bool, typer.Option(
+        "--paused", help="register it paused: on a fleet's store the recovery sweep "
+        "(beat) dispatches every investigating case by itself; a paused one waits for "
+        "`investigate resume CASE`")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Register a case (revision 1); prints its id.
+
+    A registered case is investigating: on a fleet's store the recovery sweep dispatches
+    it within INVESTIGATE_SWEEP_INTERVAL_S unless it was added with `--paused`.
 
     Adding the same package, interpretation and hypotheses again changes nothing and
     prints the same id; a note on stderr says so, and says when the package limits given
@@ -353,8 +360,14 @@ def case_add(
     elif before.other_cases:
         notes.append(f"this package is also registered as {', '.join(before.other_cases)} "
                      "(other interpretation or hypotheses); this is a new case")
+    state = status(store, case_id)["state"]
+    if paused and state == CASE_INVESTIGATING:
+        pause(store, case_id)
+        state = CASE_PAUSED
+    elif paused:
+        notes.append(f"the case is {state}: --paused changed nothing")
     if as_json:
-        _print_json({"case_id": case_id, "existed": before.existed,
+        _print_json({"case_id": case_id, "existed": before.existed, "state": state,
                      "other_cases": list(before.other_cases), "limit_changes": changes,
                      "notes": notes})
         return
@@ -362,9 +375,11 @@ def case_add(
         err.print(f"note: {note}", highlight=False, markup=False)
     out.print(case_id)
     # What to do next goes to stderr: stdout stays the bare id for `$(investigate case add ...)`.
-    err.print(f"next: check a scripted reply file against it, then run it here, or send it "
-              f"to the workers\n"
-              f"  $ investigate replies check replies.jsonl {case_id}\n"
+    resume_first = f"  $ investigate resume {case_id}\n" if state == CASE_PAUSED else ""
+    err.print("next: check a scripted reply file against it, then "
+              + ("resume it and " if resume_first else "")
+              + f"run it here, or send it to the workers\n"
+              f"  $ investigate replies check replies.jsonl {case_id}\n{resume_first}"
               f"  $ investigate run {case_id} --providers providers.toml\n"
               f"  $ investigate dispatch {case_id}", highlight=False, markup=False)
 

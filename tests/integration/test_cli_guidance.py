@@ -14,6 +14,7 @@ import json
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -235,3 +236,41 @@ def test_printed_commands_carry_the_home_given_inline(tmp_path: Path) -> None:
                             env=base, cwd=tmp_path, capture_output=True, text=True,
                             timeout=120, check=False)
     assert pasted.returncode == 0 and case.case_id in pasted.stdout, pasted.stdout + pasted.stderr
+
+
+def test_case_add_paused_waits_for_resume(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`case add --paused` registers a case the recovery sweep leaves alone (it dispatches
+    investigating cases only) until `resume`; then it runs to the end."""
+    from types import SimpleNamespace
+
+    from workers.recovery import pending_cases
+
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    package = casekit.build_tiny_package(tmp_path)
+    (tmp_path / "i.json").write_text(json.dumps(casekit.INTERPRETATION))
+    (tmp_path / "h.json").write_text(json.dumps(casekit.HYPOTHESES))
+    added = invoke("case", "add", str(package), "--interpretation", str(tmp_path / "i.json"),
+                   "--hypotheses", str(tmp_path / "h.json"), "--paused")
+    assert added.exit_code == 0, added.output
+    case_id = added.stdout.strip()
+    assert f"  $ investigate resume {case_id}" in added.stderr.splitlines()
+    info = json.loads(invoke("status", case_id, "--json").stdout)
+    assert info["state"] == "PAUSED"
+    from investigation.store import Store
+
+    rt: Any = SimpleNamespace(env=SimpleNamespace(
+        store=Store(f"sqlite:///{tmp_path / 'home' / 'investigation.db'}")))
+    assert case_id not in pending_cases(rt)[0]
+    again = invoke("case", "add", str(package), "--interpretation", str(tmp_path / "i.json"),
+                   "--hypotheses", str(tmp_path / "h.json"), "--paused", "--json")
+    assert json.loads(again.stdout)["state"] == "PAUSED"
+    assert invoke("resume", case_id).exit_code == 0
+    assert case_id in pending_cases(rt)[0]
+    (tmp_path / "replies.jsonl").write_text("\n".join(HAPPY) + "\n")
+    (tmp_path / "providers.toml").write_text(
+        '[[providers]]\nname = "replay"\nkind = "scripted"\npath = "replies.jsonl"\n')
+    ran = invoke("run", case_id, "--providers", str(tmp_path / "providers.toml"))
+    assert ran.exit_code == 0 and f"case {case_id}: COMPLETED" in ran.output, ran.output
