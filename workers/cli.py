@@ -573,7 +573,7 @@ def cancel_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
 def summary_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Print summary.md (written when every hypothesis account is terminal). Any control,
     bidirectional or zero-width character a stored summary holds is shown as a visible
-    escape; ``export`` writes the exact bytes."""
+    escape; `export` writes the exact bytes."""
     data = summary_bytes(_store(_settings(), existing=True), case_id)
     if as_json:
         import hashlib

@@ -312,7 +312,9 @@ def cases(
             str(r.steps),
             (r.last_outcome or "") + (f" ({r.last_reason})" if r.last_reason else ""),
             f"{r.balance_units}/{r.credit_units}" if r.credit_units else "- (no step yet)",
-            f"{r.active_hypotheses}/{r.hypotheses} active", r.updated_at[:19])
+            f"{r.active_hypotheses}/{r.hypotheses} active"
+            if r.state not in ("CANCELLED", "STOPPED") else f"{r.hypotheses} (none runs)",
+            r.updated_at[:19])
     out.print(table)
     out.print(f"{len(rows)} case(s)", highlight=False)
     for r in rows:  # the command that continues each held case, one per line

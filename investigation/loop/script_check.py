@@ -549,8 +549,7 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
                            f"find new items; {v.other} if they find nothing")
         if a.outcome == BLOCKED and a.verdict == REJECTED_VERDICT:
             v.notes.append(f"the case blocks here ({BLOCK_INVALID_LLM_RESPONSES}); after "
-                           f"`investigate resume` the next call reads line "
-                           f"{_line_after(lines, call)}")
+                           f"`investigate resume` {_line_after(lines, call)}")
         elif a.outcome == BLOCKED and a.verdict == ACCEPTED:
             v.notes.append(f"the case waits here ({BLOCK_AWAITING_TEST_FEEDBACK}) until the "
                            "feedback is confirmed")
@@ -570,4 +569,6 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
 
 
 def _line_after(lines: list[tuple[int, bytes]], call: int) -> str:
-    return str(lines[call + 1][0]) if call + 1 < len(lines) else "(none: the file ends)"
+    if call + 1 < len(lines):
+        return f"the next call reads line {lines[call + 1][0]}"
+    return "the next call finds no line: add replies after this one first"
