@@ -160,8 +160,9 @@ class ToolLimits(_Strict):
     """Hard cap on items of one result (a caller may ask for fewer). Default 200."""
     max_output_bytes: int = Field(64 << 10, ge=1024)
     """Hard cap on the serialized findings of one result. Default 64 KiB."""
-    max_line_bytes: int = Field(500, ge=40)
-    """Quoted lines longer than this are cut (with a warning). Default 500."""
+    max_line_bytes: int = Field(500, ge=40, le=8192)
+    """Quoted lines longer than this are cut (with a warning). Default 500, at most 8,192
+    (secrets are masked within the first ``investigation.secrets.MAX_MASKED_CHARS``)."""
     max_read_lines: int = Field(400, ge=1)
     """Largest ``source.read`` range. Default 400 lines."""
     sql_timeout_s: float = Field(2.0, gt=0, le=MAX_DURATION_S)

@@ -40,11 +40,15 @@ from typing import Any
 
 import re2
 
-__all__ = ["MASK", "SecretFinding", "SecretMasker", "default_masker", "mask_marker",
-           "private_key_lines", "scan_files"]
+__all__ = ["MASK", "MAX_MASKED_CHARS", "SecretFinding", "SecretMasker", "default_masker",
+           "mask_marker", "private_key_lines", "scan_database_schema", "scan_files"]
 
 #: What replaces a secret (``{type}`` is detect-secrets' secret type, e.g. "AWS Access Key").
 MASK = "[secret masked: {type}]"
+#: Longest text masked in one piece (characters). A longer line or value is masked and
+#: shown only up to this length (what findings quote is cut to ``tools.max_line_bytes``,
+#: at most 8,192 bytes, well inside it), so masking stays bounded on a crafted 30 MB line.
+MAX_MASKED_CHARS = 12_288
 #: Lines of at most this many characters are cached (at most :data:`_CACHED_LINES`).
 _CACHED_CHARS = 1024
 _CACHED_LINES = 4096
@@ -71,18 +75,25 @@ class SecretFinding:
 
     Attributes:
         path: the package entry name (``source/.env``).
-        line: 1-based line number; 0 when the secret is in the entry's name.
+        line: 1-based line number; 0 when the secret is in the entry's name or, with
+            ``where``, in a database's schema.
         type: detect-secrets' secret type ("Secret Keyword", "AWS Access Key", ...).
+        where: for a database: which schema object holds it (``"schema object 3
+            (table)"``: its position in ``sqlite_master``, never its name).
     """
 
     path: str
     line: int
     type: str
+    where: str = ""
 
     def __str__(self) -> str:
+        path = default_masker().mask(self.path)[0]  # a name may be the secret itself
+        if self.where:
+            return f"{path}: {self.type} in {self.where}"
         if self.line == 0:
-            return f"{self.path}: {self.type} in the file name"
-        return f"{self.path}:{self.line}: {self.type}"
+            return f"{path}: {self.type} in the file name"
+        return f"{path}:{self.line}: {self.type}"
 
 
 # -- rules ------------------------------------------------------------------------------------
@@ -262,6 +273,37 @@ class SecretMasker:
                 merged.append((start, end, secret_type))
         return merged
 
+    def mask_prefix(self, text: str) -> tuple[str, int]:
+        """:meth:`mask` of ``text`` cut to :data:`MAX_MASKED_CHARS` (the part a finding
+        can quote); the rest is dropped, never shown unmasked."""
+        return self.mask(text[:MAX_MASKED_CHARS])
+
+    def mask_names(self, value: Any) -> tuple[Any, int]:
+        """``value`` (JSON) with secrets masked in every dict key and every string
+        (recursively); counts only strings that changed, so masking text that was masked
+        already counts nothing. For identifiers and short fields (paths, table and column
+        names, error messages); long texts go through :meth:`mask_prefix`."""
+        if isinstance(value, str):
+            shown, n = self.mask_prefix(value)
+            return (shown, n) if shown != value else (value, 0)
+        if isinstance(value, list):
+            out, total = [], 0
+            for item in value:
+                shown, n = self.mask_names(item)
+                out.append(shown)
+                total += n
+            return out, total
+        if isinstance(value, dict):
+            masked: dict[Any, Any] = {}
+            total = 0
+            for key, item in value.items():
+                shown_key, n = self.mask_names(key) if isinstance(key, str) else (key, 0)
+                shown, m = self.mask_names(item)
+                masked[shown_key] = shown
+                total += n + m
+            return masked, total
+        return value, 0
+
     def mask_lines(self, lines: list[str]) -> tuple[list[str], int]:
         """Mask each line; the lines of a PEM private key block (from its ``BEGIN ...
         PRIVATE KEY`` line to its ``END`` line) are masked whole."""
@@ -284,7 +326,7 @@ class SecretMasker:
         if _keyword_any().search(column) and len(value.strip()) >= 4 \
                 and not _PLACEHOLDER.match(value.strip()):
             return mask_marker("Secret Keyword"), 1
-        return self.mask(value)
+        return self.mask_prefix(value)
 
 
 @lru_cache(maxsize=1)
@@ -407,6 +449,42 @@ def _detect_secrets(files: Mapping[str, Path],
             if entry is not None and secret.line_number:
                 found.add(SecretFinding(entry, secret.line_number, secret.type))
     return found
+
+
+def scan_database_schema(entry: str, data: bytes) -> list[SecretFinding]:
+    """Secrets in a SQLite database's names and schema text: every ``sqlite_master`` row's
+    name and SQL (tables, columns, indexes, views, triggers) with the run-time rules.
+
+    Values are not scanned here (tool results mask them); names are, because they reach
+    the context, the reply schema and every result that lists them. A file that SQLite
+    cannot read gives no finding (the package validation refuses it).
+
+    Args:
+        entry: the package entry name (``db/app.sqlite``).
+        data: the database file's bytes.
+
+    Returns:
+        Findings with ``where`` = the object's position in ``sqlite_master``.
+    """
+    import sqlite3
+
+    masker = default_masker()
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.deserialize(data)
+        rows = conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall()
+    except (sqlite3.Error, OverflowError, ValueError):
+        return []
+    finally:
+        conn.close()
+    found: set[SecretFinding] = set()
+    for position, (kind, name, sql) in enumerate(rows, start=1):
+        where = f"schema object {position} ({kind})"
+        for text in (name, sql):
+            for line in text.split("\n") if isinstance(text, str) else ():
+                found.update(SecretFinding(entry, 0, secret_type, where)
+                             for *_, secret_type in masker.spans(line))
+    return sorted(found, key=lambda f: (f.path, f.where, f.type))
 
 
 def format_findings(findings: Iterable[SecretFinding], limit: int = 20) -> str:

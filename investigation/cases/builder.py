@@ -37,8 +37,9 @@ are refused with ``PKG_UNSUPPORTED_ENTRY_TYPE``.
 Secrets: the report, source and log files are scanned with detect-secrets
 (:func:`investigation.secrets.scan_files`); a finding refuses the build with
 ``PKG_SECRETS_FOUND`` listing ``path:line: type`` (never the secret), unless
-``allow_secrets`` is given. Databases are not scanned (their values are masked in every
-tool result instead, like everything else).
+``allow_secrets`` is given. A database's name and schema (table, column, index, view and
+trigger names and their SQL) are scanned too (``scan_database_schema``); its values are
+not (they are masked in every tool result instead, like everything else).
 
 Errors (:class:`~investigation.errors.PackageError`): ``PKG_BUILD_INPUT`` (an input is
 missing, of the wrong kind or unreadable, or the output cannot be written),
@@ -83,7 +84,13 @@ from investigation.cases.zipscan import RATIO_MIN_BYTES
 from investigation.config import PackageLimits, canonical_json
 from investigation.constants import PACKAGE_FORMAT
 from investigation.errors import PackageError
-from investigation.secrets import SecretFinding, format_findings, scan_files
+from investigation.secrets import (
+    SecretFinding,
+    default_masker,
+    format_findings,
+    scan_database_schema,
+    scan_files,
+)
 
 __all__ = ["PackageInfo", "build_package", "package_bytes"]
 
@@ -153,6 +160,10 @@ def build_package(
                  exclude=(output,))
     files = _read_plan(plan, Path(report), db)
     findings = scan_files({n: p for n, p in plan.items() if not n.startswith(DB_ROOT)}, files)
+    for name in sorted(n for n in files if n.startswith(DB_ROOT)):
+        findings += [SecretFinding(name, 0, kind)
+                     for *_, kind in default_masker().spans(name)]
+        findings += scan_database_schema(name, files[name])
     if findings and not allow_secrets:
         raise PackageError(
             "PKG_SECRETS_FOUND",

@@ -51,8 +51,10 @@ from investigation.errors import InvestigationError
 from investigation.evidence import EvidenceStore
 from investigation.loop import lifecycle
 from investigation.loop.contract import printable
+from investigation.secrets import default_masker
 from investigation.store.engine import Store, sha256_hex
 from investigation.store.models import BudgetAccount, CaseRecord, TestRequest, utcnow
+from investigation.tools.models import SECRET_MASKED
 
 log = logging.getLogger(__name__)
 
@@ -371,6 +373,11 @@ class AsyncTestCoordinator:
                items: list[dict[str, Any]], warnings: list[str], reason: str) -> str:
         """Import the result as the hypothesis's pending evidence and unblock the case."""
         previous = r.status
+        # Feedback is untrusted text that becomes evidence, context and summary: secrets in
+        # it are masked like in any tool finding (investigation.secrets).
+        items, masked = default_masker().mask_names(items)
+        if masked:
+            warnings = [*warnings, SECRET_MASKED]
         res = s.execute(update(TestRequest).where(
             col(TestRequest.id) == r.id, col(TestRequest.status) == previous).values(
             status=status, closed_at=self.clock()))
@@ -378,7 +385,8 @@ class AsyncTestCoordinator:
             raise InvestigationError("FEEDBACK_REPLAYED", f"{r.request_id} changed meanwhile")
         result = {"operation": FEEDBACK_OPERATION,
                   "arguments": {"request_id": r.request_id, "kind": r.kind},
-                  "items": items, "warnings": warnings, "stats": {"status": status}}
+                  "items": items, "warnings": warnings,
+                  "stats": {"status": status, **({"secrets_masked": masked} if masked else {})}}
         ev = EvidenceStore.record(s, case_id=r.case_id, revision=r.revision,
                                   step_seq=r.step_seq, hypothesis_id=r.hypothesis_id,
                                   result=result, cost_units=r.cost_units)

@@ -76,6 +76,7 @@ from investigation.loop.scheduler import select_hypothesis
 from investigation.loop.stagebase import SKIPPED, StageFramework, _AlreadyRecorded, _loads
 from investigation.loop.summary import write_summary
 from investigation.loop.validation import validate_reply
+from investigation.secrets import default_masker
 from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
@@ -87,15 +88,21 @@ from investigation.store.models import (
     StageRun,
     utcnow,
 )
+from investigation.tools.models import SECRET_MASKED
 
 log = logging.getLogger(__name__)
 
 
 def _failed_result(nxt: dict[str, Any], code: str, message: str) -> bytes:
-    """A tool result that records a failed execution as an empty finding."""
+    """A tool result that records a failed execution as an empty finding. The message
+    may quote the snapshot (SQLite's error text quotes values): secrets in it are masked
+    (``SECRET_MASKED``) like in any finding."""
+    shown, masked = default_masker().mask_names(message)
     return canonical_json({
         "operation": nxt["operation"], "arguments": nxt["arguments"], "items": [],
-        "warnings": ["TOOL_FAILED"], "stats": {"error_code": code, "error": message}})
+        "warnings": ["TOOL_FAILED", *([SECRET_MASKED] if masked else [])],
+        "stats": {"error_code": code, "error": shown,
+                  **({"secrets_masked": masked} if masked else {})}})
 
 
 class Stages(StageFramework):

@@ -165,11 +165,14 @@ class ToolRouter:
             Plain names when one database is packed, ``<database>.<table>`` names when
             several are; sorted; empty when there is no database or one cannot be opened
             (the database operations then report it), or when there are more than
-            :data:`MAX_LISTED_TABLES` (the context does not list them then).
+            :data:`MAX_LISTED_TABLES` (the context does not list them then). A name
+            that holds a secret (``investigation.secrets``) is left out: the context and
+            the reply schema never carry it, and a masked name would name no table.
         """
         names = self._snapshot.db_names()
         try:
-            found = [(db, name) for db in names for name, _kind in self._db(db).objects()]
+            found = [(db, name) for db in names for name, _kind in self._db(db).objects()
+                     if not default_masker().spans(f"{db}.{name}")]
         except ToolError:
             return []
         if len(found) > MAX_LISTED_TABLES:
@@ -238,6 +241,12 @@ class ToolRouter:
         """
         args = self.validate(operation, arguments)
         items, codes, stats = self._handlers[operation](args)
+        # Names come from the snapshot too (file paths, table, column and index names,
+        # SQLite's error text): masked like the text the handlers masked line by line.
+        items, in_names = default_masker().mask_names(items)
+        stats, in_stats = default_masker().mask_names(stats)
+        if in_names + in_stats:
+            stats["secrets_masked"] = stats.get("secrets_masked", 0) + in_names + in_stats
         if stats.get("secrets_masked"):
             codes.add(SECRET_MASKED)
         items, over = self._bound_output(items)
@@ -364,7 +373,7 @@ class ToolRouter:
         def ddl_text(value: Any) -> Any:
             shown = _text(value)
             if isinstance(shown, str):
-                shown, n = default_masker().mask(shown)
+                shown, n = default_masker().mask_prefix(shown)
                 masked[0] += n
             return shown
 
@@ -372,7 +381,7 @@ class ToolRouter:
         for _cid, name, ctype, notnull, default, pk in info["columns"]:
             shown_default = render_value(default)
             if isinstance(shown_default, str):
-                shown_default, n = default_masker().mask(shown_default)
+                shown_default, n = default_masker().mask_prefix(shown_default)
                 masked[0] += n
             items.append({"key": f"{base}.{_text(name)}", "column": _text(name),
                           "type": _text(ctype), "notnull": bool(notnull),
@@ -547,7 +556,7 @@ def _masked_line(line: str, in_private_key: bool) -> tuple[str, int]:
     whole); returns ``(text, secrets masked)``."""
     if in_private_key:
         return mask_marker("Private Key"), 1
-    return default_masker().mask(line)
+    return default_masker().mask_prefix(line)
 
 
 

@@ -20,6 +20,7 @@ from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig
 from investigation.constants import BLOCKED, COMPLETED, PROGRESSED
 from investigation.errors import InvestigationError
 from investigation.external_tests import AsyncTestCoordinator, derive_secret
+from investigation.store import Store
 from investigation.store.models import (
     Artifact,
     BudgetAccount,
@@ -297,3 +298,29 @@ def test_observation_files_are_read_boundedly_and_strictly(
                      secret, {"outcome": "as_expected", "observation": text}) == \
             "FEEDBACK_INVALID"
     assert snapshot(case) == before
+
+
+def test_secrets_in_feedback_are_masked_before_a_model_sees_them(
+        blocked: tuple[Case, AsyncTestCoordinator, Clock]) -> None:
+    """Feedback is untrusted text: a key pasted into an observation is masked in the
+    evidence, the next context and request, and summary.md (``SECRET_MASKED``)."""
+    case, coord, _ = blocked
+    key = "AKIAIOSFODNN7EXAMPL3"
+    token = "ghp_A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+    secret = derive_secret(KEY, case.case_id, "T1")
+    sub = coord.submit(case.case_id, "T1", secret, {
+        "outcome": "not_as_expected",
+        "observation": f"The total was 0; the log showed {key} and token {token}."})
+    coord.confirm(case.case_id, "T1", secret, sub["feedback_sha256"])
+    inv = case.investigator(CFG, feedback_key=KEY)
+    assert inv.step(case.case_id).outcome == PROGRESSED
+    previous = context_at(case, 4)["previous_result"]
+    assert previous["warnings"] == ["SECRET_MASKED"]
+    assert {i["key"]: i["text"] for i in previous["items"]}["T1:observation"] == (
+        "The total was 0; the log showed [secret masked: AWS Access Key] and token "
+        "[secret masked: GitHub Token].")
+    assert inv.step(case.case_id).outcome == COMPLETED
+    with case.store.session() as s:
+        stored = [bytes(a.data) for a in Store.artifacts(s, case.case_id)]
+    assert stored and not any(key.encode() in d or token.encode() in d for d in stored)
+    assert key not in operations.summary_bytes(case.store, case.case_id).decode()

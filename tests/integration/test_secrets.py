@@ -145,3 +145,121 @@ def test_tool_results_mask_secrets_before_they_become_evidence(tmp_path: Path) -
         if path.is_file():
             data = path.read_bytes()
             assert not any(secret.encode() in data for secret in SECRETS), path
+
+
+TABLE_TOKEN = "ghp_A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+COLUMN_KEY = "AKIAIOSFODNN7EXAMPL3"
+SLACK = "xoxb-123456789012-123456789012-abcdefghijklmnopqrstuvwx"
+NAMED = [TABLE_TOKEN, COLUMN_KEY, SLACK]
+
+
+def _named_tree(root: Path) -> Path:
+    """Secrets where names are: a table, a column and an index named by a key, a source
+    file named by a key, and a value SQLite's error text quotes."""
+    src = root / "src"
+    for rel, text in casekit.SOURCE.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    (src / "keys").mkdir()
+    (src / "keys" / f"{COLUMN_KEY}.txt").write_text("rotated\n")
+    (root / "report.md").write_text(casekit.REPORT)
+    conn = sqlite3.connect(root / "shop.sqlite")
+    conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.execute("INSERT INTO users VALUES (1, 'ada')")
+    conn.execute(f'CREATE TABLE "{TABLE_TOKEN}" (id INTEGER, "{COLUMN_KEY}" TEXT)')
+    conn.execute(f'CREATE INDEX "idx_{COLUMN_KEY}" ON "{TABLE_TOKEN}" ("{COLUMN_KEY}")')
+    conn.execute(f'INSERT INTO "{TABLE_TOKEN}" VALUES (1, ?)', (SLACK,))
+    # Views a model can name without knowing a secret (it never sees one).
+    conn.execute(f'CREATE VIEW w AS SELECT * FROM "{TABLE_TOKEN}"')
+    conn.execute(f'CREATE VIEW v AS SELECT "{COLUMN_KEY}" AS val FROM "{TABLE_TOKEN}"')
+    conn.commit()
+    conn.close()
+    return src
+
+
+def test_secrets_in_database_and_file_names_are_refused_or_masked(tmp_path: Path) -> None:
+    src = _named_tree(tmp_path)
+    with pytest.raises(PackageError) as err:
+        build_package(src, tmp_path / "report.md", tmp_path / "p.zip",
+                      db=tmp_path / "shop.sqlite")
+    message = err.value.message
+    assert err.value.code == "PKG_SECRETS_FOUND"
+    for where in ("db/shop.sqlite: GitHub Token in schema object 2 (table)",
+                  "db/shop.sqlite: AWS Access Key in schema object 3 (index)",
+                  "AWS Access Key in the file name"):
+        assert where in message, message
+    assert not any(secret in message for secret in NAMED)
+
+    package = build_package(src, tmp_path / "report.md", tmp_path / "p.zip",
+                            db=tmp_path / "shop.sqlite", allow_secrets=True)
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    store.create_schema()
+    case_id = register_case(store, package.path.read_bytes(), casekit.INTERPRETATION,
+                            casekit.HYPOTHESES[:1], PackageReader(InvestigationConfig().package))
+    q = casekit.q
+    replies = [
+        q("db.tables", {}),
+        q("db.query", {"sql": "SELECT * FROM w"}, assessment=(50, ["E1"]), evidence=["E1"]),
+        q("db.query", {"sql": "SELECT json_extract('{}', val) FROM v"},
+          assessment=(50, ["E2"]), evidence=["E1"]),
+        q("source.list", {"prefix": "keys"}, assessment=(50, ["E3"]), evidence=["E1"]),
+        q("source.search", {"pattern": "rotated"}, assessment=(50, ["E4"]), evidence=["E1"]),
+        casekit.finish("supported", (60, ["E5"]), ["E1"]),
+    ]
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "replies.jsonl").write_text("\n".join(json.dumps(r) for r in replies) + "\n")
+    (root / "providers.toml").write_text(
+        '[[providers]]\nname = "replay"\nkind = "scripted"\npath = "replies.jsonl"\n')
+    case = casekit.Case(store, case_id, package.path, root / "replies.jsonl",
+                        root / "providers.toml", root)
+    outcome = case.investigator().run(case_id)
+    assert outcome.outcome == "COMPLETED", outcome
+    with store.session() as s:
+        evidence = {e.evidence_id: e for e in s.exec(
+            select(Evidence).where(Evidence.case_id == case_id))}
+        artifacts = list(Store.artifacts(s, case_id))
+    tables = json.loads(evidence["E1"].findings_json)
+    assert {i["table"] for i in tables} == {"users", "[secret masked: GitHub Token]", "v", "w"}
+    (row,) = json.loads(evidence["E2"].findings_json)
+    assert row["row"] == {"id": 1, "[secret masked: AWS Access Key]":
+                          "[secret masked: Slack Token]"}
+    assert json.loads(evidence["E3"].warnings_json) == ["TOOL_FAILED", "SECRET_MASKED"]
+    assert [i["path"] for i in json.loads(evidence["E4"].findings_json)] == \
+        ["keys/[secret masked: AWS Access Key].txt"]
+    # No stored byte (the first context's table list and reply schema included) and no
+    # exported file holds a secret.
+    for art in artifacts:
+        data = bytes(art.data)
+        for secret in NAMED:
+            assert secret.encode() not in data, (art.path, secret)
+    export(store, case_id, tmp_path / "export")
+    for path in (tmp_path / "export").rglob("*"):
+        if path.is_file():
+            assert not any(s.encode() in path.read_bytes() for s in NAMED), path
+
+
+def test_masking_a_huge_line_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    """A 3 MB line of keyword assignments is masked only as far as a finding can quote it
+    (``MAX_MASKED_CHARS``), for `source.read` and `source.search` alike."""
+    from investigation.cases.snapshot import DictSnapshot
+    from investigation.config import ToolLimits
+    from investigation.secrets import MAX_MASKED_CHARS, SecretMasker
+    from investigation.tools.router import ToolRouter
+
+    seen: list[int] = []
+    original = SecretMasker.mask
+
+    def spy(self: SecretMasker, text: str) -> tuple[str, int]:
+        seen.append(len(text))
+        return original(self, text)
+
+    monkeypatch.setattr(SecretMasker, "mask", spy)
+    router = ToolRouter(DictSnapshot({"big.cfg": (" api_key=" * 350_000 + "\n").encode()}),
+                        ToolLimits())
+    read = router.execute("source.read", {"path": "big.cfg", "start_line": 1, "end_line": 1})
+    found = router.execute("source.search", {"pattern": "api"})
+    assert read.items and found.items
+    assert "SECRET_MASKED" in read.warnings and "SECRET_MASKED" in found.warnings
+    assert seen and max(seen) <= MAX_MASKED_CHARS
