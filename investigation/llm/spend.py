@@ -19,7 +19,8 @@ set, a provider without prices is not used (``PROVIDER_PRICE_UNKNOWN``). After t
 attempt the reservation is settled (:func:`settled_micros`): nothing when the request never
 left this process; the usage the server reports (each count clamped to what the request
 allows) when it reports some; nothing for an error answer without usage; the reservation
-when no answer came (the server may have done the work).
+when no answer came (the server may have done the work) or a completion came without
+usable usage.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def settled_micros(config: ProviderConfig, reserved: int | None, attempt: Attemp
     clamped to what the request allows (prompt tokens to its bytes, completion tokens to
     its ``max_tokens``): a server cannot bill past what it was sent. An attempt never sent
     costs nothing, an error answer without usage nothing, an attempt without an answer
-    its reservation (the server may have done the work).
+    and a completion without usable usage their reservation (the server did, or may
+    have done, the work).
     """
     if not priced(config):
         return None
@@ -147,8 +149,11 @@ def settled_micros(config: ProviderConfig, reserved: int | None, attempt: Attemp
         completion = attempt.completion_tokens if attempt.max_tokens is None \
             else min(attempt.completion_tokens, attempt.max_tokens)
         return cost_micros(config, prompt, completion)
-    if attempt.answered:
+    if attempt.answered and not attempt.succeeded:
         return 0
+    # No answer, or a completion without plausible usage (missing, negative, NaN): the
+    # server did the work; its worst case is charged, so a server that reports no usage
+    # cannot spend past the cap.
     return reserved
 
 

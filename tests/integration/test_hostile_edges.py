@@ -61,6 +61,10 @@ def test_settlement_charges_only_what_a_request_could_have_cost() -> None:
     assert settle(succeeded=False) == 0  # an error answer without usage
     assert settle(succeeded=False, prompt_tokens=50, completion_tokens=0) == 100
     assert settle(answered=False, succeeded=False) == 9999  # no answer: the reservation
+    # A completion whose usage is missing or implausible (negative, NaN: parsed as None)
+    # costs its reservation, so such a server cannot spend past the cap.
+    assert settle() == 9999
+    assert settle(prompt_tokens=None, completion_tokens=7) == 9999
     unpriced = ProviderConfig(name="u", kind="openai", base_url="http://x/v1", model="m")
     assert spend.settled_micros(unpriced, None, spend.Attempted(1, 1, True, True, True)) \
         is None
