@@ -13,6 +13,7 @@ import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -243,6 +244,17 @@ class ProviderConfig(_Strict):
         if missing:
             raise ValueError(f"provider {self.name!r} of kind {self.kind!r} needs "
                              + " and ".join(missing))
+        if self.base_url:
+            try:
+                parts = urlsplit(self.base_url)
+                parts.port  # noqa: B018  (raises on a port outside 0..65535)
+            except ValueError as exc:
+                raise ValueError(f"provider {self.name!r}: base_url {self.base_url!r} is "
+                                 f"not a URL ({exc})") from exc
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"provider {self.name!r}: base_url must be an http:// or "
+                                 f"https:// URL with a host (e.g. http://127.0.0.1:8000/v1), "
+                                 f"got {self.base_url!r}")
         return self
 
 

@@ -168,8 +168,14 @@ def test_missing_key_variable_is_a_credentials_error_without_network() -> None:
 
 
 def test_bad_config_fails_fast() -> None:
+    # A built config is checked again where the provider is made (a copy may bypass it).
+    built = ProviderConfig.model_construct(name="x", kind="openai", base_url="ftp://h/v1",
+                                           model="m")
     with pytest.raises(ProviderConfigurationError):
-        OpenAIProvider(ProviderConfig(name="x", kind="openai", base_url="ftp://h/v1", model="m"))
+        OpenAIProvider(built)
+    for url in ("ftp://h/v1", "http://127.0.0.1:99999/v1", "http://[::1/v1", "127.0.0.1/v1"):
+        with pytest.raises(ValidationError, match="base_url"):
+            ProviderConfig(name="x", kind="openai", base_url=url, model="m")
     # A missing base_url or model is refused when the entry is read, naming what is missing.
     with pytest.raises(ValidationError, match="needs base_url"):
         ProviderConfig(name="x", kind="openai", model="m")
