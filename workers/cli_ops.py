@@ -25,6 +25,7 @@ from investigation.errors import InvestigationError
 from investigation.overview import CaseRow, list_cases
 from workers.cli import JsonOpt, _controlled, _settings, _store, _term, err, example, out
 from workers.settings import Settings
+from workers.views import last_outcome_text
 
 db_app = typer.Typer(help="The store's schema migrations (Alembic).", no_args_is_help=True,
                      epilog=example("investigate db current", "investigate db upgrade"))
@@ -310,7 +311,7 @@ def cases(
         table.add_row(
             r.case_id, r.state, r.blocked_reason or "", r.retry_not_before or "",
             str(r.steps),
-            (r.last_outcome or "") + (f" ({r.last_reason})" if r.last_reason else ""),
+            last_outcome_text(r.last_outcome, r.last_reason, none=""),
             f"{r.balance_units}/{r.credit_units}" if r.credit_units else "- (no step yet)",
             f"{r.active_hypotheses}/{r.hypotheses} active"
             if r.state not in ("CANCELLED", "STOPPED") else f"{r.hypotheses} (none runs)",

@@ -27,7 +27,7 @@ from investigation.loop.outcome import Outcome
 from investigation.operations import status
 from investigation.report.history import usage_totals
 from investigation.store import Store
-from workers.views import outcome_line, status_view, term
+from workers.views import last_outcome_text, outcome_line, status_view, term
 
 
 def _seconds(ms: int | None) -> str:
@@ -137,8 +137,7 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
                         f"{time.strftime('%H:%M:%S')} case {case_id}: state {info['state']}"
                         + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
                         + f", step {info['steps']}, last outcome "
-                        + (info["last_outcome"] or "none (no step has run)")
-                        + (f" ({info['last_reason']})" if info["last_reason"] else "")
+                        + last_outcome_text(info["last_outcome"], info["last_reason"])
                         + f", evidence {info['evidence_count']}"), highlight=False,
                         markup=False)
             if settled:

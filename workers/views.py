@@ -25,6 +25,23 @@ def term(text: object) -> str:
     return escape_text(str(text))
 
 
+#: Outcomes whose reason is the state the case left (an operator's pause or cancel).
+_FROM_STATE = ("PAUSED", "CANCELLED", "RESUMED")
+
+
+def last_outcome_text(outcome: str | None, reason: str | None,
+                      none: str = "none (no step has run)") -> str:
+    """``PROGRESSED``, ``BLOCKED (PROVIDER_EXHAUSTED)``, ``PAUSED (was INVESTIGATING)``."""
+    if not outcome:
+        return none
+    if not reason:
+        return outcome
+    if outcome in _FROM_STATE and reason.isupper() and reason in (
+            "INVESTIGATING", "BLOCKED", "PAUSED"):
+        return f"{outcome} (was {reason})"
+    return f"{outcome} ({reason})"
+
+
 def outcome_line(o: Outcome) -> list[str]:
     """The line ``run`` prints per step (and the rejection detail under it)."""
     extra = f" until {o.retry_not_before.isoformat()}" if o.retry_not_before else ""
@@ -88,8 +105,7 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
          + f"  published steps {info['steps']}  evidence {info['evidence_count']}"
          + f"  open questions {info['open_questions']}")
     if info["last_outcome"]:
-        line(f"last outcome {info['last_outcome']}"
-             + (f" ({info['last_reason']})" if info["last_reason"] else "")
+        line(f"last outcome {last_outcome_text(info['last_outcome'], info['last_reason'])}"
              + (f"  retry not before {info['retry_not_before']}"
                 if info.get("retry_not_before") else ""))
     if info["blocked_detail"]:

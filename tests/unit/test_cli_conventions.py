@@ -121,3 +121,13 @@ def test_deprecated_case_add_config_is_hidden_but_works() -> None:
                                    "--hypotheses", "h.json", "--config", "x.toml",
                                    "--package-limits", "y.toml"])
     assert res.exit_code == 2 and "deprecated" in res.output
+
+
+def test_last_outcome_names_the_state_a_pause_or_cancel_left() -> None:
+    from workers.views import last_outcome_text
+
+    assert last_outcome_text("PAUSED", "INVESTIGATING") == "PAUSED (was INVESTIGATING)"
+    assert last_outcome_text("CANCELLED", "PAUSED") == "CANCELLED (was PAUSED)"
+    assert last_outcome_text("BLOCKED", "PROVIDER_EXHAUSTED") == "BLOCKED (PROVIDER_EXHAUSTED)"
+    assert last_outcome_text("PROGRESSED", None) == "PROGRESSED"
+    assert last_outcome_text(None, None) == "none (no step has run)"
