@@ -12,7 +12,7 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -22,6 +22,18 @@ from investigation.errors import ConfigError
 
 #: Upper bound of any duration setting (one day): larger values are configuration mistakes.
 MAX_DURATION_S = 86_400.0
+#: Largest value a signed 64-bit SQLite INTEGER holds: no integer setting may exceed it.
+MAX_SQL_INT = 2**63 - 1
+#: Upper bound of investigation units (credit, costs) and of money amounts.
+MAX_UNITS = 10**12
+#: Upper bound of counts (iterations, steps, entries, results, tokens, ...).
+MAX_COUNT = 10**9
+#: Upper bound of byte sizes (1 TiB).
+MAX_BYTES = 1 << 40
+#: Upper bound of integer durations in seconds (ten years).
+MAX_SECONDS = 10 * 365 * 86_400
+#: A cost in investigation units: a positive integer up to :data:`MAX_UNITS`.
+Units = Annotated[int, Field(le=MAX_UNITS)]
 #: Output tokens kept free in a provider's context window when it sets no ``max_tokens``.
 DEFAULT_OUTPUT_RESERVE_TOKENS = 1024
 
@@ -33,23 +45,23 @@ class _Strict(BaseModel):
 class LoopConfig(_Strict):
     """Loop bounds (seed 000, "Budget and stopping"). Frozen per analysis revision."""
 
-    max_iterations_per_hypothesis: int = Field(50, ge=1)
+    max_iterations_per_hypothesis: int = Field(50, ge=1, le=MAX_COUNT)
     """Research-producing model iterations per hypothesis; one final assessment follows. Default 50."""
-    max_invalid_responses: int = Field(3, ge=1)
+    max_invalid_responses: int = Field(3, ge=1, le=MAX_COUNT)
     """Consecutive rejected replies before BLOCKED/INVALID_LLM_RESPONSES. Default 3."""
-    max_questions_per_hypothesis: int = Field(30, ge=0)
+    max_questions_per_hypothesis: int = Field(30, ge=0, le=MAX_COUNT)
     """Bound on accumulated question records per hypothesis. Default 30."""
-    test_deadline_seconds: int = Field(21600, ge=1)
+    test_deadline_seconds: int = Field(21600, ge=1, le=MAX_SECONDS)
     """Controller-owned external test deadline in seconds. Default 21600 (6 h)."""
-    max_steps_per_dispatch: int = Field(8, ge=1)
+    max_steps_per_dispatch: int = Field(8, ge=1, le=MAX_COUNT)
     """Steps per dispatch before it yields to other cases. Default 8."""
-    max_results_without_novelty: int = Field(3, ge=1)
+    max_results_without_novelty: int = Field(3, ge=1, le=MAX_COUNT)
     """Consecutive evidence records without new items that make an account low-information
     (terminal). Default 3."""
     early_diagnosis: bool = True
     """Whether a ``finish`` may carry an early-diagnosis request that defers alternatives
     to assessment-only after a deterministic review (``docs/early-diagnosis.md``)."""
-    early_diagnosis_min_evidence: int = Field(2, ge=1)
+    early_diagnosis_min_evidence: int = Field(2, ge=1, le=MAX_COUNT)
     """Distinct own evidence records with new findings that an early-diagnosis request
     must cite. Default 2."""
 
@@ -57,9 +69,9 @@ class LoopConfig(_Strict):
 class BudgetConfig(_Strict):
     """Per-hypothesis credit and per-action costs, in investigation units."""
 
-    credit_units: int = Field(60, ge=1)
+    credit_units: int = Field(60, ge=1, le=MAX_UNITS)
     """Initial credit of each hypothesis account. Default 60."""
-    costs: dict[str, int] = Field(
+    costs: dict[str, Units] = Field(
         default_factory=lambda: {
             "source.list": 2,
             "source.search": 3,
@@ -72,7 +84,7 @@ class BudgetConfig(_Strict):
         }
     )
     """Cost per snapshot operation; every operation needs a positive cost."""
-    test_costs: dict[Literal["human", "automated"], int] = Field(default_factory=dict)
+    test_costs: dict[Literal["human", "automated"], Units] = Field(default_factory=dict)
     """Cost per external test kind. Empty by default: a test action then is rejected
     (seed: test descriptors require explicitly configured costs)."""
     max_refund_percent: int = Field(80, ge=0, le=99)
@@ -104,24 +116,24 @@ class BudgetConfig(_Strict):
 class LimitsConfig(_Strict):
     """InvestigationLimits (seed 000, "Persistence and recovery"): adjustable safety bounds."""
 
-    max_context_bytes: int = Field(1 << 20, ge=4096)
+    max_context_bytes: int = Field(1 << 20, ge=4096, le=MAX_BYTES)
     """Bound of one serialized context. Default 1 MiB."""
-    max_artifact_bytes: int = Field(4 << 20, ge=4096)
+    max_artifact_bytes: int = Field(4 << 20, ge=4096, le=MAX_BYTES)
     """Bound of one JSON artifact. Default 4 MiB."""
-    max_checkpoints: int = Field(10_000, ge=1)
+    max_checkpoints: int = Field(10_000, ge=1, le=MAX_COUNT)
     """Bound of state checkpoints per case. Default 10,000."""
-    max_execution_seconds: int = Field(7 * 24 * 3600, ge=1)
+    max_execution_seconds: int = Field(7 * 24 * 3600, ge=1, le=MAX_SECONDS)
     """The lifecycle session's execution-time bound: summed step durations per case
     (waiting, blocked or paused time does not count). Default 7 days."""
-    max_report_bytes: int = Field(64 << 10, ge=1024)
+    max_report_bytes: int = Field(64 << 10, ge=1024, le=MAX_BYTES)
     """Bytes of the bug report placed into each context. Default 64 KiB."""
-    notes_in_context: int = Field(10, ge=0)
+    notes_in_context: int = Field(10, ge=0, le=MAX_COUNT)
     """How many of the selected hypothesis's latest audit notes the context carries (all
     stay in the store and the summary). Default 10."""
-    full_evidence_in_context: int = Field(6, ge=1)
+    full_evidence_in_context: int = Field(6, ge=1, le=MAX_COUNT)
     """How many of the selected hypothesis's latest evidence records carry full findings in
     the context; older ones appear as compact references. Default 6."""
-    max_model_cost: float | None = Field(None, ge=0, allow_inf_nan=False)
+    max_model_cost: float | None = Field(None, ge=0, le=MAX_UNITS, allow_inf_nan=False)
     """Cap on what the case's model calls may cost, in ``currency`` (providers state
     ``input_price_per_mtok``/``output_price_per_mtok``). Each call reserves its worst case
     first (``llm.spend``); a provider without prices is not used while a cap is set.
@@ -133,43 +145,43 @@ class LimitsConfig(_Strict):
 class PackageLimits(_Strict):
     """PackageReader bounds, checked before any entry is read."""
 
-    max_entries: int = Field(20_000, ge=1)
+    max_entries: int = Field(20_000, ge=1, le=MAX_COUNT)
     """Most entries (files and directories, the manifest included). Default 20,000."""
-    max_entry_bytes: int = Field(32 << 20, ge=1)
+    max_entry_bytes: int = Field(32 << 20, ge=1, le=MAX_BYTES)
     """Largest uncompressed entry. Default 32 MiB."""
-    max_total_bytes: int = Field(512 << 20, ge=1)
+    max_total_bytes: int = Field(512 << 20, ge=1, le=MAX_BYTES)
     """Sum of uncompressed sizes. Default 512 MiB."""
-    max_compression_ratio: int = Field(200, ge=1)
+    max_compression_ratio: int = Field(200, ge=1, le=MAX_COUNT)
     """Largest uncompressed/compressed ratio of one entry. Default 200."""
-    max_name_bytes: int = Field(1024, ge=1)
+    max_name_bytes: int = Field(1024, ge=1, le=MAX_BYTES)
     """Longest entry name (the whole path, e.g. ``source/app/main.py``) in UTF-8 bytes;
     longer: ``PKG_NAME_TOO_LONG``. Default 1024."""
-    max_segment_bytes: int = Field(255, ge=1)
+    max_segment_bytes: int = Field(255, ge=1, le=MAX_BYTES)
     """Longest segment of an entry name (one file or directory name) in UTF-8 bytes, the
     usual file-system bound; longer: ``PKG_NAME_TOO_LONG``. Default 255."""
-    max_path_depth: int = Field(64, ge=2)
+    max_path_depth: int = Field(64, ge=2, le=MAX_COUNT)
     """Most ``/``-separated segments of an entry name (``source/app/main.py`` has 3);
     deeper: ``PKG_PATH_TOO_DEEP``. Default 64."""
-    cache_entries: int = Field(8, ge=0)
+    cache_entries: int = Field(8, ge=0, le=MAX_COUNT)
     """Validated packages kept in the in-process cache (by sha256). Default 8."""
 
 
 class ToolLimits(_Strict):
     """Bounds of the snapshot operations."""
 
-    max_results: int = Field(200, ge=1)
+    max_results: int = Field(200, ge=1, le=MAX_COUNT)
     """Hard cap on items of one result (a caller may ask for fewer). Default 200."""
-    max_output_bytes: int = Field(64 << 10, ge=1024)
+    max_output_bytes: int = Field(64 << 10, ge=1024, le=MAX_BYTES)
     """Hard cap on the serialized findings of one result. Default 64 KiB."""
     max_line_bytes: int = Field(500, ge=40, le=8192)
     """Quoted lines longer than this are cut (with a warning). Default 500, at most 8,192
     (secrets are masked within the first ``investigation.secrets.MAX_MASKED_CHARS``)."""
-    max_read_lines: int = Field(400, ge=1)
+    max_read_lines: int = Field(400, ge=1, le=MAX_COUNT)
     """Largest ``source.read`` range. Default 400 lines."""
     sql_timeout_s: float = Field(2.0, gt=0, le=MAX_DURATION_S)
     """Wall-clock deadline of one ``db.query`` (progress handler); the isolated child that
     runs it is killed one second later. Default 2 s."""
-    sql_memory_bytes: int = Field(256 << 20, ge=16 << 20)
+    sql_memory_bytes: int = Field(256 << 20, ge=16 << 20, le=MAX_BYTES)
     """Address space one untrusted statement may add (``RLIMIT_AS`` of its child).
     Default 256 MiB."""
     isolate_sql: bool = True
@@ -177,7 +189,7 @@ class ToolLimits(_Strict):
     Default true; false runs it in process (no bound on compilation)."""
     search_timeout_s: float = Field(5.0, gt=0, le=MAX_DURATION_S)
     """Deadline of one search over the snapshot. Default 5 s."""
-    max_pattern_bytes: int = Field(1000, ge=1)
+    max_pattern_bytes: int = Field(1000, ge=1, le=MAX_BYTES)
 
 
 class ProviderConfig(_Strict):
@@ -205,16 +217,16 @@ class ProviderConfig(_Strict):
     ``sglang`` (``json_schema`` compiled by xgrammar, outlines or llguidance),
     ``ollama`` (``json_schema``, compiled by Ollama into its ``format``), ``json_object``
     (JSON mode without a schema) or ``none``."""
-    schema_max_string_chars: int | None = Field(None, ge=16)
+    schema_max_string_chars: int | None = Field(None, ge=16, le=MAX_COUNT)
     """Cap on every ``maxLength`` of the schema sent (characters). Default: the dialect's
     own (``llama_cpp`` and ``ollama`` 1000, which their grammar converters accept; the
     others none). The validator's limits are unchanged."""
     path: str | None = None
     """JSON Lines reply file of a scripted provider (relative to the providers file)."""
     temperature: float | None = Field(None, ge=0, le=2)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     """Output token budget sent as ``max_tokens``. Default: not sent (the server's)."""
-    context_window_tokens: int | None = Field(None, ge=256)
+    context_window_tokens: int | None = Field(None, ge=256, le=MAX_COUNT)
     """The model's context window in tokens (llama.cpp ``--n_ctx``, vLLM
     ``--max-model-len``). Set, the engine fits each request within it before sending
     (prompt estimate plus ``max_tokens``, or :data:`DEFAULT_OUTPUT_RESERVE_TOKENS`)."""
@@ -263,7 +275,7 @@ class GatewayConfig(_Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
-    attempts: int = Field(10, ge=1)
+    attempts: int = Field(10, ge=1, le=MAX_COUNT)
     """Attempts per provider operation over all providers. Default 10 (seed)."""
     delay_s: float = Field(2.0, ge=0, le=MAX_DURATION_S)
     """First backoff after a full failover round failed. Default 2 s."""

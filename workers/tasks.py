@@ -21,6 +21,7 @@ others), a countdown for ``RETRY_PENDING`` (never a sleeping worker), or the end
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import time
@@ -28,7 +29,7 @@ from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any
 
-from celery import chain
+from celery import Task, chain
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import worker_process_init
 from sqlalchemy.exc import OperationalError
@@ -64,6 +65,63 @@ _CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 #: Countdown for transient store failures inside a stage (seconds, doubled per retry).
 STORE_RETRY_COUNTDOWN_S = 2
 STORE_MAX_RETRIES = 8
+
+
+class CheckedTask(Task):  # type: ignore[misc]
+    """A task whose message arguments are bound to its signature before it runs.
+
+    Anyone with access to the broker can send a task by name with any ``args`` and
+    ``kwargs``; a message with missing, surplus, repeated or unknown arguments is
+    refused with :attr:`refusal_code` and one error line (no traceback, no retry),
+    returning ``{"outcome": "REFUSED", "code": ...}``. The line names the keyword
+    arguments, never their values (a stage task's ``token`` is a lock token).
+    """
+
+    refusal_code = "PAYLOAD_INVALID"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        refused = self.refuse(args, kwargs)
+        if refused is not None:
+            return refused
+        return super().__call__(*args, **kwargs)
+
+    def refuse(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The refusal of a message that does not bind to the task's signature, or ``None``."""
+        try:
+            inspect.signature(self.run).bind(*args, **kwargs)
+        except TypeError as exc:
+            names = ", ".join(escape_text(str(k))[:40] for k in list(kwargs)[:8])
+            log.error("%s refused: %s: message with %d positional argument(s) and keyword "
+                      "argument(s) [%s] does not fit the task (%s); nothing was run",
+                      self.name, self.refusal_code, len(args), names,
+                      escape_text(str(exc))[:200])
+            return {"case_id": None, "outcome": "REFUSED", "code": self.refusal_code}
+        return None
+
+
+class DispatchTask(CheckedTask):
+    """``investigation.dispatch``: a message of another ``contract`` version is refused
+    as such (``CONTRACT_UNSUPPORTED``) before its arguments are checked; a message that
+    does not fit version 1 is ``DISPATCH_INVALID``."""
+
+    refusal_code = "DISPATCH_INVALID"
+
+    def refuse(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        contract = kwargs.get("contract", DISPATCH_CONTRACT_VERSION)
+        if contract != DISPATCH_CONTRACT_VERSION:
+            case_id = args[0] if args else kwargs.get("case_id")
+            return _contract_unsupported(case_id, contract)
+        return super().refuse(args, kwargs)
+
+
+def _contract_unsupported(case_id: Any, contract: Any) -> dict[str, Any]:
+    log.error("case %s: dispatch message of contract version %s refused; this worker "
+              "speaks version %s (docs/message-contract.md)",
+              escape_text(repr(case_id))[:100], escape_text(repr(contract))[:40],
+              DISPATCH_CONTRACT_VERSION)
+    return {"outcome": "CONTRACT_UNSUPPORTED",
+            "case_id": case_id if isinstance(case_id, str) else None,
+            "contract": contract if type(contract) in (int, str) else repr(contract)[:40]}
 
 
 @worker_process_init.connect
@@ -235,7 +293,7 @@ def _time_limited(rt: runtime.Runtime, payload: dict[str, Any], stage: str, kind
 
 
 def _stage_task(stage: str) -> Any:
-    @app.task(name=f"{TASK_PREFIX}{stage}", bind=True)
+    @app.task(name=f"{TASK_PREFIX}{stage}", bind=True, base=CheckedTask)
     def task(self: Any, payload: dict[str, Any], token: str | None = None) -> dict[str, Any]:
         return _run_stage(self, payload, stage, token)
 
@@ -328,22 +386,19 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
     return token
 
 
-@app.task(name=DISPATCH_TASK, bind=True)
+@app.task(name=DISPATCH_TASK, bind=True, base=DispatchTask)
 def dispatch(self: Any, case_id: str, max_steps: int | None = None,
              contract: int = DISPATCH_CONTRACT_VERSION) -> dict[str, Any]:
     """Worker-side dispatch (re-enqueued yields, due retries, upstream systems).
 
     The upstream message contract (``docs/message-contract.md``): args ``[case_id]`` or
     ``[case_id, max_steps]``, optional kwarg ``contract`` (the version, 1). A request that
-    is not a valid dispatch (``DISPATCH_INVALID``) is refused before the lock is taken and
-    logged; it is not retried.
+    is not a valid dispatch (``DISPATCH_INVALID``: other arguments, see
+    :class:`DispatchTask`, or a malformed case id or ``max_steps``) is refused before the
+    lock is taken and logged; it is not retried.
     """
     if contract != DISPATCH_CONTRACT_VERSION:
-        log.error("case %s: dispatch message of contract version %s refused; this worker "
-                  "speaks version %s (docs/message-contract.md)",
-                  escape_text(repr(case_id))[:100], escape_text(repr(contract))[:40],
-                  DISPATCH_CONTRACT_VERSION)
-        return {"outcome": "CONTRACT_UNSUPPORTED", "case_id": case_id, "contract": contract}
+        return _contract_unsupported(case_id, contract)
     try:
         start_dispatch(case_id, max_steps)
     except LockBusy:
@@ -356,7 +411,7 @@ def dispatch(self: Any, case_id: str, max_steps: int | None = None,
     return {"case_id": case_id, "outcome": "DISPATCHED"}
 
 
-@app.task(name=f"{TASK_PREFIX}advance", bind=True)
+@app.task(name=f"{TASK_PREFIX}advance", bind=True, base=CheckedTask)
 def advance(self: Any, payload: dict[str, Any], token: str | None = None) -> dict[str, Any]:
     """After a step: continue, yield, schedule a retry countdown, or stop.
 
@@ -417,7 +472,7 @@ def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
 _TIME_LIMITED: OrderedDict[str, None] = OrderedDict()
 
 
-@app.task(name=f"{TASK_PREFIX}on_chain_error")
+@app.task(name=f"{TASK_PREFIX}on_chain_error", base=CheckedTask)
 def on_chain_error(request: Any, exc: BaseException, traceback: Any) -> None:
     """Error callback of every task of a step chain.
 
@@ -450,7 +505,7 @@ def on_chain_error(request: Any, exc: BaseException, traceback: Any) -> None:
         kwargsrepr=repr({"token": logs.short_token(str(token))})).apply_async()
 
 
-@app.task(name=f"{TASK_PREFIX}time_limit", bind=True)
+@app.task(name=f"{TASK_PREFIX}time_limit", bind=True, base=CheckedTask)
 def time_limit(self: Any, payload: dict[str, Any], stage: str,
                limit_s: float | None, token: str | None = None) -> dict[str, Any]:
     """A hard time limit killed ``stage`` of this chain's step: record it once (see
@@ -513,7 +568,7 @@ def run_embedded_step(case_id: str, token: str) -> Outcome | None:
     return Outcome.from_dict(halt)
 
 
-@app.task(name=f"{TASK_PREFIX}recover", bind=True)
+@app.task(name=f"{TASK_PREFIX}recover", bind=True, base=CheckedTask)
 def recover(self: Any) -> dict[str, Any]:
     """The periodic recovery sweep (beat): re-dispatch every case with pending work.
 

@@ -35,6 +35,7 @@ from investigation.errors import (
     TransientProviderError,
 )
 from investigation.llm import dialects, tokens
+from investigation.llm.body import ACCEPT_ENCODING, BodyTooLarge, BodyUndecodable, read_body
 from investigation.llm.tokens import output_budget
 from investigation.llm.types import (
     PROVIDER_BAD_CONFIG,
@@ -193,7 +194,8 @@ class OpenAIProvider:
             ProviderRequestRejected: HTTP 413 or a context-length error.
             ProviderConfigurationError: any other 4xx, a 1xx/3xx status, a bad URL.
         """
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        headers = {"Content-Type": "application/json", "Accept": "application/json",
+                   "Accept-Encoding": ACCEPT_ENCODING}
         key = self._api_key()
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
@@ -239,22 +241,25 @@ class OpenAIProvider:
                 clients.append(client)  # the caller closes it at the total deadline
                 with client.stream("POST", self.url, content=request_bytes,
                                    headers=headers) as response:
-                    chunks: list[bytes] = []
-                    size = 0
-                    for chunk in response.iter_bytes():
-                        size += len(chunk)
-                        if size > MAX_RESPONSE_BYTES:
-                            raise TransientProviderError(
-                                PROVIDER_MALFORMED_RESPONSE,
-                                f"provider {self.name!r}: response larger than "
-                                f"{MAX_RESPONSE_BYTES} bytes", provider=self.name)
+                    def in_time() -> None:
                         if time.monotonic() > deadline:
                             raise TransientProviderError(
                                 PROVIDER_TIMEOUT,
                                 f"provider {self.name!r}: the response took longer than "
                                 f"timeout_s={self.config.timeout_s} in total", provider=self.name)
-                        chunks.append(chunk)
-                    raw = redact_bytes(b"".join(chunks), key)
+
+                    try:
+                        body = read_body(response, MAX_RESPONSE_BYTES, in_time)
+                    except BodyTooLarge as exc:
+                        raise TransientProviderError(
+                            PROVIDER_MALFORMED_RESPONSE,
+                            f"provider {self.name!r}: response larger than "
+                            f"{MAX_RESPONSE_BYTES} bytes", provider=self.name) from exc
+                    except BodyUndecodable as exc:
+                        raise TransientProviderError(
+                            PROVIDER_MALFORMED_RESPONSE,
+                            f"provider {self.name!r}: {exc}", provider=self.name) from exc
+                    raw = redact_bytes(body, key)
         except HTTPX_ERRORS as exc:
             raise classify_httpx_error(exc, self.name, secrets) from exc
         return response.status_code, response.headers, raw

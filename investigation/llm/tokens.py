@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from investigation.config import DEFAULT_OUTPUT_RESERVE_TOKENS, ProviderConfig
+from investigation.llm.body import BodyTooLarge, BodyUndecodable, read_body
 
 #: Tokens a chat template adds around each message (role markers, separators).
 MESSAGE_OVERHEAD_TOKENS = 8
@@ -118,16 +119,19 @@ def server_count(config: ProviderConfig, messages: list[dict[str, Any]],
         with client.stream("POST", root + path, json=body, headers=sent) as response:
             if response.status_code != 200:
                 raise ValueError(f"{path} answered HTTP {response.status_code}")
-            chunks, size = [], 0
-            for chunk in response.iter_bytes():
-                size += len(chunk)
-                if size > MAX_TOKENIZE_RESPONSE_BYTES:
-                    raise ValueError(f"{path} answered more than "
-                                     f"{MAX_TOKENIZE_RESPONSE_BYTES} bytes")
+
+            def in_time() -> None:
                 if deadline is not None and time.monotonic() > deadline:
                     raise ValueError(f"{path} did not answer in time")
-                chunks.append(chunk)
-        doc = json.loads(b"".join(chunks))
+
+            try:
+                raw = read_body(response, MAX_TOKENIZE_RESPONSE_BYTES, in_time)
+            except BodyTooLarge as exc:
+                raise ValueError(f"{path} answered more than "
+                                 f"{MAX_TOKENIZE_RESPONSE_BYTES} bytes") from exc
+            except BodyUndecodable as exc:
+                raise ValueError(f"{path}: {exc}") from exc
+        doc = json.loads(raw)
         if not isinstance(doc, dict):
             raise ValueError(f"{path} did not answer a JSON object")
         return doc

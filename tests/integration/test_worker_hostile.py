@@ -85,3 +85,46 @@ def test_a_failing_advance_releases_the_lock(tmp_path: Path, redis_url: str,
                               "halt": {"outcome": "PROGRESSED", "reason": None}},))
         _wait_log(h, r"Task investigation\.advance\[[0-9a-f-]+\] raised unexpected", 1)
         h.wait_unlocked(timeout_s=5.0)
+
+
+def test_a_dispatch_message_with_wrong_arguments_is_refused_without_traceback(
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages sent by name (``send_task``) whose arguments do not fit the contract
+    (surplus positionals, no case id, unknown keywords) are refused with
+    ``DISPATCH_INVALID`` in one log line: no TypeError traceback, no lock, nothing run."""
+    from workers.celery_app import app
+
+    with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
+        case_id = h.case.case_id
+        bad: list[tuple[list[Any], dict[str, Any]]] = [
+            ([case_id, 1, 2, 3], {}),  # contract twice (positional and default)
+            ([case_id, 1, 2, 3], {"contract": 1}),
+            ([case_id, None, 1], {"contract": 1}),  # contract positional and keyword
+            ([], {}),  # no case id
+            ([], {"contract": 1}),
+            ([case_id], {"contract": 1, "evil": 2}),
+            ([case_id], {"contract": 1, "lock_token": "x"}),
+            ([case_id, 2], {"max_steps": 3}),
+        ]
+        h.worker.start()
+        h.worker.wait_ready()
+        for args, kwargs in bad:
+            app.send_task("investigation.dispatch", args=args, kwargs=kwargs, queue=h.queue)
+        # An internal task sent by name with wrong arguments is refused the same way.
+        app.send_task("investigation.advance", args=[], kwargs={"evil": 1}, queue=h.queue)
+        # Another contract version is refused as such, whatever its arguments.
+        app.send_task("investigation.dispatch", args=[case_id, 1, 2, 3],
+                      kwargs={"contract": 2, "priority": 1}, queue=h.queue)
+        _wait_log(h, r"investigation\.dispatch refused: DISPATCH_INVALID", len(bad))
+        _wait_log(h, r"investigation\.advance refused: PAYLOAD_INVALID", 1)
+        _wait_log(h, r"dispatch message of contract version 2 refused", 1)
+        _wait_log(h, r"Task investigation\.(dispatch|advance)\[[0-9a-f-]+\] succeeded",
+                  len(bad) + 2)
+        worker_log = h.worker.log()
+        assert "Traceback" not in worker_log and "TypeError" not in worker_log
+        assert "raised unexpected" not in worker_log
+        assert "unexpected keyword argument 'evil'" in worker_log  # the reason, named
+        assert h.lock_holder(case_id) is None
+        assert h.task_received("build_context") == 0
+        with h.case.store.session() as s:
+            assert s.exec(select(StageRun)).all() == []

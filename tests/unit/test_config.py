@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
-from investigation.config import InvestigationConfig, ProvidersConfig
+from investigation.config import (
+    MAX_SQL_INT,
+    GatewayConfig,
+    InvestigationConfig,
+    ProviderConfig,
+    ProvidersConfig,
+)
 from investigation.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,3 +121,97 @@ def test_providers_file_mistakes_are_named(tmp_path: Path, entry: str, expected:
         ProvidersConfig.load(file)
     assert info.value.code == "CONFIG_INVALID"
     assert expected in info.value.message
+
+
+HUGE = 10**21  # over a signed 64-bit SQLite INTEGER
+
+
+def _int_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted key, field info)`` of every integer setting of ``model`` and its sections
+    (``int``, ``int | None``, ``dict[..., int]``)."""
+    found: list[tuple[str, Any]] = []
+    for name, info in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found += _int_fields(annotation, key + ".")
+            continue
+        args = typing.get_args(annotation)
+        if typing.get_origin(annotation) is dict:
+            found.append((key + ".*", args[1]))
+        elif annotation is int or int in args:
+            found.append((key, info))
+    return found
+
+
+def _upper_bound(field: Any) -> int | None:
+    metadata = getattr(field, "metadata", None)
+    if metadata is None:  # Annotated[int, Field(le=...)] as a dict's value type
+        metadata = [m for a in typing.get_args(field)[1:] for m in getattr(a, "metadata", [a])]
+    bounds = [m.le for m in metadata if getattr(m, "le", None) is not None]
+    return min(bounds) if bounds else None
+
+
+@pytest.mark.parametrize("model", [InvestigationConfig, ProviderConfig, GatewayConfig])
+def test_every_integer_setting_has_an_upper_bound_that_fits_sqlite(
+        model: type[BaseModel]) -> None:
+    fields = _int_fields(model)
+    assert fields
+    for key, field in fields:
+        bound = _upper_bound(field)
+        assert bound is not None, f"{key} has no upper bound"
+        assert bound <= MAX_SQL_INT, key
+
+
+POLICY_INTS = [key for key, _ in _int_fields(InvestigationConfig)]
+
+
+@pytest.mark.parametrize("key", POLICY_INTS)
+def test_a_huge_integer_in_the_policy_is_refused_naming_the_key(tmp_path: Path,
+                                                                key: str) -> None:
+    section, name = key.split(".", 1)
+    if name == "costs.*":
+        text, named = f'[budget.costs]\n"db.query" = {HUGE}\n', "budget.costs.db.query"
+    elif name == "test_costs.*":
+        text, named = f"[budget.test_costs]\nhuman = {HUGE}\n", "budget.test_costs.human"
+    else:
+        text, named = f"[{section}]\n{name} = {HUGE}\n", key
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        InvestigationConfig.load(path)
+    assert err.value.code == "CONFIG_INVALID"
+    assert f"{named}: Input should be less than or equal to" in err.value.message
+
+
+@pytest.mark.parametrize("text, named", [
+    (f"[budget]\ncredit_units = {10**12 + 1}\n", "budget.credit_units"),
+    (f"[limits]\nmax_model_cost = {HUGE}.0\n", "limits.max_model_cost"),
+    (f"[limits]\nmax_model_cost = {10**308}.0\n", "limits.max_model_cost"),
+])
+def test_units_and_money_are_at_most_10_to_the_12(tmp_path: Path, text: str,
+                                                  named: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        InvestigationConfig.load(path)
+    assert err.value.code == "CONFIG_INVALID" and f"{named}: " in err.value.message
+    assert InvestigationConfig.model_validate(
+        {"budget": {"credit_units": 10**12}}).budget.credit_units == 10**12
+
+
+@pytest.mark.parametrize("entry, named", [
+    ("max_tokens", "providers.0.max_tokens"),
+    ("context_window_tokens", "providers.0.context_window_tokens"),
+    ("schema_max_string_chars", "providers.0.schema_max_string_chars"),
+])
+def test_a_huge_integer_in_the_providers_file_is_refused(tmp_path: Path, entry: str,
+                                                         named: str) -> None:
+    file = tmp_path / "providers.toml"
+    file.write_text(f'[gateway]\nattempts = {HUGE}\n[[providers]]\nname = "m"\n'
+                    f'kind = "scripted"\npath = "r"\n{entry} = {HUGE}\n')
+    with pytest.raises(ConfigError) as info:
+        ProvidersConfig.load(file)
+    assert info.value.code == "CONFIG_INVALID"
+    assert "gateway.attempts: Input should be less than or equal to" in info.value.message
+    assert f"{named}: Input should be less than or equal to" in info.value.message
