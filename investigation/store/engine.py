@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, event, insert
+from sqlalchemy import Table, bindparam, event, insert
 from sqlalchemy import select as sa_select
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.pool import QueuePool
 from sqlmodel import Session, col, create_engine, select
@@ -32,12 +32,28 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 sha256_hex = blobs.sha256_hex
 
+
+def table_of(model: Any) -> Table:
+    """The Core table of a SQLModel table class."""
+    return cast(Table, model.__table__)
+
+
+def core(session: Session) -> Connection:
+    """The connection of ``session``'s transaction, for Core statements on the append-only
+    tables the ORM never writes (``artifact``, ``blob``, ``stage_run``): no ORM result
+    processing, no bulk-insert machinery, no autoflush (nothing of theirs is pending)."""
+    return session.connection()
+
+
+_ART = table_of(Artifact).c
 # Statements built once (building a statement costs more than running it on SQLite).
-_ARTIFACT_ROW = sa_select(
-    col(Artifact.sha256), col(Artifact.media_type), col(Artifact.size_bytes),
-    col(Artifact.created_at)).where(col(Artifact.case_id) == bindparam("case_id"),
-                                    col(Artifact.path) == bindparam("path"))
-_ARTIFACT_INSERT = insert(Artifact)
+_ARTIFACT_ROW = sa_select(_ART.sha256, _ART.media_type, _ART.size_bytes, _ART.created_at) \
+    .where(_ART.case_id == bindparam("case_id"), _ART.path == bindparam("path"))
+_ARTIFACT_INSERT = insert(table_of(Artifact))
+# What ``Session.get(CaseRecord, id, populate_existing=True)`` runs, built once.
+_CASE_ROW = select(CaseRecord).where(col(CaseRecord.id) == bindparam("id")) \
+    .execution_options(populate_existing=True, autoflush=False)
+_CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
 
 
 @dataclass(frozen=True)
@@ -156,7 +172,7 @@ class Store:
             StoreError: ``STORE_ARTIFACT_CONFLICT`` when different bytes exist at ``path``.
         """
         digest = sha256_hex(data)
-        existing = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        existing = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         if existing is not None:
             if existing[0] != digest:
                 raise StoreError(
@@ -167,7 +183,7 @@ class Store:
             return digest
         kind = blobs.kind_of(path)
         blobs.store(session, case_id, kind, data, digest)
-        session.execute(_ARTIFACT_INSERT, {
+        core(session).execute(_ARTIFACT_INSERT, {
             "case_id": case_id, "path": path, "kind": kind, "sha256": digest,
             "size_bytes": len(data), "media_type": media_type, "created_at": models.utcnow()})
         return digest
@@ -184,7 +200,7 @@ class Store:
         Raises:
             StoreError: ``STORE_ARTIFACT_CORRUPT`` when its bytes are missing or altered.
         """
-        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        row = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         if row is None:
             return None
         sha, media_type, size, created = row
@@ -194,13 +210,13 @@ class Store:
     @staticmethod
     def artifact_sha256(session: Session, case_id: str, path: str) -> str | None:
         """The sha256 recorded for ``path`` (no bytes are read), or ``None``."""
-        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        row = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         return None if row is None else str(row[0])
 
     @staticmethod
     def artifact_created_at(session: Session, case_id: str, path: str) -> datetime | None:
         """When the artifact at ``path`` was stored (no bytes are read), or ``None``."""
-        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        row = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         return None if row is None else row[3]
 
     @staticmethod
@@ -254,10 +270,9 @@ class Store:
     @staticmethod
     def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
         """:meth:`lock_case`, but ``None`` for an unknown case."""
-        if session.get_bind().dialect.name == "postgresql":
-            return session.get(CaseRecord, case_id, with_for_update=True,
-                               populate_existing=True)
-        return session.get(CaseRecord, case_id, populate_existing=True)
+        stmt = _CASE_ROW_FOR_UPDATE if session.get_bind().dialect.name == "postgresql" \
+            else _CASE_ROW
+        return session.execute(stmt, {"id": case_id}).scalars().first()
 
     @staticmethod
     def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:
