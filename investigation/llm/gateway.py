@@ -56,7 +56,7 @@ from typing import Any
 
 from sqlalchemy import update
 from sqlalchemy.exc import DBAPIError
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
 
 from investigation.config import GatewayConfig, ProviderConfig, ProvidersConfig
 from investigation.constants import (
@@ -279,7 +279,16 @@ class LLMGateway:
             StaleStateError: another worker advanced this operation concurrently (its
                 write won; rerun the stage to read the recorded result).
         """
-        op = self._open_operation(case_id, revision, step_seq, request, retry_id)
+        op, created = self._open_operation(case_id, revision, step_seq, request, retry_id)
+        if created:
+            # Created in this very transaction: no attempt of it can exist yet, so there is
+            # nothing interrupted to recover and its state is the row's initial one.
+            assert op.id is not None
+            try:
+                return self._attempt_loop(case_id, step_seq, request, op.id,
+                                          (op, _OpState(op.id, 0, 0, 0)))
+            except _InFlight as busy:  # pragma: no cover - nobody else knew the operation
+                return RetryPending(op.id, busy.until, "PROVIDER_CALL_IN_FLIGHT")
         if op.status == OP_SUCCEEDED:
             return self._stored_success(op)
         if op.status in (OP_EXHAUSTED, OP_FAILED):
@@ -305,12 +314,15 @@ class LLMGateway:
 
     def _open_operation(
         self, case_id: str, revision: int, step_seq: int, request: ChatRequest, retry_id: str
-    ) -> LLMOperation:
-        existing = self._find_operation(case_id, revision, step_seq, retry_id)
-        if existing is not None:
-            return existing
+    ) -> tuple[LLMOperation, bool]:
+        """The operation to continue, or a new one (``True``): looked up and, when there is
+        none, created in one transaction."""
         try:
             with self.store.session() as session:
+                existing = self._pick_operation(session, case_id, revision, step_seq,
+                                                retry_id)
+                if existing is not None:
+                    return existing, False
                 op = LLMOperation(
                     case_id=case_id,
                     revision=revision,
@@ -319,39 +331,43 @@ class LLMGateway:
                     call_index=request.call_index,
                     hypothesis_id=_hypothesis_of(request),
                     status=OP_PENDING,
+                    attempts_made=0,
+                    next_provider_index=0,
+                    round_index=0,
                     created_at=self._now(),
                 )
                 session.add(op)
                 session.flush()
-                return op
+                return op, True
         except DBAPIError as exc:
             if not is_lost_race(exc):
                 raise
         # Another worker created it between our read and insert: use theirs.
-        existing = self._find_operation(case_id, revision, step_seq, retry_id)
+        with self.store.session() as session:
+            existing = self._pick_operation(session, case_id, revision, step_seq, retry_id)
         if existing is None:  # pragma: no cover - the unique row must exist now
             raise StaleStateError(
                 f"llm operation for case {case_id} step {step_seq} vanished after a conflict",
                 case_id=case_id,
                 step_seq=step_seq,
             )
-        return existing
+        return existing, False
 
-    def _find_operation(
-        self, case_id: str, revision: int, step_seq: int, retry_id: str
+    @staticmethod
+    def _pick_operation(
+        session: Session, case_id: str, revision: int, step_seq: int, retry_id: str
     ) -> LLMOperation | None:
-        with self.store.session() as session:
-            ops = list(
-                session.exec(
-                    select(LLMOperation)
-                    .where(
-                        LLMOperation.case_id == case_id,
-                        LLMOperation.revision == revision,
-                        LLMOperation.step_seq == step_seq,
-                    )
-                    .order_by(col(LLMOperation.id))
+        ops = list(
+            session.exec(
+                select(LLMOperation)
+                .where(
+                    LLMOperation.case_id == case_id,
+                    LLMOperation.revision == revision,
+                    LLMOperation.step_seq == step_seq,
                 )
+                .order_by(col(LLMOperation.id))
             )
+        )
         for op in ops:
             if op.status == OP_SUCCEEDED:
                 return op
@@ -496,9 +512,10 @@ class LLMGateway:
                         and spend.priced(config))}
 
     def _attempt_loop(
-        self, case_id: str, step_seq: int, request: ChatRequest, op_id: int
+        self, case_id: str, step_seq: int, request: ChatRequest, op_id: int,
+        loaded: tuple[LLMOperation, _OpState] | None = None,
     ) -> GatewayOutcome:
-        op, state = self._load_state(op_id)
+        op, state = loaded if loaded is not None else self._load_state(op_id)
         round_retry_after: float | None = None
         unpriced = self._unpriced(request)
         while True:
