@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlalchemy import case, func
+from sqlalchemy import bindparam, case, func
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
@@ -19,6 +19,10 @@ from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig, 
 from investigation.errors import InvestigationError
 from investigation.store.engine import sha256_hex
 from investigation.store.models import BudgetAccount, Evidence, LedgerEntry, RevisionRecord
+
+# Built once (building a statement costs more than running it on SQLite).
+_ACCOUNTS = select(BudgetAccount).where(col(BudgetAccount.case_id) == bindparam("case_id"),
+                                        col(BudgetAccount.revision) == bindparam("revision"))
 
 
 class BudgetManager:
@@ -81,8 +85,8 @@ class BudgetManager:
         never refilled. Returns all accounts of the revision ordered by hypothesis id."""
         existing = {
             a.hypothesis_id: a
-            for a in session.exec(select(BudgetAccount).where(
-                BudgetAccount.case_id == case_id, BudgetAccount.revision == revision))
+            for a in session.exec(_ACCOUNTS, params={"case_id": case_id,
+                                                     "revision": revision})
         }
         for hid in hypothesis_ids:
             if hid in existing:

@@ -65,6 +65,18 @@ _BUILT = sa_select(col(StageRun.output_json)).where(
 _POINTER = sa_select(col(ManifestPointer.path), col(ManifestPointer.sha256)).where(
     col(ManifestPointer.case_id) == bindparam("case_id"),
     col(ManifestPointer.name) == POINTER_STATE)
+_CHECKPOINTS_FROM = select(Checkpoint).where(
+    col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) >= bindparam("seq")) \
+    .order_by(col(Checkpoint.seq))
+_STATE_EVIDENCE = sa_select(
+    col(Evidence.evidence_id), col(Evidence.hypothesis_id), col(Evidence.fingerprint),
+    col(Evidence.assessed), col(Evidence.refund_units)).where(
+    col(Evidence.case_id) == bindparam("case_id"),
+    col(Evidence.revision) == bindparam("revision")).order_by(col(Evidence.ordinal))
+_STATE_QUESTIONS = sa_select(
+    col(Question.question_id), col(Question.hypothesis_id), col(Question.status)).where(
+    col(Question.case_id) == bindparam("case_id"),
+    col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
 _PARENT_DIGEST = sa_select(col(Checkpoint.archive_digest)).where(
     col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) == bindparam("seq"))
 
@@ -101,15 +113,9 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
                    outcome: str, reason: str | None, hypothesis_id: int | None,
                    context_sha256: str | None) -> dict[str, Any]:
     """The investigation state after a step: accounts, evidence ids, questions, outcome."""
-    evidence = s.execute(sa_select(col(Evidence.evidence_id), col(Evidence.hypothesis_id),
-                             col(Evidence.fingerprint), col(Evidence.assessed),
-                             col(Evidence.refund_units)).where(
-        col(Evidence.case_id) == key.case_id, col(Evidence.revision) == key.revision)
-        .order_by(col(Evidence.ordinal))).all()
-    questions = s.exec(select(Question.question_id, Question.hypothesis_id, Question.status)
-                       .where(Question.case_id == key.case_id,
-                              Question.revision == key.revision)
-                       .order_by(col(Question.ordinal))).all()
+    rows = {"case_id": key.case_id, "revision": key.revision}
+    evidence = s.execute(_STATE_EVIDENCE, rows).all()
+    questions = s.execute(_STATE_QUESTIONS, rows).all()
     return {
         "case_id": key.case_id,
         "revision": key.revision,
@@ -373,9 +379,8 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     start, digest = 0, ""
     if cached is not None and 0 < cached[0] <= count:
         start, digest = cached
-    rows = list(s.exec(select(Checkpoint).where(
-        Checkpoint.case_id == case.id, col(Checkpoint.seq) >= max(1, start))
-        .order_by(col(Checkpoint.seq))).all())
+    rows = list(s.exec(_CHECKPOINTS_FROM, params={"case_id": case.id,
+                                                  "seq": max(1, start)}).all())
     if start and (not rows or rows[0].seq != start or rows[0].archive_digest != digest):
         start, digest = 0, ""  # the recorded digest moved: read everything again
         rows = list(s.exec(select(Checkpoint).where(Checkpoint.case_id == case.id)

@@ -67,6 +67,11 @@ _STEP = (_RUN.case_id == bindparam("case_id"), _RUN.revision == bindparam("revis
 _MARKERS = sa_select(_RUN.stage, _RUN.output_json).where(*_STEP)
 _MARKER = sa_select(_RUN.output_json).where(*_STEP, _RUN.stage == bindparam("stage"))
 _MARKER_INSERT = insert(table_of(StageRun))
+_ACCOUNTS = select(BudgetAccount).where(
+    col(BudgetAccount.case_id) == bindparam("case_id"),
+    col(BudgetAccount.revision) == bindparam("revision"))
+_ACCOUNTS_ORDERED = _ACCOUNTS.order_by(col(BudgetAccount.hypothesis_id))
+_ACCOUNT = _ACCOUNTS.where(col(BudgetAccount.hypothesis_id) == bindparam("hid"))
 #: Times a stage runs again after its transaction lost a PostgreSQL serialization race.
 RACE_RETRIES = 5
 #: Stage outputs kept per process (eight per step).
@@ -419,15 +424,13 @@ class StageFramework:
 
     @staticmethod
     def _accounts(s: Session, key: StepKey) -> list[BudgetAccount]:
-        return list(s.exec(select(BudgetAccount).where(
-            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision)
-            .order_by(col(BudgetAccount.hypothesis_id))).all())
+        return list(s.exec(_ACCOUNTS_ORDERED, params={"case_id": key.case_id,
+                                                      "revision": key.revision}).all())
 
     @staticmethod
     def _account(s: Session, key: StepKey, hid: int) -> BudgetAccount:
-        return s.exec(select(BudgetAccount).where(
-            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision,
-            BudgetAccount.hypothesis_id == hid)).one()
+        return s.exec(_ACCOUNT, params={"case_id": key.case_id, "revision": key.revision,
+                                        "hid": hid}).one()
 
     def _context_bytes(self, s: Session, key: StepKey) -> tuple[dict[str, Any], bytes]:
         """The step's recorded ``build_context`` and its stored context's exact bytes

@@ -24,7 +24,7 @@ import logging
 import sqlite3
 from typing import Any
 
-from sqlalchemy import func, update
+from sqlalchemy import bindparam, func, update
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
@@ -91,6 +91,13 @@ from investigation.store.models import (
 log = logging.getLogger(__name__)
 
 
+# Statements built once (building a statement costs more than running it on SQLite).
+_BIRTHS = select(HypothesisBirth).where(col(HypothesisBirth.case_id) == bindparam("case_id"),
+                                        col(HypothesisBirth.revision) == bindparam("revision"))
+_LLM_CALLS = select(func.count()).select_from(StageRun).where(
+    col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "llm_call")
+
+
 def _failed_result(nxt: dict[str, Any], code: str, message: str) -> bytes:
     """A tool result that records a failed execution as an empty finding."""
     return canonical_json({
@@ -133,9 +140,8 @@ class Stages(StageFramework):
                     "CHECKPOINT_LIMIT",
                     f"case {key.case_id} reached {cfg.limits.max_checkpoints} checkpoints; "
                     "raise limits.max_checkpoints to continue")
-            births = s.exec(select(HypothesisBirth).where(
-                HypothesisBirth.case_id == key.case_id,
-                HypothesisBirth.revision == key.revision)).all()
+            births = s.exec(_BIRTHS, params={"case_id": key.case_id,
+                                             "revision": key.revision}).all()
             accounts = budget.ensure_accounts(
                 s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births))
             rev = Store.revision(s, key.case_id, key.revision)
@@ -149,8 +155,7 @@ class Stages(StageFramework):
             selected = select_hypothesis(accounts)
             if selected is None:
                 return self._complete(s, key, "build_context", {"finalize": True})
-            llm_steps = s.exec(select(func.count()).select_from(StageRun).where(
-                StageRun.case_id == key.case_id, StageRun.stage == "llm_call")).one()
+            llm_steps = s.exec(_LLM_CALLS, params={"case_id": key.case_id}).one()
             doc = context_builder.build(
                 s, key=key, case=case, config=cfg, budget=budget, selected=selected,
                 accounts=accounts, births=list(births), router=router,

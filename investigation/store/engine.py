@@ -54,6 +54,12 @@ _ARTIFACT_INSERT = insert(table_of(Artifact))
 _CASE_ROW = select(CaseRecord).where(col(CaseRecord.id) == bindparam("id")) \
     .execution_options(populate_existing=True, autoflush=False)
 _CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
+_REVISION_ROW = select(RevisionRecord).where(
+    col(RevisionRecord.case_id) == bindparam("case_id"),
+    col(RevisionRecord.revision) == bindparam("revision"))
+_POINTER_ROW = select(ManifestPointer).where(
+    col(ManifestPointer.case_id) == bindparam("case_id"),
+    col(ManifestPointer.name) == bindparam("name"))
 
 
 @dataclass(frozen=True)
@@ -262,8 +268,8 @@ class Store:
         memo: dict[tuple[str, int], RevisionRecord] = session.info.setdefault("revisions", {})
         row = memo.get((case_id, revision))
         if row is None:
-            row = session.exec(select(RevisionRecord).where(
-                RevisionRecord.case_id == case_id, RevisionRecord.revision == revision)).one()
+            row = session.exec(_REVISION_ROW, params={"case_id": case_id,
+                                                      "revision": revision}).one()
             memo[(case_id, revision)] = row
         return row
 
@@ -277,11 +283,7 @@ class Store:
     @staticmethod
     def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:
         """Point manifest pointer ``name`` at an artifact."""
-        row = session.exec(
-            select(ManifestPointer).where(
-                ManifestPointer.case_id == case_id, ManifestPointer.name == name
-            )
-        ).first()
+        row = session.exec(_POINTER_ROW, params={"case_id": case_id, "name": name}).first()
         if row is None:
             session.add(ManifestPointer(case_id=case_id, name=name, path=path, sha256=sha256))
         else:
