@@ -15,8 +15,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, event, insert
+from sqlalchemy import Table, bindparam, event
 from sqlalchemy import select as sa_select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.pool import QueuePool
@@ -49,7 +51,11 @@ _ART = table_of(Artifact).c
 # Statements built once (building a statement costs more than running it on SQLite).
 _ARTIFACT_ROW = sa_select(_ART.sha256, _ART.media_type, _ART.size_bytes, _ART.created_at) \
     .where(_ART.case_id == bindparam("case_id"), _ART.path == bindparam("path"))
-_ARTIFACT_INSERT = insert(table_of(Artifact))
+# A path holds one artifact for ever: a second write of it inserts nothing.
+_ARTIFACT_INSERTS = {
+    name: ins(table_of(Artifact)).on_conflict_do_nothing(index_elements=["case_id", "path"])
+    .returning(_ART.id)  # a row when inserted, none when the path existed
+    for name, ins in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
 # What ``Session.get(CaseRecord, id, populate_existing=True)`` runs, built once.
 _CASE_ROW = select(CaseRecord).where(col(CaseRecord.id) == bindparam("id")) \
     .execution_options(populate_existing=True, autoflush=False)
@@ -178,20 +184,26 @@ class Store:
             StoreError: ``STORE_ARTIFACT_CONFLICT`` when different bytes exist at ``path``.
         """
         digest = sha256_hex(data)
-        existing = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
-        if existing is not None:
-            if existing[0] != digest:
+        kind = blobs.kind_of(path)
+        conn = core(session)
+        # The row first (one statement when the path is new, the usual case); its blob
+        # next: the lineage head ``blobs.store`` reads joins ``blob``, so it never finds
+        # this row unless the same bytes are stored already.
+        inserted = conn.execute(_ARTIFACT_INSERTS[
+            "postgresql" if conn.dialect.name == "postgresql" else "sqlite"], {
+            "case_id": case_id, "path": path, "kind": kind, "sha256": digest,
+            "size_bytes": len(data), "media_type": media_type,
+            "created_at": models.utcnow()}).first()
+        if inserted is None:
+            existing = conn.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+            if existing is None or existing[0] != digest:
                 raise StoreError(
                     "STORE_ARTIFACT_CONFLICT",
                     f"artifact {path} of case {case_id} already holds other bytes",
                     path=path,
                 )
             return digest
-        kind = blobs.kind_of(path)
         blobs.store(session, case_id, kind, data, digest)
-        core(session).execute(_ARTIFACT_INSERT, {
-            "case_id": case_id, "path": path, "kind": kind, "sha256": digest,
-            "size_bytes": len(data), "media_type": media_type, "created_at": models.utcnow()})
         return digest
 
     @staticmethod
