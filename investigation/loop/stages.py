@@ -613,7 +613,10 @@ class Stages(StageFramework):
                 .values(head_seq=key.step_seq, head_hash=cp.hash, last_outcome=outcome,
                         last_reason=reason, retry_not_before=None, updated_at=utcnow(),
                         state=case_state, blocked_reason=blocked_reason,
-                        session_json=case.session_json))
+                        session_json=case.session_json)
+                # Not flushed first: the compare-and-set writes the case's pending changes
+                # (its session, a hold's state) itself, and the ORM takes its new values.
+                .execution_options(autoflush=False, synchronize_session="evaluate"))
             if res.rowcount != 1:  # type: ignore[attr-defined]
                 raise StaleStateError(f"case {key.case_id} head moved during publish")
             Store.set_pointer(s, key.case_id, POINTER_STATE, cp.state_path,

@@ -41,9 +41,10 @@ def table_of(model: Any) -> Table:
 
 
 def core(session: Session) -> Connection:
-    """The connection of ``session``'s transaction, for Core statements on the append-only
-    tables the ORM never writes (``artifact``, ``blob``, ``stage_run``): no ORM result
-    processing, no bulk-insert machinery, no autoflush (nothing of theirs is pending)."""
+    """The connection of ``session``'s transaction, for Core statements on the tables the
+    ORM never writes (``artifact``, ``blob``, ``stage_run``, ``checkpoint``,
+    ``manifest_pointer``): no ORM result processing, no bulk-insert machinery, no
+    autoflush (nothing of theirs is pending)."""
     return session.connection()
 
 
@@ -63,9 +64,10 @@ _CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
 _REVISION_ROW = select(RevisionRecord).where(
     col(RevisionRecord.case_id) == bindparam("case_id"),
     col(RevisionRecord.revision) == bindparam("revision"))
-_POINTER_ROW = select(ManifestPointer).where(
-    col(ManifestPointer.case_id) == bindparam("case_id"),
-    col(ManifestPointer.name) == bindparam("name"))
+_POINTER = table_of(ManifestPointer)
+_POINTER_MOVE = _POINTER.update().where(_POINTER.c.case_id == bindparam("case_id_"),
+                                        _POINTER.c.name == bindparam("name_"))
+_POINTER_INSERT = _POINTER.insert()
 
 
 @dataclass(frozen=True)
@@ -295,12 +297,12 @@ class Store:
     @staticmethod
     def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:
         """Point manifest pointer ``name`` at an artifact."""
-        row = session.exec(_POINTER_ROW, params={"case_id": case_id, "name": name}).first()
-        if row is None:
-            session.add(ManifestPointer(case_id=case_id, name=name, path=path, sha256=sha256))
-        else:
-            row.path, row.sha256 = path, sha256
-            session.add(row)
+        conn = core(session)  # pointers are written here only, never through the ORM
+        moved = conn.execute(_POINTER_MOVE, {"case_id_": case_id, "name_": name,
+                                             "path": path, "sha256": sha256}).rowcount
+        if moved == 0:
+            conn.execute(_POINTER_INSERT, {"case_id": case_id, "name": name, "path": path,
+                                           "sha256": sha256})
         session.flush()
 
 
