@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import bindparam, update
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col, select
 
@@ -101,7 +101,7 @@ from investigation.llm.types import (
     RetryPending,
     Succeeded,
 )
-from investigation.store.engine import Store, is_lost_race
+from investigation.store.engine import Store, core, is_lost_race, table_of
 from investigation.store.models import LLMAttempt, LLMOperation
 
 __all__ = [
@@ -725,45 +725,31 @@ class LLMGateway:
         path = ARTIFACT_REQUEST.format(seq=step_seq, operation=state.id, attempt=attempt_no)
         try:
             with self.store.session() as session:
-                moved = session.exec(
-                    update(LLMOperation)
-                    .where(
-                        col(LLMOperation.id) == state.id,
-                        col(LLMOperation.attempts_made) == state.attempts_made,
-                        col(LLMOperation.status).in_([OP_PENDING, OP_RETRY_PENDING]),
-                    )
-                    .values(
-                        attempts_made=attempt_no,
-                        next_provider_index=index,
-                        status=OP_PENDING,
-                        retry_not_before=None,
-                    )
-                )
+                moved = core(session).execute(_OP_BEGIN, {
+                    "op_id_": state.id, "made_": state.attempts_made,
+                    "attempts_made": attempt_no, "next_provider_index": index,
+                    "status": OP_PENDING, "retry_not_before": None,
+                })
                 if moved.rowcount != 1:
                     raise self._stale(state.id, attempt_no)
                 # The UPDATE above holds the operation row (PostgreSQL row lock, SQLite's
                 # write lock): a concurrent runner's attempt that is still ``sent`` means
                 # the model is being asked right now, so this runner must not ask again.
-                live = session.exec(select(LLMAttempt).where(
-                    LLMAttempt.operation_id == state.id,
-                    LLMAttempt.status == ATTEMPT_SENT)).first()
+                live = session.exec(_ATTEMPT_LIVE, params={"op_id": state.id}).first()
                 if live is not None:
                     raise _InFlight(_aware(live.started_at)
                                     + timedelta(seconds=max(self.in_flight_grace_s, 1.0)))
                 digest = Store.put_artifact(session, case_id, path, request_bytes)
-                session.add(
-                    LLMAttempt(
-                        operation_id=state.id,
-                        attempt=attempt_no,
-                        provider=provider,
-                        request_path=path,
-                        request_sha256=digest,
-                        reserved_micros=reserved_micros,
-                        status=ATTEMPT_SENT,
-                        started_at=self._now(),
-                    )
-                )
-                session.flush()
+                core(session).execute(_ATTEMPT_INSERT, LLMAttempt(
+                    operation_id=state.id,
+                    attempt=attempt_no,
+                    provider=provider,
+                    request_path=path,
+                    request_sha256=digest,
+                    reserved_micros=reserved_micros,
+                    status=ATTEMPT_SENT,
+                    started_at=self._now(),
+                ).model_dump(exclude={"id"}))
         except DBAPIError as exc:
             if is_lost_race(exc):
                 raise self._stale(state.id, attempt_no) from exc
@@ -784,26 +770,16 @@ class LLMGateway:
     def _close_attempt(
         self, session: Any, op_id: int, attempt_no: int, values: Mapping[str, Any]
     ) -> None:
-        result = session.exec(
-            update(LLMAttempt)
-            .where(
-                col(LLMAttempt.operation_id) == op_id,
-                col(LLMAttempt.attempt) == attempt_no,
-                col(LLMAttempt.status) == ATTEMPT_SENT,
-            )
-            .values(**values)
-        )
+        result = core(session).execute(
+            _ATTEMPT_CLOSE, {"op_id_": op_id, "no_": attempt_no, **values})
         if result.rowcount != 1:
             raise self._stale(op_id, attempt_no)
 
     def _update_operation(
         self, session: Any, op_id: int, attempt_no: int, values: Mapping[str, Any]
     ) -> None:
-        result = session.exec(
-            update(LLMOperation)
-            .where(col(LLMOperation.id) == op_id, col(LLMOperation.attempts_made) == attempt_no)
-            .values(**values)
-        )
+        result = core(session).execute(
+            _OP_UPDATE, {"op_id_": op_id, "made_": attempt_no, **values})
         if result.rowcount != 1:
             raise self._stale(op_id, attempt_no)
 
@@ -902,6 +878,27 @@ class LLMGateway:
         if now.tzinfo is None:
             raise ValueError("the gateway clock must return timezone-aware datetimes")
         return now.astimezone(UTC)
+
+
+# Statements of every model call, built once on the Core tables (building a statement
+# costs more than running it on SQLite). The sessions that run them hold no ORM object of
+# these rows, so nothing in an identity map needs synchronising.
+_OP = table_of(LLMOperation)
+_ATTEMPT = table_of(LLMAttempt)
+#: Move an operation to its next attempt (a compare-and-set on ``attempts_made``).
+_OP_BEGIN = _OP.update().where(
+    _OP.c.id == bindparam("op_id_"), _OP.c.attempts_made == bindparam("made_"),
+    _OP.c.status.in_([OP_PENDING, OP_RETRY_PENDING]))
+#: Close an operation's state at attempt ``made_`` (SET from the parameters given).
+_OP_UPDATE = _OP.update().where(_OP.c.id == bindparam("op_id_"),
+                                _OP.c.attempts_made == bindparam("made_"))
+#: Close a ``sent`` attempt (SET from the parameters given).
+_ATTEMPT_CLOSE = _ATTEMPT.update().where(
+    _ATTEMPT.c.operation_id == bindparam("op_id_"), _ATTEMPT.c.attempt == bindparam("no_"),
+    _ATTEMPT.c.status == ATTEMPT_SENT)
+_ATTEMPT_LIVE = select(LLMAttempt).where(col(LLMAttempt.operation_id) == bindparam("op_id"),
+                                         col(LLMAttempt.status) == ATTEMPT_SENT)
+_ATTEMPT_INSERT = _ATTEMPT.insert()
 
 
 def build_providers(config: ProvidersConfig, env: Mapping[str, str] = os.environ) -> list[Provider]:
