@@ -55,6 +55,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col, select
 
@@ -255,6 +257,7 @@ class LLMGateway:
         step_seq: int,
         request: ChatRequest,
         retry_id: str = "",
+        opened: tuple[LLMOperation, bool] | None = None,
     ) -> GatewayOutcome:
         """Get the model's answer for one decision, or say when/why not.
 
@@ -271,6 +274,9 @@ class LLMGateway:
             request: the provider-independent request.
             retry_id: operator-supplied id that opens a new operation after an
                 exhausted/failed one (see the module docstring); ``""`` by default.
+            opened: what :meth:`open_operation` returned in a transaction the caller
+                committed since (the ``llm_call`` stage opens it in its own); ``None``:
+                the operation is looked up (and created) here.
 
         Returns:
             ``Succeeded``, ``RetryPending`` or ``Blocked``. Provider failures never raise.
@@ -279,7 +285,8 @@ class LLMGateway:
             StaleStateError: another worker advanced this operation concurrently (its
                 write won; rerun the stage to read the recorded result).
         """
-        op, created = self._open_operation(case_id, revision, step_seq, request, retry_id)
+        op, created = opened if opened is not None else \
+            self._open_operation(case_id, revision, step_seq, request, retry_id)
         if created:
             # Created in this very transaction: no attempt of it can exist yet, so there is
             # nothing interrupted to recover and its state is the row's initial one.
@@ -312,33 +319,57 @@ class LLMGateway:
 
     # -- operation row -----------------------------------------------------------------------
 
+    def open_operation(
+        self, session: Session, case_id: str, revision: int, step_seq: int,
+        request: ChatRequest, retry_id: str = "",
+    ) -> tuple[LLMOperation, bool] | None:
+        """The operation of this decision to continue, or a new one (``True``), in the
+        caller's transaction (which must commit before :meth:`call` gets the result as
+        ``opened``).
+
+        Returns:
+            ``None`` when a concurrent runner created the operation after this
+            transaction's snapshot was taken: :meth:`call` without ``opened`` reads it in
+            a transaction of its own. (Under ``REPEATABLE READ`` or ``SERIALIZABLE``
+            PostgreSQL reports that as a serialization failure instead: the caller runs
+            its transaction again.)
+        """
+        existing = self._pick_operation(session, case_id, revision, step_seq, retry_id)
+        if existing is not None:
+            return existing, False
+        op = LLMOperation(
+            case_id=case_id,
+            revision=revision,
+            step_seq=step_seq,
+            retry_id=retry_id,
+            call_index=request.call_index,
+            hypothesis_id=_hypothesis_of(request),
+            status=OP_PENDING,
+            attempts_made=0,
+            next_provider_index=0,
+            round_index=0,
+            created_at=self._now(),
+        )
+        conn = core(session)  # llm_operation rows are created here only
+        new_id = conn.execute(
+            _OP_CREATE["postgresql" if conn.dialect.name == "postgresql" else "sqlite"],
+            op.model_dump(exclude={"id"})).scalar()
+        if new_id is None:  # the unique (case, revision, step, retry id) exists already
+            return None
+        op.id = int(new_id)
+        return op, True
+
     def _open_operation(
         self, case_id: str, revision: int, step_seq: int, request: ChatRequest, retry_id: str
     ) -> tuple[LLMOperation, bool]:
-        """The operation to continue, or a new one (``True``): looked up and, when there is
-        none, created in one transaction."""
+        """:meth:`open_operation` in a transaction of its own; a concurrent creator's row is
+        taken instead."""
         try:
             with self.store.session() as session:
-                existing = self._pick_operation(session, case_id, revision, step_seq,
-                                                retry_id)
-                if existing is not None:
-                    return existing, False
-                op = LLMOperation(
-                    case_id=case_id,
-                    revision=revision,
-                    step_seq=step_seq,
-                    retry_id=retry_id,
-                    call_index=request.call_index,
-                    hypothesis_id=_hypothesis_of(request),
-                    status=OP_PENDING,
-                    attempts_made=0,
-                    next_provider_index=0,
-                    round_index=0,
-                    created_at=self._now(),
-                )
-                session.add(op)
-                session.flush()
-                return op, True
+                opened = self.open_operation(session, case_id, revision, step_seq,
+                                             request, retry_id)
+            if opened is not None:
+                return opened
         except DBAPIError as exc:
             if not is_lost_race(exc):
                 raise
@@ -899,6 +930,11 @@ _ATTEMPT_CLOSE = _ATTEMPT.update().where(
 _ATTEMPT_LIVE = select(LLMAttempt).where(col(LLMAttempt.operation_id) == bindparam("op_id"),
                                          col(LLMAttempt.status) == ATTEMPT_SENT)
 _ATTEMPT_INSERT = _ATTEMPT.insert()
+#: Create an operation unless its unique (case, revision, step, retry id) exists; its id.
+_OP_CREATE = {
+    name: ins(_OP).on_conflict_do_nothing(
+        index_elements=["case_id", "revision", "step_seq", "retry_id"]).returning(_OP.c.id)
+    for name, ins in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
 
 
 def build_providers(config: ProvidersConfig, env: Mapping[str, str] = os.environ) -> list[Provider]:

@@ -188,18 +188,22 @@ class Stages(StageFramework):
             schema = self._reply_schema(s, key, built)
             case = self._fence(s, key, "llm_call")
             retry_id = case.llm_retry_id
-        limits = self.env.config.limits  # operational bounds: not frozen, raise and resume
-        cap = None if limits.max_model_cost is None else to_micros(limits.max_model_cost)
-        request = ChatRequest(
-            messages=build_messages(context_bytes), response_schema=schema,
-            schema_name="investigation_reply", call_index=int(built["call_index"]),
-            case_id=key.case_id,
-            metadata={"case_id": key.case_id, "step_seq": str(key.step_seq),
-                      "hypothesis_id": str(built["hypothesis_id"]),
-                      "prompt_version": PROMPT_VERSION},
-            money_cap_micros=cap, currency=limits.currency)
+            limits = self.env.config.limits  # operational bounds: not frozen
+            cap = None if limits.max_model_cost is None else to_micros(limits.max_model_cost)
+            request = ChatRequest(
+                messages=build_messages(context_bytes), response_schema=schema,
+                schema_name="investigation_reply", call_index=int(built["call_index"]),
+                case_id=key.case_id,
+                metadata={"case_id": key.case_id, "step_seq": str(key.step_seq),
+                          "hypothesis_id": str(built["hypothesis_id"]),
+                          "prompt_version": PROMPT_VERSION},
+                money_cap_micros=cap, currency=limits.currency)
+            # The model operation is looked up or created in this fenced transaction (the
+            # case row serialises its creators); the call itself runs after the commit.
+            opened = self.env.gateway.open_operation(s, key.case_id, key.revision,
+                                                     key.step_seq, request, retry_id)
         result = self.env.gateway.call(key.case_id, key.revision, key.step_seq, request,
-                                       retry_id=retry_id)
+                                       retry_id=retry_id, opened=opened)
         hid = int(built["hypothesis_id"])
         if isinstance(result, RetryPending):
             with self._tx() as s:
