@@ -248,6 +248,8 @@ def fit_for_model(doc: dict[str, Any], limit: int, budgets: list[PromptBudget]) 
         InvestigationError: ``CONTEXT_TOO_LARGE`` when the byte bound cannot be met.
     """
     data = fit(doc, limit)
+    if not budgets:  # no provider states a window: nothing to measure the request by
+        return data
     for _ in range(_TOKEN_FIT_ROUNDS):
         messages = build_messages(data)
         over = [(b, estimate_tokens(messages, b.bytes_per_token)) for b in budgets
