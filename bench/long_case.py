@@ -165,7 +165,9 @@ class StubModel:
 
         started = time.perf_counter()
         text = req.messages[-1]["content"]
-        ctx = json.loads(text[text.index("\n") + 1:])
+        # The user turn is a plain-language header, then "Context (<version>):" and the
+        # context as JSON (``loop.prompt.build_messages``).
+        ctx = json.loads(text[text.index("\n", text.index("\n\nContext (") + 2) + 1:])
         content = json.dumps(self.reply(ctx, req.call_index))
         raw = json.dumps({
             "id": f"stub-{req.call_index}", "object": "chat.completion", "model": "stub-model",

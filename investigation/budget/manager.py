@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlalchemy import case, func
+from sqlalchemy import bindparam, case, func
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
@@ -19,6 +19,19 @@ from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig, 
 from investigation.errors import InvestigationError
 from investigation.store.engine import sha256_hex
 from investigation.store.models import BudgetAccount, Evidence, LedgerEntry, RevisionRecord
+
+# Built once (building a statement costs more than running it on SQLite).
+_ACCOUNTS = select(BudgetAccount).where(col(BudgetAccount.case_id) == bindparam("case_id"),
+                                        col(BudgetAccount.revision) == bindparam("revision"))
+#: Per hypothesis of a case revision: the ledger's sum, its number of credit entries and
+#: the credited amount.
+_LEDGER_SUMS = sa_select(
+    col(LedgerEntry.hypothesis_id), func.sum(col(LedgerEntry.amount_units)),
+    func.sum(case((col(LedgerEntry.kind) == "credit", 1), else_=0)),
+    func.sum(case((col(LedgerEntry.kind) == "credit", col(LedgerEntry.amount_units)),
+                  else_=0))).where(
+    col(LedgerEntry.case_id) == bindparam("case_id"),
+    col(LedgerEntry.revision) == bindparam("revision")).group_by(col(LedgerEntry.hypothesis_id))
 
 
 class BudgetManager:
@@ -81,8 +94,8 @@ class BudgetManager:
         never refilled. Returns all accounts of the revision ordered by hypothesis id."""
         existing = {
             a.hypothesis_id: a
-            for a in session.exec(select(BudgetAccount).where(
-                BudgetAccount.case_id == case_id, BudgetAccount.revision == revision))
+            for a in session.exec(_ACCOUNTS, params={"case_id": case_id,
+                                                     "revision": revision})
         }
         for hid in hypothesis_ids:
             if hid in existing:
@@ -117,17 +130,9 @@ class BudgetManager:
         if not accounts:
             return
         first = accounts[0]
-        is_credit = case((col(LedgerEntry.kind) == "credit", 1), else_=0)
-        credit = case((col(LedgerEntry.kind) == "credit", col(LedgerEntry.amount_units)),
-                      else_=0)
         sums = {hid: (int(total or 0), int(credits or 0), int(credited or 0))
-                for hid, total, credits, credited in session.execute(
-                    sa_select(col(LedgerEntry.hypothesis_id),
-                              func.sum(col(LedgerEntry.amount_units)),
-                              func.sum(is_credit), func.sum(credit))
-                    .where(col(LedgerEntry.case_id) == first.case_id,
-                           col(LedgerEntry.revision) == first.revision)
-                    .group_by(col(LedgerEntry.hypothesis_id))).all()}
+                for hid, total, credits, credited in session.execute(_LEDGER_SUMS, {
+                    "case_id": first.case_id, "revision": first.revision}).all()}
         for account in accounts:
             total, credits, credited = sums.get(account.hypothesis_id, (0, 0, 0))
             if total == account.balance_units and credits == 1 and \

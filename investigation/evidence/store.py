@@ -12,7 +12,7 @@ import functools
 import json
 from typing import Any
 
-from sqlalchemy import func
+from sqlalchemy import bindparam, func
 from sqlmodel import Session, col, select
 
 from investigation.config import canonical_json
@@ -33,6 +33,16 @@ def _keys(keys_json: str) -> tuple[str, ...]:
     return tuple(json.loads(keys_json))
 
 
+# Statements built once (building a statement costs more than running it on SQLite).
+_OF_REVISION = (col(Evidence.case_id) == bindparam("case_id"),
+                col(Evidence.revision) == bindparam("revision"))
+_OF_STEP = select(Evidence).where(*_OF_REVISION, col(Evidence.step_seq) == bindparam("step_seq"))
+_PRIOR_KEYS = select(Evidence.item_keys_json, Evidence.fingerprint).where(
+    *_OF_REVISION, col(Evidence.hypothesis_id) == bindparam("hid"))
+_LAST_ORDINAL = select(func.max(Evidence.ordinal)).where(
+    col(Evidence.case_id) == bindparam("case_id"))
+
+
 class EvidenceStore:
     """Records evidence and accounts its novelty (seed 000 cycle step 8)."""
 
@@ -50,9 +60,8 @@ class EvidenceStore:
             The new record (or the existing one for this step), with a controller-assigned
             id ``E<n>`` (n = 1, 2, ... per case in creation order).
         """
-        existing = session.exec(select(Evidence).where(
-            Evidence.case_id == case_id, Evidence.revision == revision,
-            Evidence.step_seq == step_seq)).first()
+        existing = session.exec(_OF_STEP, params={"case_id": case_id, "revision": revision,
+                                                  "step_seq": step_seq}).first()
         if existing is not None:
             return existing
         items: list[dict[str, Any]] = list(result.get("items", []))
@@ -60,16 +69,14 @@ class EvidenceStore:
         operation = str(result["operation"])
         arguments = dict(result.get("arguments", {}))
         fp = fingerprint(operation, arguments, items)
-        prior = session.exec(select(Evidence.item_keys_json, Evidence.fingerprint).where(
-            Evidence.case_id == case_id, Evidence.revision == revision,
-            Evidence.hypothesis_id == hypothesis_id)).all()
+        prior = session.exec(_PRIOR_KEYS, params={"case_id": case_id, "revision": revision,
+                                                  "hid": hypothesis_id}).all()
         seen: set[str] = set()
         for keys_json, _ in prior:
             seen.update(_keys(keys_json))
         duplicate = any(row_fp == fp for _, row_fp in prior)
         new_count = 0 if duplicate else len(set(keys) - seen)
-        ordinal = (session.exec(select(func.max(Evidence.ordinal)).where(
-            Evidence.case_id == case_id)).one() or 0) + 1
+        ordinal = (session.exec(_LAST_ORDINAL, params={"case_id": case_id}).one() or 0) + 1
         evidence_id = f"E{ordinal}"
         record = {
             "evidence_id": evidence_id, "hypothesis_id": hypothesis_id, "revision": revision,

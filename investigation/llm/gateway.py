@@ -54,9 +54,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import bindparam, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
 
 from investigation.config import GatewayConfig, ProviderConfig, ProvidersConfig
 from investigation.constants import (
@@ -101,7 +103,7 @@ from investigation.llm.types import (
     RetryPending,
     Succeeded,
 )
-from investigation.store.engine import Store, is_lost_race
+from investigation.store.engine import Store, core, is_lost_race, table_of
 from investigation.store.models import LLMAttempt, LLMOperation
 
 __all__ = [
@@ -255,6 +257,7 @@ class LLMGateway:
         step_seq: int,
         request: ChatRequest,
         retry_id: str = "",
+        opened: tuple[LLMOperation, bool] | None = None,
     ) -> GatewayOutcome:
         """Get the model's answer for one decision, or say when/why not.
 
@@ -271,6 +274,9 @@ class LLMGateway:
             request: the provider-independent request.
             retry_id: operator-supplied id that opens a new operation after an
                 exhausted/failed one (see the module docstring); ``""`` by default.
+            opened: what :meth:`open_operation` returned in a transaction the caller
+                committed since (the ``llm_call`` stage opens it in its own); ``None``:
+                the operation is looked up (and created) here.
 
         Returns:
             ``Succeeded``, ``RetryPending`` or ``Blocked``. Provider failures never raise.
@@ -279,7 +285,17 @@ class LLMGateway:
             StaleStateError: another worker advanced this operation concurrently (its
                 write won; rerun the stage to read the recorded result).
         """
-        op = self._open_operation(case_id, revision, step_seq, request, retry_id)
+        op, created = opened if opened is not None else \
+            self._open_operation(case_id, revision, step_seq, request, retry_id)
+        if created:
+            # Created in this very transaction: no attempt of it can exist yet, so there is
+            # nothing interrupted to recover and its state is the row's initial one.
+            assert op.id is not None
+            try:
+                return self._attempt_loop(case_id, step_seq, request, op.id,
+                                          (op, _OpState(op.id, 0, 0, 0)))
+            except _InFlight as busy:  # pragma: no cover - nobody else knew the operation
+                return RetryPending(op.id, busy.until, "PROVIDER_CALL_IN_FLIGHT")
         if op.status == OP_SUCCEEDED:
             return self._stored_success(op)
         if op.status in (OP_EXHAUSTED, OP_FAILED):
@@ -303,55 +319,86 @@ class LLMGateway:
 
     # -- operation row -----------------------------------------------------------------------
 
+    def open_operation(
+        self, session: Session, case_id: str, revision: int, step_seq: int,
+        request: ChatRequest, retry_id: str = "",
+    ) -> tuple[LLMOperation, bool] | None:
+        """The operation of this decision to continue, or a new one (``True``), in the
+        caller's transaction (which must commit before :meth:`call` gets the result as
+        ``opened``).
+
+        Returns:
+            ``None`` when a concurrent runner created the operation after this
+            transaction's snapshot was taken: :meth:`call` without ``opened`` reads it in
+            a transaction of its own. (Under ``REPEATABLE READ`` or ``SERIALIZABLE``
+            PostgreSQL reports that as a serialization failure instead: the caller runs
+            its transaction again.)
+        """
+        existing = self._pick_operation(session, case_id, revision, step_seq, retry_id)
+        if existing is not None:
+            return existing, False
+        op = LLMOperation(
+            case_id=case_id,
+            revision=revision,
+            step_seq=step_seq,
+            retry_id=retry_id,
+            call_index=request.call_index,
+            hypothesis_id=_hypothesis_of(request),
+            status=OP_PENDING,
+            attempts_made=0,
+            next_provider_index=0,
+            round_index=0,
+            created_at=self._now(),
+        )
+        conn = core(session)  # llm_operation rows are created here only
+        new_id = conn.execute(
+            _OP_CREATE["postgresql" if conn.dialect.name == "postgresql" else "sqlite"],
+            op.model_dump(exclude={"id"})).scalar()
+        if new_id is None:  # the unique (case, revision, step, retry id) exists already
+            return None
+        op.id = int(new_id)
+        return op, True
+
     def _open_operation(
         self, case_id: str, revision: int, step_seq: int, request: ChatRequest, retry_id: str
-    ) -> LLMOperation:
-        existing = self._find_operation(case_id, revision, step_seq, retry_id)
-        if existing is not None:
-            return existing
+    ) -> tuple[LLMOperation, bool]:
+        """:meth:`open_operation` in a transaction of its own; a concurrent creator's row is
+        taken instead."""
         try:
             with self.store.session() as session:
-                op = LLMOperation(
-                    case_id=case_id,
-                    revision=revision,
-                    step_seq=step_seq,
-                    retry_id=retry_id,
-                    call_index=request.call_index,
-                    hypothesis_id=_hypothesis_of(request),
-                    status=OP_PENDING,
-                    created_at=self._now(),
-                )
-                session.add(op)
-                session.flush()
-                return op
+                opened = self.open_operation(session, case_id, revision, step_seq,
+                                             request, retry_id)
+            if opened is not None:
+                return opened
         except DBAPIError as exc:
             if not is_lost_race(exc):
                 raise
         # Another worker created it between our read and insert: use theirs.
-        existing = self._find_operation(case_id, revision, step_seq, retry_id)
+        with self.store.session() as session:
+            existing = self._pick_operation(session, case_id, revision, step_seq, retry_id)
         if existing is None:  # pragma: no cover - the unique row must exist now
             raise StaleStateError(
                 f"llm operation for case {case_id} step {step_seq} vanished after a conflict",
                 case_id=case_id,
                 step_seq=step_seq,
             )
-        return existing
+        return existing, False
 
-    def _find_operation(
-        self, case_id: str, revision: int, step_seq: int, retry_id: str
+    @staticmethod
+    def _pick_operation(
+        session: Session, case_id: str, revision: int, step_seq: int, retry_id: str
     ) -> LLMOperation | None:
-        with self.store.session() as session:
-            ops = list(
-                session.exec(
-                    select(LLMOperation)
-                    .where(
-                        LLMOperation.case_id == case_id,
-                        LLMOperation.revision == revision,
-                        LLMOperation.step_seq == step_seq,
-                    )
-                    .order_by(col(LLMOperation.id))
+        ops = list(
+            session.exec(
+                select(LLMOperation)
+                .where(
+                    LLMOperation.case_id == case_id,
+                    LLMOperation.revision == revision,
+                    LLMOperation.step_seq == step_seq,
                 )
+                .order_by(col(LLMOperation.id))
             )
+        )
         for op in ops:
             if op.status == OP_SUCCEEDED:
                 return op
@@ -496,9 +543,10 @@ class LLMGateway:
                         and spend.priced(config))}
 
     def _attempt_loop(
-        self, case_id: str, step_seq: int, request: ChatRequest, op_id: int
+        self, case_id: str, step_seq: int, request: ChatRequest, op_id: int,
+        loaded: tuple[LLMOperation, _OpState] | None = None,
     ) -> GatewayOutcome:
-        op, state = self._load_state(op_id)
+        op, state = loaded if loaded is not None else self._load_state(op_id)
         round_retry_after: float | None = None
         unpriced = self._unpriced(request)
         while True:
@@ -708,45 +756,31 @@ class LLMGateway:
         path = ARTIFACT_REQUEST.format(seq=step_seq, operation=state.id, attempt=attempt_no)
         try:
             with self.store.session() as session:
-                moved = session.exec(
-                    update(LLMOperation)
-                    .where(
-                        col(LLMOperation.id) == state.id,
-                        col(LLMOperation.attempts_made) == state.attempts_made,
-                        col(LLMOperation.status).in_([OP_PENDING, OP_RETRY_PENDING]),
-                    )
-                    .values(
-                        attempts_made=attempt_no,
-                        next_provider_index=index,
-                        status=OP_PENDING,
-                        retry_not_before=None,
-                    )
-                )
+                moved = core(session).execute(_OP_BEGIN, {
+                    "op_id_": state.id, "made_": state.attempts_made,
+                    "attempts_made": attempt_no, "next_provider_index": index,
+                    "status": OP_PENDING, "retry_not_before": None,
+                })
                 if moved.rowcount != 1:
                     raise self._stale(state.id, attempt_no)
                 # The UPDATE above holds the operation row (PostgreSQL row lock, SQLite's
                 # write lock): a concurrent runner's attempt that is still ``sent`` means
                 # the model is being asked right now, so this runner must not ask again.
-                live = session.exec(select(LLMAttempt).where(
-                    LLMAttempt.operation_id == state.id,
-                    LLMAttempt.status == ATTEMPT_SENT)).first()
+                live = session.exec(_ATTEMPT_LIVE, params={"op_id": state.id}).first()
                 if live is not None:
                     raise _InFlight(_aware(live.started_at)
                                     + timedelta(seconds=max(self.in_flight_grace_s, 1.0)))
                 digest = Store.put_artifact(session, case_id, path, request_bytes)
-                session.add(
-                    LLMAttempt(
-                        operation_id=state.id,
-                        attempt=attempt_no,
-                        provider=provider,
-                        request_path=path,
-                        request_sha256=digest,
-                        reserved_micros=reserved_micros,
-                        status=ATTEMPT_SENT,
-                        started_at=self._now(),
-                    )
-                )
-                session.flush()
+                core(session).execute(_ATTEMPT_INSERT, LLMAttempt(
+                    operation_id=state.id,
+                    attempt=attempt_no,
+                    provider=provider,
+                    request_path=path,
+                    request_sha256=digest,
+                    reserved_micros=reserved_micros,
+                    status=ATTEMPT_SENT,
+                    started_at=self._now(),
+                ).model_dump(exclude={"id"}))
         except DBAPIError as exc:
             if is_lost_race(exc):
                 raise self._stale(state.id, attempt_no) from exc
@@ -767,26 +801,16 @@ class LLMGateway:
     def _close_attempt(
         self, session: Any, op_id: int, attempt_no: int, values: Mapping[str, Any]
     ) -> None:
-        result = session.exec(
-            update(LLMAttempt)
-            .where(
-                col(LLMAttempt.operation_id) == op_id,
-                col(LLMAttempt.attempt) == attempt_no,
-                col(LLMAttempt.status) == ATTEMPT_SENT,
-            )
-            .values(**values)
-        )
+        result = core(session).execute(
+            _ATTEMPT_CLOSE, {"op_id_": op_id, "no_": attempt_no, **values})
         if result.rowcount != 1:
             raise self._stale(op_id, attempt_no)
 
     def _update_operation(
         self, session: Any, op_id: int, attempt_no: int, values: Mapping[str, Any]
     ) -> None:
-        result = session.exec(
-            update(LLMOperation)
-            .where(col(LLMOperation.id) == op_id, col(LLMOperation.attempts_made) == attempt_no)
-            .values(**values)
-        )
+        result = core(session).execute(
+            _OP_UPDATE, {"op_id_": op_id, "made_": attempt_no, **values})
         if result.rowcount != 1:
             raise self._stale(op_id, attempt_no)
 
@@ -885,6 +909,32 @@ class LLMGateway:
         if now.tzinfo is None:
             raise ValueError("the gateway clock must return timezone-aware datetimes")
         return now.astimezone(UTC)
+
+
+# Statements of every model call, built once on the Core tables (building a statement
+# costs more than running it on SQLite). The sessions that run them hold no ORM object of
+# these rows, so nothing in an identity map needs synchronising.
+_OP = table_of(LLMOperation)
+_ATTEMPT = table_of(LLMAttempt)
+#: Move an operation to its next attempt (a compare-and-set on ``attempts_made``).
+_OP_BEGIN = _OP.update().where(
+    _OP.c.id == bindparam("op_id_"), _OP.c.attempts_made == bindparam("made_"),
+    _OP.c.status.in_([OP_PENDING, OP_RETRY_PENDING]))
+#: Close an operation's state at attempt ``made_`` (SET from the parameters given).
+_OP_UPDATE = _OP.update().where(_OP.c.id == bindparam("op_id_"),
+                                _OP.c.attempts_made == bindparam("made_"))
+#: Close a ``sent`` attempt (SET from the parameters given).
+_ATTEMPT_CLOSE = _ATTEMPT.update().where(
+    _ATTEMPT.c.operation_id == bindparam("op_id_"), _ATTEMPT.c.attempt == bindparam("no_"),
+    _ATTEMPT.c.status == ATTEMPT_SENT)
+_ATTEMPT_LIVE = select(LLMAttempt).where(col(LLMAttempt.operation_id) == bindparam("op_id"),
+                                         col(LLMAttempt.status) == ATTEMPT_SENT)
+_ATTEMPT_INSERT = _ATTEMPT.insert()
+#: Create an operation unless its unique (case, revision, step, retry id) exists; its id.
+_OP_CREATE = {
+    name: ins(_OP).on_conflict_do_nothing(
+        index_elements=["case_id", "revision", "step_seq", "retry_id"]).returning(_OP.c.id)
+    for name, ins in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
 
 
 def build_providers(config: ProvidersConfig, env: Mapping[str, str] = os.environ) -> list[Provider]:

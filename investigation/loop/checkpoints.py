@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, func
+from sqlalchemy import bindparam, func, insert
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
@@ -42,7 +42,7 @@ from investigation.constants import ARTIFACT_CONTEXT, ARTIFACT_STATE, POINTER_ST
 from investigation.errors import InvestigationError, StoreError
 from investigation.loop.outcome import StepKey
 from investigation.store.blobs import ByteCache
-from investigation.store.engine import Store, sha256_hex
+from investigation.store.engine import Store, core, sha256_hex, table_of
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -55,16 +55,31 @@ from investigation.store.models import (
 )
 
 # Statements built once (building a statement costs more than running it on SQLite).
-_CHAIN_SIZE = sa_select(func.max(col(Checkpoint.seq)), func.count()).where(
-    col(Checkpoint.case_id) == bindparam("case_id"))
-_PUBLISHED = sa_select(func.max(col(StageRun.step_seq))).where(
-    col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "publish")
+# The chain's top seq and size, and the newest step with a recorded publish, in one query.
+_CHAIN_SIZE = sa_select(
+    func.max(col(Checkpoint.seq)), func.count(),
+    sa_select(func.max(col(StageRun.step_seq))).where(
+        col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "publish")
+    .scalar_subquery()).where(col(Checkpoint.case_id) == bindparam("case_id"))
 _BUILT = sa_select(col(StageRun.output_json)).where(
     col(StageRun.case_id) == bindparam("case_id"), col(StageRun.revision) == bindparam("rev"),
     col(StageRun.step_seq) == bindparam("seq"), col(StageRun.stage) == "build_context")
 _POINTER = sa_select(col(ManifestPointer.path), col(ManifestPointer.sha256)).where(
     col(ManifestPointer.case_id) == bindparam("case_id"),
     col(ManifestPointer.name) == POINTER_STATE)
+_CHECKPOINTS_FROM = select(Checkpoint).where(
+    col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) >= bindparam("seq")) \
+    .order_by(col(Checkpoint.seq))
+_STATE_EVIDENCE = sa_select(
+    col(Evidence.evidence_id), col(Evidence.hypothesis_id), col(Evidence.fingerprint),
+    col(Evidence.assessed), col(Evidence.refund_units)).where(
+    col(Evidence.case_id) == bindparam("case_id"),
+    col(Evidence.revision) == bindparam("revision")).order_by(col(Evidence.ordinal))
+_STATE_QUESTIONS = sa_select(
+    col(Question.question_id), col(Question.hypothesis_id), col(Question.status)).where(
+    col(Question.case_id) == bindparam("case_id"),
+    col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
+_CHECKPOINT_INSERT = insert(table_of(Checkpoint))
 _PARENT_DIGEST = sa_select(col(Checkpoint.archive_digest)).where(
     col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) == bindparam("seq"))
 
@@ -101,15 +116,9 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
                    outcome: str, reason: str | None, hypothesis_id: int | None,
                    context_sha256: str | None) -> dict[str, Any]:
     """The investigation state after a step: accounts, evidence ids, questions, outcome."""
-    evidence = s.execute(sa_select(col(Evidence.evidence_id), col(Evidence.hypothesis_id),
-                             col(Evidence.fingerprint), col(Evidence.assessed),
-                             col(Evidence.refund_units)).where(
-        col(Evidence.case_id) == key.case_id, col(Evidence.revision) == key.revision)
-        .order_by(col(Evidence.ordinal))).all()
-    questions = s.exec(select(Question.question_id, Question.hypothesis_id, Question.status)
-                       .where(Question.case_id == key.case_id,
-                              Question.revision == key.revision)
-                       .order_by(col(Question.ordinal))).all()
+    rows = {"case_id": key.case_id, "revision": key.revision}
+    evidence = s.execute(_STATE_EVIDENCE, rows).all()
+    questions = s.execute(_STATE_QUESTIONS, rows).all()
     return {
         "case_id": key.case_id,
         "revision": key.revision,
@@ -187,7 +196,7 @@ def publish(s: Session, key: StepKey, case: CaseRecord, state: dict[str, Any],
     parent = case.head_hash if key.step_seq > 1 else None
     previous = ""
     if key.step_seq > 1:
-        previous = s.execute(_PARENT_DIGEST, {"case_id": key.case_id,
+        previous = core(s).execute(_PARENT_DIGEST, {"case_id": key.case_id,
                                               "seq": key.step_seq - 1}).scalar() or ""
     cp = Checkpoint(
         case_id=key.case_id, revision=key.revision, seq=key.step_seq, parent_hash=parent,
@@ -198,8 +207,9 @@ def publish(s: Session, key: StepKey, case: CaseRecord, state: dict[str, Any],
     cp.archive_digest = archive_digest(
         previous, key.case_id, cp, digest, context_sha256,
         text_sha256(build_context_text) if build_context_text is not None else None)
-    s.add(cp)
-    s.flush()
+    # Checkpoints are append-only rows the ORM never writes: one Core INSERT (a second
+    # publisher fails here on the unique (case_id, seq)).
+    core(s).execute(_CHECKPOINT_INSERT, cp.model_dump(exclude={"id"}))
     return cp
 
 
@@ -353,13 +363,13 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
         InvestigationError: ``CHECKPOINT_INVALID`` (with ``seq``) at the first broken
         generation; ``POLICY_CHANGED`` when the frozen policy was altered or removed.
     """
-    top, count = s.execute(_CHAIN_SIZE, {"case_id": case.id}).one()
+    top, count, published = s.execute(_CHAIN_SIZE, {"case_id": case.id}).one()
     top, count = int(top or 0), int(count or 0)
     if top != count or count != case.head_seq:
         raise _invalid(case.id, case.head_seq,
                        f"the case head is {case.head_seq} but {count} checkpoint(s) "
                        "are stored or their sequence has a gap")
-    published = s.execute(_PUBLISHED, {"case_id": case.id}).scalar() or 0
+    published = published or 0
     if published != case.head_seq:
         raise _invalid(case.id, case.head_seq,
                        f"step {published} was published but the case head is "
@@ -373,9 +383,8 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     start, digest = 0, ""
     if cached is not None and 0 < cached[0] <= count:
         start, digest = cached
-    rows = list(s.exec(select(Checkpoint).where(
-        Checkpoint.case_id == case.id, col(Checkpoint.seq) >= max(1, start))
-        .order_by(col(Checkpoint.seq))).all())
+    rows = list(s.exec(_CHECKPOINTS_FROM, params={"case_id": case.id,
+                                                  "seq": max(1, start)}).all())
     if start and (not rows or rows[0].seq != start or rows[0].archive_digest != digest):
         start, digest = 0, ""  # the recorded digest moved: read everything again
         rows = list(s.exec(select(Checkpoint).where(Checkpoint.case_id == case.id)
@@ -384,6 +393,7 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     fresh = ByteCache() if full else None  # a full replay decodes every byte again
     parent = rows[0].hash if start else None
     head_state: dict[str, Any] | None = None
+    head_sha: str | None = None
     for cp in rows[1:] if start else rows:
         gen = _verify_generation(s, case.id, cp, parent, fresh)
         digest = archive_digest(digest, case.id, cp, gen.state_sha256, gen.context_sha256,
@@ -391,11 +401,12 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
         if cp.archive_digest is not None and cp.archive_digest != digest:
             raise _invalid(case.id, cp.seq, "its stored bytes or rows differ from those it "
                                             "was published with (archive digest)")
-        parent, head_state = cp.hash, gen.state
+        parent, head_state, head_sha = cp.hash, gen.state, gen.state_sha256
     head = rows[-1]
     if head.hash != case.head_hash:
         raise _invalid(case.id, head.seq, "it does not match the case head")
-    head_sha = Store.artifact_sha256(s, case.id, head.state_path)
+    if head_sha is None:  # the head was validated in an earlier replay
+        head_sha = Store.artifact_sha256(s, case.id, head.state_path)
     if head_state is None:  # nothing new since the cached generation: read the head state
         head_state = _STATES.get(head_sha or "")
         if head_state is None:

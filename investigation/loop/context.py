@@ -68,6 +68,9 @@ _EVIDENCE_ROWS = sa_select(
     col(Evidence.cost_units)).where(
     col(Evidence.case_id) == bindparam("case_id"),
     col(Evidence.revision) == bindparam("revision")).order_by(col(Evidence.ordinal))
+_QUESTION_ROWS = select(Question).where(
+    col(Question.case_id) == bindparam("case_id"),
+    col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
 _FINDINGS = sa_select(col(Evidence.evidence_id), col(Evidence.findings_json)).where(
     col(Evidence.case_id) == bindparam("case_id"),
     col(Evidence.evidence_id).in_(bindparam("ids", expanding=True)))
@@ -245,6 +248,8 @@ def fit_for_model(doc: dict[str, Any], limit: int, budgets: list[PromptBudget]) 
         InvestigationError: ``CONTEXT_TOO_LARGE`` when the byte bound cannot be met.
     """
     data = fit(doc, limit)
+    if not budgets:  # no provider states a window: nothing to measure the request by
+        return data
     for _ in range(_TOKEN_FIT_ROUNDS):
         messages = build_messages(data)
         over = [(b, estimate_tokens(messages, b.bytes_per_token)) for b in budgets
@@ -287,9 +292,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         previous["cost_units"] = pending.cost_units
         previous["novelty_permille"] = novelty_permille(
             pending.item_count, pending.new_item_count, pending.duplicate)
-    questions = s.exec(select(Question).where(Question.case_id == key.case_id,
-                                              Question.revision == key.revision)
-                       .order_by(col(Question.ordinal))).all()
+    questions = s.exec(_QUESTION_ROWS, params={"case_id": key.case_id,
+                                               "revision": key.revision}).all()
     # The row carries the columns closing_reason reads (counts, duplicate, cost).
     closing = budget.closing_reason(account, cast("Evidence | None", pending))
     tests_available = external_tests and bool(config.budget.test_costs)

@@ -35,8 +35,9 @@ that cannot be recorded as a failed query result parks the case ``BLOCKED`` with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import bindparam, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -50,8 +51,29 @@ from investigation.constants import (
     CASE_INVESTIGATING,
 )
 from investigation.loop.outcome import Outcome, StepKey
-from investigation.store.engine import Store, is_unique_violation
+from investigation.store.engine import Store, core, is_unique_violation, table_of
 from investigation.store.models import CaseRecord, StageDelivery, StageRun, utcnow
+
+_D = table_of(StageDelivery)
+
+
+def _counter(insert: Any) -> Any:
+    """The counting upsert of :func:`count`, built once per dialect (Core, on the table:
+    delivery rows are never written through the ORM)."""
+    return insert(_D).values(
+        case_id=bindparam("case_id"), revision=bindparam("revision"),
+        step_seq=bindparam("step_seq"), stage=bindparam("stage"),
+        deliveries=bindparam("n"), unfinished=bindparam("n"),
+        last_delivered_at=bindparam("now"),
+    ).on_conflict_do_update(
+        index_elements=["case_id", "revision", "step_seq", "stage"],
+        set_={"deliveries": _D.c.deliveries + bindparam("n"),
+              "unfinished": _D.c.unfinished + bindparam("n"),
+              "last_delivered_at": bindparam("now")},
+    ).returning(_D.c.deliveries, _D.c.unfinished)
+
+
+_COUNTERS = {"postgresql": _counter(pg_insert), "sqlite": _counter(sqlite_insert)}
 
 
 @dataclass(frozen=True)
@@ -81,18 +103,10 @@ def count(s: Session, case: CaseRecord, key: StepKey, stage: str, max_unfinished
         ``None`` to run the stage, or the ``BLOCKED``/``STAGE_POISONED`` outcome
         (``details``: ``stage``, ``deliveries``, ``unfinished``).
     """
-    n = 1 + lost
-    insert = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
-    now = utcnow()
-    stmt = insert(StageDelivery).values(
-        case_id=key.case_id, revision=key.revision, step_seq=key.step_seq, stage=stage,
-        deliveries=n, unfinished=n, last_delivered_at=now)
-    upsert = stmt.on_conflict_do_update(
-        index_elements=["case_id", "revision", "step_seq", "stage"],
-        set_={"deliveries": StageDelivery.deliveries + n,
-              "unfinished": StageDelivery.unfinished + n, "last_delivered_at": now},
-    ).returning(col(StageDelivery.deliveries), col(StageDelivery.unfinished))
-    deliveries, unfinished = s.execute(upsert).one()
+    conn = core(s)
+    upsert = _COUNTERS["postgresql" if conn.dialect.name == "postgresql" else "sqlite"]
+    deliveries, unfinished = conn.execute(upsert, {
+        **key.to_dict(), "stage": stage, "n": 1 + lost, "now": utcnow()}).one()
     if unfinished <= max_unfinished:
         return None
     case.state, case.blocked_reason = CASE_BLOCKED, BLOCK_STAGE_POISONED

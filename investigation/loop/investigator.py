@@ -8,7 +8,8 @@ The Celery runtime calls the very same ``Stages.run`` from one task per stage.
 
 from __future__ import annotations
 
-from sqlmodel import select
+from sqlalchemy import bindparam
+from sqlmodel import col, select
 
 from investigation.constants import (
     BLOCKED,
@@ -26,6 +27,11 @@ from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.loop.stages import Stages
 from investigation.store.models import CaseRecord, RevisionRecord
+
+# Built once (building a statement costs more than running it on SQLite).
+_REVISION_ACCEPTED = select(col(RevisionRecord.id)).where(
+    col(RevisionRecord.case_id) == bindparam("case_id"),
+    col(RevisionRecord.revision) == bindparam("revision"))
 
 
 class Investigator:
@@ -51,9 +57,8 @@ class Investigator:
             if case is None:
                 raise InvestigationError("CASE_NOT_FOUND",
                                          f"no case {case_id}; register it with `case add`")
-            rev = s.exec(select(RevisionRecord).where(
-                RevisionRecord.case_id == case_id,
-                RevisionRecord.revision == case.current_revision)).first()
+            rev = s.exec(_REVISION_ACCEPTED, params={
+                "case_id": case_id, "revision": case.current_revision}).first()
             if rev is None:
                 raise InvestigationError(
                     "REVISION_NOT_ACCEPTED",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlalchemy import func, text
+from sqlalchemy import bindparam, func, text
 from sqlmodel import Session, col, select
 
 from investigation.errors import InvestigationError, StoreError
@@ -42,6 +42,21 @@ from investigation.store.models import (
 
 #: The predicate of the partial index ``ix_evidence_open``: records not assessed yet.
 OPEN_EVIDENCE = text("NOT evidence.assessed")
+# Statements built once (building a statement costs more than running it on SQLite).
+_IMPORTED = select(TestRequest.evidence_id).where(
+    col(TestRequest.case_id) == bindparam("case_id"),
+    col(TestRequest.status).in_(("confirmed", "expired")),
+    col(TestRequest.evidence_id).is_not(None))
+_EVIDENCE_WHERE = (col(Evidence.case_id) == bindparam("case_id"),
+                   col(Evidence.revision) == bindparam("revision"))
+_EVIDENCE_ALL = select(Evidence).where(*_EVIDENCE_WHERE).order_by(col(Evidence.ordinal))
+_EVIDENCE_COUNT = select(func.count()).select_from(Evidence).where(*_EVIDENCE_WHERE)
+_EVIDENCE_OPEN = select(Evidence).where(*_EVIDENCE_WHERE, OPEN_EVIDENCE)
+_QUESTIONS = select(Question.question_id, Question.hypothesis_id, Question.status).where(
+    col(Question.case_id) == bindparam("case_id"),
+    col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
+_ACCOUNTS = select(BudgetAccount).where(col(BudgetAccount.case_id) == bindparam("case_id"),
+                                        col(BudgetAccount.revision) == bindparam("revision"))
 ACCOUNT_FIELDS = ("status", "disposition_reason", "confidence", "credit_units", "balance_units",
                   "turns", "iterations", "invalid_streak", "deferred_by", "deferred_step")
 
@@ -77,18 +92,16 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
 
     recorded_ev = {e.get("evidence_id"): e for e in head_state.get("evidence", [])
                    if isinstance(e, dict)}
-    imported = set(s.exec(select(TestRequest.evidence_id).where(
-        TestRequest.case_id == case.id,
-        col(TestRequest.status).in_(("confirmed", "expired")),
-        col(TestRequest.evidence_id).is_not(None))).all())
+    imported = set(s.exec(_IMPORTED, params={"case_id": case.id}).all())
     where = (Evidence.case_id == case.id, Evidence.revision == head_revision)
+    rows = {"case_id": case.id, "revision": head_revision}
     if full:
-        live = s.exec(select(Evidence).where(*where).order_by(col(Evidence.ordinal))).all()
+        live = s.exec(_EVIDENCE_ALL, params=rows).all()
         _check_evidence_bytes(s, case, list(live), tampered)
         count = len(live)
     else:
-        count = s.exec(select(func.count()).select_from(Evidence).where(*where)).one()
-        live = list(s.exec(select(Evidence).where(*where, OPEN_EVIDENCE)).all())
+        count = s.exec(_EVIDENCE_COUNT, params=rows).one()
+        live = list(s.exec(_EVIDENCE_OPEN, params=rows).all())
         seen = {e.evidence_id for e in live}
         closed = [eid for eid, e in recorded_ev.items()
                   if not e.get("assessed") and eid not in seen]
@@ -110,9 +123,7 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
     if len(recorded_ev) != count - len(pending_imports):
         raise tampered("the evidence records")
     _check_accounts(s, case, head_state, head_revision, pending_imports, tampered)
-    questions = s.exec(select(Question.question_id, Question.hypothesis_id, Question.status)
-                       .where(Question.case_id == case.id, Question.revision == head_revision)
-                       .order_by(col(Question.ordinal))).all()
+    questions = s.exec(_QUESTIONS, params=rows).all()
     if [tuple(q) for q in questions] != \
             [(q.get("question_id"), q.get("hypothesis_id"), q.get("status"))
              for q in head_state.get("questions", [])]:
@@ -139,8 +150,7 @@ def _check_evidence_bytes(s: Session, case: CaseRecord, live: list[Evidence],
 
 def _check_accounts(s: Session, case: CaseRecord, head_state: dict[str, Any], revision: int,
                     pending_imports: set[str], tampered: Any) -> None:
-    accounts = s.exec(select(BudgetAccount).where(
-        BudgetAccount.case_id == case.id, BudgetAccount.revision == revision)).all()
+    accounts = s.exec(_ACCOUNTS, params={"case_id": case.id, "revision": revision}).all()
     recorded = {a.get("hypothesis_id"): a for a in head_state.get("accounts", [])
                 if isinstance(a, dict)}
     for a in accounts:

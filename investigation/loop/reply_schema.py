@@ -47,7 +47,6 @@ affordable (the validator then needs a score high enough; the prompt header says
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from investigation.budget import rules
@@ -191,6 +190,16 @@ def _query_variants(context: dict[str, Any]) -> list[dict[str, Any]]:
             for op in affordable_operations(context)]
 
 
+def _json_copy(value: Any) -> Any:
+    """A deep copy of JSON data (dicts, lists, scalars): what ``copy.deepcopy`` returns for
+    it, without its memo."""
+    if isinstance(value, dict):
+        return {k: _json_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_copy(v) for v in value]
+    return value
+
+
 def argument_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """An operation's argument schema in the form the turn schema uses.
 
@@ -202,7 +211,7 @@ def argument_schema(schema: dict[str, Any]) -> dict[str, Any]:
                            "required": list(schema.get("required", [])),
                            "additionalProperties": False}
     for name, prop in schema.get("properties", {}).items():
-        prop = copy.deepcopy(prop)
+        prop = _json_copy(prop)
         prop.pop("title", None)
         prop.pop("default", None)
         variants = prop.get("anyOf")

@@ -42,9 +42,11 @@ from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StageResult, StepKey
 from investigation.store.engine import (
     Store,
+    core,
     is_lost_race,
     is_serialization_failure,
     sha256_hex,
+    table_of,
 )
 from investigation.store.models import (
     BudgetAccount,
@@ -56,14 +58,20 @@ from investigation.store.models import (
 log = logging.getLogger(__name__)
 
 SKIPPED: dict[str, Any] = {"skipped": True}
-# Statements built once (building a statement costs more than running it on SQLite).
-_STEP = (col(StageRun.case_id) == bindparam("case_id"),
-         col(StageRun.revision) == bindparam("revision"),
-         col(StageRun.step_seq) == bindparam("step_seq"))
-_MARKERS = sa_select(col(StageRun.stage), col(StageRun.output_json)).where(*_STEP)
-_MARKER = sa_select(col(StageRun.output_json)).where(
-    *_STEP, col(StageRun.stage) == bindparam("stage"))
-_MARKER_INSERT = insert(StageRun)
+# Statements built once (building a statement costs more than running it on SQLite), on
+# the Core table: stage markers are append-only rows the ORM never writes, so they are
+# read and written on the session's connection (``Store.core``).
+_RUN = table_of(StageRun).c
+_STEP = (_RUN.case_id == bindparam("case_id"), _RUN.revision == bindparam("revision"),
+         _RUN.step_seq == bindparam("step_seq"))
+_MARKERS = sa_select(_RUN.stage, _RUN.output_json).where(*_STEP)
+_MARKER = sa_select(_RUN.output_json).where(*_STEP, _RUN.stage == bindparam("stage"))
+_MARKER_INSERT = insert(table_of(StageRun))
+_ACCOUNTS = select(BudgetAccount).where(
+    col(BudgetAccount.case_id) == bindparam("case_id"),
+    col(BudgetAccount.revision) == bindparam("revision"))
+_ACCOUNTS_ORDERED = _ACCOUNTS.order_by(col(BudgetAccount.hypothesis_id))
+_ACCOUNT = _ACCOUNTS.where(col(BudgetAccount.hypothesis_id) == bindparam("hid"))
 #: Times a stage runs again after its transaction lost a PostgreSQL serialization race.
 RACE_RETRIES = 5
 #: Stage outputs kept per process (eight per step).
@@ -329,7 +337,7 @@ class StageFramework:
 
     def _load_markers(self, s: Session, key: StepKey) -> None:
         """Read every recorded stage output of the step in one query."""
-        for stage, text in s.execute(_MARKERS, key.to_dict()).all():
+        for stage, text in core(s).execute(_MARKERS, key.to_dict()).all():
             if (key, stage) in self._recorded:
                 continue  # recorded outputs never change
             try:
@@ -357,7 +365,7 @@ class StageFramework:
 
     @staticmethod
     def _complete(s: Session, key: StepKey, stage: str, output: dict[str, Any]) -> StageResult:
-        s.execute(_MARKER_INSERT, {**key.to_dict(), "stage": stage,
+        core(s).execute(_MARKER_INSERT, {**key.to_dict(), "stage": stage,
                                    "output_json": canonical_json(output).decode(),
                                    "completed_at": utcnow()})
         return StageResult(output)
@@ -378,7 +386,7 @@ class StageFramework:
             raise StaleStateError(
                 f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",
                 head_seq=case.head_seq)
-        row = s.execute(_MARKER, {**key.to_dict(), "stage": stage}).first()
+        row = core(s).execute(_MARKER, {**key.to_dict(), "stage": stage}).first()
         if row is not None:
             raise _AlreadyRecorded(dict(_loads(row[0])))
         if active and case.state not in (CASE_INVESTIGATING, *CASE_HELD):
@@ -416,15 +424,13 @@ class StageFramework:
 
     @staticmethod
     def _accounts(s: Session, key: StepKey) -> list[BudgetAccount]:
-        return list(s.exec(select(BudgetAccount).where(
-            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision)
-            .order_by(col(BudgetAccount.hypothesis_id))).all())
+        return list(s.exec(_ACCOUNTS_ORDERED, params={"case_id": key.case_id,
+                                                      "revision": key.revision}).all())
 
     @staticmethod
     def _account(s: Session, key: StepKey, hid: int) -> BudgetAccount:
-        return s.exec(select(BudgetAccount).where(
-            BudgetAccount.case_id == key.case_id, BudgetAccount.revision == key.revision,
-            BudgetAccount.hypothesis_id == hid)).one()
+        return s.exec(_ACCOUNT, params={"case_id": key.case_id, "revision": key.revision,
+                                        "hid": hid}).one()
 
     def _context_bytes(self, s: Session, key: StepKey) -> tuple[dict[str, Any], bytes]:
         """The step's recorded ``build_context`` and its stored context's exact bytes

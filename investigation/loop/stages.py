@@ -24,7 +24,7 @@ import logging
 import sqlite3
 from typing import Any
 
-from sqlalchemy import func, update
+from sqlalchemy import bindparam, func, update
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
@@ -93,6 +93,13 @@ from investigation.tools.models import SECRET_MASKED
 log = logging.getLogger(__name__)
 
 
+# Statements built once (building a statement costs more than running it on SQLite).
+_BIRTHS = select(HypothesisBirth).where(col(HypothesisBirth.case_id) == bindparam("case_id"),
+                                        col(HypothesisBirth.revision) == bindparam("revision"))
+_LLM_CALLS = select(func.count()).select_from(StageRun).where(
+    col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "llm_call")
+
+
 def _failed_result(nxt: dict[str, Any], code: str, message: str) -> bytes:
     """A tool result that records a failed execution as an empty finding. The message
     may quote the snapshot (SQLite's error text quotes values): secrets in it are masked
@@ -140,9 +147,8 @@ class Stages(StageFramework):
                     "CHECKPOINT_LIMIT",
                     f"case {key.case_id} reached {cfg.limits.max_checkpoints} checkpoints; "
                     "raise limits.max_checkpoints to continue")
-            births = s.exec(select(HypothesisBirth).where(
-                HypothesisBirth.case_id == key.case_id,
-                HypothesisBirth.revision == key.revision)).all()
+            births = s.exec(_BIRTHS, params={"case_id": key.case_id,
+                                             "revision": key.revision}).all()
             accounts = budget.ensure_accounts(
                 s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births))
             rev = Store.revision(s, key.case_id, key.revision)
@@ -156,8 +162,7 @@ class Stages(StageFramework):
             selected = select_hypothesis(accounts)
             if selected is None:
                 return self._complete(s, key, "build_context", {"finalize": True})
-            llm_steps = s.exec(select(func.count()).select_from(StageRun).where(
-                StageRun.case_id == key.case_id, StageRun.stage == "llm_call")).one()
+            llm_steps = s.exec(_LLM_CALLS, params={"case_id": key.case_id}).one()
             doc = context_builder.build(
                 s, key=key, case=case, config=cfg, budget=budget, selected=selected,
                 accounts=accounts, births=list(births), router=router,
@@ -190,18 +195,22 @@ class Stages(StageFramework):
             schema = self._reply_schema(s, key, built)
             case = self._fence(s, key, "llm_call")
             retry_id = case.llm_retry_id
-        limits = self.env.config.limits  # operational bounds: not frozen, raise and resume
-        cap = None if limits.max_model_cost is None else to_micros(limits.max_model_cost)
-        request = ChatRequest(
-            messages=build_messages(context_bytes), response_schema=schema,
-            schema_name="investigation_reply", call_index=int(built["call_index"]),
-            case_id=key.case_id,
-            metadata={"case_id": key.case_id, "step_seq": str(key.step_seq),
-                      "hypothesis_id": str(built["hypothesis_id"]),
-                      "prompt_version": PROMPT_VERSION},
-            money_cap_micros=cap, currency=limits.currency)
+            limits = self.env.config.limits  # operational bounds: not frozen
+            cap = None if limits.max_model_cost is None else to_micros(limits.max_model_cost)
+            request = ChatRequest(
+                messages=build_messages(context_bytes), response_schema=schema,
+                schema_name="investigation_reply", call_index=int(built["call_index"]),
+                case_id=key.case_id,
+                metadata={"case_id": key.case_id, "step_seq": str(key.step_seq),
+                          "hypothesis_id": str(built["hypothesis_id"]),
+                          "prompt_version": PROMPT_VERSION},
+                money_cap_micros=cap, currency=limits.currency)
+            # The model operation is looked up or created in this fenced transaction (the
+            # case row serialises its creators); the call itself runs after the commit.
+            opened = self.env.gateway.open_operation(s, key.case_id, key.revision,
+                                                     key.step_seq, request, retry_id)
         result = self.env.gateway.call(key.case_id, key.revision, key.step_seq, request,
-                                       retry_id=retry_id)
+                                       retry_id=retry_id, opened=opened)
         hid = int(built["hypothesis_id"])
         if isinstance(result, RetryPending):
             with self._tx() as s:
@@ -615,7 +624,10 @@ class Stages(StageFramework):
                 .values(head_seq=key.step_seq, head_hash=cp.hash, last_outcome=outcome,
                         last_reason=reason, retry_not_before=None, updated_at=utcnow(),
                         state=case_state, blocked_reason=blocked_reason,
-                        session_json=case.session_json))
+                        session_json=case.session_json)
+                # Not flushed first: the compare-and-set writes the case's pending changes
+                # (its session, a hold's state) itself, and the ORM takes its new values.
+                .execution_options(autoflush=False, synchronize_session="evaluate"))
             if res.rowcount != 1:  # type: ignore[attr-defined]
                 raise StaleStateError(f"case {key.case_id} head moved during publish")
             Store.set_pointer(s, key.case_id, POINTER_STATE, cp.state_path,

@@ -35,7 +35,7 @@ import zstandard
 from sqlalchemy import bindparam, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlmodel import Session, col
+from sqlmodel import Session
 
 from investigation.errors import StoreError
 from investigation.store.models import Artifact, Blob
@@ -136,15 +136,18 @@ def _corrupt(sha: str, why: str) -> StoreError:
                       "outside the engine: restore it from a backup", sha256=sha)
 
 
-# Statements built once (building a statement costs more than running it on SQLite).
-_BLOB = select(col(Blob.encoding), col(Blob.base_sha256), col(Blob.data)).where(
-    col(Blob.sha256) == bindparam("sha"))
-_LINEAGE_HEAD = (select(col(Artifact.sha256), col(Blob.depth))
-                 .join(Blob, col(Blob.sha256) == col(Artifact.sha256))
-                 .where(col(Artifact.case_id) == bindparam("case_id"),
-                        col(Artifact.kind) == bindparam("kind"))
-                 .order_by(col(Artifact.id).desc()).limit(1))
-_INSERTS = {name: insert(Blob).on_conflict_do_nothing(index_elements=["sha256"])
+# Statements built once (building a statement costs more than running it on SQLite), on
+# the Core tables: artifacts and blobs are append-only rows the ORM never writes, so they
+# are read and written on the session's connection (no ORM result or bulk-insert work).
+_B = Blob.__table__.c  # type: ignore[attr-defined]
+_A = Artifact.__table__.c  # type: ignore[attr-defined]
+_BLOB = select(_B.encoding, _B.base_sha256, _B.data).where(_B.sha256 == bindparam("sha"))
+_LINEAGE_HEAD = (select(_A.sha256, _B.depth)
+                 .join(Blob.__table__, _B.sha256 == _A.sha256)  # type: ignore[attr-defined]
+                 .where(_A.case_id == bindparam("case_id"), _A.kind == bindparam("kind"))
+                 .order_by(_A.id.desc()).limit(1))
+_INSERTS = {name: insert(Blob.__table__)  # type: ignore[attr-defined]
+            .on_conflict_do_nothing(index_elements=["sha256"])
             for name, insert in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
 
 
@@ -172,7 +175,7 @@ def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes
             known = cache.get(current)
             if known is not None:
                 break
-        row = session.execute(_BLOB, {"sha": current}).first()
+        row = session.connection().execute(_BLOB, {"sha": current}).first()
         if row is None:
             raise _corrupt(current, "are missing")
         encoding, base_sha, frame = row
@@ -202,7 +205,11 @@ def store(session: Session, case_id: str, kind: str, data: bytes, sha: str) -> N
     """Store ``data`` (whose sha256 is ``sha``) as a blob unless it exists: a delta of the
     newest blob of the same case and kind, or a keyframe when there is none or its chain
     is full. Concurrent writers of the same bytes are harmless (the first row stays)."""
-    base = session.execute(_LINEAGE_HEAD, {"case_id": case_id, "kind": kind}).first()
+    conn = session.connection()
+    base = conn.execute(_LINEAGE_HEAD, {"case_id": case_id, "kind": kind}).first()
+    if base is not None and base[0] == sha:
+        CACHE.put(sha, data)
+        return  # the newest of its kind holds these very bytes: the blob exists
     base_sha: str | None = None
     depth = 0
     frame: bytes
@@ -214,6 +221,6 @@ def store(session: Session, case_id: str, kind: str, data: bytes, sha: str) -> N
     values = {"sha256": sha, "size_bytes": len(data),
               "encoding": ENCODING_DELTA if base_sha else ENCODING_WHOLE,
               "base_sha256": base_sha, "depth": depth, "data": frame}
-    dialect = session.get_bind().dialect.name
-    session.execute(_INSERTS["postgresql" if dialect == "postgresql" else "sqlite"], values)
+    dialect = conn.dialect.name
+    conn.execute(_INSERTS["postgresql" if dialect == "postgresql" else "sqlite"], values)
     CACHE.put(sha, data)

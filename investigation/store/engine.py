@@ -13,11 +13,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, event, insert
+from sqlalchemy import Table, bindparam, event
 from sqlalchemy import select as sa_select
-from sqlalchemy.engine import Engine
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.pool import QueuePool
 from sqlmodel import Session, col, create_engine, select
@@ -32,12 +34,40 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 sha256_hex = blobs.sha256_hex
 
+
+def table_of(model: Any) -> Table:
+    """The Core table of a SQLModel table class."""
+    return cast(Table, model.__table__)
+
+
+def core(session: Session) -> Connection:
+    """The connection of ``session``'s transaction, for Core statements on the tables the
+    ORM never writes (``artifact``, ``blob``, ``stage_run``, ``checkpoint``,
+    ``manifest_pointer``): no ORM result processing, no bulk-insert machinery, no
+    autoflush (nothing of theirs is pending)."""
+    return session.connection()
+
+
+_ART = table_of(Artifact).c
 # Statements built once (building a statement costs more than running it on SQLite).
-_ARTIFACT_ROW = sa_select(
-    col(Artifact.sha256), col(Artifact.media_type), col(Artifact.size_bytes),
-    col(Artifact.created_at)).where(col(Artifact.case_id) == bindparam("case_id"),
-                                    col(Artifact.path) == bindparam("path"))
-_ARTIFACT_INSERT = insert(Artifact)
+_ARTIFACT_ROW = sa_select(_ART.sha256, _ART.media_type, _ART.size_bytes, _ART.created_at) \
+    .where(_ART.case_id == bindparam("case_id"), _ART.path == bindparam("path"))
+# A path holds one artifact for ever: a second write of it inserts nothing.
+_ARTIFACT_INSERTS = {
+    name: ins(table_of(Artifact)).on_conflict_do_nothing(index_elements=["case_id", "path"])
+    .returning(_ART.id)  # a row when inserted, none when the path existed
+    for name, ins in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
+# What ``Session.get(CaseRecord, id, populate_existing=True)`` runs, built once.
+_CASE_ROW = select(CaseRecord).where(col(CaseRecord.id) == bindparam("id")) \
+    .execution_options(populate_existing=True, autoflush=False)
+_CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
+_REVISION_ROW = select(RevisionRecord).where(
+    col(RevisionRecord.case_id) == bindparam("case_id"),
+    col(RevisionRecord.revision) == bindparam("revision"))
+_POINTER = table_of(ManifestPointer)
+_POINTER_MOVE = _POINTER.update().where(_POINTER.c.case_id == bindparam("case_id_"),
+                                        _POINTER.c.name == bindparam("name_"))
+_POINTER_INSERT = _POINTER.insert()
 
 
 @dataclass(frozen=True)
@@ -156,20 +186,26 @@ class Store:
             StoreError: ``STORE_ARTIFACT_CONFLICT`` when different bytes exist at ``path``.
         """
         digest = sha256_hex(data)
-        existing = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
-        if existing is not None:
-            if existing[0] != digest:
+        kind = blobs.kind_of(path)
+        conn = core(session)
+        # The row first (one statement when the path is new, the usual case); its blob
+        # next: the lineage head ``blobs.store`` reads joins ``blob``, so it never finds
+        # this row unless the same bytes are stored already.
+        inserted = conn.execute(_ARTIFACT_INSERTS[
+            "postgresql" if conn.dialect.name == "postgresql" else "sqlite"], {
+            "case_id": case_id, "path": path, "kind": kind, "sha256": digest,
+            "size_bytes": len(data), "media_type": media_type,
+            "created_at": models.utcnow()}).first()
+        if inserted is None:
+            existing = conn.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+            if existing is None or existing[0] != digest:
                 raise StoreError(
                     "STORE_ARTIFACT_CONFLICT",
                     f"artifact {path} of case {case_id} already holds other bytes",
                     path=path,
                 )
             return digest
-        kind = blobs.kind_of(path)
         blobs.store(session, case_id, kind, data, digest)
-        session.execute(_ARTIFACT_INSERT, {
-            "case_id": case_id, "path": path, "kind": kind, "sha256": digest,
-            "size_bytes": len(data), "media_type": media_type, "created_at": models.utcnow()})
         return digest
 
     @staticmethod
@@ -184,7 +220,7 @@ class Store:
         Raises:
             StoreError: ``STORE_ARTIFACT_CORRUPT`` when its bytes are missing or altered.
         """
-        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        row = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         if row is None:
             return None
         sha, media_type, size, created = row
@@ -194,13 +230,13 @@ class Store:
     @staticmethod
     def artifact_sha256(session: Session, case_id: str, path: str) -> str | None:
         """The sha256 recorded for ``path`` (no bytes are read), or ``None``."""
-        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        row = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         return None if row is None else str(row[0])
 
     @staticmethod
     def artifact_created_at(session: Session, case_id: str, path: str) -> datetime | None:
         """When the artifact at ``path`` was stored (no bytes are read), or ``None``."""
-        row = session.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        row = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
         return None if row is None else row[3]
 
     @staticmethod
@@ -246,32 +282,27 @@ class Store:
         memo: dict[tuple[str, int], RevisionRecord] = session.info.setdefault("revisions", {})
         row = memo.get((case_id, revision))
         if row is None:
-            row = session.exec(select(RevisionRecord).where(
-                RevisionRecord.case_id == case_id, RevisionRecord.revision == revision)).one()
+            row = session.exec(_REVISION_ROW, params={"case_id": case_id,
+                                                      "revision": revision}).one()
             memo[(case_id, revision)] = row
         return row
 
     @staticmethod
     def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
         """:meth:`lock_case`, but ``None`` for an unknown case."""
-        if session.get_bind().dialect.name == "postgresql":
-            return session.get(CaseRecord, case_id, with_for_update=True,
-                               populate_existing=True)
-        return session.get(CaseRecord, case_id, populate_existing=True)
+        stmt = _CASE_ROW_FOR_UPDATE if session.get_bind().dialect.name == "postgresql" \
+            else _CASE_ROW
+        return session.execute(stmt, {"id": case_id}).scalars().first()
 
     @staticmethod
     def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:
         """Point manifest pointer ``name`` at an artifact."""
-        row = session.exec(
-            select(ManifestPointer).where(
-                ManifestPointer.case_id == case_id, ManifestPointer.name == name
-            )
-        ).first()
-        if row is None:
-            session.add(ManifestPointer(case_id=case_id, name=name, path=path, sha256=sha256))
-        else:
-            row.path, row.sha256 = path, sha256
-            session.add(row)
+        conn = core(session)  # pointers are written here only, never through the ORM
+        moved = conn.execute(_POINTER_MOVE, {"case_id_": case_id, "name_": name,
+                                             "path": path, "sha256": sha256}).rowcount
+        if moved == 0:
+            conn.execute(_POINTER_INSERT, {"case_id": case_id, "name": name, "path": path,
+                                           "sha256": sha256})
         session.flush()
 
 

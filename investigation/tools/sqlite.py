@@ -159,6 +159,10 @@ class _Interrupted(Exception):
     """The progress handler stopped the statement (deadline or preflight)."""
 
 
+#: Statements whose preflight passed, kept per database (see ``ReadOnlyDatabase.preflight``).
+PREFLIGHTS_KEPT = 256
+
+
 class ReadOnlyDatabase:
     """One packed database opened as a private, read-only, in-memory copy.
 
@@ -173,6 +177,8 @@ class ReadOnlyDatabase:
     def __init__(self, name: str, data: bytes) -> None:
         self.name = name
         self._lock = threading.Lock()
+        self._passed: dict[str, None] = {}  # preflights that passed (insertion order)
+        self._passed_lock = threading.Lock()
         self._denials: list[str] = []
         self._function_errors: list[str] = []
         if len(data) >= 20 and data[18:20] == b"\x02\x02":
@@ -365,7 +371,16 @@ class ReadOnlyDatabase:
                 ``TOOL_INVALID_ARGUMENTS`` for text without a statement (only comments),
                 ``TOOL_SQL_TIMEOUT`` / ``TOOL_RESOURCE_LIMIT`` past the hard bounds.
         """
+        # Compiling a statement on this immutable copy gives the same verdict every time:
+        # one that passed (validation, then again before it runs) is not compiled again.
+        key = repr((sql, tuple(params), timeout_s, memory_bytes, isolate))
+        if key in self._passed:
+            return
         self._bounded(lambda: self._preflight(sql, params), timeout_s, memory_bytes, isolate)
+        with self._passed_lock:
+            self._passed[key] = None
+            while len(self._passed) > PREFLIGHTS_KEPT:
+                del self._passed[next(iter(self._passed))]
 
     def _preflight(self, sql: str, params: Sequence[Any]) -> None:
         stopped = [False]
