@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from investigation.config import MAX_BYTES, MAX_COUNT, MAX_SECONDS
 from investigation.errors import ConfigError
 
 
@@ -50,27 +51,27 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     config: Path | None = None
     providers: Path | None = None
-    lock_ttl_s: int = Field(300, ge=5)
-    visibility_timeout_s: int = Field(3600, ge=2)
+    lock_ttl_s: int = Field(300, ge=5, le=MAX_SECONDS)
+    visibility_timeout_s: int = Field(3600, ge=2, le=MAX_SECONDS)
     """Seconds an unacknowledged message may stay with a worker before the broker hands it
     to another one (kombu's Redis ``visibility_timeout``). Default 3600. It must exceed every
     countdown the engine schedules and, for stages to run once, the longest stage."""
-    max_countdown_s: int = Field(1800, ge=1)
+    max_countdown_s: int = Field(1800, ge=1, le=MAX_SECONDS)
     """Longest countdown/ETA ever scheduled (seconds); longer waits are left to the
     recovery sweep. Default 1800; must be below ``visibility_timeout_s``."""
-    restore_interval_s: int = Field(10, ge=1)
+    restore_interval_s: int = Field(10, ge=1, le=MAX_SECONDS)
     """Seconds between a worker's scans for unacknowledged messages older than the
     visibility timeout (kombu ``unacked_restore_interval``, with the throttle set to 1).
     Default 10. A message of a killed worker is redelivered at most
     ``visibility_timeout_s + restore_interval_s`` after its delivery, while any worker runs."""
-    sweep_interval_s: int = Field(60, ge=0)
+    sweep_interval_s: int = Field(60, ge=0, le=MAX_SECONDS)
     """Period of the ``investigation.recover`` beat task (seconds). Default 60; 0 leaves
     it out of the beat schedule (run ``investigate recover`` yourself)."""
-    max_stage_deliveries: int = Field(5, ge=1)
+    max_stage_deliveries: int = Field(5, ge=1, le=MAX_COUNT)
     """Deliveries of one stage that started and never returned (its worker died each
     time) after which the case is parked ``BLOCKED`` with ``STAGE_POISONED``. Default 5."""
     queue: str = Field("cases", min_length=1)
-    worker_max_memory_kib: int = Field(1_048_576, ge=65_536)
+    worker_max_memory_kib: int = Field(1_048_576, ge=65_536, le=MAX_BYTES // 1024)
     """Resident memory after which a prefork child is replaced (KiB). Default 1 GiB."""
 
     log_format: Literal["text", "json"] = "text"
@@ -79,7 +80,7 @@ class Settings(BaseSettings):
     """Default true: the first process that opens the store brings it to the newest
     migration. False: only ``investigate db upgrade`` migrates; a worker meeting an older
     schema stops with ``STORE_NOT_MIGRATED``."""
-    soft_shutdown_s: float = Field(0.0, ge=0)
+    soft_shutdown_s: float = Field(0.0, ge=0, le=MAX_SECONDS, allow_inf_nan=False)
     """Seconds a cold shutdown (SIGQUIT, a second SIGTERM) still gives running tasks
     before they are terminated (Celery's ``worker_soft_shutdown_timeout``). Default 0."""
 

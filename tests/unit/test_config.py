@@ -215,3 +215,18 @@ def test_a_huge_integer_in_the_providers_file_is_refused(tmp_path: Path, entry: 
     assert info.value.code == "CONFIG_INVALID"
     assert "gateway.attempts: Input should be less than or equal to" in info.value.message
     assert f"{named}: Input should be less than or equal to" in info.value.message
+
+
+@pytest.mark.parametrize("variable", [
+    "INVESTIGATE_LOCK_TTL_S", "INVESTIGATE_VISIBILITY_TIMEOUT_S", "INVESTIGATE_MAX_COUNTDOWN_S",
+    "INVESTIGATE_SWEEP_INTERVAL_S", "INVESTIGATE_MAX_STAGE_DELIVERIES",
+    "INVESTIGATE_WORKER_MAX_MEMORY_KIB", "INVESTIGATE_SOFT_SHUTDOWN_S"])
+def test_huge_environment_settings_are_refused(variable: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.settings import load_settings
+
+    monkeypatch.setenv(variable, "1" + "0" * 30)
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert info.value.code == "CONFIG_INVALID"
+    assert variable in info.value.message
