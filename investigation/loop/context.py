@@ -47,7 +47,7 @@ from investigation.errors import InvestigationError
 from investigation.llm.tokens import PromptBudget, estimate_tokens
 from investigation.loop.outcome import StepKey
 from investigation.loop.prompt import build_messages
-from investigation.secrets import default_masker
+from investigation.secrets import MAX_MASKED_CHARS, default_masker
 from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
@@ -275,7 +275,10 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
           snapshot: Snapshot, external_tests: bool = False) -> dict[str, Any]:
     """Build the context document for ``selected`` (see the module docstring)."""
     rev = Store.revision(s, key.case_id, key.revision)
-    statements = {b.hypothesis_id: b.statement for b in births}
+    # The interpretation and the statements come from upstream (a bug tracker, an
+    # operator): a key pasted into them is masked like snapshot text.
+    statements = {b.hypothesis_id: default_masker().mask_prefix(b.statement)[0]
+                  for b in births}
     account = next(a for a in accounts if a.hypothesis_id == selected)
     evidence = s.execute(_EVIDENCE_ROWS, {"case_id": key.case_id,
                                           "revision": key.revision}).all()
@@ -303,10 +306,17 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         allowed = ["query", "test", "finish", "reject"] if tests_available \
             else ["query", "finish", "reject"]
     # Secrets in the report are masked like those in tool findings (investigation.secrets).
-    report = "\n".join(default_masker().mask_lines(snapshot.report_text().split("\n"))[0])
-    report_bytes = report.encode("utf-8")
+    # Only what the context can carry is masked: the report is cut first to its byte limit
+    # plus one masking window (a marker may be shorter or longer than what it replaces),
+    # so a 30 MB report costs what a short one does.
     limit = config.limits.max_report_bytes
-    truncated = len(report_bytes) > limit
+    text = snapshot.report_text()
+    precut = len(text) > limit + MAX_MASKED_CHARS
+    if precut:
+        text = text[:limit + MAX_MASKED_CHARS]
+    report = "\n".join(default_masker().mask_lines(text.split("\n"))[0])
+    report_bytes = report.encode("utf-8")
+    truncated = precut or len(report_bytes) > limit
     if truncated:
         report = report_bytes[:limit].decode("utf-8", errors="ignore")
     return {
@@ -315,11 +325,12 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
             "case_id": key.case_id, "revision": key.revision, "step_seq": key.step_seq,
             "package_id": case.package_id, "report": report, "report_truncated": truncated,
             "snapshot": {"source_files": len(snapshot.source_paths()),
-                         "databases": snapshot.db_names(),
+                         "databases": [default_masker().mask(n)[0]
+                                       for n in snapshot.db_names()],
                          "tables": router.table_names(),
                          "log_files": len(snapshot.log_paths())},
         },
-        "interpretation": json.loads(rev.interpretation_json),
+        "interpretation": default_masker().mask_names(json.loads(rev.interpretation_json))[0],
         "hypothesis": {
             "id": selected, "statement": statements[selected],
             "confidence": account.confidence, "balance_units": account.balance_units,

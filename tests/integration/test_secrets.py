@@ -263,3 +263,24 @@ def test_masking_a_huge_line_is_bounded(tmp_path: Path, monkeypatch: pytest.Monk
     assert read.items and found.items
     assert "SECRET_MASKED" in read.warnings and "SECRET_MASKED" in found.warnings
     assert seen and max(seen) <= MAX_MASKED_CHARS
+
+
+def test_upstream_text_is_masked_in_the_context(tmp_path: Path) -> None:
+    """The interpretation and the hypothesis statements come from upstream systems: a key
+    pasted into them is masked in the context."""
+    from tests.integration.test_loop_rules import context_at
+
+    case = casekit.make_case(
+        tmp_path / "c", replies=casekit.HAPPY_REPLIES,
+        interpretation={"summary": f"totals are wrong; the log shows {TABLE_TOKEN}",
+                        "notes": [f"key {COLUMN_KEY}"]},
+        hypotheses=[{"id": 1, "statement": f"the discount uses {COLUMN_KEY}"},
+                    {"id": 2, "statement": "rounding"}])
+    case.investigator().step(case.case_id)
+    context = context_at(case, 1)
+    text = json.dumps(context)
+    assert TABLE_TOKEN not in text and COLUMN_KEY not in text
+    assert context["interpretation"]["summary"] == \
+        "totals are wrong; the log shows [secret masked: GitHub Token]"
+    assert context["hypothesis"]["statement"] == \
+        "the discount uses [secret masked: AWS Access Key]"
