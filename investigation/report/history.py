@@ -27,6 +27,7 @@ from investigation.constants import ARTIFACT_RAW_RESULT
 from investigation.external_tests.coordinator import FEEDBACK_OPERATION
 from investigation.guidance import Guidance, for_case
 from investigation.operations import status
+from investigation.secrets import default_masker
 from investigation.store.engine import Store
 from investigation.store.models import (
     Checkpoint,
@@ -275,8 +276,11 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
                   "resolution_evidence": json.loads(q.resolution_evidence_json or "[]")}
                  for q in question_rows]
     return CaseHistory(
-        status=info, interpretation=json.loads(rev.interpretation_json),
-        statements={b.hypothesis_id: b.statement for b in births},
+        # Upstream text is shown as the model saw it: secrets masked (loop.context).
+        status=info,
+        interpretation=default_masker().mask_names(json.loads(rev.interpretation_json))[0],
+        statements={b.hypothesis_id: default_masker().mask_prefix(b.statement)[0]
+                    for b in births},
         steps=[steps[k] for k in seqs], confidence=confidence, ledger=dict(ledger),
         evidence=evidence, questions=questions, tests=tests, reviews=reviews,
         guidance=guidance)

@@ -284,3 +284,8 @@ def test_upstream_text_is_masked_in_the_context(tmp_path: Path) -> None:
         "totals are wrong; the log shows [secret masked: GitHub Token]"
     assert context["hypothesis"]["statement"] == \
         "the discount uses [secret masked: AWS Access Key]"
+    from investigation.report import render_report
+
+    page = render_report(case.store, case.case_id, env="")
+    assert "the discount uses [secret masked: AWS Access Key]" in page
+    assert TABLE_TOKEN not in page and COLUMN_KEY not in page
