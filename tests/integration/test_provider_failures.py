@@ -59,6 +59,11 @@ class Clock:
         return self.now
 
 
+#: Each scripted server's client timeout: long enough that a loaded CI machine answers a
+#: healthy request in time (0.5 s flaked under load), short enough for the timeout faults.
+PROVIDER_TIMEOUT_S = 2.0
+
+
 @dataclass
 class Rig:
     """A case, its loopback servers, a fake gateway clock and an environment builder."""
@@ -73,7 +78,7 @@ class Rig:
     def provider(self, server: ReplayServer, name: str) -> OpenAIProvider:
         config = ProviderConfig(name=name, kind="openai", base_url=server.base_url,
                                 model="replay", api_key_env="LOOPBACK_KEY",
-                                timeout_s=self.timeouts.get(name, 0.5))
+                                timeout_s=self.timeouts.get(name, PROVIDER_TIMEOUT_S))
         return OpenAIProvider(config, env={"LOOPBACK_KEY": KEY})
 
     def env(self) -> StageEnv:
@@ -216,7 +221,7 @@ TRANSIENT = [
     pytest.param(Fault.http(429, retry_after="45"), "PROVIDER_RATE_LIMITED", 45.0,
                  id="429-retry-after"),
     pytest.param(Fault.http(500), "PROVIDER_SERVER_ERROR", DELAY_S, id="500"),
-    pytest.param(Fault.delay(1.5), "PROVIDER_TIMEOUT", DELAY_S, id="timeout"),
+    pytest.param(Fault.delay(2 * PROVIDER_TIMEOUT_S), "PROVIDER_TIMEOUT", DELAY_S, id="timeout"),
     pytest.param(Fault.malformed(), "PROVIDER_MALFORMED_RESPONSE", DELAY_S, id="malformed-json"),
     pytest.param(Fault.cut_off(), "PROVIDER_NETWORK_ERROR", DELAY_S, id="truncated-body"),
 ]
@@ -233,7 +238,7 @@ def test_transient_failure_returns_retry_pending_at_once_and_loses_nothing(
     took_s = time.monotonic() - started
     assert (pending.outcome, pending.reason) == (RETRY_PENDING, code)
     assert pending.retry_not_before == T0 + timedelta(seconds=backoff_s)
-    assert took_s < 1.5 + 0.5 + 5  # the provider's own timeout at most, never the backoff
+    assert took_s < PROVIDER_TIMEOUT_S + 5  # the provider's own timeout at most, never the backoff
     info = status(rig.case.store, rig.case.case_id)
     assert info["state"] == "INVESTIGATING" and info["blocked_reason"] is None
     assert info["retry_not_before"] == (T0 + timedelta(seconds=backoff_s)).isoformat()
@@ -352,7 +357,7 @@ def test_failover_in_order_within_one_step(rig: Rig, reference: dict[str, Any]) 
     rig.servers.append(start_server())
     first_step(rig)
     rig.servers[0].add_faults(Fault.http(503))
-    rig.servers[1].add_faults(Fault.delay(1.5))
+    rig.servers[1].add_faults(Fault.delay(2 * PROVIDER_TIMEOUT_S))
     assert rig.step().outcome == PROGRESSED  # p0 503, p1 timeout, p2 answers: one step
     assert [len(s.requests) for s in rig.servers] == [2, 1, 1]
     with rig.case.store.session() as s:
