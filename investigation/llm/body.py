@@ -14,6 +14,7 @@ HTTP limit of RFC 8878) and refused otherwise (``br``, unknown names).
 from __future__ import annotations
 
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import httpx
@@ -35,7 +36,7 @@ class BodyUndecodable(Exception):
     """The body's ``Content-Encoding`` is unsupported or its data does not decode."""
 
 
-class _Decoder:
+class _Decoder(ABC):
     """One content decoding whose total output is at most ``limit`` bytes."""
 
     def __init__(self, limit: int) -> None:
@@ -48,8 +49,9 @@ class _Decoder:
             raise BodyTooLarge(f"decoded body larger than {self.limit} bytes")
         return out
 
+    @abstractmethod
     def decode(self, data: bytes) -> bytes:
-        raise NotImplementedError
+        """The decoded bytes ``data`` yields now (counted against the limit)."""
 
     def finish(self) -> bytes:
         return b""

@@ -10,11 +10,10 @@ live); no timing is asserted.
 from __future__ import annotations
 
 import json
-import threading
 import tracemalloc
 import zlib
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import httpx
@@ -33,6 +32,7 @@ from investigation.llm.body import (
 from investigation.llm.openai import MAX_RESPONSE_BYTES, OpenAIProvider
 from investigation.llm.types import PROVIDER_MALFORMED_RESPONSE, ChatRequest
 from investigation.loop.probe import probe_provider
+from tests.integration.test_http_provider_limits import serve_handler
 
 REQ = ChatRequest(messages=[{"role": "user", "content": "hi"}], response_schema={},
                   schema_name="r", call_index=0, case_id="c")
@@ -75,14 +75,7 @@ def _serve(body: bytes, encoding: str, seen: list[dict[str, str]]) -> Iterator[s
         def log_message(self, *_: object) -> None:
             return
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    yield from serve_handler(Handler)
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ class _Echo(BaseHTTPRequestHandler):
         return
 
 
-def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+def serve_handler(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -66,12 +66,12 @@ def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
 
 @pytest.fixture
 def drip_url() -> Iterator[str]:
-    yield from _serve(_Drip)
+    yield from serve_handler(_Drip)
 
 
 @pytest.fixture
 def echo_url() -> Iterator[str]:
-    yield from _serve(_Echo)
+    yield from serve_handler(_Echo)
 
 
 def test_a_dripping_server_hits_the_total_deadline(drip_url: str) -> None:
@@ -131,7 +131,7 @@ class _DripHeaders(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def header_drip_url() -> Iterator[str]:
-    yield from _serve(_DripHeaders)
+    yield from serve_handler(_DripHeaders)
 
 
 def test_dripping_headers_hit_the_total_deadline(header_drip_url: str) -> None:

@@ -23,6 +23,7 @@ from investigation.config import InvestigationConfig
 from investigation.errors import PackageError
 from investigation.operations import export
 from investigation.store import Store
+from investigation.store.engine import StoredArtifact
 from investigation.store.models import Evidence
 from tests import casekit
 from workers.cli import app
@@ -58,6 +59,45 @@ def _tree(root: Path) -> Path:
     return src
 
 
+def _run_to_completion(tmp_path: Path, package: Path, replies: list[dict[str, object]]
+                       ) -> tuple[Store, str, dict[str, Evidence], list[StoredArtifact]]:
+    """Register ``package`` with one hypothesis, run it on ``replies`` (scripted) until it
+    completes; return its store, id, evidence by id and every stored artifact."""
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    store.create_schema()
+    case_id = register_case(store, package.read_bytes(), casekit.INTERPRETATION,
+                            casekit.HYPOTHESES[:1], PackageReader(InvestigationConfig().package))
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "replies.jsonl").write_text("\n".join(json.dumps(r) for r in replies) + "\n")
+    (root / "providers.toml").write_text(
+        '[[providers]]\nname = "replay"\nkind = "scripted"\npath = "replies.jsonl"\n')
+    case = casekit.Case(store, case_id, package, root / "replies.jsonl",
+                        root / "providers.toml", root)
+    outcome = case.investigator().run(case_id)
+    assert outcome.outcome == "COMPLETED", outcome
+    with store.session() as s:
+        evidence = {e.evidence_id: e for e in s.exec(
+            select(Evidence).where(Evidence.case_id == case_id))}
+        artifacts = list(Store.artifacts(s, case_id))  # exact bytes, decoded
+    return store, case_id, evidence, artifacts
+
+
+def _nowhere(secrets: list[str], store: Store, case_id: str, artifacts: list[StoredArtifact],
+             target: Path) -> None:
+    """No stored byte (requests, contexts, results, evidence, states, summary.md) and no
+    exported file holds any of ``secrets``."""
+    for art in artifacts:
+        data = bytes(art.data)
+        for secret in secrets:
+            assert secret.encode() not in data, (art.path, secret)
+    export(store, case_id, target)
+    for path in target.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert not any(secret.encode() in data for secret in secrets), path
+
+
 def test_build_refuses_secrets_and_names_them_masked(tmp_path: Path) -> None:
     src = _tree(tmp_path)
     with pytest.raises(PackageError) as err:
@@ -90,10 +130,6 @@ def test_tool_results_mask_secrets_before_they_become_evidence(tmp_path: Path) -
                             db=tmp_path / "shop.sqlite", logs=tmp_path / "logs",
                             allow_secrets=True)
     assert package.secrets
-    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
-    store.create_schema()
-    case_id = register_case(store, package.path.read_bytes(), casekit.INTERPRETATION,
-                            casekit.HYPOTHESES[:1], PackageReader(InvestigationConfig().package))
     q = casekit.q
     replies = [
         q("source.search", {"pattern": "OPENAI_API_KEY"}),
@@ -108,20 +144,7 @@ def test_tool_results_mask_secrets_before_they_become_evidence(tmp_path: Path) -
           assessment=(40, ["E5"]), evidence=["E1"]),
         casekit.finish("supported", (60, ["E6"]), ["E1"]),
     ]
-    root = tmp_path / "run"
-    root.mkdir()
-    (root / "replies.jsonl").write_text("\n".join(json.dumps(r) for r in replies) + "\n")
-    (root / "providers.toml").write_text(
-        '[[providers]]\nname = "replay"\nkind = "scripted"\npath = "replies.jsonl"\n')
-    case = casekit.Case(store, case_id, package.path, root / "replies.jsonl",
-                        root / "providers.toml", root)
-    outcome = case.investigator().run(case_id)
-    assert outcome.outcome == "COMPLETED", outcome
-
-    with store.session() as s:
-        evidence = {e.evidence_id: e for e in s.exec(
-            select(Evidence).where(Evidence.case_id == case_id))}
-        artifacts = list(Store.artifacts(s, case_id))  # exact bytes, decoded
+    store, case_id, evidence, artifacts = _run_to_completion(tmp_path, package.path, replies)
     found = json.loads(evidence["E1"].findings_json)
     assert [i["text"] for i in found] == [
         "OPENAI_API_KEY=[secret masked: Secret Keyword]"]
@@ -134,17 +157,7 @@ def test_tool_results_mask_secrets_before_they_become_evidence(tmp_path: Path) -
     assert json.loads(evidence["E5"].findings_json)[0]["text"] == \
         "INFO boot token=[secret masked: GitHub Token]"
     assert evidence["E6"].item_count == 0  # a regex for the key's own shape finds nothing
-    # No stored byte (requests to the model, contexts, results, evidence, states,
-    # summary.md) and no exported file holds a secret.
-    for art in artifacts:
-        data = bytes(art.data)
-        for secret in SECRETS:
-            assert secret.encode() not in data, (art.path, secret)
-    export(store, case_id, tmp_path / "export")
-    for path in (tmp_path / "export").rglob("*"):
-        if path.is_file():
-            data = path.read_bytes()
-            assert not any(secret.encode() in data for secret in SECRETS), path
+    _nowhere(SECRETS, store, case_id, artifacts, tmp_path / "export")
 
 
 TABLE_TOKEN = "ghp_A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
@@ -192,10 +205,6 @@ def test_secrets_in_database_and_file_names_are_refused_or_masked(tmp_path: Path
 
     package = build_package(src, tmp_path / "report.md", tmp_path / "p.zip",
                             db=tmp_path / "shop.sqlite", allow_secrets=True)
-    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
-    store.create_schema()
-    case_id = register_case(store, package.path.read_bytes(), casekit.INTERPRETATION,
-                            casekit.HYPOTHESES[:1], PackageReader(InvestigationConfig().package))
     q = casekit.q
     replies = [
         q("db.tables", {}),
@@ -206,19 +215,7 @@ def test_secrets_in_database_and_file_names_are_refused_or_masked(tmp_path: Path
         q("source.search", {"pattern": "rotated"}, assessment=(50, ["E4"]), evidence=["E1"]),
         casekit.finish("supported", (60, ["E5"]), ["E1"]),
     ]
-    root = tmp_path / "run"
-    root.mkdir()
-    (root / "replies.jsonl").write_text("\n".join(json.dumps(r) for r in replies) + "\n")
-    (root / "providers.toml").write_text(
-        '[[providers]]\nname = "replay"\nkind = "scripted"\npath = "replies.jsonl"\n')
-    case = casekit.Case(store, case_id, package.path, root / "replies.jsonl",
-                        root / "providers.toml", root)
-    outcome = case.investigator().run(case_id)
-    assert outcome.outcome == "COMPLETED", outcome
-    with store.session() as s:
-        evidence = {e.evidence_id: e for e in s.exec(
-            select(Evidence).where(Evidence.case_id == case_id))}
-        artifacts = list(Store.artifacts(s, case_id))
+    store, case_id, evidence, artifacts = _run_to_completion(tmp_path, package.path, replies)
     tables = json.loads(evidence["E1"].findings_json)
     assert {i["table"] for i in tables} == {"users", "[secret masked: GitHub Token]", "v", "w"}
     (row,) = json.loads(evidence["E2"].findings_json)
@@ -227,17 +224,8 @@ def test_secrets_in_database_and_file_names_are_refused_or_masked(tmp_path: Path
     assert json.loads(evidence["E3"].warnings_json) == ["TOOL_FAILED", "SECRET_MASKED"]
     assert [i["path"] for i in json.loads(evidence["E4"].findings_json)] == \
         ["keys/[secret masked: AWS Access Key].txt"]
-    # No stored byte (the first context's table list and reply schema included) and no
-    # exported file holds a secret.
-    for art in artifacts:
-        data = bytes(art.data)
-        for secret in NAMED:
-            assert secret.encode() not in data, (art.path, secret)
-    export(store, case_id, tmp_path / "export")
-    for path in (tmp_path / "export").rglob("*"):
-        if path.is_file():
-            assert not any(s.encode() in path.read_bytes() for s in NAMED), path
-
+    # The first context's table list and reply schema included.
+    _nowhere(NAMED, store, case_id, artifacts, tmp_path / "export")
 
 def test_masking_a_huge_line_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                          ) -> None:
