@@ -133,6 +133,22 @@ class LimitsConfig(_Strict):
     full_evidence_in_context: int = Field(6, ge=1, le=MAX_COUNT)
     """How many of the selected hypothesis's latest evidence records carry full findings in
     the context; older ones appear as compact references. Default 6."""
+    own_evidence_in_context: int = Field(32, ge=1, le=MAX_COUNT)
+    """How many of the selected hypothesis's newest evidence records the context lists
+    (its pending result always among them); older ones are not listed and are counted
+    in the context's ``evidence_omitted``, so a context does not grow with the case.
+    Default 32 (at least ``full_evidence_in_context``)."""
+    other_evidence_in_context: int = Field(16, ge=0, le=MAX_COUNT)
+    """How many of the other hypotheses' newest evidence records (together) the context
+    lists as compact references; older ones are counted in ``evidence_omitted``.
+    Default 16."""
+
+    @model_validator(mode="after")
+    def _own_window_holds_full(self) -> LimitsConfig:
+        if self.own_evidence_in_context < self.full_evidence_in_context:
+            raise ValueError("limits.own_evidence_in_context must be at least "
+                             "limits.full_evidence_in_context")
+        return self
     max_model_cost: float | None = Field(None, ge=0, le=MAX_UNITS, allow_inf_nan=False)
     """Cap on what the case's model calls may cost, in ``currency`` (providers state
     ``input_price_per_mtok``/``output_price_per_mtok``). Each call reserves its worst case
@@ -325,6 +341,15 @@ class InvestigationConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     tools: ToolLimits = Field(default_factory=ToolLimits)
     package: PackageLimits = Field(default_factory=PackageLimits)
+
+    @model_validator(mode="after")
+    def _early_diagnosis_evidence_listed(self) -> InvestigationConfig:
+        # An early diagnosis cites own evidence from the context: the window must hold it.
+        if self.loop.early_diagnosis_min_evidence > self.limits.own_evidence_in_context:
+            raise ValueError("loop.early_diagnosis_min_evidence must be at most "
+                             "limits.own_evidence_in_context (the own evidence records a "
+                             "context lists)")
+        return self
 
     @classmethod
     def load(cls, path: str | Path | None) -> InvestigationConfig:

@@ -374,7 +374,7 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
             StageRun.step_seq == case.head_seq + 1)).first()
         if running is None:
             live.verify_live_state(s, case, head.head_state, head.head_seq, head.head_revision,
-                                   full=True)
+                                   full=True, recorded=head.evidence)
         count = total = 0
         for art in Store.artifacts(s, case_id):
             count += 1

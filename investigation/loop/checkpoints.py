@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert
+from sqlalchemy import bindparam, func, insert, or_, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
@@ -70,11 +70,23 @@ _POINTER = sa_select(col(ManifestPointer.path), col(ManifestPointer.sha256)).whe
 _CHECKPOINTS_FROM = select(Checkpoint).where(
     col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) >= bindparam("seq")) \
     .order_by(col(Checkpoint.seq))
-_STATE_EVIDENCE = sa_select(
+_STATE_EVIDENCE_COLUMNS = (
     col(Evidence.evidence_id), col(Evidence.hypothesis_id), col(Evidence.fingerprint),
-    col(Evidence.assessed), col(Evidence.refund_units)).where(
-    col(Evidence.case_id) == bindparam("case_id"),
-    col(Evidence.revision) == bindparam("revision")).order_by(col(Evidence.ordinal))
+    col(Evidence.assessed), col(Evidence.refund_units))
+_OF_REVISION = (col(Evidence.case_id) == bindparam("case_id"),
+                col(Evidence.revision) == bindparam("revision"))
+#: The records still open to assessment (the partial index ``ix_evidence_open``).
+_STATE_OPEN = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
+    *_OF_REVISION, text("NOT evidence.assessed")).order_by(col(Evidence.ordinal))
+#: Records assessed that were open at the parent checkpoint or created after it.
+_STATE_CLOSED = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
+    *_OF_REVISION, text("evidence.assessed"),
+    or_(col(Evidence.evidence_id).in_(bindparam("open_ids", expanding=True)),
+        col(Evidence.ordinal) > bindparam("last_ordinal"))).order_by(col(Evidence.ordinal))
+#: Every assessed record of a revision (after a parent state of the first format).
+_STATE_ALL_CLOSED = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
+    *_OF_REVISION, text("evidence.assessed")).order_by(col(Evidence.ordinal))
+_STATE_COUNTS = sa_select(func.count(), func.max(col(Evidence.ordinal))).where(*_OF_REVISION)
 _STATE_QUESTIONS = sa_select(
     col(Question.question_id), col(Question.hypothesis_id), col(Question.status)).where(
     col(Question.case_id) == bindparam("case_id"),
@@ -112,12 +124,89 @@ def _revision(s: Session, case_id: str, revision: int) -> RevisionRecord:
     return Store.revision(s, case_id, revision)
 
 
+def _evidence_record(row: Any) -> dict[str, Any]:
+    eid, hid, fp, assessed, refund = row
+    return {"evidence_id": eid, "hypothesis_id": hid, "fingerprint": fp,
+            "assessed": bool(assessed), "refund_units": refund}
+
+
+def evidence_section(s: Session, key: StepKey, parent: dict[str, Any]) -> dict[str, Any]:
+    """The state's ``evidence``: ``{"count", "last_ordinal", "open", "closed"}``.
+
+    ``count`` is the number of current-revision records and ``last_ordinal`` the newest
+    one's ordinal (``E<ordinal>``); ``open`` lists every record not assessed yet and
+    ``closed`` every record assessed since the parent checkpoint (open there, or created
+    after it), each as ``{evidence_id, hypothesis_id, fingerprint, assessed,
+    refund_units}``. A record is written once open and once closed, so the chain of
+    states records every record's values (a full replay folds them,
+    :func:`fold_evidence`) while a state's size stays bounded by the records open at
+    once (issue 13; docs/decisions.md, "A bounded state"). A parent of another revision
+    has nothing open; a parent of the first format (``evidence`` as the list of every
+    record) makes this state list every assessed record once.
+
+    Args:
+        parent: the parent checkpoint's state document (``{}`` for the first).
+    """
+    rows = {"case_id": key.case_id, "revision": key.revision}
+    count, last = s.execute(_STATE_COUNTS, rows).one()
+    before = parent.get("evidence") if parent.get("revision") == key.revision else None
+    if isinstance(before, list):  # the first format: every record of the revision
+        closed = s.execute(_STATE_ALL_CLOSED, rows).all()
+    else:
+        previous = before if isinstance(before, dict) else {}
+        open_ids = [str(e.get("evidence_id")) for e in previous.get("open", [])
+                    if isinstance(e, dict)]
+        last_before = previous.get("last_ordinal")
+        closed = s.execute(_STATE_CLOSED, {
+            **rows, "open_ids": open_ids,
+            "last_ordinal": last_before if isinstance(last_before, int) else 0}).all()
+    return {"count": int(count), "last_ordinal": int(last or 0),
+            "open": [_evidence_record(r) for r in s.execute(_STATE_OPEN, rows).all()],
+            "closed": [_evidence_record(r) for r in closed]}
+
+
+def fold_evidence(recorded: dict[str, dict[str, Any]], state: dict[str, Any]) -> None:
+    """Fold one generation's evidence section into ``recorded`` (evidence id -> the
+    values the chain last recorded for it): a list of every record (the first format)
+    replaces what was folded, ``open`` and ``closed`` update it."""
+    section = state.get("evidence")
+    if isinstance(section, list):
+        recorded.clear()
+        entries: list[Any] = section
+    elif isinstance(section, dict):
+        entries = [*section.get("open", []), *section.get("closed", [])]
+    else:
+        entries = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            recorded[str(entry.get("evidence_id"))] = entry
+
+
+def recorded_evidence_count(state: dict[str, Any]) -> int | None:
+    """How many current-revision records a state says exist (``None``: not a state)."""
+    section = state.get("evidence")
+    if isinstance(section, list):
+        return len(section)
+    if isinstance(section, dict) and isinstance(section.get("count"), int):
+        return int(section["count"])
+    return None
+
+
 def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[BudgetAccount],
                    outcome: str, reason: str | None, hypothesis_id: int | None,
-                   context_sha256: str | None) -> dict[str, Any]:
-    """The investigation state after a step: accounts, evidence ids, questions, outcome."""
+                   context_sha256: str | None,
+                   parent: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The investigation state after a step: accounts, evidence (:func:`evidence_section`),
+    questions, outcome.
+
+    Args:
+        parent: the parent checkpoint's state document; read through the state pointer
+            when not given (``{}`` for the first step).
+    """
     rows = {"case_id": key.case_id, "revision": key.revision}
-    evidence = s.execute(_STATE_EVIDENCE, rows).all()
+    if parent is None:
+        parent = head_state_document(s, key.case_id) if key.step_seq > 1 else {}
+    evidence = evidence_section(s, key, parent)
     questions = s.execute(_STATE_QUESTIONS, rows).all()
     return {
         "case_id": key.case_id,
@@ -144,16 +233,27 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
             }
             for a in accounts
         ],
-        "evidence": [
-            {"evidence_id": eid, "hypothesis_id": hid, "fingerprint": fp,
-             "assessed": bool(assessed), "refund_units": refund}
-            for eid, hid, fp, assessed, refund in evidence
-        ],
+        "evidence": evidence,
         "questions": [
             {"question_id": qid, "hypothesis_id": hid, "status": status}
             for qid, hid, status in questions
         ],
     }
+
+
+def head_state_document(s: Session, case_id: str) -> dict[str, Any]:
+    """The state document the ``investigation_state`` pointer names (``{}`` when there is
+    none), from this process's parsed states when it has it."""
+    pointer = s.execute(_POINTER, {"case_id": case_id}).first()
+    if pointer is None:
+        return {}
+    state = _STATES.get(pointer[1])
+    if state is None:
+        art = Store.get_artifact(s, case_id, pointer[0])
+        state = _json_object(art.data) if art is not None else {}
+        if art is not None:
+            _remember_state(art.sha256, state)
+    return state
 
 
 def archive_digest(previous: str, case_id: str, cp: Checkpoint, state_sha256: str | None,
@@ -335,6 +435,9 @@ class Replay:
     head_state: dict[str, Any] = field(default_factory=dict)
     full: bool = True
     head_revision: int = 0
+    #: After a full replay: every evidence record of the head revision as the chain last
+    #: recorded it (:func:`fold_evidence`), for the live rows' full check; else ``None``.
+    evidence: dict[str, dict[str, Any]] | None = None
 
 
 def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
@@ -394,8 +497,14 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     parent = rows[0].hash if start else None
     head_state: dict[str, Any] | None = None
     head_sha: str | None = None
+    folded: dict[str, dict[str, Any]] | None = {} if full else None
+    folded_revision = None
     for cp in rows[1:] if start else rows:
         gen = _verify_generation(s, case.id, cp, parent, fresh)
+        if folded is not None:
+            if cp.revision != folded_revision:  # a new revision's records start afresh
+                folded, folded_revision = {}, cp.revision
+            fold_evidence(folded, gen.state)
         digest = archive_digest(digest, case.id, cp, gen.state_sha256, gen.context_sha256,
                                 gen.build_context_sha256)
         if cp.archive_digest is not None and cp.archive_digest != digest:
@@ -428,7 +537,7 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
             "restart under another policy)", seq=head.seq)
     if cache is not None:
         cache.put(cache_key, head.seq, digest)
-    return Replay(head.seq, head_state, full, head.revision)
+    return Replay(head.seq, head_state, full, head.revision, folded)
 
 
 def verify_replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,

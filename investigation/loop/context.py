@@ -20,9 +20,13 @@ the same bytes. Its shape (keys in canonical order when serialised):
                       exhausted budget)
 ``previous_result``   the selected hypothesis's pending evidence with full findings and
                       its novelty, or null (first turn / nothing pending)
-``evidence``          every current-revision evidence record; the selected hypothesis's
-                      latest ``full_evidence_in_context`` carry their findings, the rest
+``evidence``          the current-revision evidence records it lists, in creation order:
+                      the selected hypothesis's newest ``own_evidence_in_context`` (its
+                      latest ``full_evidence_in_context`` carry their findings) and the
+                      other hypotheses' newest ``other_evidence_in_context``; the rest
                       are compact references (id, operation, arguments, counts, warnings)
+``evidence_omitted``  present only when records are not listed: how many (older records
+                      beyond the windows, and any that :func:`fit` drops)
 ``questions``         every question with its status
 ``last_rejection``    the code, detail and step of this hypothesis's last rejected reply
                       and the rejected text (``reply``, bounded), or null
@@ -35,7 +39,7 @@ import functools
 import json
 from typing import Any, cast
 
-from sqlalchemy import bindparam
+from sqlalchemy import bindparam, func
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
@@ -54,6 +58,7 @@ from investigation.store.models import (
     CaseRecord,
     Evidence,
     HypothesisBirth,
+    HypothesisNote,
     Question,
     StageRun,
 )
@@ -61,13 +66,25 @@ from investigation.tools import ToolRouter
 
 # The evidence columns a context shows, read as plain rows (findings only for the records
 # that show them): a long case has hundreds of records.
-_EVIDENCE_ROWS = sa_select(
+_EVIDENCE_COLUMNS = (
     col(Evidence.evidence_id), col(Evidence.hypothesis_id), col(Evidence.operation),
     col(Evidence.arguments_json), col(Evidence.item_count), col(Evidence.new_item_count),
     col(Evidence.duplicate), col(Evidence.warnings_json), col(Evidence.assessed),
-    col(Evidence.cost_units)).where(
-    col(Evidence.case_id) == bindparam("case_id"),
-    col(Evidence.revision) == bindparam("revision")).order_by(col(Evidence.ordinal))
+    col(Evidence.cost_units), col(Evidence.ordinal))
+_OF_REVISION = (col(Evidence.case_id) == bindparam("case_id"),
+                col(Evidence.revision) == bindparam("revision"))
+# The newest records of the selected hypothesis and of the others, newest first, each
+# bounded by its window (``limits.own_evidence_in_context``/``other_evidence_in_context``),
+# and the number of records of each side: a long case has hundreds.
+_OWN_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
+    *_OF_REVISION, col(Evidence.hypothesis_id) == bindparam("hid")) \
+    .order_by(col(Evidence.ordinal).desc()).limit(bindparam("limit"))
+_OTHER_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
+    *_OF_REVISION, col(Evidence.hypothesis_id) != bindparam("hid")) \
+    .order_by(col(Evidence.ordinal).desc()).limit(bindparam("limit"))
+_PENDING_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
+    *_OF_REVISION, col(Evidence.evidence_id) == bindparam("evidence_id"))
+_EVIDENCE_COUNT = sa_select(func.count()).select_from(Evidence).where(*_OF_REVISION)
 _QUESTION_ROWS = select(Question).where(
     col(Question.case_id) == bindparam("case_id"),
     col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
@@ -94,6 +111,22 @@ def _evidence_entry(e: Any, findings_json: str | None) -> dict[str, Any]:
     if findings_json is not None:
         entry["items"] = json.loads(findings_json)
     return entry
+
+
+_NOTES = sa_select(col(HypothesisNote.step_seq), col(HypothesisNote.note)).where(
+    col(HypothesisNote.case_id) == bindparam("case_id"),
+    col(HypothesisNote.revision) == bindparam("revision"),
+    col(HypothesisNote.hypothesis_id) == bindparam("hid")) \
+    .order_by(col(HypothesisNote.step_seq).desc()).limit(bindparam("limit"))
+
+
+def _notes(s: Session, key: StepKey, hid: int, limit: int) -> list[dict[str, Any]]:
+    """The hypothesis's newest ``limit`` audit notes, oldest first."""
+    if limit <= 0:
+        return []
+    rows = s.execute(_NOTES, {"case_id": key.case_id, "revision": key.revision, "hid": hid,
+                              "limit": limit}).all()
+    return [{"note": note, "step_seq": step} for step, note in reversed(rows)]
 
 
 #: Characters of a rejected reply carried back to the model (the rest is cut, marked).
@@ -196,7 +229,7 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
         return data
     kept = [e for e in doc["evidence"]
             if e["hypothesis_id"] == selected or e["evidence_id"] == previous]
-    doc["evidence_omitted"] = len(doc["evidence"]) - len(kept)
+    doc["evidence_omitted"] = doc.get("evidence_omitted", 0) + len(doc["evidence"]) - len(kept)
     doc["evidence"] = kept
     data = canonical_json(doc)
     if len(data) <= limit:
@@ -280,8 +313,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
     statements = {b.hypothesis_id: default_masker().mask_prefix(b.statement)[0]
                   for b in births}
     account = next(a for a in accounts if a.hypothesis_id == selected)
-    evidence = s.execute(_EVIDENCE_ROWS, {"case_id": key.case_id,
-                                          "revision": key.revision}).all()
+    evidence, omitted = _listed_evidence(s, key, config, selected, account)
     own = [e for e in evidence if e.hypothesis_id == selected]
     full_ids = {e.evidence_id for e in own[-config.limits.full_evidence_in_context:]}
     pending = next((e for e in own if e.evidence_id == account.pending_evidence_id), None)
@@ -319,7 +351,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
     truncated = precut or len(report_bytes) > limit
     if truncated:
         report = report_bytes[:limit].decode("utf-8", errors="ignore")
-    return {
+    doc: dict[str, Any] = {
         "contract": {"prompt_version": PROMPT_VERSION, "schema_version": REPLY_SCHEMA_VERSION},
         "case": {
             "case_id": key.case_id, "revision": key.revision, "step_seq": key.step_seq,
@@ -337,7 +369,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
             "credit_units": account.credit_units, "iterations": account.iterations,
             "max_iterations": config.loop.max_iterations_per_hypothesis,
             "turn": account.turns + 1, "deferred_by": account.deferred_by,
-            "notes": json.loads(account.notes_json)[-config.limits.notes_in_context:],
+            "notes": _notes(s, key, selected, config.limits.notes_in_context),
         },
         "other_hypotheses": [
             {"id": a.hypothesis_id, "statement": statements[a.hypothesis_id],
@@ -365,3 +397,34 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         "last_rejection": _last_rejection(s, key, account),
         "operations": router.describe(),
     }
+    if omitted:  # absent while every record is listed (a short case's bytes are unchanged)
+        doc["evidence_omitted"] = omitted
+    return doc
+
+
+def _listed_evidence(s: Session, key: StepKey, config: InvestigationConfig, selected: int,
+                     account: BudgetAccount) -> tuple[list[Any], int]:
+    """The evidence rows a context lists, in creation order, and how many it leaves out.
+
+    The selected hypothesis's newest ``limits.own_evidence_in_context`` records (its
+    pending result always among them) and the other hypotheses' newest
+    ``limits.other_evidence_in_context``: two bounded reads, so a step reads the same
+    number of rows at step 500 as at step 5 (issue 13; docs/decisions.md, "A bounded
+    context").
+    """
+    limits = config.limits
+    params = {"case_id": key.case_id, "revision": key.revision, "hid": selected}
+    own = list(s.execute(_OWN_EVIDENCE, {**params, "limit": limits.own_evidence_in_context}))
+    other = list(s.execute(_OTHER_EVIDENCE, {**params,
+                                              "limit": limits.other_evidence_in_context})) \
+        if limits.other_evidence_in_context else []
+    pending_id = account.pending_evidence_id
+    if pending_id is not None and all(e.evidence_id != pending_id for e in own):
+        own += s.execute(_PENDING_EVIDENCE, {"case_id": key.case_id, "revision": key.revision,
+                                             "evidence_id": pending_id}).all()
+    rows = sorted(own + other, key=lambda e: e.ordinal)
+    if len(own) < limits.own_evidence_in_context and \
+            len(other) < limits.other_evidence_in_context:
+        return rows, 0  # both windows hold every record: nothing left out, nothing to count
+    total = int(s.execute(_EVIDENCE_COUNT, params).scalar_one())
+    return rows, total - len(rows)

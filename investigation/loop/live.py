@@ -30,6 +30,7 @@ from sqlmodel import Session, col, select
 
 from investigation.errors import InvestigationError, StoreError
 from investigation.evidence.store import fingerprint
+from investigation.loop.checkpoints import recorded_evidence_count
 from investigation.store.blobs import ByteCache
 from investigation.store.engine import Store
 from investigation.store.models import (
@@ -69,7 +70,8 @@ def _json(data: str) -> Any:
 
 
 def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
-                      head_seq: int, head_revision: int, *, full: bool) -> None:
+                      head_seq: int, head_revision: int, *, full: bool,
+                      recorded: dict[str, dict[str, Any]] | None = None) -> None:
     """Check the live rows against ``head_state`` (the head checkpoint's state document).
 
     Args:
@@ -77,6 +79,9 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
         head_revision: its revision; rows of a newer revision start afresh.
         full: recompute every fingerprint and re-read every evidence artifact (see the
             module docstring); otherwise check only what the store lets change.
+        recorded: with ``full``, every evidence record as the chain recorded it (a full
+            replay's :attr:`~investigation.loop.checkpoints.Replay.evidence`); a head state
+            holds only the records open at the head and those closed by its step.
 
     Raises:
         InvestigationError: ``STATE_TAMPERED`` naming the first row that differs.
@@ -90,8 +95,15 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
                                   f"{head_seq}; the store was changed outside the engine",
                                   seq=head_seq)
 
-    recorded_ev = {e.get("evidence_id"): e for e in head_state.get("evidence", [])
-                   if isinstance(e, dict)}
+    section = head_state.get("evidence")
+    if full and recorded is not None:
+        recorded_ev: dict[Any, dict[str, Any]] = dict(recorded)
+    elif isinstance(section, dict):  # only what can still change is listed
+        recorded_ev = {e.get("evidence_id"): e for e in section.get("open", [])
+                       if isinstance(e, dict)}
+    else:  # the first format: every record of the revision
+        recorded_ev = {e.get("evidence_id"): e for e in section or [] if isinstance(e, dict)}
+    recorded_count = recorded_evidence_count(head_state)
     imported = set(s.exec(_IMPORTED, params={"case_id": case.id}).all())
     where = (Evidence.case_id == case.id, Evidence.revision == head_revision)
     rows = {"case_id": case.id, "revision": head_revision}
@@ -120,7 +132,8 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
                 rec.get("refund_units")) != (e.hypothesis_id, e.fingerprint, e.assessed,
                                               e.refund_units):
             raise tampered(f"evidence {e.evidence_id}")
-    if len(recorded_ev) != count - len(pending_imports):
+    if recorded_count != count - len(pending_imports) or \
+            (full and recorded is not None and len(recorded_ev) != recorded_count):
         raise tampered("the evidence records")
     _check_accounts(s, case, head_state, head_revision, pending_imports, tampered)
     questions = s.exec(_QUESTIONS, params=rows).all()

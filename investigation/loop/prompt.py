@@ -153,6 +153,10 @@ def turn_header(context: dict[str, Any]) -> str:
         for e in own[-_QUERIES_LISTED:]:
             lines.append(f"- {e['evidence_id']}: {e['operation']} {_args(e['arguments'])} "
                          f"-> {e['item_count']} items, {e['new_item_count']} new")
+    omitted = context.get("evidence_omitted")
+    if omitted:
+        lines.append(f"{omitted} older evidence record(s) of this case are not listed in the "
+                     "context: cite only the evidence ids it lists.")
     open_questions = [q for q in context["questions"]
                       if int(q["hypothesis_id"]) == hid and q["status"] == "open"]
     if open_questions:

@@ -24,7 +24,7 @@ import logging
 import sqlite3
 from typing import Any
 
-from sqlalchemy import bindparam, func, update
+from sqlalchemy import bindparam, func, insert, update
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
@@ -77,12 +77,13 @@ from investigation.loop.stagebase import SKIPPED, StageFramework, _AlreadyRecord
 from investigation.loop.summary import write_summary
 from investigation.loop.validation import validate_reply
 from investigation.secrets import default_masker
-from investigation.store.engine import Store
+from investigation.store.engine import Store, core, table_of
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
     Evidence,
     HypothesisBirth,
+    HypothesisNote,
     Plan,
     Question,
     StageRun,
@@ -98,6 +99,7 @@ _BIRTHS = select(HypothesisBirth).where(col(HypothesisBirth.case_id) == bindpara
                                         col(HypothesisBirth.revision) == bindparam("revision"))
 _LLM_CALLS = select(func.count()).select_from(StageRun).where(
     col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "llm_call")
+_NOTE_INSERT = insert(table_of(HypothesisNote))
 
 
 def _failed_result(nxt: dict[str, Any], code: str, message: str) -> bytes:
@@ -140,7 +142,7 @@ class Stages(StageFramework):
             case = self._fence(s, key, "build_context")
             head = checkpoints.replay(s, case, self.env.replay_cache, self.env.limits_key)
             live.verify_live_state(s, case, head.head_state, head.head_seq, head.head_revision,
-                                   full=head.full)
+                                   full=head.full, recorded=head.evidence)
             cfg, budget = self._policy(s, key)
             if key.step_seq > cfg.limits.max_checkpoints:
                 raise InvestigationError(
@@ -415,10 +417,11 @@ class Stages(StageFramework):
     def _apply_update(self, s: Session, key: StepKey, account: BudgetAccount,
                       upd: dict[str, Any]) -> None:
         account.confidence = upd["confidence"]
-        if upd["note"]:
-            notes = _loads(account.notes_json)
-            notes.append({"step_seq": key.step_seq, "note": upd["note"]})
-            account.notes_json = canonical_json(notes).decode()
+        if upd["note"]:  # a write-once row: the account does not grow with its notes
+            core(s).execute(_NOTE_INSERT, {
+                "case_id": key.case_id, "revision": key.revision,
+                "hypothesis_id": account.hypothesis_id, "step_seq": key.step_seq,
+                "note": upd["note"]})
         for qid in upd["resolve_questions"]:
             q = s.exec(select(Question).where(Question.case_id == key.case_id,
                                               Question.question_id == qid)).one()

@@ -14,6 +14,7 @@ import json
 import re
 from typing import Any
 
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from investigation.constants import ARTIFACT_SUMMARY, POINTER_SUMMARY
@@ -25,6 +26,7 @@ from investigation.store.models import (
     Checkpoint,
     Evidence,
     HypothesisBirth,
+    HypothesisNote,
     LedgerEntry,
     Plan,
     Question,
@@ -222,7 +224,12 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
         alt = [f"H{h}: {n}" + (" (deferred)" if h in deferred else "")
                for h, n in sorted(actions.items()) if h != a.hypothesis_id]
         out.append("- Countercheck (actions on alternatives): " + (", ".join(alt) or "none"))
-        notes = json.loads(a.notes_json)
+        notes = [{"step_seq": step, "note": note} for step, note in s.execute(
+            sa_select(col(HypothesisNote.step_seq), col(HypothesisNote.note)).where(
+                col(HypothesisNote.case_id) == a.case_id,
+                col(HypothesisNote.revision) == a.revision,
+                col(HypothesisNote.hypothesis_id) == a.hypothesis_id)
+            .order_by(col(HypothesisNote.step_seq))).all()]
         if notes:
             out.append("- Notes:")
             out += [f"    - step {n['step_seq']}: {plain(n['note'])}" for n in notes]

@@ -1,7 +1,8 @@
 """The store refuses to rewrite what the engine published (issue 13; DESIGN.md "Cost that does
 not grow with history").
 
-Triggers on SQLite and PostgreSQL, created by migration ``0007_compact_store``:
+Triggers on SQLite and PostgreSQL, created by migration ``0007_compact_store`` (and, for
+the tables it adds, ``0008_bounded_history``):
 
 * :data:`IMMUTABLE_TABLES` are write-once: every UPDATE and DELETE (and, on PostgreSQL,
   TRUNCATE) is refused.
@@ -25,11 +26,12 @@ guard exists after the migrations on both databases.
 
 from __future__ import annotations
 
+from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 
 #: Tables whose rows never change once written.
 IMMUTABLE_TABLES = ("package", "hypothesis_birth", "ledger_entry", "artifact", "blob",
-                    "checkpoint", "stage_run", "plan")
+                    "checkpoint", "stage_run", "plan", "evidence_key", "hypothesis_note")
 
 #: Table -> (SQL condition on ``OLD`` under which the row is still open, the columns that
 #: may change while it is).
@@ -50,8 +52,16 @@ def _message(table: str) -> str:
             "a new fact is a new row")
 
 
+def _present(conn: Connection, tables: tuple[str, ...]) -> tuple[str, ...]:
+    """The tables of ``tables`` that exist (a migration creates its guards for the tables
+    it has created so far: ``evidence_key`` and ``hypothesis_note`` come with 0008)."""
+    existing = set(inspect(conn).get_table_names())
+    return tuple(t for t in tables if t in existing)
+
+
 def create_guards(conn: Connection) -> None:
-    """Create every guard (idempotent on SQLite: existing triggers are kept)."""
+    """Create every guard of the tables that exist (idempotent on SQLite: existing
+    triggers are kept)."""
     if conn.dialect.name == "postgresql":
         _create_postgres(conn)
     else:
@@ -62,7 +72,7 @@ def drop_guards(conn: Connection) -> None:
     """Drop every guard. For migrations that recreate a guarded table, and for tests that
     show what the replay finds when someone with DDL rights rewrites the store."""
     if conn.dialect.name == "postgresql":
-        for table in (*IMMUTABLE_TABLES, *GUARDED_TABLES):
+        for table in _present(conn, (*IMMUTABLE_TABLES, *GUARDED_TABLES)):
             conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table} ON "{table}"')
             conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_truncate '
                                  f'ON "{table}"')
@@ -98,7 +108,7 @@ def expected_guard_names(dialect: str) -> set[str]:
 
 
 def _create_sqlite(conn: Connection) -> None:
-    for table in IMMUTABLE_TABLES:
+    for table in _present(conn, IMMUTABLE_TABLES):
         for op in ("UPDATE", "DELETE"):
             conn.exec_driver_sql(
                 f'CREATE TRIGGER IF NOT EXISTS {PREFIX}{table}_{op.lower()} BEFORE {op} '
@@ -122,7 +132,7 @@ def _create_postgres(conn: Connection) -> None:
         f"BEGIN RAISE EXCEPTION '{CODE}: %% rows are published facts and cannot be changed "
         "or deleted; a new fact is a new row', TG_TABLE_NAME USING ERRCODE = '55000'; "
         "END $$")
-    for table in IMMUTABLE_TABLES:
+    for table in _present(conn, IMMUTABLE_TABLES):
         _pg_triggers(conn, table, f"{PREFIX}refuse()", "UPDATE OR DELETE")
     for table, (is_open, mutable) in GUARDED_TABLES.items():
         keep = ", ".join(f"'{c}'" for c in mutable)

@@ -120,7 +120,6 @@ class BudgetAccount(SQLModel, table=True):
     invalid_streak: int = 0
     no_novelty_streak: int = 0
     pending_evidence_id: str | None = None
-    notes_json: str = "[]"
     last_rejection_json: str | None = None
     """The latest rejection ``{"code", "detail", "step_seq"}`` of this hypothesis's replies."""
     deferred_by: int | None = None
@@ -328,6 +327,12 @@ class Evidence(SQLModel, table=True):
         # reads only these between steps (``loop.live``).
         Index("ix_evidence_open", "case_id", "revision", sqlite_where=text("NOT assessed"),
               postgresql_where=text("NOT assessed")),
+        # The newest records of a hypothesis (the context's windows), the newest ordinal,
+        # and an earlier record with the same fingerprint (a duplicate): bounded reads.
+        Index("ix_evidence_hypothesis", "case_id", "revision", "hypothesis_id", "ordinal"),
+        Index("ix_evidence_ordinal", "case_id", "ordinal"),
+        Index("ix_evidence_fingerprint", "case_id", "revision", "hypothesis_id",
+              "fingerprint"),
     )
     id: int | None = Field(default=None, primary_key=True)
     case_id: str = Field(index=True, max_length=64)
@@ -351,6 +356,41 @@ class Evidence(SQLModel, table=True):
     refund_units: int | None = None
     artifact_path: str
     artifact_sha256: str = Field(max_length=64)
+
+
+class EvidenceKey(SQLModel, table=True):
+    """One item key a hypothesis's evidence has found (write-once): the novelty index.
+
+    An item is new for a hypothesis when its key has no row here yet (seed 000, "Budget
+    and stopping"), so accounting a result reads only its own keys, not every earlier
+    record. ``key_sha256`` is the sha256 of the item's ``key`` (keys are snapshot text of
+    any length); ``evidence_id`` names the record that found it first.
+    """
+
+    __tablename__ = "evidence_key"
+    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id", "key_sha256"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(max_length=64)
+    revision: int
+    hypothesis_id: int
+    key_sha256: str = Field(max_length=64)
+    evidence_id: str
+
+
+class HypothesisNote(SQLModel, table=True):
+    """One audit note of a hypothesis (``update.note`` of an accepted reply; write-once).
+
+    The context carries the newest ``limits.notes_in_context``; the summary all of them.
+    """
+
+    __tablename__ = "hypothesis_note"
+    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id", "step_seq"),)
+    id: int | None = Field(default=None, primary_key=True)
+    case_id: str = Field(max_length=64)
+    revision: int
+    hypothesis_id: int
+    step_seq: int
+    note: str
 
 
 class Question(SQLModel, table=True):

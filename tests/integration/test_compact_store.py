@@ -16,6 +16,7 @@ from sqlmodel import col, select
 from typer.testing import CliRunner
 
 from investigation import operations
+from investigation.config import canonical_json
 from investigation.errors import StoreError
 from investigation.loop import checkpoints
 from investigation.store import Store, blobs, guards
@@ -25,6 +26,7 @@ from investigation.store.models import (
     Blob,
     Checkpoint,
     Evidence,
+    HypothesisNote,
     LedgerEntry,
     Question,
     RevisionRecord,
@@ -224,16 +226,26 @@ def _copy_to_0005(source: Store, target_url: str) -> Store:
         for case_id in s.exec(select(Artifact.case_id).distinct()).all():
             for a in Store.artifacts(s, case_id):
                 arts[(case_id, a.path)] = a.data
+    notes: dict[tuple[str, int, int], list[dict[str, object]]] = {}
+    with source.session() as s:
+        for n in s.exec(select(HypothesisNote).order_by(col(HypothesisNote.step_seq))).all():
+            notes.setdefault((n.case_id, n.revision, n.hypothesis_id), []).append(
+                {"note": n.note, "step_seq": n.step_seq})
     with source.engine.connect() as src, target.engine.begin() as dst:
         for table in meta.sorted_tables:
             if table.name == "alembic_version":
                 continue
             columns = [c for c in table.columns
-                       if not (table.name == "artifact" and c.name == "data")]
+                       if not (table.name == "artifact" and c.name == "data")
+                       and not (table.name == "budget_account" and c.name == "notes_json")]
             rows = [dict(r._mapping) for r in src.execute(sa.select(*columns))]
             if table.name == "artifact":
                 for r in rows:
                     r["data"] = arts[(r["case_id"], r["path"])]
+            if table.name == "budget_account":  # notes were a JSON list on the account
+                for r in rows:
+                    r["notes_json"] = canonical_json(notes.get(
+                        (r["case_id"], r["revision"], r["hypothesis_id"]), [])).decode()
             if rows:
                 dst.execute(table.insert(), rows)
         if target.engine.dialect.name == "postgresql":

@@ -25,7 +25,14 @@ from investigation.constants import (
 from investigation.errors import InvestigationError
 from investigation.loop.investigator import Investigator
 from investigation.store import Store
-from investigation.store.models import BudgetAccount, Evidence, LedgerEntry, Plan, Question
+from investigation.store.models import (
+    BudgetAccount,
+    Evidence,
+    HypothesisNote,
+    LedgerEntry,
+    Plan,
+    Question,
+)
 from tests.casekit import (
     HAPPY_REPLIES,
     Case,
@@ -59,10 +66,14 @@ def effects(case: Case) -> dict[str, Any]:
         questions = s.exec(select(Question).where(Question.case_id == case.case_id)
                            .order_by(col(Question.ordinal))).all()
         plans = s.exec(select(Plan).where(Plan.case_id == case.case_id)).all()
+        notes = s.exec(select(HypothesisNote).where(HypothesisNote.case_id == case.case_id)
+                       .order_by(col(HypothesisNote.hypothesis_id),
+                                 col(HypothesisNote.step_seq))).all()
         return {
             "accounts": [(a.hypothesis_id, a.status, a.confidence, a.balance_units,
                           a.credit_units, a.turns, a.iterations, a.pending_evidence_id,
-                          a.notes_json, a.no_novelty_streak) for a in accounts],
+                          a.no_novelty_streak) for a in accounts],
+            "notes": [(n.hypothesis_id, n.step_seq, n.note) for n in notes],
             "ledger": [(r.hypothesis_id, r.step_seq, r.kind, r.amount_units) for r in ledger],
             "evidence": [(e.evidence_id, e.hypothesis_id, e.assessed, e.refund_units)
                          for e in evidence],
