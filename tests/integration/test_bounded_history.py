@@ -1,0 +1,247 @@
+"""A long case reads and writes what a short one does (issue 13): the context lists the
+newest evidence of bounded windows, a state document holds the records still open and
+those closed by its step, novelty is looked up in the ``evidence_key`` index and audit
+notes are rows. What the seed promises still holds: citations are checked against the
+context, replay folds the whole chain and finds a forged record, the summary keeps every
+note."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlmodel import col, select
+
+from investigation import operations
+from investigation.config import InvestigationConfig
+from investigation.constants import (
+    ARTIFACT_CONTEXT,
+    ARTIFACT_STATE,
+    ARTIFACT_SUMMARY,
+    PROGRESSED,
+    REJECTED,
+)
+from investigation.errors import InvestigationError
+from investigation.loop import checkpoints
+from investigation.loop.investigator import Investigator
+from investigation.loop.outcome import StepKey
+from investigation.loop.prompt import build_messages
+from investigation.store import Store
+from investigation.store.models import CaseRecord, Evidence, EvidenceKey, HypothesisNote
+from tests import casekit
+from tests.casekit import Case, make_case, refused_by_store, unguarded
+
+#: Small windows, so a dozen steps overflow them.
+WINDOWS = {"own_evidence_in_context": 3, "full_evidence_in_context": 1,
+           "other_evidence_in_context": 1, "notes_in_context": 2}
+H1_QUERIES = 8
+
+
+def _query(n: int, previous: str | None, confidence: str = "plausible",
+           evidence: list[str] | None = None) -> dict[str, Any]:
+    # Each result has a new row (the literal differs): no account runs out of novelty.
+    return casekit.q("db.query", {"sql": f"SELECT {n} AS n, id FROM orders"},
+                     confidence=confidence, evidence=evidence,
+                     assessment=None if previous is None else (40, [previous]),
+                     note=f"note {n}")
+
+
+def _replies() -> list[dict[str, Any]]:
+    """H1 (plausible) is picked after both first turns; H2 (weak) waits. E1 is H1's first
+    result, E2 H2's, then E3.. H1's."""
+    replies = [_query(1, None), _query(2, None, confidence="weak")]
+    previous = "E1"
+    for n in range(H1_QUERIES):
+        replies.append(_query(10 + n, previous))
+        previous = f"E{3 + n}"
+    return replies
+
+
+def _context(case: Case, seq: int) -> dict[str, Any]:
+    with case.store.session() as s:
+        art = Store.get_artifact(s, case.case_id, ARTIFACT_CONTEXT.format(seq=seq))
+        assert art is not None
+        return dict(json.loads(art.data))
+
+
+def _states(case: Case) -> list[dict[str, Any]]:
+    with case.store.session() as s:
+        row = s.get(CaseRecord, case.case_id)
+        assert row is not None
+        out = []
+        for seq in range(1, row.head_seq + 1):
+            art = Store.get_artifact(s, case.case_id, ARTIFACT_STATE.format(seq=seq))
+            assert art is not None
+            out.append(json.loads(art.data))
+        return out
+
+
+@pytest.fixture
+def long_case(tmp_path: Path) -> tuple[Case, InvestigationConfig]:
+    config = InvestigationConfig.model_validate({"limits": WINDOWS})
+    case = make_case(tmp_path / "c", replies=_replies())
+    inv = Investigator(case.env(config))
+    for _ in range(2 + H1_QUERIES):
+        assert inv.step(case.case_id).outcome == PROGRESSED
+    return case, config
+
+
+def test_the_context_lists_the_newest_windows_and_counts_the_rest(
+        long_case: tuple[Case, InvestigationConfig]) -> None:
+    case, _ = long_case
+    # Step 10's context, built before its query: E1..E9 exist, E2 is H2's, the rest H1's.
+    last = _context(case, 2 + H1_QUERIES)
+    listed = [e["evidence_id"] for e in last["evidence"]]
+    total = 1 + H1_QUERIES
+    # H1's newest three and H2's newest one, in creation order.
+    assert listed == ["E2", f"E{total - 2}", f"E{total - 1}", f"E{total}"]
+    assert last["evidence_omitted"] == total - len(listed)
+    assert last["previous_result"]["evidence_id"] == f"E{total}"
+    # Only the newest own record carries its findings (full_evidence_in_context = 1); the
+    # previous result's travel once, in previous_result.
+    assert [e["evidence_id"] for e in last["evidence"] if "items" in e] == []
+    user = build_messages(json.dumps(last).encode())[1]["content"]
+    assert f"{total - len(listed)} older evidence record(s) of this case are not listed" \
+        in user
+    assert [n["note"] for n in last["hypothesis"]["notes"]] == [
+        f"note {10 + H1_QUERIES - 3}", f"note {10 + H1_QUERIES - 2}"]
+
+
+def test_a_short_case_lists_everything_and_says_nothing_of_omissions(tmp_path: Path) -> None:
+    case = make_case(tmp_path / "c")
+    inv = case.investigator()
+    for _ in range(4):
+        inv.step(case.case_id)
+    for seq in range(1, 5):
+        doc = _context(case, seq)
+        assert "evidence_omitted" not in doc
+        user = build_messages(json.dumps(doc).encode())[1]["content"]
+        assert "not listed" not in user
+
+
+def test_citing_a_record_the_context_does_not_list_is_rejected(tmp_path: Path) -> None:
+    config = InvestigationConfig.model_validate({"limits": WINDOWS})
+    replies = _replies()[:2 + 4]
+    # The next H1 turn cites E1, which its windows no longer list.
+    replies.append(_query(99, "E6", evidence=["E1"]))
+    case = make_case(tmp_path / "c", replies=replies)
+    inv = Investigator(case.env(config))
+    for _ in range(6):
+        assert inv.step(case.case_id).outcome == PROGRESSED
+    assert "E1" not in [e["evidence_id"] for e in _context(case, 6)["evidence"]]
+    outcome = inv.step(case.case_id)
+    assert outcome.outcome == REJECTED
+    assert outcome.reason in ("UNKNOWN_EVIDENCE_ID", "REPLY_SCHEMA_INVALID"), outcome
+    assert "E1" in outcome.details["message"]
+
+
+def test_states_stay_small_and_their_chain_records_every_record(
+        long_case: tuple[Case, InvestigationConfig]) -> None:
+    case, _ = long_case
+    states = _states(case)
+    folded: dict[str, dict[str, Any]] = {}
+    for state in states:
+        section = state["evidence"]
+        assert len(section["open"]) <= 2  # one pending result per hypothesis at most
+        assert len(section["closed"]) <= 1  # one settlement per step
+        checkpoints.fold_evidence(folded, state)
+    with case.store.session() as s:
+        rows = s.exec(select(Evidence).where(Evidence.case_id == case.case_id)
+                      .order_by(col(Evidence.ordinal))).all()
+    assert states[-1]["evidence"]["count"] == len(rows)
+    assert states[-1]["evidence"]["last_ordinal"] == rows[-1].ordinal
+    assert folded == {e.evidence_id: {
+        "evidence_id": e.evidence_id, "hypothesis_id": e.hypothesis_id,
+        "fingerprint": e.fingerprint, "assessed": e.assessed, "refund_units": e.refund_units}
+        for e in rows}
+    assert operations.verify(case.store, case.case_id)["live_rows"] == "checked"
+
+
+def test_a_forged_closed_record_is_found_by_the_full_replay_of_the_chain(
+        long_case: tuple[Case, InvestigationConfig]) -> None:
+    """E3 was closed long ago: no head state lists it, the fold of the chain does."""
+    case, config = long_case
+    with unguarded(case.store), case.store.session() as s:
+        s.execute(text("UPDATE evidence SET refund_units = refund_units + 1 "
+                       "WHERE evidence_id = 'E3'"))
+    with pytest.raises(InvestigationError) as info:
+        operations.verify(case.store, case.case_id)
+    assert info.value.code == "STATE_TAMPERED"
+    assert "E3" in str(info.value)
+    with pytest.raises(InvestigationError) as info:
+        Investigator(case.env(config)).step(case.case_id)  # a new process: full depth
+    assert info.value.code == "STATE_TAMPERED"
+
+
+def test_a_state_after_a_parent_of_the_first_format_closes_every_assessed_record(
+        long_case: tuple[Case, InvestigationConfig]) -> None:
+    """Stores written before issue 13's bounded state listed every record in each state:
+    the next state lists every assessed record once as closed, and the fold of a chain
+    that mixes both formats ends where the rows are."""
+    case, _ = long_case
+    states = _states(case)
+    with case.store.session() as s:
+        rows = s.exec(select(Evidence).where(Evidence.case_id == case.case_id)
+                      .order_by(col(Evidence.ordinal))).all()
+        first_format = {"revision": 1, "evidence": [
+            {"evidence_id": e.evidence_id, "hypothesis_id": e.hypothesis_id,
+             "fingerprint": e.fingerprint, "assessed": False, "refund_units": None}
+            for e in rows]}
+        key = StepKey(case.case_id, 1, len(states) + 1)
+        section = checkpoints.evidence_section(s, key, first_format)
+    assessed = [e.evidence_id for e in rows if e.assessed]
+    assert [e["evidence_id"] for e in section["closed"]] == assessed
+    assert [e["evidence_id"] for e in section["open"]] == \
+        [e.evidence_id for e in rows if not e.assessed]
+    folded: dict[str, dict[str, Any]] = {}
+    checkpoints.fold_evidence(folded, first_format)
+    checkpoints.fold_evidence(folded, {"evidence": section})
+    assert {k: (v["assessed"], v["refund_units"]) for k, v in folded.items()} == \
+        {e.evidence_id: (e.assessed, e.refund_units) for e in rows}
+
+
+def test_novelty_is_looked_up_in_the_key_index(tmp_path: Path) -> None:
+    read = {"path": "shop/pricing.py", "start_line": 1, "end_line": 3}
+    replies = [casekit.q("source.read", read),
+               casekit.q("db.tables", {}, confidence="weak"),
+               casekit.q("source.read", read, assessment=(40, ["E1"])),
+               casekit.q("source.read", {**read, "end_line": 5}, assessment=(40, ["E3"]))]
+    case = make_case(tmp_path / "c", replies=replies)
+    inv = case.investigator()
+    for _ in range(4):
+        assert inv.step(case.case_id).outcome == PROGRESSED
+    with case.store.session() as s:
+        ev = {e.evidence_id: e for e in s.exec(select(Evidence).where(
+            Evidence.case_id == case.case_id)).all()}
+        keys = s.exec(select(EvidenceKey).where(EvidenceKey.case_id == case.case_id)).all()
+    assert (ev["E1"].new_item_count, ev["E1"].duplicate) == (ev["E1"].item_count, False)
+    assert (ev["E3"].new_item_count, ev["E3"].duplicate) == (0, True)  # the same read
+    assert ev["E4"].new_item_count == ev["E4"].item_count - ev["E1"].item_count  # 2 new
+    by_record: dict[str, int] = {}
+    for k in keys:
+        by_record[k.evidence_id] = by_record.get(k.evidence_id, 0) + 1
+    assert by_record == {"E1": ev["E1"].item_count, "E2": ev["E2"].item_count,
+                         "E4": ev["E4"].new_item_count}
+
+
+def test_notes_are_rows_the_store_keeps_and_the_summary_lists(tmp_path: Path) -> None:
+    replies = [casekit.q("source.search", {"pattern": "percent"}, note="first look"),
+               casekit.finish("weakened", None, [], action="reject"),
+               casekit.finish("weak", (50, ["E1"]), ["E1"])]
+    replies[1]["update"]["note"] = "not this one"
+    case = make_case(tmp_path / "c", replies=replies)
+    outcome = case.investigator().run(case.case_id, max_steps=10)
+    assert outcome.outcome == "COMPLETED", outcome
+    with case.store.session() as s:
+        notes = s.exec(select(HypothesisNote).where(HypothesisNote.case_id == case.case_id)
+                       .order_by(col(HypothesisNote.step_seq))).all()
+        art = Store.get_artifact(s, case.case_id, ARTIFACT_SUMMARY)
+    assert [(n.hypothesis_id, n.step_seq, n.note) for n in notes] == [
+        (1, 1, "first look"), (2, 2, "not this one")]
+    assert art is not None
+    summary = art.data.decode()
+    assert "step 1: first look" in summary and "step 2: not this one" in summary
+    refused_by_store(case.store, text("UPDATE hypothesis_note SET note = 'x'"))
