@@ -78,6 +78,11 @@ $(BENCH_VENV)/.installed:
 	touch $@
 
 bench-env: $(BENCH_VENV)/.installed
+	@# ripgrep, the reference of bench/search.py (Debian's package).
+	@command -v rg >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ripgrep) \
+	    >/tmp/bench-ripgrep.log 2>&1 || echo "warning: ripgrep did not install" >&2; \
+	  else echo "warning: rg is missing; run as root: apt-get install ripgrep" >&2; fi; }
 
 # Every benchmark of issue 13; each prints its figures with the target beside them.
 bench: install-test services bench-env
