@@ -10,8 +10,11 @@ result; ``docs/async-tests.md``).
 Two depths, so that a step's cost does not grow with the case (issue 13):
 
 * **full** (a process meeting the case first, after a redelivery, ``investigate
-  verify``): every evidence record's fingerprint is recomputed from its stored findings
-  and its artifact bytes are read from the store and hashed again.
+  verify``): every evidence record is compared with the values the checkpoint chain last
+  recorded for it (a head state lists only the records open at the head and those its
+  step closed; the full replay folds every state, ``checkpoints.fold_evidence``), its
+  fingerprint is recomputed from its stored findings and its artifact bytes are read from
+  the store and hashed again.
 * **incremental** (every other step): the store refuses changes to a published evidence
   record's findings, fingerprint and artifact, to an assessed record and to a closed
   question, and refuses deleting them (``investigation.store.guards``). What can still
@@ -102,7 +105,8 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
         recorded_ev = {e.get("evidence_id"): e for e in section.get("open", [])
                        if isinstance(e, dict)}
     else:  # the first format: every record of the revision
-        recorded_ev = {e.get("evidence_id"): e for e in section or [] if isinstance(e, dict)}
+        recorded_ev = {e.get("evidence_id"): e for e in
+                       (section if isinstance(section, list) else []) if isinstance(e, dict)}
     recorded_count = recorded_evidence_count(head_state)
     imported = set(s.exec(_IMPORTED, params={"case_id": case.id}).all())
     where = (Evidence.case_id == case.id, Evidence.revision == head_revision)
