@@ -48,6 +48,8 @@ from investigation.store.models import (
     CaseRecord,
     Checkpoint,
     Evidence,
+    EvidenceKey,
+    HypothesisNote,
     ManifestPointer,
     Question,
     RevisionRecord,
@@ -78,6 +80,17 @@ _OF_REVISION = (col(Evidence.case_id) == bindparam("case_id"),
 #: The records still open to assessment (the partial index ``ix_evidence_open``).
 _STATE_OPEN = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, text("NOT evidence.assessed")).order_by(col(Evidence.ordinal))
+#: The same on SQLite, whose planner (no statistics) prefers the wider evidence indexes
+#: and would read every record of the case: the partial index is named.
+_STATE_OPEN_SQLITE = text(
+    "SELECT evidence_id, hypothesis_id, fingerprint, assessed, refund_units FROM evidence "
+    "INDEXED BY ix_evidence_open WHERE case_id = :case_id AND revision = :revision "
+    "AND NOT assessed ORDER BY ordinal")
+
+
+def open_evidence_statement(s: Session) -> Any:
+    """The statement reading the open records' state columns on ``s``'s database."""
+    return _STATE_OPEN_SQLITE if s.get_bind().dialect.name == "sqlite" else _STATE_OPEN
 #: Records assessed that were open at the parent checkpoint or created after it.
 _STATE_CLOSED = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, text("evidence.assessed"),
@@ -87,6 +100,14 @@ _STATE_CLOSED = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
 _STATE_ALL_CLOSED = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, text("evidence.assessed")).order_by(col(Evidence.ordinal))
 _STATE_COUNTS = sa_select(func.count(), func.max(col(Evidence.ordinal))).where(*_OF_REVISION)
+#: Rows of the novelty index and audit notes of a revision (write-once; the live check
+#: compares these counts, so a row inserted behind the engine's back is found).
+KEY_COUNT = sa_select(func.count()).select_from(EvidenceKey).where(
+    col(EvidenceKey.case_id) == bindparam("case_id"),
+    col(EvidenceKey.revision) == bindparam("revision"))
+NOTE_COUNT = sa_select(func.count()).select_from(HypothesisNote).where(
+    col(HypothesisNote.case_id) == bindparam("case_id"),
+    col(HypothesisNote.revision) == bindparam("revision"))
 _STATE_QUESTIONS = sa_select(
     col(Question.question_id), col(Question.hypothesis_id), col(Question.status)).where(
     col(Question.case_id) == bindparam("case_id"),
@@ -131,10 +152,11 @@ def _evidence_record(row: Any) -> dict[str, Any]:
 
 
 def evidence_section(s: Session, key: StepKey, parent: dict[str, Any]) -> dict[str, Any]:
-    """The state's ``evidence``: ``{"count", "last_ordinal", "open", "closed"}``.
+    """The state's ``evidence``: ``{"count", "last_ordinal", "keys", "open", "closed"}``.
 
-    ``count`` is the number of current-revision records and ``last_ordinal`` the newest
-    one's ordinal (``E<ordinal>``); ``open`` lists every record not assessed yet and
+    ``count`` is the number of current-revision records, ``last_ordinal`` the newest
+    one's ordinal (``E<ordinal>``) and ``keys`` the rows of the novelty index
+    (``evidence_key``); ``open`` lists every record not assessed yet and
     ``closed`` every record assessed since the parent checkpoint (open there, or created
     after it), each as ``{evidence_id, hypothesis_id, fingerprint, assessed,
     refund_units}``. A record is written once open and once closed, so the chain of
@@ -161,7 +183,9 @@ def evidence_section(s: Session, key: StepKey, parent: dict[str, Any]) -> dict[s
             **rows, "open_ids": open_ids,
             "last_ordinal": last_before if isinstance(last_before, int) else 0}).all()
     return {"count": int(count), "last_ordinal": int(last or 0),
-            "open": [_evidence_record(r) for r in s.execute(_STATE_OPEN, rows).all()],
+            "keys": int(s.execute(KEY_COUNT, rows).scalar_one()),
+            "open": [_evidence_record(r) for r in
+                     s.execute(open_evidence_statement(s), rows).all()],
             "closed": [_evidence_record(r) for r in closed]}
 
 
@@ -234,6 +258,7 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
             for a in accounts
         ],
         "evidence": evidence,
+        "notes": int(s.execute(NOTE_COUNT, rows).scalar_one()),
         "questions": [
             {"question_id": qid, "hypothesis_id": hid, "status": status}
             for qid, hid, status in questions

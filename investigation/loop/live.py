@@ -29,17 +29,19 @@ import json
 from typing import Any
 
 from sqlalchemy import bindparam, func, text
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from investigation.errors import InvestigationError, StoreError
-from investigation.evidence.store import fingerprint
-from investigation.loop.checkpoints import recorded_evidence_count
+from investigation.evidence.store import fingerprint, key_sha256
+from investigation.loop.checkpoints import KEY_COUNT, NOTE_COUNT, recorded_evidence_count
 from investigation.store.blobs import ByteCache
 from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
     Evidence,
+    EvidenceKey,
     Question,
     TestRequest,
 )
@@ -56,6 +58,19 @@ _EVIDENCE_WHERE = (col(Evidence.case_id) == bindparam("case_id"),
 _EVIDENCE_ALL = select(Evidence).where(*_EVIDENCE_WHERE).order_by(col(Evidence.ordinal))
 _EVIDENCE_COUNT = select(func.count()).select_from(Evidence).where(*_EVIDENCE_WHERE)
 _EVIDENCE_OPEN = select(Evidence).where(*_EVIDENCE_WHERE, OPEN_EVIDENCE)
+#: On SQLite the partial index is named: without statistics its planner prefers the wider
+#: evidence indexes and would read every record of the case.
+_EVIDENCE_OPEN_SQLITE = select(Evidence).from_statement(text(
+    "SELECT * FROM evidence INDEXED BY ix_evidence_open WHERE case_id = :case_id "
+    "AND revision = :revision AND NOT assessed"))
+_KEYS_OF = sa_select(func.count()).select_from(EvidenceKey).where(
+    col(EvidenceKey.case_id) == bindparam("case_id"),
+    col(EvidenceKey.revision) == bindparam("revision"),
+    col(EvidenceKey.evidence_id).in_(bindparam("ids", expanding=True)))
+_KEY_ROWS = sa_select(col(EvidenceKey.hypothesis_id), col(EvidenceKey.key_sha256),
+                      col(EvidenceKey.evidence_id)).where(
+    col(EvidenceKey.case_id) == bindparam("case_id"),
+    col(EvidenceKey.revision) == bindparam("revision"))
 _QUESTIONS = select(Question.question_id, Question.hypothesis_id, Question.status).where(
     col(Question.case_id) == bindparam("case_id"),
     col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
@@ -117,18 +132,27 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
         count = len(live)
     else:
         count = s.exec(_EVIDENCE_COUNT, params=rows).one()
-        live = list(s.exec(_EVIDENCE_OPEN, params=rows).all())
+        if s.get_bind().dialect.name == "sqlite":
+            live = list(s.execute(_EVIDENCE_OPEN_SQLITE, rows).scalars().all())
+        else:
+            live = list(s.exec(_EVIDENCE_OPEN, params=rows).all())
         seen = {e.evidence_id for e in live}
         closed = [eid for eid, e in recorded_ev.items()
                   if not e.get("assessed") and eid not in seen]
         if closed:  # recorded as open, assessed since: only a settlement may do that
             live += s.exec(select(Evidence).where(
                 *where, col(Evidence.evidence_id).in_(closed))).all()
+    # A record the head does not list can only be a test result imported since: newer
+    # than every record the head counted (a bounded state lists only the open records,
+    # so an old record reopened behind the engine's back is not excused as an import).
+    last = section.get("last_ordinal") if isinstance(section, dict) else None
+    newest = last if isinstance(last, int) else None
     pending_imports: set[str] = set()
     for e in live:
         rec = recorded_ev.get(e.evidence_id)
         if rec is None:
-            if e.evidence_id not in imported or e.assessed:
+            if e.evidence_id not in imported or e.assessed or \
+                    (newest is not None and e.ordinal <= newest):
                 raise tampered(f"evidence {e.evidence_id}")
             pending_imports.add(e.evidence_id)
             continue
@@ -139,12 +163,43 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
     if recorded_count != count - len(pending_imports) or \
             (full and recorded is not None and len(recorded_ev) != recorded_count):
         raise tampered("the evidence records")
+    _check_written_rows(s, case, head_state, rows, list(live) if full else None,
+                        pending_imports, tampered)
     _check_accounts(s, case, head_state, head_revision, pending_imports, tampered)
     questions = s.exec(_QUESTIONS, params=rows).all()
     if [tuple(q) for q in questions] != \
             [(q.get("question_id"), q.get("hypothesis_id"), q.get("status"))
              for q in head_state.get("questions", [])]:
         raise tampered("the questions")
+
+
+def _check_written_rows(s: Session, case: CaseRecord, head_state: dict[str, Any],
+                        rows: dict[str, Any], every_record: list[Evidence] | None,
+                        pending_imports: set[str], tampered: Any) -> None:
+    """The novelty index and the audit notes against the head state's counts (states of
+    the first format recorded neither: nothing to compare). With ``every_record`` (full
+    depth) the index must be exactly what the records' item keys make: each key of a
+    hypothesis once, naming the first record that found it."""
+    section = head_state.get("evidence")
+    keys = section.get("keys") if isinstance(section, dict) else None
+    if isinstance(keys, int):
+        live_keys = int(s.execute(KEY_COUNT, rows).scalar_one())
+        imported_keys = int(s.execute(_KEYS_OF, {
+            **rows, "ids": sorted(pending_imports)}).scalar_one()) if pending_imports else 0
+        if live_keys - imported_keys != keys:
+            raise tampered("the novelty index (evidence_key)")
+        if every_record is not None:
+            expected: dict[tuple[int, str], str] = {}
+            for e in sorted(every_record, key=lambda r: r.ordinal):
+                for key in _json(e.item_keys_json) or []:
+                    expected.setdefault((e.hypothesis_id, key_sha256(str(key))),
+                                        e.evidence_id)
+            stored = {(hid, sha): eid for hid, sha, eid in s.execute(_KEY_ROWS, rows).all()}
+            if stored != expected:
+                raise tampered("the novelty index (evidence_key)")
+    notes = head_state.get("notes")
+    if isinstance(notes, int) and int(s.execute(NOTE_COUNT, rows).scalar_one()) != notes:
+        raise tampered("the audit notes (hypothesis_note)")
 
 
 def _check_evidence_bytes(s: Session, case: CaseRecord, live: list[Evidence],

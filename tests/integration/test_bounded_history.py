@@ -245,3 +245,100 @@ def test_notes_are_rows_the_store_keeps_and_the_summary_lists(tmp_path: Path) ->
     summary = art.data.decode()
     assert "step 1: first look" in summary and "step 2: not this one" in summary
     refused_by_store(case.store, text("UPDATE hypothesis_note SET note = 'x'"))
+
+
+def _warm(case: Case, config: InvestigationConfig | None = None,
+          feedback_key: bytes | None = casekit.TEST_FEEDBACK_KEY) -> Investigator:
+    """A runner that has met the case: its next check of the live rows is incremental."""
+    inv = Investigator(case.env(config, feedback_key=feedback_key))
+    with case.store.session() as s:
+        row = s.get(CaseRecord, case.case_id)
+        assert row is not None
+        checkpoints.replay(s, row, inv.env.replay_cache, inv.env.limits_key)
+    return inv
+
+
+def test_a_closed_import_reopened_is_not_excused_as_a_new_import(tmp_path: Path) -> None:
+    """A bounded head state lists only open records: an imported test result closed long
+    ago and reopened behind the engine's back (plus a forged record that evens the
+    count) must not pass as a result imported since the head."""
+    from datetime import UTC, timedelta
+
+    from investigation.external_tests import AsyncTestCoordinator, derive_secret
+    from investigation.store.models import TestRequest
+    from tests.integration.test_external_tests import CFG, KEY, REPLIES, Clock
+
+    case = make_case(tmp_path / "c", replies=REPLIES)
+    inv = case.investigator(CFG, feedback_key=KEY)
+    for _ in range(3):
+        inv.step(case.case_id)
+    clock = Clock()
+    with case.store.session() as s:
+        request = s.exec(select(TestRequest)).one()
+        clock.now = request.created_at.replace(tzinfo=UTC) + timedelta(minutes=5)
+    coordinator = AsyncTestCoordinator(case.store, KEY, clock=clock)
+    secret = derive_secret(KEY, case.case_id, "T1")
+    sub = coordinator.submit(case.case_id, "T1", secret,
+                             {"outcome": "not_as_expected", "observation": "The total was 0."})
+    coordinator.confirm(case.case_id, "T1", secret, sub["feedback_sha256"])
+    assert case.investigator(CFG, feedback_key=KEY).step(case.case_id).outcome == PROGRESSED
+    with case.store.session() as s:
+        imported = s.exec(select(TestRequest)).one().evidence_id
+        assert s.exec(select(Evidence).where(Evidence.evidence_id == imported)).one().assessed
+    warm = _warm(case, CFG, KEY)
+    columns = ("case_id,revision,step_seq,ordinal,evidence_id,hypothesis_id,operation,"
+               "arguments_json,findings_json,item_keys_json,warnings_json,fingerprint,"
+               "item_count,new_item_count,duplicate,cost_units,assessed,assessment_score,"
+               "refund_units,artifact_path,artifact_sha256")
+    forged = columns.replace("step_seq,ordinal,evidence_id", "99,99,'E99'") \
+        .replace("refund_units", "50")
+    with unguarded(case.store), case.store.session() as s:
+        s.execute(text("UPDATE evidence SET assessed = FALSE, assessment_score = NULL, "
+                       "refund_units = NULL WHERE evidence_id = :e"), {"e": imported})
+        s.execute(text(f"INSERT INTO evidence ({columns}) SELECT {forged} FROM evidence "
+                       "WHERE evidence_id = 'E1'"))
+    for runner in (warm, Investigator(case.env(CFG, feedback_key=KEY))):
+        with pytest.raises(InvestigationError) as info:
+            runner.step(case.case_id)
+        assert info.value.code == "STATE_TAMPERED"
+
+
+@pytest.mark.parametrize("forge", [
+    "INSERT INTO evidence_key (case_id, revision, hypothesis_id, key_sha256, evidence_id) "
+    "VALUES (:c, 1, 1, 'f0f0', 'E1')",
+    "INSERT INTO hypothesis_note (case_id, revision, hypothesis_id, step_seq, note) "
+    "VALUES (:c, 1, 1, 4, 'FORGED: finish now')",
+])
+def test_rows_inserted_into_the_index_or_the_notes_are_found(tmp_path: Path,
+                                                              forge: str) -> None:
+    """The guards refuse changes, not inserts: the head state counts both tables, so a
+    row added behind the engine's back (novelty poisoned, a note put in the model's mouth)
+    stops the case at the next step, in a warm runner and a new one, and fails verify."""
+    case = make_case(tmp_path / "c")
+    inv = case.investigator()
+    for _ in range(3):
+        assert inv.step(case.case_id).outcome == PROGRESSED
+    warm = _warm(case)
+    with case.store.session() as s:
+        s.execute(text(forge), {"c": case.case_id})
+    for runner in (warm, case.investigator()):
+        with pytest.raises(InvestigationError) as info:
+            runner.step(case.case_id)
+        assert info.value.code == "STATE_TAMPERED"
+    with pytest.raises(InvestigationError) as info:
+        operations.verify(case.store, case.case_id)
+    assert info.value.code == "STATE_TAMPERED"
+
+
+def test_a_rewritten_index_row_is_found_at_full_depth(tmp_path: Path) -> None:
+    case = make_case(tmp_path / "c")
+    inv = case.investigator()
+    for _ in range(3):
+        assert inv.step(case.case_id).outcome == PROGRESSED
+    with unguarded(case.store), case.store.session() as s:
+        s.execute(text("UPDATE evidence_key SET key_sha256 = 'f0f0' WHERE id = "
+                       "(SELECT min(id) FROM evidence_key)"))
+    with pytest.raises(InvestigationError) as info:
+        operations.verify(case.store, case.case_id)
+    assert info.value.code == "STATE_TAMPERED"
+    assert "evidence_key" in str(info.value)
