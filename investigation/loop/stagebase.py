@@ -67,6 +67,12 @@ _STEP = (_RUN.case_id == bindparam("case_id"), _RUN.revision == bindparam("revis
 _MARKERS = sa_select(_RUN.stage, _RUN.output_json).where(*_STEP)
 _MARKER = sa_select(_RUN.output_json).where(*_STEP, _RUN.stage == bindparam("stage"))
 _MARKER_INSERT = insert(table_of(StageRun))
+_CASE = table_of(CaseRecord).c
+# The columns a stage's entry checks, read without building an ORM object: most stage
+# bodies never touch the case row (the ORM object is loaded when one asks, ``_fence``).
+_CASE_CHECK = sa_select(_CASE.head_seq, _CASE.current_revision, _CASE.state).where(
+    _CASE.id == bindparam("id"))
+_CASE_CHECK_FOR_UPDATE = _CASE_CHECK.with_for_update()
 _ACCOUNTS = select(BudgetAccount).where(
     col(BudgetAccount.case_id) == bindparam("case_id"),
     col(BudgetAccount.revision) == bindparam("revision"))
@@ -109,12 +115,22 @@ def _log_parked(key: StepKey, stage: str, parked: Outcome) -> None:
 
 @dataclass
 class _Open:
-    """The stage transaction ``run`` opened and fenced, until the body takes it over."""
+    """The stage transaction ``run`` opened and fenced, until the body takes it over. The
+    case row is locked; its ORM object is loaded when the body first asks for it."""
 
     session: Session
-    case: CaseRecord
     key: StepKey
+    case: CaseRecord | None = None
     joined: bool = False
+
+
+@dataclass(frozen=True)
+class _CaseCheck:
+    """What a stage's entry checks of the (locked) case row."""
+
+    head_seq: int
+    current_revision: int
+    state: str
 
 
 @dataclass
@@ -235,7 +251,8 @@ class StageFramework:
                 attempt.early = True
                 attempt.committed = True
                 return early
-            opened = self._open = _Open(s, early, key)
+            opened = self._open = _Open(s, key, early if isinstance(early, CaseRecord)
+                                        else None)
             result = fn(key)
             if not opened.joined:  # the body never used the transaction: end it
                 s.commit()
@@ -250,10 +267,25 @@ class StageFramework:
             self._open = None
             s.close()
 
+    @staticmethod
+    def _lock_case_check(s: Session, case_id: str) -> _CaseCheck:
+        """Lock the case row (``SELECT ... FOR UPDATE`` on PostgreSQL; SQLite's transaction
+        holds the write lock) and read the columns the entry checks, with no ORM object.
+
+        Raises:
+            InvestigationError: ``CASE_NOT_FOUND``.
+        """
+        stmt = _CASE_CHECK_FOR_UPDATE if s.get_bind().dialect.name == "postgresql" \
+            else _CASE_CHECK
+        row = core(s).execute(stmt, {"id": case_id}).first()
+        if row is None:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+        return _CaseCheck(int(row[0]), int(row[1]), str(row[2]))
+
     def _enter(self, s: Session, stage: str, key: StepKey,
-               delivery: Delivery | None) -> CaseRecord | StageResult:
+               delivery: Delivery | None) -> CaseRecord | _CaseCheck | StageResult:
         """The checks at the start of a stage transaction; a result ends the stage early."""
-        case = Store.lock_case(s, key.case_id)
+        case: CaseRecord | _CaseCheck = self._lock_case_check(s, key.case_id)
         if stage == "build_context":
             self._load_markers(s, key)
         if (key, "publish") in self._recorded and case.head_seq < key.step_seq:
@@ -288,6 +320,7 @@ class StageFramework:
             raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
         if delivery is not None:
             self._attempt.counted = True
+            case = Store.lock_case(s, key.case_id)  # parking changes it
             parked = deliveries.count(s, case, key, stage, delivery.max_unfinished)
             if parked is not None:
                 _log_parked(key, stage, parked)
@@ -380,6 +413,8 @@ class StageFramework:
         """
         opened = self._open
         if opened is not None and opened.session is s and opened.key == key:
+            if opened.case is None:  # locked and checked at the entry; now the object
+                opened.case = Store.lock_case(s, key.case_id)
             return opened.case
         case = Store.lock_case(s, key.case_id)
         if case.head_seq != key.step_seq - 1 or case.current_revision != key.revision:
@@ -402,19 +437,22 @@ class StageFramework:
         return None
 
     def _policy(self, s: Session, key: StepKey) -> tuple[InvestigationConfig, BudgetManager]:
-        rev = Store.revision(s, key.case_id, key.revision)
-        cache_key = (rev.policy_sha256 or "", id(self.env.config), self.env.explicit_config)
+        # The policy columns only (no ORM object) while the frozen policy is cached.
+        policy_sha, policy_text = Store.policy_columns(s, key.case_id, key.revision)
+        cache_key = (policy_sha or "", id(self.env.config), self.env.explicit_config)
         cached = self._policies.get(cache_key)
-        if cached is None or rev.policy_json is None or \
-                sha256_hex(rev.policy_json.encode("utf-8")) != rev.policy_sha256:
+        if cached is None or policy_text is None or \
+                sha256_hex(policy_text.encode("utf-8")) != policy_sha:
+            rev = Store.revision(s, key.case_id, key.revision)
             cfg = BudgetManager.freeze_policy(s, rev, self.env.config,
                                               self.env.explicit_config)
             cached = (cfg, BudgetManager(cfg.budget, cfg.loop))
+            policy_sha = rev.policy_sha256
             if rev.policy_sha256:
                 self._policies[(rev.policy_sha256, id(self.env.config),
                                 self.env.explicit_config)] = cached
         built = self._recorded.get((key, "build_context"))
-        if built is not None and built.get("policy_sha256") not in (None, rev.policy_sha256):
+        if built is not None and built.get("policy_sha256") not in (None, policy_sha):
             # The step was planned under another policy: a swap between its stages.
             raise InvestigationError(
                 "POLICY_CHANGED",

@@ -64,6 +64,9 @@ _CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
 _REVISION_ROW = select(RevisionRecord).where(
     col(RevisionRecord.case_id) == bindparam("case_id"),
     col(RevisionRecord.revision) == bindparam("revision"))
+_REV = table_of(RevisionRecord).c
+_POLICY_COLUMNS = sa_select(_REV.policy_sha256, _REV.policy_json).where(
+    _REV.case_id == bindparam("case_id"), _REV.revision == bindparam("revision"))
 _POINTER = table_of(ManifestPointer)
 _POINTER_MOVE = _POINTER.update().where(_POINTER.c.case_id == bindparam("case_id_"),
                                         _POINTER.c.name == bindparam("name_"))
@@ -286,6 +289,24 @@ class Store:
                                                       "revision": revision}).one()
             memo[(case_id, revision)] = row
         return row
+
+    @staticmethod
+    def policy_columns(session: Session, case_id: str,
+                       revision: int) -> tuple[str | None, str | None]:
+        """``(policy_sha256, policy_json)`` of a revision: from the revision object this
+        transaction already holds (:meth:`revision`, whose policy may have just been
+        frozen), else one Core query (no ORM object).
+
+        Raises:
+            sqlalchemy.exc.NoResultFound: no such revision.
+        """
+        memo: dict[tuple[str, int], RevisionRecord] = session.info.get("revisions", {})
+        row = memo.get((case_id, revision))
+        if row is not None:
+            return row.policy_sha256, row.policy_json
+        sha, text = core(session).execute(_POLICY_COLUMNS, {
+            "case_id": case_id, "revision": revision}).one()
+        return sha, text
 
     @staticmethod
     def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
