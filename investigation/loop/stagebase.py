@@ -70,7 +70,8 @@ _MARKER_INSERT = insert(table_of(StageRun))
 _CASE = table_of(CaseRecord).c
 # The columns a stage's entry checks, read without building an ORM object: most stage
 # bodies never touch the case row (the ORM object is loaded when one asks, ``_fence``).
-_CASE_CHECK = sa_select(_CASE.head_seq, _CASE.current_revision, _CASE.state).where(
+_CASE_CHECK = sa_select(_CASE.head_seq, _CASE.current_revision, _CASE.state,
+                        _CASE.llm_retry_id).where(
     _CASE.id == bindparam("id"))
 _CASE_CHECK_FOR_UPDATE = _CASE_CHECK.with_for_update()
 _ACCOUNTS = select(BudgetAccount).where(
@@ -120,6 +121,7 @@ class _Open:
 
     session: Session
     key: StepKey
+    check: _CaseCheck
     case: CaseRecord | None = None
     joined: bool = False
 
@@ -131,6 +133,7 @@ class _CaseCheck:
     head_seq: int
     current_revision: int
     state: str
+    llm_retry_id: str
 
 
 @dataclass
@@ -251,8 +254,7 @@ class StageFramework:
                 attempt.early = True
                 attempt.committed = True
                 return early
-            opened = self._open = _Open(s, key, early if isinstance(early, CaseRecord)
-                                        else None)
+            opened = self._open = _Open(s, key, *early)
             result = fn(key)
             if not opened.joined:  # the body never used the transaction: end it
                 s.commit()
@@ -280,12 +282,14 @@ class StageFramework:
         row = core(s).execute(stmt, {"id": case_id}).first()
         if row is None:
             raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
-        return _CaseCheck(int(row[0]), int(row[1]), str(row[2]))
+        return _CaseCheck(int(row[0]), int(row[1]), str(row[2]), str(row[3]))
 
     def _enter(self, s: Session, stage: str, key: StepKey,
-               delivery: Delivery | None) -> CaseRecord | _CaseCheck | StageResult:
-        """The checks at the start of a stage transaction; a result ends the stage early."""
-        case: CaseRecord | _CaseCheck = self._lock_case_check(s, key.case_id)
+               delivery: Delivery | None) -> tuple[_CaseCheck, CaseRecord | None] | StageResult:
+        """The checks at the start of a stage transaction; a result ends the stage early.
+        Otherwise the columns checked, and the case row's ORM object when one was needed
+        (counting a delivery may park the case)."""
+        case = self._lock_case_check(s, key.case_id)
         if stage == "build_context":
             self._load_markers(s, key)
         if (key, "publish") in self._recorded and case.head_seq < key.step_seq:
@@ -318,14 +322,15 @@ class StageFramework:
             return StageResult({}, Outcome(BLOCKED, key.case_id, key.step_seq, case.state))
         if case.state != CASE_INVESTIGATING:
             raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
+        row: CaseRecord | None = None
         if delivery is not None:
             self._attempt.counted = True
-            case = Store.lock_case(s, key.case_id)  # parking changes it
-            parked = deliveries.count(s, case, key, stage, delivery.max_unfinished)
+            row = Store.lock_case(s, key.case_id)  # parking changes it
+            parked = deliveries.count(s, row, key, stage, delivery.max_unfinished)
             if parked is not None:
                 _log_parked(key, stage, parked)
                 return StageResult({}, parked)
-        return case
+        return case, row
 
     def _count_apart(self, stage: str, key: StepKey, delivery: Delivery) -> Outcome | None:
         """Count a delivery that may follow a lost one in its own transaction, before the
@@ -404,7 +409,8 @@ class StageFramework:
         return StageResult(output)
 
     def _fence(self, s: Session, key: StepKey, stage: str, *, active: bool = True) -> CaseRecord:
-        """Lock the case row and check the head; then re-check the stage's marker.
+        """Lock the case row and check the head; then re-check the stage's marker. Returns
+        the case row's ORM object (:meth:`_fenced` does the same checks without one).
 
         In the transaction ``run`` opened this was done already (the case row is returned).
         The marker check inside a later fenced transaction closes the race in which two
@@ -417,17 +423,34 @@ class StageFramework:
                 opened.case = Store.lock_case(s, key.case_id)
             return opened.case
         case = Store.lock_case(s, key.case_id)
-        if case.head_seq != key.step_seq - 1 or case.current_revision != key.revision:
+        self._check_fence(s, key, stage, case.head_seq, case.current_revision, case.state,
+                          active)
+        return case
+
+    def _fenced(self, s: Session, key: StepKey, stage: str) -> _CaseCheck:
+        """:meth:`_fence` for a body that does not change the case row: the same lock and
+        checks, read with one Core query (no ORM object); returns the columns checked."""
+        opened = self._open
+        if opened is not None and opened.session is s and opened.key == key:
+            return opened.check
+        case = self._lock_case_check(s, key.case_id)
+        self._check_fence(s, key, stage, case.head_seq, case.current_revision, case.state,
+                          True)
+        return case
+
+    @staticmethod
+    def _check_fence(s: Session, key: StepKey, stage: str, head_seq: int, revision: int,
+                     state: str, active: bool) -> None:
+        if head_seq != key.step_seq - 1 or revision != key.revision:
             raise StaleStateError(
-                f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",
-                head_seq=case.head_seq)
+                f"case {key.case_id} head is {head_seq}, step {key.step_seq} is stale",
+                head_seq=head_seq)
         row = core(s).execute(_MARKER, {**key.to_dict(), "stage": stage}).first()
         if row is not None:
             raise _AlreadyRecorded(dict(_loads(row[0])))
-        if active and case.state not in (CASE_INVESTIGATING, *CASE_HELD):
+        if active and state not in (CASE_INVESTIGATING, *CASE_HELD):
             # A stage already running when the operator paused or cancelled finishes.
-            raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
-        return case
+            raise StaleStateError(f"case {key.case_id} is {state}", state=state)
 
     @staticmethod
     def _recorded_halt(stage: str, key: StepKey, out: dict[str, Any]) -> Outcome | None:

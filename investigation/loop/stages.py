@@ -193,8 +193,7 @@ class Stages(StageFramework):
                 return self._complete(s, key, "llm_call", SKIPPED)
             _, context_bytes = self._context_bytes(s, key)
             schema = self._reply_schema(s, key, built)
-            case = self._fence(s, key, "llm_call")
-            retry_id = case.llm_retry_id
+            retry_id = self._fenced(s, key, "llm_call").llm_retry_id
             limits = self.env.config.limits  # operational bounds: not frozen
             cap = None if limits.max_model_cost is None else to_micros(limits.max_model_cost)
             request = ChatRequest(
@@ -243,7 +242,7 @@ class Stages(StageFramework):
             # stored and then rejected by validation, instead of wedging the step.
             content = content.encode("utf-8", "backslashreplace").decode("utf-8")
         with self._tx() as s:
-            self._fence(s, key, "llm_call")
+            self._fenced(s, key, "llm_call")
             return self._complete(s, key, "llm_call", {
                 "operation_id": result.operation_id, "attempt": result.attempt,
                 "provider": result.provider, "content": content,
@@ -259,7 +258,7 @@ class Stages(StageFramework):
     def _validate(self, key: StepKey) -> StageResult:
         router = self.env.router(key.case_id)
         with self._tx() as s:
-            self._fence(s, key, "validate")
+            self._fenced(s, key, "validate")
             call = self._output(s, key, "llm_call")
             if call.get("skipped"):
                 return self._complete(s, key, "validate", SKIPPED)
@@ -320,7 +319,7 @@ class Stages(StageFramework):
 
     def _persist_plan(self, key: StepKey) -> StageResult:
         with self._tx() as s:
-            self._fence(s, key, "persist_plan")
+            self._fenced(s, key, "persist_plan")
             verdict = self._output(s, key, "validate")
             if not verdict.get("accepted"):
                 return self._complete(s, key, "persist_plan", SKIPPED)
@@ -358,7 +357,7 @@ class Stages(StageFramework):
 
     def _settle_reserve(self, key: StepKey) -> StageResult:
         with self._tx() as s:
-            self._fence(s, key, "settle_reserve")
+            self._fenced(s, key, "settle_reserve")
             if self._output(s, key, "persist_plan").get("skipped"):
                 return self._complete(s, key, "settle_reserve", SKIPPED)
             built = self._output(s, key, "build_context")
@@ -441,13 +440,13 @@ class Stages(StageFramework):
 
     def _execute_tool(self, key: StepKey) -> StageResult:
         with self._tx() as s:
-            self._fence(s, key, "execute_tool")
+            self._fenced(s, key, "execute_tool")
             if self._output(s, key, "settle_reserve").get("skipped"):
                 return self._complete(s, key, "execute_tool", SKIPPED)
             nxt = self._output(s, key, "validate")["decision"]["reply"]["next"]
         if nxt["action"] == "test":
             with self._tx() as s:
-                self._fence(s, key, "execute_tool")
+                self._fenced(s, key, "execute_tool")
                 cfg, _ = self._policy(s, key)
                 built = self._output(s, key, "build_context")
                 decision = self._output(s, key, "validate")["decision"]
@@ -462,7 +461,7 @@ class Stages(StageFramework):
                     "request_sha256": request.request_sha256})
         if nxt["action"] != "query":
             with self._tx() as s:
-                self._fence(s, key, "execute_tool")
+                self._fenced(s, key, "execute_tool")
                 return self._complete(s, key, "execute_tool", {"action": nxt["action"]})
         try:
             result = self.env.router(key.case_id).execute(nxt["operation"], nxt["arguments"])
@@ -475,7 +474,7 @@ class Stages(StageFramework):
             # The same query on the same snapshot fails the same way every time: record it.
             data = _failed_result(nxt, "TOOL_FAILED", f"{type(exc).__name__}: {exc}"[:500])
         with self._tx() as s:
-            self._fence(s, key, "execute_tool")
+            self._fenced(s, key, "execute_tool")
             path = ARTIFACT_RAW_RESULT.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
             return self._complete(s, key, "execute_tool",
@@ -497,7 +496,7 @@ class Stages(StageFramework):
         """
         with self._tx() as s:
             try:
-                self._fence(s, key, "execute_tool")
+                self._fenced(s, key, "execute_tool")
             except _AlreadyRecorded:
                 return None
             if self._output(s, key, "settle_reserve").get("skipped"):
@@ -516,7 +515,7 @@ class Stages(StageFramework):
 
     def _record_evidence(self, key: StepKey) -> StageResult:
         with self._tx() as s:
-            self._fence(s, key, "record_evidence")
+            self._fenced(s, key, "record_evidence")
             executed = self._output(s, key, "execute_tool")
             if executed.get("skipped") or executed.get("action") != "query":
                 return self._complete(s, key, "record_evidence", SKIPPED)
