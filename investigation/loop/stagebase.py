@@ -156,6 +156,9 @@ class StageFramework:
     #: Stages whose body opens the case's snapshot: it is opened (its own read of the
     #: store) before the stage transaction, which on SQLite holds the write lock.
     SNAPSHOT_STAGES: frozenset[str] = frozenset()
+    #: Stages whose body changes the case row: its ORM object is loaded at the entry (the
+    #: others check its columns with one Core query and load it only if a body asks).
+    CASE_STAGES: frozenset[str] = frozenset()
 
     def __init__(self, env: StageEnv) -> None:
         self.env = env
@@ -289,7 +292,12 @@ class StageFramework:
         """The checks at the start of a stage transaction; a result ends the stage early.
         Otherwise the columns checked, and the case row's ORM object when one was needed
         (counting a delivery may park the case)."""
-        case = self._lock_case_check(s, key.case_id)
+        row: CaseRecord | None = None
+        if stage in self.CASE_STAGES:  # the body changes the case row: load it at once
+            row = Store.lock_case(s, key.case_id)
+            case = _CaseCheck(row.head_seq, row.current_revision, row.state, row.llm_retry_id)
+        else:
+            case = self._lock_case_check(s, key.case_id)
         if stage == "build_context":
             self._load_markers(s, key)
         if (key, "publish") in self._recorded and case.head_seq < key.step_seq:
@@ -322,10 +330,10 @@ class StageFramework:
             return StageResult({}, Outcome(BLOCKED, key.case_id, key.step_seq, case.state))
         if case.state != CASE_INVESTIGATING:
             raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
-        row: CaseRecord | None = None
         if delivery is not None:
             self._attempt.counted = True
-            row = Store.lock_case(s, key.case_id)  # parking changes it
+            if row is None:  # parking changes it
+                row = Store.lock_case(s, key.case_id)
             parked = deliveries.count(s, row, key, stage, delivery.max_unfinished)
             if parked is not None:
                 _log_parked(key, stage, parked)

@@ -24,7 +24,7 @@ import logging
 import sqlite3
 from typing import Any
 
-from sqlalchemy import bindparam, func, update
+from sqlalchemy import bindparam, func, insert, update
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
@@ -77,7 +77,7 @@ from investigation.loop.stagebase import SKIPPED, StageFramework, _AlreadyRecord
 from investigation.loop.summary import write_summary
 from investigation.loop.validation import validate_reply
 from investigation.secrets import default_masker
-from investigation.store.engine import Store
+from investigation.store.engine import Store, core, table_of
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -96,6 +96,7 @@ log = logging.getLogger(__name__)
 # Statements built once (building a statement costs more than running it on SQLite).
 _BIRTHS = select(HypothesisBirth).where(col(HypothesisBirth.case_id) == bindparam("case_id"),
                                         col(HypothesisBirth.revision) == bindparam("revision"))
+_PLAN_INSERT = insert(table_of(Plan))
 _LLM_CALLS = select(func.count()).select_from(StageRun).where(
     col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "llm_call")
 
@@ -117,6 +118,7 @@ class Stages(StageFramework):
     point runtimes use."""
 
     SNAPSHOT_STAGES = frozenset({"build_context", "validate", "execute_tool"})
+    CASE_STAGES = frozenset({"build_context", "publish"})
 
     @staticmethod
     def _reply_schema(s: Session, key: StepKey, built: dict[str, Any]) -> dict[str, Any]:
@@ -272,7 +274,9 @@ class Stages(StageFramework):
                     normalised = list(applied)
                     decision = validate_reply(reply, doc, cfg.budget,
                                               router, cfg.loop.max_questions_per_hypothesis)
-                    canonical_json(decision.to_dict())  # it must be storable
+                    accepted: dict[str, Any] = {"accepted": True,
+                                                "decision": decision.to_dict()}
+                    canonical_json(accepted["decision"])  # it must be storable
                 except (ValueError, TypeError, OverflowError, UnicodeError,
                         RecursionError) as exc:
                     # No reply may crash the stage: what cannot be judged is rejected.
@@ -294,7 +298,6 @@ class Stages(StageFramework):
             account.invalid_streak = 0
             account.last_rejection_json = None
             s.add(account)
-            accepted: dict[str, Any] = {"accepted": True, "decision": decision.to_dict()}
             if normalised:
                 accepted["normalised"] = normalised
             return self._complete(s, key, "validate", accepted)
@@ -339,17 +342,20 @@ class Stages(StageFramework):
             data = canonical_json(plan)
             path = ARTIFACT_PLAN.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
-            s.add(Plan(
-                case_id=key.case_id, revision=key.revision, step_seq=key.step_seq,
-                hypothesis_id=int(built["hypothesis_id"]), action=nxt["action"],
-                operation=nxt.get("operation"),
-                arguments_json=canonical_json(nxt["arguments"]).decode()
+            # A plan row is written once, here, and never through the ORM: one Core INSERT.
+            core(s).execute(_PLAN_INSERT, {
+                "case_id": key.case_id, "revision": key.revision, "step_seq": key.step_seq,
+                "hypothesis_id": int(built["hypothesis_id"]), "action": nxt["action"],
+                "operation": nxt.get("operation"),
+                "arguments_json": canonical_json(nxt["arguments"]).decode()
                 if "arguments" in nxt else None,
-                decision_json=canonical_json(decision).decode(),
-                llm_operation_id=call["operation_id"], llm_attempt=call["attempt"],
-                request_sha256=call["request_sha256"], output_sha256=call["response_sha256"],
-                context_sha256=built["context_sha256"], prompt_version=PROMPT_VERSION,
-                schema_version=REPLY_SCHEMA_VERSION, plan_path=path, plan_sha256=digest))
+                "decision_json": canonical_json(decision).decode(),
+                "llm_operation_id": call["operation_id"], "llm_attempt": call["attempt"],
+                "request_sha256": call["request_sha256"],
+                "output_sha256": call["response_sha256"],
+                "context_sha256": built["context_sha256"], "prompt_version": PROMPT_VERSION,
+                "schema_version": REPLY_SCHEMA_VERSION, "plan_path": path,
+                "plan_sha256": digest})
             return self._complete(s, key, "persist_plan",
                                   {"plan_path": path, "plan_sha256": digest})
 
