@@ -26,7 +26,7 @@ from investigation.errors import InvestigationError
 from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.loop.stages import Stages
-from investigation.store.engine import core, table_of
+from investigation.store.engine import table_of
 from investigation.store.models import CaseRecord, RevisionRecord
 
 # Built once (building a statement costs more than running it on SQLite). The case's
@@ -59,8 +59,7 @@ class Investigator:
             InvestigationError: ``CASE_NOT_FOUND``; ``REVISION_NOT_ACCEPTED`` when the
             current revision lacks an accepted interpretation/hypothesis batch.
         """
-        with self.env.store.session() as s:
-            row = core(s).execute(_NEXT_STEP, {"case_id": case_id}).first()
+        row = self.env.store.read_one(_NEXT_STEP, {"case_id": case_id})
         if row is None:
             raise InvestigationError("CASE_NOT_FOUND",
                                      f"no case {case_id}; register it with `case add`")

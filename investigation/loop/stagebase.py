@@ -74,6 +74,15 @@ _CASE_CHECK = sa_select(_CASE.head_seq, _CASE.current_revision, _CASE.state,
                         _CASE.llm_retry_id).where(
     _CASE.id == bindparam("id"))
 _CASE_CHECK_FOR_UPDATE = _CASE_CHECK.with_for_update()
+# The same columns and, in the same query, every recorded stage output of the step (one
+# row per marker; one row of NULLs when there is none): what a stage's entry reads on
+# SQLite (``StageFramework._lock_case_and_markers``).
+_CASE_AND_MARKERS = sa_select(
+    _CASE.head_seq, _CASE.current_revision, _CASE.state, _CASE.llm_retry_id, _RUN.stage,
+    _RUN.output_json).select_from(table_of(CaseRecord).outerjoin(
+        table_of(StageRun), (_RUN.case_id == _CASE.id)
+        & (_RUN.revision == bindparam("revision"))
+        & (_RUN.step_seq == bindparam("step_seq")))).where(_CASE.id == bindparam("case_id"))
 _ACCOUNTS = select(BudgetAccount).where(
     col(BudgetAccount.case_id) == bindparam("case_id"),
     col(BudgetAccount.revision) == bindparam("revision"))
@@ -293,11 +302,12 @@ class StageFramework:
         Otherwise the columns checked, and the case row's ORM object when one was needed
         (counting a delivery may park the case)."""
         row: CaseRecord | None = None
+        markers: list[tuple[str, str]] | None = None
         if stage in self.CASE_STAGES:  # the body changes the case row: load it at once
             row = Store.lock_case(s, key.case_id)
             case = _CaseCheck(row.head_seq, row.current_revision, row.state, row.llm_retry_id)
         else:
-            case = self._lock_case_check(s, key.case_id)
+            case, markers = self._lock_case_and_markers(s, key)
         if stage == "build_context":
             self._load_markers(s, key)
         if (key, "publish") in self._recorded and case.head_seq < key.step_seq:
@@ -311,8 +321,12 @@ class StageFramework:
         done = self._recorded.get((key, stage))
         if done is None and stage != "build_context":
             # One query: this stage's marker (another runner finished it) and the earlier
-            # stages' outputs this process has not seen (another worker process ran them).
-            self._load_markers(s, key)
+            # stages' outputs this process has not seen (another worker process ran them);
+            # read with the case row when the entry did not load its object.
+            if markers is None:
+                self._load_markers(s, key)
+            else:
+                self._remember_markers(key, markers)
             done = self._recorded.get((key, stage))
         if done is not None:
             return StageResult(done, self._recorded_halt(stage, key, done))
@@ -381,9 +395,33 @@ class StageFramework:
 
     # -- inside a stage ----------------------------------------------------------------
 
+    def _lock_case_and_markers(self, s: Session,
+                               key: StepKey) -> tuple[_CaseCheck, list[tuple[str, str]]]:
+        """:meth:`_lock_case_check` and the step's recorded stage outputs (as stored, not
+        yet taken in): one query on SQLite, whose transaction holds the write lock before
+        its first statement. On PostgreSQL the markers are read by a second statement,
+        after the row lock is granted: a statement's snapshot is taken when it starts, so
+        markers read by the locking statement could predate a runner that held the lock
+        while the statement waited for it."""
+        conn = core(s)
+        if conn.dialect.name == "postgresql":
+            case = self._lock_case_check(s, key.case_id)
+            return case, [(str(stage), text) for stage, text in
+                          conn.execute(_MARKERS, key.to_dict()).all()]
+        rows = conn.execute(_CASE_AND_MARKERS, key.to_dict()).all()
+        if not rows:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
+        first = rows[0]
+        return (_CaseCheck(int(first[0]), int(first[1]), str(first[2]), str(first[3])),
+                [(str(r[4]), r[5]) for r in rows if r[4] is not None])
+
     def _load_markers(self, s: Session, key: StepKey) -> None:
         """Read every recorded stage output of the step in one query."""
-        for stage, text in core(s).execute(_MARKERS, key.to_dict()).all():
+        self._remember_markers(key, core(s).execute(_MARKERS, key.to_dict()).all())
+
+    def _remember_markers(self, key: StepKey, rows: Any) -> None:
+        """Take in the step's recorded stage outputs ``(stage, output_json)``."""
+        for stage, text in rows:
             if (key, stage) in self._recorded:
                 continue  # recorded outputs never change
             try:

@@ -30,6 +30,8 @@ from investigation.store.models import Artifact, CaseRecord, ManifestPointer, Re
 
 #: SQLite busy timeout: writers wait for each other instead of failing at once.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: Execution option of :meth:`Store.read_one`'s connection: no write lock on SQLite.
+READ_ONE = "investigate_read_one"
 
 
 sha256_hex = blobs.sha256_hex
@@ -122,8 +124,9 @@ def make_engine(url: str) -> Engine:
         def _sqlite_begin(conn: Any) -> None:
             # BEGIN IMMEDIATE: take the write lock at the start, so two writers never
             # deadlock upgrading read locks (a "database is locked" the busy timeout
-            # cannot resolve).
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # cannot resolve). A single read (``Store.read_one``) runs in autocommit.
+            if not conn.get_execution_options().get(READ_ONE):
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
@@ -170,6 +173,15 @@ class Store:
             except BaseException:
                 session.rollback()
                 raise
+
+    def read_one(self, statement: Any, params: dict[str, Any]) -> Any:
+        """The first row of one read-only ``statement`` (or ``None``), outside any stage
+        transaction: on SQLite in autocommit (the statement alone is atomic, and it takes
+        no write lock); on PostgreSQL in a transaction of its own."""
+        with self.engine.connect().execution_options(**{READ_ONE: True}) as conn:
+            row = conn.execute(statement, params).first()
+            conn.commit()
+        return row
 
     # -- artifacts -------------------------------------------------------------------------
 
