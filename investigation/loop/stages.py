@@ -24,7 +24,8 @@ import logging
 import sqlite3
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, update
+from sqlalchemy import bindparam, func, insert
+from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
@@ -97,6 +98,10 @@ log = logging.getLogger(__name__)
 _BIRTHS = select(HypothesisBirth).where(col(HypothesisBirth.case_id) == bindparam("case_id"),
                                         col(HypothesisBirth.revision) == bindparam("revision"))
 _PLAN_INSERT = insert(table_of(Plan))
+_CASES = table_of(CaseRecord)
+#: Publishing's compare-and-set of the case head (the values come with the parameters).
+_CASE_PUBLISH = _CASES.update().where(_CASES.c.id == bindparam("id_"),
+                                      _CASES.c.head_seq == bindparam("head_"))
 _LLM_CALLS = select(func.count()).select_from(StageRun).where(
     col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "llm_call")
 
@@ -622,19 +627,20 @@ class Stages(StageFramework):
                 case_state, blocked_reason = CASE_STOPPED, f"SESSION_{stop.value}"
             cp = checkpoints.publish(s, key, case, state, built.get("context_sha256"), hid,
                                      outcome, reason, canonical_json(built).decode())
-            res = s.execute(
-                update(CaseRecord)
-                .where(col(CaseRecord.id) == key.case_id,
-                       col(CaseRecord.head_seq) == key.step_seq - 1)
-                .values(head_seq=key.step_seq, head_hash=cp.hash, last_outcome=outcome,
-                        last_reason=reason, retry_not_before=None, updated_at=utcnow(),
-                        state=case_state, blocked_reason=blocked_reason,
-                        session_json=case.session_json)
-                # Not flushed first: the compare-and-set writes the case's pending changes
-                # (its session, a hold's state) itself, and the ORM takes its new values.
-                .execution_options(autoflush=False, synchronize_session="evaluate"))
-            if res.rowcount != 1:  # type: ignore[attr-defined]
+            moved = {"head_seq": key.step_seq, "head_hash": cp.hash, "last_outcome": outcome,
+                     "last_reason": reason, "retry_not_before": None, "updated_at": utcnow(),
+                     "state": case_state, "blocked_reason": blocked_reason,
+                     "session_json": case.session_json}
+            # The compare-and-set writes the case's pending changes (its session, a hold's
+            # state) itself: one Core UPDATE (not flushed first), after which the ORM
+            # object takes the written values as committed (what the ORM's "evaluate"
+            # synchronisation did), so the commit does not write the row again.
+            res = core(s).execute(_CASE_PUBLISH, {"id_": key.case_id,
+                                                  "head_": key.step_seq - 1, **moved})
+            if res.rowcount != 1:
                 raise StaleStateError(f"case {key.case_id} head moved during publish")
+            for name, value in moved.items():
+                set_committed_value(case, name, value)
             Store.set_pointer(s, key.case_id, POINTER_STATE, cp.state_path,
                               state["_state_sha256"])
             if outcome == COMPLETED:
