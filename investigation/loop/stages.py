@@ -445,7 +445,6 @@ class Stages(StageFramework):
                 s.add(Question(case_id=key.case_id, revision=key.revision, ordinal=count,
                                question_id=f"Q{count}", hypothesis_id=account.hypothesis_id,
                                text=text, created_step=key.step_seq))
-        s.flush()
 
     # -- 6. execute_tool -----------------------------------------------------------------
 
