@@ -11,16 +11,26 @@ import json
 from typing import Any
 
 from sqlalchemy import bindparam, case, func
+from sqlalchemy import insert as sa_insert
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
 from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig, canonical_json
 from investigation.errors import InvestigationError
-from investigation.store.engine import sha256_hex
+from investigation.store.engine import core, sha256_hex, table_of
 from investigation.store.models import BudgetAccount, Evidence, LedgerEntry, RevisionRecord
 
 # Built once (building a statement costs more than running it on SQLite).
+#: Ledger rows are append-only and never written through the ORM: one Core INSERT each
+#: (no SQLModel object, nothing pending; decision 72's rule).
+_LEDGER_INSERT = sa_insert(table_of(LedgerEntry))
+
+
+def _ledger(session: Session, **values: Any) -> None:
+    core(session).execute(_LEDGER_INSERT, values)
+
+
 _ACCOUNTS = select(BudgetAccount).where(col(BudgetAccount.case_id) == bindparam("case_id"),
                                         col(BudgetAccount.revision) == bindparam("revision"))
 #: Per hypothesis of a case revision: the ledger's sum, its number of credit entries and
@@ -104,9 +114,9 @@ class BudgetManager:
             account = BudgetAccount(case_id=case_id, revision=revision, hypothesis_id=hid,
                                     credit_units=credit, balance_units=credit)
             session.add(account)
-            session.add(LedgerEntry(case_id=case_id, revision=revision, hypothesis_id=hid,
-                                    step_seq=0, kind="credit", amount_units=credit,
-                                    balance_after_units=credit, reference="initial credit"))
+            _ledger(session, case_id=case_id, revision=revision, hypothesis_id=hid,
+                    step_seq=0, kind="credit", amount_units=credit,
+                    balance_after_units=credit, reference="initial credit")
             existing[hid] = account
         session.flush()
         return [existing[h] for h in sorted(existing)]
@@ -150,10 +160,10 @@ class BudgetManager:
     def _entry(self, session: Session, account: BudgetAccount, step_seq: int, kind: str,
                amount: int, reference: str) -> None:
         account.balance_units += amount
-        session.add(LedgerEntry(case_id=account.case_id, revision=account.revision,
-                                hypothesis_id=account.hypothesis_id, step_seq=step_seq,
-                                kind=kind, amount_units=amount,
-                                balance_after_units=account.balance_units, reference=reference))
+        _ledger(session, case_id=account.case_id, revision=account.revision,
+                hypothesis_id=account.hypothesis_id, step_seq=step_seq, kind=kind,
+                amount_units=amount, balance_after_units=account.balance_units,
+                reference=reference)
         session.add(account)
 
     def settle(self, session: Session, account: BudgetAccount, evidence: Evidence, score: int,

@@ -111,6 +111,22 @@ def response_format(dialect: str, schema: dict[str, Any], name: str,
 # -- transforms ----------------------------------------------------------------------------
 
 
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _copy(value: Any) -> Any:
+    """A deep copy of a JSON value (``copy.deepcopy`` for anything else): the schema's
+    leaves are JSON, and deepcopy's memo bookkeeping cost more than the whole walk."""
+    kind = type(value)
+    if kind is dict:
+        return {k: _copy(v) for k, v in value.items()}
+    if kind is list:
+        return [_copy(v) for v in value]
+    if kind in _JSON_SCALARS:
+        return value
+    return copy.deepcopy(value)
+
+
 def _walk(schema: Any, fn: Any) -> Any:
     """Apply ``fn`` bottom-up to every sub-schema (dicts under the schema keywords)."""
     if isinstance(schema, list):
@@ -128,7 +144,7 @@ def _walk(schema: Any, fn: Any) -> Any:
         elif key == "$defs" and isinstance(value, dict):
             out[key] = {k: _walk(v, fn) for k, v in value.items()}
         else:
-            out[key] = copy.deepcopy(value)
+            out[key] = _copy(value)
     return fn(out)
 
 

@@ -55,6 +55,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, update
+from sqlalchemy import select as sa_select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError
@@ -388,17 +389,8 @@ class LLMGateway:
     def _pick_operation(
         session: Session, case_id: str, revision: int, step_seq: int, retry_id: str
     ) -> LLMOperation | None:
-        ops = list(
-            session.exec(
-                select(LLMOperation)
-                .where(
-                    LLMOperation.case_id == case_id,
-                    LLMOperation.revision == revision,
-                    LLMOperation.step_seq == step_seq,
-                )
-                .order_by(col(LLMOperation.id))
-            )
-        )
+        ops = list(session.exec(_OPERATIONS, params={
+            "case_id": case_id, "revision": revision, "step_seq": step_seq}))
         for op in ops:
             if op.status == OP_SUCCEEDED:
                 return op
@@ -766,21 +758,18 @@ class LLMGateway:
                 # The UPDATE above holds the operation row (PostgreSQL row lock, SQLite's
                 # write lock): a concurrent runner's attempt that is still ``sent`` means
                 # the model is being asked right now, so this runner must not ask again.
-                live = session.exec(_ATTEMPT_LIVE, params={"op_id": state.id}).first()
+                live = core(session).execute(_ATTEMPT_LIVE, {"op_id": state.id}).first()
                 if live is not None:
-                    raise _InFlight(_aware(live.started_at)
+                    raise _InFlight(_aware(live[0])
                                     + timedelta(seconds=max(self.in_flight_grace_s, 1.0)))
                 digest = Store.put_artifact(session, case_id, path, request_bytes)
-                core(session).execute(_ATTEMPT_INSERT, LLMAttempt(
-                    operation_id=state.id,
-                    attempt=attempt_no,
-                    provider=provider,
-                    request_path=path,
-                    request_sha256=digest,
-                    reserved_micros=reserved_micros,
-                    status=ATTEMPT_SENT,
-                    started_at=self._now(),
-                ).model_dump(exclude={"id"}))
+                # Every column of a new attempt (what ``LLMAttempt(...).model_dump()``
+                # gives), without building the model.
+                core(session).execute(_ATTEMPT_INSERT, {
+                    **_ATTEMPT_UNSET, "operation_id": state.id, "attempt": attempt_no,
+                    "provider": provider, "request_path": path, "request_sha256": digest,
+                    "reserved_micros": reserved_micros, "status": ATTEMPT_SENT,
+                    "started_at": self._now()})
         except DBAPIError as exc:
             if is_lost_race(exc):
                 raise self._stale(state.id, attempt_no) from exc
@@ -927,9 +916,18 @@ _OP_UPDATE = _OP.update().where(_OP.c.id == bindparam("op_id_"),
 _ATTEMPT_CLOSE = _ATTEMPT.update().where(
     _ATTEMPT.c.operation_id == bindparam("op_id_"), _ATTEMPT.c.attempt == bindparam("no_"),
     _ATTEMPT.c.status == ATTEMPT_SENT)
-_ATTEMPT_LIVE = select(LLMAttempt).where(col(LLMAttempt.operation_id) == bindparam("op_id"),
-                                         col(LLMAttempt.status) == ATTEMPT_SENT)
+_ATTEMPT_LIVE = sa_select(_ATTEMPT.c.started_at).where(
+    _ATTEMPT.c.operation_id == bindparam("op_id"), _ATTEMPT.c.status == ATTEMPT_SENT)
 _ATTEMPT_INSERT = _ATTEMPT.insert()
+#: The columns a new attempt leaves at their defaults (all ``None``).
+_ATTEMPT_UNSET = {name: None for name in (
+    "response_path", "response_sha256", "http_status", "error_code", "error_message",
+    "prompt_tokens", "completion_tokens", "finish_reason", "cost_micros", "finished_at")}
+#: The operations of one decision, oldest first.
+_OPERATIONS = select(LLMOperation).where(
+    col(LLMOperation.case_id) == bindparam("case_id"),
+    col(LLMOperation.revision) == bindparam("revision"),
+    col(LLMOperation.step_seq) == bindparam("step_seq")).order_by(col(LLMOperation.id))
 #: Create an operation unless its unique (case, revision, step, retry id) exists; its id.
 _OP_CREATE = {
     name: ins(_OP).on_conflict_do_nothing(

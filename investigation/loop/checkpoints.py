@@ -242,7 +242,7 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
         "case_state": case.state,
         "blocked_reason": case.blocked_reason,
         "context_sha256": context_sha256,
-        "policy_sha256": _revision(s, key.case_id, key.revision).policy_sha256,
+        "policy_sha256": Store.policy_columns(s, key.case_id, key.revision)[0],
         "accounts": [
             {
                 "hypothesis_id": a.hypothesis_id, "status": a.status,

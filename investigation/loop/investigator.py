@@ -9,7 +9,7 @@ The Celery runtime calls the very same ``Stages.run`` from one task per stage.
 from __future__ import annotations
 
 from sqlalchemy import bindparam
-from sqlmodel import col, select
+from sqlalchemy import select as sa_select
 
 from investigation.constants import (
     BLOCKED,
@@ -26,12 +26,19 @@ from investigation.errors import InvestigationError
 from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.loop.stages import Stages
+from investigation.store.engine import table_of
 from investigation.store.models import CaseRecord, RevisionRecord
 
-# Built once (building a statement costs more than running it on SQLite).
-_REVISION_ACCEPTED = select(col(RevisionRecord.id)).where(
-    col(RevisionRecord.case_id) == bindparam("case_id"),
-    col(RevisionRecord.revision) == bindparam("revision"))
+# Built once (building a statement costs more than running it on SQLite). The case's
+# scheduling columns and whether its current revision exists, in one Core query (no ORM
+# object: nothing here is changed).
+_CASE = table_of(CaseRecord).c
+_REV = table_of(RevisionRecord).c
+_NEXT_STEP = sa_select(
+    _CASE.state, _CASE.current_revision, _CASE.head_seq, _CASE.blocked_reason,
+    sa_select(_REV.id).where(_REV.case_id == _CASE.id,
+                             _REV.revision == _CASE.current_revision)
+    .limit(1).scalar_subquery()).where(_CASE.id == bindparam("case_id"))
 
 
 class Investigator:
@@ -52,27 +59,24 @@ class Investigator:
             InvestigationError: ``CASE_NOT_FOUND``; ``REVISION_NOT_ACCEPTED`` when the
             current revision lacks an accepted interpretation/hypothesis batch.
         """
-        with self.env.store.session() as s:
-            case = s.get(CaseRecord, case_id)
-            if case is None:
-                raise InvestigationError("CASE_NOT_FOUND",
-                                         f"no case {case_id}; register it with `case add`")
-            rev = s.exec(_REVISION_ACCEPTED, params={
-                "case_id": case_id, "revision": case.current_revision}).first()
-            if rev is None:
-                raise InvestigationError(
-                    "REVISION_NOT_ACCEPTED",
-                    f"case {case_id} revision {case.current_revision} has no accepted "
-                    "interpretation and hypotheses")
-            if case.state == CASE_BUILDING_DIAGNOSIS:
-                return Outcome(COMPLETED, case_id, case.head_seq, "ALL_ACCOUNTS_TERMINAL")
-            if case.state == CASE_BLOCKED:
-                return Outcome(BLOCKED, case_id, case.head_seq, case.blocked_reason)
-            if case.state in (*CASE_HELD, CASE_STOPPED):
-                return Outcome(BLOCKED, case_id, case.head_seq,
-                               case.state if case.state != CASE_STOPPED
-                               else case.blocked_reason)
-            return StepKey(case_id, case.current_revision, case.head_seq + 1)
+        row = self.env.store.read_one(_NEXT_STEP, {"case_id": case_id})
+        if row is None:
+            raise InvestigationError("CASE_NOT_FOUND",
+                                     f"no case {case_id}; register it with `case add`")
+        state, current_revision, head_seq, blocked_reason, rev = row
+        if rev is None:
+            raise InvestigationError(
+                "REVISION_NOT_ACCEPTED",
+                f"case {case_id} revision {current_revision} has no accepted "
+                "interpretation and hypotheses")
+        if state == CASE_BUILDING_DIAGNOSIS:
+            return Outcome(COMPLETED, case_id, head_seq, "ALL_ACCOUNTS_TERMINAL")
+        if state == CASE_BLOCKED:
+            return Outcome(BLOCKED, case_id, head_seq, blocked_reason)
+        if state in (*CASE_HELD, CASE_STOPPED):
+            return Outcome(BLOCKED, case_id, head_seq,
+                           state if state != CASE_STOPPED else blocked_reason)
+        return StepKey(case_id, current_revision, head_seq + 1)
 
     def step(self, case_id: str) -> Outcome:
         """Run one step: every stage in order until one ends the step.

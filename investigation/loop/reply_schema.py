@@ -47,6 +47,7 @@ affordable (the validator then needs a score high enough; the prompt header says
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from investigation.budget import rules
@@ -200,6 +201,13 @@ def _json_copy(value: Any) -> Any:
     return value
 
 
+#: :func:`argument_schema` results by the JSON text of their input (a pure function of
+#: it): the same few operation schemas come with every turn's context. Kept as JSON text,
+#: so every caller gets a fresh object to change.
+_ARGUMENT_SCHEMAS: dict[str, str] = {}
+_ARGUMENT_SCHEMAS_KEPT = 256
+
+
 def argument_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """An operation's argument schema in the form the turn schema uses.
 
@@ -207,6 +215,21 @@ def argument_schema(schema: dict[str, Any]) -> dict[str, Any]:
     ``anyOf [X, null]`` of an optional argument written as ``X`` (an optional argument is
     left out, not sent as null), ``additionalProperties: false`` and ``required`` kept.
     """
+    try:
+        key = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):  # not JSON text: no cache
+        return _argument_schema(schema)
+    text = _ARGUMENT_SCHEMAS.get(key)
+    if text is None:
+        text = json.dumps(_argument_schema(schema), ensure_ascii=False)
+        if len(_ARGUMENT_SCHEMAS) >= _ARGUMENT_SCHEMAS_KEPT:
+            _ARGUMENT_SCHEMAS.clear()  # a bound, not an LRU: single dict operations only
+        _ARGUMENT_SCHEMAS[key] = text
+    result: dict[str, Any] = json.loads(text)
+    return result
+
+
+def _argument_schema(schema: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"type": "object", "properties": {},
                            "required": list(schema.get("required", [])),
                            "additionalProperties": False}

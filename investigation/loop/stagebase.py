@@ -67,6 +67,22 @@ _STEP = (_RUN.case_id == bindparam("case_id"), _RUN.revision == bindparam("revis
 _MARKERS = sa_select(_RUN.stage, _RUN.output_json).where(*_STEP)
 _MARKER = sa_select(_RUN.output_json).where(*_STEP, _RUN.stage == bindparam("stage"))
 _MARKER_INSERT = insert(table_of(StageRun))
+_CASE = table_of(CaseRecord).c
+# The columns a stage's entry checks, read without building an ORM object: most stage
+# bodies never touch the case row (the ORM object is loaded when one asks, ``_fence``).
+_CASE_CHECK = sa_select(_CASE.head_seq, _CASE.current_revision, _CASE.state,
+                        _CASE.llm_retry_id).where(
+    _CASE.id == bindparam("id"))
+_CASE_CHECK_FOR_UPDATE = _CASE_CHECK.with_for_update()
+# The same columns and, in the same query, every recorded stage output of the step (one
+# row per marker; one row of NULLs when there is none): what a stage's entry reads on
+# SQLite (``StageFramework._lock_case_and_markers``).
+_CASE_AND_MARKERS = sa_select(
+    _CASE.head_seq, _CASE.current_revision, _CASE.state, _CASE.llm_retry_id, _RUN.stage,
+    _RUN.output_json).select_from(table_of(CaseRecord).outerjoin(
+        table_of(StageRun), (_RUN.case_id == _CASE.id)
+        & (_RUN.revision == bindparam("revision"))
+        & (_RUN.step_seq == bindparam("step_seq")))).where(_CASE.id == bindparam("case_id"))
 _ACCOUNTS = select(BudgetAccount).where(
     col(BudgetAccount.case_id) == bindparam("case_id"),
     col(BudgetAccount.revision) == bindparam("revision"))
@@ -109,12 +125,24 @@ def _log_parked(key: StepKey, stage: str, parked: Outcome) -> None:
 
 @dataclass
 class _Open:
-    """The stage transaction ``run`` opened and fenced, until the body takes it over."""
+    """The stage transaction ``run`` opened and fenced, until the body takes it over. The
+    case row is locked; its ORM object is loaded when the body first asks for it."""
 
     session: Session
-    case: CaseRecord
     key: StepKey
+    check: _CaseCheck
+    case: CaseRecord | None = None
     joined: bool = False
+
+
+@dataclass(frozen=True)
+class _CaseCheck:
+    """What a stage's entry checks of the (locked) case row."""
+
+    head_seq: int
+    current_revision: int
+    state: str
+    llm_retry_id: str
 
 
 @dataclass
@@ -137,6 +165,9 @@ class StageFramework:
     #: Stages whose body opens the case's snapshot: it is opened (its own read of the
     #: store) before the stage transaction, which on SQLite holds the write lock.
     SNAPSHOT_STAGES: frozenset[str] = frozenset()
+    #: Stages whose body changes the case row: its ORM object is loaded at the entry (the
+    #: others check its columns with one Core query and load it only if a body asks).
+    CASE_STAGES: frozenset[str] = frozenset()
 
     def __init__(self, env: StageEnv) -> None:
         self.env = env
@@ -235,7 +266,7 @@ class StageFramework:
                 attempt.early = True
                 attempt.committed = True
                 return early
-            opened = self._open = _Open(s, early, key)
+            opened = self._open = _Open(s, key, *early)
             result = fn(key)
             if not opened.joined:  # the body never used the transaction: end it
                 s.commit()
@@ -250,10 +281,33 @@ class StageFramework:
             self._open = None
             s.close()
 
+    @staticmethod
+    def _lock_case_check(s: Session, case_id: str) -> _CaseCheck:
+        """Lock the case row (``SELECT ... FOR UPDATE`` on PostgreSQL; SQLite's transaction
+        holds the write lock) and read the columns the entry checks, with no ORM object.
+
+        Raises:
+            InvestigationError: ``CASE_NOT_FOUND``.
+        """
+        stmt = _CASE_CHECK_FOR_UPDATE if s.get_bind().dialect.name == "postgresql" \
+            else _CASE_CHECK
+        row = core(s).execute(stmt, {"id": case_id}).first()
+        if row is None:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+        return _CaseCheck(int(row[0]), int(row[1]), str(row[2]), str(row[3]))
+
     def _enter(self, s: Session, stage: str, key: StepKey,
-               delivery: Delivery | None) -> CaseRecord | StageResult:
-        """The checks at the start of a stage transaction; a result ends the stage early."""
-        case = Store.lock_case(s, key.case_id)
+               delivery: Delivery | None) -> tuple[_CaseCheck, CaseRecord | None] | StageResult:
+        """The checks at the start of a stage transaction; a result ends the stage early.
+        Otherwise the columns checked, and the case row's ORM object when one was needed
+        (counting a delivery may park the case)."""
+        row: CaseRecord | None = None
+        markers: list[tuple[str, str]] | None = None
+        if stage in self.CASE_STAGES:  # the body changes the case row: load it at once
+            row = Store.lock_case(s, key.case_id)
+            case = _CaseCheck(row.head_seq, row.current_revision, row.state, row.llm_retry_id)
+        else:
+            case, markers = self._lock_case_and_markers(s, key)
         if stage == "build_context":
             self._load_markers(s, key)
         if (key, "publish") in self._recorded and case.head_seq < key.step_seq:
@@ -267,8 +321,12 @@ class StageFramework:
         done = self._recorded.get((key, stage))
         if done is None and stage != "build_context":
             # One query: this stage's marker (another runner finished it) and the earlier
-            # stages' outputs this process has not seen (another worker process ran them).
-            self._load_markers(s, key)
+            # stages' outputs this process has not seen (another worker process ran them);
+            # read with the case row when the entry did not load its object.
+            if markers is None:
+                self._load_markers(s, key)
+            else:
+                self._remember_markers(key, markers)
             done = self._recorded.get((key, stage))
         if done is not None:
             return StageResult(done, self._recorded_halt(stage, key, done))
@@ -288,11 +346,13 @@ class StageFramework:
             raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
         if delivery is not None:
             self._attempt.counted = True
-            parked = deliveries.count(s, case, key, stage, delivery.max_unfinished)
+            if row is None:  # parking changes it
+                row = Store.lock_case(s, key.case_id)
+            parked = deliveries.count(s, row, key, stage, delivery.max_unfinished)
             if parked is not None:
                 _log_parked(key, stage, parked)
                 return StageResult({}, parked)
-        return case
+        return case, row
 
     def _count_apart(self, stage: str, key: StepKey, delivery: Delivery) -> Outcome | None:
         """Count a delivery that may follow a lost one in its own transaction, before the
@@ -335,9 +395,33 @@ class StageFramework:
 
     # -- inside a stage ----------------------------------------------------------------
 
+    def _lock_case_and_markers(self, s: Session,
+                               key: StepKey) -> tuple[_CaseCheck, list[tuple[str, str]]]:
+        """:meth:`_lock_case_check` and the step's recorded stage outputs (as stored, not
+        yet taken in): one query on SQLite, whose transaction holds the write lock before
+        its first statement. On PostgreSQL the markers are read by a second statement,
+        after the row lock is granted: a statement's snapshot is taken when it starts, so
+        markers read by the locking statement could predate a runner that held the lock
+        while the statement waited for it."""
+        conn = core(s)
+        if conn.dialect.name == "postgresql":
+            case = self._lock_case_check(s, key.case_id)
+            return case, [(str(stage), text) for stage, text in
+                          conn.execute(_MARKERS, key.to_dict()).all()]
+        rows = conn.execute(_CASE_AND_MARKERS, key.to_dict()).all()
+        if not rows:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
+        first = rows[0]
+        return (_CaseCheck(int(first[0]), int(first[1]), str(first[2]), str(first[3])),
+                [(str(r[4]), r[5]) for r in rows if r[4] is not None])
+
     def _load_markers(self, s: Session, key: StepKey) -> None:
         """Read every recorded stage output of the step in one query."""
-        for stage, text in core(s).execute(_MARKERS, key.to_dict()).all():
+        self._remember_markers(key, core(s).execute(_MARKERS, key.to_dict()).all())
+
+    def _remember_markers(self, key: StepKey, rows: Any) -> None:
+        """Take in the step's recorded stage outputs ``(stage, output_json)``."""
+        for stage, text in rows:
             if (key, stage) in self._recorded:
                 continue  # recorded outputs never change
             try:
@@ -371,7 +455,8 @@ class StageFramework:
         return StageResult(output)
 
     def _fence(self, s: Session, key: StepKey, stage: str, *, active: bool = True) -> CaseRecord:
-        """Lock the case row and check the head; then re-check the stage's marker.
+        """Lock the case row and check the head; then re-check the stage's marker. Returns
+        the case row's ORM object (:meth:`_fenced` does the same checks without one).
 
         In the transaction ``run`` opened this was done already (the case row is returned).
         The marker check inside a later fenced transaction closes the race in which two
@@ -380,19 +465,38 @@ class StageFramework:
         """
         opened = self._open
         if opened is not None and opened.session is s and opened.key == key:
+            if opened.case is None:  # locked and checked at the entry; now the object
+                opened.case = Store.lock_case(s, key.case_id)
             return opened.case
         case = Store.lock_case(s, key.case_id)
-        if case.head_seq != key.step_seq - 1 or case.current_revision != key.revision:
+        self._check_fence(s, key, stage, case.head_seq, case.current_revision, case.state,
+                          active)
+        return case
+
+    def _fenced(self, s: Session, key: StepKey, stage: str) -> _CaseCheck:
+        """:meth:`_fence` for a body that does not change the case row: the same lock and
+        checks, read with one Core query (no ORM object); returns the columns checked."""
+        opened = self._open
+        if opened is not None and opened.session is s and opened.key == key:
+            return opened.check
+        case = self._lock_case_check(s, key.case_id)
+        self._check_fence(s, key, stage, case.head_seq, case.current_revision, case.state,
+                          True)
+        return case
+
+    @staticmethod
+    def _check_fence(s: Session, key: StepKey, stage: str, head_seq: int, revision: int,
+                     state: str, active: bool) -> None:
+        if head_seq != key.step_seq - 1 or revision != key.revision:
             raise StaleStateError(
-                f"case {key.case_id} head is {case.head_seq}, step {key.step_seq} is stale",
-                head_seq=case.head_seq)
+                f"case {key.case_id} head is {head_seq}, step {key.step_seq} is stale",
+                head_seq=head_seq)
         row = core(s).execute(_MARKER, {**key.to_dict(), "stage": stage}).first()
         if row is not None:
             raise _AlreadyRecorded(dict(_loads(row[0])))
-        if active and case.state not in (CASE_INVESTIGATING, *CASE_HELD):
+        if active and state not in (CASE_INVESTIGATING, *CASE_HELD):
             # A stage already running when the operator paused or cancelled finishes.
-            raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
-        return case
+            raise StaleStateError(f"case {key.case_id} is {state}", state=state)
 
     @staticmethod
     def _recorded_halt(stage: str, key: StepKey, out: dict[str, Any]) -> Outcome | None:
@@ -402,19 +506,22 @@ class StageFramework:
         return None
 
     def _policy(self, s: Session, key: StepKey) -> tuple[InvestigationConfig, BudgetManager]:
-        rev = Store.revision(s, key.case_id, key.revision)
-        cache_key = (rev.policy_sha256 or "", id(self.env.config), self.env.explicit_config)
+        # The policy columns only (no ORM object) while the frozen policy is cached.
+        policy_sha, policy_text = Store.policy_columns(s, key.case_id, key.revision)
+        cache_key = (policy_sha or "", id(self.env.config), self.env.explicit_config)
         cached = self._policies.get(cache_key)
-        if cached is None or rev.policy_json is None or \
-                sha256_hex(rev.policy_json.encode("utf-8")) != rev.policy_sha256:
+        if cached is None or policy_text is None or \
+                sha256_hex(policy_text.encode("utf-8")) != policy_sha:
+            rev = Store.revision(s, key.case_id, key.revision)
             cfg = BudgetManager.freeze_policy(s, rev, self.env.config,
                                               self.env.explicit_config)
             cached = (cfg, BudgetManager(cfg.budget, cfg.loop))
+            policy_sha = rev.policy_sha256
             if rev.policy_sha256:
                 self._policies[(rev.policy_sha256, id(self.env.config),
                                 self.env.explicit_config)] = cached
         built = self._recorded.get((key, "build_context"))
-        if built is not None and built.get("policy_sha256") not in (None, rev.policy_sha256):
+        if built is not None and built.get("policy_sha256") not in (None, policy_sha):
             # The step was planned under another policy: a swap between its stages.
             raise InvestigationError(
                 "POLICY_CHANGED",

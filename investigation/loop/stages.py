@@ -24,7 +24,8 @@ import logging
 import sqlite3
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, update
+from sqlalchemy import bindparam, func, insert
+from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
@@ -97,6 +98,11 @@ log = logging.getLogger(__name__)
 # Statements built once (building a statement costs more than running it on SQLite).
 _BIRTHS = select(HypothesisBirth).where(col(HypothesisBirth.case_id) == bindparam("case_id"),
                                         col(HypothesisBirth.revision) == bindparam("revision"))
+_PLAN_INSERT = insert(table_of(Plan))
+_CASES = table_of(CaseRecord)
+#: Publishing's compare-and-set of the case head (the values come with the parameters).
+_CASE_PUBLISH = _CASES.update().where(_CASES.c.id == bindparam("id_"),
+                                      _CASES.c.head_seq == bindparam("head_"))
 _LLM_CALLS = select(func.count()).select_from(StageRun).where(
     col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "llm_call")
 _NOTE_INSERT = insert(table_of(HypothesisNote))
@@ -119,6 +125,7 @@ class Stages(StageFramework):
     point runtimes use."""
 
     SNAPSHOT_STAGES = frozenset({"build_context", "validate", "execute_tool"})
+    CASE_STAGES = frozenset({"build_context", "publish"})
 
     @staticmethod
     def _reply_schema(s: Session, key: StepKey, built: dict[str, Any]) -> dict[str, Any]:
@@ -195,8 +202,7 @@ class Stages(StageFramework):
                 return self._complete(s, key, "llm_call", SKIPPED)
             _, context_bytes = self._context_bytes(s, key)
             schema = self._reply_schema(s, key, built)
-            case = self._fence(s, key, "llm_call")
-            retry_id = case.llm_retry_id
+            retry_id = self._fenced(s, key, "llm_call").llm_retry_id
             limits = self.env.config.limits  # operational bounds: not frozen
             cap = None if limits.max_model_cost is None else to_micros(limits.max_model_cost)
             request = ChatRequest(
@@ -245,7 +251,7 @@ class Stages(StageFramework):
             # stored and then rejected by validation, instead of wedging the step.
             content = content.encode("utf-8", "backslashreplace").decode("utf-8")
         with self._tx() as s:
-            self._fence(s, key, "llm_call")
+            self._fenced(s, key, "llm_call")
             return self._complete(s, key, "llm_call", {
                 "operation_id": result.operation_id, "attempt": result.attempt,
                 "provider": result.provider, "content": content,
@@ -261,7 +267,7 @@ class Stages(StageFramework):
     def _validate(self, key: StepKey) -> StageResult:
         router = self.env.router(key.case_id)
         with self._tx() as s:
-            self._fence(s, key, "validate")
+            self._fenced(s, key, "validate")
             call = self._output(s, key, "llm_call")
             if call.get("skipped"):
                 return self._complete(s, key, "validate", SKIPPED)
@@ -275,7 +281,9 @@ class Stages(StageFramework):
                     normalised = list(applied)
                     decision = validate_reply(reply, doc, cfg.budget,
                                               router, cfg.loop.max_questions_per_hypothesis)
-                    canonical_json(decision.to_dict())  # it must be storable
+                    accepted: dict[str, Any] = {"accepted": True,
+                                                "decision": decision.to_dict()}
+                    canonical_json(accepted["decision"])  # it must be storable
                 except (ValueError, TypeError, OverflowError, UnicodeError,
                         RecursionError) as exc:
                     # No reply may crash the stage: what cannot be judged is rejected.
@@ -297,7 +305,6 @@ class Stages(StageFramework):
             account.invalid_streak = 0
             account.last_rejection_json = None
             s.add(account)
-            accepted: dict[str, Any] = {"accepted": True, "decision": decision.to_dict()}
             if normalised:
                 accepted["normalised"] = normalised
             return self._complete(s, key, "validate", accepted)
@@ -322,7 +329,7 @@ class Stages(StageFramework):
 
     def _persist_plan(self, key: StepKey) -> StageResult:
         with self._tx() as s:
-            self._fence(s, key, "persist_plan")
+            self._fenced(s, key, "persist_plan")
             verdict = self._output(s, key, "validate")
             if not verdict.get("accepted"):
                 return self._complete(s, key, "persist_plan", SKIPPED)
@@ -342,17 +349,20 @@ class Stages(StageFramework):
             data = canonical_json(plan)
             path = ARTIFACT_PLAN.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
-            s.add(Plan(
-                case_id=key.case_id, revision=key.revision, step_seq=key.step_seq,
-                hypothesis_id=int(built["hypothesis_id"]), action=nxt["action"],
-                operation=nxt.get("operation"),
-                arguments_json=canonical_json(nxt["arguments"]).decode()
+            # A plan row is written once, here, and never through the ORM: one Core INSERT.
+            core(s).execute(_PLAN_INSERT, {
+                "case_id": key.case_id, "revision": key.revision, "step_seq": key.step_seq,
+                "hypothesis_id": int(built["hypothesis_id"]), "action": nxt["action"],
+                "operation": nxt.get("operation"),
+                "arguments_json": canonical_json(nxt["arguments"]).decode()
                 if "arguments" in nxt else None,
-                decision_json=canonical_json(decision).decode(),
-                llm_operation_id=call["operation_id"], llm_attempt=call["attempt"],
-                request_sha256=call["request_sha256"], output_sha256=call["response_sha256"],
-                context_sha256=built["context_sha256"], prompt_version=PROMPT_VERSION,
-                schema_version=REPLY_SCHEMA_VERSION, plan_path=path, plan_sha256=digest))
+                "decision_json": canonical_json(decision).decode(),
+                "llm_operation_id": call["operation_id"], "llm_attempt": call["attempt"],
+                "request_sha256": call["request_sha256"],
+                "output_sha256": call["response_sha256"],
+                "context_sha256": built["context_sha256"], "prompt_version": PROMPT_VERSION,
+                "schema_version": REPLY_SCHEMA_VERSION, "plan_path": path,
+                "plan_sha256": digest})
             return self._complete(s, key, "persist_plan",
                                   {"plan_path": path, "plan_sha256": digest})
 
@@ -360,7 +370,7 @@ class Stages(StageFramework):
 
     def _settle_reserve(self, key: StepKey) -> StageResult:
         with self._tx() as s:
-            self._fence(s, key, "settle_reserve")
+            self._fenced(s, key, "settle_reserve")
             if self._output(s, key, "persist_plan").get("skipped"):
                 return self._complete(s, key, "settle_reserve", SKIPPED)
             built = self._output(s, key, "build_context")
@@ -438,19 +448,18 @@ class Stages(StageFramework):
                 s.add(Question(case_id=key.case_id, revision=key.revision, ordinal=count,
                                question_id=f"Q{count}", hypothesis_id=account.hypothesis_id,
                                text=text, created_step=key.step_seq))
-        s.flush()
 
     # -- 6. execute_tool -----------------------------------------------------------------
 
     def _execute_tool(self, key: StepKey) -> StageResult:
         with self._tx() as s:
-            self._fence(s, key, "execute_tool")
+            self._fenced(s, key, "execute_tool")
             if self._output(s, key, "settle_reserve").get("skipped"):
                 return self._complete(s, key, "execute_tool", SKIPPED)
             nxt = self._output(s, key, "validate")["decision"]["reply"]["next"]
         if nxt["action"] == "test":
             with self._tx() as s:
-                self._fence(s, key, "execute_tool")
+                self._fenced(s, key, "execute_tool")
                 cfg, _ = self._policy(s, key)
                 built = self._output(s, key, "build_context")
                 decision = self._output(s, key, "validate")["decision"]
@@ -465,7 +474,7 @@ class Stages(StageFramework):
                     "request_sha256": request.request_sha256})
         if nxt["action"] != "query":
             with self._tx() as s:
-                self._fence(s, key, "execute_tool")
+                self._fenced(s, key, "execute_tool")
                 return self._complete(s, key, "execute_tool", {"action": nxt["action"]})
         try:
             result = self.env.router(key.case_id).execute(nxt["operation"], nxt["arguments"])
@@ -478,7 +487,7 @@ class Stages(StageFramework):
             # The same query on the same snapshot fails the same way every time: record it.
             data = _failed_result(nxt, "TOOL_FAILED", f"{type(exc).__name__}: {exc}"[:500])
         with self._tx() as s:
-            self._fence(s, key, "execute_tool")
+            self._fenced(s, key, "execute_tool")
             path = ARTIFACT_RAW_RESULT.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
             return self._complete(s, key, "execute_tool",
@@ -500,7 +509,7 @@ class Stages(StageFramework):
         """
         with self._tx() as s:
             try:
-                self._fence(s, key, "execute_tool")
+                self._fenced(s, key, "execute_tool")
             except _AlreadyRecorded:
                 return None
             if self._output(s, key, "settle_reserve").get("skipped"):
@@ -519,7 +528,7 @@ class Stages(StageFramework):
 
     def _record_evidence(self, key: StepKey) -> StageResult:
         with self._tx() as s:
-            self._fence(s, key, "record_evidence")
+            self._fenced(s, key, "record_evidence")
             executed = self._output(s, key, "execute_tool")
             if executed.get("skipped") or executed.get("action") != "query":
                 return self._complete(s, key, "record_evidence", SKIPPED)
@@ -620,19 +629,20 @@ class Stages(StageFramework):
                 case_state, blocked_reason = CASE_STOPPED, f"SESSION_{stop.value}"
             cp = checkpoints.publish(s, key, case, state, built.get("context_sha256"), hid,
                                      outcome, reason, canonical_json(built).decode())
-            res = s.execute(
-                update(CaseRecord)
-                .where(col(CaseRecord.id) == key.case_id,
-                       col(CaseRecord.head_seq) == key.step_seq - 1)
-                .values(head_seq=key.step_seq, head_hash=cp.hash, last_outcome=outcome,
-                        last_reason=reason, retry_not_before=None, updated_at=utcnow(),
-                        state=case_state, blocked_reason=blocked_reason,
-                        session_json=case.session_json)
-                # Not flushed first: the compare-and-set writes the case's pending changes
-                # (its session, a hold's state) itself, and the ORM takes its new values.
-                .execution_options(autoflush=False, synchronize_session="evaluate"))
-            if res.rowcount != 1:  # type: ignore[attr-defined]
+            moved = {"head_seq": key.step_seq, "head_hash": cp.hash, "last_outcome": outcome,
+                     "last_reason": reason, "retry_not_before": None, "updated_at": utcnow(),
+                     "state": case_state, "blocked_reason": blocked_reason,
+                     "session_json": case.session_json}
+            # The compare-and-set writes the case's pending changes (its session, a hold's
+            # state) itself: one Core UPDATE (not flushed first), after which the ORM
+            # object takes the written values as committed (what the ORM's "evaluate"
+            # synchronisation did), so the commit does not write the row again.
+            res = core(s).execute(_CASE_PUBLISH, {"id_": key.case_id,
+                                                  "head_": key.step_seq - 1, **moved})
+            if res.rowcount != 1:
                 raise StaleStateError(f"case {key.case_id} head moved during publish")
+            for name, value in moved.items():
+                set_committed_value(case, name, value)
             Store.set_pointer(s, key.case_id, POINTER_STATE, cp.state_path,
                               state["_state_sha256"])
             if outcome == COMPLETED:

@@ -30,6 +30,8 @@ from investigation.store.models import Artifact, CaseRecord, ManifestPointer, Re
 
 #: SQLite busy timeout: writers wait for each other instead of failing at once.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: Execution option of :meth:`Store.read_one`'s connection: no write lock on SQLite.
+READ_ONE = "investigate_read_one"
 
 
 sha256_hex = blobs.sha256_hex
@@ -64,6 +66,9 @@ _CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
 _REVISION_ROW = select(RevisionRecord).where(
     col(RevisionRecord.case_id) == bindparam("case_id"),
     col(RevisionRecord.revision) == bindparam("revision"))
+_REV = table_of(RevisionRecord).c
+_POLICY_COLUMNS = sa_select(_REV.policy_sha256, _REV.policy_json).where(
+    _REV.case_id == bindparam("case_id"), _REV.revision == bindparam("revision"))
 _POINTER = table_of(ManifestPointer)
 _POINTER_MOVE = _POINTER.update().where(_POINTER.c.case_id == bindparam("case_id_"),
                                         _POINTER.c.name == bindparam("name_"))
@@ -119,8 +124,9 @@ def make_engine(url: str) -> Engine:
         def _sqlite_begin(conn: Any) -> None:
             # BEGIN IMMEDIATE: take the write lock at the start, so two writers never
             # deadlock upgrading read locks (a "database is locked" the busy timeout
-            # cannot resolve).
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # cannot resolve). A single read (``Store.read_one``) runs in autocommit.
+            if not conn.get_execution_options().get(READ_ONE):
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
@@ -167,6 +173,15 @@ class Store:
             except BaseException:
                 session.rollback()
                 raise
+
+    def read_one(self, statement: Any, params: dict[str, Any]) -> Any:
+        """The first row of one read-only ``statement`` (or ``None``), outside any stage
+        transaction: on SQLite in autocommit (the statement alone is atomic, and it takes
+        no write lock); on PostgreSQL in a transaction of its own."""
+        with self.engine.connect().execution_options(**{READ_ONE: True}) as conn:
+            row = conn.execute(statement, params).first()
+            conn.commit()
+        return row
 
     # -- artifacts -------------------------------------------------------------------------
 
@@ -286,6 +301,24 @@ class Store:
                                                       "revision": revision}).one()
             memo[(case_id, revision)] = row
         return row
+
+    @staticmethod
+    def policy_columns(session: Session, case_id: str,
+                       revision: int) -> tuple[str | None, str | None]:
+        """``(policy_sha256, policy_json)`` of a revision: from the revision object this
+        transaction already holds (:meth:`revision`, whose policy may have just been
+        frozen), else one Core query (no ORM object).
+
+        Raises:
+            sqlalchemy.exc.NoResultFound: no such revision.
+        """
+        memo: dict[tuple[str, int], RevisionRecord] = session.info.get("revisions", {})
+        row = memo.get((case_id, revision))
+        if row is not None:
+            return row.policy_sha256, row.policy_json
+        sha, text = core(session).execute(_POLICY_COLUMNS, {
+            "case_id": case_id, "revision": revision}).one()
+        return sha, text
 
     @staticmethod
     def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
