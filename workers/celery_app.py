@@ -28,6 +28,7 @@ from celery import Celery
 from celery.signals import (
     celeryd_init,
     setup_logging,
+    worker_init,
     worker_process_init,
     worker_process_shutdown,
 )
@@ -120,6 +121,14 @@ def _setup_logging(loglevel: Any = None, **_: Any) -> None:
 def _worker_name(sender: Any = None, **_: Any) -> None:
     """Every line a worker (and its pool children) logs names the node (``name@host``)."""
     logs.set_worker_name(str(sender) if sender else None)
+
+
+@worker_init.connect
+def _preload(**_: Any) -> None:
+    """The worker's main process, before its pool forks (``workers.runtime.preload``)."""
+    from workers.runtime import preload
+
+    preload()
 
 
 @worker_process_init.connect

@@ -40,11 +40,12 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlmodel import col, select
+from sqlalchemy import bindparam
+from sqlalchemy import select as sa_select
 
 from investigation.constants import OUTCOMES
 from investigation.overview import fleet_counts
-from investigation.store.engine import Store
+from investigation.store.engine import Store, table_of
 from investigation.store.models import LLMAttempt, LLMOperation, StageRun
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -184,43 +185,57 @@ def stage_running(stage: str) -> Gauge:
     return metrics().stages_running.labels(stage)
 
 
+_ATT = table_of(LLMAttempt).c
+_OP = table_of(LLMOperation).c
+_RUN = table_of(StageRun).c
+# Read-backs built once, run on a read-only connection (``Store.reading``): no write lock
+# on SQLite, no transaction round trips on PostgreSQL.
+_ATTEMPTS_SINCE = sa_select(
+    _ATT.provider, _ATT.status, _ATT.error_code, _ATT.started_at, _ATT.finished_at,
+    _ATT.prompt_tokens, _ATT.completion_tokens,
+).join_from(table_of(LLMAttempt), table_of(LLMOperation), _ATT.operation_id == _OP.id).where(
+    _OP.case_id == bindparam("case_id"), _OP.revision == bindparam("revision"),
+    _OP.step_seq == bindparam("step_seq"), _ATT.started_at >= bindparam("since"))
+_SETTLED_AT = sa_select(_RUN.completed_at).where(
+    _RUN.case_id == bindparam("case_id"), _RUN.revision == bindparam("revision"),
+    _RUN.step_seq == bindparam("step_seq"), _RUN.stage == "settle_reserve")
+
+
 def record_model_calls(store: Store, case_id: str, revision: int, step_seq: int,
                        since: datetime) -> None:
     """Observe the model requests of one step that were sent at or after ``since``
     (by this ``llm_call`` delivery): durations, outcomes and tokens."""
     m = metrics()
-    with store.session() as s:
-        attempts = s.exec(
-            select(LLMAttempt).join(LLMOperation,
-                                    col(LLMAttempt.operation_id) == col(LLMOperation.id))
-            .where(LLMOperation.case_id == case_id, LLMOperation.revision == revision,
-                   LLMOperation.step_seq == step_seq, col(LLMAttempt.started_at) >= since)
-        ).all()
-    for a in attempts:
-        status = a.status if a.status in ("succeeded", "failed") else "unfinished"
-        m.model_calls.labels(a.provider, status, a.error_code or "").inc()
-        if a.finished_at is not None:
-            seconds = (_naive(a.finished_at) - _naive(a.started_at)).total_seconds()
-            m.model_seconds.labels(a.provider, status).observe(max(0.0, seconds))
-        if a.prompt_tokens:
-            m.tokens.labels(a.provider, "prompt").inc(a.prompt_tokens)
-        if a.completion_tokens:
-            m.tokens.labels(a.provider, "completion").inc(a.completion_tokens)
+    with store.reading() as conn:
+        attempts = conn.execute(_ATTEMPTS_SINCE, {
+            "case_id": case_id, "revision": revision, "step_seq": step_seq,
+            "since": since}).all()
+    for provider, status, error_code, started_at, finished_at, prompt, completion in attempts:
+        status = status if status in ("succeeded", "failed") else "unfinished"
+        m.model_calls.labels(provider, status, error_code or "").inc()
+        if finished_at is not None:
+            seconds = (_naive(finished_at) - _naive(started_at)).total_seconds()
+            m.model_seconds.labels(provider, status).observe(max(0.0, seconds))
+        if prompt:
+            m.tokens.labels(provider, "prompt").inc(prompt)
+        if completion:
+            m.tokens.labels(provider, "completion").inc(completion)
 
 
 def record_settlement(store: Store, case_id: str, revision: int, step_seq: int,
                       output: dict[str, Any], since: datetime) -> None:
     """Count the units one ``settle_reserve`` charged and refunded, if this delivery
     recorded it (a replayed stage counts nothing)."""
-    with store.session() as s:
-        marker = s.exec(select(StageRun.completed_at).where(
-            StageRun.case_id == case_id, StageRun.revision == revision,
-            StageRun.step_seq == step_seq, StageRun.stage == "settle_reserve")).first()
+    spent = int(output.get("reserved_units") or 0)
+    refunded = int(output.get("refund_units") or 0)
+    if spent <= 0 and refunded <= 0:
+        return  # nothing to count: the marker need not be read
+    with store.reading() as conn:
+        marker = conn.execute(_SETTLED_AT, {"case_id": case_id, "revision": revision,
+                                            "step_seq": step_seq}).scalar()
     if marker is None or _naive(marker) < _naive(since):
         return
     m = metrics()
-    spent = int(output.get("reserved_units") or 0)
-    refunded = int(output.get("refund_units") or 0)
     if spent > 0:
         m.units_spent.inc(spent)
     if refunded > 0:

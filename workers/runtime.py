@@ -10,6 +10,8 @@ Two runtimes run the same Celery tasks:
 
 from __future__ import annotations
 
+import gc
+import importlib
 import logging
 import threading
 from collections.abc import Callable
@@ -129,3 +131,24 @@ def embedded(settings: Settings, config_path: Path | None = None,
                       FileCaseLock(settings.home / "locks"))
     configure(runtime)
     return runtime
+
+
+def preload() -> None:
+    """In a worker's main process, before its pool forks: import and build what every
+    child would otherwise import or build at its first task (the migration machinery that
+    checks the schema, the secret masker's compiled rules), then move every object to
+    the collector's permanent generation (``gc.freeze``).
+
+    A child then starts its first stage without that second of imports, shares those
+    pages with its parent, and its full collections no longer walk the imported world
+    (about 80 ms each). Nothing built here holds a connection, a thread or a file: each
+    child still builds its own runtime (``worker_process_init``).
+    """
+    from investigation.secrets import default_masker
+
+    for module in ("investigation.store.migrate", "investigation.store.guards"):
+        importlib.import_module(module)  # alembic, mako; the schema check's triggers
+
+    default_masker()  # detect-secrets' plugins compiled to RE2, immutable
+    gc.collect()
+    gc.freeze()

@@ -67,6 +67,10 @@ STORE_RETRY_COUNTDOWN_S = 2
 STORE_MAX_RETRIES = 8
 
 
+#: The signature of each task class's ``run``, computed at its first message.
+_RUN_SIGNATURES: dict[type, inspect.Signature] = {}
+
+
 class CheckedTask(Task):  # type: ignore[misc]
     """A task whose message arguments are bound to its signature before it runs.
 
@@ -87,8 +91,11 @@ class CheckedTask(Task):  # type: ignore[misc]
 
     def refuse(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The refusal of a message that does not bind to the task's signature, or ``None``."""
+        signature = _RUN_SIGNATURES.get(type(self))
+        if signature is None:  # one per task class (its ``run`` never changes)
+            signature = _RUN_SIGNATURES[type(self)] = inspect.signature(self.run)
         try:
-            inspect.signature(self.run).bind(*args, **kwargs)
+            signature.bind(*args, **kwargs)
         except TypeError as exc:
             names = ", ".join(escape_text(str(k))[:40] for k in list(kwargs)[:8])
             log.error("%s refused: %s: message with %d positional argument(s) and keyword "

@@ -7,6 +7,8 @@ PostgreSQL URL (``postgresql+psycopg://...``) works the same way.
 from __future__ import annotations
 
 import os
+import sqlite3
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +22,7 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, OperationalError
 from sqlalchemy.pool import QueuePool
 from sqlmodel import Session, col, create_engine, select
 
@@ -32,6 +34,15 @@ from investigation.store.models import Artifact, CaseRecord, ManifestPointer, Re
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: Execution option of :meth:`Store.read_one`'s connection: no write lock on SQLite.
 READ_ONE = "investigate_read_one"
+#: How a SQLite writer waits for the write lock held by another connection: it polls
+#: ``BEGIN IMMEDIATE`` after a pause that starts here and doubles up to
+#: :data:`SQLITE_LOCK_POLL_MAX_S`, until :data:`SQLITE_BUSY_TIMEOUT_MS` has passed.
+SQLITE_LOCK_POLL_FIRST_S = 0.0001
+SQLITE_LOCK_POLL_MAX_S = 0.002
+#: A pooled PostgreSQL connection idle for longer than this is pinged before it is used
+#: (one round trip); one in steady use is not (a dead one fails its first statement and
+#: the pool is replaced, as after any disconnect).
+PG_PING_IDLE_S = 5.0
 
 
 sha256_hex = blobs.sha256_hex
@@ -124,12 +135,76 @@ def make_engine(url: str) -> Engine:
         def _sqlite_begin(conn: Any) -> None:
             # BEGIN IMMEDIATE: take the write lock at the start, so two writers never
             # deadlock upgrading read locks (a "database is locked" the busy timeout
-            # cannot resolve). A single read (``Store.read_one``) runs in autocommit.
-            if not conn.get_execution_options().get(READ_ONE):
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # cannot resolve). A single read (``Store.read_one``) runs in autocommit; a
+            # read-only connection (``Store.reading``) begins a deferred transaction
+            # instead: neither takes the write lock.
+            options = conn.get_execution_options()
+            if options.get(READ_ONE):
+                return
+            if options.get(READ_ONLY):
+                conn.exec_driver_sql("BEGIN")
+                return
+            _begin_immediate(conn)
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    engine = create_engine(url, pool_size=5, max_overflow=5)
+
+    @event.listens_for(engine, "checkout")
+    def _ping_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        # pool_pre_ping pinged before every transaction (a round trip each, about 15 per
+        # step); only a connection that sat idle in the pool is pinged now.
+        if time.monotonic() - record.info.get("checked_in", 0.0) <= PG_PING_IDLE_S:
+            return
+        try:
+            with dbapi_conn.cursor() as cur:
+                cur.execute("SELECT 1")
+            dbapi_conn.rollback()
+        except Exception as exc:  # a dead connection: the pool opens a new one
+            raise DisconnectionError(f"idle connection failed its ping: {exc}") from exc
+
+    @event.listens_for(engine, "connect")
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_conn: Any, record: Any) -> None:
+        record.info["checked_in"] = time.monotonic()
+
+    return engine
+
+
+#: Execution option of the connections ``Store.reading`` hands out.
+READ_ONLY = "investigation_read_only"
+
+
+def _begin_immediate(conn: Connection) -> None:
+    """``BEGIN IMMEDIATE`` on SQLite, waiting for another writer in short polls.
+
+    SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... ms between tries, so a
+    writer that meets a transaction of a millisecond or two often sleeps far longer than
+    the lock was held (two worker processes on one store meet at almost every stage).
+    Here the busy timeout is off for the ``BEGIN`` alone and the lock is polled after
+    0.1 ms, doubling up to 2 ms, for at most :data:`SQLITE_BUSY_TIMEOUT_MS` as before.
+
+    Raises:
+        sqlalchemy.exc.OperationalError: "database is locked" after the busy timeout.
+    """
+    raw = conn.connection.dbapi_connection
+    assert raw is not None
+    raw.execute("PRAGMA busy_timeout=0")
+    try:
+        deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+        pause = SQLITE_LOCK_POLL_FIRST_S
+        while True:
+            try:
+                raw.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                busy = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_BUSY \
+                    or "locked" in str(exc)
+                if not busy or time.monotonic() >= deadline:
+                    raise OperationalError("BEGIN IMMEDIATE", None, exc) from exc
+            time.sleep(pause)
+            pause = min(pause * 2, SQLITE_LOCK_POLL_MAX_S)
+    finally:
+        raw.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
 
 
 class Store:
@@ -162,6 +237,23 @@ class Store:
     def dispose(self) -> None:
         """Close pooled connections (call after fork or at shutdown)."""
         self.engine.dispose()
+
+    @contextmanager
+    def reading(self) -> Iterator[Connection]:
+        """A connection for reads that change nothing and need no lock: on SQLite a
+        deferred transaction (``BEGIN``, never the write lock ``BEGIN IMMEDIATE`` that a
+        session takes, so it does not wait for or hold up a writer); on PostgreSQL
+        autocommit (no ``BEGIN``/``COMMIT`` round trips; each statement reads its own
+        snapshot). Nothing written on it is kept."""
+        with self.engine.connect() as conn:
+            if conn.dialect.name == "postgresql":
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            else:
+                conn = conn.execution_options(**{READ_ONLY: True})
+            try:
+                yield conn
+            finally:
+                conn.rollback()
 
     @contextmanager
     def session(self) -> Iterator[Session]:
