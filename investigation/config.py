@@ -345,7 +345,8 @@ class InvestigationConfig(_Strict):
     @model_validator(mode="after")
     def _early_diagnosis_evidence_listed(self) -> InvestigationConfig:
         # An early diagnosis cites own evidence from the context: the window must hold it.
-        if self.loop.early_diagnosis_min_evidence > self.limits.own_evidence_in_context:
+        if self.loop.early_diagnosis and \
+                self.loop.early_diagnosis_min_evidence > self.limits.own_evidence_in_context:
             raise ValueError("loop.early_diagnosis_min_evidence must be at most "
                              "limits.own_evidence_in_context (the own evidence records a "
                              "context lists)")

@@ -91,10 +91,20 @@ class BudgetManager:
                 "config; run without --config to adopt the stored policy",
                 stored_sha256=revision.policy_sha256,
             )
-        return config.model_copy(update={
+        effective = config.model_copy(update={
             "loop": LoopConfig.model_validate(stored["loop"]),
             "budget": BudgetConfig.model_validate(stored["budget"]),
         })
+        loop, limits = effective.loop, effective.limits
+        if loop.early_diagnosis and \
+                loop.early_diagnosis_min_evidence > limits.own_evidence_in_context:
+            # The frozen policy meets limits given now (model_copy skips validators).
+            raise InvestigationError(
+                "CONFIG_INVALID",
+                f"the frozen policy's loop.early_diagnosis_min_evidence="
+                f"{loop.early_diagnosis_min_evidence} exceeds limits.own_evidence_in_context="
+                f"{limits.own_evidence_in_context}: raise the window to at least that")
+        return effective
 
     # -- accounts ------------------------------------------------------------------------
 

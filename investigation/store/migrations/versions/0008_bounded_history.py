@@ -16,7 +16,11 @@ Schema:
 Data: every evidence record's item keys, in creation order (the first record to find a
 key is named), and every account's notes, in their order.
 
-Downgrade restores ``budget_account.notes_json`` from the notes and drops the rest.
+Downgrade restores ``budget_account.notes_json`` from the notes and drops the rest. It
+does not rewrite state checkpoints: a case that published steps under this revision has
+states in the bounded format (``docs/decisions.md``, 74), which the code of 0007 reads as
+listing no evidence and refuses (``STATE_TAMPERED``). Downgrade only a store whose cases
+have not stepped since the upgrade, or restore the backup taken before it.
 
 Revision ID: 0008_bounded_history
 Revises: 0007_compact_store
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any
 
 import sqlalchemy as sa
@@ -40,6 +45,7 @@ branch_labels = None
 depends_on = None
 
 BATCH = 500
+log = logging.getLogger("alembic.runtime.migration")
 
 
 def _key_sha(key: str) -> str:
@@ -122,12 +128,19 @@ def _move_notes(bind: Any) -> None:
             notes = []
         taken: set[int] = set()
         for note in notes if isinstance(notes, list) else []:
-            if not isinstance(note, dict) or not isinstance(note.get("step_seq"), int) \
-                    or note["step_seq"] in taken:
+            step = note.get("step_seq") if isinstance(note, dict) else None
+            # The engine wrote one note per step, a string; anything else was written by
+            # hand: a step that is no integer (true is not step 1) or a second note of a
+            # step is dropped and said so, a note that is no string is kept as JSON text.
+            if type(step) is not int or step in taken:
+                log.warning("0008: case %s hypothesis %s: note %r dropped (no step number "
+                            "or a second note of its step)", case_id, hid, note)
                 continue
-            taken.add(note["step_seq"])
+            taken.add(step)
+            text = note.get("note", "")
             rows.append({"case_id": case_id, "revision": rev, "hypothesis_id": hid,
-                         "step_seq": note["step_seq"], "note": str(note.get("note", ""))})
+                         "step_seq": step, "note": text if isinstance(text, str) else
+                         json.dumps(text, ensure_ascii=False, sort_keys=True)})
     for start in range(0, len(rows), BATCH):
         bind.execute(sa.insert(table), rows[start:start + BATCH])
 
