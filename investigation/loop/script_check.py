@@ -281,9 +281,21 @@ class _World:
             "previous_result": previous,
             "evidence": [{"evidence_id": e.evidence_id, "hypothesis_id": e.hypothesis_id,
                           "item_count": e.item_count, "new_item_count": e.new_item_count,
-                          "duplicate": e.duplicate} for e in self.evidence],
+                          "duplicate": e.duplicate} for e in self._listed(hid, pending)],
             "questions": self.questions,
         }
+
+    def _listed(self, hid: int, pending: Any) -> list[Any]:
+        """The records a real context lists (``loop.context``'s two windows), in order."""
+        limits = self.config.limits
+        own = [e for e in self.evidence if e.hypothesis_id == hid]
+        kept = {id(e) for e in own[-limits.own_evidence_in_context:]}
+        if pending is not None:
+            kept.add(id(pending))
+        other = [e for e in self.evidence if e.hypothesis_id != hid]
+        if limits.other_evidence_in_context:
+            kept |= {id(e) for e in other[-limits.other_evidence_in_context:]}
+        return [e for e in self.evidence if id(e) in kept]
 
     def judge(self, text: str | None) -> _Turn:
         """Judge one reply (``None``: not UTF-8) and apply its effects."""

@@ -342,3 +342,14 @@ def test_a_rewritten_index_row_is_found_at_full_depth(tmp_path: Path) -> None:
         operations.verify(case.store, case.case_id)
     assert info.value.code == "STATE_TAMPERED"
     assert "evidence_key" in str(info.value)
+
+
+def test_replies_check_predicts_the_rejection_of_an_unlisted_citation(tmp_path: Path) -> None:
+    """``investigate replies check`` simulates the same windows as the real context."""
+    from investigation.loop.script_check import check_script
+
+    config = InvestigationConfig.model_validate({"limits": WINDOWS})
+    replies = [*_replies()[:2 + 4], _query(99, "E6", evidence=["E1"])]
+    case = make_case(tmp_path / "c", replies=replies)
+    last = check_script(case.store, case.case_id, case.replies_path, config).lines[-1]
+    assert (last.line, last.verdict, last.code) == (7, "rejected", "UNKNOWN_EVIDENCE_ID")
