@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlmodel import select
+from sqlmodel import col, select
 from typer.testing import CliRunner
 
 from investigation.constants import BLOCKED, COMPLETED
@@ -70,7 +70,7 @@ def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path])
     with case.store.session() as s:
         steps = len(s.exec(select(Checkpoint).where(Checkpoint.case_id == case.case_id)).all())
         evidence = [e.evidence_id for e in s.exec(select(Evidence).where(
-            Evidence.case_id == case.case_id))]
+            Evidence.case_id == case.case_id).order_by(col(Evidence.ordinal)))]
         charges = len(s.exec(select(LedgerEntry).where(
             LedgerEntry.case_id == case.case_id, LedgerEntry.kind == "reserve")).all())
         refunds = len(s.exec(select(LedgerEntry).where(
@@ -159,7 +159,7 @@ def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) 
     with case.store.session() as s:
         steps = len(s.exec(select(Checkpoint).where(Checkpoint.case_id == case.case_id)).all())
         evidence = [e.evidence_id for e in s.exec(select(Evidence).where(
-            Evidence.case_id == case.case_id))]
+            Evidence.case_id == case.case_id).order_by(col(Evidence.ordinal)))]
     requests: list[str] = []
     problems: list[str] = []
     with sync_playwright() as pw:
