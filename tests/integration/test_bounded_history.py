@@ -297,10 +297,15 @@ def test_a_closed_import_reopened_is_not_excused_as_a_new_import(tmp_path: Path)
                        "refund_units = NULL WHERE evidence_id = :e"), {"e": imported})
         s.execute(text(f"INSERT INTO evidence ({columns}) SELECT {forged} FROM evidence "
                        "WHERE evidence_id = 'E1'"))
+        # Its index rows moved to another record, so the key count does not give it away:
+        # only the ordinal rule (older than the head's newest record) does.
+        s.execute(text("UPDATE evidence_key SET evidence_id = 'E1' WHERE evidence_id = :e"),
+                  {"e": imported})
     for runner in (warm, Investigator(case.env(CFG, feedback_key=KEY))):
         with pytest.raises(InvestigationError) as info:
             runner.step(case.case_id)
         assert info.value.code == "STATE_TAMPERED"
+        assert f"evidence {imported} " in str(info.value)
 
 
 @pytest.mark.parametrize("forge", [
