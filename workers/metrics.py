@@ -46,7 +46,7 @@ from sqlalchemy import select as sa_select
 from investigation.constants import OUTCOMES
 from investigation.overview import fleet_counts
 from investigation.store.engine import Store, table_of
-from investigation.store.models import LLMAttempt, LLMOperation, StageRun
+from investigation.store.models import LLMAttempt, LLMOperation
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: Buckets of model-call durations (seconds): local servers answer in tenths, hosted
@@ -187,7 +187,6 @@ def stage_running(stage: str) -> Gauge:
 
 _ATT = table_of(LLMAttempt).c
 _OP = table_of(LLMOperation).c
-_RUN = table_of(StageRun).c
 # Read-backs built once, run on a read-only connection (``Store.reading``): no write lock
 # on SQLite, no transaction round trips on PostgreSQL.
 _ATTEMPTS_SINCE = sa_select(
@@ -196,9 +195,6 @@ _ATTEMPTS_SINCE = sa_select(
 ).join_from(table_of(LLMAttempt), table_of(LLMOperation), _ATT.operation_id == _OP.id).where(
     _OP.case_id == bindparam("case_id"), _OP.revision == bindparam("revision"),
     _OP.step_seq == bindparam("step_seq"), _ATT.started_at >= bindparam("since"))
-_SETTLED_AT = sa_select(_RUN.completed_at).where(
-    _RUN.case_id == bindparam("case_id"), _RUN.revision == bindparam("revision"),
-    _RUN.step_seq == bindparam("step_seq"), _RUN.stage == "settle_reserve")
 
 
 def record_model_calls(store: Store, case_id: str, revision: int, step_seq: int,
@@ -222,19 +218,12 @@ def record_model_calls(store: Store, case_id: str, revision: int, step_seq: int,
             m.tokens.labels(provider, "completion").inc(completion)
 
 
-def record_settlement(store: Store, case_id: str, revision: int, step_seq: int,
-                      output: dict[str, Any], since: datetime) -> None:
-    """Count the units one ``settle_reserve`` charged and refunded, if this delivery
-    recorded it (a replayed stage counts nothing)."""
+def record_settlement(output: dict[str, Any]) -> None:
+    """Count the units one ``settle_reserve`` charged and refunded; the caller passes
+    only an output this delivery recorded (``StageResult.fresh``: a replayed stage counts
+    nothing)."""
     spent = int(output.get("reserved_units") or 0)
     refunded = int(output.get("refund_units") or 0)
-    if spent <= 0 and refunded <= 0:
-        return  # nothing to count: the marker need not be read
-    with store.reading() as conn:
-        marker = conn.execute(_SETTLED_AT, {"case_id": case_id, "revision": revision,
-                                            "step_seq": step_seq}).scalar()
-    if marker is None or _naive(marker) < _naive(since):
-        return
     m = metrics()
     if spent > 0:
         m.units_spent.inc(spent)

@@ -235,9 +235,8 @@ def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
     if stage == "llm_call":
         engine_metrics.record_model_calls(rt.env.store, case_id, key.revision, key.step_seq,
                                           since)
-    elif stage == "settle_reserve" and result.halt is None:
-        engine_metrics.record_settlement(rt.env.store, case_id, key.revision, key.step_seq,
-                                         result.output, since)
+    elif stage == "settle_reserve" and result.fresh:
+        engine_metrics.record_settlement(result.output)
     if result.halt is not None:
         payload["halt"] = _outcome_first(result.halt.to_dict())
         return payload, "halt"

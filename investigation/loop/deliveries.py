@@ -12,10 +12,13 @@ exceeds the configured limit the case becomes ``BLOCKED`` with ``STAGE_POISONED`
 
 Where the count is written (issue 13: one transaction per stage):
 
-* An ordinary delivery is counted **inside the stage's own transaction** (the first one of
-  the stage: before its model call or query, for the two stages that have one). A worker
-  killed inside a one-transaction stage loses that count with everything else the
-  transaction wrote.
+* An ordinary delivery of a stage with an external effect (``llm_call``, ``execute_tool``:
+  ``StageFramework.EFFECT_STAGES``) is counted **inside the stage's first transaction**,
+  which commits before the model call or the query; a worker killed during the effect
+  has its delivery counted.
+* An ordinary delivery of any other stage is not counted: the stage writes everything in
+  one transaction, where the count would commit with the stage's marker (a finished
+  stage is never counted again) or be lost with it when the worker dies there.
 * A delivery that may follow such a loss is counted **in a transaction of its own, before
   the stage runs** (:func:`record_delivery`), as every delivery was before: a redelivery
   (the broker marks it: kombu's Redis transport sets ``redelivered`` on every message it
@@ -55,6 +58,7 @@ from investigation.store.engine import Store, core, is_unique_violation, table_o
 from investigation.store.models import CaseRecord, StageDelivery, StageRun, utcnow
 
 _D = table_of(StageDelivery)
+_C = table_of(CaseRecord)
 
 
 def _counter(insert: Any) -> Any:
@@ -91,13 +95,14 @@ class Delivery:
     redelivered: bool = False
 
 
-def count(s: Session, case: CaseRecord, key: StepKey, stage: str, max_unfinished: int,
-          lost: int = 0) -> Outcome | None:
+def count(s: Session, case: CaseRecord | None, key: StepKey, stage: str,
+          max_unfinished: int, lost: int = 0) -> Outcome | None:
     """Count one delivery (plus ``lost`` earlier ones) of ``stage`` in transaction ``s``;
     park the case (in the same transaction) when too many never returned.
 
     The caller has locked the case row and checked that the step is current and the
-    stage unfinished.
+    stage unfinished. ``case`` is the row's ORM object if the caller loaded one (it is
+    parked through it); otherwise the case is parked with one Core UPDATE.
 
     Returns:
         ``None`` to run the stage, or the ``BLOCKED``/``STAGE_POISONED`` outcome
@@ -109,11 +114,15 @@ def count(s: Session, case: CaseRecord, key: StepKey, stage: str, max_unfinished
         **key.to_dict(), "stage": stage, "n": 1 + lost, "now": utcnow()}).one()
     if unfinished <= max_unfinished:
         return None
-    case.state, case.blocked_reason = CASE_BLOCKED, BLOCK_STAGE_POISONED
-    case.last_outcome, case.last_reason = BLOCKED, BLOCK_STAGE_POISONED
-    case.retry_not_before = None
-    case.updated_at = utcnow()
-    s.add(case)
+    parked = {"state": CASE_BLOCKED, "blocked_reason": BLOCK_STAGE_POISONED,
+              "last_outcome": BLOCKED, "last_reason": BLOCK_STAGE_POISONED,
+              "retry_not_before": None, "updated_at": utcnow()}
+    if case is None:
+        conn.execute(update(_C).where(_C.c.id == key.case_id).values(**parked))
+    else:
+        for name, value in parked.items():
+            setattr(case, name, value)
+        s.add(case)
     return Outcome(BLOCKED, key.case_id, key.step_seq, BLOCK_STAGE_POISONED,
                    details={"stage": stage, "deliveries": int(deliveries),
                             "unfinished": int(unfinished)})

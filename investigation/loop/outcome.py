@@ -59,7 +59,12 @@ class Outcome:
 
 @dataclass(frozen=True)
 class StageResult:
-    """What a stage returns: its recorded output and, if the step ends here, the outcome."""
+    """What a stage returns: its recorded output and, if the step ends here, the outcome.
+
+    ``fresh`` is true when this very call ran the stage body and committed its marker
+    (false for an output recorded earlier, by this process or another runner).
+    """
 
     output: dict[str, Any]
     halt: Outcome | None = None
+    fresh: bool = False

@@ -7,7 +7,7 @@
   Running it again returns that output and changes nothing.
 * One transaction per stage: :meth:`StageFramework.run` opens it, locks the case row,
   checks the head (fencing), the stage's marker and an operator hold, counts the delivery
-  (``loop.deliveries``), and hands the same transaction to the stage body, whose first
+  of a stage with an external effect (``loop.deliveries``), and hands the same transaction to the stage body, whose first
   ``with self._tx() as s:`` block joins it and commits it at its end. A stage with an
   external effect (the model call, the snapshot query) commits before the effect and
   opens a second, fenced transaction for its result.
@@ -24,7 +24,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import bindparam, insert
@@ -168,6 +168,13 @@ class StageFramework:
     #: Stages whose body changes the case row: its ORM object is loaded at the entry (the
     #: others check its columns with one Core query and load it only if a body asks).
     CASE_STAGES: frozenset[str] = frozenset()
+    #: Stages whose first transaction commits before an external effect (the model call,
+    #: the query): an ordinary delivery is counted in that transaction, so a worker that
+    #: dies during the effect has its delivery counted. Any other stage writes all it
+    #: writes in one transaction, where a count would commit with the stage's marker (and
+    #: never be read again) or be lost with it; its deliveries are counted only apart
+    #: (``_count_apart``: a redelivery, a process meeting the case first).
+    EFFECT_STAGES: frozenset[str] = frozenset()
 
     def __init__(self, env: StageEnv) -> None:
         self.env = env
@@ -245,6 +252,7 @@ class StageFramework:
         if result.halt is None or stage == "publish":  # committed with its marker
             if result.halt is None or not self._attempt.early:
                 self._recorded[(key, stage)] = result.output
+                result = replace(result, fresh=True)
         elif self._attempt.counted and (apart or not self._attempt.early):
             # The delivery returned without its marker (RETRY_PENDING, BLOCKED, a hold): it
             # did not kill its worker. (One parked in the stage transaction stays counted.)
@@ -344,10 +352,8 @@ class StageFramework:
             return StageResult({}, Outcome(BLOCKED, key.case_id, key.step_seq, case.state))
         if case.state != CASE_INVESTIGATING:
             raise StaleStateError(f"case {key.case_id} is {case.state}", state=case.state)
-        if delivery is not None:
+        if delivery is not None and stage in self.EFFECT_STAGES:
             self._attempt.counted = True
-            if row is None:  # parking changes it
-                row = Store.lock_case(s, key.case_id)
             parked = deliveries.count(s, row, key, stage, delivery.max_unfinished)
             if parked is not None:
                 _log_parked(key, stage, parked)

@@ -126,6 +126,7 @@ class Stages(StageFramework):
 
     SNAPSHOT_STAGES = frozenset({"build_context", "validate", "execute_tool"})
     CASE_STAGES = frozenset({"build_context", "publish"})
+    EFFECT_STAGES = frozenset({"llm_call", "execute_tool"})
 
     @staticmethod
     def _reply_schema(s: Session, key: StepKey, built: dict[str, Any]) -> dict[str, Any]:

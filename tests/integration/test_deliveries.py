@@ -176,3 +176,46 @@ def test_a_delivery_counted_apart_that_returns_restarts_the_count(
         assert _row(tiny_case, key, "llm_call").unfinished == 0  # it returned
     # The redelivery found nothing unfinished, so it also counted the delivery it followed.
     assert _row(tiny_case, key, "llm_call").deliveries == 4
+
+
+def test_only_a_stage_with_an_external_effect_counts_an_ordinary_delivery(
+        tiny_case: Case) -> None:
+    """A process that met the case counts ``llm_call`` and ``execute_tool`` in their first
+    transaction (it commits before the model call or the query) and nothing for a
+    one-transaction stage: its count would commit with its marker or die with it."""
+    from investigation.loop.deliveries import Delivery
+    from investigation.loop.stages import Stages
+
+    key = StepKey(tiny_case.case_id, 1, 1)
+    stages = Stages(tiny_case.env())
+    for stage in STAGES:
+        result = stages.run(stage, key, Delivery(2))
+        assert result.fresh, stage
+    with tiny_case.store.session() as s:
+        counted = {row.stage: (row.deliveries, row.unfinished)
+                   for row in s.exec(select(StageDelivery)).all()}
+    # build_context was the process's first delivery of the case: counted apart.
+    assert counted == {"build_context": (1, 1), "llm_call": (1, 1), "execute_tool": (1, 1)}
+    again = stages.run("validate", key, Delivery(2))  # recorded: returned, not counted
+    assert not again.fresh and again.output == stages.run("validate", key).output
+
+
+def test_an_effect_stage_over_the_limit_parks_the_case_without_loading_it(
+        tiny_case: Case) -> None:
+    """The count in the stage transaction parks the case with a Core UPDATE (the entry
+    loaded no case object); the outcome and the stored state say STAGE_POISONED."""
+    from investigation.loop.deliveries import Delivery
+    from investigation.loop.stages import Stages
+
+    key = StepKey(tiny_case.case_id, 1, 1)
+    stages = Stages(tiny_case.env())
+    assert stages.run("build_context", key, Delivery(2)).halt is None  # met: counted apart
+    for _ in range(2):  # two deliveries of llm_call counted apart that never returned
+        assert record_delivery(tiny_case.store, key, "llm_call", 2) is None
+    parked = stages.run("llm_call", key, Delivery(2)).halt  # an ordinary third delivery
+    assert parked is not None and (parked.outcome, parked.reason) == (
+        BLOCKED, BLOCK_STAGE_POISONED)
+    assert parked.details == {"stage": "llm_call", "deliveries": 3, "unfinished": 3}
+    info = status(tiny_case.store, tiny_case.case_id)
+    assert (info["state"], info["blocked_reason"], info["last_reason"]) == (
+        CASE_BLOCKED, BLOCK_STAGE_POISONED, BLOCK_STAGE_POISONED)
