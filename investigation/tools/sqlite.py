@@ -155,6 +155,28 @@ def name_text(value: Any) -> str:
     return str(value)
 
 
+def _date_function(fn: str, errors: list[str],
+                   clock: sqlite3.Connection) -> Callable[..., Any]:
+    """The deterministic wrapper of one date/time function. It holds the database's error
+    list and clock connection, never the database: a connection does not show the garbage
+    collector its functions, so a wrapper holding the database would keep it (and its
+    isolated server) alive forever once dropped without ``close``."""
+    min_args = 2 if fn == "strftime" else 1
+
+    def wrapper(*args: Any) -> Any:
+        bad = [a for a in args if isinstance(a, str)
+               and a.strip().lower() in _NONDETERMINISTIC_ARGS]
+        if len(args) < min_args or bad:
+            message = (f"{fn}() needs an explicit time value; 'now', 'localtime' and "
+                       "'utc' are refused so that results are reproducible")
+            errors.append(message)
+            raise ValueError(message)
+        placeholders = ",".join("?" * len(args))
+        return clock.execute(f"SELECT {fn}({placeholders})", args).fetchone()[0]
+
+    return wrapper
+
+
 class _Interrupted(Exception):
     """The progress handler stopped the statement (deadline or preflight)."""
 
@@ -194,7 +216,9 @@ class ReadOnlyDatabase:
             self._clock = sqlite3.connect(":memory:", isolation_level=None,
                                           check_same_thread=False)
             for fn in DATE_FUNCTIONS:
-                conn.create_function(fn, -1, self._date_wrapper(fn), deterministic=True)
+                conn.create_function(fn, -1, _date_function(fn, self._function_errors,
+                                                            self._clock),
+                                     deterministic=True)
             conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
         except (sqlite3.Error, UnicodeDecodeError) as exc:
             # SQLite's message can quote the snapshot's own bytes (a malformed schema):
@@ -205,22 +229,6 @@ class ReadOnlyDatabase:
             raise ToolError("TOOL_SQL_ERROR", f"database {name!r} cannot be opened: {why}",
                             database=name) from exc
         self._conn = conn
-
-    def _date_wrapper(self, fn: str) -> Callable[..., Any]:
-        min_args = 2 if fn == "strftime" else 1
-
-        def wrapper(*args: Any) -> Any:
-            bad = [a for a in args if isinstance(a, str)
-                   and a.strip().lower() in _NONDETERMINISTIC_ARGS]
-            if len(args) < min_args or bad:
-                message = (f"{fn}() needs an explicit time value; 'now', 'localtime' and "
-                           "'utc' are refused so that results are reproducible")
-                self._function_errors.append(message)
-                raise ValueError(message)
-            placeholders = ",".join("?" * len(args))
-            return self._clock.execute(f"SELECT {fn}({placeholders})", args).fetchone()[0]
-
-        return wrapper
 
     def close(self) -> None:
         """Close the private connections."""
