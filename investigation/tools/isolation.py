@@ -45,7 +45,8 @@ server forked by a thread that has since ended is replaced before the next reque
 request it was serving when it died is run once more on a new server. A process forked
 after a server started (a prefork child of a parent that opened a database) never talks to
 it: a server belongs to the process id that forked it. A killed server is reaped without
-waiting (``waitpid(WNOHANG)`` at the next start or stop), so no zombies accumulate.
+waiting (``waitpid(WNOHANG)`` at the next request, start or stop), so no zombies
+accumulate.
 """
 
 from __future__ import annotations
@@ -204,6 +205,15 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def _ready(fd: int, timeout_s: float, *, writing: bool = False) -> bool:
+    """Whether ``fd`` can be read (or written) within ``timeout_s``; a closed peer counts
+    as ready (the read or write then tells). ``poll``, not ``select``: a descriptor
+    number past 1023 is fine."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT if writing else select.POLLIN)
+    return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
+
+
 def _send(fd: int, data: bytes, deadline: float) -> bool:
     """Write ``data`` to the non-blocking ``fd`` by ``deadline``; ``False`` if it passed."""
     view = memoryview(data)
@@ -211,8 +221,7 @@ def _send(fd: int, data: bytes, deadline: float) -> bool:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        _, ready, _ = select.select([], [fd], [], left)
-        if ready:
+        if _ready(fd, left, writing=True):
             with contextlib.suppress(BlockingIOError):
                 view = view[os.write(fd, view):]
     return True
@@ -453,8 +462,7 @@ class IsolatedServer:
         self._pid, self._owner, self._forker = pid, parent, threading.current_thread()
         self._memory_bytes, self._requests, self._replies = memory_bytes, requests_w, replies_r
         try:
-            ready, _, _ = select.select([replies_r], [], [], HANDSHAKE_S)
-            if ready and os.read(replies_r, 1) == _READY:
+            if _ready(replies_r, HANDSHAKE_S) and os.read(replies_r, 1) == _READY:
                 return
         except BaseException:
             self._drop()
@@ -496,8 +504,7 @@ class IsolatedServer:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            ready, _, _ = select.select([self._replies], [], [], left)
-            if not ready:
+            if not _ready(self._replies, left):
                 continue
             chunk = os.read(self._replies, 1 << 20)
             if not chunk:
@@ -588,8 +595,7 @@ def _run_once(fn: Callable[[], T], probe: Callable[[], Any] | None, timeout_s: f
     deadline = time.monotonic() + timeout_s
     killed = False
     try:
-        ready, _, _ = select.select([read_fd], [], [], HANDSHAKE_S)
-        first = os.read(read_fd, 1) if ready else b""
+        first = os.read(read_fd, 1) if _ready(read_fd, HANDSHAKE_S) else b""
         if not first:  # stuck on a lock inherited from another thread: a fresh child
             os.kill(pid, signal.SIGKILL)
             raise _NotReady
@@ -599,8 +605,7 @@ def _run_once(fn: Callable[[], T], probe: Callable[[], Any] | None, timeout_s: f
                 os.kill(pid, signal.SIGKILL)
                 killed = True
                 break
-            ready, _, _ = select.select([read_fd], [], [], left)
-            if not ready:
+            if not _ready(read_fd, left):
                 continue
             chunk = os.read(read_fd, 1 << 20)
             if not chunk:

@@ -416,3 +416,18 @@ def test_a_server_stuck_at_its_handshake_falls_back_in_process(
         call(server, Stuck(), "secret")  # in process too, only the server's methods
     held.release()
     server.stop()
+
+
+def test_descriptors_past_select_s_range_work() -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        pytest.skip("needs 1,200 open files")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        server, target = serve()
+        assert call(server, target, "pid") == server.pid
+        assert server._replies > 1023  # select() refuses these
+        server.stop()
+    finally:
+        for fd in held:
+            os.close(fd)
