@@ -26,7 +26,11 @@ What it does, on this machine:
    run no SQL on the snapshot, for reference). Cases of one package share their router,
    so a ``db.query`` step here makes one bounded call (its preflight verdict is cached
    after the first case);
-4. prints the medians (p10, p90), the ratio fork / server, the process size and the load
+4. reads the memory a live server costs (``/proc/<pid>/smaps_rollup``: its ``Pss`` and
+   ``Private_Dirty``) when fresh and after the parent's next full collection: a server
+   keeps the old copy of every page its parent rewrites after the fork (a collection
+   writes the header of every object it walks);
+5. prints the medians (p10, p90), the ratio fork / server, the process size and the load
    average before and after. The machine is shared: run it a few times and compare
    medians.
 
@@ -38,6 +42,7 @@ Prints figures; asserts nothing. Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -77,6 +82,17 @@ def vm_mib() -> str:
             fields[key] = value.split()[0] if value.split() else "0"
     return (f"VmSize {int(fields['VmSize']) >> 10} MiB, "
             f"VmRSS {int(fields['VmRSS']) >> 10} MiB")
+
+
+def server_memory(pid: int) -> str:
+    """``Pss`` and ``Private_Dirty`` of process ``pid`` in MiB."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("Pss", "Private_Dirty"):
+                fields[key] = int(value.split()[0]) >> 10
+    return f"Pss {fields['Pss']} MiB, Private_Dirty {fields['Private_Dirty']} MiB"
 
 
 def grown_database(root: Path, cases: int) -> Any:
@@ -182,6 +198,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         db = grown_database(Path(tmp) / "grow", args.cases)
         size = vm_mib()
         samples = bounded_calls(db, args.rounds)
+        db._server.stop()
+        db.query("SELECT 1", [], 1, 2.0)
+        fresh = server_memory(db._server.pid)
+        gc.collect()
+        collected = server_memory(db._server.pid)
         db.close()
         steps = step_times(Path(tmp), args.step_cases) if args.step_cases else {}
     print(f"load average after:  {load_average()}")
@@ -196,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"  fork / server                  {fork / server:7.1f}x")
     print(f"  after a kill / fork per call   "
           f"{statistics.median(samples['after_kill']) / fork:7.2f}x")
+    print(f"memory of one live server: fresh {fresh}; after a full collection in the "
+          f"parent {collected}")
     if steps:
         print(f"Investigator.step, {args.step_cases} cases x 2 each way (first case not "
               "counted):")
