@@ -38,11 +38,12 @@ import math
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from investigation.errors import ToolError
-from investigation.tools.isolation import run_isolated
+from investigation.tools.isolation import IsolatedServer
 
 T = TypeVar("T")
 
@@ -155,12 +156,36 @@ def name_text(value: Any) -> str:
     return str(value)
 
 
+def _date_function(fn: str, errors: list[str],
+                   clock: sqlite3.Connection) -> Callable[..., Any]:
+    """The deterministic wrapper of one date/time function. It holds the database's error
+    list and clock connection, never the database: a connection does not show the garbage
+    collector its functions, so a wrapper holding the database would keep it (and its
+    isolated server) alive forever once dropped without ``close``."""
+    min_args = 2 if fn == "strftime" else 1
+
+    def wrapper(*args: Any) -> Any:
+        bad = [a for a in args if isinstance(a, str)
+               and a.strip().lower() in _NONDETERMINISTIC_ARGS]
+        if len(args) < min_args or bad:
+            message = (f"{fn}() needs an explicit time value; 'now', 'localtime' and "
+                       "'utc' are refused so that results are reproducible")
+            errors.append(message)
+            raise ValueError(message)
+        placeholders = ",".join("?" * len(args))
+        return clock.execute(f"SELECT {fn}({placeholders})", args).fetchone()[0]
+
+    return wrapper
+
+
 class _Interrupted(Exception):
     """The progress handler stopped the statement (deadline or preflight)."""
 
 
 #: Statements whose preflight passed, kept per database (see ``ReadOnlyDatabase.preflight``).
 PREFLIGHTS_KEPT = 256
+#: The methods a database's isolated server runs (the untrusted work; see ``_bounded``).
+BOUNDED_METHODS = ("_preflight", "_query", "_schema")
 
 
 class ReadOnlyDatabase:
@@ -172,6 +197,10 @@ class ReadOnlyDatabase:
 
     Raises:
         ToolError: ``TOOL_SQL_ERROR`` if the bytes are not a readable SQLite database.
+
+    Untrusted work runs in one isolated server per database and process, forked at the
+    first bounded call (:class:`~investigation.tools.isolation.IsolatedServer`);
+    :meth:`close`, or the database's collection, stops it.
     """
 
     def __init__(self, name: str, data: bytes) -> None:
@@ -194,7 +223,9 @@ class ReadOnlyDatabase:
             self._clock = sqlite3.connect(":memory:", isolation_level=None,
                                           check_same_thread=False)
             for fn in DATE_FUNCTIONS:
-                conn.create_function(fn, -1, self._date_wrapper(fn), deterministic=True)
+                conn.create_function(fn, -1, _date_function(fn, self._function_errors,
+                                                            self._clock),
+                                     deterministic=True)
             conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
         except (sqlite3.Error, UnicodeDecodeError) as exc:
             # SQLite's message can quote the snapshot's own bytes (a malformed schema):
@@ -205,26 +236,13 @@ class ReadOnlyDatabase:
             raise ToolError("TOOL_SQL_ERROR", f"database {name!r} cannot be opened: {why}",
                             database=name) from exc
         self._conn = conn
-
-    def _date_wrapper(self, fn: str) -> Callable[..., Any]:
-        min_args = 2 if fn == "strftime" else 1
-
-        def wrapper(*args: Any) -> Any:
-            bad = [a for a in args if isinstance(a, str)
-                   and a.strip().lower() in _NONDETERMINISTIC_ARGS]
-            if len(args) < min_args or bad:
-                message = (f"{fn}() needs an explicit time value; 'now', 'localtime' and "
-                           "'utc' are refused so that results are reproducible")
-                self._function_errors.append(message)
-                raise ValueError(message)
-            placeholders = ",".join("?" * len(args))
-            return self._clock.execute(f"SELECT {fn}({placeholders})", args).fetchone()[0]
-
-        return wrapper
+        self._server = IsolatedServer(BOUNDED_METHODS, probe="_probe")
+        weakref.finalize(self, self._server.stop)  # a database dropped without close()
 
     def close(self) -> None:
-        """Close the private connections."""
+        """Stop the isolated server and close the private connections."""
         with self._lock:
+            self._server.stop()
             self._conn.close()
             self._clock.close()
 
@@ -248,7 +266,7 @@ class ReadOnlyDatabase:
         """
         # A table's columns come from compiling it: a view of the snapshot can be as
         # costly to compile as any query, so this runs bounded too.
-        return self._bounded(lambda: self._schema(table), timeout_s, memory_bytes, isolate)
+        return self._bounded(self._schema, (table,), timeout_s, memory_bytes, isolate)
 
     def _schema(self, table: str) -> dict[str, Any]:
         try:
@@ -259,7 +277,7 @@ class ReadOnlyDatabase:
                             database=self.name) from exc
 
     def _schema_rows(self, table: str) -> dict[str, Any]:
-        # The caller holds self._lock (in process, or across the fork).
+        # The caller holds self._lock (in process, or across the server's request).
         conn = self._conn
         columns = conn.execute(
             'SELECT cid, name, type, "notnull", dflt_value, pk '
@@ -299,8 +317,10 @@ class ReadOnlyDatabase:
 
     @contextlib.contextmanager
     def _guarded(self, progress: Callable[[], int], every_ops: int) -> Iterator[None]:
-        # Runs in the isolated child (or in process with ``isolate=False``), with
-        # ``self._lock`` held by the caller.
+        # Runs in the isolated server (or in process with ``isolate=False``), with
+        # ``self._lock`` held by the caller. A server answers many requests: this resets
+        # the per-request state (denials, function errors) at each one's start, and the
+        # authorizer and progress handler are removed at its end.
         self._denials.clear()
         self._function_errors.clear()
         self._conn.set_authorizer(self._authorize)
@@ -315,16 +335,19 @@ class ReadOnlyDatabase:
         """A trivial statement: allocates, prepares and steps like any query."""
         self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
 
-    def _bounded(self, fn: Callable[[], T], timeout_s: float, memory_bytes: int,
-                 isolate: bool) -> T:
-        """Run untrusted work on this database: in a forked child under hard CPU, memory
-        and wall-clock limits (see :mod:`investigation.tools.isolation`), holding the
-        database lock across the fork."""
+    def _bounded(self, method: Callable[..., T], args: tuple[Any, ...], timeout_s: float,
+                 memory_bytes: int, isolate: bool) -> T:
+        """Run untrusted work on this database, ``method(*args)`` for one of
+        :data:`BOUNDED_METHODS`: in this database's isolated server under hard CPU,
+        memory and wall-clock limits (see :mod:`investigation.tools.isolation`), holding
+        the database lock across the request. The server is sent the method's name and
+        the arguments, never a callable."""
         with self._lock:
             if not isolate:
-                return fn()
-            return run_isolated(fn, timeout_s=timeout_s, memory_bytes=memory_bytes,
-                                what="the statement", probe=self._probe)
+                return method(*args)
+            return cast(T, self._server.call(self, method.__name__, args,
+                                             timeout_s=timeout_s,
+                                             memory_bytes=memory_bytes))
 
     def _translate(self, exc: sqlite3.Error) -> ToolError:
         if self._denials:
@@ -362,7 +385,7 @@ class ReadOnlyDatabase:
         in step 1 and needs no step 2.
 
         Compilation cannot be interrupted from inside the process, so both run in an
-        isolated child bounded by ``timeout_s`` and ``memory_bytes``.
+        isolated server bounded by ``timeout_s`` and ``memory_bytes``.
 
         Raises:
             ToolError: ``TOOL_SQL_NOT_READ_ONLY`` (a denied action, or a program that
@@ -376,7 +399,8 @@ class ReadOnlyDatabase:
         key = repr((sql, tuple(params), timeout_s, memory_bytes, isolate))
         if key in self._passed:
             return
-        self._bounded(lambda: self._preflight(sql, params), timeout_s, memory_bytes, isolate)
+        self._bounded(self._preflight, (sql, list(params)), timeout_s, memory_bytes,
+                      isolate)
         with self._passed_lock:
             self._passed[key] = None
             while len(self._passed) > PREFLIGHTS_KEPT:
@@ -437,14 +461,14 @@ class ReadOnlyDatabase:
             together with the interrupted step, so the prefix is one row shorter than
             what SQLite had produced.
 
-        The statement runs in an isolated child (see :meth:`preflight`); the child keeps
+        The statement runs in the isolated server (see :meth:`preflight`); it keeps
         the deadline itself, and the parent kills it one second past it.
 
         Raises:
             ToolError: the codes of :meth:`preflight`, and ``TOOL_SQL_TIMEOUT`` when the
                 deadline passes before the first row.
         """
-        return self._bounded(lambda: self._query(sql, params, max_rows, timeout_s),
+        return self._bounded(self._query, (sql, list(params), max_rows, timeout_s),
                              timeout_s + 1.0, memory_bytes, isolate)
 
     def _query(self, sql: str, params: Sequence[Any], max_rows: int,
