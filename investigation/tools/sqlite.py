@@ -39,6 +39,7 @@ import sqlite3
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
@@ -186,6 +187,37 @@ class _Interrupted(Exception):
 PREFLIGHTS_KEPT = 256
 #: The methods a database's isolated server runs (the untrusted work; see ``_bounded``).
 BOUNDED_METHODS = ("_preflight", "_query", "_schema")
+#: Isolated servers kept running per process, the most recently used databases' (decision
+#: 94). A server keeps its own copy of every page its parent rewrites after the fork (up
+#: to the parent's size then, tens of MiB in a worker), so a process that opened many
+#: snapshots does not keep one server per database: starting a server beyond this stops
+#: the least recently used one (its next request forks again).
+SERVERS_PER_PROCESS = 2
+
+_serving: OrderedDict[int, weakref.ref[ReadOnlyDatabase]] = OrderedDict()
+_serving_lock = threading.Lock()
+
+
+def _used(db: ReadOnlyDatabase) -> None:
+    """Mark ``db``'s running server most recently used; stop the least recently used
+    servers beyond :data:`SERVERS_PER_PROCESS` (one whose database is busy in another
+    thread is left for a later call)."""
+    with _serving_lock:
+        _serving[id(db)] = weakref.ref(db)
+        _serving.move_to_end(id(db))
+        surplus = list(_serving.items())[:-SERVERS_PER_PROCESS]
+    for key, ref in surplus:
+        other = ref()
+        if other is not None:
+            if not other._lock.acquire(blocking=False):
+                continue
+            try:
+                other._server.stop()
+            finally:
+                other._lock.release()
+        with _serving_lock:  # stopped, or collected (its finaliser stopped it)
+            if _serving.get(key) is ref:
+                del _serving[key]
 
 
 class ReadOnlyDatabase:
@@ -345,9 +377,13 @@ class ReadOnlyDatabase:
         with self._lock:
             if not isolate:
                 return method(*args)
-            return cast(T, self._server.call(self, method.__name__, args,
-                                             timeout_s=timeout_s,
-                                             memory_bytes=memory_bytes))
+            try:
+                return cast(T, self._server.call(self, method.__name__, args,
+                                                 timeout_s=timeout_s,
+                                                 memory_bytes=memory_bytes))
+            finally:
+                if self._server.pid is not None:
+                    _used(self)
 
     def _translate(self, exc: sqlite3.Error) -> ToolError:
         if self._denials:

@@ -431,3 +431,26 @@ def test_descriptors_past_select_s_range_work() -> None:
     finally:
         for fd in held:
             os.close(fd)
+
+
+def test_a_process_keeps_servers_for_its_most_recently_used_databases_only() -> None:
+    """Starting a server beyond ``SERVERS_PER_PROCESS`` stops the least recently used
+    one (each holds copies of the pages its parent rewrites); its next request forks a
+    new server and answers as before."""
+    from investigation.tools import sqlite as sqlite_tools
+
+    dbs = [open_db() for _ in range(sqlite_tools.SERVERS_PER_PROCESS + 1)]
+    try:
+        pids = []
+        for db in dbs:
+            assert count_users(db) == 3
+            pids.append(db._server.pid)
+        assert dbs[0]._server.pid is None and is_dead(pids[0])
+        assert [db._server.pid for db in dbs[1:]] == pids[1:]
+        assert count_users(dbs[0]) == 3  # again: a new server, the oldest other stopped
+        assert dbs[0]._server.pid not in (None, pids[0])
+        assert dbs[1]._server.pid is None and is_dead(pids[1])
+        assert dbs[2]._server.pid == pids[2]
+    finally:
+        for db in dbs:
+            db.close()
