@@ -312,7 +312,7 @@ class Store:
                     path=path,
                 )
             return digest
-        blobs.store(session, case_id, kind, data, digest)
+        blobs.store(session, case_id, kind, data, digest, path)
         return digest
 
     @staticmethod
