@@ -758,7 +758,10 @@ class LLMGateway:
                 # The UPDATE above holds the operation row (PostgreSQL row lock, SQLite's
                 # write lock): a concurrent runner's attempt that is still ``sent`` means
                 # the model is being asked right now, so this runner must not ask again.
-                live = core(session).execute(_ATTEMPT_LIVE, {"op_id": state.id}).first()
+                # (Attempts are inserted only behind this compare-and-set, so an operation
+                # that had made none has none in flight.)
+                live = core(session).execute(_ATTEMPT_LIVE, {"op_id": state.id}).first() \
+                    if state.attempts_made else None
                 if live is not None:
                     raise _InFlight(_aware(live[0])
                                     + timedelta(seconds=max(self.in_flight_grace_s, 1.0)))
