@@ -556,7 +556,8 @@ class Stages(StageFramework):
     @staticmethod
     def _record_lifecycle(s: Session, key: StepKey, case: CaseRecord,
                           verdict: dict[str, Any], built: dict[str, Any], outcome: str,
-                          held: str | None) -> TerminationReason | None:
+                          held: str | None,
+                          facts: checkpoints.StepFacts) -> TerminationReason | None:
         """Record the step as a lifecycle round (``loop.lifecycle``); a paused session is
         resumed into its exact prior state for it and paused again."""
         session = lifecycle.load(case)
@@ -566,8 +567,7 @@ class Stages(StageFramework):
         if paused:
             session.resume()
         decision = verdict.get("decision") or {}
-        started = Store.artifact_created_at(  # the step's start
-            s, key.case_id, ARTIFACT_CONTEXT.format(seq=key.step_seq))
+        started = facts.context_created_at  # the step's start: its context's creation
         stop = lifecycle.record_step(
             case, session, accepted=bool(verdict.get("accepted")),
             action=(decision.get("reply") or {}).get("next", {}).get("action"),
@@ -615,12 +615,14 @@ class Stages(StageFramework):
                 s.add(account)
             if outcome != BLOCKED and all(a.status != rules.ACTIVE for a in accounts):
                 outcome = COMPLETED
+            facts = checkpoints.step_facts(s, key)
             state = checkpoints.state_document(s, key, case, accounts, outcome, reason,
-                                               hid, built.get("context_sha256"))
+                                               hid, built.get("context_sha256"), facts=facts)
             if outcome == COMPLETED:
                 state["case_state"] = CASE_BUILDING_DIAGNOSIS
             case_state, blocked_reason = state["case_state"], state["blocked_reason"]
-            stop = self._record_lifecycle(s, key, case, verdict, built, outcome, held)
+            stop = self._record_lifecycle(s, key, case, verdict, built, outcome, held,
+                                          facts)
             if held == CASE_CANCELLED:
                 case_state = CASE_CANCELLED
             elif held == CASE_PAUSED and outcome != COMPLETED:
@@ -628,7 +630,7 @@ class Stages(StageFramework):
             elif stop is not None and outcome != COMPLETED:
                 case_state, blocked_reason = CASE_STOPPED, f"SESSION_{stop.value}"
             cp = checkpoints.publish(s, key, case, state, built.get("context_sha256"), hid,
-                                     outcome, reason, canonical_json(built).decode())
+                                     outcome, reason, canonical_json(built).decode(), facts)
             moved = {"head_seq": key.step_seq, "head_hash": cp.hash, "last_outcome": outcome,
                      "last_reason": reason, "retry_not_before": None, "updated_at": utcnow(),
                      "state": case_state, "blocked_reason": blocked_reason,

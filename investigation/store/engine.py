@@ -399,7 +399,7 @@ class Store:
                        revision: int) -> tuple[str | None, str | None]:
         """``(policy_sha256, policy_json)`` of a revision: from the revision object this
         transaction already holds (:meth:`revision`, whose policy may have just been
-        frozen), else one Core query (no ORM object).
+        frozen), else one Core query (no ORM object), once per transaction.
 
         Raises:
             sqlalchemy.exc.NoResultFound: no such revision.
@@ -408,9 +408,19 @@ class Store:
         row = memo.get((case_id, revision))
         if row is not None:
             return row.policy_sha256, row.policy_json
-        sha, text = core(session).execute(_POLICY_COLUMNS, {
-            "case_id": case_id, "revision": revision}).one()
-        return sha, text
+        # Read once per transaction too (a policy is frozen through the revision object,
+        # which then takes precedence above).
+        conn = core(session)
+        transaction, read = session.info.get("policy_columns", (None, {}))
+        if transaction is not conn.get_transaction():
+            read = {}
+            session.info["policy_columns"] = (conn.get_transaction(), read)
+        columns: tuple[str | None, str | None] | None = read.get((case_id, revision))
+        if columns is None:
+            sha, text = conn.execute(_POLICY_COLUMNS, {
+                "case_id": case_id, "revision": revision}).one()
+            columns = read[(case_id, revision)] = (sha, text)
+        return columns
 
     @staticmethod
     def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
