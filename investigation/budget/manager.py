@@ -109,13 +109,18 @@ class BudgetManager:
     # -- accounts ------------------------------------------------------------------------
 
     def ensure_accounts(self, session: Session, case_id: str, revision: int,
-                        hypothesis_ids: list[int]) -> list[BudgetAccount]:
+                        hypothesis_ids: list[int],
+                        known: list[BudgetAccount] | None = None) -> list[BudgetAccount]:
         """Create missing accounts with the configured credit; existing ones are reused,
-        never refilled. Returns all accounts of the revision ordered by hypothesis id."""
+        never refilled. Returns all accounts of the revision ordered by hypothesis id.
+
+        Args:
+            known: every account of the revision, read in this transaction already (the
+                live-state check's); ``None``: they are read here."""
         existing = {
             a.hypothesis_id: a
-            for a in session.exec(_ACCOUNTS, params={"case_id": case_id,
-                                                     "revision": revision})
+            for a in (known if known is not None else session.exec(
+                _ACCOUNTS, params={"case_id": case_id, "revision": revision}))
         }
         for hid in hypothesis_ids:
             if hid in existing:

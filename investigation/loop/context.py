@@ -57,7 +57,6 @@ from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
     Evidence,
-    HypothesisBirth,
     HypothesisNote,
     Question,
     StageRun,
@@ -85,7 +84,8 @@ _OTHER_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
 _PENDING_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, col(Evidence.evidence_id) == bindparam("evidence_id"))
 _EVIDENCE_COUNT = sa_select(func.count()).select_from(Evidence).where(*_OF_REVISION)
-_QUESTION_ROWS = select(Question).where(
+_QUESTION_ROWS = sa_select(col(Question.question_id), col(Question.hypothesis_id),
+                           col(Question.status), col(Question.text)).where(
     col(Question.case_id) == bindparam("case_id"),
     col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
 _FINDINGS = sa_select(col(Evidence.evidence_id), col(Evidence.findings_json)).where(
@@ -304,9 +304,17 @@ def fit_for_model(doc: dict[str, Any], limit: int, budgets: list[PromptBudget]) 
 
 def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationConfig,
           budget: BudgetManager, selected: int, accounts: list[BudgetAccount],
-          births: list[HypothesisBirth], router: ToolRouter,
-          snapshot: Snapshot, external_tests: bool = False) -> dict[str, Any]:
-    """Build the context document for ``selected`` (see the module docstring)."""
+          births: list[Any], router: ToolRouter,
+          snapshot: Snapshot, external_tests: bool = False,
+          questions: list[Any] | None = None) -> dict[str, Any]:
+    """Build the context document for ``selected`` (see the module docstring).
+
+    Args:
+        births: the revision's hypotheses (``hypothesis_id``, ``statement``).
+        questions: the revision's questions in creation order (``question_id``,
+            ``hypothesis_id``, ``text``, ``status``) when read in this transaction
+            already; ``None``: they are read here.
+    """
     rev = Store.revision(s, key.case_id, key.revision)
     # The interpretation and the statements come from upstream (a bug tracker, an
     # operator): a key pasted into them is masked like snapshot text.
@@ -327,8 +335,9 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         previous["cost_units"] = pending.cost_units
         previous["novelty_permille"] = novelty_permille(
             pending.item_count, pending.new_item_count, pending.duplicate)
-    questions = s.exec(_QUESTION_ROWS, params={"case_id": key.case_id,
-                                               "revision": key.revision}).all()
+    if questions is None:
+        questions = list(s.execute(_QUESTION_ROWS, {"case_id": key.case_id,
+                                                    "revision": key.revision}).all())
     # The row carries the columns closing_reason reads (counts, duplicate, cost).
     closing = budget.closing_reason(account, cast("Evidence | None", pending))
     tests_available = external_tests and bool(config.budget.test_costs)

@@ -25,6 +25,7 @@ import sqlite3
 from typing import Any
 
 from sqlalchemy import bindparam, func, insert
+from sqlalchemy import select as sa_select
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
@@ -96,8 +97,17 @@ log = logging.getLogger(__name__)
 
 
 # Statements built once (building a statement costs more than running it on SQLite).
-_BIRTHS = select(HypothesisBirth).where(col(HypothesisBirth.case_id) == bindparam("case_id"),
-                                        col(HypothesisBirth.revision) == bindparam("revision"))
+_BIRTH = table_of(HypothesisBirth).c
+_RUNS = table_of(StageRun).c
+#: The revision's hypotheses (id and statement) and, on every row, the case's model
+#: decisions so far (its ``llm_call`` markers: the next decision's ``call_index``).
+_BIRTHS = sa_select(
+    _BIRTH.hypothesis_id, _BIRTH.statement,
+    sa_select(func.count()).select_from(table_of(StageRun)).where(
+        _RUNS.case_id == bindparam("case_id"), _RUNS.stage == "llm_call")
+    .scalar_subquery().label("llm_calls")).where(
+    _BIRTH.case_id == bindparam("case_id"), _BIRTH.revision == bindparam("revision")) \
+    .order_by(_BIRTH.hypothesis_id)
 _PLAN_INSERT = insert(table_of(Plan))
 _CASES = table_of(CaseRecord)
 #: Publishing's compare-and-set of the case head (the values come with the parameters).
@@ -148,18 +158,20 @@ class Stages(StageFramework):
         with self._tx() as s:
             case = self._fence(s, key, "build_context")
             head = checkpoints.replay(s, case, self.env.replay_cache, self.env.limits_key)
-            live.verify_live_state(s, case, head.head_state, head.head_seq, head.head_revision,
-                                   full=head.full, recorded=head.evidence)
+            checked = live.verify_live_state(s, case, head.head_state, head.head_seq,
+                                             head.head_revision, full=head.full,
+                                             recorded=head.evidence)
             cfg, budget = self._policy(s, key)
             if key.step_seq > cfg.limits.max_checkpoints:
                 raise InvestigationError(
                     "CHECKPOINT_LIMIT",
                     f"case {key.case_id} reached {cfg.limits.max_checkpoints} checkpoints; "
                     "raise limits.max_checkpoints to continue")
-            births = s.exec(_BIRTHS, params={"case_id": key.case_id,
-                                             "revision": key.revision}).all()
+            births = list(core(s).execute(_BIRTHS, {"case_id": key.case_id,
+                                                    "revision": key.revision}).all())
             accounts = budget.ensure_accounts(
-                s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births))
+                s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births),
+                known=checked.accounts if checked is not None else None)
             rev = Store.revision(s, key.case_id, key.revision)
             lifecycle.ensure(case, cfg, len(births), str(
                 json.loads(rev.interpretation_json).get("summary", "")))
@@ -171,12 +183,14 @@ class Stages(StageFramework):
             selected = select_hypothesis(accounts)
             if selected is None:
                 return self._complete(s, key, "build_context", {"finalize": True})
-            llm_steps = s.exec(_LLM_CALLS, params={"case_id": key.case_id}).one()
+            llm_steps = births[0].llm_calls if births else \
+                s.exec(_LLM_CALLS, params={"case_id": key.case_id}).one()
             doc = context_builder.build(
                 s, key=key, case=case, config=cfg, budget=budget, selected=selected,
-                accounts=accounts, births=list(births), router=router,
+                accounts=accounts, births=births, router=router,
                 snapshot=self.env.snapshot(key.case_id),
-                external_tests=self.env.feedback_key is not None)
+                external_tests=self.env.feedback_key is not None,
+                questions=checked.questions if checked is not None else None)
             data = context_builder.fit_for_model(
                 doc, cfg.limits.max_context_bytes, self.env.gateway.prompt_budget())
             path = ARTIFACT_CONTEXT.format(seq=key.step_seq)
