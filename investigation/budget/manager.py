@@ -156,7 +156,7 @@ class BudgetManager:
             return
         first = accounts[0]
         sums = {hid: (int(total or 0), int(credits or 0), int(credited or 0))
-                for hid, total, credits, credited in session.execute(_LEDGER_SUMS, {
+                for hid, total, credits, credited in core(session).execute(_LEDGER_SUMS, {
                     "case_id": first.case_id, "revision": first.revision}).all()}
         for account in accounts:
             total, credits, credited = sums.get(account.hypothesis_id, (0, 0, 0))

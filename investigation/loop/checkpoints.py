@@ -271,22 +271,23 @@ def evidence_section(s: Session, key: StepKey, parent: dict[str, Any],
     if facts is not None:
         count, last = facts.evidence_count, facts.last_ordinal
     else:
-        count, last = s.execute(_STATE_COUNTS, rows).one()
+        count, last = core(s).execute(_STATE_COUNTS, rows).one()
     before = parent.get("evidence") if parent.get("revision") == key.revision else None
     if isinstance(before, list):  # the first format: every record of the revision
-        closed = s.execute(_STATE_ALL_CLOSED, rows).all()
+        closed = core(s).execute(_STATE_ALL_CLOSED, rows).all()
     else:
         previous = before if isinstance(before, dict) else {}
         open_ids = [str(e.get("evidence_id")) for e in previous.get("open", [])
                     if isinstance(e, dict)]
         last_before = previous.get("last_ordinal")
-        closed = s.execute(_STATE_CLOSED, {
+        closed = core(s).execute(_STATE_CLOSED, {
             **rows, "open_ids": open_ids,
             "last_ordinal": last_before if isinstance(last_before, int) else 0}).all()
-    keys = facts.keys if facts is not None else int(s.execute(KEY_COUNT, rows).scalar_one())
+    keys = facts.keys if facts is not None else \
+        int(core(s).execute(KEY_COUNT, rows).scalar_one())
     return {"count": int(count), "last_ordinal": int(last or 0), "keys": keys,
             "open": [_evidence_record(r) for r in
-                     s.execute(open_evidence_statement(s), rows).all()],
+                     core(s).execute(open_evidence_statement(s), rows).all()],
             "closed": [_evidence_record(r) for r in closed]}
 
 
@@ -339,7 +340,7 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
         else:
             parent = head_state_document(s, key.case_id)
     evidence = evidence_section(s, key, parent, facts)
-    questions = s.execute(_STATE_QUESTIONS, rows).all()
+    questions = core(s).execute(_STATE_QUESTIONS, rows).all()
     return {
         "case_id": key.case_id,
         "revision": key.revision,
@@ -367,7 +368,7 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
         ],
         "evidence": evidence,
         "notes": facts.notes if facts is not None
-        else int(s.execute(NOTE_COUNT, rows).scalar_one()),
+        else int(core(s).execute(NOTE_COUNT, rows).scalar_one()),
         "questions": [
             {"question_id": qid, "hypothesis_id": hid, "status": status}
             for qid, hid, status in questions
@@ -378,7 +379,7 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
 def head_state_document(s: Session, case_id: str) -> dict[str, Any]:
     """The state document the ``investigation_state`` pointer names (``{}`` when there is
     none), from this process's parsed states when it has it."""
-    pointer = s.execute(_POINTER, {"case_id": case_id}).first()
+    pointer = core(s).execute(_POINTER, {"case_id": case_id}).first()
     if pointer is None:
         return {}
     return _state_named(s, case_id, pointer[0], pointer[1])
@@ -621,10 +622,11 @@ class Replay:
 def _generations(s: Session, case_id: str, seq: int) -> tuple[list[_Stored], Any]:
     """The checkpoints from ``seq`` on (:data:`_GENERATIONS`) and the chain's facts
     (``top``, ``count``, ``published``, ``pointer_path``, ``pointer_sha256``)."""
-    rows = s.execute(_GENERATIONS, {"case_id": case_id, "seq": seq}).all()
+    conn = core(s)
+    rows = conn.execute(_GENERATIONS, {"case_id": case_id, "seq": seq}).all()
     if not rows:  # nothing from seq on: the chain's facts alone
-        top, count, published = s.execute(_CHAIN_SIZE, {"case_id": case_id}).one()
-        pointer = s.execute(_POINTER, {"case_id": case_id}).first()
+        top, count, published = conn.execute(_CHAIN_SIZE, {"case_id": case_id}).one()
+        pointer = conn.execute(_POINTER, {"case_id": case_id}).first()
         return [], _ChainFacts(top, count, published, *(pointer or (None, None)))
     n = len(_CHECKPOINT_COLUMNS) + 2
     first = rows[0]
@@ -646,7 +648,7 @@ def _with_contexts(s: Session, case_id: str, rows: list[_Stored]) -> None:
              if cp.context_sha256 is not None}
     wanted = sorted(paths)
     for start in range(0, len(wanted), _PATHS_PER_LOOKUP):
-        for path, sha in s.execute(_ARTIFACT_SHAS, {
+        for path, sha in core(s).execute(_ARTIFACT_SHAS, {
                 "case_id": case_id, "paths": wanted[start:start + _PATHS_PER_LOOKUP]}).all():
             paths[path].context_artifact = sha
 

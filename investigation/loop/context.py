@@ -52,7 +52,7 @@ from investigation.llm.tokens import PromptBudget, estimate_tokens
 from investigation.loop.outcome import StepKey
 from investigation.loop.prompt import build_messages
 from investigation.secrets import MAX_MASKED_CHARS, default_masker
-from investigation.store.engine import Store
+from investigation.store.engine import Store, core
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -124,7 +124,7 @@ def _notes(s: Session, key: StepKey, hid: int, limit: int) -> list[dict[str, Any
     """The hypothesis's newest ``limit`` audit notes, oldest first."""
     if limit <= 0:
         return []
-    rows = s.execute(_NOTES, {"case_id": key.case_id, "revision": key.revision, "hid": hid,
+    rows = core(s).execute(_NOTES, {"case_id": key.case_id, "revision": key.revision, "hid": hid,
                               "limit": limit}).all()
     return [{"note": note, "step_seq": step} for step, note in reversed(rows)]
 
@@ -327,7 +327,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
     pending = next((e for e in own if e.evidence_id == account.pending_evidence_id), None)
     if pending is not None:
         full_ids.add(pending.evidence_id)
-    findings: dict[str, str] = dict(s.execute(_FINDINGS, {
+    findings: dict[str, str] = dict(core(s).execute(_FINDINGS, {
         "case_id": key.case_id, "ids": sorted(full_ids)}).all()) if full_ids else {}
     previous = None
     if pending is not None:
@@ -336,7 +336,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         previous["novelty_permille"] = novelty_permille(
             pending.item_count, pending.new_item_count, pending.duplicate)
     if questions is None:
-        questions = list(s.execute(_QUESTION_ROWS, {"case_id": key.case_id,
+        questions = list(core(s).execute(_QUESTION_ROWS, {"case_id": key.case_id,
                                                     "revision": key.revision}).all())
     # The row carries the columns closing_reason reads (counts, duplicate, cost).
     closing = budget.closing_reason(account, cast("Evidence | None", pending))
@@ -423,17 +423,18 @@ def _listed_evidence(s: Session, key: StepKey, config: InvestigationConfig, sele
     """
     limits = config.limits
     params = {"case_id": key.case_id, "revision": key.revision, "hid": selected}
-    own = list(s.execute(_OWN_EVIDENCE, {**params, "limit": limits.own_evidence_in_context}))
-    other = list(s.execute(_OTHER_EVIDENCE, {**params,
+    conn = core(s)
+    own = list(conn.execute(_OWN_EVIDENCE, {**params, "limit": limits.own_evidence_in_context}))
+    other = list(conn.execute(_OTHER_EVIDENCE, {**params,
                                               "limit": limits.other_evidence_in_context})) \
         if limits.other_evidence_in_context else []
     pending_id = account.pending_evidence_id
     if pending_id is not None and all(e.evidence_id != pending_id for e in own):
-        own += s.execute(_PENDING_EVIDENCE, {"case_id": key.case_id, "revision": key.revision,
+        own += conn.execute(_PENDING_EVIDENCE, {"case_id": key.case_id, "revision": key.revision,
                                              "evidence_id": pending_id}).all()
     rows = sorted(own + other, key=lambda e: e.ordinal)
     if len(own) < limits.own_evidence_in_context and \
             len(other) < limits.other_evidence_in_context:
         return rows, 0  # both windows hold every record: nothing left out, nothing to count
-    total = int(s.execute(_EVIDENCE_COUNT, params).scalar_one())
+    total = int(conn.execute(_EVIDENCE_COUNT, params).scalar_one())
     return rows, total - len(rows)

@@ -153,7 +153,8 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
 
     def imported() -> set[Any]:  # read only when a record is not listed (an import)
         if not imports:
-            imports.append(set(s.exec(_IMPORTED, params={"case_id": case.id}).all()))
+            imports.append(set(s.connection().execute(
+                _IMPORTED, {"case_id": case.id}).scalars().all()))
         return imports[0]
 
     rows = {"case_id": case.id, "revision": head_revision}
@@ -221,7 +222,7 @@ def _check_written_rows(s: Session, case: CaseRecord, head_state: dict[str, Any]
     section = head_state.get("evidence")
     keys = section.get("keys") if isinstance(section, dict) else None
     if isinstance(keys, int):
-        imported_keys = int(s.execute(_KEYS_OF, {
+        imported_keys = int(s.connection().execute(_KEYS_OF, {
             **rows, "ids": sorted(pending_imports)}).scalar_one()) if pending_imports else 0
         if live_keys - imported_keys != keys:
             raise tampered("the novelty index (evidence_key)")
@@ -231,7 +232,8 @@ def _check_written_rows(s: Session, case: CaseRecord, head_state: dict[str, Any]
                 for key in _json(e.item_keys_json) or []:
                     expected.setdefault((e.hypothesis_id, key_sha256(str(key))),
                                         e.evidence_id)
-            stored = {(hid, sha): eid for hid, sha, eid in s.execute(_KEY_ROWS, rows).all()}
+            stored = {(hid, sha): eid for hid, sha, eid in
+                      s.connection().execute(_KEY_ROWS, rows).all()}
             if stored != expected:
                 raise tampered("the novelty index (evidence_key)")
     notes = head_state.get("notes")
