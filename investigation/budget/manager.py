@@ -122,9 +122,11 @@ class BudgetManager:
             for a in (known if known is not None else session.exec(
                 _ACCOUNTS, params={"case_id": case_id, "revision": revision}))
         }
+        added = False
         for hid in hypothesis_ids:
             if hid in existing:
                 continue
+            added = True
             credit = self.budget.credit_units
             account = BudgetAccount(case_id=case_id, revision=revision, hypothesis_id=hid,
                                     credit_units=credit, balance_units=credit)
@@ -133,7 +135,8 @@ class BudgetManager:
                     step_seq=0, kind="credit", amount_units=credit,
                     balance_after_units=credit, reference="initial credit")
             existing[hid] = account
-        session.flush()
+        if added:
+            session.flush()
         return [existing[h] for h in sorted(existing)]
 
     def verify_origins(self, session: Session, account: BudgetAccount) -> None:

@@ -54,7 +54,6 @@ from investigation.store.models import (
     HypothesisNote,
     ManifestPointer,
     Question,
-    RevisionRecord,
     StageRun,
     utcnow,
 )
@@ -235,10 +234,6 @@ def checkpoint_hash(case_id: str, seq: int, parent_hash: str | None, state_sha25
         "state_sha256": state_sha256, "context_sha256": context_sha256,
         "hypothesis_id": hypothesis_id,
     }))
-
-
-def _revision(s: Session, case_id: str, revision: int) -> RevisionRecord:
-    return Store.revision(s, case_id, revision)
 
 
 def _evidence_record(row: Any) -> dict[str, Any]:
@@ -737,7 +732,7 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
             chain.pointer_path is None:
         raise _invalid(case.id, head.seq, f"the {POINTER_STATE} pointer is missing or does "
                                           "not name the head state")
-    rev = _revision(s, case.id, head.revision)
+    rev = Store.revision_columns(s, case.id, head.revision)
     recorded_policy = head_state.get("policy_sha256")
     if rev.policy_json is None or rev.policy_sha256 is None or \
             sha256_hex(rev.policy_json.encode("utf-8")) != rev.policy_sha256 or \

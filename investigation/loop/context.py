@@ -315,7 +315,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
             ``hypothesis_id``, ``text``, ``status``) when read in this transaction
             already; ``None``: they are read here.
     """
-    rev = Store.revision(s, key.case_id, key.revision)
+    rev = Store.revision_columns(s, key.case_id, key.revision)
     # The interpretation and the statements come from upstream (a bug tracker, an
     # operator): a key pasted into them is masked like snapshot text.
     statements = {b.hypothesis_id: default_masker().mask_prefix(b.statement)[0]

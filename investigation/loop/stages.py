@@ -172,7 +172,7 @@ class Stages(StageFramework):
             accounts = budget.ensure_accounts(
                 s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births),
                 known=checked.accounts if checked is not None else None)
-            rev = Store.revision(s, key.case_id, key.revision)
+            rev = Store.revision_columns(s, key.case_id, key.revision)
             lifecycle.ensure(case, cfg, len(births), str(
                 json.loads(rev.interpretation_json).get("summary", "")))
             s.add(case)
