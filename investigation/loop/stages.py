@@ -288,7 +288,7 @@ class Stages(StageFramework):
             built, doc = self._context_doc(s, key)
             cfg, _ = self._policy(s, key)
             account = self._account(s, key, int(built["hypothesis_id"]))
-            normalised = list(normalise_reply_text(call["content"])[1])
+            normalised: list[str] | None = None  # the rules applied, once it is read
             try:
                 try:
                     reply, applied = self._read_reply(call)
@@ -305,6 +305,8 @@ class Stages(StageFramework):
                                         f"the reply could not be processed: "
                                         f"{type(exc).__name__}") from exc
             except ReplyRejected as rej:
+                if normalised is None:  # it could not be read: what normalising did
+                    normalised = list(normalise_reply_text(call["content"])[1])
                 account.invalid_streak += 1
                 account.last_rejection_json = canonical_json(
                     {"code": rej.code, "detail": rej.detail, "step_seq": key.step_seq}).decode()
