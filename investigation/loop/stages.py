@@ -173,7 +173,7 @@ class Stages(StageFramework):
                 s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births),
                 known=checked.accounts if checked is not None else None)
             rev = Store.revision_columns(s, key.case_id, key.revision)
-            lifecycle.ensure(case, cfg, len(births), str(
+            lifecycle.ensure_started(case, cfg, len(births), lambda: str(
                 json.loads(rev.interpretation_json).get("summary", "")))
             s.add(case)
             budget.verify_all_origins(s, accounts)
