@@ -109,17 +109,24 @@ class BudgetManager:
     # -- accounts ------------------------------------------------------------------------
 
     def ensure_accounts(self, session: Session, case_id: str, revision: int,
-                        hypothesis_ids: list[int]) -> list[BudgetAccount]:
+                        hypothesis_ids: list[int],
+                        known: list[BudgetAccount] | None = None) -> list[BudgetAccount]:
         """Create missing accounts with the configured credit; existing ones are reused,
-        never refilled. Returns all accounts of the revision ordered by hypothesis id."""
+        never refilled. Returns all accounts of the revision ordered by hypothesis id.
+
+        Args:
+            known: every account of the revision, read in this transaction already (the
+                live-state check's); ``None``: they are read here."""
         existing = {
             a.hypothesis_id: a
-            for a in session.exec(_ACCOUNTS, params={"case_id": case_id,
-                                                     "revision": revision})
+            for a in (known if known is not None else session.exec(
+                _ACCOUNTS, params={"case_id": case_id, "revision": revision}))
         }
+        added = False
         for hid in hypothesis_ids:
             if hid in existing:
                 continue
+            added = True
             credit = self.budget.credit_units
             account = BudgetAccount(case_id=case_id, revision=revision, hypothesis_id=hid,
                                     credit_units=credit, balance_units=credit)
@@ -128,7 +135,8 @@ class BudgetManager:
                     step_seq=0, kind="credit", amount_units=credit,
                     balance_after_units=credit, reference="initial credit")
             existing[hid] = account
-        session.flush()
+        if added:
+            session.flush()
         return [existing[h] for h in sorted(existing)]
 
     def verify_origins(self, session: Session, account: BudgetAccount) -> None:
@@ -151,7 +159,7 @@ class BudgetManager:
             return
         first = accounts[0]
         sums = {hid: (int(total or 0), int(credits or 0), int(credited or 0))
-                for hid, total, credits, credited in session.execute(_LEDGER_SUMS, {
+                for hid, total, credits, credited in core(session).execute(_LEDGER_SUMS, {
                     "case_id": first.case_id, "revision": first.revision}).all()}
         for account in accounts:
             total, credits, credited = sums.get(account.hypothesis_id, (0, 0, 0))

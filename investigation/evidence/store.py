@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import bindparam, func, insert
 from sqlalchemy import select as sa_select
+from sqlalchemy.orm import make_transient_to_detached
 from sqlmodel import Session, col, select
 
 from investigation.config import canonical_json
@@ -30,9 +31,6 @@ def fingerprint(operation: str, arguments: dict[str, Any], items: list[dict[str,
 
 
 # Statements built once (building a statement costs more than running it on SQLite).
-_OF_REVISION = (col(Evidence.case_id) == bindparam("case_id"),
-                col(Evidence.revision) == bindparam("revision"))
-_OF_STEP = select(Evidence).where(*_OF_REVISION, col(Evidence.step_seq) == bindparam("step_seq"))
 _KEYS_WHERE = (col(EvidenceKey.case_id) == bindparam("case_id"),
                col(EvidenceKey.revision) == bindparam("revision"),
                col(EvidenceKey.hypothesis_id) == bindparam("hid"))
@@ -40,13 +38,23 @@ _KEYS_WHERE = (col(EvidenceKey.case_id) == bindparam("case_id"),
 _KNOWN_KEYS = sa_select(col(EvidenceKey.key_sha256)).where(
     *_KEYS_WHERE, col(EvidenceKey.key_sha256).in_(bindparam("keys", expanding=True)))
 _KEY_INSERT = insert(table_of(EvidenceKey))
-#: An earlier record of the hypothesis with the same fingerprint (index
-#: ``ix_evidence_fingerprint``).
-_SAME_FINGERPRINT = sa_select(col(Evidence.id)).where(
-    *_OF_REVISION, col(Evidence.hypothesis_id) == bindparam("hid"),
-    col(Evidence.fingerprint) == bindparam("fingerprint")).limit(1)
-_LAST_ORDINAL = select(func.max(Evidence.ordinal)).where(
-    col(Evidence.case_id) == bindparam("case_id"))
+_EV = table_of(Evidence).c
+#: What recording a result looks up, in one query: the step's record if it exists, an
+#: earlier record of the hypothesis with the same fingerprint, the case's newest ordinal.
+_LOOKUPS = sa_select(
+    sa_select(_EV.id).where(_EV.case_id == bindparam("case_id"),
+                            _EV.revision == bindparam("revision"),
+                            _EV.step_seq == bindparam("step_seq")).limit(1).scalar_subquery(),
+    sa_select(_EV.id).where(_EV.case_id == bindparam("case_id"),
+                            _EV.revision == bindparam("revision"),
+                            _EV.hypothesis_id == bindparam("hid"),
+                            _EV.fingerprint == bindparam("fingerprint"))
+    .limit(1).scalar_subquery(),
+    sa_select(func.max(_EV.ordinal)).where(_EV.case_id == bindparam("case_id"))
+    .scalar_subquery())
+#: A new record: one Core INSERT of every column (no ORM object of it is pending in the
+#: session; the settlement later changes it through the ORM in its own transaction).
+_EVIDENCE_INSERT = insert(table_of(Evidence)).returning(_EV.id)
 #: Keys looked up in one statement (SQLite's bound-parameter limit is 32,766).
 _KEYS_PER_LOOKUP = 500
 
@@ -73,10 +81,6 @@ class EvidenceStore:
             The new record (or the existing one for this step), with a controller-assigned
             id ``E<n>`` (n = 1, 2, ... per case in creation order).
         """
-        existing = session.exec(_OF_STEP, params={"case_id": case_id, "revision": revision,
-                                                  "step_seq": step_seq}).first()
-        if existing is not None:
-            return existing
         items: list[dict[str, Any]] = list(result.get("items", []))
         keys = [str(i["key"]) for i in items]
         operation = str(result["operation"])
@@ -84,8 +88,13 @@ class EvidenceStore:
         fp = fingerprint(operation, arguments, items)
         ident = {"case_id": case_id, "revision": revision, "hid": hypothesis_id}
         conn = core(session)
-        duplicate = conn.execute(_SAME_FINGERPRINT, {**ident, "fingerprint": fp}).first() \
-            is not None
+        existing_id, same_id, last_ordinal = conn.execute(_LOOKUPS, {
+            **ident, "step_seq": step_seq, "fingerprint": fp}).one()
+        if existing_id is not None:
+            existing = session.get(Evidence, existing_id)
+            assert existing is not None
+            return existing
+        duplicate = same_id is not None
         hashed = {key_sha256(k): k for k in keys}
         unique = sorted(hashed)
         known: set[str] = set()
@@ -94,7 +103,7 @@ class EvidenceStore:
                 **ident, "keys": unique[start:start + _KEYS_PER_LOOKUP]}).scalars())
         fresh = [h for h in unique if h not in known]
         new_count = 0 if duplicate else len(fresh)
-        ordinal = (session.exec(_LAST_ORDINAL, params={"case_id": case_id}).one() or 0) + 1
+        ordinal = (last_ordinal or 0) + 1
         evidence_id = f"E{ordinal}"
         if fresh:  # the keys this record found first (write-once rows)
             conn.execute(_KEY_INSERT, [
@@ -121,8 +130,10 @@ class EvidenceStore:
             duplicate=duplicate, cost_units=cost_units, artifact_path=path,
             artifact_sha256=digest,
         )
+        row.id = conn.execute(_EVIDENCE_INSERT, row.model_dump(exclude={"id"})).scalar_one()
+        # The session takes the object as the row just written (no second INSERT, no read).
+        make_transient_to_detached(row)
         session.add(row)
-        session.flush()
         return row
 
     @staticmethod

@@ -55,6 +55,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, update
+from sqlalchemy import exists as sa_exists
 from sqlalchemy import select as sa_select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -335,9 +336,6 @@ class LLMGateway:
             PostgreSQL reports that as a serialization failure instead: the caller runs
             its transaction again.)
         """
-        existing = self._pick_operation(session, case_id, revision, step_seq, retry_id)
-        if existing is not None:
-            return existing, False
         op = LLMOperation(
             case_id=case_id,
             revision=revision,
@@ -352,9 +350,16 @@ class LLMGateway:
             created_at=self._now(),
         )
         conn = core(session)  # llm_operation rows are created here only
-        new_id = conn.execute(
-            _OP_CREATE["postgresql" if conn.dialect.name == "postgresql" else "sqlite"],
-            op.model_dump(exclude={"id"})).scalar()
+        dialect = "postgresql" if conn.dialect.name == "postgresql" else "sqlite"
+        values = op.model_dump(exclude={"id"})
+        # The usual case first: the step has no operation yet, and this one statement
+        # creates it (nothing is inserted when the step has any).
+        new_id = conn.execute(_OP_CREATE_FIRST[dialect], values).scalar()
+        if new_id is None:
+            existing = self._pick_operation(session, case_id, revision, step_seq, retry_id)
+            if existing is not None:
+                return existing, False
+            new_id = conn.execute(_OP_CREATE[dialect], values).scalar()
         if new_id is None:  # the unique (case, revision, step, retry id) exists already
             return None
         op.id = int(new_id)
@@ -758,7 +763,10 @@ class LLMGateway:
                 # The UPDATE above holds the operation row (PostgreSQL row lock, SQLite's
                 # write lock): a concurrent runner's attempt that is still ``sent`` means
                 # the model is being asked right now, so this runner must not ask again.
-                live = core(session).execute(_ATTEMPT_LIVE, {"op_id": state.id}).first()
+                # (Attempts are inserted only behind this compare-and-set, so an operation
+                # that had made none has none in flight.)
+                live = core(session).execute(_ATTEMPT_LIVE, {"op_id": state.id}).first() \
+                    if state.attempts_made else None
                 if live is not None:
                     raise _InFlight(_aware(live[0])
                                     + timedelta(seconds=max(self.in_flight_grace_s, 1.0)))
@@ -931,6 +939,18 @@ _OPERATIONS = select(LLMOperation).where(
 #: Create an operation unless its unique (case, revision, step, retry id) exists; its id.
 _OP_CREATE = {
     name: ins(_OP).on_conflict_do_nothing(
+        index_elements=["case_id", "revision", "step_seq", "retry_id"]).returning(_OP.c.id)
+    for name, ins in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
+_OP_COLUMNS = [c.name for c in _OP.c if c.name != "id"]
+_EARLIER = _OP.alias("earlier")
+#: Create the step's first operation: nothing is inserted when the step has any (the
+#: caller then picks among them); its id.
+_OP_CREATE_FIRST = {
+    name: ins(_OP).from_select(_OP_COLUMNS, sa_select(
+        *(bindparam(c, type_=_OP.c[c].type) for c in _OP_COLUMNS)).where(~sa_exists().where(
+            _EARLIER.c.case_id == bindparam("case_id"),
+            _EARLIER.c.revision == bindparam("revision"),
+            _EARLIER.c.step_seq == bindparam("step_seq")))).on_conflict_do_nothing(
         index_elements=["case_id", "revision", "step_seq", "retry_id"]).returning(_OP.c.id)
     for name, ins in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
 

@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import bindparam
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, func, select
 
 from investigation.config import ProviderConfig
@@ -186,18 +188,24 @@ def case_spent_micros(s: Session, case_id: str) -> int:
     return int(total)
 
 
+_ATTEMPTS = LLMAttempt.__table__.c  # type: ignore[attr-defined]
+_OPERATIONS = LLMOperation.__table__.c  # type: ignore[attr-defined]
+#: Every attempt of a case with its decision's hypothesis (plain rows, built once).
+_USAGE = sa_select(_OPERATIONS.hypothesis_id, _ATTEMPTS.status, _ATTEMPTS.prompt_tokens,
+                   _ATTEMPTS.completion_tokens, _ATTEMPTS.cost_micros).join_from(
+    LLMAttempt.__table__, LLMOperation.__table__,  # type: ignore[attr-defined]
+    _OPERATIONS.id == _ATTEMPTS.operation_id).where(
+    _OPERATIONS.case_id == bindparam("case_id"))
+
+
 def usage_by_hypothesis(s: Session, case_id: str) -> dict[int | None, dict[str, int]]:
     """Per hypothesis (``None``: calls recorded before hypotheses were tracked): model
     ``calls`` (answered decisions), ``attempts`` (every request sent, failed ones too),
     ``prompt_tokens``, ``completion_tokens`` and ``cost_micros`` (``-1`` when no attempt
     was priced)."""
-    rows = s.exec(select(LLMOperation.hypothesis_id, LLMAttempt)
-                  .join(LLMOperation, col(LLMOperation.id) == col(LLMAttempt.operation_id))
-                  .where(LLMOperation.case_id == case_id)).all()
+    rows = s.connection().execute(_USAGE, {"case_id": case_id}).all()
     out: dict[int | None, dict[str, int]] = {}
-    for hid, attempt in rows:
-        status, prompt = attempt.status, attempt.prompt_tokens
-        completion, cost = attempt.completion_tokens, attempt.cost_micros
+    for hid, status, prompt, completion, cost in rows:
         entry = out.setdefault(hid, {"calls": 0, "attempts": 0, "prompt_tokens": 0,
                                      "completion_tokens": 0, "cost_micros": -1})
         entry["attempts"] += 1

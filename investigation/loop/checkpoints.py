@@ -35,15 +35,17 @@ from typing import Any
 
 from sqlalchemy import bindparam, func, insert, or_, text
 from sqlalchemy import select as sa_select
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col
 
 from investigation.config import canonical_json
 from investigation.constants import ARTIFACT_CONTEXT, ARTIFACT_STATE, POINTER_STATE
 from investigation.errors import InvestigationError, StoreError
 from investigation.loop.outcome import StepKey
+from investigation.store import blobs
 from investigation.store.blobs import ByteCache
 from investigation.store.engine import Store, core, sha256_hex, table_of
 from investigation.store.models import (
+    Artifact,
     BudgetAccount,
     CaseRecord,
     Checkpoint,
@@ -52,8 +54,8 @@ from investigation.store.models import (
     HypothesisNote,
     ManifestPointer,
     Question,
-    RevisionRecord,
     StageRun,
+    utcnow,
 )
 
 # Statements built once (building a statement costs more than running it on SQLite).
@@ -69,9 +71,49 @@ _BUILT = sa_select(col(StageRun.output_json)).where(
 _POINTER = sa_select(col(ManifestPointer.path), col(ManifestPointer.sha256)).where(
     col(ManifestPointer.case_id) == bindparam("case_id"),
     col(ManifestPointer.name) == POINTER_STATE)
-_CHECKPOINTS_FROM = select(Checkpoint).where(
-    col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) >= bindparam("seq")) \
-    .order_by(col(Checkpoint.seq))
+_CP = table_of(Checkpoint).c
+_ART = table_of(Artifact).c
+_RUNS = table_of(StageRun).c
+_POINTERS = table_of(ManifestPointer).c
+_CHAIN = table_of(Checkpoint).alias("chain")
+_PUBLISHED = table_of(StageRun).alias("published")
+#: The columns of a checkpoint a replay checks and chains.
+_CHECKPOINT_COLUMNS = (_CP.seq, _CP.revision, _CP.parent_hash, _CP.hash, _CP.state_path,
+                       _CP.context_sha256, _CP.hypothesis_id, _CP.outcome, _CP.reason,
+                       _CP.archive_digest)
+#: The checkpoints of a case from ``seq`` on, each with the sha256 its state artifact row
+#: records and the text of its recorded ``build_context``, and on every row the chain's
+#: top seq and size, the newest step with a recorded publish and the state pointer: what
+#: a replay reads but the context artifacts, in one query (:data:`_CHAIN_SIZE` and
+#: :data:`_POINTER` alone when there is no checkpoint from ``seq`` on).
+_GENERATIONS = sa_select(
+    *_CHECKPOINT_COLUMNS,
+    sa_select(_ART.sha256).where(_ART.case_id == _CP.case_id, _ART.path == _CP.state_path)
+    .scalar_subquery().label("state_artifact"),
+    sa_select(_RUNS.output_json).where(
+        _RUNS.case_id == _CP.case_id, _RUNS.revision == _CP.revision,
+        _RUNS.step_seq == _CP.seq, _RUNS.stage == "build_context")
+    .scalar_subquery().label("built"),
+    sa_select(func.max(_CHAIN.c.seq)).where(_CHAIN.c.case_id == bindparam("case_id"))
+    .scalar_subquery().label("top"),
+    sa_select(func.count()).select_from(_CHAIN).where(
+        _CHAIN.c.case_id == bindparam("case_id")).scalar_subquery().label("count"),
+    sa_select(func.max(_PUBLISHED.c.step_seq)).where(
+        _PUBLISHED.c.case_id == bindparam("case_id"), _PUBLISHED.c.stage == "publish")
+    .scalar_subquery().label("published"),
+    sa_select(_POINTERS.path).where(_POINTERS.case_id == bindparam("case_id"),
+                                    _POINTERS.name == POINTER_STATE)
+    .scalar_subquery().label("pointer_path"),
+    sa_select(_POINTERS.sha256).where(_POINTERS.case_id == bindparam("case_id"),
+                                      _POINTERS.name == POINTER_STATE)
+    .scalar_subquery().label("pointer_sha256"),
+).where(_CP.case_id == bindparam("case_id"), _CP.seq >= bindparam("seq")) \
+    .order_by(_CP.seq)
+#: The sha256 recorded for artifact paths of a case (the replayed generations' contexts).
+_ARTIFACT_SHAS = sa_select(_ART.path, _ART.sha256).where(
+    _ART.case_id == bindparam("case_id"), _ART.path.in_(bindparam("paths", expanding=True)))
+#: Paths looked up in one statement (SQLite's bound-parameter limit is 32,766).
+_PATHS_PER_LOOKUP = 500
 _STATE_EVIDENCE_COLUMNS = (
     col(Evidence.evidence_id), col(Evidence.hypothesis_id), col(Evidence.fingerprint),
     col(Evidence.assessed), col(Evidence.refund_units))
@@ -115,6 +157,59 @@ _STATE_QUESTIONS = sa_select(
 _CHECKPOINT_INSERT = insert(table_of(Checkpoint))
 _PARENT_DIGEST = sa_select(col(Checkpoint.archive_digest)).where(
     col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) == bindparam("seq"))
+_EV = table_of(Evidence).c
+_KEYS = table_of(EvidenceKey).c
+_NOTES = table_of(HypothesisNote).c
+#: What publishing a step reads besides its rows, in one query (:class:`StepFacts`).
+_STEP_FACTS = sa_select(
+    sa_select(_POINTERS.path).where(_POINTERS.case_id == bindparam("case_id"),
+                                    _POINTERS.name == POINTER_STATE).scalar_subquery(),
+    sa_select(_POINTERS.sha256).where(_POINTERS.case_id == bindparam("case_id"),
+                                      _POINTERS.name == POINTER_STATE).scalar_subquery(),
+    sa_select(func.count()).select_from(table_of(Evidence)).where(
+        _EV.case_id == bindparam("case_id"), _EV.revision == bindparam("revision"))
+    .scalar_subquery(),
+    sa_select(func.max(_EV.ordinal)).where(
+        _EV.case_id == bindparam("case_id"), _EV.revision == bindparam("revision"))
+    .scalar_subquery(),
+    sa_select(func.count()).select_from(table_of(EvidenceKey)).where(
+        _KEYS.case_id == bindparam("case_id"), _KEYS.revision == bindparam("revision"))
+    .scalar_subquery(),
+    sa_select(func.count()).select_from(table_of(HypothesisNote)).where(
+        _NOTES.case_id == bindparam("case_id"), _NOTES.revision == bindparam("revision"))
+    .scalar_subquery(),
+    sa_select(_CP.archive_digest).where(_CP.case_id == bindparam("case_id"),
+                                        _CP.seq == bindparam("parent_seq")).scalar_subquery(),
+    sa_select(_ART.created_at).where(_ART.case_id == bindparam("case_id"),
+                                     _ART.path == bindparam("context_path")).scalar_subquery(),
+)
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What publishing step ``key`` reads besides its rows (:func:`step_facts`, one
+    query): the state pointer, the revision's evidence count and newest ordinal, its
+    novelty-index rows and audit notes, the parent checkpoint's archive digest and when
+    the step's context was stored."""
+
+    pointer_path: str | None
+    pointer_sha256: str | None
+    evidence_count: int
+    last_ordinal: int
+    keys: int
+    notes: int
+    parent_digest: str | None
+    context_created_at: Any
+
+
+def step_facts(s: Session, key: StepKey) -> StepFacts:
+    """The :class:`StepFacts` of step ``key`` (read before it publishes)."""
+    row = core(s).execute(_STEP_FACTS, {
+        "case_id": key.case_id, "revision": key.revision, "parent_seq": key.step_seq - 1,
+        "context_path": ARTIFACT_CONTEXT.format(seq=key.step_seq)}).one()
+    path, sha, count, last, keys, notes, parent, created = row
+    return StepFacts(path, sha, int(count or 0), int(last or 0), int(keys or 0),
+                     int(notes or 0), parent, created)
 
 
 #: State documents this process published or parsed, by the sha256 of their bytes
@@ -141,17 +236,14 @@ def checkpoint_hash(case_id: str, seq: int, parent_hash: str | None, state_sha25
     }))
 
 
-def _revision(s: Session, case_id: str, revision: int) -> RevisionRecord:
-    return Store.revision(s, case_id, revision)
-
-
 def _evidence_record(row: Any) -> dict[str, Any]:
     eid, hid, fp, assessed, refund = row
     return {"evidence_id": eid, "hypothesis_id": hid, "fingerprint": fp,
             "assessed": bool(assessed), "refund_units": refund}
 
 
-def evidence_section(s: Session, key: StepKey, parent: dict[str, Any]) -> dict[str, Any]:
+def evidence_section(s: Session, key: StepKey, parent: dict[str, Any],
+                     facts: StepFacts | None = None) -> dict[str, Any]:
     """The state's ``evidence``: ``{"count", "last_ordinal", "keys", "open", "closed"}``.
 
     ``count`` is the number of current-revision records, ``last_ordinal`` the newest
@@ -168,24 +260,29 @@ def evidence_section(s: Session, key: StepKey, parent: dict[str, Any]) -> dict[s
 
     Args:
         parent: the parent checkpoint's state document (``{}`` for the first).
+        facts: the step's :class:`StepFacts` when read already (counts are taken there).
     """
     rows = {"case_id": key.case_id, "revision": key.revision}
-    count, last = s.execute(_STATE_COUNTS, rows).one()
+    if facts is not None:
+        count, last = facts.evidence_count, facts.last_ordinal
+    else:
+        count, last = core(s).execute(_STATE_COUNTS, rows).one()
     before = parent.get("evidence") if parent.get("revision") == key.revision else None
     if isinstance(before, list):  # the first format: every record of the revision
-        closed = s.execute(_STATE_ALL_CLOSED, rows).all()
+        closed = core(s).execute(_STATE_ALL_CLOSED, rows).all()
     else:
         previous = before if isinstance(before, dict) else {}
         open_ids = [str(e.get("evidence_id")) for e in previous.get("open", [])
                     if isinstance(e, dict)]
         last_before = previous.get("last_ordinal")
-        closed = s.execute(_STATE_CLOSED, {
+        closed = core(s).execute(_STATE_CLOSED, {
             **rows, "open_ids": open_ids,
             "last_ordinal": last_before if isinstance(last_before, int) else 0}).all()
-    return {"count": int(count), "last_ordinal": int(last or 0),
-            "keys": int(s.execute(KEY_COUNT, rows).scalar_one()),
+    keys = facts.keys if facts is not None else \
+        int(core(s).execute(KEY_COUNT, rows).scalar_one())
+    return {"count": int(count), "last_ordinal": int(last or 0), "keys": keys,
             "open": [_evidence_record(r) for r in
-                     s.execute(open_evidence_statement(s), rows).all()],
+                     core(s).execute(open_evidence_statement(s), rows).all()],
             "closed": [_evidence_record(r) for r in closed]}
 
 
@@ -219,19 +316,26 @@ def recorded_evidence_count(state: dict[str, Any]) -> int | None:
 def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[BudgetAccount],
                    outcome: str, reason: str | None, hypothesis_id: int | None,
                    context_sha256: str | None,
-                   parent: dict[str, Any] | None = None) -> dict[str, Any]:
+                   parent: dict[str, Any] | None = None,
+                   facts: StepFacts | None = None) -> dict[str, Any]:
     """The investigation state after a step: accounts, evidence (:func:`evidence_section`),
     questions, outcome.
 
     Args:
         parent: the parent checkpoint's state document; read through the state pointer
             when not given (``{}`` for the first step).
+        facts: the step's :class:`StepFacts` (pointer and counts) when read already.
     """
     rows = {"case_id": key.case_id, "revision": key.revision}
     if parent is None:
-        parent = head_state_document(s, key.case_id) if key.step_seq > 1 else {}
-    evidence = evidence_section(s, key, parent)
-    questions = s.execute(_STATE_QUESTIONS, rows).all()
+        if key.step_seq <= 1:
+            parent = {}
+        elif facts is not None:
+            parent = _state_named(s, key.case_id, facts.pointer_path, facts.pointer_sha256)
+        else:
+            parent = head_state_document(s, key.case_id)
+    evidence = evidence_section(s, key, parent, facts)
+    questions = core(s).execute(_STATE_QUESTIONS, rows).all()
     return {
         "case_id": key.case_id,
         "revision": key.revision,
@@ -258,7 +362,8 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
             for a in accounts
         ],
         "evidence": evidence,
-        "notes": int(s.execute(NOTE_COUNT, rows).scalar_one()),
+        "notes": facts.notes if facts is not None
+        else int(core(s).execute(NOTE_COUNT, rows).scalar_one()),
         "questions": [
             {"question_id": qid, "hypothesis_id": hid, "status": status}
             for qid, hid, status in questions
@@ -269,19 +374,28 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
 def head_state_document(s: Session, case_id: str) -> dict[str, Any]:
     """The state document the ``investigation_state`` pointer names (``{}`` when there is
     none), from this process's parsed states when it has it."""
-    pointer = s.execute(_POINTER, {"case_id": case_id}).first()
+    pointer = core(s).execute(_POINTER, {"case_id": case_id}).first()
     if pointer is None:
         return {}
-    state = _STATES.get(pointer[1])
+    return _state_named(s, case_id, pointer[0], pointer[1])
+
+
+def _state_named(s: Session, case_id: str, path: str | None,
+                 sha: str | None) -> dict[str, Any]:
+    """The state document a pointer ``(path, sha)`` names (``{}`` without a pointer)."""
+    if path is None:
+        return {}
+    state = _STATES.get(sha or "")
     if state is None:
-        art = Store.get_artifact(s, case_id, pointer[0])
+        art = Store.get_artifact(s, case_id, path)
         state = _json_object(art.data) if art is not None else {}
         if art is not None:
             _remember_state(art.sha256, state)
     return state
 
 
-def archive_digest(previous: str, case_id: str, cp: Checkpoint, state_sha256: str | None,
+def archive_digest(previous: str, case_id: str, cp: Checkpoint | _Stored,
+                   state_sha256: str | None,
                    context_sha256: str | None, build_context_sha256: str | None) -> str:
     """The archive digest after generation ``cp``: it binds the previous generation's digest
     (``""`` before the first), the checkpoint's rows, and the sha256 of its state bytes,
@@ -303,7 +417,8 @@ def text_sha256(text: str) -> str:
 
 def publish(s: Session, key: StepKey, case: CaseRecord, state: dict[str, Any],
             context_sha256: str | None, hypothesis_id: int | None, outcome: str,
-            reason: str | None, build_context_text: str | None) -> Checkpoint:
+            reason: str | None, build_context_text: str | None,
+            facts: StepFacts | None = None) -> _Stored:
     """Store the state artifact and insert checkpoint ``key.step_seq`` with its archive
     digest (chained onto the parent checkpoint's).
 
@@ -312,6 +427,10 @@ def publish(s: Session, key: StepKey, case: CaseRecord, state: dict[str, Any],
 
     Args:
         build_context_text: the step's recorded ``build_context`` output as stored.
+        facts: the step's :class:`StepFacts` (the parent's archive digest) when read.
+
+    Returns:
+        The checkpoint as written (its ``hash`` and ``state_path`` among its columns).
     """
     data = canonical_json(state)
     path = ARTIFACT_STATE.format(seq=key.step_seq)
@@ -321,20 +440,26 @@ def publish(s: Session, key: StepKey, case: CaseRecord, state: dict[str, Any],
     parent = case.head_hash if key.step_seq > 1 else None
     previous = ""
     if key.step_seq > 1:
-        previous = core(s).execute(_PARENT_DIGEST, {"case_id": key.case_id,
-                                              "seq": key.step_seq - 1}).scalar() or ""
-    cp = Checkpoint(
-        case_id=key.case_id, revision=key.revision, seq=key.step_seq, parent_hash=parent,
+        previous = (facts.parent_digest if facts is not None else core(s).execute(
+            _PARENT_DIGEST, {"case_id": key.case_id, "seq": key.step_seq - 1}).scalar()) or ""
+    cp = _Stored(
+        seq=key.step_seq, revision=key.revision, parent_hash=parent,
         hash=checkpoint_hash(key.case_id, key.step_seq, parent, digest, context_sha256,
                              hypothesis_id),
         state_path=path, context_sha256=context_sha256, hypothesis_id=hypothesis_id,
-        outcome=outcome, reason=reason)
+        outcome=outcome, reason=reason, archive_digest=None, state_artifact=digest,
+        built=build_context_text, context_artifact=context_sha256)
     cp.archive_digest = archive_digest(
         previous, key.case_id, cp, digest, context_sha256,
         text_sha256(build_context_text) if build_context_text is not None else None)
-    # Checkpoints are append-only rows the ORM never writes: one Core INSERT (a second
-    # publisher fails here on the unique (case_id, seq)).
-    core(s).execute(_CHECKPOINT_INSERT, cp.model_dump(exclude={"id"}))
+    # Checkpoints are append-only rows the ORM never writes: one Core INSERT of every
+    # column (a second publisher fails here on the unique (case_id, seq)).
+    core(s).execute(_CHECKPOINT_INSERT, {
+        "case_id": key.case_id, "revision": cp.revision, "seq": cp.seq,
+        "parent_hash": cp.parent_hash, "hash": cp.hash, "state_path": cp.state_path,
+        "context_sha256": cp.context_sha256, "hypothesis_id": cp.hypothesis_id,
+        "outcome": cp.outcome, "reason": cp.reason, "archive_digest": cp.archive_digest,
+        "created_at": utcnow()})
     return cp
 
 
@@ -408,47 +533,71 @@ class _Generation:
     build_context_sha256: str | None
 
 
-def _verify_generation(s: Session, case_id: str, cp: Checkpoint, parent: str | None,
+@dataclass
+class _Stored:
+    """One checkpoint as a replay reads it: its row, the sha256 its state artifact row
+    records (``None``: no such row), its recorded ``build_context`` text and the sha256
+    recorded for its context artifact (``None``: no such row)."""
+
+    seq: int
+    revision: int
+    parent_hash: str | None
+    hash: str
+    state_path: str
+    context_sha256: str | None
+    hypothesis_id: int | None
+    outcome: str
+    reason: str | None
+    archive_digest: str | None
+    state_artifact: str | None
+    built: str | None
+    context_artifact: str | None = None
+
+
+def _load(s: Session, sha: str | None, fresh: ByteCache | None) -> bytes | None:
+    """The bytes an artifact row names (``None`` when there is no row or they are
+    missing or altered)."""
+    if sha is None:
+        return None
+    try:
+        return blobs.load(s, sha, cache=fresh)
+    except StoreError:
+        return None
+
+
+def _verify_generation(s: Session, case_id: str, cp: _Stored, parent: str | None,
                        fresh: ByteCache | None) -> _Generation:
     """Fully check one checkpoint: its bytes, hash, parent, context and hypothesis."""
     if cp.parent_hash != parent:
         raise _invalid(case_id, cp.seq, "its parent reference is broken")
-    try:
-        art = Store.get_artifact(s, case_id, cp.state_path, cache=fresh)
-    except StoreError:
-        art = None
-    if art is None:
+    data = _load(s, cp.state_artifact, fresh)
+    if data is None or cp.state_artifact is None:
         raise _invalid(case_id, cp.seq, f"state {cp.state_path} is missing or altered")
-    if checkpoint_hash(case_id, cp.seq, parent, art.sha256, cp.context_sha256,
+    if checkpoint_hash(case_id, cp.seq, parent, cp.state_artifact, cp.context_sha256,
                        cp.hypothesis_id) != cp.hash:
         raise _invalid(case_id, cp.seq, "its hash does not bind its state")
-    state = _STATES.get(art.sha256) if fresh is None else None
+    state = _STATES.get(cp.state_artifact) if fresh is None else None
     if state is None:
-        state = _json_object(art.data)
-        _remember_state(art.sha256, state)
+        state = _json_object(data)
+        _remember_state(cp.state_artifact, state)
     if (state.get("seq"), state.get("case_id"), state.get("hypothesis_id"),
             state.get("context_sha256"), state.get("outcome"), state.get("reason")) != \
             (cp.seq, case_id, cp.hypothesis_id, cp.context_sha256, cp.outcome, cp.reason):
         raise _invalid(case_id, cp.seq, "its state names another step, hypothesis, context "
                                         "or outcome")
-    built = s.execute(_BUILT, {"case_id": case_id, "rev": cp.revision,
-                               "seq": cp.seq}).scalar()
+    built = cp.built
     built_sha = text_sha256(built) if built is not None else None
     if cp.context_sha256 is None:
-        return _Generation(state, art.sha256, None, built_sha)
-    try:
-        ctx = Store.get_artifact(s, case_id, ARTIFACT_CONTEXT.format(seq=cp.seq),
-                                 cache=fresh)
-    except StoreError:
-        ctx = None
-    if ctx is None or ctx.sha256 != cp.context_sha256:
+        return _Generation(state, cp.state_artifact, None, built_sha)
+    if cp.context_artifact is None or cp.context_artifact != cp.context_sha256 or \
+            _load(s, cp.context_artifact, fresh) is None:
         raise _invalid(case_id, cp.seq, "its context is missing or altered")
     recorded = _json_object(built) if built is not None else {}
     if recorded.get("hypothesis_id") != cp.hypothesis_id or \
             recorded.get("context_sha256") != cp.context_sha256:
         raise _invalid(case_id, cp.seq, "its selected hypothesis or context differs from "
                                         "the recorded build_context")
-    return _Generation(state, art.sha256, ctx.sha256, built_sha)
+    return _Generation(state, cp.state_artifact, cp.context_artifact, built_sha)
 
 
 @dataclass
@@ -463,6 +612,40 @@ class Replay:
     #: After a full replay: every evidence record of the head revision as the chain last
     #: recorded it (:func:`fold_evidence`), for the live rows' full check; else ``None``.
     evidence: dict[str, dict[str, Any]] | None = None
+
+
+def _generations(s: Session, case_id: str, seq: int) -> tuple[list[_Stored], Any]:
+    """The checkpoints from ``seq`` on (:data:`_GENERATIONS`) and the chain's facts
+    (``top``, ``count``, ``published``, ``pointer_path``, ``pointer_sha256``)."""
+    conn = core(s)
+    rows = conn.execute(_GENERATIONS, {"case_id": case_id, "seq": seq}).all()
+    if not rows:  # nothing from seq on: the chain's facts alone
+        top, count, published = conn.execute(_CHAIN_SIZE, {"case_id": case_id}).one()
+        pointer = conn.execute(_POINTER, {"case_id": case_id}).first()
+        return [], _ChainFacts(top, count, published, *(pointer or (None, None)))
+    n = len(_CHECKPOINT_COLUMNS) + 2
+    first = rows[0]
+    return [_Stored(*row[:n]) for row in rows], _ChainFacts(*first[n:])
+
+
+@dataclass
+class _ChainFacts:
+    top: int | None
+    count: int | None
+    published: int | None
+    pointer_path: str | None
+    pointer_sha256: str | None
+
+
+def _with_contexts(s: Session, case_id: str, rows: list[_Stored]) -> None:
+    """Set each generation's :attr:`_Stored.context_artifact` (one query per 500)."""
+    paths = {ARTIFACT_CONTEXT.format(seq=cp.seq): cp for cp in rows
+             if cp.context_sha256 is not None}
+    wanted = sorted(paths)
+    for start in range(0, len(wanted), _PATHS_PER_LOOKUP):
+        for path, sha in core(s).execute(_ARTIFACT_SHAS, {
+                "case_id": case_id, "paths": wanted[start:start + _PATHS_PER_LOOKUP]}).all():
+            paths[path].context_artifact = sha
 
 
 def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
@@ -491,13 +674,18 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
         InvestigationError: ``CHECKPOINT_INVALID`` (with ``seq``) at the first broken
         generation; ``POLICY_CHANGED`` when the frozen policy was altered or removed.
     """
-    top, count, published = s.execute(_CHAIN_SIZE, {"case_id": case.id}).one()
-    top, count = int(top or 0), int(count or 0)
+    cache_key = f"{case.id}|{limits_key}"
+    cached = cache.get(cache_key) if cache is not None else None
+    start, digest = 0, ""
+    if cached is not None and 0 < cached[0] <= case.head_seq:
+        start, digest = cached
+    rows, chain = _generations(s, case.id, max(1, start))
+    top, count = int(chain.top or 0), int(chain.count or 0)
     if top != count or count != case.head_seq:
         raise _invalid(case.id, case.head_seq,
                        f"the case head is {case.head_seq} but {count} checkpoint(s) "
                        "are stored or their sequence has a gap")
-    published = published or 0
+    published = chain.published or 0
     if published != case.head_seq:
         raise _invalid(case.id, case.head_seq,
                        f"step {published} was published but the case head is "
@@ -506,17 +694,9 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
         if case.head_hash is not None:
             raise _invalid(case.id, 0, "a head hash is set without checkpoints")
         return Replay(0)
-    cache_key = f"{case.id}|{limits_key}"
-    cached = cache.get(cache_key) if cache is not None else None
-    start, digest = 0, ""
-    if cached is not None and 0 < cached[0] <= count:
-        start, digest = cached
-    rows = list(s.exec(_CHECKPOINTS_FROM, params={"case_id": case.id,
-                                                  "seq": max(1, start)}).all())
     if start and (not rows or rows[0].seq != start or rows[0].archive_digest != digest):
         start, digest = 0, ""  # the recorded digest moved: read everything again
-        rows = list(s.exec(select(Checkpoint).where(Checkpoint.case_id == case.id)
-                           .order_by(col(Checkpoint.seq))).all())
+        rows, chain = _generations(s, case.id, 1)
     full = start == 0
     fresh = ByteCache() if full else None  # a full replay decodes every byte again
     parent = rows[0].hash if start else None
@@ -524,7 +704,9 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     head_sha: str | None = None
     folded: dict[str, dict[str, Any]] | None = {} if full else None
     folded_revision = None
-    for cp in rows[1:] if start else rows:
+    new = rows[1:] if start else rows
+    _with_contexts(s, case.id, new)
+    for cp in new:
         gen = _verify_generation(s, case.id, cp, parent, fresh)
         if folded is not None:
             if cp.revision != folded_revision:  # a new revision's records start afresh
@@ -540,17 +722,17 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     if head.hash != case.head_hash:
         raise _invalid(case.id, head.seq, "it does not match the case head")
     if head_sha is None:  # the head was validated in an earlier replay
-        head_sha = Store.artifact_sha256(s, case.id, head.state_path)
+        head_sha = head.state_artifact
     if head_state is None:  # nothing new since the cached generation: read the head state
         head_state = _STATES.get(head_sha or "")
-        if head_state is None:
-            art = Store.get_artifact(s, case.id, head.state_path)
-            head_state = _json_object(art.data) if art is not None else {}
-    pointer = s.execute(_POINTER, {"case_id": case.id}).first()
-    if pointer is None or pointer[0] != head.state_path or pointer[1] != head_sha:
+        if head_state is None:  # (bytes that do not decode raise STORE_ARTIFACT_CORRUPT)
+            head_state = _json_object(blobs.load(s, head_sha)) if head_sha is not None \
+                else {}
+    if chain.pointer_path != head.state_path or chain.pointer_sha256 != head_sha or \
+            chain.pointer_path is None:
         raise _invalid(case.id, head.seq, f"the {POINTER_STATE} pointer is missing or does "
                                           "not name the head state")
-    rev = _revision(s, case.id, head.revision)
+    rev = Store.revision_columns(s, case.id, head.revision)
     recorded_policy = head_state.get("policy_sha256")
     if rev.policy_json is None or rev.policy_sha256 is None or \
             sha256_hex(rev.policy_json.encode("utf-8")) != rev.policy_sha256 or \

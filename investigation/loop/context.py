@@ -52,12 +52,11 @@ from investigation.llm.tokens import PromptBudget, estimate_tokens
 from investigation.loop.outcome import StepKey
 from investigation.loop.prompt import build_messages
 from investigation.secrets import MAX_MASKED_CHARS, default_masker
-from investigation.store.engine import Store
+from investigation.store.engine import Store, core
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
     Evidence,
-    HypothesisBirth,
     HypothesisNote,
     Question,
     StageRun,
@@ -85,7 +84,8 @@ _OTHER_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
 _PENDING_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, col(Evidence.evidence_id) == bindparam("evidence_id"))
 _EVIDENCE_COUNT = sa_select(func.count()).select_from(Evidence).where(*_OF_REVISION)
-_QUESTION_ROWS = select(Question).where(
+_QUESTION_ROWS = sa_select(col(Question.question_id), col(Question.hypothesis_id),
+                           col(Question.status), col(Question.text)).where(
     col(Question.case_id) == bindparam("case_id"),
     col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
 _FINDINGS = sa_select(col(Evidence.evidence_id), col(Evidence.findings_json)).where(
@@ -124,7 +124,7 @@ def _notes(s: Session, key: StepKey, hid: int, limit: int) -> list[dict[str, Any
     """The hypothesis's newest ``limit`` audit notes, oldest first."""
     if limit <= 0:
         return []
-    rows = s.execute(_NOTES, {"case_id": key.case_id, "revision": key.revision, "hid": hid,
+    rows = core(s).execute(_NOTES, {"case_id": key.case_id, "revision": key.revision, "hid": hid,
                               "limit": limit}).all()
     return [{"note": note, "step_seq": step} for step, note in reversed(rows)]
 
@@ -304,10 +304,18 @@ def fit_for_model(doc: dict[str, Any], limit: int, budgets: list[PromptBudget]) 
 
 def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationConfig,
           budget: BudgetManager, selected: int, accounts: list[BudgetAccount],
-          births: list[HypothesisBirth], router: ToolRouter,
-          snapshot: Snapshot, external_tests: bool = False) -> dict[str, Any]:
-    """Build the context document for ``selected`` (see the module docstring)."""
-    rev = Store.revision(s, key.case_id, key.revision)
+          births: list[Any], router: ToolRouter,
+          snapshot: Snapshot, external_tests: bool = False,
+          questions: list[Any] | None = None) -> dict[str, Any]:
+    """Build the context document for ``selected`` (see the module docstring).
+
+    Args:
+        births: the revision's hypotheses (``hypothesis_id``, ``statement``).
+        questions: the revision's questions in creation order (``question_id``,
+            ``hypothesis_id``, ``text``, ``status``) when read in this transaction
+            already; ``None``: they are read here.
+    """
+    rev = Store.revision_columns(s, key.case_id, key.revision)
     # The interpretation and the statements come from upstream (a bug tracker, an
     # operator): a key pasted into them is masked like snapshot text.
     statements = {b.hypothesis_id: default_masker().mask_prefix(b.statement)[0]
@@ -319,7 +327,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
     pending = next((e for e in own if e.evidence_id == account.pending_evidence_id), None)
     if pending is not None:
         full_ids.add(pending.evidence_id)
-    findings: dict[str, str] = dict(s.execute(_FINDINGS, {
+    findings: dict[str, str] = dict(core(s).execute(_FINDINGS, {
         "case_id": key.case_id, "ids": sorted(full_ids)}).all()) if full_ids else {}
     previous = None
     if pending is not None:
@@ -327,8 +335,9 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         previous["cost_units"] = pending.cost_units
         previous["novelty_permille"] = novelty_permille(
             pending.item_count, pending.new_item_count, pending.duplicate)
-    questions = s.exec(_QUESTION_ROWS, params={"case_id": key.case_id,
-                                               "revision": key.revision}).all()
+    if questions is None:
+        questions = list(core(s).execute(_QUESTION_ROWS, {"case_id": key.case_id,
+                                                    "revision": key.revision}).all())
     # The row carries the columns closing_reason reads (counts, duplicate, cost).
     closing = budget.closing_reason(account, cast("Evidence | None", pending))
     tests_available = external_tests and bool(config.budget.test_costs)
@@ -414,17 +423,18 @@ def _listed_evidence(s: Session, key: StepKey, config: InvestigationConfig, sele
     """
     limits = config.limits
     params = {"case_id": key.case_id, "revision": key.revision, "hid": selected}
-    own = list(s.execute(_OWN_EVIDENCE, {**params, "limit": limits.own_evidence_in_context}))
-    other = list(s.execute(_OTHER_EVIDENCE, {**params,
+    conn = core(s)
+    own = list(conn.execute(_OWN_EVIDENCE, {**params, "limit": limits.own_evidence_in_context}))
+    other = list(conn.execute(_OTHER_EVIDENCE, {**params,
                                               "limit": limits.other_evidence_in_context})) \
         if limits.other_evidence_in_context else []
     pending_id = account.pending_evidence_id
     if pending_id is not None and all(e.evidence_id != pending_id for e in own):
-        own += s.execute(_PENDING_EVIDENCE, {"case_id": key.case_id, "revision": key.revision,
+        own += conn.execute(_PENDING_EVIDENCE, {"case_id": key.case_id, "revision": key.revision,
                                              "evidence_id": pending_id}).all()
     rows = sorted(own + other, key=lambda e: e.ordinal)
     if len(own) < limits.own_evidence_in_context and \
             len(other) < limits.other_evidence_in_context:
         return rows, 0  # both windows hold every record: nothing left out, nothing to count
-    total = int(s.execute(_EVIDENCE_COUNT, params).scalar_one())
+    total = int(conn.execute(_EVIDENCE_COUNT, params).scalar_one())
     return rows, total - len(rows)

@@ -199,6 +199,8 @@ def _strip_fence(text: str) -> str | None:
 def _escape_raw_controls(text: str) -> str | None:
     """``text`` with raw tab, newline and carriage return inside JSON strings escaped;
     ``None`` when there are none (outside strings they are whitespace and stay)."""
+    if "\n" not in text and "\t" not in text and "\r" not in text:
+        return None  # no raw control at all (a compact reply): nothing to scan
     out: list[str] = []
     in_string = escaped = changed = False
     for ch in text:

@@ -6,6 +6,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sqlalchemy import bindparam
+from sqlalchemy import select as sa_select
+
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import load_snapshot
 from investigation.cases.snapshot import Snapshot
@@ -13,11 +16,14 @@ from investigation.config import InvestigationConfig, canonical_json
 from investigation.errors import InvestigationError
 from investigation.llm.gateway import LLMGateway
 from investigation.loop.checkpoints import ReplayCache
-from investigation.store.engine import Store, sha256_hex
+from investigation.store.engine import Store, sha256_hex, table_of
+from investigation.store.models import CaseRecord
 from investigation.tools import ToolRouter
 
 #: Case ids whose package id a process remembers.
 PACKAGE_IDS_KEPT = 4096
+_CASES = table_of(CaseRecord).c
+_PACKAGE_OF = sa_select(_CASES.package_id).where(_CASES.id == bindparam("id"))
 
 
 @dataclass
@@ -79,6 +85,14 @@ class StageEnv:
 
     def _open(self, case_id: str) -> tuple[Snapshot, ToolRouter]:
         package = self._packages.get(case_id)
+        if package is None and self._routers:
+            # A case met for the first time: when its package is open already (another
+            # case of it), that snapshot serves it; its bytes are not read again.
+            row = self.store.read_one(_PACKAGE_OF, {"id": case_id})
+            if row is not None and row[0] in self._routers:
+                package = self._packages[case_id] = str(row[0])
+                while len(self._packages) > PACKAGE_IDS_KEPT:
+                    self._packages.popitem(last=False)
         if package is not None and package in self._routers:
             self._routers.move_to_end(package)
             self._packages.move_to_end(case_id)

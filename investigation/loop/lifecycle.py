@@ -35,6 +35,7 @@ budget stop and the engine's ``CHECKPOINT_LIMIT`` coincide. Operator ``pause`` /
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -130,6 +131,31 @@ def ensure(case: CaseRecord, config: InvestigationConfig, hypotheses: int,
     case.objective_json = json.dumps(objective.to_dict(), sort_keys=True)
     save(case, session)
     return session
+
+
+#: Session records this process saw started under a budget (:func:`ensure_started`):
+#: record text -> the budget it was checked against.
+_CHECKED: dict[str, SessionBudget] = {}
+_CHECKED_KEPT = 1024
+
+
+def ensure_started(case: CaseRecord, config: InvestigationConfig, hypotheses: int,
+                   question: Callable[[], str]) -> None:
+    """:func:`ensure` for a step that only needs the session to exist under its bounds:
+    a record this process already checked under the same bounds is not parsed again.
+
+    Args:
+        question: gives the objective's question, called only if the session starts.
+    """
+    budget = session_budget(config, hypotheses)
+    text = case.session_json
+    if text is not None and _CHECKED.get(text) == budget:
+        return
+    ensure(case, config, hypotheses, question())
+    if case.session_json is not None:
+        if len(_CHECKED) >= _CHECKED_KEPT:
+            _CHECKED.clear()
+        _CHECKED[case.session_json] = budget
 
 
 def _round(session: InvestigationSession, path: list[SessionState], now: datetime) -> None:

@@ -26,6 +26,7 @@ Two depths, so that a step's cost does not grow with the case (issue 13):
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import bindparam, func, text
@@ -56,13 +57,23 @@ _IMPORTED = select(TestRequest.evidence_id).where(
 _EVIDENCE_WHERE = (col(Evidence.case_id) == bindparam("case_id"),
                    col(Evidence.revision) == bindparam("revision"))
 _EVIDENCE_ALL = select(Evidence).where(*_EVIDENCE_WHERE).order_by(col(Evidence.ordinal))
-_EVIDENCE_COUNT = select(func.count()).select_from(Evidence).where(*_EVIDENCE_WHERE)
-_EVIDENCE_OPEN = select(Evidence).where(*_EVIDENCE_WHERE, OPEN_EVIDENCE)
+#: The columns the incremental check compares (the store lets nothing else change).
+_EV = Evidence.__table__.c  # type: ignore[attr-defined]
+_LIVE_COLUMNS = (_EV.evidence_id, _EV.hypothesis_id, _EV.fingerprint, _EV.assessed,
+                 _EV.refund_units, _EV.ordinal)
+_EVIDENCE_OPEN = sa_select(*_LIVE_COLUMNS).where(*_EVIDENCE_WHERE, OPEN_EVIDENCE)
 #: On SQLite the partial index is named: without statistics its planner prefers the wider
 #: evidence indexes and would read every record of the case.
-_EVIDENCE_OPEN_SQLITE = select(Evidence).from_statement(text(
-    "SELECT * FROM evidence INDEXED BY ix_evidence_open WHERE case_id = :case_id "
-    "AND revision = :revision AND NOT assessed"))
+_EVIDENCE_OPEN_SQLITE = text(
+    "SELECT evidence_id, hypothesis_id, fingerprint, assessed, refund_units, ordinal "
+    "FROM evidence INDEXED BY ix_evidence_open WHERE case_id = :case_id "
+    "AND revision = :revision AND NOT assessed").columns(*_LIVE_COLUMNS)
+_EVIDENCE_NAMED = sa_select(*_LIVE_COLUMNS).where(
+    *_EVIDENCE_WHERE, col(Evidence.evidence_id).in_(bindparam("ids", expanding=True)))
+#: A revision's evidence records, novelty-index rows and audit notes, counted in one query.
+_COUNTS = sa_select(
+    sa_select(func.count()).select_from(Evidence).where(*_EVIDENCE_WHERE).scalar_subquery(),
+    KEY_COUNT.scalar_subquery(), NOTE_COUNT.scalar_subquery())
 _KEYS_OF = sa_select(func.count()).select_from(EvidenceKey).where(
     col(EvidenceKey.case_id) == bindparam("case_id"),
     col(EvidenceKey.revision) == bindparam("revision"),
@@ -71,7 +82,8 @@ _KEY_ROWS = sa_select(col(EvidenceKey.hypothesis_id), col(EvidenceKey.key_sha256
                       col(EvidenceKey.evidence_id)).where(
     col(EvidenceKey.case_id) == bindparam("case_id"),
     col(EvidenceKey.revision) == bindparam("revision"))
-_QUESTIONS = select(Question.question_id, Question.hypothesis_id, Question.status).where(
+_QUESTIONS = sa_select(col(Question.question_id), col(Question.hypothesis_id),
+                       col(Question.status), col(Question.text)).where(
     col(Question.case_id) == bindparam("case_id"),
     col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
 _ACCOUNTS = select(BudgetAccount).where(col(BudgetAccount.case_id) == bindparam("case_id"),
@@ -87,9 +99,19 @@ def _json(data: str) -> Any:
         return None
 
 
+@dataclass(frozen=True)
+class LiveRows:
+    """What :func:`verify_live_state` read and found as recorded: the revision's
+    accounts (ORM objects of the caller's session) and its questions in creation order
+    (``question_id``, ``hypothesis_id``, ``status``, ``text``)."""
+
+    accounts: list[BudgetAccount]
+    questions: list[Any]
+
+
 def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
                       head_seq: int, head_revision: int, *, full: bool,
-                      recorded: dict[str, dict[str, Any]] | None = None) -> None:
+                      recorded: dict[str, dict[str, Any]] | None = None) -> LiveRows | None:
     """Check the live rows against ``head_state`` (the head checkpoint's state document).
 
     Args:
@@ -101,11 +123,15 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
             replay's :attr:`~investigation.loop.checkpoints.Replay.evidence`); a head state
             holds only the records open at the head and those closed by its step.
 
+    Returns:
+        The accounts and questions checked (:class:`LiveRows`); ``None`` when nothing was
+        checked (no checkpoint yet, or the head is of an older revision).
+
     Raises:
         InvestigationError: ``STATE_TAMPERED`` naming the first row that differs.
     """
     if head_seq == 0 or head_revision != case.current_revision:
-        return
+        return None
 
     def tampered(what: str) -> InvestigationError:
         return InvestigationError("STATE_TAMPERED",
@@ -123,25 +149,32 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
         recorded_ev = {e.get("evidence_id"): e for e in
                        (section if isinstance(section, list) else []) if isinstance(e, dict)}
     recorded_count = recorded_evidence_count(head_state)
-    imported = set(s.exec(_IMPORTED, params={"case_id": case.id}).all())
-    where = (Evidence.case_id == case.id, Evidence.revision == head_revision)
+    imports: list[set[Any]] = []
+
+    def imported() -> set[Any]:  # read only when a record is not listed (an import)
+        if not imports:
+            imports.append(set(s.connection().execute(
+                _IMPORTED, {"case_id": case.id}).scalars().all()))
+        return imports[0]
+
     rows = {"case_id": case.id, "revision": head_revision}
+    conn = s.connection()
+    evidence_count, key_count, note_count = conn.execute(_COUNTS, rows).one()
+    live: list[Any]
     if full:
-        live = s.exec(_EVIDENCE_ALL, params=rows).all()
-        _check_evidence_bytes(s, case, list(live), tampered)
+        every = list(s.exec(_EVIDENCE_ALL, params=rows).all())
+        _check_evidence_bytes(s, case, every, tampered)
+        live = list(every)
         count = len(live)
     else:
-        count = s.exec(_EVIDENCE_COUNT, params=rows).one()
-        if s.get_bind().dialect.name == "sqlite":
-            live = list(s.execute(_EVIDENCE_OPEN_SQLITE, rows).scalars().all())
-        else:
-            live = list(s.exec(_EVIDENCE_OPEN, params=rows).all())
+        count = evidence_count
+        live = list(conn.execute(_EVIDENCE_OPEN_SQLITE if conn.dialect.name == "sqlite"
+                                 else _EVIDENCE_OPEN, rows).all())
         seen = {e.evidence_id for e in live}
         closed = [eid for eid, e in recorded_ev.items()
                   if not e.get("assessed") and eid not in seen]
         if closed:  # recorded as open, assessed since: only a settlement may do that
-            live += s.exec(select(Evidence).where(
-                *where, col(Evidence.evidence_id).in_(closed))).all()
+            live += conn.execute(_EVIDENCE_NAMED, {**rows, "ids": closed}).all()
     # A record the head does not list can only be a test result imported since: newer
     # than every record the head counted (a bounded state lists only the open records,
     # so an old record reopened behind the engine's back is not excused as an import).
@@ -151,7 +184,7 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
     for e in live:
         rec = recorded_ev.get(e.evidence_id)
         if rec is None:
-            if e.evidence_id not in imported or e.assessed or \
+            if e.evidence_id not in imported() or e.assessed or \
                     (newest is not None and e.ordinal <= newest):
                 raise tampered(f"evidence {e.evidence_id}")
             pending_imports.add(e.evidence_id)
@@ -163,28 +196,33 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
     if recorded_count != count - len(pending_imports) or \
             (full and recorded is not None and len(recorded_ev) != recorded_count):
         raise tampered("the evidence records")
-    _check_written_rows(s, case, head_state, rows, list(live) if full else None,
-                        pending_imports, tampered)
-    _check_accounts(s, case, head_state, head_revision, pending_imports, tampered)
-    questions = s.exec(_QUESTIONS, params=rows).all()
-    if [tuple(q) for q in questions] != \
+    _check_written_rows(s, case, head_state, rows, live if full else None,
+                        pending_imports, tampered, (int(key_count), int(note_count)))
+    accounts = _check_accounts(s, case, head_state, head_revision, pending_imports, tampered)
+    questions = list(conn.execute(_QUESTIONS, rows).all())
+    if [(q.question_id, q.hypothesis_id, q.status) for q in questions] != \
             [(q.get("question_id"), q.get("hypothesis_id"), q.get("status"))
              for q in head_state.get("questions", [])]:
         raise tampered("the questions")
+    return LiveRows(accounts, questions)
 
 
 def _check_written_rows(s: Session, case: CaseRecord, head_state: dict[str, Any],
                         rows: dict[str, Any], every_record: list[Evidence] | None,
-                        pending_imports: set[str], tampered: Any) -> None:
+                        pending_imports: set[str], tampered: Any,
+                        counts: tuple[int, int]) -> None:
     """The novelty index and the audit notes against the head state's counts (states of
     the first format recorded neither: nothing to compare). With ``every_record`` (full
     depth) the index must be exactly what the records' item keys make: each key of a
-    hypothesis once, naming the first record that found it."""
+    hypothesis once, naming the first record that found it.
+
+    Args:
+        counts: the revision's novelty-index rows and audit notes, counted."""
+    live_keys, live_notes = counts
     section = head_state.get("evidence")
     keys = section.get("keys") if isinstance(section, dict) else None
     if isinstance(keys, int):
-        live_keys = int(s.execute(KEY_COUNT, rows).scalar_one())
-        imported_keys = int(s.execute(_KEYS_OF, {
+        imported_keys = int(s.connection().execute(_KEYS_OF, {
             **rows, "ids": sorted(pending_imports)}).scalar_one()) if pending_imports else 0
         if live_keys - imported_keys != keys:
             raise tampered("the novelty index (evidence_key)")
@@ -194,11 +232,12 @@ def _check_written_rows(s: Session, case: CaseRecord, head_state: dict[str, Any]
                 for key in _json(e.item_keys_json) or []:
                     expected.setdefault((e.hypothesis_id, key_sha256(str(key))),
                                         e.evidence_id)
-            stored = {(hid, sha): eid for hid, sha, eid in s.execute(_KEY_ROWS, rows).all()}
+            stored = {(hid, sha): eid for hid, sha, eid in
+                      s.connection().execute(_KEY_ROWS, rows).all()}
             if stored != expected:
                 raise tampered("the novelty index (evidence_key)")
     notes = head_state.get("notes")
-    if isinstance(notes, int) and int(s.execute(NOTE_COUNT, rows).scalar_one()) != notes:
+    if isinstance(notes, int) and live_notes != notes:
         raise tampered("the audit notes (hypothesis_note)")
 
 
@@ -221,8 +260,9 @@ def _check_evidence_bytes(s: Session, case: CaseRecord, live: list[Evidence],
 
 
 def _check_accounts(s: Session, case: CaseRecord, head_state: dict[str, Any], revision: int,
-                    pending_imports: set[str], tampered: Any) -> None:
-    accounts = s.exec(_ACCOUNTS, params={"case_id": case.id, "revision": revision}).all()
+                    pending_imports: set[str], tampered: Any) -> list[BudgetAccount]:
+    accounts = list(s.exec(_ACCOUNTS, params={"case_id": case.id,
+                                              "revision": revision}).all())
     recorded = {a.get("hypothesis_id"): a for a in head_state.get("accounts", [])
                 if isinstance(a, dict)}
     for a in accounts:
@@ -236,3 +276,4 @@ def _check_accounts(s: Session, case: CaseRecord, head_state: dict[str, Any], re
             raise tampered(f"hypothesis {a.hypothesis_id}'s novelty streak")
     if len(recorded) != len(accounts):
         raise tampered("the accounts")
+    return accounts

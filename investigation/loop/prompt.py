@@ -199,14 +199,26 @@ def signature(schema: dict[str, Any]) -> str:
     return "; ".join(args) or "no arguments"
 
 
+#: The operations as shown (:func:`shown_context`) by the ``repr`` of a context's
+#: operations (JSON data: equal values have equal reprs).
+_SHOWN_OPERATIONS: dict[str, tuple[tuple[str, str, str], ...]] = {}
+_SHOWN_KEPT = 256
+
+
 def shown_context(context: dict[str, Any]) -> dict[str, Any]:
     """The context as the model reads it: each operation's argument schema as a one-line
     :func:`signature` (the exact schema travels as this turn's reply schema)."""
     shown = dict(context)
-    shown["operations"] = [
-        {"operation": op["operation"], "description": op["description"],
-         "arguments": signature(op["arguments_schema"])}
-        for op in context["operations"]]
+    key = repr(context["operations"])
+    ops = _SHOWN_OPERATIONS.get(key)
+    if ops is None:
+        ops = tuple((op["operation"], op["description"], signature(op["arguments_schema"]))
+                    for op in context["operations"])
+        if len(_SHOWN_OPERATIONS) >= _SHOWN_KEPT:
+            _SHOWN_OPERATIONS.clear()
+        _SHOWN_OPERATIONS[key] = ops
+    shown["operations"] = [{"operation": op, "description": description,
+                            "arguments": arguments} for op, description, arguments in ops]
     return shown
 
 

@@ -177,9 +177,27 @@ def affordable_test_kinds(context: dict[str, Any]) -> list[str]:
     return [kind for kind in ("human", "automated") if kind in costs and costs[kind] <= best]
 
 
+#: Every operation's argument schema in turn-schema form by the ``repr`` of the
+#: context's operations (JSON data: equal values have equal reprs), as JSON text.
+_OPERATION_SCHEMAS: dict[str, str] = {}
+
+
+def _operation_schemas(operations: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{operation: argument_schema(...)}`` of a context's operations (a fresh copy)."""
+    key = repr(operations)
+    text = _OPERATION_SCHEMAS.get(key)
+    if text is None:
+        text = json.dumps({op["operation"]: argument_schema(op["arguments_schema"])
+                           for op in operations}, ensure_ascii=False)
+        if len(_OPERATION_SCHEMAS) >= _ARGUMENT_SCHEMAS_KEPT:
+            _OPERATION_SCHEMAS.clear()
+        _OPERATION_SCHEMAS[key] = text
+    schemas: dict[str, dict[str, Any]] = json.loads(text)
+    return schemas
+
+
 def _query_variants(context: dict[str, Any]) -> list[dict[str, Any]]:
-    schemas = {op["operation"]: argument_schema(op["arguments_schema"])
-               for op in context["operations"]}
+    schemas = _operation_schemas(context["operations"])
     # Names db.schema takes (the validator refuses a longer one).
     tables = [t for t in context["case"]["snapshot"].get("tables") or []
               if 0 < len(t) <= MAX_TABLE_NAME_CHARS]

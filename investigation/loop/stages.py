@@ -25,6 +25,7 @@ import sqlite3
 from typing import Any
 
 from sqlalchemy import bindparam, func, insert
+from sqlalchemy import select as sa_select
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
@@ -96,8 +97,17 @@ log = logging.getLogger(__name__)
 
 
 # Statements built once (building a statement costs more than running it on SQLite).
-_BIRTHS = select(HypothesisBirth).where(col(HypothesisBirth.case_id) == bindparam("case_id"),
-                                        col(HypothesisBirth.revision) == bindparam("revision"))
+_BIRTH = table_of(HypothesisBirth).c
+_RUNS = table_of(StageRun).c
+#: The revision's hypotheses (id and statement) and, on every row, the case's model
+#: decisions so far (its ``llm_call`` markers: the next decision's ``call_index``).
+_BIRTHS = sa_select(
+    _BIRTH.hypothesis_id, _BIRTH.statement,
+    sa_select(func.count()).select_from(table_of(StageRun)).where(
+        _RUNS.case_id == bindparam("case_id"), _RUNS.stage == "llm_call")
+    .scalar_subquery().label("llm_calls")).where(
+    _BIRTH.case_id == bindparam("case_id"), _BIRTH.revision == bindparam("revision")) \
+    .order_by(_BIRTH.hypothesis_id)
 _PLAN_INSERT = insert(table_of(Plan))
 _CASES = table_of(CaseRecord)
 #: Publishing's compare-and-set of the case head (the values come with the parameters).
@@ -149,20 +159,22 @@ class Stages(StageFramework):
         with self._tx() as s:
             case = self._fence(s, key, "build_context")
             head = checkpoints.replay(s, case, self.env.replay_cache, self.env.limits_key)
-            live.verify_live_state(s, case, head.head_state, head.head_seq, head.head_revision,
-                                   full=head.full, recorded=head.evidence)
+            checked = live.verify_live_state(s, case, head.head_state, head.head_seq,
+                                             head.head_revision, full=head.full,
+                                             recorded=head.evidence)
             cfg, budget = self._policy(s, key)
             if key.step_seq > cfg.limits.max_checkpoints:
                 raise InvestigationError(
                     "CHECKPOINT_LIMIT",
                     f"case {key.case_id} reached {cfg.limits.max_checkpoints} checkpoints; "
                     "raise limits.max_checkpoints to continue")
-            births = s.exec(_BIRTHS, params={"case_id": key.case_id,
-                                             "revision": key.revision}).all()
+            births = list(core(s).execute(_BIRTHS, {"case_id": key.case_id,
+                                                    "revision": key.revision}).all())
             accounts = budget.ensure_accounts(
-                s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births))
-            rev = Store.revision(s, key.case_id, key.revision)
-            lifecycle.ensure(case, cfg, len(births), str(
+                s, key.case_id, key.revision, sorted(b.hypothesis_id for b in births),
+                known=checked.accounts if checked is not None else None)
+            rev = Store.revision_columns(s, key.case_id, key.revision)
+            lifecycle.ensure_started(case, cfg, len(births), lambda: str(
                 json.loads(rev.interpretation_json).get("summary", "")))
             s.add(case)
             budget.verify_all_origins(s, accounts)
@@ -172,12 +184,14 @@ class Stages(StageFramework):
             selected = select_hypothesis(accounts)
             if selected is None:
                 return self._complete(s, key, "build_context", {"finalize": True})
-            llm_steps = s.exec(_LLM_CALLS, params={"case_id": key.case_id}).one()
+            llm_steps = births[0].llm_calls if births else \
+                s.exec(_LLM_CALLS, params={"case_id": key.case_id}).one()
             doc = context_builder.build(
                 s, key=key, case=case, config=cfg, budget=budget, selected=selected,
-                accounts=accounts, births=list(births), router=router,
+                accounts=accounts, births=births, router=router,
                 snapshot=self.env.snapshot(key.case_id),
-                external_tests=self.env.feedback_key is not None)
+                external_tests=self.env.feedback_key is not None,
+                questions=checked.questions if checked is not None else None)
             data = context_builder.fit_for_model(
                 doc, cfg.limits.max_context_bytes, self.env.gateway.prompt_budget())
             path = ARTIFACT_CONTEXT.format(seq=key.step_seq)
@@ -275,7 +289,7 @@ class Stages(StageFramework):
             built, doc = self._context_doc(s, key)
             cfg, _ = self._policy(s, key)
             account = self._account(s, key, int(built["hypothesis_id"]))
-            normalised = list(normalise_reply_text(call["content"])[1])
+            normalised: list[str] | None = None  # the rules applied, once it is read
             try:
                 try:
                     reply, applied = self._read_reply(call)
@@ -292,6 +306,8 @@ class Stages(StageFramework):
                                         f"the reply could not be processed: "
                                         f"{type(exc).__name__}") from exc
             except ReplyRejected as rej:
+                if normalised is None:  # it could not be read: what normalising did
+                    normalised = list(normalise_reply_text(call["content"])[1])
                 account.invalid_streak += 1
                 account.last_rejection_json = canonical_json(
                     {"code": rej.code, "detail": rej.detail, "step_seq": key.step_seq}).decode()
@@ -557,7 +573,8 @@ class Stages(StageFramework):
     @staticmethod
     def _record_lifecycle(s: Session, key: StepKey, case: CaseRecord,
                           verdict: dict[str, Any], built: dict[str, Any], outcome: str,
-                          held: str | None) -> TerminationReason | None:
+                          held: str | None,
+                          facts: checkpoints.StepFacts) -> TerminationReason | None:
         """Record the step as a lifecycle round (``loop.lifecycle``); a paused session is
         resumed into its exact prior state for it and paused again."""
         session = lifecycle.load(case)
@@ -567,8 +584,7 @@ class Stages(StageFramework):
         if paused:
             session.resume()
         decision = verdict.get("decision") or {}
-        started = Store.artifact_created_at(  # the step's start
-            s, key.case_id, ARTIFACT_CONTEXT.format(seq=key.step_seq))
+        started = facts.context_created_at  # the step's start: its context's creation
         stop = lifecycle.record_step(
             case, session, accepted=bool(verdict.get("accepted")),
             action=(decision.get("reply") or {}).get("next", {}).get("action"),
@@ -616,12 +632,14 @@ class Stages(StageFramework):
                 s.add(account)
             if outcome != BLOCKED and all(a.status != rules.ACTIVE for a in accounts):
                 outcome = COMPLETED
+            facts = checkpoints.step_facts(s, key)
             state = checkpoints.state_document(s, key, case, accounts, outcome, reason,
-                                               hid, built.get("context_sha256"))
+                                               hid, built.get("context_sha256"), facts=facts)
             if outcome == COMPLETED:
                 state["case_state"] = CASE_BUILDING_DIAGNOSIS
             case_state, blocked_reason = state["case_state"], state["blocked_reason"]
-            stop = self._record_lifecycle(s, key, case, verdict, built, outcome, held)
+            stop = self._record_lifecycle(s, key, case, verdict, built, outcome, held,
+                                          facts)
             if held == CASE_CANCELLED:
                 case_state = CASE_CANCELLED
             elif held == CASE_PAUSED and outcome != COMPLETED:
@@ -629,7 +647,7 @@ class Stages(StageFramework):
             elif stop is not None and outcome != COMPLETED:
                 case_state, blocked_reason = CASE_STOPPED, f"SESSION_{stop.value}"
             cp = checkpoints.publish(s, key, case, state, built.get("context_sha256"), hid,
-                                     outcome, reason, canonical_json(built).decode())
+                                     outcome, reason, canonical_json(built).decode(), facts)
             moved = {"head_seq": key.step_seq, "head_hash": cp.hash, "last_outcome": outcome,
                      "last_reason": reason, "retry_not_before": None, "updated_at": utcnow(),
                      "state": case_state, "blocked_reason": blocked_reason,

@@ -14,12 +14,13 @@ import json
 import re
 from typing import Any
 
+from sqlalchemy import bindparam, func
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from investigation.constants import ARTIFACT_SUMMARY, POINTER_SUMMARY
 from investigation.llm import spend
-from investigation.store.engine import Store
+from investigation.store.engine import Store, core, table_of
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -30,10 +31,43 @@ from investigation.store.models import (
     LedgerEntry,
     Plan,
     Question,
-    RevisionRecord,
     StageRun,
 )
 from investigation.text_safety import escape_text
+
+# Statements built once (building a statement costs more than running it on SQLite). The
+# summary reads published rows as plain rows (no ORM objects); the accounts stay ORM
+# objects, whose changes in the publishing transaction are flushed before they are read.
+_C: dict[str, Any] = {"case_id": bindparam("case_id"), "revision": bindparam("revision")}
+_HB, _EV, _Q = table_of(HypothesisBirth).c, table_of(Evidence).c, table_of(Question).c
+_LE, _CP, _RUN = table_of(LedgerEntry).c, table_of(Checkpoint).c, table_of(StageRun).c
+_PL, _HN = table_of(Plan).c, table_of(HypothesisNote).c
+_BIRTHS = sa_select(_HB.hypothesis_id, _HB.statement).where(
+    _HB.case_id == _C["case_id"], _HB.revision == _C["revision"])
+_ACCOUNTS = select(BudgetAccount).where(
+    col(BudgetAccount.case_id) == bindparam("case_id"),
+    col(BudgetAccount.revision) == bindparam("revision")).order_by(
+    col(BudgetAccount.hypothesis_id))
+_EVIDENCE = sa_select(
+    _EV.evidence_id, _EV.hypothesis_id, _EV.step_seq, _EV.operation, _EV.arguments_json,
+    _EV.findings_json, _EV.warnings_json, _EV.item_count, _EV.new_item_count, _EV.duplicate,
+    _EV.cost_units, _EV.assessed, _EV.assessment_score, _EV.refund_units).where(
+    _EV.case_id == _C["case_id"], _EV.revision == _C["revision"]).order_by(_EV.ordinal)
+_QUESTIONS = sa_select(
+    _Q.question_id, _Q.hypothesis_id, _Q.text, _Q.status, _Q.resolved_step,
+    _Q.resolution_evidence_json).where(
+    _Q.case_id == _C["case_id"], _Q.revision == _C["revision"]).order_by(_Q.ordinal)
+_LEDGER = sa_select(_LE.hypothesis_id, _LE.kind, _LE.amount_units).where(
+    _LE.case_id == _C["case_id"], _LE.revision == _C["revision"])
+_STEPS = sa_select(func.count()).select_from(table_of(Checkpoint)).where(
+    _CP.case_id == _C["case_id"])
+_VERDICTS = sa_select(_RUN.step_seq, _RUN.stage, _RUN.output_json).where(
+    _RUN.case_id == _C["case_id"], _RUN.revision == _C["revision"],
+    _RUN.stage.in_(("build_context", "validate"))).order_by(_RUN.step_seq)
+_PLANS = sa_select(_PL.step_seq, _PL.hypothesis_id, _PL.decision_json).where(
+    _PL.case_id == _C["case_id"], _PL.revision == _C["revision"]).order_by(_PL.step_seq)
+_NOTES = sa_select(_HN.hypothesis_id, _HN.step_seq, _HN.note).where(
+    _HN.case_id == _C["case_id"], _HN.revision == _C["revision"]).order_by(_HN.step_seq)
 
 #: Findings quoted per evidence record.
 MAX_QUOTED_ITEMS = 12
@@ -87,10 +121,7 @@ def _quote(item: dict[str, Any]) -> str:
 
 def _rejections(s: Session, case_id: str, revision: int) -> dict[int, list[str]]:
     """Rejection codes of each hypothesis's refused replies, in step order."""
-    runs = s.exec(select(StageRun).where(
-        StageRun.case_id == case_id, StageRun.revision == revision,
-        col(StageRun.stage).in_(("build_context", "validate")))
-        .order_by(col(StageRun.step_seq))).all()
+    runs = core(s).execute(_VERDICTS, {"case_id": case_id, "revision": revision}).all()
     selected = {r.step_seq: json.loads(r.output_json).get("hypothesis_id")
                 for r in runs if r.stage == "build_context"}
     found: dict[int, list[str]] = {}
@@ -103,8 +134,7 @@ def _rejections(s: Session, case_id: str, revision: int) -> dict[int, list[str]]
 
 def _reviews(s: Session, case_id: str, revision: int) -> list[str]:
     """One line per early-diagnosis review (``docs/early-diagnosis.md``), in step order."""
-    plans = s.exec(select(Plan).where(Plan.case_id == case_id, Plan.revision == revision)
-                   .order_by(col(Plan.step_seq))).all()
+    plans = core(s).execute(_PLANS, {"case_id": case_id, "revision": revision}).all()
     lines: list[str] = []
     for p in plans:
         review = json.loads(p.decision_json).get("early_diagnosis")
@@ -150,24 +180,19 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
     """
     case = s.get(CaseRecord, case_id)
     assert case is not None
-    rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == case_id,
-                                              RevisionRecord.revision == revision)).one()
-    births = {b.hypothesis_id: b for b in s.exec(select(HypothesisBirth).where(
-        HypothesisBirth.case_id == case_id, HypothesisBirth.revision == revision))}
-    accounts = s.exec(select(BudgetAccount).where(
-        BudgetAccount.case_id == case_id, BudgetAccount.revision == revision)
-        .order_by(col(BudgetAccount.hypothesis_id))).all()
-    evidence = s.exec(select(Evidence).where(Evidence.case_id == case_id,
-                                             Evidence.revision == revision)
-                      .order_by(col(Evidence.ordinal))).all()
-    questions = s.exec(select(Question).where(Question.case_id == case_id,
-                                              Question.revision == revision)
-                       .order_by(col(Question.ordinal))).all()
-    ledger = s.exec(select(LedgerEntry).where(LedgerEntry.case_id == case_id,
-                                              LedgerEntry.revision == revision)).all()
-    checkpoints = s.exec(select(Checkpoint).where(Checkpoint.case_id == case_id)
-                         .order_by(col(Checkpoint.seq))).all()
-    interpretation = json.loads(rev.interpretation_json)
+    of = {"case_id": case_id, "revision": revision}
+    accounts = s.exec(_ACCOUNTS, params=of).all()  # (flushes the session's changes first)
+    conn = core(s)
+    interpretation_json = Store.revision_columns(s, case_id, revision).interpretation_json
+    births = {b.hypothesis_id: b for b in conn.execute(_BIRTHS, of)}
+    evidence = conn.execute(_EVIDENCE, of).all()
+    questions = conn.execute(_QUESTIONS, of).all()
+    ledger = conn.execute(_LEDGER, of).all()
+    steps = int(conn.execute(_STEPS, of).scalar_one())
+    notes_of: dict[int, list[dict[str, Any]]] = {}
+    for hid, step, note in conn.execute(_NOTES, of):
+        notes_of.setdefault(int(hid), []).append({"step_seq": step, "note": note})
+    interpretation = json.loads(interpretation_json)
     actions = {a.hypothesis_id: a.iterations for a in accounts}
     rejections = _rejections(s, case_id, revision)
 
@@ -177,7 +202,7 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
         f"- Package: `{case.package_id}`",
         f"- Revision: {revision}",
         "- State: BUILDING_DIAGNOSIS",
-        f"- Steps published: {len(checkpoints)}",
+        f"- Steps published: {steps}",
         f"- Evidence records: {len(evidence)}",
         f"- Interpretation: {plain(str(interpretation.get('summary', '')))}",
         "",
@@ -224,12 +249,7 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
         alt = [f"H{h}: {n}" + (" (deferred)" if h in deferred else "")
                for h, n in sorted(actions.items()) if h != a.hypothesis_id]
         out.append("- Countercheck (actions on alternatives): " + (", ".join(alt) or "none"))
-        notes = [{"step_seq": step, "note": note} for step, note in s.execute(
-            sa_select(col(HypothesisNote.step_seq), col(HypothesisNote.note)).where(
-                col(HypothesisNote.case_id) == a.case_id,
-                col(HypothesisNote.revision) == a.revision,
-                col(HypothesisNote.hypothesis_id) == a.hypothesis_id)
-            .order_by(col(HypothesisNote.step_seq))).all()]
+        notes = notes_of.get(a.hypothesis_id, [])
         if notes:
             out.append("- Notes:")
             out += [f"    - step {n['step_seq']}: {plain(n['note'])}" for n in notes]

@@ -14,6 +14,12 @@ number of steps. Here:
 * The base of a new artifact is the newest artifact of the same case and **kind** (its
   path with every run of digits replaced by ``*``): the previous step's context for a
   context, the previous request for a request, the previous state for a state.
+* The lineage head is remembered per process (:class:`_Heads`): a store that follows
+  one of the previous step of the same case and kind deltas against it without asking the
+  store which artifact is newest. The delta is inserted only if its base exists with a
+  depth below the bound (the depth is the base's plus one, read by the insert itself), so
+  a stale memory (another process wrote since, a transaction rolled back, a restored
+  database) changes what a delta is taken against, never which bytes are stored.
 * A delta chain is at most :data:`MAX_DELTA_DEPTH` deltas long; the next blob is a
   keyframe. A read therefore decodes at most that many frames, and storage per step grows
   by a keyframe's share only (its size over the chain length).
@@ -29,10 +35,12 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import weakref
 from collections import OrderedDict
+from typing import Any
 
 import zstandard
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, literal, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
@@ -146,9 +154,66 @@ _LINEAGE_HEAD = (select(_A.sha256, _B.depth)
                  .join(Blob.__table__, _B.sha256 == _A.sha256)  # type: ignore[attr-defined]
                  .where(_A.case_id == bindparam("case_id"), _A.kind == bindparam("kind"))
                  .order_by(_A.id.desc()).limit(1))
+#: A blob unless its bytes are stored already (a row when inserted: a rowcount is not
+#: reported on every driver).
 _INSERTS = {name: insert(Blob.__table__)  # type: ignore[attr-defined]
-            .on_conflict_do_nothing(index_elements=["sha256"])
+            .on_conflict_do_nothing(index_elements=["sha256"]).returning(_B.depth)
             for name, insert in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
+_DEPTH = select(_B.depth).where(_B.sha256 == bindparam("sha"))
+#: A delta of a remembered base: inserted only when the base exists with room below the
+#: depth bound, at the base's depth plus one (a row of the new depth when inserted).
+_BASE = Blob.__table__.alias("base")  # type: ignore[attr-defined]
+_DELTA_FROM_BASE = select(
+    bindparam("sha256", type_=_B.sha256.type), bindparam("size_bytes", type_=_B.size_bytes.type),
+    literal(ENCODING_DELTA, _B.encoding.type), _BASE.c.sha256, _BASE.c.depth + 1,
+    bindparam("data", type_=_B.data.type)).where(
+    _BASE.c.sha256 == bindparam("base_sha256"), _BASE.c.depth < MAX_DELTA_DEPTH)
+_DELTA_INSERTS = {
+    name: insert(Blob.__table__).from_select(  # type: ignore[attr-defined]
+        ["sha256", "size_bytes", "encoding", "base_sha256", "depth", "data"],
+        _DELTA_FROM_BASE).on_conflict_do_nothing(index_elements=["sha256"])
+    .returning(_B.depth)
+    for name, insert in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
+_STEP = re.compile(r"\d+")
+
+
+class _Heads:
+    """The newest blob this process stored or found per (case, kind) and database, with
+    the step its path names: ``(case_id, kind) -> (step, sha256, depth)``. Only a head of
+    the step before (or of the same step) is used: in a linear case that is the newest of
+    its kind unless another process wrote one since, which only makes the next delta one
+    against an older base. Bounded: cleared when :data:`KEPT` entries are held."""
+
+    KEPT = 4096
+
+    def __init__(self) -> None:
+        self._by_engine: weakref.WeakKeyDictionary[Any, dict[tuple[str, str],
+                                                               tuple[int, str, int]]] = \
+            weakref.WeakKeyDictionary()
+
+    def of(self, engine: Any) -> dict[tuple[str, str], tuple[int, str, int]]:
+        heads = self._by_engine.get(engine)
+        if heads is None:
+            heads = self._by_engine[engine] = {}
+        return heads
+
+    @classmethod
+    def remember(cls, heads: dict[tuple[str, str], tuple[int, str, int]],
+                 key: tuple[str, str], step: int | None, sha: str, depth: int) -> None:
+        if step is None:
+            return
+        if len(heads) >= cls.KEPT and key not in heads:
+            heads.clear()  # a bound, not an LRU: single dict operations only
+        heads[key] = (step, sha, depth)
+
+
+_HEADS = _Heads()
+
+
+def _step_of(path: str) -> int | None:
+    """The step an artifact path names (its first number), or None."""
+    found = _STEP.search(path)
+    return int(found.group()) if found else None
 
 
 def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes:
@@ -201,26 +266,70 @@ def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes
     return data
 
 
-def store(session: Session, case_id: str, kind: str, data: bytes, sha: str) -> None:
+def store(session: Session, case_id: str, kind: str, data: bytes, sha: str,
+          path: str | None = None) -> None:
     """Store ``data`` (whose sha256 is ``sha``) as a blob unless it exists: a delta of the
     newest blob of the same case and kind, or a keyframe when there is none or its chain
-    is full. Concurrent writers of the same bytes are harmless (the first row stays)."""
+    is full. Concurrent writers of the same bytes are harmless (the first row stays).
+
+    Args:
+        path: the artifact path the bytes are stored under; with it, the lineage head
+            this process remembers from the previous step is used (see :class:`_Heads`).
+    """
     conn = session.connection()
-    base = conn.execute(_LINEAGE_HEAD, {"case_id": case_id, "kind": kind}).first()
-    if base is not None and base[0] == sha:
+    dialect = "postgresql" if conn.dialect.name == "postgresql" else "sqlite"
+    heads = _HEADS.of(conn.engine)
+    key = (case_id, kind)
+    step = _step_of(path) if path is not None else None
+    head = heads.get(key) if step is not None else None
+    if head is not None and step is not None and head[0] in (step - 1, step):
+        _, head_sha, head_depth = head
+        if head_sha == sha or CACHE.get(sha) is not None:
+            # The same bytes as the head, or bytes this process has seen: they may be
+            # stored already (by this case or another).
+            depth = conn.execute(_DEPTH, {"sha": sha}).scalar()
+            if depth is not None:
+                _Heads.remember(heads, key, step, sha, int(depth))
+                CACHE.put(sha, data)
+                return
+        if head_depth >= MAX_DELTA_DEPTH:  # the chain is full: a keyframe
+            inserted = conn.execute(_INSERTS[dialect], {
+                "sha256": sha, "size_bytes": len(data), "encoding": ENCODING_WHOLE,
+                "base_sha256": None, "depth": 0, "data": compress(data)}).first()
+            if inserted is not None:
+                _Heads.remember(heads, key, step, sha, 0)
+            else:
+                heads.pop(key, None)
+            CACHE.put(sha, data)
+            return
+        base = CACHE.get(head_sha) if head_sha != sha else None
+        if base is not None:
+            row = conn.execute(_DELTA_INSERTS[dialect], {
+                "sha256": sha, "size_bytes": len(data), "base_sha256": head_sha,
+                "data": compress(data, base)}).first()
+            if row is not None:
+                _Heads.remember(heads, key, step, sha, int(row[0]))
+                CACHE.put(sha, data)
+                return
+        # Not inserted (the bytes exist, the base is gone or full): ask the store.
+    base_row = conn.execute(_LINEAGE_HEAD, {"case_id": case_id, "kind": kind}).first()
+    if base_row is not None and base_row[0] == sha:
+        _Heads.remember(heads, key, step, sha, int(base_row[1]))
         CACHE.put(sha, data)
         return  # the newest of its kind holds these very bytes: the blob exists
     base_sha: str | None = None
     depth = 0
     frame: bytes
-    if base is not None and base[0] != sha and int(base[1]) < MAX_DELTA_DEPTH:
-        base_sha, depth = str(base[0]), int(base[1]) + 1
+    if base_row is not None and int(base_row[1]) < MAX_DELTA_DEPTH:
+        base_sha, depth = str(base_row[0]), int(base_row[1]) + 1
         frame = compress(data, load(session, base_sha))
     else:
         frame = compress(data)
     values = {"sha256": sha, "size_bytes": len(data),
               "encoding": ENCODING_DELTA if base_sha else ENCODING_WHOLE,
               "base_sha256": base_sha, "depth": depth, "data": frame}
-    dialect = conn.dialect.name
-    conn.execute(_INSERTS["postgresql" if dialect == "postgresql" else "sqlite"], values)
+    if conn.execute(_INSERTS[dialect], values).first() is not None:
+        _Heads.remember(heads, key, step, sha, depth)
+    else:  # the bytes were stored already (another path or case): depth unknown here
+        heads.pop(key, None)
     CACHE.put(sha, data)

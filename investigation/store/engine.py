@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Table, bindparam, event
 from sqlalchemy import select as sa_select
@@ -80,10 +80,31 @@ _REVISION_ROW = select(RevisionRecord).where(
 _REV = table_of(RevisionRecord).c
 _POLICY_COLUMNS = sa_select(_REV.policy_sha256, _REV.policy_json).where(
     _REV.case_id == bindparam("case_id"), _REV.revision == bindparam("revision"))
+_REVISION_COLUMNS = sa_select(_REV.interpretation_json, _REV.policy_sha256,
+                              _REV.policy_json).where(
+    _REV.case_id == bindparam("case_id"), _REV.revision == bindparam("revision"))
 _POINTER = table_of(ManifestPointer)
 _POINTER_MOVE = _POINTER.update().where(_POINTER.c.case_id == bindparam("case_id_"),
                                         _POINTER.c.name == bindparam("name_"))
 _POINTER_INSERT = _POINTER.insert()
+
+
+class RevisionColumns(NamedTuple):
+    """What a stage reads of a revision row (:meth:`Store.revision_columns`)."""
+
+    interpretation_json: str
+    policy_sha256: str | None
+    policy_json: str | None
+
+
+def _read_in_transaction(session: Session) -> dict[Any, Any]:
+    """Values read once per transaction of ``session`` (dropped at its next one)."""
+    transaction = core(session).get_transaction()
+    held, read = session.info.get("read_once", (None, None))
+    if held is not transaction or read is None:
+        read = {}
+        session.info["read_once"] = (transaction, read)
+    return cast("dict[Any, Any]", read)
 
 
 @dataclass(frozen=True)
@@ -312,7 +333,7 @@ class Store:
                     path=path,
                 )
             return digest
-        blobs.store(session, case_id, kind, data, digest)
+        blobs.store(session, case_id, kind, data, digest, path)
         return digest
 
     @staticmethod
@@ -399,7 +420,7 @@ class Store:
                        revision: int) -> tuple[str | None, str | None]:
         """``(policy_sha256, policy_json)`` of a revision: from the revision object this
         transaction already holds (:meth:`revision`, whose policy may have just been
-        frozen), else one Core query (no ORM object).
+        frozen), else one Core query (no ORM object), once per transaction.
 
         Raises:
             sqlalchemy.exc.NoResultFound: no such revision.
@@ -408,9 +429,39 @@ class Store:
         row = memo.get((case_id, revision))
         if row is not None:
             return row.policy_sha256, row.policy_json
-        sha, text = core(session).execute(_POLICY_COLUMNS, {
-            "case_id": case_id, "revision": revision}).one()
-        return sha, text
+        # Read once per transaction too (a policy is frozen through the revision object,
+        # which then takes precedence above).
+        read = _read_in_transaction(session)
+        whole = read.get(("revision", case_id, revision))
+        if whole is not None:
+            return whole.policy_sha256, whole.policy_json
+        columns: tuple[str | None, str | None] | None = read.get(("policy", case_id, revision))
+        if columns is None:
+            sha, text = core(session).execute(_POLICY_COLUMNS, {
+                "case_id": case_id, "revision": revision}).one()
+            columns = read[("policy", case_id, revision)] = (sha, text)
+        return columns
+
+    @staticmethod
+    def revision_columns(session: Session, case_id: str, revision: int) -> RevisionColumns:
+        """The interpretation and policy columns of a revision, without an ORM object:
+        from the revision object this transaction holds (:meth:`revision`), else one
+        Core query, once per transaction.
+
+        Raises:
+            sqlalchemy.exc.NoResultFound: no such revision.
+        """
+        memo: dict[tuple[str, int], RevisionRecord] = session.info.get("revisions", {})
+        row = memo.get((case_id, revision))
+        if row is not None:
+            return RevisionColumns(row.interpretation_json, row.policy_sha256, row.policy_json)
+        read = _read_in_transaction(session)
+        columns: RevisionColumns | None = read.get(("revision", case_id, revision))
+        if columns is None:
+            columns = read[("revision", case_id, revision)] = RevisionColumns(
+                *core(session).execute(_REVISION_COLUMNS, {
+                    "case_id": case_id, "revision": revision}).one())
+        return columns
 
     @staticmethod
     def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
@@ -428,7 +479,6 @@ class Store:
         if moved == 0:
             conn.execute(_POINTER_INSERT, {"case_id": case_id, "name": name, "path": path,
                                            "sha256": sha256})
-        session.flush()
 
 
 def is_unique_violation(exc: BaseException) -> bool:

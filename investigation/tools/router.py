@@ -103,6 +103,9 @@ class ToolRouter:
         self._dbs_lock = threading.Lock()
         self._index: TextIndex | None = None
         self._index_lock = threading.Lock()
+        #: ``describe()`` as JSON text and ``table_names()``, computed on first use.
+        self._described: str | None = None
+        self._tables: list[str] | None = None
         self._handlers: dict[str, Callable[[Any], _Outcome]] = {
             "source.list": self._source_list,
             "source.search": self._source_search,
@@ -117,12 +120,19 @@ class ToolRouter:
     # -- public API ---------------------------------------------------------------
 
     def describe(self) -> list[dict[str, Any]]:
-        """The operations as shown to the model, in :data:`OPERATIONS` order.
+        """The operations as shown to the model, in :data:`OPERATIONS` order (a fresh
+        copy each call: a pure function of the limits, built once per router).
 
         Returns:
             ``[{"operation": str, "description": str, "arguments_schema": dict}]`` where
             the schema is the JSON Schema of the operation's pydantic argument model.
         """
+        if self._described is None:
+            self._described = json.dumps(self._describe())
+        described: list[dict[str, Any]] = json.loads(self._described)
+        return described
+
+    def _describe(self) -> list[dict[str, Any]]:
         lim = self._limits
         cap = lim.max_results
         descriptions = {
@@ -169,17 +179,22 @@ class ToolRouter:
             that holds a secret (``investigation.secrets``) is left out: the context and
             the reply schema never carry it, and a masked name would name no table.
         """
+        if self._tables is not None:  # the snapshot is immutable: listed once
+            return list(self._tables)
         names = self._snapshot.db_names()
         try:
             found = [(db, name) for db in names for name, _kind in self._db(db).objects()
                      if not default_masker().spans(f"{db}.{name}")]
         except ToolError:
-            return []
+            return []  # (not kept: the next call tries again)
         if len(found) > MAX_LISTED_TABLES:
-            return []
-        if len(names) == 1:
-            return sorted(name for _db, name in found)
-        return sorted(f"{db}.{name}" for db, name in found)
+            tables: list[str] = []
+        elif len(names) == 1:
+            tables = sorted(name for _db, name in found)
+        else:
+            tables = sorted(f"{db}.{name}" for db, name in found)
+        self._tables = tables
+        return list(tables)
 
     def validate(self, operation: str, arguments: dict[str, Any]) -> BaseModel:
         """Preflight one operation without running it.

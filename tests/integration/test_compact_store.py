@@ -110,6 +110,50 @@ def test_bytes_are_exact_deduplicated_and_stored_as_bounded_deltas(backend: str)
             assert art.sha256 == hashlib.sha256(data).hexdigest()
 
 
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_a_stale_lineage_head_changes_compression_never_bytes(backend: str) -> None:
+    """The process remembers each kind's newest blob (``blobs._Heads``): one remembered
+    from a rolled-back transaction, one whose blob is gone (a restored database) or one
+    that another store wrote past, still gives exact bytes and bounded chains."""
+    store = Store(backend)
+    store.create_schema()
+    path = "analysis/investigation/{:04d}/context.json"
+    body = b'{"e":[' + b",".join(b'"%d"' % i for i in range(300)) + b"]}"
+    versions = [body + b"%d" % i for i in range(8)]
+    with store.session() as s:
+        Store.put_artifact(s, "c", path.format(1), versions[1])
+    with pytest.raises(RuntimeError), store.session() as s:  # remembered, then rolled back
+        Store.put_artifact(s, "c", path.format(2), versions[2])
+        raise RuntimeError("rolled back")
+    with store.session() as s:  # its delta base never committed: asks the store instead
+        Store.put_artifact(s, "c", path.format(2), versions[3])
+        Store.put_artifact(s, "c", path.format(3), versions[4])
+    # The remembered head of step 3 names a blob whose chain is full: a keyframe follows.
+    heads = blobs._HEADS.of(store.engine)
+    step, sha, _ = heads[("c", blobs.kind_of(path.format(3)))]
+    heads[("c", blobs.kind_of(path.format(3)))] = (step, sha, blobs.MAX_DELTA_DEPTH)
+    with store.session() as s:
+        Store.put_artifact(s, "c", path.format(4), versions[5])
+    # A head remembered for a blob the store no longer has (inserted, not committed).
+    heads[("c", blobs.kind_of(path.format(4)))] = (4, "f" * 64, 0)
+    blobs.CACHE.put("f" * 64, versions[0])
+    with store.session() as s:
+        Store.put_artifact(s, "c", path.format(5), versions[6])
+    with store.session() as s:
+        rows = {r.sha256: r for r in s.exec(select(Blob)).all()}
+        for seq, data in ((1, versions[1]), (2, versions[3]), (3, versions[4]),
+                          (4, versions[5]), (5, versions[6])):
+            art = Store.get_artifact(s, "c", path.format(seq), cache=blobs.ByteCache())
+            assert art is not None and art.data == data
+            row = rows[hashlib.sha256(data).hexdigest()]
+            assert row.base_sha256 is None or row.base_sha256 in rows
+        assert rows[hashlib.sha256(versions[5]).hexdigest()].depth == 0  # the keyframe
+        assert hashlib.sha256(versions[2]).hexdigest() not in rows
+        later = rows[hashlib.sha256(versions[6]).hexdigest()]
+        assert later.base_sha256 == hashlib.sha256(versions[5]).hexdigest()
+        assert later.depth == 1
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return _url(request, tmp_path, "a")
