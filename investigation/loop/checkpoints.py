@@ -214,9 +214,11 @@ def step_facts(s: Session, key: StepKey) -> StepFacts:
 
 #: State documents this process published or parsed, by the sha256 of their bytes
 #: (content-addressed, so never stale; read-only). The incremental replay reads the head
-#: state at every step: a long case's state is tens of kilobytes of JSON.
+#: state at every step; a bounded state (decision 74) is a few kilobytes of JSON. As many
+#: as the replay cache keeps cases (``ReplayCache``, 256): a worker serving more cases at
+#: once than it keeps states would parse every head again at every step.
 _STATES: OrderedDict[str, dict[str, Any]] = OrderedDict()
-_STATES_KEPT = 64
+_STATES_KEPT = 256
 
 
 def _remember_state(sha: str, state: dict[str, Any]) -> None:
