@@ -39,7 +39,7 @@ import functools
 import json
 from typing import Any, cast
 
-from sqlalchemy import bindparam, func
+from sqlalchemy import bindparam, func, union_all
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
@@ -81,6 +81,10 @@ _OWN_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
 _OTHER_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, col(Evidence.hypothesis_id) != bindparam("hid")) \
     .order_by(col(Evidence.ordinal).desc()).limit(bindparam("limit"))
+#: Both windows in one query (each bounded by its own limit; told apart by hypothesis).
+_WINDOWS = union_all(sa_select(_OWN_EVIDENCE.subquery("own")),
+                     sa_select(_OTHER_EVIDENCE.limit(bindparam("other_limit"))
+                               .subquery("other")))
 _PENDING_EVIDENCE = sa_select(*_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, col(Evidence.evidence_id) == bindparam("evidence_id"))
 _EVIDENCE_COUNT = sa_select(func.count()).select_from(Evidence).where(*_OF_REVISION)
@@ -424,10 +428,14 @@ def _listed_evidence(s: Session, key: StepKey, config: InvestigationConfig, sele
     limits = config.limits
     params = {"case_id": key.case_id, "revision": key.revision, "hid": selected}
     conn = core(s)
-    own = list(conn.execute(_OWN_EVIDENCE, {**params, "limit": limits.own_evidence_in_context}))
-    other = list(conn.execute(_OTHER_EVIDENCE, {**params,
-                                              "limit": limits.other_evidence_in_context})) \
-        if limits.other_evidence_in_context else []
+    if limits.other_evidence_in_context:
+        both = conn.execute(_WINDOWS, {**params, "limit": limits.own_evidence_in_context,
+                                       "other_limit": limits.other_evidence_in_context}).all()
+        own = [e for e in both if e.hypothesis_id == selected]
+        other = [e for e in both if e.hypothesis_id != selected]
+    else:
+        own, other = list(conn.execute(_OWN_EVIDENCE, {
+            **params, "limit": limits.own_evidence_in_context})), []
     pending_id = account.pending_evidence_id
     if pending_id is not None and all(e.evidence_id != pending_id for e in own):
         own += conn.execute(_PENDING_EVIDENCE, {"case_id": key.case_id, "revision": key.revision,

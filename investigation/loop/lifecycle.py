@@ -93,7 +93,8 @@ def load(case: CaseRecord) -> InvestigationSession | None:
 
 def save(case: CaseRecord, session: InvestigationSession) -> None:
     """Store ``session`` on the case row (the caller's transaction commits it)."""
-    case.session_json = json.dumps(session.to_dict(), sort_keys=True)
+    case.session_json = text = json.dumps(session.to_dict(), sort_keys=True)
+    _remember_checked(text, session.budget)
 
 
 def ensure(case: CaseRecord, config: InvestigationConfig, hypotheses: int,
@@ -133,16 +134,23 @@ def ensure(case: CaseRecord, config: InvestigationConfig, hypotheses: int,
     return session
 
 
-#: Session records this process saw started under a budget (:func:`ensure_started`):
-#: record text -> the budget it was checked against.
+#: Session records this process wrote or checked (:func:`ensure_started`): record text
+#: -> the budget the record holds.
 _CHECKED: dict[str, SessionBudget] = {}
 _CHECKED_KEPT = 1024
+
+
+def _remember_checked(text: str, budget: SessionBudget) -> None:
+    if len(_CHECKED) >= _CHECKED_KEPT:
+        _CHECKED.clear()  # a bound, not an LRU: single dict operations only
+    _CHECKED[text] = budget
 
 
 def ensure_started(case: CaseRecord, config: InvestigationConfig, hypotheses: int,
                    question: Callable[[], str]) -> None:
     """:func:`ensure` for a step that only needs the session to exist under its bounds:
-    a record this process already checked under the same bounds is not parsed again.
+    a record this process wrote or checked, holding these bounds, is not parsed again
+    (``ensure`` leaves a started session with its own bounds unchanged).
 
     Args:
         question: gives the objective's question, called only if the session starts.
@@ -150,12 +158,10 @@ def ensure_started(case: CaseRecord, config: InvestigationConfig, hypotheses: in
     budget = session_budget(config, hypotheses)
     text = case.session_json
     if text is not None and _CHECKED.get(text) == budget:
-        return
-    ensure(case, config, hypotheses, question())
+        return  # a started session already under these bounds: ensure changes nothing
+    session = ensure(case, config, hypotheses, question())
     if case.session_json is not None:
-        if len(_CHECKED) >= _CHECKED_KEPT:
-            _CHECKED.clear()
-        _CHECKED[case.session_json] = budget
+        _remember_checked(case.session_json, session.budget)
 
 
 def _round(session: InvestigationSession, path: list[SessionState], now: datetime) -> None:

@@ -182,8 +182,8 @@ def affordable_test_kinds(context: dict[str, Any]) -> list[str]:
 _OPERATION_SCHEMAS: dict[str, str] = {}
 
 
-def _operation_schemas(operations: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``{operation: argument_schema(...)}`` of a context's operations (a fresh copy)."""
+def _operation_schemas(operations: list[dict[str, Any]]) -> str:
+    """``{operation: argument_schema(...)}`` of a context's operations, as JSON text."""
     key = repr(operations)
     text = _OPERATION_SCHEMAS.get(key)
     if text is None:
@@ -192,12 +192,11 @@ def _operation_schemas(operations: list[dict[str, Any]]) -> dict[str, dict[str, 
         if len(_OPERATION_SCHEMAS) >= _ARGUMENT_SCHEMAS_KEPT:
             _OPERATION_SCHEMAS.clear()
         _OPERATION_SCHEMAS[key] = text
-    schemas: dict[str, dict[str, Any]] = json.loads(text)
-    return schemas
+    return text
 
 
-def _query_variants(context: dict[str, Any]) -> list[dict[str, Any]]:
-    schemas = _operation_schemas(context["operations"])
+def _query_variants(context: dict[str, Any], operations: str) -> list[dict[str, Any]]:
+    schemas: dict[str, dict[str, Any]] = json.loads(operations)  # a fresh copy to change
     # Names db.schema takes (the validator refuses a longer one).
     tables = [t for t in context["case"]["snapshot"].get("tables") or []
               if 0 < len(t) <= MAX_TABLE_NAME_CHARS]
@@ -266,11 +265,12 @@ def _argument_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _next_variants(context: dict[str, Any], *, allow_reject: bool) -> list[dict[str, Any]]:
+def _next_variants(context: dict[str, Any], *, allow_reject: bool,
+                   operations: str) -> list[dict[str, Any]]:
     allowed = context["allowed_actions"]
     variants: list[dict[str, Any]] = []
     if "query" in allowed:
-        variants.extend(_query_variants(context))
+        variants.extend(_query_variants(context, operations))
     kinds = affordable_test_kinds(context)
     if "test" in allowed and kinds:
         variants.append(_object({
@@ -328,10 +328,11 @@ def turn_schema(context: dict[str, Any], max_questions: int) -> dict[str, Any]:
     """
     assessment = _assessment(context)
     plain, supported = _update_variants(context, max_questions)
-    every_next = _next_variants(context, allow_reject=True)
+    operations = _operation_schemas(context["operations"])
+    every_next = _next_variants(context, allow_reject=True, operations=operations)
     shapes = [(plain, every_next)]
     if supported:
-        no_reject = _next_variants(context, allow_reject=False)
+        no_reject = _next_variants(context, allow_reject=False, operations=operations)
         if len(no_reject) == len(every_next):  # reject is not allowed anyway
             shapes = [(plain + supported, every_next)]
         elif no_reject:
