@@ -116,6 +116,14 @@ _CASE_PUBLISH = _CASES.update().where(_CASES.c.id == bindparam("id_"),
 _LLM_CALLS = select(func.count()).select_from(StageRun).where(
     col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "llm_call")
 _NOTE_INSERT = insert(table_of(HypothesisNote))
+#: The pending record a settlement assesses, a question a reply resolves (ORM objects:
+#: the stage changes them) and the case's number of questions (the next ``Q`` ordinal).
+_PENDING = select(Evidence).where(col(Evidence.case_id) == bindparam("case_id"),
+                                  col(Evidence.evidence_id) == bindparam("evidence_id"))
+_QUESTION = select(Question).where(col(Question.case_id) == bindparam("case_id"),
+                                   col(Question.question_id) == bindparam("question_id"))
+_QUESTION_COUNT = select(func.count()).select_from(Question).where(
+    col(Question.case_id) == bindparam("case_id"))
 
 
 def _failed_result(nxt: dict[str, Any], code: str, message: str) -> bytes:
@@ -397,9 +405,8 @@ class Stages(StageFramework):
             account = self._account(s, key, hid)
             refund = 0
             if reply["assessment"] is not None:
-                pending = s.exec(select(Evidence).where(
-                    Evidence.case_id == key.case_id,
-                    Evidence.evidence_id == account.pending_evidence_id)).one()
+                pending = s.exec(_PENDING, params={
+                    "case_id": key.case_id, "evidence_id": account.pending_evidence_id}).one()
                 refund = budget.settle(s, account, pending, int(reply["assessment"]["score"]),
                                        key.step_seq)
             if refund != projection["refund_units"]:
@@ -449,16 +456,14 @@ class Stages(StageFramework):
                 "hypothesis_id": account.hypothesis_id, "step_seq": key.step_seq,
                 "note": upd["note"]})
         for qid in upd["resolve_questions"]:
-            q = s.exec(select(Question).where(Question.case_id == key.case_id,
-                                              Question.question_id == qid)).one()
+            q = s.exec(_QUESTION, params={"case_id": key.case_id, "question_id": qid}).one()
             if q.status == "open":  # re-confirming a resolved question is idempotent
                 q.status = "resolved"
                 q.resolved_step = key.step_seq
                 q.resolution_evidence_json = canonical_json(upd["evidence_ids"]).decode()
                 s.add(q)
         if upd["new_questions"]:
-            count = len(s.exec(select(Question.id).where(
-                Question.case_id == key.case_id)).all())
+            count = int(s.exec(_QUESTION_COUNT, params={"case_id": key.case_id}).one())
             for text in upd["new_questions"]:
                 count += 1
                 s.add(Question(case_id=key.case_id, revision=key.revision, ordinal=count,
