@@ -679,6 +679,9 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     start, digest = 0, ""
     if cached is not None and 0 < cached[0] <= case.head_seq:
         start, digest = cached
+    # This process validated the case before its first checkpoint (an empty chain): every
+    # generation since is one it has not read, and is read and checked like any new one.
+    empty_prefix = cached == (0, "")
     rows, chain = _generations(s, case.id, max(1, start))
     top, count = int(chain.top or 0), int(chain.count or 0)
     if top != count or count != case.head_seq:
@@ -693,11 +696,13 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     if count == 0:
         if case.head_hash is not None:
             raise _invalid(case.id, 0, "a head hash is set without checkpoints")
+        if cache is not None:
+            cache.put(cache_key, 0, "")
         return Replay(0)
     if start and (not rows or rows[0].seq != start or rows[0].archive_digest != digest):
-        start, digest = 0, ""  # the recorded digest moved: read everything again
+        start, digest, empty_prefix = 0, "", False  # the digest moved: read everything again
         rows, chain = _generations(s, case.id, 1)
-    full = start == 0
+    full = start == 0 and not empty_prefix
     fresh = ByteCache() if full else None  # a full replay decodes every byte again
     parent = rows[0].hash if start else None
     head_state: dict[str, Any] | None = None
