@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, or_, text
+from sqlalchemy import and_, bindparam, func, insert, literal, or_, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col
 
@@ -160,7 +160,9 @@ _PARENT_DIGEST = sa_select(col(Checkpoint.archive_digest)).where(
 _EV = table_of(Evidence).c
 _KEYS = table_of(EvidenceKey).c
 _NOTES = table_of(HypothesisNote).c
-#: What publishing a step reads besides its rows, in one query (:class:`StepFacts`).
+_QS = table_of(Question).c
+#: What publishing a step reads besides its rows, in one query (:class:`StepFacts`): the
+#: facts on every row, one row per question of the revision (or one without a question).
 _STEP_FACTS = sa_select(
     sa_select(_POINTERS.path).where(_POINTERS.case_id == bindparam("case_id"),
                                     _POINTERS.name == POINTER_STATE).scalar_subquery(),
@@ -182,15 +184,19 @@ _STEP_FACTS = sa_select(
                                         _CP.seq == bindparam("parent_seq")).scalar_subquery(),
     sa_select(_ART.created_at).where(_ART.case_id == bindparam("case_id"),
                                      _ART.path == bindparam("context_path")).scalar_subquery(),
-)
+    _QS.question_id, _QS.hypothesis_id, _QS.status,
+).select_from(sa_select(literal(1).label("one")).subquery("anchor").outerjoin(
+    table_of(Question), and_(_QS.case_id == bindparam("case_id"),
+                             _QS.revision == bindparam("revision")))).order_by(_QS.ordinal)
 
 
 @dataclass(frozen=True)
 class StepFacts:
     """What publishing step ``key`` reads besides its rows (:func:`step_facts`, one
     query): the state pointer, the revision's evidence count and newest ordinal, its
-    novelty-index rows and audit notes, the parent checkpoint's archive digest and when
-    the step's context was stored."""
+    novelty-index rows and audit notes, the parent checkpoint's archive digest, when
+    the step's context was stored, and the revision's questions in creation order
+    (``question_id``, ``hypothesis_id``, ``status``)."""
 
     pointer_path: str | None
     pointer_sha256: str | None
@@ -200,16 +206,18 @@ class StepFacts:
     notes: int
     parent_digest: str | None
     context_created_at: Any
+    questions: tuple[tuple[str, int, str], ...] = ()
 
 
 def step_facts(s: Session, key: StepKey) -> StepFacts:
     """The :class:`StepFacts` of step ``key`` (read before it publishes)."""
-    row = core(s).execute(_STEP_FACTS, {
+    rows = core(s).execute(_STEP_FACTS, {
         "case_id": key.case_id, "revision": key.revision, "parent_seq": key.step_seq - 1,
-        "context_path": ARTIFACT_CONTEXT.format(seq=key.step_seq)}).one()
-    path, sha, count, last, keys, notes, parent, created = row
+        "context_path": ARTIFACT_CONTEXT.format(seq=key.step_seq)}).all()
+    path, sha, count, last, keys, notes, parent, created = rows[0][:8]
+    questions = tuple((r[8], r[9], r[10]) for r in rows if r[8] is not None)
     return StepFacts(path, sha, int(count or 0), int(last or 0), int(keys or 0),
-                     int(notes or 0), parent, created)
+                     int(notes or 0), parent, created, questions)
 
 
 #: State documents this process published or parsed, by the sha256 of their bytes
@@ -335,7 +343,8 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
         else:
             parent = head_state_document(s, key.case_id)
     evidence = evidence_section(s, key, parent, facts)
-    questions = core(s).execute(_STATE_QUESTIONS, rows).all()
+    questions = facts.questions if facts is not None else \
+        core(s).execute(_STATE_QUESTIONS, rows).all()
     return {
         "case_id": key.case_id,
         "revision": key.revision,

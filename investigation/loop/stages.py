@@ -30,6 +30,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
+from investigation.budget.manager import ledger_sums_of
 from investigation.config import canonical_json, ordered_json
 from investigation.constants import (
     ARTIFACT_CONTEXT,
@@ -99,13 +100,17 @@ log = logging.getLogger(__name__)
 # Statements built once (building a statement costs more than running it on SQLite).
 _BIRTH = table_of(HypothesisBirth).c
 _RUNS = table_of(StageRun).c
-#: The revision's hypotheses (id and statement) and, on every row, the case's model
-#: decisions so far (its ``llm_call`` markers: the next decision's ``call_index``).
+#: The revision's hypotheses (id and statement) with their ledger's sums (the budget
+#: origins ``build_context`` verifies) and, on every row, the case's model decisions so
+#: far (its ``llm_call`` markers: the next decision's ``call_index``).
 _BIRTHS = sa_select(
     _BIRTH.hypothesis_id, _BIRTH.statement,
     sa_select(func.count()).select_from(table_of(StageRun)).where(
         _RUNS.case_id == bindparam("case_id"), _RUNS.stage == "llm_call")
-    .scalar_subquery().label("llm_calls")).where(
+    .scalar_subquery().label("llm_calls"),
+    *(sub.label(name) for sub, name in zip(ledger_sums_of(_BIRTH.hypothesis_id),
+                                           ("ledger_total", "ledger_credits",
+                                            "ledger_credited"), strict=True))).where(
     _BIRTH.case_id == bindparam("case_id"), _BIRTH.revision == bindparam("revision")) \
     .order_by(_BIRTH.hypothesis_id)
 _PLAN_INSERT = insert(table_of(Plan))
@@ -184,7 +189,15 @@ class Stages(StageFramework):
             lifecycle.ensure_started(case, cfg, len(births), lambda: str(
                 json.loads(rev.interpretation_json).get("summary", "")))
             s.add(case)
-            budget.verify_all_origins(s, accounts)
+            # The ledger was summed with the hypotheses, unless an account (and its credit)
+            # was created since or an account has no hypothesis: then it is summed again.
+            born = {b.hypothesis_id for b in births}
+            summed = checked is not None and \
+                {a.hypothesis_id for a in checked.accounts} == born == \
+                {a.hypothesis_id for a in accounts}
+            budget.verify_all_origins(s, accounts, {
+                b.hypothesis_id: (int(b.ledger_total), int(b.ledger_credits),
+                                  int(b.ledger_credited)) for b in births} if summed else None)
             for account in accounts:
                 budget.apply_automatic_disposition(account)
                 s.add(account)
@@ -222,6 +235,9 @@ class Stages(StageFramework):
             built = self._output(s, key, "build_context")
             if built["finalize"]:
                 return self._complete(s, key, "llm_call", SKIPPED)
+            # The context's and the reply schema's rows in one query (both checked below).
+            Store.prefetch_artifacts(s, key.case_id, [built["context_path"], *(
+                [built["reply_schema_path"]] if built.get("reply_schema_path") else [])])
             _, context_bytes = self._context_bytes(s, key)
             schema = self._reply_schema(s, key, built)
             retry_id = self._fenced(s, key, "llm_call").llm_retry_id
