@@ -342,9 +342,10 @@ class Stages(StageFramework):
                 if normalised:
                     rejected["normalised"] = normalised
                 return self._complete(s, key, "validate", rejected)
-            account.invalid_streak = 0
-            account.last_rejection_json = None
-            s.add(account)
+            if account.invalid_streak or account.last_rejection_json is not None:
+                account.invalid_streak = 0  # (an unchanged account is not written at all)
+                account.last_rejection_json = None
+                s.add(account)
             if normalised:
                 accepted["normalised"] = normalised
             return self._complete(s, key, "validate", accepted)
@@ -471,15 +472,20 @@ class Stages(StageFramework):
                 "case_id": key.case_id, "revision": key.revision,
                 "hypothesis_id": account.hypothesis_id, "step_seq": key.step_seq,
                 "note": upd["note"]})
-        for qid in upd["resolve_questions"]:
-            q = s.exec(_QUESTION, params={"case_id": key.case_id, "question_id": qid}).one()
-            if q.status == "open":  # re-confirming a resolved question is idempotent
-                q.status = "resolved"
-                q.resolved_step = key.step_seq
-                q.resolution_evidence_json = canonical_json(upd["evidence_ids"]).decode()
-                s.add(q)
+        # The account and the assessed record are written once, at the commit: these reads
+        # of questions need nothing of them flushed first (new questions are added after).
+        with s.no_autoflush:
+            for qid in upd["resolve_questions"]:
+                q = s.exec(_QUESTION, params={"case_id": key.case_id,
+                                              "question_id": qid}).one()
+                if q.status == "open":  # re-confirming a resolved question is idempotent
+                    q.status = "resolved"
+                    q.resolved_step = key.step_seq
+                    q.resolution_evidence_json = canonical_json(upd["evidence_ids"]).decode()
+                    s.add(q)
+            count = int(s.exec(_QUESTION_COUNT, params={"case_id": key.case_id}).one()) \
+                if upd["new_questions"] else 0
         if upd["new_questions"]:
-            count = int(s.exec(_QUESTION_COUNT, params={"case_id": key.case_id}).one())
             for text in upd["new_questions"]:
                 count += 1
                 s.add(Question(case_id=key.case_id, revision=key.revision, ordinal=count,
