@@ -43,7 +43,7 @@ from investigation.errors import InvestigationError, StoreError
 from investigation.loop.outcome import StepKey
 from investigation.store import blobs
 from investigation.store.blobs import ByteCache
-from investigation.store.engine import Store, core, sha256_hex, table_of
+from investigation.store.engine import RevisionColumns, Store, core, sha256_hex, table_of
 from investigation.store.models import (
     Artifact,
     BudgetAccount,
@@ -54,6 +54,7 @@ from investigation.store.models import (
     HypothesisNote,
     ManifestPointer,
     Question,
+    RevisionRecord,
     StageRun,
     utcnow,
 )
@@ -75,6 +76,7 @@ _CP = table_of(Checkpoint).c
 _ART = table_of(Artifact).c
 _RUNS = table_of(StageRun).c
 _POINTERS = table_of(ManifestPointer).c
+_REVS = table_of(RevisionRecord).c
 _CHAIN = table_of(Checkpoint).alias("chain")
 _PUBLISHED = table_of(StageRun).alias("published")
 #: The columns of a checkpoint a replay checks and chains.
@@ -107,6 +109,10 @@ _GENERATIONS = sa_select(
     sa_select(_POINTERS.sha256).where(_POINTERS.case_id == bindparam("case_id"),
                                       _POINTERS.name == POINTER_STATE)
     .scalar_subquery().label("pointer_sha256"),
+    *(sa_select(column).where(_REVS.case_id == bindparam("case_id"),
+                              _REVS.revision == bindparam("revision"))
+      .scalar_subquery().label(column.name)
+      for column in (_REVS.interpretation_json, _REVS.policy_sha256, _REVS.policy_json)),
 ).where(_CP.case_id == bindparam("case_id"), _CP.seq >= bindparam("seq")) \
     .order_by(_CP.seq)
 #: The sha256 recorded for artifact paths of a case (the replayed generations' contexts).
@@ -623,18 +629,25 @@ class Replay:
     evidence: dict[str, dict[str, Any]] | None = None
 
 
-def _generations(s: Session, case_id: str, seq: int) -> tuple[list[_Stored], Any]:
+def _generations(s: Session, case_id: str, seq: int,
+                 revision: int) -> tuple[list[_Stored], Any]:
     """The checkpoints from ``seq`` on (:data:`_GENERATIONS`) and the chain's facts
-    (``top``, ``count``, ``published``, ``pointer_path``, ``pointer_sha256``)."""
+    (``top``, ``count``, ``published``, ``pointer_path``, ``pointer_sha256``); the
+    columns of ``revision`` it read on the way are kept for this transaction
+    (:meth:`Store.revision_columns`)."""
     conn = core(s)
-    rows = conn.execute(_GENERATIONS, {"case_id": case_id, "seq": seq}).all()
+    rows = conn.execute(_GENERATIONS, {"case_id": case_id, "seq": seq,
+                                       "revision": revision}).all()
     if not rows:  # nothing from seq on: the chain's facts alone
         top, count, published = conn.execute(_CHAIN_SIZE, {"case_id": case_id}).one()
         pointer = conn.execute(_POINTER, {"case_id": case_id}).first()
         return [], _ChainFacts(top, count, published, *(pointer or (None, None)))
     n = len(_CHECKPOINT_COLUMNS) + 2
     first = rows[0]
-    return [_Stored(*row[:n]) for row in rows], _ChainFacts(*first[n:])
+    if first[n + 5] is not None:  # the revision exists (its interpretation is required)
+        Store.remember_revision_columns(s, case_id, revision,
+                                        RevisionColumns(*first[n + 5:n + 8]))
+    return [_Stored(*row[:n]) for row in rows], _ChainFacts(*first[n:n + 5])
 
 
 @dataclass
@@ -691,7 +704,7 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     # This process validated the case before its first checkpoint (an empty chain): every
     # generation since is one it has not read, and is read and checked like any new one.
     empty_prefix = cached == (0, "")
-    rows, chain = _generations(s, case.id, max(1, start))
+    rows, chain = _generations(s, case.id, max(1, start), case.current_revision)
     top, count = int(chain.top or 0), int(chain.count or 0)
     if top != count or count != case.head_seq:
         raise _invalid(case.id, case.head_seq,
@@ -710,7 +723,7 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
         return Replay(0)
     if start and (not rows or rows[0].seq != start or rows[0].archive_digest != digest):
         start, digest, empty_prefix = 0, "", False  # the digest moved: read everything again
-        rows, chain = _generations(s, case.id, 1)
+        rows, chain = _generations(s, case.id, 1, case.current_revision)
     full = start == 0 and not empty_prefix
     fresh = ByteCache() if full else None  # a full replay decodes every byte again
     parent = rows[0].hash if start else None

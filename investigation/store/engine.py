@@ -465,6 +465,14 @@ class Store:
         return columns
 
     @staticmethod
+    def remember_revision_columns(session: Session, case_id: str, revision: int,
+                                  columns: RevisionColumns) -> None:
+        """Keep a revision's columns read (with other rows) in this transaction for
+        :meth:`revision_columns` and :meth:`policy_columns` (its ORM object, when this
+        transaction holds one, still takes precedence)."""
+        _read_in_transaction(session).setdefault(("revision", case_id, revision), columns)
+
+    @staticmethod
     def revision_columns(session: Session, case_id: str, revision: int) -> RevisionColumns:
         """The interpretation and policy columns of a revision, without an ORM object:
         from the revision object this transaction holds (:meth:`revision`), else one
