@@ -44,6 +44,24 @@ _LEDGER_SUMS = sa_select(
     col(LedgerEntry.revision) == bindparam("revision")).group_by(col(LedgerEntry.hypothesis_id))
 
 
+_LE = table_of(LedgerEntry).c
+
+
+def ledger_sums_of(hypothesis_id: Any) -> tuple[Any, Any, Any]:
+    """Scalar subqueries of one hypothesis's ledger (of the ``case_id``/``revision``
+    parameters): its sum, number of credit entries and credited amount, for a query that
+    reads them together with other rows (``hypothesis_id``: the column to correlate on)."""
+    where = (_LE.case_id == bindparam("case_id"), _LE.revision == bindparam("revision"),
+             _LE.hypothesis_id == hypothesis_id)
+    return (
+        sa_select(func.coalesce(func.sum(_LE.amount_units), 0)).where(*where)
+        .scalar_subquery(),
+        sa_select(func.count()).select_from(table_of(LedgerEntry)).where(
+            *where, _LE.kind == "credit").scalar_subquery(),
+        sa_select(func.coalesce(func.sum(_LE.amount_units), 0)).where(
+            *where, _LE.kind == "credit").scalar_subquery())
+
+
 class BudgetManager:
     """Applies the frozen budget policy to hypothesis accounts.
 
@@ -148,9 +166,15 @@ class BudgetManager:
         self.verify_all_origins(session, [account])
 
     @staticmethod
-    def verify_all_origins(session: Session, accounts: list[BudgetAccount]) -> None:
+    def verify_all_origins(session: Session, accounts: list[BudgetAccount],
+                           sums: dict[int, tuple[int, int, int]] | None = None) -> None:
         """:meth:`verify_origins` for accounts of one case revision, in one query (the
         ledger is summed by the database).
+
+        Args:
+            sums: per hypothesis, the ledger's sum, number of credit entries and credited
+                amount, when summed in this transaction already (:func:`ledger_sums_of`)
+                with no ledger row written since; ``None``: summed here.
 
         Raises:
             InvestigationError: ``BUDGET_ORIGIN_MISMATCH`` naming the first that differs.
@@ -158,9 +182,10 @@ class BudgetManager:
         if not accounts:
             return
         first = accounts[0]
-        sums = {hid: (int(total or 0), int(credits or 0), int(credited or 0))
-                for hid, total, credits, credited in core(session).execute(_LEDGER_SUMS, {
-                    "case_id": first.case_id, "revision": first.revision}).all()}
+        if sums is None:
+            sums = {hid: (int(total or 0), int(credits or 0), int(credited or 0))
+                    for hid, total, credits, credited in core(session).execute(_LEDGER_SUMS, {
+                        "case_id": first.case_id, "revision": first.revision}).all()}
         for account in accounts:
             total, credits, credited = sums.get(account.hypothesis_id, (0, 0, 0))
             if total == account.balance_units and credits == 1 and \

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, or_, text
+from sqlalchemy import and_, bindparam, func, insert, literal, or_, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col
 
@@ -43,7 +43,7 @@ from investigation.errors import InvestigationError, StoreError
 from investigation.loop.outcome import StepKey
 from investigation.store import blobs
 from investigation.store.blobs import ByteCache
-from investigation.store.engine import Store, core, sha256_hex, table_of
+from investigation.store.engine import RevisionColumns, Store, core, sha256_hex, table_of
 from investigation.store.models import (
     Artifact,
     BudgetAccount,
@@ -54,6 +54,7 @@ from investigation.store.models import (
     HypothesisNote,
     ManifestPointer,
     Question,
+    RevisionRecord,
     StageRun,
     utcnow,
 )
@@ -75,6 +76,7 @@ _CP = table_of(Checkpoint).c
 _ART = table_of(Artifact).c
 _RUNS = table_of(StageRun).c
 _POINTERS = table_of(ManifestPointer).c
+_REVS = table_of(RevisionRecord).c
 _CHAIN = table_of(Checkpoint).alias("chain")
 _PUBLISHED = table_of(StageRun).alias("published")
 #: The columns of a checkpoint a replay checks and chains.
@@ -107,6 +109,10 @@ _GENERATIONS = sa_select(
     sa_select(_POINTERS.sha256).where(_POINTERS.case_id == bindparam("case_id"),
                                       _POINTERS.name == POINTER_STATE)
     .scalar_subquery().label("pointer_sha256"),
+    *(sa_select(column).where(_REVS.case_id == bindparam("case_id"),
+                              _REVS.revision == bindparam("revision"))
+      .scalar_subquery().label(column.name)
+      for column in (_REVS.interpretation_json, _REVS.policy_sha256, _REVS.policy_json)),
 ).where(_CP.case_id == bindparam("case_id"), _CP.seq >= bindparam("seq")) \
     .order_by(_CP.seq)
 #: The sha256 recorded for artifact paths of a case (the replayed generations' contexts).
@@ -160,7 +166,9 @@ _PARENT_DIGEST = sa_select(col(Checkpoint.archive_digest)).where(
 _EV = table_of(Evidence).c
 _KEYS = table_of(EvidenceKey).c
 _NOTES = table_of(HypothesisNote).c
-#: What publishing a step reads besides its rows, in one query (:class:`StepFacts`).
+_QS = table_of(Question).c
+#: What publishing a step reads besides its rows, in one query (:class:`StepFacts`): the
+#: facts on every row, one row per question of the revision (or one without a question).
 _STEP_FACTS = sa_select(
     sa_select(_POINTERS.path).where(_POINTERS.case_id == bindparam("case_id"),
                                     _POINTERS.name == POINTER_STATE).scalar_subquery(),
@@ -182,15 +190,19 @@ _STEP_FACTS = sa_select(
                                         _CP.seq == bindparam("parent_seq")).scalar_subquery(),
     sa_select(_ART.created_at).where(_ART.case_id == bindparam("case_id"),
                                      _ART.path == bindparam("context_path")).scalar_subquery(),
-)
+    _QS.question_id, _QS.hypothesis_id, _QS.status,
+).select_from(sa_select(literal(1).label("one")).subquery("anchor").outerjoin(
+    table_of(Question), and_(_QS.case_id == bindparam("case_id"),
+                             _QS.revision == bindparam("revision")))).order_by(_QS.ordinal)
 
 
 @dataclass(frozen=True)
 class StepFacts:
     """What publishing step ``key`` reads besides its rows (:func:`step_facts`, one
     query): the state pointer, the revision's evidence count and newest ordinal, its
-    novelty-index rows and audit notes, the parent checkpoint's archive digest and when
-    the step's context was stored."""
+    novelty-index rows and audit notes, the parent checkpoint's archive digest, when
+    the step's context was stored, and the revision's questions in creation order
+    (``question_id``, ``hypothesis_id``, ``status``)."""
 
     pointer_path: str | None
     pointer_sha256: str | None
@@ -200,16 +212,18 @@ class StepFacts:
     notes: int
     parent_digest: str | None
     context_created_at: Any
+    questions: tuple[tuple[str, int, str], ...] = ()
 
 
 def step_facts(s: Session, key: StepKey) -> StepFacts:
     """The :class:`StepFacts` of step ``key`` (read before it publishes)."""
-    row = core(s).execute(_STEP_FACTS, {
+    rows = core(s).execute(_STEP_FACTS, {
         "case_id": key.case_id, "revision": key.revision, "parent_seq": key.step_seq - 1,
-        "context_path": ARTIFACT_CONTEXT.format(seq=key.step_seq)}).one()
-    path, sha, count, last, keys, notes, parent, created = row
+        "context_path": ARTIFACT_CONTEXT.format(seq=key.step_seq)}).all()
+    path, sha, count, last, keys, notes, parent, created = rows[0][:8]
+    questions = tuple((r[8], r[9], r[10]) for r in rows if r[8] is not None)
     return StepFacts(path, sha, int(count or 0), int(last or 0), int(keys or 0),
-                     int(notes or 0), parent, created)
+                     int(notes or 0), parent, created, questions)
 
 
 #: State documents this process published or parsed, by the sha256 of their bytes
@@ -337,7 +351,8 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
         else:
             parent = head_state_document(s, key.case_id)
     evidence = evidence_section(s, key, parent, facts)
-    questions = core(s).execute(_STATE_QUESTIONS, rows).all()
+    questions = facts.questions if facts is not None else \
+        core(s).execute(_STATE_QUESTIONS, rows).all()
     return {
         "case_id": key.case_id,
         "revision": key.revision,
@@ -616,18 +631,25 @@ class Replay:
     evidence: dict[str, dict[str, Any]] | None = None
 
 
-def _generations(s: Session, case_id: str, seq: int) -> tuple[list[_Stored], Any]:
+def _generations(s: Session, case_id: str, seq: int,
+                 revision: int) -> tuple[list[_Stored], Any]:
     """The checkpoints from ``seq`` on (:data:`_GENERATIONS`) and the chain's facts
-    (``top``, ``count``, ``published``, ``pointer_path``, ``pointer_sha256``)."""
+    (``top``, ``count``, ``published``, ``pointer_path``, ``pointer_sha256``); the
+    columns of ``revision`` it read on the way are kept for this transaction
+    (:meth:`Store.revision_columns`)."""
     conn = core(s)
-    rows = conn.execute(_GENERATIONS, {"case_id": case_id, "seq": seq}).all()
+    rows = conn.execute(_GENERATIONS, {"case_id": case_id, "seq": seq,
+                                       "revision": revision}).all()
     if not rows:  # nothing from seq on: the chain's facts alone
         top, count, published = conn.execute(_CHAIN_SIZE, {"case_id": case_id}).one()
         pointer = conn.execute(_POINTER, {"case_id": case_id}).first()
         return [], _ChainFacts(top, count, published, *(pointer or (None, None)))
     n = len(_CHECKPOINT_COLUMNS) + 2
     first = rows[0]
-    return [_Stored(*row[:n]) for row in rows], _ChainFacts(*first[n:])
+    if first[n + 5] is not None:  # the revision exists (its interpretation is required)
+        Store.remember_revision_columns(s, case_id, revision,
+                                        RevisionColumns(*first[n + 5:n + 8]))
+    return [_Stored(*row[:n]) for row in rows], _ChainFacts(*first[n:n + 5])
 
 
 @dataclass
@@ -681,7 +703,10 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     start, digest = 0, ""
     if cached is not None and 0 < cached[0] <= case.head_seq:
         start, digest = cached
-    rows, chain = _generations(s, case.id, max(1, start))
+    # This process validated the case before its first checkpoint (an empty chain): every
+    # generation since is one it has not read, and is read and checked like any new one.
+    empty_prefix = cached == (0, "")
+    rows, chain = _generations(s, case.id, max(1, start), case.current_revision)
     top, count = int(chain.top or 0), int(chain.count or 0)
     if top != count or count != case.head_seq:
         raise _invalid(case.id, case.head_seq,
@@ -695,11 +720,13 @@ def replay(s: Session, case: CaseRecord, cache: ReplayCache | None = None,
     if count == 0:
         if case.head_hash is not None:
             raise _invalid(case.id, 0, "a head hash is set without checkpoints")
+        if cache is not None:
+            cache.put(cache_key, 0, "")
         return Replay(0)
     if start and (not rows or rows[0].seq != start or rows[0].archive_digest != digest):
-        start, digest = 0, ""  # the recorded digest moved: read everything again
-        rows, chain = _generations(s, case.id, 1)
-    full = start == 0
+        start, digest, empty_prefix = 0, "", False  # the digest moved: read everything again
+        rows, chain = _generations(s, case.id, 1, case.current_revision)
+    full = start == 0 and not empty_prefix
     fresh = ByteCache() if full else None  # a full replay decodes every byte again
     parent = rows[0].hash if start else None
     head_state: dict[str, Any] | None = None

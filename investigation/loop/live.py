@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import bindparam, func, text
+from sqlalchemy import and_, bindparam, func, literal, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
@@ -82,10 +82,15 @@ _KEY_ROWS = sa_select(col(EvidenceKey.hypothesis_id), col(EvidenceKey.key_sha256
                       col(EvidenceKey.evidence_id)).where(
     col(EvidenceKey.case_id) == bindparam("case_id"),
     col(EvidenceKey.revision) == bindparam("revision"))
-_QUESTIONS = sa_select(col(Question.question_id), col(Question.hypothesis_id),
-                       col(Question.status), col(Question.text)).where(
-    col(Question.case_id) == bindparam("case_id"),
-    col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
+_Q = Question.__table__.c  # type: ignore[attr-defined]
+_ANCHOR = sa_select(literal(1).label("one")).subquery("anchor")
+#: The counts of :data:`_COUNTS` and the revision's questions, in one query: one row per
+#: question (the counts on each), or one row of counts and no question.
+_COUNTS_AND_QUESTIONS = sa_select(
+    *_COUNTS.selected_columns, _Q.question_id, _Q.hypothesis_id, _Q.status, _Q.text) \
+    .select_from(_ANCHOR.outerjoin(Question.__table__, and_(  # type: ignore[attr-defined]
+        _Q.case_id == bindparam("case_id"), _Q.revision == bindparam("revision")))) \
+    .order_by(_Q.ordinal)
 _ACCOUNTS = select(BudgetAccount).where(col(BudgetAccount.case_id) == bindparam("case_id"),
                                         col(BudgetAccount.revision) == bindparam("revision"))
 ACCOUNT_FIELDS = ("status", "disposition_reason", "confidence", "credit_units", "balance_units",
@@ -97,6 +102,15 @@ def _json(data: str) -> Any:
         return json.loads(data)
     except ValueError:
         return None
+
+
+class QuestionRow(NamedTuple):
+    """A question as the live check reads it."""
+
+    question_id: str
+    hypothesis_id: int
+    status: str
+    text: str
 
 
 @dataclass(frozen=True)
@@ -159,7 +173,9 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
 
     rows = {"case_id": case.id, "revision": head_revision}
     conn = s.connection()
-    evidence_count, key_count, note_count = conn.execute(_COUNTS, rows).one()
+    read = conn.execute(_COUNTS_AND_QUESTIONS, rows).all()
+    evidence_count, key_count, note_count = read[0][:3]
+    questions = [QuestionRow(r[3], r[4], r[5], r[6]) for r in read if r[3] is not None]
     live: list[Any]
     if full:
         every = list(s.exec(_EVIDENCE_ALL, params=rows).all())
@@ -199,7 +215,6 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
     _check_written_rows(s, case, head_state, rows, live if full else None,
                         pending_imports, tampered, (int(key_count), int(note_count)))
     accounts = _check_accounts(s, case, head_state, head_revision, pending_imports, tampered)
-    questions = list(conn.execute(_QUESTIONS, rows).all())
     if [(q.question_id, q.hypothesis_id, q.status) for q in questions] != \
             [(q.get("question_id"), q.get("hypothesis_id"), q.get("status"))
              for q in head_state.get("questions", [])]:

@@ -30,6 +30,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
+from investigation.budget.manager import ledger_sums_of
 from investigation.config import canonical_json, ordered_json
 from investigation.constants import (
     ARTIFACT_CONTEXT,
@@ -99,13 +100,17 @@ log = logging.getLogger(__name__)
 # Statements built once (building a statement costs more than running it on SQLite).
 _BIRTH = table_of(HypothesisBirth).c
 _RUNS = table_of(StageRun).c
-#: The revision's hypotheses (id and statement) and, on every row, the case's model
-#: decisions so far (its ``llm_call`` markers: the next decision's ``call_index``).
+#: The revision's hypotheses (id and statement) with their ledger's sums (the budget
+#: origins ``build_context`` verifies) and, on every row, the case's model decisions so
+#: far (its ``llm_call`` markers: the next decision's ``call_index``).
 _BIRTHS = sa_select(
     _BIRTH.hypothesis_id, _BIRTH.statement,
     sa_select(func.count()).select_from(table_of(StageRun)).where(
         _RUNS.case_id == bindparam("case_id"), _RUNS.stage == "llm_call")
-    .scalar_subquery().label("llm_calls")).where(
+    .scalar_subquery().label("llm_calls"),
+    *(sub.label(name) for sub, name in zip(ledger_sums_of(_BIRTH.hypothesis_id),
+                                           ("ledger_total", "ledger_credits",
+                                            "ledger_credited"), strict=True))).where(
     _BIRTH.case_id == bindparam("case_id"), _BIRTH.revision == bindparam("revision")) \
     .order_by(_BIRTH.hypothesis_id)
 _PLAN_INSERT = insert(table_of(Plan))
@@ -116,6 +121,14 @@ _CASE_PUBLISH = _CASES.update().where(_CASES.c.id == bindparam("id_"),
 _LLM_CALLS = select(func.count()).select_from(StageRun).where(
     col(StageRun.case_id) == bindparam("case_id"), col(StageRun.stage) == "llm_call")
 _NOTE_INSERT = insert(table_of(HypothesisNote))
+#: The pending record a settlement assesses, a question a reply resolves (ORM objects:
+#: the stage changes them) and the case's number of questions (the next ``Q`` ordinal).
+_PENDING = select(Evidence).where(col(Evidence.case_id) == bindparam("case_id"),
+                                  col(Evidence.evidence_id) == bindparam("evidence_id"))
+_QUESTION = select(Question).where(col(Question.case_id) == bindparam("case_id"),
+                                   col(Question.question_id) == bindparam("question_id"))
+_QUESTION_COUNT = select(func.count()).select_from(Question).where(
+    col(Question.case_id) == bindparam("case_id"))
 
 
 def _failed_result(nxt: dict[str, Any], code: str, message: str) -> bytes:
@@ -177,7 +190,15 @@ class Stages(StageFramework):
             lifecycle.ensure_started(case, cfg, len(births), lambda: str(
                 json.loads(rev.interpretation_json).get("summary", "")))
             s.add(case)
-            budget.verify_all_origins(s, accounts)
+            # The ledger was summed with the hypotheses, unless an account (and its credit)
+            # was created since or an account has no hypothesis: then it is summed again.
+            born = {b.hypothesis_id for b in births}
+            summed = checked is not None and \
+                {a.hypothesis_id for a in checked.accounts} == born == \
+                {a.hypothesis_id for a in accounts}
+            budget.verify_all_origins(s, accounts, {
+                b.hypothesis_id: (int(b.ledger_total), int(b.ledger_credits),
+                                  int(b.ledger_credited)) for b in births} if summed else None)
             for account in accounts:
                 budget.apply_automatic_disposition(account)
                 s.add(account)
@@ -215,6 +236,9 @@ class Stages(StageFramework):
             built = self._output(s, key, "build_context")
             if built["finalize"]:
                 return self._complete(s, key, "llm_call", SKIPPED)
+            # The context's and the reply schema's rows in one query (both checked below).
+            Store.prefetch_artifacts(s, key.case_id, [built["context_path"], *(
+                [built["reply_schema_path"]] if built.get("reply_schema_path") else [])])
             _, context_bytes = self._context_bytes(s, key)
             schema = self._reply_schema(s, key, built)
             retry_id = self._fenced(s, key, "llm_call").llm_retry_id
@@ -319,9 +343,10 @@ class Stages(StageFramework):
                 if normalised:
                     rejected["normalised"] = normalised
                 return self._complete(s, key, "validate", rejected)
-            account.invalid_streak = 0
-            account.last_rejection_json = None
-            s.add(account)
+            if account.invalid_streak or account.last_rejection_json is not None:
+                account.invalid_streak = 0  # (an unchanged account is not written at all)
+                account.last_rejection_json = None
+                s.add(account)
             if normalised:
                 accepted["normalised"] = normalised
             return self._complete(s, key, "validate", accepted)
@@ -398,9 +423,8 @@ class Stages(StageFramework):
             account = self._account(s, key, hid)
             refund = 0
             if reply["assessment"] is not None:
-                pending = s.exec(select(Evidence).where(
-                    Evidence.case_id == key.case_id,
-                    Evidence.evidence_id == account.pending_evidence_id)).one()
+                pending = s.exec(_PENDING, params={
+                    "case_id": key.case_id, "evidence_id": account.pending_evidence_id}).one()
                 refund = budget.settle(s, account, pending, int(reply["assessment"]["score"]),
                                        key.step_seq)
             if refund != projection["refund_units"]:
@@ -449,17 +473,20 @@ class Stages(StageFramework):
                 "case_id": key.case_id, "revision": key.revision,
                 "hypothesis_id": account.hypothesis_id, "step_seq": key.step_seq,
                 "note": upd["note"]})
-        for qid in upd["resolve_questions"]:
-            q = s.exec(select(Question).where(Question.case_id == key.case_id,
-                                              Question.question_id == qid)).one()
-            if q.status == "open":  # re-confirming a resolved question is idempotent
-                q.status = "resolved"
-                q.resolved_step = key.step_seq
-                q.resolution_evidence_json = canonical_json(upd["evidence_ids"]).decode()
-                s.add(q)
+        # The account and the assessed record are written once, at the commit: these reads
+        # of questions need nothing of them flushed first (new questions are added after).
+        with s.no_autoflush:
+            for qid in upd["resolve_questions"]:
+                q = s.exec(_QUESTION, params={"case_id": key.case_id,
+                                              "question_id": qid}).one()
+                if q.status == "open":  # re-confirming a resolved question is idempotent
+                    q.status = "resolved"
+                    q.resolved_step = key.step_seq
+                    q.resolution_evidence_json = canonical_json(upd["evidence_ids"]).decode()
+                    s.add(q)
+            count = int(s.exec(_QUESTION_COUNT, params={"case_id": key.case_id}).one()) \
+                if upd["new_questions"] else 0
         if upd["new_questions"]:
-            count = len(s.exec(select(Question.id).where(
-                Question.case_id == key.case_id)).all())
             for text in upd["new_questions"]:
                 count += 1
                 s.add(Question(case_id=key.case_id, revision=key.revision, ordinal=count,

@@ -65,6 +65,9 @@ _ART = table_of(Artifact).c
 # Statements built once (building a statement costs more than running it on SQLite).
 _ARTIFACT_ROW = sa_select(_ART.sha256, _ART.media_type, _ART.size_bytes, _ART.created_at) \
     .where(_ART.case_id == bindparam("case_id"), _ART.path == bindparam("path"))
+_ARTIFACT_ROWS = sa_select(_ART.path, _ART.sha256, _ART.media_type, _ART.size_bytes,
+                           _ART.created_at).where(
+    _ART.case_id == bindparam("case_id"), _ART.path.in_(bindparam("paths", expanding=True)))
 # A path holds one artifact for ever: a second write of it inserts nothing.
 _ARTIFACT_INSERTS = {
     name: ins(table_of(Artifact)).on_conflict_do_nothing(index_elements=["case_id", "path"])
@@ -316,6 +319,7 @@ class Store:
         digest = sha256_hex(data)
         kind = blobs.kind_of(path)
         conn = core(session)
+        _read_in_transaction(session).pop(("artifact", case_id, path), None)
         # The row first (one statement when the path is new, the usual case); its blob
         # next: the lineage head ``blobs.store`` reads joins ``blob``, so it never finds
         # this row unless the same bytes are stored already.
@@ -348,12 +352,30 @@ class Store:
         Raises:
             StoreError: ``STORE_ARTIFACT_CORRUPT`` when its bytes are missing or altered.
         """
-        row = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+        read = _read_in_transaction(session)
+        key = ("artifact", case_id, path)
+        if key in read:  # read with others (:meth:`prefetch_artifacts`) in this transaction
+            row = read[key]
+        else:
+            row = core(session).execute(_ARTIFACT_ROW, {"case_id": case_id,
+                                                        "path": path}).first()
         if row is None:
             return None
         sha, media_type, size, created = row
         return StoredArtifact(case_id, path, sha, media_type, size, created,
                               blobs.load(session, sha, cache=cache))
+
+    @staticmethod
+    def prefetch_artifacts(session: Session, case_id: str, paths: list[str]) -> None:
+        """Read the rows of several artifacts in one query, for :meth:`get_artifact` calls
+        later in this transaction (a path found missing stays missing until this
+        transaction stores it)."""
+        read = _read_in_transaction(session)
+        found = {path: (sha, media_type, size, created) for path, sha, media_type, size, created
+                 in core(session).execute(_ARTIFACT_ROWS, {"case_id": case_id,
+                                                           "paths": paths})}
+        for path in paths:
+            read[("artifact", case_id, path)] = found.get(path)
 
     @staticmethod
     def artifact_sha256(session: Session, case_id: str, path: str) -> str | None:
@@ -441,6 +463,14 @@ class Store:
                 "case_id": case_id, "revision": revision}).one()
             columns = read[("policy", case_id, revision)] = (sha, text)
         return columns
+
+    @staticmethod
+    def remember_revision_columns(session: Session, case_id: str, revision: int,
+                                  columns: RevisionColumns) -> None:
+        """Keep a revision's columns read (with other rows) in this transaction for
+        :meth:`revision_columns` and :meth:`policy_columns` (its ORM object, when this
+        transaction holds one, still takes precedence)."""
+        _read_in_transaction(session).setdefault(("revision", case_id, revision), columns)
 
     @staticmethod
     def revision_columns(session: Session, case_id: str, revision: int) -> RevisionColumns:
