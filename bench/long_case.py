@@ -14,7 +14,10 @@ subtracted, so the figures are the engine's.
 Prints, with the target beside each figure:
 
 * wall time per step (median of the nine steps around steps 5, 50, 100, 200, 300, 500)
-  and the ratio step 500 / step 5 (target <= 1.2);
+  and the ratio step 500 / step 5 (target <= 1.2), sequentially and side by side: after
+  the last step, the case's next steps alternate with steps 1-9 of new cases of the same
+  package in the same store, so that both are timed under the same load (on a shared
+  machine the load drifts over the minutes between step 5 and step 500);
 * the store's growth per step over steps 1-100 and 400-500 (the SQLite file after a WAL
   checkpoint; for PostgreSQL ``pg_total_relation_size`` of the engine's tables) and their
   ratio (target <= 1.5), and the whole store after the last step (target < 24.5 MB, what
@@ -24,6 +27,7 @@ Prints, with the target beside each figure:
 Asserts nothing. Usage (repository root)::
 
     .venv/bin/python bench/long_case.py [--steps 500] [--database-url URL] [--profile-at N]
+        [--side-by-side ROUNDS]
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ if str(REPO) not in sys.path:
 #: Steps whose time is reported (median of a window of nine steps around each).
 MARKS = (5, 50, 100, 200, 300, 500)
 WINDOW = 4
+#: New cases whose steps 1-9 alternate with the long case's steps after the last mark.
+SIDE_BY_SIDE_ROUNDS = 5
 #: What LangGraph's SqliteSaver leaves after 500 eight-node steps (issue 13).
 LANGGRAPH_STORE_MB = 24.5
 MODULES = 40
@@ -91,7 +97,9 @@ def write_sources(root: Path) -> Path:
     return src
 
 
-def build_case(root: Path, database_url: str) -> tuple[Any, str]:
+def build_case(root: Path, database_url: str) -> tuple[Any, str, bytes]:
+    """A fresh store at ``database_url`` holding the benchmark's case; returns the store,
+    the case id and the package bytes (for :func:`young_case`)."""
     from investigation.cases.builder import build_package
     from investigation.cases.reader import PackageReader
     from investigation.cases.registry import register_case
@@ -115,9 +123,21 @@ def build_case(root: Path, database_url: str) -> tuple[Any, str]:
     package = build_package(src, report, root / "case.zip", db=db, logs=logs).path
     store = Store(database_url)
     store.create_schema()
-    case_id = register_case(store, package.read_bytes(), INTERPRETATION, HYPOTHESES,
+    data = package.read_bytes()
+    case_id = register_case(store, data, INTERPRETATION, HYPOTHESES,
                             PackageReader(InvestigationConfig().package))
-    return store, case_id
+    return store, case_id, data
+
+
+def young_case(store: Any, package: bytes, number: int) -> str:
+    """Another case of the same package in the same store, new (its interpretation names
+    ``number``, so its id differs): the short case the long one is measured beside."""
+    from investigation.cases.reader import PackageReader
+    from investigation.cases.registry import register_case
+    from investigation.config import InvestigationConfig
+
+    return register_case(store, package, {**INTERPRETATION, "young": number}, HYPOTHESES,
+                         PackageReader(InvestigationConfig().package))
 
 
 def policy() -> Any:
@@ -297,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--profile-at", type=int, action="append", default=[],
                         help="print a pyinstrument profile of this step (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--side-by-side", type=int, default=SIDE_BY_SIDE_ROUNDS,
+                        help="rounds of new cases timed beside the long one (default "
+                             f"{SIDE_BY_SIDE_ROUNDS})")
     args = parser.parse_args(argv)
 
     from investigation.cases.reader import PackageReader
@@ -308,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix="long-case-"))
     url = args.database_url or f"sqlite:///{work / 'store.db'}"
     try:
-        store, case_id = build_case(work, url)
+        store, case_id, package = build_case(work, url)
         cfg = policy()
         model = StubModel()
         env = StageEnv(store=store, config=cfg,
@@ -317,6 +340,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                        feedback_key=b"k" * 32)
         investigator = Investigator(env)
         counters = Counters(store.engine)
+
+        def timed(case: str) -> tuple[float, float]:
+            """One step of ``case``: wall and CPU seconds, the model's time excluded."""
+            model_s = model.seconds
+            started, started_cpu = time.perf_counter(), time.process_time()
+            outcome = investigator.step(case)
+            spent = model.seconds - model_s
+            wall = time.perf_counter() - started - spent
+            used = time.process_time() - started_cpu - spent
+            if outcome.outcome not in ("PROGRESSED", "REJECTED"):
+                raise SystemExit(f"case {case}: {outcome}")
+            if outcome.outcome == "REJECTED":
+                print(f"case {case} rejected: {outcome.details}", flush=True)
+            return wall, used
+
         sizes = {0: store_bytes(store)}
         times: dict[int, float] = {}
         cpu: dict[int, float] = {}
@@ -328,25 +366,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
                 profiler = Profiler(interval=0.0005)
                 profiler.start()
-            stmts, txs, model_s = counters.statements, counters.transactions, model.seconds
-            started, started_cpu = time.perf_counter(), time.process_time()
-            outcome = investigator.step(case_id)
-            elapsed = time.perf_counter() - started - (model.seconds - model_s)
-            cpu[step] = time.process_time() - started_cpu - (model.seconds - model_s)
+            stmts, txs = counters.statements, counters.transactions
+            times[step], cpu[step] = timed(case_id)
             if profiler is not None:
                 profiler.stop()
                 print(profiler.output_text(unicode=False, color=False, show_all=False))
-            if outcome.outcome not in ("PROGRESSED", "REJECTED"):
-                raise SystemExit(f"step {step}: {outcome}")
-            if outcome.outcome == "REJECTED":
-                print(f"step {step} rejected: {outcome.details}", flush=True)
-            times[step] = elapsed
             per_step_sql[step] = (counters.statements - stmts, counters.transactions - txs)
             if step in (100, args.steps - 100, args.steps):
                 sizes[step] = store_bytes(store)
             if step % 50 == 0:
-                print(f"  step {step}: {elapsed * 1000:.1f} ms  ({load_average()})",
+                print(f"  step {step}: {times[step] * 1000:.1f} ms  ({load_average()})",
                       flush=True)
+        # Side by side: the long case's next steps alternate with steps 1-9 of new cases
+        # in the same store and process, so both are timed under the same load (a shared
+        # machine drifts between step 5 and step 500 of the sequential run).
+        old_cpu: list[float] = []
+        young_cpu: list[float] = []
+        old_wall: list[float] = []
+        young_wall: list[float] = []
+        for rnd in range(args.side_by_side):
+            young = young_case(store, package, rnd)
+            for i in range(2 * WINDOW + 1):
+                for which in ((young, case_id) if i % 2 == 0 else (case_id, young)):
+                    wall, used = timed(which)
+                    (young_wall if which == young else old_wall).append(wall)
+                    (young_cpu if which == young else old_cpu).append(used)
         kinds = stored_by_kind(store, case_id)
         store.dispose()
     finally:
@@ -370,6 +414,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     figures["step_ratio_cpu"] = window(cpu, n) / window(cpu, min(5, n))
     print(f"    step {n} / step 5: {last / first:.2f}x wall, "
           f"{figures['step_ratio_cpu']:.2f}x CPU   (target <= 1.2)")
+    if old_cpu:
+        side = statistics.median(old_wall) / statistics.median(young_wall)
+        side_cpu = statistics.median(old_cpu) / statistics.median(young_cpu)
+        figures["side_by_side_ratio"] = side
+        figures["side_by_side_ratio_cpu"] = side_cpu
+        print(f"    side by side, {len(old_cpu)} steps each, alternating: steps {n + 1}-"
+              f"{n + len(old_cpu)} of this case {statistics.median(old_wall) * 1000:.2f} ms "
+              f"wall {statistics.median(old_cpu) * 1000:.2f} ms CPU; steps 1-{2 * WINDOW + 1} "
+              f"of {args.side_by_side} new cases {statistics.median(young_wall) * 1000:.2f} ms "
+              f"wall {statistics.median(young_cpu) * 1000:.2f} ms CPU")
+        print(f"    step {n} / step 5, side by side: {side:.2f}x wall, {side_cpu:.2f}x CPU   "
+              "(target <= 1.2)")
     if n >= 200:
         # The context's evidence windows (32 own, 16 other records) fill by about step 100:
         # after that, a flat cost shows as a ratio near 1 against step 100.

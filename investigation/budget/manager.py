@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlalchemy import bindparam, case, func
+from sqlalchemy import bindparam
 from sqlalchemy import insert as sa_insert
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
@@ -33,33 +33,27 @@ def _ledger(session: Session, **values: Any) -> None:
 
 _ACCOUNTS = select(BudgetAccount).where(col(BudgetAccount.case_id) == bindparam("case_id"),
                                         col(BudgetAccount.revision) == bindparam("revision"))
-#: Per hypothesis of a case revision: the ledger's sum, its number of credit entries and
-#: the credited amount.
-_LEDGER_SUMS = sa_select(
-    col(LedgerEntry.hypothesis_id), func.sum(col(LedgerEntry.amount_units)),
-    func.sum(case((col(LedgerEntry.kind) == "credit", 1), else_=0)),
-    func.sum(case((col(LedgerEntry.kind) == "credit", col(LedgerEntry.amount_units)),
-                  else_=0))).where(
+#: Every ledger entry of a case revision, in the order written (full depth).
+_LEDGER_ENTRIES = sa_select(
+    col(LedgerEntry.hypothesis_id), col(LedgerEntry.kind), col(LedgerEntry.amount_units),
+    col(LedgerEntry.balance_after_units)).where(
     col(LedgerEntry.case_id) == bindparam("case_id"),
-    col(LedgerEntry.revision) == bindparam("revision")).group_by(col(LedgerEntry.hypothesis_id))
+    col(LedgerEntry.revision) == bindparam("revision")).order_by(
+    col(LedgerEntry.hypothesis_id), col(LedgerEntry.id))
 
 
 _LE = table_of(LedgerEntry).c
 
 
-def ledger_sums_of(hypothesis_id: Any) -> tuple[Any, Any, Any]:
-    """Scalar subqueries of one hypothesis's ledger (of the ``case_id``/``revision``
-    parameters): its sum, number of credit entries and credited amount, for a query that
-    reads them together with other rows (``hypothesis_id``: the column to correlate on)."""
-    where = (_LE.case_id == bindparam("case_id"), _LE.revision == bindparam("revision"),
-             _LE.hypothesis_id == hypothesis_id)
-    return (
-        sa_select(func.coalesce(func.sum(_LE.amount_units), 0)).where(*where)
-        .scalar_subquery(),
-        sa_select(func.count()).select_from(table_of(LedgerEntry)).where(
-            *where, _LE.kind == "credit").scalar_subquery(),
-        sa_select(func.coalesce(func.sum(_LE.amount_units), 0)).where(
-            *where, _LE.kind == "credit").scalar_subquery())
+def newest_balance_of(hypothesis_id: Any) -> Any:
+    """A scalar subquery: the balance after the newest ledger entry of one hypothesis (of
+    the ``case_id``/``revision`` parameters; ``hypothesis_id``: the column to correlate
+    on), read through the index ``ix_ledger_entry_newest`` (one row, whatever the case's
+    length)."""
+    return sa_select(_LE.balance_after_units).where(
+        _LE.case_id == bindparam("case_id"), _LE.revision == bindparam("revision"),
+        _LE.hypothesis_id == hypothesis_id).order_by(_LE.id.desc()).limit(1) \
+        .scalar_subquery()
 
 
 class BudgetManager:
@@ -158,7 +152,8 @@ class BudgetManager:
         return [existing[h] for h in sorted(existing)]
 
     def verify_origins(self, session: Session, account: BudgetAccount) -> None:
-        """Check that the account balance equals its ledger sum.
+        """Check the account against its whole ledger (:meth:`verify_all_origins` at full
+        depth).
 
         Raises:
             InvestigationError: ``BUDGET_ORIGIN_MISMATCH`` when they differ.
@@ -167,36 +162,60 @@ class BudgetManager:
 
     @staticmethod
     def verify_all_origins(session: Session, accounts: list[BudgetAccount],
-                           sums: dict[int, tuple[int, int, int]] | None = None) -> None:
-        """:meth:`verify_origins` for accounts of one case revision, in one query (the
-        ledger is summed by the database).
+                           newest: dict[int, int | None] | None = None) -> None:
+        """Verify the budget origins of accounts of one case revision (seed 000, "The
+        Investigator verifies the existing budget origins").
+
+        At full depth (``newest`` is ``None``) every ledger entry is read, in the order
+        written: the first is the one credit, of the account's credit; each entry's
+        balance is the previous balance plus its amount; the last balance is the
+        account's. The store refuses changing or deleting a ledger entry
+        (``investigation.store.guards``), so between those checks the entries written
+        since are the engine's own, each carrying the balance it left: at incremental
+        depth only the newest entry's balance is compared (decision 121), one row per
+        account whatever the case's length.
 
         Args:
-            sums: per hypothesis, the ledger's sum, number of credit entries and credited
-                amount, when summed in this transaction already (:func:`ledger_sums_of`)
-                with no ledger row written since; ``None``: summed here.
+            newest: per hypothesis, the balance after its newest ledger entry
+                (:func:`newest_balance_of`; ``None``: it has none), read in this
+                transaction with no ledger row written since; ``None``: full depth.
 
         Raises:
-            InvestigationError: ``BUDGET_ORIGIN_MISMATCH`` naming the first that differs.
+            InvestigationError: ``BUDGET_ORIGIN_MISMATCH`` naming the first account that
+            differs.
         """
         if not accounts:
             return
-        first = accounts[0]
-        if sums is None:
-            sums = {hid: (int(total or 0), int(credits or 0), int(credited or 0))
-                    for hid, total, credits, credited in core(session).execute(_LEDGER_SUMS, {
-                        "case_id": first.case_id, "revision": first.revision}).all()}
-        for account in accounts:
-            total, credits, credited = sums.get(account.hypothesis_id, (0, 0, 0))
-            if total == account.balance_units and credits == 1 and \
-                    credited == account.credit_units:
-                continue
-            raise InvestigationError(
+
+        def mismatch(account: BudgetAccount, found: str) -> InvestigationError:
+            return InvestigationError(
                 "BUDGET_ORIGIN_MISMATCH",
-                f"hypothesis {account.hypothesis_id}: balance {account.balance_units} does not "
-                f"match its ledger ({total}); the store was changed outside the engine",
-                hypothesis_id=account.hypothesis_id,
-            )
+                f"hypothesis {account.hypothesis_id}: balance {account.balance_units} does "
+                f"not match its ledger ({found}); the store was changed outside the engine",
+                hypothesis_id=account.hypothesis_id)
+
+        if newest is not None:
+            for account in accounts:
+                last = newest.get(account.hypothesis_id)
+                if last != account.balance_units:
+                    raise mismatch(account, f"newest balance {last}")
+            return
+        first = accounts[0]
+        entries: dict[int, list[Any]] = {}
+        for row in core(session).execute(_LEDGER_ENTRIES, {
+                "case_id": first.case_id, "revision": first.revision}).all():
+            entries.setdefault(int(row.hypothesis_id), []).append(row)
+        for account in accounts:
+            rows = entries.get(account.hypothesis_id, [])
+            total = 0
+            for i, row in enumerate(rows):
+                total += int(row.amount_units)
+                is_credit = row.kind == "credit"
+                if is_credit != (i == 0) or int(row.balance_after_units) != total or \
+                        (is_credit and int(row.amount_units) != account.credit_units):
+                    raise mismatch(account, f"entry {i + 1} of {len(rows)}")
+            if not rows or total != account.balance_units:
+                raise mismatch(account, str(total))
 
     # -- movements -----------------------------------------------------------------------
 

@@ -105,10 +105,6 @@ class EvidenceStore:
         new_count = 0 if duplicate else len(fresh)
         ordinal = (last_ordinal or 0) + 1
         evidence_id = f"E{ordinal}"
-        if fresh:  # the keys this record found first (write-once rows)
-            conn.execute(_KEY_INSERT, [
-                {"case_id": case_id, "revision": revision, "hypothesis_id": hypothesis_id,
-                 "key_sha256": h, "evidence_id": evidence_id} for h in fresh])
         record = {
             "evidence_id": evidence_id, "hypothesis_id": hypothesis_id, "revision": revision,
             "step_seq": step_seq, "operation": operation, "arguments": arguments,
@@ -131,6 +127,11 @@ class EvidenceStore:
             artifact_sha256=digest,
         )
         row.id = conn.execute(_EVIDENCE_INSERT, row.model_dump(exclude={"id"})).scalar_one()
+        if fresh:  # the keys this record found first (write-once rows, after their record:
+            # the store takes index rows of the case's newest record only, decision 121)
+            conn.execute(_KEY_INSERT, [
+                {"case_id": case_id, "revision": revision, "hypothesis_id": hypothesis_id,
+                 "key_sha256": h, "evidence_id": evidence_id} for h in fresh])
         # The session takes the object as the row just written (no second INSERT, no read).
         make_transient_to_detached(row)
         session.add(row)

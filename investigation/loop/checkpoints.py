@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, insert, literal, or_, text
+from sqlalchemy import and_, bindparam, func, insert, literal, text, union_all
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col
 
@@ -139,11 +139,23 @@ _STATE_OPEN_SQLITE = text(
 def open_evidence_statement(s: Session) -> Any:
     """The statement reading the open records' state columns on ``s``'s database."""
     return _STATE_OPEN_SQLITE if s.get_bind().dialect.name == "sqlite" else _STATE_OPEN
-#: Records assessed that were open at the parent checkpoint or created after it.
-_STATE_CLOSED = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
-    *_OF_REVISION, text("evidence.assessed"),
-    or_(col(Evidence.evidence_id).in_(bindparam("open_ids", expanding=True)),
-        col(Evidence.ordinal) > bindparam("last_ordinal"))).order_by(col(Evidence.ordinal))
+#: The records created since the parent checkpoint (newer than its newest, ``last_ordinal``)
+#: with their novelty-index rows, and the records open there that are assessed now: two
+#: index ranges (``newer`` tells them apart). The store refuses an older record and index
+#: rows of any record but the newest (decision 121), so the parent's counts plus these
+#: are the revision's counts.
+_KEYS_OF_RECORD = sa_select(func.count()).select_from(table_of(EvidenceKey)).where(
+    table_of(EvidenceKey).c.case_id == col(Evidence.case_id),
+    table_of(EvidenceKey).c.evidence_id == col(Evidence.evidence_id)).scalar_subquery()
+_STATE_SINCE = union_all(
+    sa_select(*_STATE_EVIDENCE_COLUMNS, col(Evidence.ordinal), literal(1).label("newer"),
+              _KEYS_OF_RECORD.label("keys")).where(
+        *_OF_REVISION, col(Evidence.ordinal) > bindparam("last_ordinal")),
+    sa_select(*_STATE_EVIDENCE_COLUMNS, col(Evidence.ordinal), literal(0).label("newer"),
+              literal(0).label("keys")).where(
+        *_OF_REVISION, text("evidence.assessed"),
+        col(Evidence.evidence_id).in_(bindparam("open_ids", expanding=True)),
+        col(Evidence.ordinal) <= bindparam("last_ordinal"))).order_by(text("ordinal"))
 #: Every assessed record of a revision (after a parent state of the first format).
 _STATE_ALL_CLOSED = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, text("evidence.assessed")).order_by(col(Evidence.ordinal))
@@ -169,23 +181,16 @@ _NOTES = table_of(HypothesisNote).c
 _QS = table_of(Question).c
 #: What publishing a step reads besides its rows, in one query (:class:`StepFacts`): the
 #: facts on every row, one row per question of the revision (or one without a question).
+#: Nothing in it reads a row per earlier step: the notes are those of the steps after the
+#: parent checkpoint (the store refuses a note of a published step, decision 121).
 _STEP_FACTS = sa_select(
     sa_select(_POINTERS.path).where(_POINTERS.case_id == bindparam("case_id"),
                                     _POINTERS.name == POINTER_STATE).scalar_subquery(),
     sa_select(_POINTERS.sha256).where(_POINTERS.case_id == bindparam("case_id"),
                                       _POINTERS.name == POINTER_STATE).scalar_subquery(),
-    sa_select(func.count()).select_from(table_of(Evidence)).where(
-        _EV.case_id == bindparam("case_id"), _EV.revision == bindparam("revision"))
-    .scalar_subquery(),
-    sa_select(func.max(_EV.ordinal)).where(
-        _EV.case_id == bindparam("case_id"), _EV.revision == bindparam("revision"))
-    .scalar_subquery(),
-    sa_select(func.count()).select_from(table_of(EvidenceKey)).where(
-        _KEYS.case_id == bindparam("case_id"), _KEYS.revision == bindparam("revision"))
-    .scalar_subquery(),
     sa_select(func.count()).select_from(table_of(HypothesisNote)).where(
-        _NOTES.case_id == bindparam("case_id"), _NOTES.revision == bindparam("revision"))
-    .scalar_subquery(),
+        _NOTES.case_id == bindparam("case_id"), _NOTES.revision == bindparam("revision"),
+        _NOTES.step_seq > bindparam("parent_seq")).scalar_subquery(),
     sa_select(_CP.archive_digest).where(_CP.case_id == bindparam("case_id"),
                                         _CP.seq == bindparam("parent_seq")).scalar_subquery(),
     sa_select(_ART.created_at).where(_ART.case_id == bindparam("case_id"),
@@ -199,17 +204,14 @@ _STEP_FACTS = sa_select(
 @dataclass(frozen=True)
 class StepFacts:
     """What publishing step ``key`` reads besides its rows (:func:`step_facts`, one
-    query): the state pointer, the revision's evidence count and newest ordinal, its
-    novelty-index rows and audit notes, the parent checkpoint's archive digest, when
-    the step's context was stored, and the revision's questions in creation order
-    (``question_id``, ``hypothesis_id``, ``status``)."""
+    query): the state pointer, the revision's audit notes of steps after the parent
+    checkpoint (``notes_since``), the parent checkpoint's archive digest, when the step's
+    context was stored, and the revision's questions in creation order (``question_id``,
+    ``hypothesis_id``, ``status``)."""
 
     pointer_path: str | None
     pointer_sha256: str | None
-    evidence_count: int
-    last_ordinal: int
-    keys: int
-    notes: int
+    notes_since: int
     parent_digest: str | None
     context_created_at: Any
     questions: tuple[tuple[str, int, str], ...] = ()
@@ -220,10 +222,9 @@ def step_facts(s: Session, key: StepKey) -> StepFacts:
     rows = core(s).execute(_STEP_FACTS, {
         "case_id": key.case_id, "revision": key.revision, "parent_seq": key.step_seq - 1,
         "context_path": ARTIFACT_CONTEXT.format(seq=key.step_seq)}).all()
-    path, sha, count, last, keys, notes, parent, created = rows[0][:8]
-    questions = tuple((r[8], r[9], r[10]) for r in rows if r[8] is not None)
-    return StepFacts(path, sha, int(count or 0), int(last or 0), int(keys or 0),
-                     int(notes or 0), parent, created, questions)
+    path, sha, notes, parent, created = rows[0][:5]
+    questions = tuple((r[5], r[6], r[7]) for r in rows if r[5] is not None)
+    return StepFacts(path, sha, int(notes or 0), parent, created, questions)
 
 
 #: State documents this process published or parsed, by the sha256 of their bytes
@@ -274,32 +275,57 @@ def evidence_section(s: Session, key: StepKey, parent: dict[str, Any],
     has nothing open; a parent of the first format (``evidence`` as the list of every
     record) makes this state list every assessed record once.
 
+    The counts are the parent's plus what was created since it: the store refuses a
+    record older than the case's newest and index rows of any record but the newest
+    (decision 121), so only the records newer than the parent's newest are read. After a
+    parent of the first format they are counted in full.
+
     Args:
         parent: the parent checkpoint's state document (``{}`` for the first).
-        facts: the step's :class:`StepFacts` when read already (counts are taken there).
+        facts: the step's :class:`StepFacts` when read already (unused here; kept for
+            the callers' symmetry with :func:`state_document`).
     """
+    del facts
     rows = {"case_id": key.case_id, "revision": key.revision}
-    if facts is not None:
-        count, last = facts.evidence_count, facts.last_ordinal
-    else:
-        count, last = core(s).execute(_STATE_COUNTS, rows).one()
     before = parent.get("evidence") if parent.get("revision") == key.revision else None
-    if isinstance(before, list):  # the first format: every record of the revision
-        closed = core(s).execute(_STATE_ALL_CLOSED, rows).all()
+    previous = before if isinstance(before, dict) else {}
+    raw = (previous.get("count"), previous.get("last_ordinal"), previous.get("keys")) \
+        if previous else (0, 0, 0)
+    base = [v for v in raw if isinstance(v, int)]
+    if isinstance(before, list) or len(base) != 3:
+        # The first format (every record listed): every assessed record closes here, and
+        # the counts are taken in full once.
+        count, last = core(s).execute(_STATE_COUNTS, rows).one()
+        closed = core(s).execute(_STATE_ALL_CLOSED, rows).all() if isinstance(before, list) \
+            else _closed_since(s, rows, previous)[0]
+        keys = int(core(s).execute(KEY_COUNT, rows).scalar_one())
+        count, last = int(count), int(last or 0)
     else:
-        previous = before if isinstance(before, dict) else {}
-        open_ids = [str(e.get("evidence_id")) for e in previous.get("open", [])
-                    if isinstance(e, dict)]
-        last_before = previous.get("last_ordinal")
-        closed = core(s).execute(_STATE_CLOSED, {
-            **rows, "open_ids": open_ids,
-            "last_ordinal": last_before if isinstance(last_before, int) else 0}).all()
-    keys = facts.keys if facts is not None else \
-        int(core(s).execute(KEY_COUNT, rows).scalar_one())
-    return {"count": int(count), "last_ordinal": int(last or 0), "keys": keys,
+        closed, newer, newest, new_keys = _closed_since(s, rows, previous)
+        count = base[0] + newer
+        last = max(base[1], newest)
+        keys = base[2] + new_keys
+    return {"count": count, "last_ordinal": last, "keys": keys,
             "open": [_evidence_record(r) for r in
                      core(s).execute(open_evidence_statement(s), rows).all()],
             "closed": [_evidence_record(r) for r in closed]}
+
+
+def _closed_since(s: Session, rows: dict[str, Any], previous: dict[str, Any],
+                  ) -> tuple[list[Any], int, int, int]:
+    """The records assessed since the parent's evidence section ``previous`` (its open
+    records now assessed, and assessed records created since), the number of records
+    created since, the newest one's ordinal (``0``: none) and their index rows."""
+    open_ids = [str(e.get("evidence_id")) for e in previous.get("open", [])
+                if isinstance(e, dict)]
+    last_before = previous.get("last_ordinal")
+    read = core(s).execute(_STATE_SINCE, {
+        **rows, "open_ids": open_ids,
+        "last_ordinal": last_before if isinstance(last_before, int) else 0}).all()
+    newer = [r for r in read if r.newer]
+    return ([r[:5] for r in read if r.assessed], len(newer),
+            max((int(r.ordinal) for r in newer), default=0),
+            sum(int(r.keys) for r in newer))
 
 
 def fold_evidence(recorded: dict[str, dict[str, Any]], state: dict[str, Any]) -> None:
@@ -317,6 +343,15 @@ def fold_evidence(recorded: dict[str, dict[str, Any]], state: dict[str, Any]) ->
     for entry in entries:
         if isinstance(entry, dict):
             recorded[str(entry.get("evidence_id"))] = entry
+
+
+def recorded_last_ordinal(state: dict[str, Any]) -> int | None:
+    """The ordinal of the newest current-revision record a bounded state counted (``0``:
+    none); ``None`` for a state of the first format or not a state."""
+    section = state.get("evidence")
+    if isinstance(section, dict) and isinstance(section.get("last_ordinal"), int):
+        return int(section["last_ordinal"])
+    return None
 
 
 def recorded_evidence_count(state: dict[str, Any]) -> int | None:
@@ -379,13 +414,25 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
             for a in accounts
         ],
         "evidence": evidence,
-        "notes": facts.notes if facts is not None
-        else int(core(s).execute(NOTE_COUNT, rows).scalar_one()),
+        "notes": _notes_count(s, key, parent, facts),
         "questions": [
             {"question_id": qid, "hypothesis_id": hid, "status": status}
             for qid, hid, status in questions
         ],
     }
+
+
+def _notes_count(s: Session, key: StepKey, parent: dict[str, Any],
+                 facts: StepFacts | None) -> int:
+    """The revision's audit notes: the parent state's count plus the notes of the steps
+    after it (the store refuses a note of a published step, decision 121), or counted in
+    full (a parent of the first format, no facts read)."""
+    same = parent.get("revision") == key.revision
+    before = parent.get("notes") if same else 0
+    if facts is not None and isinstance(before, int):
+        return before + facts.notes_since
+    return int(core(s).execute(NOTE_COUNT, {"case_id": key.case_id,
+                                            "revision": key.revision}).scalar_one())
 
 
 def head_state_document(s: Session, case_id: str) -> dict[str, Any]:

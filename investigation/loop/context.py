@@ -310,7 +310,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
           budget: BudgetManager, selected: int, accounts: list[BudgetAccount],
           births: list[Any], router: ToolRouter,
           snapshot: Snapshot, external_tests: bool = False,
-          questions: list[Any] | None = None) -> dict[str, Any]:
+          questions: list[Any] | None = None,
+          evidence_count: int | None = None) -> dict[str, Any]:
     """Build the context document for ``selected`` (see the module docstring).
 
     Args:
@@ -318,6 +319,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         questions: the revision's questions in creation order (``question_id``,
             ``hypothesis_id``, ``text``, ``status``) when read in this transaction
             already; ``None``: they are read here.
+        evidence_count: the revision's number of evidence records when known in this
+            transaction already (the live check's); ``None``: counted here if needed.
     """
     rev = Store.revision_columns(s, key.case_id, key.revision)
     # The interpretation and the statements come from upstream (a bug tracker, an
@@ -325,7 +328,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
     statements = {b.hypothesis_id: default_masker().mask_prefix(b.statement)[0]
                   for b in births}
     account = next(a for a in accounts if a.hypothesis_id == selected)
-    evidence, omitted = _listed_evidence(s, key, config, selected, account)
+    evidence, omitted = _listed_evidence(s, key, config, selected, account,
+                                         evidence_count)
     own = [e for e in evidence if e.hypothesis_id == selected]
     full_ids = {e.evidence_id for e in own[-config.limits.full_evidence_in_context:]}
     pending = next((e for e in own if e.evidence_id == account.pending_evidence_id), None)
@@ -416,7 +420,8 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
 
 
 def _listed_evidence(s: Session, key: StepKey, config: InvestigationConfig, selected: int,
-                     account: BudgetAccount) -> tuple[list[Any], int]:
+                     account: BudgetAccount,
+                     evidence_count: int | None = None) -> tuple[list[Any], int]:
     """The evidence rows a context lists, in creation order, and how many it leaves out.
 
     The selected hypothesis's newest ``limits.own_evidence_in_context`` records (its
@@ -444,5 +449,6 @@ def _listed_evidence(s: Session, key: StepKey, config: InvestigationConfig, sele
     if len(own) < limits.own_evidence_in_context and \
             len(other) < limits.other_evidence_in_context:
         return rows, 0  # both windows hold every record: nothing left out, nothing to count
-    total = int(conn.execute(_EVIDENCE_COUNT, params).scalar_one())
+    total = evidence_count if evidence_count is not None else \
+        int(conn.execute(_EVIDENCE_COUNT, params).scalar_one())
     return rows, total - len(rows)

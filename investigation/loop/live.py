@@ -17,10 +17,15 @@ Two depths, so that a step's cost does not grow with the case (issue 13):
   the store and hashed again.
 * **incremental** (every other step): the store refuses changes to a published evidence
   record's findings, fingerprint and artifact, to an assessed record and to a closed
-  question, and refuses deleting them (``investigation.store.guards``). What can still
-  change between steps is therefore checked: the number of evidence records, every record
-  that is not assessed (in the store or in the head state), every account and every
-  question (both bounded by the policy, not by the number of steps).
+  question, and refuses deleting them (``investigation.store.guards``); it refuses an
+  evidence record older than the case's newest, a novelty-index row of any record but the
+  newest, and an audit note of a published step (decision 121). What can still change
+  between steps is therefore checked, and only that: the records newer than the head's
+  newest (test results imported since), the index rows of those and of the head's newest
+  record (as many as each found new items), the notes of steps after the head (none),
+  every record that is not assessed (in the store or in the head state), every account
+  and every question (both bounded by the policy, not by the number of steps). Nothing
+  here reads a row per step of the case's history.
 """
 
 from __future__ import annotations
@@ -29,13 +34,18 @@ import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sqlalchemy import and_, bindparam, func, literal, text
+from sqlalchemy import and_, bindparam, case, func, literal, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from investigation.errors import InvestigationError, StoreError
 from investigation.evidence.store import fingerprint, key_sha256
-from investigation.loop.checkpoints import KEY_COUNT, NOTE_COUNT, recorded_evidence_count
+from investigation.loop.checkpoints import (
+    KEY_COUNT,
+    NOTE_COUNT,
+    recorded_evidence_count,
+    recorded_last_ordinal,
+)
 from investigation.store.blobs import ByteCache
 from investigation.store.engine import Store
 from investigation.store.models import (
@@ -43,6 +53,7 @@ from investigation.store.models import (
     CaseRecord,
     Evidence,
     EvidenceKey,
+    HypothesisNote,
     Question,
     TestRequest,
 )
@@ -82,15 +93,41 @@ _KEY_ROWS = sa_select(col(EvidenceKey.hypothesis_id), col(EvidenceKey.key_sha256
                       col(EvidenceKey.evidence_id)).where(
     col(EvidenceKey.case_id) == bindparam("case_id"),
     col(EvidenceKey.revision) == bindparam("revision"))
+_K = EvidenceKey.__table__.c  # type: ignore[attr-defined]
+_N = HypothesisNote.__table__.c  # type: ignore[attr-defined]
+#: What can have changed since the head (decision 121; the store refuses the rest): the
+#: revision's records newer than the head's newest (``last``), the records from that one
+#: on whose index rows are not as many as the new items they found, and the notes of
+#: steps after the head (``head_seq``). Each reads the rows after the head only.
+_SINCE_HEAD = (
+    sa_select(func.count()).select_from(Evidence).where(
+        *_EVIDENCE_WHERE, _EV.ordinal > bindparam("last")).scalar_subquery(),
+    sa_select(func.count()).select_from(Evidence).where(
+        _EV.case_id == bindparam("case_id"), _EV.ordinal >= bindparam("last"),
+        case((_EV.duplicate, 0), else_=_EV.new_item_count) != sa_select(func.count())
+        .select_from(EvidenceKey).where(_K.case_id == _EV.case_id,
+                                        _K.evidence_id == _EV.evidence_id)
+        .scalar_subquery()).scalar_subquery(),
+    sa_select(func.count()).select_from(HypothesisNote).where(
+        _N.case_id == bindparam("case_id"), _N.revision == bindparam("revision"),
+        _N.step_seq > bindparam("head_seq")).scalar_subquery())
 _Q = Question.__table__.c  # type: ignore[attr-defined]
 _ANCHOR = sa_select(literal(1).label("one")).subquery("anchor")
-#: The counts of :data:`_COUNTS` and the revision's questions, in one query: one row per
-#: question (the counts on each), or one row of counts and no question.
-_COUNTS_AND_QUESTIONS = sa_select(
-    *_COUNTS.selected_columns, _Q.question_id, _Q.hypothesis_id, _Q.status, _Q.text) \
-    .select_from(_ANCHOR.outerjoin(Question.__table__, and_(  # type: ignore[attr-defined]
-        _Q.case_id == bindparam("case_id"), _Q.revision == bindparam("revision")))) \
-    .order_by(_Q.ordinal)
+
+
+def _with_questions(*columns: Any) -> Any:
+    """``columns`` and the revision's questions, in one query: one row per question (the
+    columns on each), or one row of them and no question."""
+    return sa_select(*columns, _Q.question_id, _Q.hypothesis_id, _Q.status, _Q.text) \
+        .select_from(_ANCHOR.outerjoin(Question.__table__, and_(  # type: ignore[attr-defined]
+            _Q.case_id == bindparam("case_id"), _Q.revision == bindparam("revision")))) \
+        .order_by(_Q.ordinal)
+
+
+#: Full depth: the counts of :data:`_COUNTS` and the questions.
+_COUNTS_AND_QUESTIONS = _with_questions(*_COUNTS.selected_columns)
+#: Incremental depth: :data:`_SINCE_HEAD` and the questions.
+_SINCE_HEAD_AND_QUESTIONS = _with_questions(*_SINCE_HEAD)
 _ACCOUNTS = select(BudgetAccount).where(col(BudgetAccount.case_id) == bindparam("case_id"),
                                         col(BudgetAccount.revision) == bindparam("revision"))
 ACCOUNT_FIELDS = ("status", "disposition_reason", "confidence", "credit_units", "balance_units",
@@ -116,11 +153,13 @@ class QuestionRow(NamedTuple):
 @dataclass(frozen=True)
 class LiveRows:
     """What :func:`verify_live_state` read and found as recorded: the revision's
-    accounts (ORM objects of the caller's session) and its questions in creation order
-    (``question_id``, ``hypothesis_id``, ``status``, ``text``)."""
+    accounts (ORM objects of the caller's session), its questions in creation order
+    (``question_id``, ``hypothesis_id``, ``status``, ``text``) and its number of evidence
+    records."""
 
     accounts: list[BudgetAccount]
     questions: list[Any]
+    evidence_count: int
 
 
 def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
@@ -173,8 +212,17 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
 
     rows = {"case_id": case.id, "revision": head_revision}
     conn = s.connection()
-    read = conn.execute(_COUNTS_AND_QUESTIONS, rows).all()
-    evidence_count, key_count, note_count = read[0][:3]
+    last_recorded = recorded_last_ordinal(head_state)
+    # A head state of the first format names no newest record: counted in full.
+    since_head = not full and last_recorded is not None and recorded_count is not None \
+        and isinstance(section, dict) and isinstance(section.get("keys"), int) \
+        and isinstance(head_state.get("notes"), int)
+    if since_head:
+        read = conn.execute(_SINCE_HEAD_AND_QUESTIONS, {
+            **rows, "last": last_recorded, "head_seq": head_seq}).all()
+    else:
+        read = conn.execute(_COUNTS_AND_QUESTIONS, rows).all()
+    first, second, third = read[0][:3]
     questions = [QuestionRow(r[3], r[4], r[5], r[6]) for r in read if r[3] is not None]
     live: list[Any]
     if full:
@@ -183,7 +231,7 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
         live = list(every)
         count = len(live)
     else:
-        count = evidence_count
+        count = int(recorded_count or 0) + int(first) if since_head else int(first)
         live = list(conn.execute(_EVIDENCE_OPEN_SQLITE if conn.dialect.name == "sqlite"
                                  else _EVIDENCE_OPEN, rows).all())
         seen = {e.evidence_id for e in live}
@@ -212,14 +260,22 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
     if recorded_count != count - len(pending_imports) or \
             (full and recorded is not None and len(recorded_ev) != recorded_count):
         raise tampered("the evidence records")
-    _check_written_rows(s, case, head_state, rows, live if full else None,
-                        pending_imports, tampered, (int(key_count), int(note_count)))
+    if since_head:
+        # Index rows of a record other than the newest, and notes of a published step,
+        # are refused by the store; so only these can differ from what the head counted.
+        if int(second):
+            raise tampered("the novelty index (evidence_key)")
+        if int(third):
+            raise tampered("the audit notes (hypothesis_note)")
+    else:
+        _check_written_rows(s, case, head_state, rows, live if full else None,
+                            pending_imports, tampered, (int(second), int(third)))
     accounts = _check_accounts(s, case, head_state, head_revision, pending_imports, tampered)
     if [(q.question_id, q.hypothesis_id, q.status) for q in questions] != \
             [(q.get("question_id"), q.get("hypothesis_id"), q.get("status"))
              for q in head_state.get("questions", [])]:
         raise tampered("the questions")
-    return LiveRows(accounts, questions)
+    return LiveRows(accounts, questions, count)
 
 
 def _check_written_rows(s: Session, case: CaseRecord, head_state: dict[str, Any],

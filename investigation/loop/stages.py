@@ -30,7 +30,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
 from investigation.budget import rules
-from investigation.budget.manager import ledger_sums_of
+from investigation.budget.manager import newest_balance_of
 from investigation.config import canonical_json, ordered_json
 from investigation.constants import (
     ARTIFACT_CONTEXT,
@@ -108,9 +108,7 @@ _BIRTHS = sa_select(
     sa_select(func.count()).select_from(table_of(StageRun)).where(
         _RUNS.case_id == bindparam("case_id"), _RUNS.stage == "llm_call")
     .scalar_subquery().label("llm_calls"),
-    *(sub.label(name) for sub, name in zip(ledger_sums_of(_BIRTH.hypothesis_id),
-                                           ("ledger_total", "ledger_credits",
-                                            "ledger_credited"), strict=True))).where(
+    newest_balance_of(_BIRTH.hypothesis_id).label("ledger_balance")).where(
     _BIRTH.case_id == bindparam("case_id"), _BIRTH.revision == bindparam("revision")) \
     .order_by(_BIRTH.hypothesis_id)
 _PLAN_INSERT = insert(table_of(Plan))
@@ -190,15 +188,15 @@ class Stages(StageFramework):
             lifecycle.ensure_started(case, cfg, len(births), lambda: str(
                 json.loads(rev.interpretation_json).get("summary", "")))
             s.add(case)
-            # The ledger was summed with the hypotheses, unless an account (and its credit)
-            # was created since or an account has no hypothesis: then it is summed again.
+            # The newest ledger balances were read with the hypotheses; the whole ledger is
+            # read at full depth, and when an account (and its credit) was created since or
+            # an account has no hypothesis (decision 121).
             born = {b.hypothesis_id for b in births}
-            summed = checked is not None and \
+            incremental = checked is not None and not head.full and \
                 {a.hypothesis_id for a in checked.accounts} == born == \
                 {a.hypothesis_id for a in accounts}
             budget.verify_all_origins(s, accounts, {
-                b.hypothesis_id: (int(b.ledger_total), int(b.ledger_credits),
-                                  int(b.ledger_credited)) for b in births} if summed else None)
+                b.hypothesis_id: b.ledger_balance for b in births} if incremental else None)
             for account in accounts:
                 budget.apply_automatic_disposition(account)
                 s.add(account)
@@ -212,7 +210,8 @@ class Stages(StageFramework):
                 accounts=accounts, births=births, router=router,
                 snapshot=self.env.snapshot(key.case_id),
                 external_tests=self.env.feedback_key is not None,
-                questions=checked.questions if checked is not None else None)
+                questions=checked.questions if checked is not None else None,
+                evidence_count=checked.evidence_count if checked is not None else None)
             data = context_builder.fit_for_model(
                 doc, cfg.limits.max_context_bytes, self.env.gateway.prompt_budget())
             path = ARTIFACT_CONTEXT.format(seq=key.step_seq)

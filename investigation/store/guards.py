@@ -10,6 +10,11 @@ the tables it adds, ``0008_bounded_history``):
   row is *open* (an evidence record until it is assessed, a question while it is open, a
   revision until its policy is frozen); any other change, a change of a closed row, and
   every DELETE are refused.
+* :data:`INSERT_GUARDS` (migration ``0009_closed_history``) refuse an INSERT into the past
+  of a case: an evidence record must be newer than every record of its case, a
+  novelty-index row must name the case's newest record, and an audit note must belong to
+  a step not published yet. What a published checkpoint counted therefore stays counted,
+  and a step's live check reads only the rows newer than its head (decision 121).
 
 A refused statement fails with ``STORE_IMMUTABLE`` in its message (SQLite ``RAISE(ABORT)``,
 PostgreSQL SQLSTATE ``55000``), the transaction is rolled back and nothing changes. The
@@ -41,6 +46,18 @@ GUARDED_TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "revision": ("OLD.policy_json IS NULL", ("policy_json", "policy_sha256")),
 }
 
+#: Table -> the SQL condition on ``NEW`` (the same on SQLite and PostgreSQL) under which
+#: an INSERT is refused: a row that would change what a published checkpoint counted.
+INSERT_GUARDS: dict[str, str] = {
+    "evidence": "NEW.ordinal <= (SELECT coalesce(max(e.ordinal), 0) FROM evidence e "
+                "WHERE e.case_id = NEW.case_id)",
+    "evidence_key": "NOT EXISTS (SELECT 1 FROM evidence e WHERE e.case_id = NEW.case_id "
+                    "AND e.evidence_id = NEW.evidence_id AND e.ordinal = (SELECT "
+                    "max(m.ordinal) FROM evidence m WHERE m.case_id = NEW.case_id))",
+    "hypothesis_note": "NEW.step_seq <= (SELECT c.head_seq FROM \"case\" c "
+                       "WHERE c.id = NEW.case_id)",
+}
+
 #: Prefix of every trigger (and PostgreSQL function) this module creates.
 PREFIX = "guard_"
 #: The marker in every refusal message.
@@ -52,6 +69,11 @@ def _message(table: str) -> str:
             "a new fact is a new row")
 
 
+def _insert_message(table: str) -> str:
+    return (f"{CODE}: a {table} row cannot be added to what a published checkpoint "
+            "counted; new rows belong to the newest record or the step in progress")
+
+
 def _present(conn: Connection, tables: tuple[str, ...]) -> tuple[str, ...]:
     """The tables of ``tables`` that exist (a migration creates its guards for the tables
     it has created so far: ``evidence_key`` and ``hypothesis_note`` come with 0008)."""
@@ -59,13 +81,32 @@ def _present(conn: Connection, tables: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(t for t in tables if t in existing)
 
 
-def create_guards(conn: Connection) -> None:
+def create_guards(conn: Connection, *, inserts: bool = True) -> None:
     """Create every guard of the tables that exist (idempotent on SQLite: existing
-    triggers are kept)."""
+    triggers are kept).
+
+    Args:
+        inserts: also the :data:`INSERT_GUARDS` (migrations before ``0009`` pass
+            ``False``: they created the UPDATE and DELETE guards only)."""
     if conn.dialect.name == "postgresql":
         _create_postgres(conn)
+        if inserts:
+            _create_postgres_inserts(conn)
     else:
         _create_sqlite(conn)
+        if inserts:
+            _create_sqlite_inserts(conn)
+
+
+def drop_insert_guards(conn: Connection) -> None:
+    """Drop the :data:`INSERT_GUARDS` only (downgrade of ``0009``)."""
+    for table in _present(conn, tuple(INSERT_GUARDS)):
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_insert '
+                                 f'ON "{table}"')
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {PREFIX}{table}_insert_fn()")
+        else:
+            conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS "{PREFIX}{table}_insert"')
 
 
 def drop_guards(conn: Connection) -> None:
@@ -76,8 +117,13 @@ def drop_guards(conn: Connection) -> None:
             conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table} ON "{table}"')
             conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_truncate '
                                  f'ON "{table}"')
+        for table in _present(conn, tuple(INSERT_GUARDS)):
+            conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_insert '
+                                 f'ON "{table}"')
         for table in GUARDED_TABLES:
             conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {PREFIX}{table}_fn()")
+        for table in INSERT_GUARDS:
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {PREFIX}{table}_insert_fn()")
         conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {PREFIX}refuse()")
         return
     for (name,) in conn.exec_driver_sql(
@@ -102,9 +148,12 @@ def guard_names(conn: Connection) -> set[str]:
 def expected_guard_names(dialect: str) -> set[str]:
     """The trigger names :func:`create_guards` creates on ``dialect``."""
     tables = (*IMMUTABLE_TABLES, *GUARDED_TABLES)
+    inserts = {f"{PREFIX}{t}_insert" for t in INSERT_GUARDS}
     if dialect == "postgresql":
-        return {f"{PREFIX}{t}" for t in tables} | {f"{PREFIX}{t}_truncate" for t in tables}
-    return {f"{PREFIX}{t}_update" for t in tables} | {f"{PREFIX}{t}_delete" for t in tables}
+        return {f"{PREFIX}{t}" for t in tables} | {f"{PREFIX}{t}_truncate" for t in tables} \
+            | inserts
+    return {f"{PREFIX}{t}_update" for t in tables} | {f"{PREFIX}{t}_delete" for t in tables} \
+        | inserts
 
 
 def _create_sqlite(conn: Connection) -> None:
@@ -126,6 +175,14 @@ def _create_sqlite(conn: Connection) -> None:
             f"BEGIN SELECT RAISE(ABORT, '{_message(table)}'); END")
 
 
+def _create_sqlite_inserts(conn: Connection) -> None:
+    for table in _present(conn, tuple(INSERT_GUARDS)):
+        conn.exec_driver_sql(
+            f'CREATE TRIGGER IF NOT EXISTS {PREFIX}{table}_insert BEFORE INSERT ON "{table}" '
+            f"WHEN {INSERT_GUARDS[table]} "
+            f"BEGIN SELECT RAISE(ABORT, '{_insert_message(table)}'); END")
+
+
 def _create_postgres(conn: Connection) -> None:
     conn.exec_driver_sql(
         f"CREATE OR REPLACE FUNCTION {PREFIX}refuse() RETURNS trigger LANGUAGE plpgsql AS $$ "
@@ -144,6 +201,19 @@ def _create_postgres(conn: Connection) -> None:
             f"THEN RETURN NEW; END IF; "
             f"RAISE EXCEPTION '{_message(table)}' USING ERRCODE = '55000'; END $$")
         _pg_triggers(conn, table, f"{PREFIX}{table}_fn()", "UPDATE OR DELETE")
+
+
+def _create_postgres_inserts(conn: Connection) -> None:
+    for table in _present(conn, tuple(INSERT_GUARDS)):
+        conn.exec_driver_sql(
+            f"CREATE OR REPLACE FUNCTION {PREFIX}{table}_insert_fn() RETURNS trigger "
+            f"LANGUAGE plpgsql AS $$ BEGIN IF {INSERT_GUARDS[table]} THEN "
+            f"RAISE EXCEPTION '{_insert_message(table)}' USING ERRCODE = '55000'; END IF; "
+            f"RETURN NEW; END $$")
+        conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_insert ON "{table}"')
+        conn.exec_driver_sql(
+            f'CREATE TRIGGER {PREFIX}{table}_insert BEFORE INSERT ON "{table}" '
+            f"FOR EACH ROW EXECUTE FUNCTION {PREFIX}{table}_insert_fn()")
 
 
 def _pg_triggers(conn: Connection, table: str, function: str, ops: str) -> None:

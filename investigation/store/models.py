@@ -133,7 +133,10 @@ class LedgerEntry(SQLModel, table=True):
     """One budget movement. ``amount_units`` is signed (credit +, reserve -, refund +)."""
 
     __tablename__ = "ledger_entry"
-    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id", "step_seq", "kind"),)
+    __table_args__ = (
+        UniqueConstraint("case_id", "revision", "hypothesis_id", "step_seq", "kind"),
+        # An account's newest entry (its balance, checked at every step; decision 121).
+        Index("ix_ledger_entry_newest", "case_id", "revision", "hypothesis_id", "id"))
     id: int | None = Field(default=None, primary_key=True)
     case_id: str = Field(foreign_key="case.id", index=True, max_length=64)
     revision: int
@@ -368,7 +371,9 @@ class EvidenceKey(SQLModel, table=True):
     """
 
     __tablename__ = "evidence_key"
-    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id", "key_sha256"),)
+    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id", "key_sha256"),
+                      # A record's rows (the live check counts the newest records' rows).
+                      Index("ix_evidence_key_record", "case_id", "evidence_id"))
     id: int | None = Field(default=None, primary_key=True)
     case_id: str = Field(max_length=64)
     revision: int
@@ -384,7 +389,9 @@ class HypothesisNote(SQLModel, table=True):
     """
 
     __tablename__ = "hypothesis_note"
-    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id", "step_seq"),)
+    __table_args__ = (UniqueConstraint("case_id", "revision", "hypothesis_id", "step_seq"),
+                      # The notes of the steps after a checkpoint (decision 121).
+                      Index("ix_hypothesis_note_step", "case_id", "step_seq"))
     id: int | None = Field(default=None, primary_key=True)
     case_id: str = Field(max_length=64)
     revision: int

@@ -368,8 +368,44 @@ def test_a_tampered_ledger_is_refused_by_the_store_or_stops_the_next_step(
     refused_by_store(case.store, forged)  # ledger rows are write-once
     with unguarded(case.store), case.store.session() as s:
         s.execute(forged)  # the account still matches its checkpoint
+    # Someone who can drop the guards is found where the ledger is read in full: by a
+    # process meeting the case (decision 121; a warm runner compares the newest balance).
+    with pytest.raises(InvestigationError) as info:
+        case.investigator().step(case.case_id)
+    assert info.value.code == "BUDGET_ORIGIN_MISMATCH"
+
+
+def test_a_ledger_entry_inserted_behind_the_engine_stops_the_next_step(
+        tmp_path: Path) -> None:
+    """The store takes new ledger rows (the engine writes them at every step): one added
+    behind its back changes the newest balance, which a warm runner compares with the
+    account at every step; one that keeps the newest balance is found at full depth."""
+    case = make_case(tmp_path / "c")
+    inv = case.investigator()
+    steps(inv, case, 1)
+    with case.store.session() as s:
+        newest = s.exec(select(LedgerEntry).where(LedgerEntry.hypothesis_id == 1)
+                        .order_by(col(LedgerEntry.id).desc())).first()
+        assert newest is not None
+        balance = newest.balance_after_units
+        s.add(LedgerEntry(case_id=case.case_id, revision=1, hypothesis_id=1, step_seq=90,
+                          kind="refund", amount_units=100, balance_after_units=balance + 100))
     with pytest.raises(InvestigationError) as info:
         inv.step(case.case_id)
+    assert info.value.code == "BUDGET_ORIGIN_MISMATCH"
+
+    other = make_case(tmp_path / "d")
+    inv = other.investigator()
+    steps(inv, other, 1)
+    with other.store.session() as s:
+        newest = s.exec(select(LedgerEntry).where(LedgerEntry.hypothesis_id == 1)
+                        .order_by(col(LedgerEntry.id).desc())).first()
+        assert newest is not None
+        s.add(LedgerEntry(case_id=other.case_id, revision=1, hypothesis_id=1, step_seq=90,
+                          kind="refund", amount_units=100,
+                          balance_after_units=newest.balance_after_units))
+    with pytest.raises(InvestigationError) as info:
+        other.investigator().step(other.case_id)
     assert info.value.code == "BUDGET_ORIGIN_MISMATCH"
 
 

@@ -85,7 +85,7 @@ def upgrade() -> None:
     _move_notes(bind)
     with op.batch_alter_table('budget_account') as batch:
         batch.drop_column('notes_json')
-    guards.create_guards(bind)
+    guards.create_guards(bind, inserts=False)  # the INSERT guards came with 0009
 
 
 def _fill_keys(bind: Any) -> None:
