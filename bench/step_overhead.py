@@ -17,7 +17,10 @@ three snapshot queries) on SQLite stores; the first ``--warmup-cases`` cases of 
 runtime are not counted (process start, snapshot validation, schema checks). Per-step
 wall time: (a) between consecutive ``on_step`` outcomes; (b) between consecutive checkpoint
 publications (``checkpoint.created_at``; the first step from the ``start_dispatch`` call).
-(c) is the wall time from ``apply_async`` to the tail's report, per chain.
+(c) is the wall time from ``apply_async`` to the tail's report, per chain. (b) and (c) run
+side by side: both workers are up at once and each counted engine case is followed by its
+share of the bare chains, so a machine whose speed drifts during the run (a shared one
+does, by a factor of two over minutes) slows both alike.
 
 (d) for reference, LangGraph: eight nodes in a line with ``SqliteSaver`` and
 ``durability="sync"`` (``bench/langgraph_step.py``, run in the benchmarks' own environment
@@ -207,62 +210,81 @@ class Result:
     transactions: list[int] = field(default_factory=list)
 
 
-def bench_redis(cases: Cases, warmup: int, worker: Worker) -> Result:
+def _redis_case(cases: Cases, case_id: str, worker: Worker) -> list[datetime]:
+    """Dispatch one engine case and wait for its lock's release; returns the dispatch
+    time and its checkpoint times."""
     from workers import runtime
     from workers.tasks import start_dispatch
 
-    runtime.configure(None)
-    rt = runtime.current()  # distributed, from INVESTIGATE_* set by main()
-    holder: Callable[[str], str | None] = rt.lock.holder  # type: ignore[attr-defined]
-    res = Result()
-    with running(worker):
-        for i, case_id in enumerate(cases.case_ids):
-            started_wall, started = datetime.now(UTC), time.perf_counter()
-            start_dispatch(case_id)
-            deadline = started + CASE_TIMEOUT_S
-            # Every figure comes from the store's checkpoint times, so the wait for the
-            # lock's release polls slowly: a 5 ms poll (200 Redis reads a second from this
-            # process) took CPU from the worker it measures on a 2-core machine, which the
-            # bare chain's blocking BLPOP does not.
-            while holder(case_id) is not None:  # advance releases the lock at the end
-                if time.perf_counter() > deadline:
-                    raise SystemExit(f"case {case_id} still running after {CASE_TIMEOUT_S}s:\n"
-                                     + worker.log()[-5000:])
-                time.sleep(POLL_S)
-            stamps = [started_wall, *check_completed(cases, case_id)]
-            if i >= warmup:
-                res.per_step += [(b - a).total_seconds() for a, b in pairwise(stamps)]
-                res.per_case_step.append((stamps[-1] - stamps[0]).total_seconds()
-                                         / STEPS_PER_CASE)
-    res.in_task = worker.task_runtimes("investigation.")
-    rt.env.store.dispose()
-    runtime.configure(None)
-    return res
+    holder: Callable[[str], str | None] = runtime.current().lock.holder  # type: ignore[attr-defined]
+    started_wall, started = datetime.now(UTC), time.perf_counter()
+    start_dispatch(case_id)
+    deadline = started + CASE_TIMEOUT_S
+    # Every figure comes from the store's checkpoint times, so the wait for the lock's
+    # release polls slowly: a 5 ms poll (200 Redis reads a second from this process) took
+    # CPU from the worker it measures on a 2-core machine, which the bare chain's blocking
+    # BLPOP does not.
+    while holder(case_id) is not None:  # advance releases the lock at the end
+        if time.perf_counter() > deadline:
+            raise SystemExit(f"case {case_id} still running after {CASE_TIMEOUT_S}s:\n"
+                             + worker.log()[-5000:])
+        time.sleep(POLL_S)
+    return [started_wall, *check_completed(cases, case_id)]
 
 
-def bench_bare(chains: int, warmup: int, worker: Worker, redis_url: str) -> Result:
-    import redis
-
+def _bare_chain(client: Any, i: int, worker: Worker) -> float:
+    """Run one bare chain; returns its wall time from ``apply_async`` to the tail's report."""
     from bench.bare_chain import DONE_KEY, bare_chain
 
+    token = uuid.uuid4().hex
+    started = time.perf_counter()
+    bare_chain({"id": token, "case_id": "bench", "step_seq": i}).apply_async()
+    popped = client.blpop([DONE_KEY], timeout=30)
+    elapsed = time.perf_counter() - started
+    done = popped[1] if popped is not None else None
+    if (done.decode() if isinstance(done, bytes) else done) != token:
+        raise SystemExit(f"bare chain {i} did not finish:\n{worker.log()[-5000:]}")
+    return elapsed
+
+
+def bench_redis_and_bare(cases: Cases, warmup: int, engine_worker: Worker, chains: int,
+                         warmup_chains: int, bare_worker: Worker,
+                         redis_url: str) -> tuple[Result, Result]:
+    """(b) and (c) side by side: both workers run at once, and each counted engine case
+    is followed by its share of the bare chains, so that a machine whose speed drifts
+    over the minutes of a run (a shared one does) slows both alike."""
+    import redis
+
+    from bench.bare_chain import DONE_KEY
+    from workers import runtime
+
+    runtime.configure(None)
+    rt = runtime.current()  # distributed, from INVESTIGATE_* set by main()
     client = redis.Redis.from_url(redis_url)
-    res = Result()
-    with running(worker):
-        for i in range(warmup + chains):
-            token = uuid.uuid4().hex
-            started = time.perf_counter()
-            bare_chain({"id": token, "case_id": "bench", "step_seq": i}).apply_async()
-            popped = client.blpop([DONE_KEY], timeout=30)
-            elapsed = time.perf_counter() - started
-            done = popped[1] if popped is not None else None
-            if (done.decode() if isinstance(done, bytes) else done) != token:
-                raise SystemExit(f"bare chain {i} did not finish:\n{worker.log()[-5000:]}")
-            if i >= warmup:
-                res.per_step.append(elapsed)
-    res.in_task = worker.task_runtimes("bench.")
+    engine, bare = Result(), Result()
+    counted = cases.case_ids[warmup:]
+    per_case = max(1, chains // max(1, len(counted)))
+    with running(engine_worker), running(bare_worker):
+        for case_id in cases.case_ids[:warmup]:
+            _redis_case(cases, case_id, engine_worker)
+        for i in range(warmup_chains):
+            _bare_chain(client, i, bare_worker)
+        n = warmup_chains
+        for case_id in counted:
+            stamps = _redis_case(cases, case_id, engine_worker)
+            engine.per_step += [(b - a).total_seconds() for a, b in pairwise(stamps)]
+            engine.per_case_step.append((stamps[-1] - stamps[0]).total_seconds()
+                                        / STEPS_PER_CASE)
+            for _ in range(per_case):
+                bare.per_step.append(_bare_chain(client, n, bare_worker))
+                n += 1
+    engine.in_task = engine_worker.task_runtimes("investigation.")
+    bare.in_task = bare_worker.task_runtimes("bench.")
     client.delete(DONE_KEY)
     client.close()
-    return res
+    rt.env.store.dispose()
+    runtime.configure(None)
+    return engine, bare
 
 
 def bench_embedded(cases: Cases, warmup: int, home: Path) -> Result:
@@ -406,14 +428,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     admin = redis.Redis.from_url(broker_url)
     admin.flushdb()
     try:
-        print("(b) Redis runtime ...", flush=True)
+        print("(b) Redis runtime and (c) bare chain, side by side ...", flush=True)
         engine_worker = Worker("workers.celery_app", engine_queue, worker_env,
                                work / "engine-worker.log", args.concurrency)
-        redis_res = bench_redis(distributed, args.warmup_cases, engine_worker)
-        print("(c) bare chain ...", flush=True)
         bare_worker = Worker("bench.bare_chain:app", bare_queue, worker_env,
                              work / "bare-worker.log", args.concurrency)
-        bare_res = bench_bare(args.steps, args.warmup_chains, bare_worker, broker_url)
+        redis_res, bare_res = bench_redis_and_bare(
+            distributed, args.warmup_cases, engine_worker, args.steps, args.warmup_chains,
+            bare_worker, broker_url)
         load_redis = load_average()
         print("(a) embedded runtime ...", flush=True)
         emb_res = bench_embedded(embedded, args.warmup_cases, work / "embedded" / "home")
