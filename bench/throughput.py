@@ -7,9 +7,11 @@ snapshot queries, a scripted model of zero latency) are dispatched at once with
 ``workers.tasks.start_dispatch``; the figure is published steps per second from the first
 dispatch to the last case's completion. Beside it, the same number of bare chains (eight
 trivial tasks and a tail, ``bench/bare_chain.py``) enqueued at once on a worker with the
-same options and Celery settings: chains per second. Target: bare chains per second /
-engine steps per second <= 2.5, on a SQLite store and on PostgreSQL (a fresh schema of
-``--postgres`` dropped afterwards; ``--no-postgres`` skips it).
+same options and Celery settings: chains per second, measured right before and right
+after each engine run (the ratio takes their mean, so that a shared machine's drift over
+the minutes of a run slows both alike). Target: bare chains per second / engine steps
+per second <= 2.5, on a SQLite store and on PostgreSQL (a fresh schema of ``--postgres``
+dropped afterwards; ``--no-postgres`` skips it).
 
 Prints figures and ratios with the load average; asserts nothing. The Redis database
 ``--broker-db`` is flushed before and after. Usage (repository root)::
@@ -153,14 +155,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     figures: dict[str, float] = {}
     lines: list[str] = []
     try:
-        print(f"bare chains: {args.cases} at once ...", flush=True)
-        bare, bare_load = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
-                                    args.concurrency)
         stores = [("SQLite", f"sqlite:///{work / 'sqlite' / 'store.db'}", None)]
         if not args.no_postgres:
             url, drop = postgres_schema(args.postgres)
             stores.append(("PostgreSQL", url, drop))
+        bare_rates: list[tuple[float, str]] = []
         for name, url, drop in stores:
+            # The bare chains run right before and right after each engine run, and the
+            # ratio takes their mean: a shared machine's speed drifts over minutes.
+            print(f"bare chains: {args.cases} at once ...", flush=True)
+            before = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
+                               args.concurrency)
             print(f"engine on {name}: {args.cases} cases at once ...", flush=True)
             try:
                 rate, load = engine_rate(url, work / name.lower(), args.cases, broker_url,
@@ -170,9 +175,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 if drop is not None:
                     drop()
             admin.flushdb()
+            print("bare chains again ...", flush=True)
+            after = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
+                              args.concurrency)
+            bare_rates += [before, after]
+            bare = (before[0] + after[0]) / 2
             figures[f"ratio_{name.lower()}"] = bare / rate
-            lines.append(f"    engine steps/s on {name:10s} {rate:7.1f}   bare chains/s / "
-                         f"engine steps/s {bare / rate:5.2f}x   (target <= 2.5)   [{load}]")
+            lines.append(f"    engine steps/s on {name:10s} {rate:7.1f}   bare chains/s before "
+                         f"and after {before[0]:.1f} and {after[0]:.1f}; mean / engine "
+                         f"steps/s {bare / rate:5.2f}x   (target <= 2.5)   [{load}]")
     finally:
         admin.flushdb()
         admin.close()
@@ -180,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     print()
     print(f"throughput: one worker --pool=prefork -c {args.concurrency}, {args.cases} tiny "
           f"cases ({STEPS_PER_CASE} steps each) or bare chains at once; broker {broker_url}")
-    print(f"    bare chains/s            {bare:7.1f}   [{bare_load}]")
+    for rate, load in bare_rates:
+        print(f"    bare chains/s            {rate:7.1f}   [{load}]")
     for line in lines:
         print(line)
     return figures
