@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
+from investigation.budget.manager import BudgetManager
 from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig
 from investigation.constants import (
     ARTIFACT_SUMMARY,
@@ -301,12 +302,13 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
     ``manifest.json`` with the pointers and each artifact's sha256. Returns the paths.
 
     The checkpoint chain is replayed in full first (every byte read from the store again,
-    no process cache), and every artifact's bytes are decoded from the store and checked
+    no process cache) and every budget account checked against its whole ledger, and every artifact's bytes are decoded from the store and checked
     against its sha256 as it is written.
 
     Raises:
         InvestigationError: ``EXPORT_TARGET_NOT_EMPTY``, ``EXPORT_UNSAFE_PATH``; the
-        replay's ``CHECKPOINT_INVALID``/``POLICY_CHANGED`` (nothing is written);
+        replay's ``CHECKPOINT_INVALID``/``POLICY_CHANGED`` or the ledger's
+        ``BUDGET_ORIGIN_MISMATCH`` (nothing is written);
         ``STORE_ARTIFACT_CORRUPT`` for bytes that fail their sha256.
     """
     _case(store, case_id)
@@ -316,6 +318,7 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
             f"{directory} exists and is not an empty directory; export into a new one")
     with store.session() as s:
         verify_chain(s, case_id)
+        verify_budget_origins(s, case_id)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     files = []
@@ -346,23 +349,50 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
     return written
 
 
+def verify_budget_origins(session: Session, case_id: str) -> int:
+    """Check every budget account of the case, of every revision, against its whole
+    ledger (:meth:`BudgetManager.verify_all_origins` at full depth; seed 000, "The
+    Investigator verifies the existing budget origins"). A step reads only the newest
+    ledger balance (decision 121); ``investigate verify`` and ``export`` read all of it,
+    so a ledger row added outside the engine is found on a finished case too.
+
+    Returns the number of accounts checked.
+
+    Raises:
+        InvestigationError: ``BUDGET_ORIGIN_MISMATCH`` naming the first account whose
+        ledger differs.
+    """
+    accounts = session.exec(select(BudgetAccount).where(BudgetAccount.case_id == case_id)
+                            .order_by(col(BudgetAccount.revision),
+                                      col(BudgetAccount.hypothesis_id))).all()
+    by_revision: dict[int, list[BudgetAccount]] = {}
+    for account in accounts:
+        by_revision.setdefault(account.revision, []).append(account)
+    for group in by_revision.values():
+        BudgetManager.verify_all_origins(session, group)
+    return len(accounts)
+
+
 def verify(store: Store, case_id: str) -> dict[str, Any]:
     """Check a whole case from the store's bytes (``investigate verify``).
 
     The checkpoint chain is replayed in full (no process cache: every state and context
     read again, every archive digest recomputed), the live rows are checked against the
     head state at full depth (every evidence fingerprint recomputed, its artifact re-read)
+    and every budget account against its whole ledger (:func:`verify_budget_origins`)
     unless a step is in progress, and every artifact of the case is decoded and checked
     against its sha256.
 
     Returns:
-        ``{"case_id", "checkpoints", "artifacts", "artifact_bytes", "live_rows"}`` where
-        ``live_rows`` is ``"checked"`` or ``"step N in progress"``.
+        ``{"case_id", "checkpoints", "artifacts", "artifact_bytes", "live_rows",
+        "budget_accounts"}`` where ``live_rows`` is ``"checked"`` or ``"step N in
+        progress"`` and ``budget_accounts`` the number of accounts whose ledger was read
+        (0 while a step is in progress).
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``; ``CHECKPOINT_INVALID``,
-        ``POLICY_CHANGED``, ``STATE_TAMPERED`` or ``STORE_ARTIFACT_CORRUPT`` at the first
-        fact that differs.
+        ``POLICY_CHANGED``, ``STATE_TAMPERED``, ``BUDGET_ORIGIN_MISMATCH`` or
+        ``STORE_ARTIFACT_CORRUPT`` at the first fact that differs.
     """
     with store.session() as s:
         case = s.get(CaseRecord, case_id)
@@ -375,11 +405,14 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
         if running is None:
             live.verify_live_state(s, case, head.head_state, head.head_seq, head.head_revision,
                                    full=True, recorded=head.evidence)
+            accounts = verify_budget_origins(s, case_id)
+        else:
+            accounts = 0
         count = total = 0
         for art in Store.artifacts(s, case_id):
             count += 1
             total += len(art.data)
     return {"case_id": case_id, "checkpoints": head.head_seq, "artifacts": count,
-            "artifact_bytes": total,
+            "artifact_bytes": total, "budget_accounts": accounts,
             "live_rows": "checked" if running is None
             else f"step {case.head_seq + 1} in progress"}

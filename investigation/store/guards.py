@@ -70,7 +70,8 @@ def _message(table: str) -> str:
 
 
 def _insert_message(table: str) -> str:
-    return (f"{CODE}: a {table} row cannot be added to what a published checkpoint "
+    article = "an" if table[0] in "aeiou" else "a"
+    return (f"{CODE}: {article} {table} row cannot be added to what a published checkpoint "
             "counted; new rows belong to the newest record or the step in progress")
 
 

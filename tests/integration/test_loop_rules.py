@@ -409,6 +409,32 @@ def test_a_ledger_entry_inserted_behind_the_engine_stops_the_next_step(
     assert info.value.code == "BUDGET_ORIGIN_MISMATCH"
 
 
+def test_a_ledger_entry_inserted_into_a_finished_case_fails_verify_and_export(
+        tmp_path: Path) -> None:
+    """No step reads a finished case's ledger again, so ``investigate verify`` and
+    ``export`` read all of it: a credit added behind the engine's back is found, and
+    export writes nothing."""
+    case = make_case(tmp_path / "c")
+    run_to_end(case.investigator(), case)
+    assert operations.verify(case.store, case.case_id)["budget_accounts"] == 2
+    with case.store.session() as s:
+        newest = s.exec(select(LedgerEntry).where(LedgerEntry.hypothesis_id == 2)
+                        .order_by(col(LedgerEntry.id).desc())).first()
+        assert newest is not None
+        s.add(LedgerEntry(case_id=case.case_id, revision=1, hypothesis_id=2, step_seq=99,
+                          kind="refund", amount_units=100,
+                          balance_after_units=newest.balance_after_units + 100))
+    with pytest.raises(InvestigationError) as info:
+        operations.verify(case.store, case.case_id)
+    assert (info.value.code, info.value.details.get("hypothesis_id")) == \
+        ("BUDGET_ORIGIN_MISMATCH", 2)
+    target = tmp_path / "export"
+    with pytest.raises(InvestigationError) as info:
+        operations.export(case.store, case.case_id, target)
+    assert info.value.code == "BUDGET_ORIGIN_MISMATCH"
+    assert not target.exists()
+
+
 def test_summary_bytes_identical_across_two_fresh_stores(tmp_path: Path) -> None:
     outputs = []
     heads = []
