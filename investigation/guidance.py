@@ -35,7 +35,6 @@ state / reason                  advice
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 from collections.abc import Mapping
@@ -45,6 +44,7 @@ from typing import Any, Literal
 
 from sqlmodel import col, select
 
+from investigation import jsonio
 from investigation.config import ProvidersConfig
 from investigation.constants import (
     BLOCK_AWAITING_TEST_FEEDBACK,
@@ -400,7 +400,7 @@ def facts_for(store: Store, case_id: str) -> CaseFacts:
                 BudgetAccount.case_id == case_id,
                 BudgetAccount.revision == case.current_revision,
                 col(BudgetAccount.last_rejection_json).is_not(None))).all()
-            latest = max((json.loads(r.last_rejection_json or "{}") for r in rows),
+            latest = max((jsonio.loads(r.last_rejection_json or "{}") for r in rows),
                          key=lambda r: int(r.get("step_seq", 0)), default=None)
             if latest:
                 error_code, error_message = latest.get("code"), latest.get("detail")

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
+from investigation import jsonio
 from investigation.budget.manager import BudgetManager
 from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig
 from investigation.constants import (
@@ -96,7 +97,7 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         elif case.blocked_reason is not None:
             rejected = [a for a in accounts if a.last_rejection_json]
             if rejected:
-                last = json.loads(rejected[0].last_rejection_json or "{}")
+                last = jsonio.loads(rejected[0].last_rejection_json or "{}")
                 detail = f"{last.get('code')}: {last.get('detail')}"
     return {
         "case_id": case.id, "package_id": case.package_id, "revision": case.current_revision,
@@ -114,7 +115,7 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
              "iterations": a.iterations, "pending_evidence_id": a.pending_evidence_id,
              "disposition_reason": a.disposition_reason, "invalid_streak": a.invalid_streak,
              "deferred_by": a.deferred_by, "deferred_step": a.deferred_step,
-             "last_rejection": json.loads(a.last_rejection_json)
+             "last_rejection": jsonio.loads(a.last_rejection_json)
              if a.last_rejection_json else None}
             for a in accounts
         ],
@@ -138,12 +139,12 @@ def _session_for(s: Session, case: CaseRecord) -> InvestigationSession:
         HypothesisBirth.revision == case.current_revision)).all())
     config = InvestigationConfig()
     if rev.policy_json is not None:  # the frozen policy, once a step ran
-        stored = json.loads(rev.policy_json)
+        stored = jsonio.loads(rev.policy_json)
         config = config.model_copy(update={
             "loop": LoopConfig.model_validate(stored["loop"]),
             "budget": BudgetConfig.model_validate(stored["budget"])})
     return lifecycle.ensure(case, config, hypotheses, str(
-        json.loads(rev.interpretation_json).get("summary", "")))
+        jsonio.loads(rev.interpretation_json).get("summary", "")))
 
 
 def pause(store: Store, case_id: str) -> dict[str, Any]:

@@ -7,7 +7,6 @@ so a re-run stage cannot charge or refund twice, and ``balance_units`` always eq
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from sqlalchemy import bindparam
@@ -15,6 +14,7 @@ from sqlalchemy import insert as sa_insert
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
+from investigation import jsonio
 from investigation.budget import rules
 from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig, canonical_json
 from investigation.errors import InvestigationError
@@ -95,7 +95,7 @@ class BudgetManager:
                 "POLICY_CHANGED",
                 "the frozen policy of this revision no longer matches its stored hash; "
                 "the store was changed outside the engine", stored_sha256=revision.policy_sha256)
-        stored = json.loads(revision.policy_json)
+        stored = jsonio.loads(revision.policy_json)
         if explicit and sha256_hex(canonical_json(wanted)) != revision.policy_sha256:
             raise InvestigationError(
                 "POLICY_CHANGED",

@@ -61,7 +61,6 @@ package the default limits allow.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import threading
@@ -71,6 +70,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from investigation import jsonio
 from investigation.cases.layout import (
     DB_ROOT,
     DB_SUFFIX,
@@ -219,7 +219,7 @@ class PackageSnapshot:
                  text_indexes: TextIndexStore | None = None) -> None:
         self._data = data
         self._meta = validated
-        self._manifest: Mapping[str, Any] = MappingProxyType(json.loads(validated.manifest_json))
+        self._manifest: Mapping[str, Any] = MappingProxyType(jsonio.loads(validated.manifest_json))
         self._source = frozenset(validated.source_paths)
         self._dbs = frozenset(validated.db_names)
         self._logs = frozenset(validated.log_paths)

@@ -12,12 +12,12 @@ records, once per case, the package limits it was first accepted under (the arti
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlmodel import col, select
 
+from investigation import jsonio
 from investigation.cases.registry import case_id_for
 from investigation.config import PackageLimits, canonical_json
 from investigation.store.engine import Store
@@ -64,7 +64,7 @@ def look_up(store: Store, package: bytes, interpretation: dict[str, Any],
             CaseRecord.package_id == package_id, CaseRecord.id != case_id)
             .order_by(col(CaseRecord.created_at))).all()
         art = Store.get_artifact(s, case_id, ARTIFACT_PACKAGE_LIMITS) if existed else None
-    recorded = json.loads(bytes(art.data)) if art is not None else None
+    recorded = jsonio.loads(bytes(art.data)) if art is not None else None
     return Registration(case_id, existed, tuple(others), recorded)
 
 

@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
+from investigation import jsonio
 from investigation.cases.snapshot import Snapshot
 
 try:  # POSIX; elsewhere concurrent builders simply duplicate work
@@ -258,7 +259,7 @@ def _verify(fd: int, snapshot: Snapshot
 def _parse_table(raw: bytes, snapshot: Snapshot, content_bytes: int, content: Buffer
                  ) -> dict[str, dict[str, tuple[int, int]]]:
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = jsonio.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _IndexInvalid("table is not JSON") from exc
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT \

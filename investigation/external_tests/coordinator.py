@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -39,6 +38,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from sqlalchemy import func, update
 from sqlmodel import Session, col, select
 
+from investigation import jsonio
 from investigation.config import canonical_json
 from investigation.constants import (
     ARTIFACT_TEST_REQUEST,
@@ -210,9 +210,9 @@ class AsyncTestCoordinator:
             "step_seq": r.step_seq, "hypothesis_id": r.hypothesis_id, "kind": r.kind,
             "status": r.status, "cost_units": r.cost_units,
             "deadline_at": _aware(r.deadline_at).isoformat(),
-            "request": json.loads(art.data) if art is not None else None,
+            "request": jsonio.loads(art.data) if art is not None else None,
             "request_sha256": r.request_sha256,
-            "feedback": json.loads(r.feedback_json) if r.feedback_json else None,
+            "feedback": jsonio.loads(r.feedback_json) if r.feedback_json else None,
             "feedback_sha256": r.feedback_sha256, "evidence_id": r.evidence_id,
         }
 
@@ -307,7 +307,7 @@ class AsyncTestCoordinator:
                                          "the digest does not match the submitted feedback")
             self._before_deadline(r)
             self._published(case, r)
-            fb = json.loads(r.feedback_json or "{}")
+            fb = jsonio.loads(r.feedback_json or "{}")
             items = [{"key": f"{r.request_id}:outcome", "text": fb["outcome"]},
                      {"key": f"{r.request_id}:observation", "text": fb["observation"]}]
             evidence_id = self._close(s, case, r, "confirmed", items, [],

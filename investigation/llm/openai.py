@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from investigation import jsonio
 from investigation.config import ProviderConfig, ordered_json
 from investigation.errors import (
     ProviderConfigurationError,
@@ -543,7 +544,7 @@ def parse_chat_completion(raw: bytes, status: int | None, provider: str) -> Prov
         return error
 
     try:
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise malformed(f"body is not JSON ({exc})") from exc
     if not isinstance(doc, dict):
@@ -620,7 +621,7 @@ def _names_structured_output(raw: bytes) -> bool:
 
 def _is_context_length_error(raw: bytes) -> bool:
     try:
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return bool(_CONTEXT_LENGTH_MESSAGE.search(raw[:4096].decode("utf-8", "replace")))
     error = doc.get("error") if isinstance(doc, dict) else None
@@ -642,7 +643,7 @@ def _error_excerpt(raw: bytes) -> str:
     """The server's error message (OpenAI ``{"error": {"message"}}`` or raw text), bounded."""
     text: str
     try:
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         text = raw[: ERROR_EXCERPT_CHARS * 4].decode("utf-8", "replace")
     else:
@@ -680,7 +681,7 @@ def redact_bytes(raw: bytes, secret: str | None) -> bytes:
     # A JSON body may carry the key escaped (\u0073\u006b...): find it in the decoded
     # strings and, if there, store the body re-serialised with the key replaced.
     try:
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return raw
     if secret not in json.dumps(doc, ensure_ascii=False):

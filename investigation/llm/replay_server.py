@@ -32,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from investigation import jsonio
 from investigation.llm.scripted import read_script_lines
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ class ReplayServer:
 
     def _chat(self, body: bytes, finish_reason: str | None) -> tuple[int, dict[str, str], bytes]:
         try:
-            doc = json.loads(body)
+            doc = jsonio.loads(body)
         except (ValueError, UnicodeDecodeError):
             return 400, {}, _error_body("request body is not JSON", "invalid_json")
         if not isinstance(doc, dict) or not isinstance(doc.get("messages"), list):
@@ -318,7 +319,7 @@ class ReplayServer:
     def _tokenize_count(self, body: bytes) -> tuple[int, dict[str, str], bytes]:
         """llama-cpp-python's ``/extras/tokenize/count``: a token per 4 bytes, like usage."""
         try:
-            doc = json.loads(body)
+            doc = jsonio.loads(body)
             text = doc["input"]
         except (ValueError, KeyError, TypeError):
             return 400, {}, _error_body("body needs an 'input' string", "invalid_request")

@@ -25,7 +25,6 @@ usable usage.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from sqlalchemy import bindparam
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, func, select
 
+from investigation import jsonio
 from investigation.config import ProviderConfig
 from investigation.llm.tokens import output_budget
 from investigation.store.models import LLMAttempt, LLMOperation
@@ -165,7 +165,7 @@ def usage_of(raw: bytes | None) -> tuple[int | None, int | None]:
     if not raw or len(raw) > 1 << 20:
         return None, None
     try:
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None, None
     usage = doc.get("usage") if isinstance(doc, dict) else None

@@ -18,7 +18,6 @@ far the context is shrunk when it is built.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Iterable
@@ -27,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from investigation import jsonio
 from investigation.config import DEFAULT_OUTPUT_RESERVE_TOKENS, ProviderConfig
 from investigation.llm.body import BodyTooLarge, BodyUndecodable, read_body
 
@@ -131,7 +131,7 @@ def server_count(config: ProviderConfig, messages: list[dict[str, Any]],
                                  f"{MAX_TOKENIZE_RESPONSE_BYTES} bytes") from exc
             except BodyUndecodable as exc:
                 raise ValueError(f"{path}: {exc}") from exc
-        doc = json.loads(raw)
+        doc = jsonio.loads(raw)
         if not isinstance(doc, dict):
             raise ValueError(f"{path} did not answer a JSON object")
         return doc

@@ -28,7 +28,6 @@ by the next full replay (docs/decisions.md, "Incremental replay").
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +36,7 @@ from sqlalchemy import and_, bindparam, func, insert, literal, text, union_all
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col
 
+from investigation import jsonio
 from investigation.config import canonical_json
 from investigation.constants import ARTIFACT_CONTEXT, ARTIFACT_STATE, POINTER_STATE
 from investigation.errors import InvestigationError, StoreError
@@ -153,9 +153,15 @@ _STATE_SINCE = union_all(
         *_OF_REVISION, col(Evidence.ordinal) > bindparam("last_ordinal")),
     sa_select(*_STATE_EVIDENCE_COLUMNS, col(Evidence.ordinal), literal(0).label("newer"),
               literal(0).label("keys")).where(
-        *_OF_REVISION, text("evidence.assessed"),
+        col(Evidence.case_id) == bindparam("case_id"),
         col(Evidence.evidence_id).in_(bindparam("open_ids", expanding=True)),
-        col(Evidence.ordinal) <= bindparam("last_ordinal"))).order_by(text("ordinal"))
+        # Unary plus: no index on ``revision`` or ``ordinal`` for this branch, so SQLite
+        # (no statistics) looks the ids up in the (case_id, evidence_id) key rather than
+        # scanning every record of the revision or every older ordinal; the rows are put
+        # in order in Python (an ORDER BY on the union made it merge along
+        # ``ix_evidence_ordinal``). 0.7 ms at step 500 against 0.03 at step 5 before.
+        text("+evidence.revision = :revision AND evidence.assessed "
+             "AND +evidence.ordinal <= :last_ordinal")))
 #: Every assessed record of a revision (after a parent state of the first format).
 _STATE_ALL_CLOSED = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, text("evidence.assessed")).order_by(col(Evidence.ordinal))
@@ -319,9 +325,10 @@ def _closed_since(s: Session, rows: dict[str, Any], previous: dict[str, Any],
     open_ids = [str(e.get("evidence_id")) for e in previous.get("open", [])
                 if isinstance(e, dict)]
     last_before = previous.get("last_ordinal")
-    read = core(s).execute(_STATE_SINCE, {
+    read = list(core(s).execute(_STATE_SINCE, {
         **rows, "open_ids": open_ids,
-        "last_ordinal": last_before if isinstance(last_before, int) else 0}).all()
+        "last_ordinal": last_before if isinstance(last_before, int) else 0}).all())
+    read.sort(key=lambda r: int(r.ordinal))
     newer = [r for r in read if r.newer]
     return ([r[:5] for r in read if r.assessed], len(newer),
             max((int(r.ordinal) for r in newer), default=0),
@@ -408,7 +415,7 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
                 "pending_evidence_id": a.pending_evidence_id,
                 "invalid_streak": a.invalid_streak, "no_novelty_streak": a.no_novelty_streak,
                 "deferred_by": a.deferred_by, "deferred_step": a.deferred_step,
-                "last_rejection": json.loads(a.last_rejection_json)
+                "last_rejection": jsonio.loads(a.last_rejection_json)
                 if a.last_rejection_json else None,
             }
             for a in accounts
@@ -583,7 +590,7 @@ class ReplayCache:
 def _json_object(data: str | bytes) -> dict[str, Any]:
     """A stored JSON object; anything else is a tampered record (``{}`` fails every check)."""
     try:
-        value = json.loads(data)
+        value = jsonio.loads(data)
     except (ValueError, UnicodeError):
         return {}
     return value if isinstance(value, dict) else {}

@@ -36,13 +36,13 @@ the same bytes. Its shape (keys in canonical order when serialised):
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any, cast
 
 from sqlalchemy import bindparam, func, union_all
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
+from investigation import jsonio
 from investigation.budget import BudgetManager, novelty_permille
 from investigation.cases.snapshot import Snapshot
 from investigation.config import InvestigationConfig, canonical_json
@@ -101,7 +101,7 @@ _FINDINGS = sa_select(col(Evidence.evidence_id), col(Evidence.findings_json)).wh
 def _parsed(text: str) -> Any:
     """A record's arguments or warnings, parsed once per process (records are write-once;
     the result is shared and never changed)."""
-    return json.loads(text)
+    return jsonio.loads(text)
 
 
 def _evidence_entry(e: Any, findings_json: str | None) -> dict[str, Any]:
@@ -113,7 +113,7 @@ def _evidence_entry(e: Any, findings_json: str | None) -> dict[str, Any]:
         "assessed": e.assessed,
     }
     if findings_json is not None:
-        entry["items"] = json.loads(findings_json)
+        entry["items"] = jsonio.loads(findings_json)
     return entry
 
 
@@ -145,12 +145,12 @@ def _last_rejection(s: Session, key: StepKey, account: BudgetAccount) -> dict[st
     """
     if not account.last_rejection_json:
         return None
-    rejection: dict[str, Any] = json.loads(account.last_rejection_json)
+    rejection: dict[str, Any] = jsonio.loads(account.last_rejection_json)
     row = s.exec(select(StageRun).where(
         StageRun.case_id == key.case_id, StageRun.revision == key.revision,
         StageRun.step_seq == int(rejection.get("step_seq", -1)),
         StageRun.stage == "llm_call")).first()
-    content = json.loads(row.output_json).get("content") if row is not None else None
+    content = jsonio.loads(row.output_json).get("content") if row is not None else None
     if isinstance(content, str):
         if len(content) > MAX_REJECTED_REPLY_CHARS:
             content = content[:MAX_REJECTED_REPLY_CHARS] + " [cut]"
@@ -379,7 +379,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
                          "tables": router.table_names(),
                          "log_files": len(snapshot.log_paths())},
         },
-        "interpretation": default_masker().mask_names(json.loads(rev.interpretation_json))[0],
+        "interpretation": default_masker().mask_names(jsonio.loads(rev.interpretation_json))[0],
         "hypothesis": {
             "id": selected, "statement": statements[selected],
             "confidence": account.confidence, "balance_units": account.balance_units,

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from investigation import jsonio
 from investigation.config import InvestigationConfig
 from investigation.lifecycle import (
     BudgetUsage,
@@ -88,7 +89,7 @@ def load(case: CaseRecord) -> InvestigationSession | None:
     """The case's session, or ``None`` before it was started."""
     if case.session_json is None:
         return None
-    return InvestigationSession.from_dict(json.loads(case.session_json))
+    return InvestigationSession.from_dict(jsonio.loads(case.session_json))
 
 
 def save(case: CaseRecord, session: InvestigationSession) -> None:

@@ -30,7 +30,6 @@ Two depths, so that a step's cost does not grow with the case (issue 13):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -38,6 +37,7 @@ from sqlalchemy import and_, bindparam, case, func, literal, text
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
+from investigation import jsonio
 from investigation.errors import InvestigationError, StoreError
 from investigation.evidence.store import fingerprint, key_sha256
 from investigation.loop.checkpoints import (
@@ -136,7 +136,7 @@ ACCOUNT_FIELDS = ("status", "disposition_reason", "confidence", "credit_units", 
 
 def _json(data: str) -> Any:
     try:
-        return json.loads(data)
+        return jsonio.loads(data)
     except ValueError:
         return None
 

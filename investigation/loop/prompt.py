@@ -27,6 +27,7 @@ import json
 import re
 from typing import Any
 
+from investigation import jsonio
 from investigation.constants import PROMPT_VERSION
 from investigation.loop.reply_schema import affordable_operations, affordable_test_kinds
 
@@ -232,7 +233,7 @@ def build_messages(context_bytes: bytes) -> list[dict[str, Any]]:
         ``[{"role", "content"}, ...]``: system, user, and after a rejection an assistant
         and a user turn.
     """
-    context = json.loads(context_bytes)
+    context = jsonio.loads(context_bytes)
     rejection = context.get("last_rejection")
     rejected_reply = rejection.pop("reply", None) if isinstance(rejection, dict) else None
     shown = json.dumps(shown_context(context), ensure_ascii=False, sort_keys=True,

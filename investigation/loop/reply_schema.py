@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from investigation import jsonio
 from investigation.budget import rules
 from investigation.constants import OPERATIONS
 from investigation.loop.contract import (
@@ -196,7 +197,7 @@ def _operation_schemas(operations: list[dict[str, Any]]) -> str:
 
 
 def _query_variants(context: dict[str, Any], operations: str) -> list[dict[str, Any]]:
-    schemas: dict[str, dict[str, Any]] = json.loads(operations)  # a fresh copy to change
+    schemas: dict[str, dict[str, Any]] = jsonio.loads(operations)  # a fresh copy to change
     # Names db.schema takes (the validator refuses a longer one).
     tables = [t for t in context["case"]["snapshot"].get("tables") or []
               if 0 < len(t) <= MAX_TABLE_NAME_CHARS]
@@ -242,7 +243,7 @@ def argument_schema(schema: dict[str, Any]) -> dict[str, Any]:
         if len(_ARGUMENT_SCHEMAS) >= _ARGUMENT_SCHEMAS_KEPT:
             _ARGUMENT_SCHEMAS.clear()  # a bound, not an LRU: single dict operations only
         _ARGUMENT_SCHEMAS[key] = text
-    result: dict[str, Any] = json.loads(text)
+    result: dict[str, Any] = jsonio.loads(text)
     return result
 
 

@@ -34,7 +34,6 @@ feedback, when it comes, is new information.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from typing import Any
 
 from sqlmodel import col, func, select
 
+from investigation import jsonio
 from investigation.budget import BudgetManager, rules
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import load_snapshot
@@ -454,7 +454,7 @@ def check_script(store: Store, case_id: str, path: Path,
                                                   RevisionRecord.revision == revision)).one()
         policy = "the built-in defaults" if config is None else "the given --config"
         if rev.policy_json is not None:
-            stored = json.loads(rev.policy_json)
+            stored = jsonio.loads(rev.policy_json)
             cfg = cfg.model_copy(update={"loop": LoopConfig.model_validate(stored["loop"]),
                                          "budget": BudgetConfig.model_validate(stored["budget"])})
             policy = "the case's frozen policy"
@@ -486,7 +486,7 @@ def check_script(store: Store, case_id: str, path: Path,
     evidence = [_Evidence(e.evidence_id, e.hypothesis_id, e.cost_units, e.item_count,
                           e.new_item_count, e.duplicate, True,
                           canonical_json({"operation": e.operation,
-                                          "arguments": json.loads(e.arguments_json)}).decode(),
+                                          "arguments": jsonio.loads(e.arguments_json)}).decode(),
                           e.assessed) for e in evidence_rows]
     for t in awaiting:  # feedback not in yet: it becomes the next evidence id
         evidence_count += 1

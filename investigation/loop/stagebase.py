@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col, select
 
+from investigation import jsonio
 from investigation.budget import BudgetManager
 from investigation.config import InvestigationConfig, canonical_json
 from investigation.constants import BLOCKED, CASE_HELD, CASE_INVESTIGATING, STAGES
@@ -95,7 +95,7 @@ RECORDED_OUTPUTS = 8 * 256
 
 
 def _loads(text: str | bytes) -> Any:
-    return json.loads(text)
+    return jsonio.loads(text)
 
 
 class _Recorded(OrderedDict[tuple[StepKey, str], dict[str, Any]]):

@@ -19,7 +19,6 @@ which opens the stage's transaction, fences it and counts its delivery; a body's
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 from typing import Any
@@ -29,6 +28,7 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, col, select
 
+from investigation import jsonio
 from investigation.budget import rules
 from investigation.budget.manager import newest_balance_of
 from investigation.config import canonical_json, ordered_json
@@ -186,7 +186,7 @@ class Stages(StageFramework):
                 known=checked.accounts if checked is not None else None)
             rev = Store.revision_columns(s, key.case_id, key.revision)
             lifecycle.ensure_started(case, cfg, len(births), lambda: str(
-                json.loads(rev.interpretation_json).get("summary", "")))
+                jsonio.loads(rev.interpretation_json).get("summary", "")))
             s.add(case)
             # The newest ledger balances were read with the hypotheses; the whole ledger is
             # read at full depth, and when an account (and its credit) was created since or

@@ -18,6 +18,7 @@ from sqlalchemy import bindparam, func
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
+from investigation import jsonio
 from investigation.constants import ARTIFACT_SUMMARY, POINTER_SUMMARY
 from investigation.llm import spend
 from investigation.store.engine import Store, core, table_of
@@ -122,11 +123,11 @@ def _quote(item: dict[str, Any]) -> str:
 def _rejections(s: Session, case_id: str, revision: int) -> dict[int, list[str]]:
     """Rejection codes of each hypothesis's refused replies, in step order."""
     runs = core(s).execute(_VERDICTS, {"case_id": case_id, "revision": revision}).all()
-    selected = {r.step_seq: json.loads(r.output_json).get("hypothesis_id")
+    selected = {r.step_seq: jsonio.loads(r.output_json).get("hypothesis_id")
                 for r in runs if r.stage == "build_context"}
     found: dict[int, list[str]] = {}
     for r in runs:
-        verdict = json.loads(r.output_json)
+        verdict = jsonio.loads(r.output_json)
         if r.stage == "validate" and verdict.get("accepted") is False:
             found.setdefault(int(selected[r.step_seq]), []).append(str(verdict["code"]))
     return found
@@ -137,7 +138,7 @@ def _reviews(s: Session, case_id: str, revision: int) -> list[str]:
     plans = core(s).execute(_PLANS, {"case_id": case_id, "revision": revision}).all()
     lines: list[str] = []
     for p in plans:
-        review = json.loads(p.decision_json).get("early_diagnosis")
+        review = jsonio.loads(p.decision_json).get("early_diagnosis")
         if not review:
             continue
         asked = ", ".join(f"H{h}" for h in review["requested"])
@@ -192,7 +193,7 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
     notes_of: dict[int, list[dict[str, Any]]] = {}
     for hid, step, note in conn.execute(_NOTES, of):
         notes_of.setdefault(int(hid), []).append({"step_seq": step, "note": note})
-    interpretation = json.loads(interpretation_json)
+    interpretation = jsonio.loads(interpretation_json)
     actions = {a.hypothesis_id: a.iterations for a in accounts}
     rejections = _rejections(s, case_id, revision)
 
@@ -258,17 +259,17 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
         if not own:
             out.append("- none")
         for e in own:
-            args = json.dumps(json.loads(e.arguments_json), sort_keys=True, ensure_ascii=False)
+            args = json.dumps(jsonio.loads(e.arguments_json), sort_keys=True, ensure_ascii=False)
             assessed = (f"assessed {e.assessment_score}/100, refund {e.refund_units}"
                         if e.assessed else "not assessed")
-            warn = json.loads(e.warnings_json)
+            warn = jsonio.loads(e.warnings_json)
             out.append(f"- **{e.evidence_id}** (step {e.step_seq}) `{e.operation}` "
                        f"{code_span(args)}: "
                        f"{e.item_count} item(s), {e.new_item_count} new"
                        + (", duplicate" if e.duplicate else "")
                        + f"; cost {e.cost_units}; {assessed}"
                        + (f"; warnings: {', '.join(warn)}" if warn else ""))
-            items = json.loads(e.findings_json)
+            items = jsonio.loads(e.findings_json)
             out += [_quote(i) for i in items[:MAX_QUOTED_ITEMS]]
             if len(items) > MAX_QUOTED_ITEMS:
                 out.append(f"    - ... {len(items) - MAX_QUOTED_ITEMS} more item(s)")
@@ -277,7 +278,7 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
             out += ["", "#### Questions", ""]
             for q in qs:
                 if q.status == "resolved":
-                    ev = ", ".join(json.loads(q.resolution_evidence_json or "[]"))
+                    ev = ", ".join(jsonio.loads(q.resolution_evidence_json or "[]"))
                     out.append(f"- {q.question_id} (resolved at step {q.resolved_step} "
                                f"with {ev}): {plain(q.text)}")
                 else:

@@ -23,6 +23,7 @@ from typing import Any
 
 from sqlmodel import col, select
 
+from investigation import jsonio
 from investigation.constants import ARTIFACT_RAW_RESULT
 from investigation.external_tests.coordinator import FEEDBACK_OPERATION
 from investigation.guidance import Guidance, for_case
@@ -115,7 +116,7 @@ def _ms(start: datetime | None, end: datetime | None) -> int | None:
 def _items(findings_json: str) -> list[dict[str, str]]:
     """Each finding as ``{"key", "quote"}``: the snapshot's exact text (or the row as JSON)."""
     out = []
-    for item in json.loads(findings_json):
+    for item in jsonio.loads(findings_json):
         if "text" in item:
             quote = str(item["text"])
         elif "row" in item:
@@ -171,7 +172,7 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
     built: dict[int, dict[str, Any]] = {}
     verdicts: dict[int, dict[str, Any]] = {}
     for r in runs:
-        (built if r.stage == "build_context" else verdicts)[r.step_seq] = json.loads(
+        (built if r.stage == "build_context" else verdicts)[r.step_seq] = jsonio.loads(
             r.output_json)
     published = {c.seq: c for c in checkpoints}
     seqs = sorted(set(published) | set(built))
@@ -212,7 +213,7 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
                                                     for b in births}
     reviews = []
     for p in plans:
-        decision = json.loads(p.decision_json)
+        decision = jsonio.loads(p.decision_json)
         reply = decision["reply"]
         upd, nxt = reply["update"], reply["next"]
         confidence.setdefault(p.hypothesis_id, [(0, "unassessed")]).append(
@@ -253,11 +254,11 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
         evidence.append({
             "evidence_id": e.evidence_id, "step_seq": e.step_seq,
             "hypothesis_id": e.hypothesis_id, "operation": e.operation,
-            "arguments": json.loads(e.arguments_json), "item_count": e.item_count,
+            "arguments": jsonio.loads(e.arguments_json), "item_count": e.item_count,
             "new_item_count": e.new_item_count, "duplicate": e.duplicate,
             "cost_units": e.cost_units, "assessed": e.assessed,
             "assessment_score": e.assessment_score, "refund_units": e.refund_units,
-            "warnings": json.loads(e.warnings_json), "artifact_path": e.artifact_path,
+            "warnings": jsonio.loads(e.warnings_json), "artifact_path": e.artifact_path,
             "artifact_sha256": e.artifact_sha256,
             "result_path": ARTIFACT_RAW_RESULT.format(seq=e.step_seq)
             if e.operation != FEEDBACK_OPERATION else None,
@@ -273,12 +274,12 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
     questions = [{"question_id": q.question_id, "hypothesis_id": q.hypothesis_id,
                   "text": q.text, "status": q.status, "created_step": q.created_step,
                   "resolved_step": q.resolved_step,
-                  "resolution_evidence": json.loads(q.resolution_evidence_json or "[]")}
+                  "resolution_evidence": jsonio.loads(q.resolution_evidence_json or "[]")}
                  for q in question_rows]
     return CaseHistory(
         # Upstream text is shown as the model saw it: secrets masked (loop.context).
         status=info,
-        interpretation=default_masker().mask_names(json.loads(rev.interpretation_json))[0],
+        interpretation=default_masker().mask_names(jsonio.loads(rev.interpretation_json))[0],
         statements={b.hypothesis_id: default_masker().mask_prefix(b.statement)[0]
                     for b in births},
         steps=[steps[k] for k in seqs], confidence=confidence, ledger=dict(ledger),

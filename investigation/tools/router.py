@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from investigation import jsonio
 from investigation.cases.snapshot import Snapshot
 from investigation.cases.textindex import IndexedSnapshot, LiveTextIndex, TextIndex
 from investigation.config import ToolLimits, canonical_json
@@ -82,7 +83,7 @@ def _schema_json(operation: str) -> str:
 
 def _argument_schema(operation: str) -> dict[str, Any]:
     """The JSON Schema of an operation's argument model (a fresh copy each call)."""
-    return dict(json.loads(_schema_json(operation)))
+    return dict(jsonio.loads(_schema_json(operation)))
 
 
 class ToolRouter:
@@ -129,7 +130,7 @@ class ToolRouter:
         """
         if self._described is None:
             self._described = json.dumps(self._describe())
-        described: list[dict[str, Any]] = json.loads(self._described)
+        described: list[dict[str, Any]] = jsonio.loads(self._described)
         return described
 
     def _describe(self) -> list[dict[str, Any]]:
