@@ -9,7 +9,6 @@ investigation budget units).
 from __future__ import annotations
 
 import hashlib
-import json
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -17,6 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from investigation import jsonio
 from investigation.constants import OPERATIONS
 from investigation.errors import ConfigError
 
@@ -374,9 +374,7 @@ class InvestigationConfig(_Strict):
 
 def canonical_json(value: Any) -> bytes:
     """Canonical JSON bytes: sorted keys, no spaces, UTF-8, no NaN."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return jsonio.dumps(value, sort_keys=True)
 
 
 def ordered_json(value: Any) -> bytes:
@@ -386,9 +384,7 @@ def ordered_json(value: Any) -> bytes:
     Schema's ``properties`` order is the order a grammar-constrained decoder writes the
     keys in (reply schemas, provider request bodies).
     """
-    return json.dumps(
-        value, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return jsonio.dumps(value, sort_keys=False)
 
 
 def _read_toml(path: str | Path) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""Parsing JSON text fast, with exactly the standard library's results.
+"""Parsing and writing JSON fast, with exactly the standard library's results.
 
-A step parses its context, reply schema, stage outputs and records several times
-(issue 13: what a long case's full context windows cost is mostly this). :func:`loads`
-parses with orjson (a C parser, several times faster than :mod:`json`) and falls back to
-:func:`json.loads` wherever the two could differ, so every caller sees the value, and
-every error, the standard library gives:
+A step parses and writes its context, reply schema, request, stage outputs and records
+several times (issue 13: what a long case's full context windows cost is mostly this).
+This module does both with orjson (C, ten to twenty times faster than :mod:`json`) and
+falls back to :mod:`json` wherever the two could differ, so every caller sees the value,
+the bytes and every error the standard library gives.
+
+Parsing (:func:`loads`):
 
 * text orjson refuses (invalid JSON, ``NaN``/``Infinity``, a lone surrogate escape, a
   number out of a double's range, invalid UTF-8, a UTF-16 or BOM-prefixed encoding the
@@ -12,24 +14,65 @@ every error, the standard library gives:
   value or raises its own ``JSONDecodeError`` with its own message;
 * an integer out of 64 bits, which orjson would turn into a float, is ruled out before
   orjson runs: text with a run of 19 or more digits (inside a string or not) goes to
-  :func:`json.loads` directly.
+  :func:`json.loads` directly. The run is found by mapping every digit to ``0`` and every
+  other byte to ``x`` (``bytes.translate``) and searching for nineteen ``0``: two passes
+  at memory speed, where a regular expression tried each position (it cost more than
+  the parse itself).
 
-Serialising stays with :func:`investigation.config.canonical_json` (the standard
-library): stored bytes and their hashes must not depend on another encoder's number
-formatting.
+Writing (:func:`dumps`, :func:`dumps_text`) gives the bytes of ``json.dumps(value,
+sort_keys=..., separators=(",", ":"), ensure_ascii=False, allow_nan=...)``: stored
+artifacts and their hashes do not depend on which encoder ran (the demo's summary and
+every checkpoint hash are unchanged). orjson's output is taken only where it is the
+standard library's; otherwise :func:`json.dumps` runs (and raises what it raises):
+
+* values orjson will not write (integers out of 64 bits, non-string keys, nesting over
+  254 levels, lone surrogates) and values of types it would write in its own way
+  (subclasses of ``str``/``int``/``dict``/``list``, dataclasses, dates: passed through
+  to a ``default`` that refuses them);
+* floats whose decimal exponent is -5 to -9: orjson writes ``1e-7`` and ``0.00001``
+  where Python's ``repr`` writes ``1e-07`` and ``1e-05``. Its output is searched for
+  ``0.0000`` and for ``e-`` followed by a single digit; any hit (in a number or inside a
+  string) falls back. Every other finite float has the same shortest form in both
+  (``tests/unit/test_jsonio.py`` samples all exponents);
+* ``NaN`` and the infinities, which orjson writes as ``null``: when the output holds
+  ``null``, the value is pickled (C, about twice as fast as parsing the output back) and
+  the pickle searched for a float whose exponent bits are all ones (pickle writes every
+  float as the opcode ``G`` and its eight big-endian bytes; a hit inside a string only
+  costs the fallback).
+
+One difference is kept: orjson writes :class:`enum.Enum` and :class:`uuid.UUID` values
+(as their value and their string) where :func:`json.dumps` raises ``TypeError``. No
+document the engine stores holds either.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from typing import Any
 
 import orjson
 
+#: Every digit to ``0``, every other byte to ``x``: a run of 19 digits becomes 19 ``0``.
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= i <= 0x39 else 0x78 for i in range(256))
 #: 19 digits: the shortest run that can spell an integer outside int64/uint64.
-_LONG_DIGITS_BYTES = re.compile(rb"[0-9]{19}")
-_LONG_DIGITS_TEXT = re.compile(r"[0-9]{19}")
+_LONG_DIGITS = b"0" * 19
+
+#: orjson options: sorted or built key order; subclasses, dataclasses and dates go to
+#: ``default`` (:func:`_refuse`), so the standard library writes or refuses them.
+_PASSTHROUGH = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS
+                | orjson.OPT_PASSTHROUGH_DATETIME)
+_SORTED = _PASSTHROUGH | orjson.OPT_SORT_KEYS
+#: A float orjson writes with a one-digit negative exponent (``1e-7``; Python: ``1e-07``).
+_SHORT_NEGATIVE_EXPONENT = re.compile(rb"e-[0-9](?![0-9])")
+#: A pickled float (``BINFLOAT``: ``G`` and 8 big-endian bytes) that is NaN or infinite:
+#: sign and exponent bits ``x111 1111 1111``.
+_NON_FINITE_PICKLED = re.compile(rb"G[\x7f\xff][\xf0-\xff]")
+
+
+def _has_long_digit_run(data: bytes) -> bool:
+    return _LONG_DIGITS in data.translate(_DIGITS_AS_ZERO)
 
 
 def loads(data: str | bytes | bytearray | memoryview) -> Any:
@@ -41,11 +84,15 @@ def loads(data: str | bytes | bytearray | memoryview) -> Any:
         TypeError: ``data`` is not text or bytes (as :func:`json.loads`).
     """
     if isinstance(data, str):
-        if _LONG_DIGITS_TEXT.search(data) is not None:
+        try:
+            raw = data.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: the standard library's answer
+            return json.loads(data)
+        if _has_long_digit_run(raw):
             return json.loads(data)
     elif isinstance(data, (bytes, bytearray, memoryview)):
         data = bytes(data) if isinstance(data, memoryview) else data
-        if _LONG_DIGITS_BYTES.search(data) is not None:
+        if _has_long_digit_run(bytes(data)):
             return json.loads(data)
     else:
         return json.loads(data)
@@ -53,3 +100,51 @@ def loads(data: str | bytes | bytearray | memoryview) -> Any:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
         return json.loads(data)
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"{type(value).__name__} is left to the standard library")
+
+
+def _fast(value: Any, option: int) -> bytes | None:
+    """orjson's bytes for ``value`` when they are the standard library's, else ``None``."""
+    try:
+        out = orjson.dumps(value, default=_refuse, option=option)
+    except (orjson.JSONEncodeError, TypeError):
+        return None
+    if b"0.0000" in out or (b"e-" in out and _SHORT_NEGATIVE_EXPONENT.search(out)):
+        return None
+    if b"null" in out and _NON_FINITE_PICKLED.search(pickle.dumps(value, protocol=5)):
+        return None  # maybe a NaN or an infinity written as null
+    return out
+
+
+def dumps(value: Any, *, sort_keys: bool = True, allow_nan: bool = False) -> bytes:
+    """Compact UTF-8 JSON of ``value``: exactly ``json.dumps(value, sort_keys=sort_keys,
+    separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan).encode("utf-8")``.
+
+    Raises:
+        TypeError: a value JSON cannot carry (from :func:`json.dumps`).
+        ValueError: ``NaN`` or an infinity with ``allow_nan=False``, a circular reference
+            (from :func:`json.dumps`).
+        UnicodeEncodeError: a string with a lone surrogate.
+    """
+    out = _fast(value, _SORTED if sort_keys else _PASSTHROUGH)
+    if out is not None:
+        return out
+    return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=allow_nan).encode("utf-8")
+
+
+def dumps_text(value: Any, *, sort_keys: bool = True, allow_nan: bool = True) -> str:
+    """Exactly ``json.dumps(value, sort_keys=sort_keys, separators=(",", ":"),
+    ensure_ascii=False, allow_nan=allow_nan)`` (text; a lone surrogate stays in it).
+
+    Raises:
+        TypeError, ValueError: as :func:`json.dumps`.
+    """
+    out = _fast(value, _SORTED if sort_keys else _PASSTHROUGH)
+    if out is not None:
+        return out.decode("utf-8")
+    return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=allow_nan)

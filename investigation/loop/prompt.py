@@ -74,8 +74,16 @@ CONTROL_TOKENS = re.compile(
     r"<\||\[/?INST\]|<</?SYS>>|</?s>|<(?:start|end)_of_turn>")
 
 
+def _may_hold_control_token(text: str) -> bool:
+    """Whether :data:`CONTROL_TOKENS` can match: each spelling holds ``<`` or ``INST]``
+    (two substring searches at memory speed, where the pattern tries every position)."""
+    return "<" in text or "INST]" in text
+
+
 def neutralize(text: str) -> str:
     """``text`` with a space after the first character of every control-token spelling."""
+    if not _may_hold_control_token(text):
+        return text
     return CONTROL_TOKENS.sub(lambda m: m.group(0)[0] + " " + m.group(0)[1:], text)
 
 
@@ -83,6 +91,8 @@ def neutralize_json(data: str) -> str:
     """JSON text with the first character of every control-token spelling in its strings
     written as a ``\\uXXXX`` escape: the same JSON value, no control token. (The
     spellings cannot occur in JSON's own punctuation, only inside strings.)"""
+    if not _may_hold_control_token(data):
+        return data
     return CONTROL_TOKENS.sub(
         lambda m: f"\\u{ord(m.group(0)[0]):04x}" + m.group(0)[1:], data)
 
@@ -236,8 +246,7 @@ def build_messages(context_bytes: bytes) -> list[dict[str, Any]]:
     context = jsonio.loads(context_bytes)
     rejection = context.get("last_rejection")
     rejected_reply = rejection.pop("reply", None) if isinstance(rejection, dict) else None
-    shown = json.dumps(shown_context(context), ensure_ascii=False, sort_keys=True,
-                       separators=(",", ":"))
+    shown = jsonio.dumps_text(shown_context(context), sort_keys=True)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": neutralize(turn_header(context)) + "\n\nContext ("

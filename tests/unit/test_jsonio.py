@@ -76,3 +76,95 @@ def test_where_orjson_and_the_standard_library_differ_the_standard_library_wins(
         assert _same(got[1], want[1])
     else:
         assert got[1] == want[1]
+
+
+# -- writing: jsonio.dumps gives json.dumps's bytes, or its error -----------------------------
+
+FLOATS_ANY_EXPONENT = st.builds(
+    lambda mantissa, exponent, sign: sign * mantissa * 10.0 ** exponent,
+    st.floats(min_value=1.0, max_value=10.0, exclude_max=True),
+    st.integers(min_value=-320, max_value=300), st.sampled_from([1.0, -1.0]))
+WRITABLE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | FLOATS_ANY_EXPONENT
+    | st.text(),
+    lambda children: st.lists(children, max_size=5)
+    | st.lists(children, max_size=3).map(tuple)
+    | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    max_leaves=30)
+
+
+def _written(value: Any, sort_keys: bool, allow_nan: bool) -> tuple[str, Any]:
+    try:
+        return "bytes", json.dumps(value, sort_keys=sort_keys, separators=(",", ":"),
+                                   ensure_ascii=False, allow_nan=allow_nan).encode("utf-8")
+    except (ValueError, TypeError) as exc:  # UnicodeEncodeError is a ValueError
+        return type(exc).__name__, str(exc)
+
+
+def _jsonio_written(value: Any, sort_keys: bool, allow_nan: bool) -> tuple[str, Any]:
+    try:
+        return "bytes", jsonio.dumps(value, sort_keys=sort_keys, allow_nan=allow_nan)
+    except (ValueError, TypeError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+@settings(max_examples=500, deadline=None)
+@given(WRITABLE, st.booleans(), st.booleans())
+def test_any_value_is_written_as_the_standard_library_writes_it(
+        value: Any, sort_keys: bool, allow_nan: bool) -> None:
+    assert _jsonio_written(value, sort_keys, allow_nan) == _written(value, sort_keys, allow_nan)
+    if allow_nan:
+        try:
+            want = json.dumps(value, sort_keys=sort_keys, separators=(",", ":"),
+                              ensure_ascii=False)
+        except (ValueError, TypeError):
+            return
+        assert jsonio.dumps_text(value, sort_keys=sort_keys) == want
+
+
+def test_every_float_exponent_is_written_as_pythons_repr() -> None:
+    """orjson's shortest form differs from ``repr`` for exponents -5 to -9: each is caught."""
+    for exponent in range(-325, 310):
+        for mantissa in ("1", "2.5", "9.999999999999998", "123456789", "7.0000001"):
+            value = float(f"{mantissa}e{exponent}")
+            if math.isinf(value):
+                continue
+            for v in (value, -value, [value, "0.0000"], {"x": value, "e-5": 1}):
+                assert jsonio.dumps(v) == _written(v, True, False)[1]
+
+
+class _Text(str):
+    pass
+
+
+class _Number(int):
+    def __repr__(self) -> str:
+        return "7"
+
+
+@pytest.mark.parametrize("value", [
+    float("nan"), [float("inf")], {"a": -float("inf"), "b": None}, 2 ** 64, -2 ** 63 - 1,
+    {1: "a"}, {"a": 1, 2: "b"}, "\ud800", ["x", "\udfff"], (1, 2), {"k": (None, 1e-7)},
+    _Text("sub"), {_Text("k"): 1}, _Number(3), {"n": _Number(5)}, 1e-5, 0.00001234,
+    {"a": "0.0000 and e-5 in a string"}, {"a": [[[[1.5e-300]]]], "b": 12.5},
+    object(), {"a": {1, 2}}, b"bytes",
+])
+@pytest.mark.parametrize("sort_keys", [True, False])
+@pytest.mark.parametrize("allow_nan", [True, False])
+def test_where_orjson_and_the_standard_library_would_differ_the_standard_library_writes(
+        value: Any, sort_keys: bool, allow_nan: bool) -> None:
+    assert _jsonio_written(value, sort_keys, allow_nan) == _written(value, sort_keys, allow_nan)
+
+
+def test_deep_nesting_beyond_orjsons_limit_is_written_by_the_standard_library() -> None:
+    value: Any = 1
+    for _ in range(300):
+        value = [value]
+    assert jsonio.dumps(value) == _written(value, True, False)[1]
+
+
+def test_a_long_digit_run_anywhere_sends_the_text_to_the_standard_library() -> None:
+    for text in ('{"a": "x1234567890123456789y", "b": 18446744073709551616}',
+                 '[18446744073709551616]', '["1234567890123456789"]'):
+        assert _same(jsonio.loads(text), json.loads(text))
+        assert _same(jsonio.loads(text.encode()), json.loads(text))
