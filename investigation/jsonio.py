@@ -50,6 +50,8 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import orjson
@@ -148,3 +150,48 @@ def dumps_text(value: Any, *, sort_keys: bool = True, allow_nan: bool = True) ->
         return out.decode("utf-8")
     return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=allow_nan)
+
+
+class _Shared:
+    """Parsed documents by the sha256 of their bytes, the most recent :attr:`KEPT`."""
+
+    KEPT = 64
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, sha256: str) -> Any:
+        with self._lock:
+            value = self._items.get(sha256, _MISSING)
+            if value is not _MISSING:
+                self._items.move_to_end(sha256)
+            return value
+
+    def put(self, sha256: str, value: Any) -> None:
+        with self._lock:
+            self._items[sha256] = value
+            self._items.move_to_end(sha256)
+            while len(self._items) > self.KEPT:
+                self._items.popitem(last=False)
+
+
+_MISSING = object()
+_SHARED = _Shared()
+
+
+def loads_shared(data: bytes, sha256: str) -> Any:
+    """:func:`loads` of stored bytes whose sha256 the caller has checked, parsed once per
+    process: a step's context and reply schema are read by three stages, which in one
+    process (the embedded runtime, a worker child that runs several stages of a step)
+    parse them once. The value is **shared**: callers read it and never change it (copy
+    what they change).
+
+    Raises:
+        json.JSONDecodeError: as :func:`loads`.
+    """
+    value = _SHARED.get(sha256)
+    if value is _MISSING:
+        value = loads(data)
+        _SHARED.put(sha256, value)
+    return value

@@ -233,19 +233,27 @@ def shown_context(context: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
-def build_messages(context_bytes: bytes) -> list[dict[str, Any]]:
+def build_messages(context_bytes: bytes,
+                   context: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Chat messages for one decision (see the module docstring).
 
     Args:
         context_bytes: the stored context document (canonical JSON, UTF-8).
+        context: those bytes parsed, when the caller has them (read, never changed).
 
     Returns:
         ``[{"role", "content"}, ...]``: system, user, and after a rejection an assistant
         and a user turn.
     """
-    context = jsonio.loads(context_bytes)
+    if context is None:
+        context = jsonio.loads(context_bytes)
     rejection = context.get("last_rejection")
-    rejected_reply = rejection.pop("reply", None) if isinstance(rejection, dict) else None
+    rejected_reply = None
+    if isinstance(rejection, dict) and "reply" in rejection:
+        # The rejected reply travels as its own turn, not inside the context shown.
+        rejected_reply = rejection["reply"]
+        rejection = {k: v for k, v in rejection.items() if k != "reply"}
+        context = {**context, "last_rejection": rejection}
     shown = jsonio.dumps_text(shown_context(context), sort_keys=True)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM_PROMPT},

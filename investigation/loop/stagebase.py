@@ -557,4 +557,4 @@ class StageFramework:
 
     def _context_doc(self, s: Session, key: StepKey) -> tuple[dict[str, Any], dict[str, Any]]:
         built, data = self._context_bytes(s, key)
-        return built, dict(_loads(data))
+        return built, dict(jsonio.loads_shared(data, built["context_sha256"]))

@@ -161,7 +161,7 @@ class Stages(StageFramework):
             raise InvestigationError(
                 "CONTEXT_IDENTITY", f"the stored reply schema of step {key.step_seq} was "
                 "changed")
-        return dict(_loads(art.data))
+        return dict(jsonio.loads_shared(art.data, art.sha256))
 
     # -- 1. build_context ----------------------------------------------------------------
 
@@ -216,7 +216,9 @@ class Stages(StageFramework):
                 doc, cfg.limits.max_context_bytes, self.env.gateway.prompt_budget())
             path = ARTIFACT_CONTEXT.format(seq=key.step_seq)
             digest = Store.put_artifact(s, key.case_id, path, data)
-            schema = turn_schema(_loads(data), cfg.loop.max_questions_per_hypothesis)
+            # Parsed once per process for the stages that read it (llm_call, validate).
+            schema = turn_schema(jsonio.loads_shared(data, digest),
+                                 cfg.loop.max_questions_per_hypothesis)
             schema_path = ARTIFACT_REPLY_SCHEMA.format(seq=key.step_seq)
             # Key order kept: it is the order a grammar-constrained decoder writes keys in.
             schema_digest = Store.put_artifact(s, key.case_id, schema_path,
@@ -239,12 +241,13 @@ class Stages(StageFramework):
             Store.prefetch_artifacts(s, key.case_id, [built["context_path"], *(
                 [built["reply_schema_path"]] if built.get("reply_schema_path") else [])])
             _, context_bytes = self._context_bytes(s, key)
+            context = jsonio.loads_shared(context_bytes, built["context_sha256"])
             schema = self._reply_schema(s, key, built)
             retry_id = self._fenced(s, key, "llm_call").llm_retry_id
             limits = self.env.config.limits  # operational bounds: not frozen
             cap = None if limits.max_model_cost is None else to_micros(limits.max_model_cost)
             request = ChatRequest(
-                messages=build_messages(context_bytes), response_schema=schema,
+                messages=build_messages(context_bytes, context), response_schema=schema,
                 schema_name="investigation_reply", call_index=int(built["call_index"]),
                 case_id=key.case_id,
                 metadata={"case_id": key.case_id, "step_seq": str(key.step_seq),
