@@ -12,7 +12,8 @@ Flower and the worker log show the tasks through ``argsrepr``/``kwargsrepr``
 (``case=C rev=R step=N stage=S`` and the token's first 8 characters). A payload that
 still carries ``token`` (enqueued by an older version) is accepted.
 
-A stage task renews the case lock, runs ``Stages.run`` (idempotent and fenced in SQL)
+A stage task renews the case lock (``CaseLock.renew``: no Redis round trip when this
+process renewed the same lease less than a quarter of its TTL ago), runs ``Stages.run`` (idempotent and fenced in SQL)
 and, when the step ends early (``RETRY_PENDING``, ``BLOCKED``), sets ``halt`` so the
 remaining stages pass the payload through. ``advance`` decides what follows:
 the next step (lock kept), a yield (lock released, the case re-enqueued behind
@@ -190,7 +191,7 @@ def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
     """Run the stage; returns the payload and the metrics' result label."""
     rt = runtime.current()
     case_id = payload["case_id"]
-    if not rt.lock.hold(case_id, token):
+    if not rt.lock.renew(case_id, token):
         log.warning("case %s: lock %s lost before %s of step %s; stopping this chain",
                     case_id, logs.short_token(token), stage, payload["step_seq"])
         return _halt(payload, "LOCK_LOST", "LOCK_LOST"), "halt"

@@ -26,6 +26,7 @@ from investigation.loop.stages import Stages
 from investigation.store.models import Artifact, Checkpoint, Evidence, LedgerEntry, LLMAttempt
 from investigation.tools import ToolRouter
 from tests.casekit import Case, make_case
+import workers.locks
 from workers import runtime, tasks
 from workers.locks import RedisCaseLock
 from workers.runtime import Runtime
@@ -47,14 +48,31 @@ def setup(tmp_path: Path, redis_url: str,
     runtime.configure(Runtime("distributed", Settings(), case.env(), lock))
     enqueued: list[Any] = []
     monkeypatch.setattr(tasks.dispatch, "apply_async", lambda *a, **k: enqueued.append(a))
+    monkeypatch.setattr(CLOCK, "ahead", 0.0)
+    monkeypatch.setattr(workers.locks, "time", CLOCK)
     yield case, lock
     runtime.configure(None)
     client.delete(key)
     client.close()
 
 
+class _Clock:
+    """``time`` for ``workers.locks``: ``monotonic()`` runs ``ahead`` seconds ahead."""
+
+    ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+CLOCK = _Clock()
+
+
 def expire(lock: RedisCaseLock, case_id: str) -> None:
-    """The lease runs out (1 ms TTL), as for a holder stalled past it."""
+    """The lease runs out (1 ms TTL), as for a holder stalled past it: this process's
+    clock moves on by the TTL, so its next stage renews in Redis (``RedisCaseLock.renew``
+    skips a lease it renewed moments ago)."""
+    CLOCK.ahead += lock.ttl_ms / 1000 + 1
     key = REDIS_LOCK_KEY.format(case_id=case_id)
     assert lock.client.pexpire(key, 1)
     deadline = time.monotonic() + 5

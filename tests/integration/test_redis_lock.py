@@ -197,6 +197,96 @@ def test_hold_after_release_retakes_only_a_free_lock(backend: Backend) -> None:
     assert lock.holder(case_id) == other
 
 
+# -- renew: hold, unless this process renewed the same lease recently ---------------------
+
+
+class _Clock:
+    """``time`` for ``workers.locks``: ``monotonic()`` runs ``ahead`` seconds ahead."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    import workers.locks
+
+    fake = _Clock()
+    monkeypatch.setattr(workers.locks, "time", fake)
+    return fake
+
+
+class _CountingScript:
+    """Counts the renewal script's calls (each one a Redis round trip)."""
+
+    def __init__(self, script: Callable[..., object]) -> None:
+        self.script, self.calls = script, 0
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        self.calls += 1
+        return self.script(*args, **kwargs)
+
+
+def _counted(lock: RedisCaseLock) -> _CountingScript:
+    counting = _CountingScript(lock._renew)
+    lock._renew = counting  # type: ignore[assignment]
+    return counting
+
+
+def test_renew_skips_redis_within_a_quarter_of_the_ttl_after_this_process_renewed(
+        backend: Backend, clock: _Clock) -> None:
+    lock, case_id = backend.lock(), backend.case_id()
+    token = lock.acquire(case_id)
+    calls = _counted(lock)
+    assert lock.renew(case_id, token) is True and calls.calls == 1  # never renewed here
+    for _ in range(5):
+        assert lock.renew(case_id, token) is True
+    assert calls.calls == 1  # the lease has at least three quarters of its TTL left
+    clock.ahead = TTL_S * RedisCaseLock.RENEW_AFTER_SHARE - 0.5
+    assert lock.renew(case_id, token) is True and calls.calls == 1
+    clock.ahead = TTL_S * RedisCaseLock.RENEW_AFTER_SHARE + 0.01
+    lock.client.pexpire(key(case_id), 2000)
+    assert lock.renew(case_id, token) is True and calls.calls == 2  # due: renewed in Redis
+    assert lock.client.pttl(key(case_id)) > 2000
+
+
+def test_a_holder_stalled_past_its_ttl_renews_and_finds_the_lock_taken(
+        backend: Backend, clock: _Clock) -> None:
+    old, new = backend.lock(), backend.lock()
+    case_id = backend.case_id()
+    stale = old.acquire(case_id)
+    assert old.renew(case_id, stale) is True
+    expire_now(old.client, case_id)
+    clock.ahead = TTL_S + 1.0  # the holder slept past its lease
+    fresh = new.acquire(case_id)
+    assert old.renew(case_id, stale) is False
+    assert new.holder(case_id) == fresh
+    assert old.renew(case_id, stale) is False  # a refusal is not remembered as a renewal
+
+
+def test_renew_after_release_goes_to_redis(backend: Backend, clock: _Clock) -> None:
+    lock, case_id = backend.lock(), backend.case_id()
+    token = lock.acquire(case_id)
+    assert lock.renew(case_id, token) is True
+    assert lock.release(case_id, token) is True
+    other = backend.lock().acquire(case_id)
+    assert lock.renew(case_id, token) is False  # released here: checked in Redis
+    assert lock.holder(case_id) == other
+
+
+def test_renewals_are_per_lease_and_per_process(backend: Backend, clock: _Clock) -> None:
+    first, second = backend.lock(), backend.lock()
+    case_id = backend.case_id()
+    token = first.acquire(case_id)
+    assert first.renew(case_id, token) is True
+    calls = _counted(second)  # another process (its own lock object) renews in Redis
+    assert second.renew(case_id, token) is True and calls.calls == 1
+    assert second.renew(case_id, "another-token") is False and calls.calls == 2
+
+
 # -- contention ----------------------------------------------------------------------------
 
 
