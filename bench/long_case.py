@@ -24,6 +24,11 @@ Prints, with the target beside each figure:
   LangGraph's SqliteSaver leaves after 500 eight-node steps, measured in issue 13);
 * SQL statements and sessions per step, the stored bytes by kind, and the load average.
 
+Each case reads its own lines (an offset by the new case's number in the stub's choice of
+module and line): new cases of the same package would otherwise ask byte-identical
+queries at the same steps and share their stored results through content addressing, a
+saving no real short case has.
+
 Asserts nothing. Usage (repository root)::
 
     .venv/bin/python bench/long_case.py [--steps 500] [--database-url URL] [--profile-at N]
@@ -220,10 +225,15 @@ class StubModel:
         elif turn % 15 == 7 and own_open and cited:
             resolve = own_open[:1]
         level = LEVELS[min(len(LEVELS) - 1, (turn - 1) // TURNS_PER_LEVEL)]
-        module = (call * 7 + hyp["id"]) % MODULES
+        # Each case reads its own lines: new cases of the same package would otherwise ask
+        # byte-identical queries at the same steps, and their results, evidence and plans
+        # would be stored once for all of them (content addressing), which no real short
+        # case enjoys. The offset is 0 for the long case (``young_case`` names a number).
+        offset = int(ctx["interpretation"].get("young", -1)) + 1
+        module = (call * 7 + hyp["id"] + offset * 3) % MODULES
         kind = call % 10
         if kind < 7:
-            start = (call * 13) % (LINES_PER_MODULE - 20) + 1
+            start = (call * 13 + offset * 5) % (LINES_PER_MODULE - 20) + 1
             nxt = {"action": "query", "operation": "source.read",
                    "arguments": {"path": f"app/module_{module:02d}.py", "start_line": start,
                                  "end_line": start + 11}}

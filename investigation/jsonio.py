@@ -155,7 +155,7 @@ def dumps_text(value: Any, *, sort_keys: bool = True, allow_nan: bool = True) ->
 class _Shared:
     """Parsed documents by the sha256 of their bytes, the most recent :attr:`KEPT`."""
 
-    KEPT = 64
+    KEPT = 16
 
     def __init__(self) -> None:
         self._items: OrderedDict[str, Any] = OrderedDict()

@@ -7,12 +7,14 @@ rests on the lock: stages are fenced on the checkpoint head in SQL. The lock onl
 two dispatches from doing the same work twice.
 
 ``renew`` is what a stage task calls: ``hold``, unless this process renewed the same
-lease (case and token) less than a quarter of its TTL ago (``time.monotonic``). Such a
-lease has at least three quarters of its TTL left, so nobody else can have taken it by
-expiry; a stage then starts without a Redis round trip (issue 13: nine renewals per
-step were 7% of a worker child's time, each costing more than the stage's own
-transaction). A holder stalled past its TTL renews at its next stage and stops there
-(``LOCK_LOST``), as before. A key deleted by hand is seen at the next renewal.
+lease (case and token) less than ``RedisCaseLock.renew_within_s`` ago (``time.monotonic``;
+10 s, at most a quarter of the TTL). Such a lease has at least three quarters of its TTL
+left, so nobody else can have taken it by expiry; a stage then starts without a Redis
+round trip (issue 13: nine renewals per step were 7% of a worker child's time). A holder
+stalled past its TTL renews at its next stage and stops there (``LOCK_LOST``), as before.
+A key that vanished otherwise (deleted by hand, a Redis restart that kept nothing) is
+seen at this process's next renewal, at most 10 s later; until then the SQL fencing, on
+which correctness rests, is all that separates two chains (docs/decisions.md, 122).
 """
 
 from __future__ import annotations
@@ -110,9 +112,9 @@ class RedisCaseLock:
         ttl_s: lease length in seconds; stages renew it (:meth:`renew`).
     """
 
-    #: A lease this process renewed less than this share of its TTL ago is not renewed
-    #: again by :meth:`renew`.
-    RENEW_AFTER_SHARE = 0.25
+    #: A lease this process renewed less than this many seconds ago (and less than a
+    #: quarter of its TTL ago) is not renewed again by :meth:`renew`.
+    RENEW_AFTER_S = 10.0
 
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
         self.client = client
@@ -120,6 +122,9 @@ class RedisCaseLock:
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._renewals = _Renewals()
+        #: Seconds after this process's last renewal of a lease before :meth:`renew`
+        #: renews it in Redis again.
+        self.renew_within_s = min(self.RENEW_AFTER_S, ttl_s / 4)
 
     @classmethod
     def from_url(cls, url: str, ttl_s: int) -> RedisCaseLock:
@@ -143,8 +148,7 @@ class RedisCaseLock:
         return held
 
     def renew(self, case_id: str, token: str) -> bool:
-        if self._renewals.recent((case_id, token),
-                                 self.ttl_ms / 1000 * self.RENEW_AFTER_SHARE):
+        if self._renewals.recent((case_id, token), self.renew_within_s):
             return True
         return self.hold(case_id, token)
 

@@ -13,9 +13,9 @@ Flower and the worker log show the tasks through ``argsrepr``/``kwargsrepr``
 still carries ``token`` (enqueued by an older version) is accepted.
 
 A stage task renews the case lock (``CaseLock.renew``: no Redis round trip when this
-process renewed the same lease less than a quarter of its TTL ago), runs ``Stages.run`` (idempotent and fenced in SQL)
-and, when the step ends early (``RETRY_PENDING``, ``BLOCKED``), sets ``halt`` so the
-remaining stages pass the payload through. ``advance`` decides what follows:
+process renewed the same lease less than 10 s ago), runs ``Stages.run`` (idempotent and
+fenced in SQL) and, when the step ends early (``RETRY_PENDING``, ``BLOCKED``), sets
+``halt`` so the remaining stages pass the payload through. ``advance`` decides what follows:
 the next step (lock kept), a yield (lock released, the case re-enqueued behind
 others), a countdown for ``RETRY_PENDING`` (never a sleeping worker), or the end.
 """

@@ -20,13 +20,13 @@ import redis
 from sqlalchemy.exc import OperationalError
 from sqlmodel import col, select
 
+import workers.locks
 from investigation.constants import PROGRESSED, REDIS_LOCK_KEY, STAGES
 from investigation.loop.checkpoints import verify_chain
 from investigation.loop.stages import Stages
 from investigation.store.models import Artifact, Checkpoint, Evidence, LedgerEntry, LLMAttempt
 from investigation.tools import ToolRouter
 from tests.casekit import Case, make_case
-import workers.locks
 from workers import runtime, tasks
 from workers.locks import RedisCaseLock
 from workers.runtime import Runtime

@@ -236,7 +236,7 @@ def _counted(lock: RedisCaseLock) -> _CountingScript:
     return counting
 
 
-def test_renew_skips_redis_within_a_quarter_of_the_ttl_after_this_process_renewed(
+def test_renew_skips_redis_for_a_lease_this_process_renewed_moments_ago(
         backend: Backend, clock: _Clock) -> None:
     lock, case_id = backend.lock(), backend.case_id()
     token = lock.acquire(case_id)
@@ -245,9 +245,11 @@ def test_renew_skips_redis_within_a_quarter_of_the_ttl_after_this_process_renewe
     for _ in range(5):
         assert lock.renew(case_id, token) is True
     assert calls.calls == 1  # the lease has at least three quarters of its TTL left
-    clock.ahead = TTL_S * RedisCaseLock.RENEW_AFTER_SHARE - 0.5
+    assert lock.renew_within_s == min(RedisCaseLock.RENEW_AFTER_S, TTL_S / 4)
+    assert backend.lock(ttl_s=8).renew_within_s == 2.0  # a short lease: a quarter of it
+    clock.ahead = lock.renew_within_s - 0.5
     assert lock.renew(case_id, token) is True and calls.calls == 1
-    clock.ahead = TTL_S * RedisCaseLock.RENEW_AFTER_SHARE + 0.01
+    clock.ahead = lock.renew_within_s + 0.01
     lock.client.pexpire(key(case_id), 2000)
     assert lock.renew(case_id, token) is True and calls.calls == 2  # due: renewed in Redis
     assert lock.client.pttl(key(case_id)) > 2000
