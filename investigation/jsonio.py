@@ -40,9 +40,16 @@ standard library's; otherwise :func:`json.dumps` runs (and raises what it raises
   float as the opcode ``G`` and its eight big-endian bytes; a hit inside a string only
   costs the fallback).
 
-One difference is kept: orjson writes :class:`enum.Enum` and :class:`uuid.UUID` values
-(as their value and their string) where :func:`json.dumps` raises ``TypeError``. No
-document the engine stores holds either.
+Differences kept, none of which a document the engine stores or parses meets:
+
+* orjson writes :class:`enum.Enum` and :class:`uuid.UUID` values (as their value and
+  their string) where :func:`json.dumps` raises ``TypeError``;
+* :func:`loads` parses text nested up to orjson's 1,024 levels, where :func:`json.loads`
+  raises ``RecursionError`` somewhere near the interpreter's recursion limit (the depth
+  depends on the caller's stack, so no fixed bound could mirror it); a reply that deep
+  is refused by the contract's own limits (``REPLY_UNPROCESSABLE``);
+* :func:`loads` takes a ``memoryview`` (as bytes), where :func:`json.loads` raises
+  ``TypeError``.
 """
 
 from __future__ import annotations
@@ -116,8 +123,13 @@ def _fast(value: Any, option: int) -> bytes | None:
         return None
     if b"0.0000" in out or (b"e-" in out and _SHORT_NEGATIVE_EXPONENT.search(out)):
         return None
-    if b"null" in out and _NON_FINITE_PICKLED.search(pickle.dumps(value, protocol=5)):
-        return None  # maybe a NaN or an infinity written as null
+    if b"null" in out:  # maybe a NaN or an infinity written as null
+        try:
+            pickled = pickle.dumps(value, protocol=5)
+        except Exception:  # an object pickle refuses: the standard library decides
+            return None
+        if _NON_FINITE_PICKLED.search(pickled):
+            return None
     return out
 
 

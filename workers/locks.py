@@ -6,15 +6,20 @@ A lock is a lease with a random token. ``acquire`` never blocks (a held lock rai
 rests on the lock: stages are fenced on the checkpoint head in SQL. The lock only keeps
 two dispatches from doing the same work twice.
 
-``renew`` is what a stage task calls: ``hold``, unless this process renewed the same
-lease (case and token) less than ``RedisCaseLock.renew_within_s`` ago (``time.monotonic``;
-10 s, at most a quarter of the TTL). Such a lease has at least three quarters of its TTL
-left, so nobody else can have taken it by expiry; a stage then starts without a Redis
-round trip (issue 13: nine renewals per step were 7% of a worker child's time). A holder
-stalled past its TTL renews at its next stage and stops there (``LOCK_LOST``), as before.
-A key that vanished otherwise (deleted by hand, a Redis restart that kept nothing) is
-seen at this process's next renewal, at most 10 s later; until then the SQL fencing, on
-which correctness rests, is all that separates two chains (docs/decisions.md, 122).
+``renew`` is what a stage task without an external effect calls: ``hold``, unless this
+process renewed the same lease (case and token) less than ``RedisCaseLock.renew_within_s``
+ago (``time.monotonic``; 10 s, at most a quarter of the TTL). Such a lease has at least
+three quarters of its TTL left, so nobody else can have taken it by expiry; the stage
+then starts without a Redis round trip (issue 13: nine renewals per step were 7% of a
+worker child's time). A holder stalled past its TTL renews at its next stage and stops
+there (``LOCK_LOST``), as before. A lease that ended otherwise (released by another
+process, say a sibling worker child whose ``advance`` ended the dispatch before a
+duplicate message of it arrived here; deleted by hand; lost in a Redis restart, an
+eviction or a clock step on the Redis host) is seen at this process's next renewal in
+Redis: at most 10 s later, and at the latest at the step's next ``llm_call`` or
+``execute_tool`` and at its ``advance``, which always ``hold``. Until then the SQL
+fencing, on which correctness rests, keeps two chains from recording anything twice
+(docs/decisions.md, 122).
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ Flower and the worker log show the tasks through ``argsrepr``/``kwargsrepr``
 (``case=C rev=R step=N stage=S`` and the token's first 8 characters). A payload that
 still carries ``token`` (enqueued by an older version) is accepted.
 
-A stage task renews the case lock (``CaseLock.renew``: no Redis round trip when this
-process renewed the same lease less than 10 s ago), runs ``Stages.run`` (idempotent and
-fenced in SQL) and, when the step ends early (``RETRY_PENDING``, ``BLOCKED``), sets
+A stage task renews the case lock (``llm_call`` and ``execute_tool``, the stages with an
+external effect, always in Redis; the others with ``CaseLock.renew``, no round trip when
+this process renewed the same lease less than 10 s ago), runs ``Stages.run`` (idempotent
+and fenced in SQL) and, when the step ends early (``RETRY_PENDING``, ``BLOCKED``), sets
 ``halt`` so the remaining stages pass the payload through. ``advance`` decides what follows:
 the next step (lock kept), a yield (lock released, the case re-enqueued behind
 others), a countdown for ``RETRY_PENDING`` (never a sleeping worker), or the end.
@@ -191,7 +192,10 @@ def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
     """Run the stage; returns the payload and the metrics' result label."""
     rt = runtime.current()
     case_id = payload["case_id"]
-    if not rt.lock.renew(case_id, token):
+    # A stage with an external effect (a model call, a query) always asks Redis; the others
+    # may rely on this process's own renewal moments ago (decision 122).
+    renew = rt.lock.hold if stage in Stages.EFFECT_STAGES else rt.lock.renew
+    if not renew(case_id, token):
         log.warning("case %s: lock %s lost before %s of step %s; stopping this chain",
                     case_id, logs.short_token(token), stage, payload["step_seq"])
         return _halt(payload, "LOCK_LOST", "LOCK_LOST"), "halt"

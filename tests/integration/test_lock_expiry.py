@@ -247,3 +247,35 @@ def test_an_unexpected_stage_failure_releases_the_lock(
     stopped = run("persist_plan", payload_for(case, other) | {"token": token})
     assert stopped["halt"]["outcome"] == "LOCK_LOST"
     assert lock.holder(case.case_id) == other
+
+
+def test_a_lease_released_by_a_sibling_process_stops_the_stale_chain_at_its_next_effect(
+    setup: tuple[Case, RedisCaseLock], tmp_path: Path
+) -> None:
+    """The lease of chain A ends in another worker child (its ``advance`` released it) and
+    a new dispatch B takes the case while a duplicate of A's chain goes on in this child,
+    which renewed A's lease moments ago: the stage without an external effect may run
+    (fenced), but ``execute_tool`` asks Redis and stops with ``LOCK_LOST`` (decision 122)."""
+    case, lock = setup  # this worker child's lock
+    sibling = RedisCaseLock(lock.client, ttl_s=30)  # another worker child
+    token_a = lock.acquire(case.case_id)
+    a = payload_for(case, token_a)
+    for stage in STAGES[:4]:  # build_context .. persist_plan
+        a = run(stage, a)
+        assert a["halt"] is None
+    assert sibling.release(case.case_id, token_a)
+    token_b = sibling.acquire(case.case_id)
+    a = run("settle_reserve", a)  # renewed here moments ago: runs, fenced in SQL
+    assert a["halt"] is None
+    stopped = run("execute_tool", a)
+    assert stopped["halt"]["outcome"] == "LOCK_LOST"
+    assert lock.holder(case.case_id) == token_b
+    with case.store.session() as s:
+        assert not s.exec(select(Artifact.path).where(
+            col(Artifact.path).like("%/result.json"))).all()  # no query ran for A
+    b = tasks.new_payload(case.case_id, 1, "distributed")
+    assert b is not None
+    for stage in STAGES:  # B finishes the step: A's settlement is B's, never a second one
+        b = run(stage, b | {"token": token_b})
+    assert b["halt"]["outcome"] == PROGRESSED
+    assert effects(case) == one_clean_step(tmp_path)

@@ -168,3 +168,14 @@ def test_a_long_digit_run_anywhere_sends_the_text_to_the_standard_library() -> N
                  '[18446744073709551616]', '["1234567890123456789"]'):
         assert _same(jsonio.loads(text), json.loads(text))
         assert _same(jsonio.loads(text.encode()), json.loads(text))
+
+
+def test_a_value_pickle_refuses_next_to_null_is_left_to_the_standard_library() -> None:
+    import enum
+
+    class Local(enum.Enum):  # a local class: pickle cannot name it
+        A = 1
+
+    value = {"a": None, "e": Local.A}  # orjson writes the member; pickle cannot
+    assert _jsonio_written(value, True, False) == _written(value, True, False)
+    assert _written(value, True, False)[0] == "TypeError"
