@@ -147,15 +147,19 @@ def _home_env(home: Path) -> str:
 def demo(as_json: JsonOpt = False) -> None:
     """The real demo case (sqlite-utils 3.35, a real bug), end to end, embedded runtime.
 
-    Its store is .investigate/demo/ (started afresh each time); afterwards open its
-    report with the `investigate report` command it prints.
+    Its store is $INVESTIGATE_HOME/demo/ (.investigate/demo/ by default; started afresh
+    each time, so it is always migrated, whatever INVESTIGATE_AUTO_MIGRATE says);
+    afterwards open its report with the `investigate report` command it prints.
     """
     from workers import demo as demo_mod
 
     settings = _settings()
     work = settings.home / "demo"
+    # The demo's store is its own, new each run: it is created at the current migration
+    # even where a fleet's environment leaves migrations to `investigate db upgrade`.
     settings = settings.model_copy(update={
-        "home": work, "database_url": f"sqlite:///{(work / 'investigation.db').resolve()}"})
+        "home": work, "database_url": f"sqlite:///{(work / 'investigation.db').resolve()}",
+        "auto_migrate": True})
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("investigation.db", "investigation.db-wal", "investigation.db-shm"):
         (work / stale).unlink(missing_ok=True)
