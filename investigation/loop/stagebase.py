@@ -28,6 +28,7 @@ from typing import Any
 
 from sqlalchemy import bindparam, insert
 from sqlalchemy import select as sa_select
+from sqlalchemy import text as sa_text
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, col, select
 
@@ -83,6 +84,11 @@ _CASE_AND_MARKERS = sa_select(
         table_of(StageRun), (_RUN.case_id == _CASE.id)
         & (_RUN.revision == bindparam("revision"))
         & (_RUN.step_seq == bindparam("step_seq")))).where(_CASE.id == bindparam("case_id"))
+#: The same rows on PostgreSQL, the markers read after the case row is locked (one round
+#: trip: the two statements run in a PL/pgSQL function, migration ``0010_entry_function``).
+_ENTRY_FUNCTION = sa_text("SELECT head_seq, current_revision, state, llm_retry_id, stage, "
+                          "output_json FROM investigation_case_and_markers("
+                          ":case_id, :revision, :step_seq)")
 _ACCOUNTS = select(BudgetAccount).where(
     col(BudgetAccount.case_id) == bindparam("case_id"),
     col(BudgetAccount.revision) == bindparam("revision"))
@@ -404,17 +410,15 @@ class StageFramework:
     def _lock_case_and_markers(self, s: Session,
                                key: StepKey) -> tuple[_CaseCheck, list[tuple[str, str]]]:
         """:meth:`_lock_case_check` and the step's recorded stage outputs (as stored, not
-        yet taken in): one query on SQLite, whose transaction holds the write lock before
-        its first statement. On PostgreSQL the markers are read by a second statement,
-        after the row lock is granted: a statement's snapshot is taken when it starts, so
-        markers read by the locking statement could predate a runner that held the lock
-        while the statement waited for it."""
+        yet taken in), in one round trip: on SQLite one query, whose transaction holds the
+        write lock before its first statement; on PostgreSQL the function
+        ``investigation_case_and_markers`` (migration ``0010_entry_function``), which
+        reads the markers in a second statement after the row lock is granted (a
+        statement's snapshot is taken when it starts, so markers read by the locking
+        statement itself could predate a runner that held the lock while it waited)."""
         conn = core(s)
-        if conn.dialect.name == "postgresql":
-            case = self._lock_case_check(s, key.case_id)
-            return case, [(str(stage), text) for stage, text in
-                          conn.execute(_MARKERS, key.to_dict()).all()]
-        rows = conn.execute(_CASE_AND_MARKERS, key.to_dict()).all()
+        rows = conn.execute(_ENTRY_FUNCTION if conn.dialect.name == "postgresql"
+                            else _CASE_AND_MARKERS, key.to_dict()).all()
         if not rows:
             raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
         first = rows[0]
@@ -485,21 +489,29 @@ class StageFramework:
         opened = self._open
         if opened is not None and opened.session is s and opened.key == key:
             return opened.check
-        case = self._lock_case_check(s, key.case_id)
+        # The lock and the step's markers in one round trip (as at a stage's entry).
+        case, markers = self._lock_case_and_markers(s, key)
         self._check_fence(s, key, stage, case.head_seq, case.current_revision, case.state,
-                          True)
+                          True, markers)
         return case
 
     @staticmethod
     def _check_fence(s: Session, key: StepKey, stage: str, head_seq: int, revision: int,
-                     state: str, active: bool) -> None:
+                     state: str, active: bool,
+                     markers: list[tuple[str, str]] | None = None) -> None:
+        """Raise unless the step is still the head's next and ``stage`` unrecorded; the
+        step's ``markers`` when read with the lock, else the stage's is read here."""
         if head_seq != key.step_seq - 1 or revision != key.revision:
             raise StaleStateError(
                 f"case {key.case_id} head is {head_seq}, step {key.step_seq} is stale",
                 head_seq=head_seq)
-        row = core(s).execute(_MARKER, {**key.to_dict(), "stage": stage}).first()
-        if row is not None:
-            raise _AlreadyRecorded(dict(_loads(row[0])))
+        if markers is None:
+            row = core(s).execute(_MARKER, {**key.to_dict(), "stage": stage}).first()
+            recorded = None if row is None else row[0]
+        else:
+            recorded = next((text for name, text in markers if name == stage), None)
+        if recorded is not None:
+            raise _AlreadyRecorded(dict(_loads(recorded)))
         if active and state not in (CASE_INVESTIGATING, *CASE_HELD):
             # A stage already running when the operator paused or cancelled finishes.
             raise StaleStateError(f"case {key.case_id} is {state}", state=state)
