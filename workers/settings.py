@@ -8,7 +8,7 @@
 | ``INVESTIGATE_REDIS_URL`` | the broker URL | per-case locks |
 | ``INVESTIGATE_CONFIG`` | none | investigation policy TOML for workers |
 | ``INVESTIGATE_PROVIDERS`` | none | providers TOML for workers |
-| ``INVESTIGATE_LOCK_TTL_S`` | 300 | per-case lock lease, renewed by every stage |
+| ``INVESTIGATE_LOCK_TTL_S`` | 300 | per-case lock lease, renewed by every stage (one without an external effect skips a renewal its process made less than 10 s ago) |
 | ``INVESTIGATE_VISIBILITY_TIMEOUT_S`` | 3600 | broker visibility timeout |
 | ``INVESTIGATE_MAX_COUNTDOWN_S`` | 1800 | longest countdown scheduled (< visibility timeout) |
 | ``INVESTIGATE_RESTORE_INTERVAL_S`` | 10 | how often a worker scans for unacked messages past the visibility timeout |
