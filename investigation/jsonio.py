@@ -80,7 +80,7 @@ _SHORT_NEGATIVE_EXPONENT = re.compile(rb"e-[0-9](?![0-9])")
 _NON_FINITE_PICKLED = re.compile(rb"G[\x7f\xff][\xf0-\xff]")
 
 
-def _has_long_digit_run(data: bytes) -> bool:
+def _has_long_digit_run(data: bytes | bytearray) -> bool:
     return _LONG_DIGITS in data.translate(_DIGITS_AS_ZERO)
 
 
@@ -101,7 +101,7 @@ def loads(data: str | bytes | bytearray | memoryview) -> Any:
             return json.loads(data)
     elif isinstance(data, (bytes, bytearray, memoryview)):
         data = bytes(data) if isinstance(data, memoryview) else data
-        if _has_long_digit_run(bytes(data)):
+        if _has_long_digit_run(data):
             return json.loads(data)
     else:
         return json.loads(data)

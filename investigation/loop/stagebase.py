@@ -69,15 +69,11 @@ _MARKERS = sa_select(_RUN.stage, _RUN.output_json).where(*_STEP)
 _MARKER = sa_select(_RUN.output_json).where(*_STEP, _RUN.stage == bindparam("stage"))
 _MARKER_INSERT = insert(table_of(StageRun))
 _CASE = table_of(CaseRecord).c
-# The columns a stage's entry checks, read without building an ORM object: most stage
-# bodies never touch the case row (the ORM object is loaded when one asks, ``_fence``).
-_CASE_CHECK = sa_select(_CASE.head_seq, _CASE.current_revision, _CASE.state,
-                        _CASE.llm_retry_id).where(
-    _CASE.id == bindparam("id"))
-_CASE_CHECK_FOR_UPDATE = _CASE_CHECK.with_for_update()
-# The same columns and, in the same query, every recorded stage output of the step (one
-# row per marker; one row of NULLs when there is none): what a stage's entry reads on
-# SQLite (``StageFramework._lock_case_and_markers``).
+# The columns a stage's entry checks, read without building an ORM object (most stage
+# bodies never touch the case row; the ORM object is loaded when one asks, ``_fence``),
+# and, in the same query, every recorded stage output of the step (one row per marker;
+# one row of NULLs when there is none): what a stage's entry reads on SQLite
+# (``StageFramework._lock_case_and_markers``).
 _CASE_AND_MARKERS = sa_select(
     _CASE.head_seq, _CASE.current_revision, _CASE.state, _CASE.llm_retry_id, _RUN.stage,
     _RUN.output_json).select_from(table_of(CaseRecord).outerjoin(
@@ -295,21 +291,6 @@ class StageFramework:
             self._open = None
             s.close()
 
-    @staticmethod
-    def _lock_case_check(s: Session, case_id: str) -> _CaseCheck:
-        """Lock the case row (``SELECT ... FOR UPDATE`` on PostgreSQL; SQLite's transaction
-        holds the write lock) and read the columns the entry checks, with no ORM object.
-
-        Raises:
-            InvestigationError: ``CASE_NOT_FOUND``.
-        """
-        stmt = _CASE_CHECK_FOR_UPDATE if s.get_bind().dialect.name == "postgresql" \
-            else _CASE_CHECK
-        row = core(s).execute(stmt, {"id": case_id}).first()
-        if row is None:
-            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
-        return _CaseCheck(int(row[0]), int(row[1]), str(row[2]), str(row[3]))
-
     def _enter(self, s: Session, stage: str, key: StepKey,
                delivery: Delivery | None) -> tuple[_CaseCheck, CaseRecord | None] | StageResult:
         """The checks at the start of a stage transaction; a result ends the stage early.
@@ -409,9 +390,10 @@ class StageFramework:
 
     def _lock_case_and_markers(self, s: Session,
                                key: StepKey) -> tuple[_CaseCheck, list[tuple[str, str]]]:
-        """:meth:`_lock_case_check` and the step's recorded stage outputs (as stored, not
-        yet taken in), in one round trip: on SQLite one query, whose transaction holds the
-        write lock before its first statement; on PostgreSQL the function
+        """Lock the case row and read the columns the entry checks (no ORM object) and
+        the step's recorded stage outputs (as stored, not yet taken in), in one round trip:
+        on SQLite one query, whose transaction holds the write lock before its first
+        statement; on PostgreSQL the function
         ``investigation_case_and_markers`` (migration ``0010_entry_function``), which
         reads the markers in a second statement after the row lock is granted (a
         statement's snapshot is taken when it starts, so markers read by the locking

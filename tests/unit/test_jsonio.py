@@ -34,10 +34,11 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _outcome(parse: Any, text: Any) -> tuple[str, Any]:
+def _outcome(fn: Any, arg: Any) -> tuple[str, Any]:
+    """``("value", fn(arg))``, or the type and message of the error ``fn`` raised."""
     try:
-        return "value", parse(text)
-    except (ValueError, TypeError) as exc:
+        return "value", fn(arg)
+    except (ValueError, TypeError) as exc:  # UnicodeEncodeError is a ValueError
         return type(exc).__name__, str(exc)
 
 
@@ -94,18 +95,13 @@ WRITABLE = st.recursive(
 
 
 def _written(value: Any, sort_keys: bool, allow_nan: bool) -> tuple[str, Any]:
-    try:
-        return "bytes", json.dumps(value, sort_keys=sort_keys, separators=(",", ":"),
-                                   ensure_ascii=False, allow_nan=allow_nan).encode("utf-8")
-    except (ValueError, TypeError) as exc:  # UnicodeEncodeError is a ValueError
-        return type(exc).__name__, str(exc)
+    return _outcome(lambda v: json.dumps(v, sort_keys=sort_keys, separators=(",", ":"),
+                                         ensure_ascii=False, allow_nan=allow_nan
+                                         ).encode("utf-8"), value)
 
 
 def _jsonio_written(value: Any, sort_keys: bool, allow_nan: bool) -> tuple[str, Any]:
-    try:
-        return "bytes", jsonio.dumps(value, sort_keys=sort_keys, allow_nan=allow_nan)
-    except (ValueError, TypeError) as exc:
-        return type(exc).__name__, str(exc)
+    return _outcome(lambda v: jsonio.dumps(v, sort_keys=sort_keys, allow_nan=allow_nan), value)
 
 
 @settings(max_examples=500, deadline=None)
@@ -113,13 +109,10 @@ def _jsonio_written(value: Any, sort_keys: bool, allow_nan: bool) -> tuple[str, 
 def test_any_value_is_written_as_the_standard_library_writes_it(
         value: Any, sort_keys: bool, allow_nan: bool) -> None:
     assert _jsonio_written(value, sort_keys, allow_nan) == _written(value, sort_keys, allow_nan)
-    if allow_nan:
-        try:
-            want = json.dumps(value, sort_keys=sort_keys, separators=(",", ":"),
-                              ensure_ascii=False)
-        except (ValueError, TypeError):
-            return
-        assert jsonio.dumps_text(value, sort_keys=sort_keys) == want
+    assert _outcome(lambda v: jsonio.dumps_text(v, sort_keys=sort_keys, allow_nan=allow_nan),
+                    value) == _outcome(lambda v: json.dumps(
+                        v, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False,
+                        allow_nan=allow_nan), value)
 
 
 def test_every_float_exponent_is_written_as_pythons_repr() -> None:
@@ -179,3 +172,19 @@ def test_a_value_pickle_refuses_next_to_null_is_left_to_the_standard_library() -
     value = {"a": None, "e": Local.A}  # orjson writes the member; pickle cannot
     assert _jsonio_written(value, True, False) == _written(value, True, False)
     assert _written(value, True, False)[0] == "TypeError"
+
+
+def test_loads_shared_parses_a_document_once_and_keeps_the_newest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jsonio, "_SHARED", jsonio._Shared())  # a fresh, empty cache
+    first = jsonio.loads_shared(b'{"a": [1, 2]}', "sha-a")
+    assert first == {"a": [1, 2]}
+    # The same sha256 answers from the cache (the bytes are not read again) ...
+    assert jsonio.loads_shared(b"not json", "sha-a") is first
+    # ... until more than KEPT newer documents pushed it out.
+    for i in range(jsonio._Shared.KEPT):
+        jsonio.loads_shared(f"[{i}]".encode(), f"sha-{i}")
+    with pytest.raises(json.JSONDecodeError):
+        jsonio.loads_shared(b"not json", "sha-a")  # parsed again, and refused
+    assert jsonio.loads_shared(b"[0]", f"sha-{jsonio._Shared.KEPT - 1}") == \
+        [jsonio._Shared.KEPT - 1]  # the newest is still kept
