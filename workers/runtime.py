@@ -87,7 +87,8 @@ def build_env(settings: Settings, config_path: Path | None = None,
                     reader=PackageReader(config.package,
                                          text_index_dir=settings.home.resolve() / "text-index"),
                     explicit_config=config_file is not None,
-                    feedback_key=settings.feedback_key_bytes())
+                    feedback_key=settings.feedback_key_bytes(),
+                    async_commit=settings.pg_async_commit)
 
 
 _current: Runtime | None = None

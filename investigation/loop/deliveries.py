@@ -129,7 +129,7 @@ def count(s: Session, case: CaseRecord | None, key: StepKey, stage: str,
 
 
 def record_delivery(store: Store, key: StepKey, stage: str, max_unfinished: int,
-                    redelivered: bool = False) -> Outcome | None:
+                    redelivered: bool = False, *, async_commit: bool = False) -> Outcome | None:
     """Count one delivery of ``stage`` of step ``key`` in a transaction of its own, before
     the stage runs; park the case if it is poisoned.
 
@@ -144,6 +144,9 @@ def record_delivery(store: Store, key: StepKey, stage: str, max_unfinished: int,
         max_unfinished: see :class:`Delivery`.
         redelivered: see :class:`Delivery`; a redelivery that finds no unfinished
             delivery counted also counts the one that was lost with its transaction.
+        async_commit: on PostgreSQL the count commits without waiting for the disk
+            (decision 126): it guards against workers that die, which do not undo a
+            commit; only a crash of the database server may lose it.
 
     Returns:
         ``None`` to run the stage, or a ``BLOCKED``/``STAGE_POISONED`` outcome (the case
@@ -155,7 +158,7 @@ def record_delivery(store: Store, key: StepKey, stage: str, max_unfinished: int,
     for attempt in range(2):
         try:
             with store.session() as s:
-                case = Store.lock_case_row(s, key.case_id)
+                case = Store.lock_case_row(s, key.case_id, async_commit=async_commit)
                 if (case is None or case.state != CASE_INVESTIGATING
                         or case.current_revision != key.revision
                         or case.head_seq != key.step_seq - 1):

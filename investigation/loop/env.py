@@ -43,6 +43,9 @@ class StageEnv:
             them. Default 4.
         feedback_key: the key that derives external-test feedback secrets
             (``docs/async-tests.md``); without it ``test`` actions are refused.
+        async_commit: on PostgreSQL, stage transactions that write only what the engine
+            can derive again commit without waiting for the disk (decision 126). Default
+            True; ignored on SQLite.
     """
 
     store: Store
@@ -52,6 +55,7 @@ class StageEnv:
     explicit_config: bool = False
     snapshot_cache_size: int = 4
     feedback_key: bytes | None = None
+    async_commit: bool = True
 
     def __post_init__(self) -> None:
         self._gateway: LLMGateway | None = None

@@ -15,6 +15,9 @@
   ``step_seq - 1`` on the same revision; a stale worker gets ``StaleStateError``.
 * Per process, recorded outputs (immutable once committed) and the frozen policy of a
   revision (keyed by its sha256, re-checked every stage) are cached.
+* On PostgreSQL a transaction that writes only what the engine can derive again (every
+  stage's first one, and later ones opened with ``_tx(derived=True)``) commits without
+  waiting for the disk (decision 126); one that records what came from outside waits.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from investigation.loop.deliveries import Delivery
 from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StageResult, StepKey
 from investigation.store.engine import (
+    ASYNC_COMMIT_SQL,
     Store,
     core,
     is_lost_race,
@@ -85,6 +89,13 @@ _CASE_AND_MARKERS = sa_select(
 _ENTRY_FUNCTION = sa_text("SELECT head_seq, current_revision, state, llm_retry_id, stage, "
                           "output_json FROM investigation_case_and_markers("
                           ":case_id, :revision, :step_seq)")
+#: The same, in a transaction that commits without waiting for the disk (decision 126):
+#: ``set_config`` runs in the same statement, after the function has taken the lock.
+_ENTRY_FUNCTION_ASYNC = sa_text(
+    "SELECT head_seq, current_revision, state, llm_retry_id, stage, output_json, "
+    f"{ASYNC_COMMIT_SQL} FROM investigation_case_and_markers(:case_id, :revision, :step_seq)")
+#: ``Session.info`` key: this transaction commits asynchronously on PostgreSQL.
+_ASYNC = "investigation_async_commit"
 _ACCOUNTS = select(BudgetAccount).where(
     col(BudgetAccount.case_id) == bindparam("case_id"),
     col(BudgetAccount.revision) == bindparam("revision"))
@@ -298,8 +309,12 @@ class StageFramework:
         (counting a delivery may park the case)."""
         row: CaseRecord | None = None
         markers: list[tuple[str, str]] | None = None
+        # Every stage's first transaction writes only what the engine can derive again
+        # from what is durable (decision 126): it commits without waiting for the disk.
+        if self.env.async_commit:
+            s.info[_ASYNC] = True
         if stage in self.CASE_STAGES:  # the body changes the case row: load it at once
-            row = Store.lock_case(s, key.case_id)
+            row = Store.lock_case(s, key.case_id, async_commit=self.env.async_commit)
             case = _CaseCheck(row.head_seq, row.current_revision, row.state, row.llm_retry_id)
         else:
             case, markers = self._lock_case_and_markers(s, key)
@@ -351,7 +366,8 @@ class StageFramework:
         """Count a delivery that may follow a lost one in its own transaction, before the
         stage; after a redelivery, replay the whole chain (no cache)."""
         parked = deliveries.record_delivery(self.store, key, stage, delivery.max_unfinished,
-                                            delivery.redelivered)
+                                            delivery.redelivered,
+                                            async_commit=self.env.async_commit)
         if delivery.redelivered:
             # Full replay after a redelivery: now (the chain up to the head), and again with
             # the live rows at the next build_context (its cache entry is gone).
@@ -367,9 +383,16 @@ class StageFramework:
         return parked
 
     @contextmanager
-    def _tx(self) -> Iterator[Session]:
+    def _tx(self, *, derived: bool = False) -> Iterator[Session]:
         """A stage body's transaction: the first one joins (and ends) the transaction
-        ``run`` opened and fenced; any later one is new (and must fence itself)."""
+        ``run`` opened and fenced; any later one is new (and must fence itself).
+
+        Args:
+            derived: a later transaction writes only what the engine can derive again
+                from what is durable: on PostgreSQL its commit does not wait for the disk
+                (decision 126; its fence sets it). A later transaction that records what
+                came from outside (a query's result, a test handed out) leaves it False.
+                The first transaction is always derived."""
         opened = self._open
         if opened is not None and not opened.joined:
             opened.joined = True
@@ -384,6 +407,8 @@ class StageFramework:
                 self._open = None
             return
         with self.store.session() as s:
+            if derived and self.env.async_commit:
+                s.info[_ASYNC] = True
             yield s
 
     # -- inside a stage ----------------------------------------------------------------
@@ -399,8 +424,12 @@ class StageFramework:
         statement's snapshot is taken when it starts, so markers read by the locking
         statement itself could predate a runner that held the lock while it waited)."""
         conn = core(s)
-        rows = conn.execute(_ENTRY_FUNCTION if conn.dialect.name == "postgresql"
-                            else _CASE_AND_MARKERS, key.to_dict()).all()
+        entry: Any
+        if conn.dialect.name == "postgresql":
+            entry = _ENTRY_FUNCTION_ASYNC if s.info.get(_ASYNC) else _ENTRY_FUNCTION
+        else:
+            entry = _CASE_AND_MARKERS
+        rows = conn.execute(entry, key.to_dict()).all()
         if not rows:
             raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
         first = rows[0]
@@ -460,7 +489,7 @@ class StageFramework:
             if opened.case is None:  # locked and checked at the entry; now the object
                 opened.case = Store.lock_case(s, key.case_id)
             return opened.case
-        case = Store.lock_case(s, key.case_id)
+        case = Store.lock_case(s, key.case_id, async_commit=bool(s.info.get(_ASYNC)))
         self._check_fence(s, key, stage, case.head_seq, case.current_revision, case.state,
                           active)
         return case

@@ -291,7 +291,9 @@ class Stages(StageFramework):
             # Lone surrogates from a provider: keep them visible as escapes so the reply is
             # stored and then rejected by validation, instead of wedging the step.
             content = content.encode("utf-8", "backslashreplace").decode("utf-8")
-        with self._tx() as s:
+        # The answer is stored already (the gateway's own transaction waited for the
+        # disk): the marker that refers to it is derived.
+        with self._tx(derived=True) as s:
             self._fenced(s, key, "llm_call")
             return self._complete(s, key, "llm_call", {
                 "operation_id": result.operation_id, "attempt": result.attempt,
@@ -519,7 +521,7 @@ class Stages(StageFramework):
                     "request_path": request.artifact_path,
                     "request_sha256": request.request_sha256})
         if nxt["action"] != "query":
-            with self._tx() as s:
+            with self._tx(derived=True) as s:
                 self._fenced(s, key, "execute_tool")
                 return self._complete(s, key, "execute_tool", {"action": nxt["action"]})
         try:

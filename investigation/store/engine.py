@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Table, bindparam, event
+from sqlalchemy import Table, bindparam, event, func
 from sqlalchemy import select as sa_select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -77,6 +77,14 @@ _ARTIFACT_INSERTS = {
 _CASE_ROW = select(CaseRecord).where(col(CaseRecord.id) == bindparam("id")) \
     .execution_options(populate_existing=True, autoflush=False)
 _CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
+#: PostgreSQL: this transaction's commit does not wait for its WAL to reach the disk
+#: (``SET LOCAL synchronous_commit = off`` as an expression, so that it rides on a
+#: statement the transaction runs anyway; decision 126).
+ASYNC_COMMIT = func.set_config("synchronous_commit", "off", True)
+ASYNC_COMMIT_SQL = "set_config('synchronous_commit', 'off', true)"
+_CASE_ROW_FOR_UPDATE_ASYNC = sa_select(CaseRecord, ASYNC_COMMIT).where(
+    col(CaseRecord.id) == bindparam("id")).execution_options(
+    populate_existing=True, autoflush=False).with_for_update(of=table_of(CaseRecord))
 _REVISION_ROW = select(RevisionRecord).where(
     col(RevisionRecord.case_id) == bindparam("case_id"),
     col(RevisionRecord.revision) == bindparam("revision"))
@@ -413,15 +421,21 @@ class Store:
                                  blobs.load(session, sha, cache=fresh))
 
     @staticmethod
-    def lock_case(session: Session, case_id: str) -> CaseRecord:
+    def lock_case(session: Session, case_id: str, *, async_commit: bool = False) -> CaseRecord:
         """The case row, locked for the rest of the transaction: ``SELECT ... FOR UPDATE``
         on PostgreSQL; on SQLite the transaction already holds the write lock
         (``BEGIN IMMEDIATE``).
 
+        Args:
+            async_commit: on PostgreSQL, the same statement sets ``synchronous_commit``
+                off for this transaction (:data:`ASYNC_COMMIT`: only for a transaction
+                whose writes the engine can derive again from what is durable, decision
+                126); ignored on SQLite.
+
         Raises:
             InvestigationError: ``CASE_NOT_FOUND``.
         """
-        case = Store.lock_case_row(session, case_id)
+        case = Store.lock_case_row(session, case_id, async_commit=async_commit)
         if case is None:
             raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
         return case
@@ -499,11 +513,16 @@ class Store:
         return columns
 
     @staticmethod
-    def lock_case_row(session: Session, case_id: str) -> CaseRecord | None:
+    def lock_case_row(session: Session, case_id: str, *,
+                      async_commit: bool = False) -> CaseRecord | None:
         """:meth:`lock_case`, but ``None`` for an unknown case."""
-        stmt = _CASE_ROW_FOR_UPDATE if session.get_bind().dialect.name == "postgresql" \
-            else _CASE_ROW
-        return session.execute(stmt, {"id": case_id}).scalars().first()
+        stmt: Any
+        if session.get_bind().dialect.name != "postgresql":
+            stmt = _CASE_ROW
+        else:
+            stmt = _CASE_ROW_FOR_UPDATE_ASYNC if async_commit else _CASE_ROW_FOR_UPDATE
+        return cast(CaseRecord | None,
+                    session.execute(stmt, {"id": case_id}).scalars().first())
 
     @staticmethod
     def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:

@@ -12,7 +12,7 @@ from investigation.loop.checkpoints import verify_chain
 from investigation.loop.outcome import StepKey
 from investigation.loop.stages import Stages
 from investigation.operations import summary_bytes
-from tests.casekit import make_case
+from tests.casekit import INTERPRETATION, make_case
 
 pytestmark = pytest.mark.postgres
 
@@ -108,3 +108,86 @@ def test_a_stage_entry_that_waited_for_the_case_lock_sees_the_holders_marker(
         assert seen == [["build_context", "llm_call"]]
     else:
         assert seen == [["build_context"]]  # why PostgreSQL needs the function
+
+
+def _commit_settings(case: object, env: object, monkeypatch: pytest.MonkeyPatch
+                     ) -> list[tuple[str | None, str, tuple[str, ...]]]:
+    """Run the case to its end with ``env``; for every transaction that wrote, the stage
+    running, ``synchronous_commit`` as the transaction commits, and its write statements."""
+    from sqlalchemy import event
+
+    from investigation.loop.investigator import Investigator
+    from investigation.loop.stagebase import StageFramework
+
+    engine = case.store.engine  # type: ignore[attr-defined]
+    current: dict[str, str | None] = {"stage": None}
+    writes: list[str] = []
+    seen: list[tuple[str | None, str, tuple[str, ...]]] = []
+    run = StageFramework.run
+
+    def tagged(self: StageFramework, stage: str, key: StepKey, delivery: object = None) -> object:
+        current["stage"] = stage
+        try:
+            return run(self, stage, key, delivery)  # type: ignore[arg-type]
+        finally:
+            current["stage"] = None
+
+    def begin(_conn: object) -> None:
+        writes.clear()
+
+    def statement(_conn: object, _cursor: object, text: str, *_: object) -> None:
+        if text.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE")):
+            writes.append(" ".join(text.split()[:3]))
+
+    def commit(conn: object) -> None:
+        if writes:
+            raw = conn.connection.dbapi_connection  # type: ignore[attr-defined]
+            setting = raw.execute("SHOW synchronous_commit").fetchone()[0]
+            seen.append((current["stage"], setting, tuple(writes)))
+
+    monkeypatch.setattr(StageFramework, "run", tagged)
+    event.listen(engine, "begin", begin)
+    event.listen(engine, "before_cursor_execute", statement)
+    event.listen(engine, "commit", commit)
+    try:
+        assert Investigator(env).run(case.case_id,  # type: ignore[attr-defined,arg-type]
+                                     max_steps=50).outcome == COMPLETED
+    finally:
+        event.remove(engine, "commit", commit)
+        event.remove(engine, "before_cursor_execute", statement)
+        event.remove(engine, "begin", begin)
+    return seen
+
+
+def _records_outside_input(stage: str | None, writes: tuple[str, ...]) -> bool:
+    """A model attempt (request before sending, answer after) or a query's result."""
+    return any("llm_attempt" in w for w in writes) or (
+        stage == "execute_tool" and any(w.startswith("INSERT INTO artifact") for w in writes))
+
+
+def test_derived_stage_transactions_commit_without_waiting_for_the_disk(
+        tmp_path: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decision 126: a stage transaction that writes only what the engine can derive again
+    commits with synchronous_commit off; model attempts and query results wait for the
+    disk; ``async_commit=False`` makes every commit wait."""
+    import dataclasses
+
+    case = make_case(tmp_path / "async", database_url=postgres_url)
+    seen = _commit_settings(case, case.env(), monkeypatch)
+    outside = [(stage, setting) for stage, setting, writes in seen
+               if _records_outside_input(stage, writes)]
+    derived = [(stage, setting) for stage, setting, writes in seen
+               if stage is not None and not _records_outside_input(stage, writes)]
+    # Four model calls (two attempt transactions each) and three query results.
+    assert len(outside) >= 4 * 2 + 3 and {s for _, s in outside} == {"on"}
+    assert {stage for stage, _ in derived} == {
+        "build_context", "llm_call", "validate", "persist_plan", "settle_reserve",
+        "execute_tool", "record_evidence", "publish"}
+    assert {s for _, s in derived} == {"off"}, [d for d in seen if d[1] == "on" and not _records_outside_input(d[0], d[2])]
+
+    # Another case in the same store (another interpretation, another id).
+    durable = make_case(tmp_path / "sync", database_url=postgres_url,
+                        interpretation={**INTERPRETATION, "note": "durable"})
+    seen = _commit_settings(durable, dataclasses.replace(durable.env(), async_commit=False),
+                            monkeypatch)
+    assert len(seen) > 40 and {setting for _, setting, _ in seen} == {"on"}
