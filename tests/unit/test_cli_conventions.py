@@ -15,6 +15,7 @@ import shlex
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -104,7 +105,12 @@ def test_every_command_that_prints_a_result_has_json() -> None:
     assert missing == []
 
 
-def test_version_and_completion() -> None:
+def test_version_and_completion(monkeypatch: pytest.MonkeyPatch) -> None:
+    import typer.completion
+
+    # Typer finds the shell in the process tree (shellingham), not in $SHELL: a run with
+    # no shell above it (a detached CI job) would find none.
+    monkeypatch.setattr(typer.completion, "_get_shell_name", lambda: "bash")
     res = CliRunner().invoke(app, ["--version"])
     assert res.exit_code == 0 and re.fullmatch(r"investigate \S+\n", res.output)
     res = CliRunner().invoke(app, ["--help"])
