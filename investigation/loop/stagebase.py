@@ -535,6 +535,23 @@ class StageFramework:
         return None
 
     def _policy(self, s: Session, key: StepKey) -> tuple[InvestigationConfig, BudgetManager]:
+        """The frozen policy of the step's revision and its budget manager.
+
+        After ``build_context`` the store is not read again when this process has the
+        policy already: the recorded ``build_context`` names the policy's sha256, and it
+        committed with the policy frozen, which the store then refuses to change
+        (``store.guards``: a revision's policy columns change only while unset). The
+        checkpoint replay re-checks the stored policy against its hash (decision 127).
+
+        Raises:
+            InvestigationError: ``POLICY_CHANGED`` (see ``BudgetManager.freeze_policy``).
+        """
+        built = self._recorded.get((key, "build_context"))
+        frozen = None if built is None else built.get("policy_sha256")
+        if frozen:
+            cached = self._policies.get((frozen, id(self.env.config), self.env.explicit_config))
+            if cached is not None:
+                return cached
         # The policy columns only (no ORM object) while the frozen policy is cached.
         policy_sha, policy_text = Store.policy_columns(s, key.case_id, key.revision)
         cache_key = (policy_sha or "", id(self.env.config), self.env.explicit_config)
@@ -549,7 +566,6 @@ class StageFramework:
             if rev.policy_sha256:
                 self._policies[(rev.policy_sha256, id(self.env.config),
                                 self.env.explicit_config)] = cached
-        built = self._recorded.get((key, "build_context"))
         if built is not None and built.get("policy_sha256") not in (None, policy_sha):
             # The step was planned under another policy: a swap between its stages.
             raise InvestigationError(

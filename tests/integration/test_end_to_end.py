@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from investigation.config import InvestigationConfig
 from investigation.constants import COMPLETED
 from investigation.loop.checkpoints import verify_chain
+from investigation.loop.investigator import Investigator
 from investigation.operations import summary_bytes
 from tests import casekit
 from tests.casekit import make_case
@@ -115,6 +116,47 @@ def test_policy_is_frozen_per_revision(tmp_path: Path) -> None:
     # Without an explicit config the stored policy is adopted and the run completes.
     out = Investigator(case.env(changed, explicit=False)).run(case.case_id, max_steps=50)
     assert out.outcome == COMPLETED
+
+
+def _policy_reads(case: casekit.Case, stages: object, key: object,
+                  names: tuple[str, ...]) -> dict[str, int]:
+    """Run ``names`` of step ``key`` on ``stages``; statements reading the policy, by stage."""
+    from sqlalchemy import event
+
+    reads = dict.fromkeys(names, 0)
+    current = {"stage": ""}
+
+    def statement(_conn: object, _cursor: object, text: str, *_: object) -> None:
+        if "policy_json" in text and "FROM revision" in text:
+            reads[current["stage"]] += 1
+
+    event.listen(case.store.engine, "before_cursor_execute", statement)
+    try:
+        for name in names:
+            current["stage"] = name
+            stages.run(name, key)  # type: ignore[attr-defined]
+    finally:
+        event.remove(case.store.engine, "before_cursor_execute", statement)
+    return reads
+
+
+def test_stages_after_build_context_take_the_frozen_policy_from_their_process(
+        tmp_path: Path) -> None:
+    """Decision 127: after its process ran build_context, a stage reads no policy; a process
+    that meets the step later reads and checks it once."""
+    from investigation.loop.stages import Stages
+
+    case = make_case(tmp_path / "p")
+    case.investigator().step(case.case_id)  # step 1 froze the policy
+    key = Investigator(case.env()).next_step(case.case_id)
+    stages = Stages(case.env())
+    reads = _policy_reads(case, stages, key, ("build_context", "llm_call", "validate",
+                                              "persist_plan", "settle_reserve"))
+    assert reads["build_context"] >= 1  # the replay checks the stored policy's hash
+    assert reads["validate"] == reads["settle_reserve"] == 0, reads
+    later = _policy_reads(case, Stages(case.env()), key, ("execute_tool", "record_evidence",
+                                                          "publish"))
+    assert later["publish"] >= 1, later  # a new process: read and checked
 
 
 def test_provider_blocking_and_resume_with_retry_id(tmp_path: Path) -> None:
