@@ -21,7 +21,7 @@
 | ``INVESTIGATE_LOG_FORMAT`` | ``text`` | ``text`` or ``json`` (one JSON object per line) |
 | ``INVESTIGATE_AUTO_MIGRATE`` | true | a process that opens the store migrates it; false: only ``investigate db upgrade`` does |
 | ``INVESTIGATE_SOFT_SHUTDOWN_S`` | 0 | seconds a cold shutdown still lets running tasks finish (Celery's soft shutdown) |
-| ``INVESTIGATE_PG_ASYNC_COMMIT`` | true | on PostgreSQL, stage transactions the engine can redo commit without waiting for the disk (decision 126); false: every commit waits |
+| ``INVESTIGATE_PG_ASYNC_COMMIT`` | true | on PostgreSQL, stage transactions the engine can redo commit without waiting for the disk (decision 126); false: the engine never turns ``synchronous_commit`` off |
 """
 
 from __future__ import annotations
@@ -88,9 +88,11 @@ class Settings(BaseSettings):
     pg_async_commit: bool = True
     """Default true: on PostgreSQL a stage transaction that writes only what the engine can
     derive again from durable rows commits with ``synchronous_commit`` off (decision 126:
-    a crash of the database server, not of a worker, may lose the last such commits,
-    which the recovery sweep redoes). Model requests and answers, query results, tests
-    handed out and operator input always wait for the disk. False: every commit waits."""
+    a crash of the database server, not of a worker, may lose such commits of the last
+    ``3 x wal_writer_delay``, 0.6 s by default, which the recovery sweep redoes). Model
+    requests and answers, query results, tests handed out and operator input always wait
+    for the disk. False: the engine never turns ``synchronous_commit`` off (the server's
+    own setting applies)."""
 
     feedback_key: SecretStr | None = Field(None, min_length=32)
     """Key that derives each external test's feedback secret (``docs/async-tests.md``)."""

@@ -308,7 +308,7 @@ class StageFramework:
         Otherwise the columns checked, and the case row's ORM object when one was needed
         (counting a delivery may park the case)."""
         row: CaseRecord | None = None
-        markers: list[tuple[str, str]] | None = None
+        markers: list[tuple[str, str]]
         # Every stage's first transaction writes only what the engine can derive again
         # from what is durable (decision 126): it commits without waiting for the disk.
         if self.env.async_commit:
@@ -316,10 +316,13 @@ class StageFramework:
         if stage in self.CASE_STAGES:  # the body changes the case row: load it at once
             row = Store.lock_case(s, key.case_id, async_commit=self.env.async_commit)
             case = _CaseCheck(row.head_seq, row.current_revision, row.state, row.llm_retry_id)
+            markers = [(str(name), text) for name, text in
+                       core(s).execute(_MARKERS, key.to_dict()).all()]
         else:
             case, markers = self._lock_case_and_markers(s, key)
+        self._reconcile(stage, key, markers)
         if stage == "build_context":
-            self._load_markers(s, key)
+            self._remember_markers(key, markers)
         if (key, "publish") in self._recorded and case.head_seq < key.step_seq:
             # Publishing writes its marker and moves the head in one transaction.
             self._recorded.clear()
@@ -330,13 +333,10 @@ class StageFramework:
                 seq=key.step_seq)
         done = self._recorded.get((key, stage))
         if done is None and stage != "build_context":
-            # One query: this stage's marker (another runner finished it) and the earlier
-            # stages' outputs this process has not seen (another worker process ran them);
-            # read with the case row when the entry did not load its object.
-            if markers is None:
-                self._load_markers(s, key)
-            else:
-                self._remember_markers(key, markers)
+            # This stage's marker (another runner finished it) and the earlier stages'
+            # outputs this process has not seen (another worker process ran them), read
+            # with the case lock above.
+            self._remember_markers(key, markers)
             done = self._recorded.get((key, stage))
         if done is not None:
             return StageResult(done, self._recorded_halt(stage, key, done))
@@ -361,6 +361,33 @@ class StageFramework:
                 _log_parked(key, stage, parked)
                 return StageResult({}, parked)
         return case, row
+
+    def _reconcile(self, stage: str, key: StepKey, markers: list[tuple[str, str]]) -> None:
+        """Check this process's recorded outputs of the step against the markers the store
+        holds (read under the case lock). A cached output whose marker is gone was lost
+        by the store: an asynchronous commit that a crash of the PostgreSQL server did not
+        keep (decision 126; worker processes outlive it). Every cached output may then
+        predate the loss: they are all forgotten, with the case's replay cache. The first
+        stage goes on from the store; a later one stops as stale (the recovery sweep
+        dispatches the case again, and its step is redone from ``build_context``).
+
+        Raises:
+            StaleStateError: a stage before ``stage`` was lost.
+        """
+        stored = {name for name, _ in markers}
+        lost = [name for name in STAGES if (key, name) in self._recorded and name not in stored]
+        if not lost:
+            return
+        log.warning("case %s step %s %s: the store no longer holds %s that this process saw "
+                    "committed (a database server crash?); recorded outputs are forgotten",
+                    key.case_id, key.step_seq, stage, ", ".join(lost))
+        self._recorded.clear()
+        self.env.replay_cache.forget(key.case_id)
+        self._met.discard(key.case_id)
+        if stage != "build_context" and STAGES.index(lost[0]) < STAGES.index(stage):
+            raise StaleStateError(
+                f"step {key.step_seq} of {key.case_id}: the store lost the outputs of "
+                f"{', '.join(lost)}; the step is redone from the store", lost=lost)
 
     def _count_apart(self, stage: str, key: StepKey, delivery: Delivery) -> Outcome | None:
         """Count a delivery that may follow a lost one in its own transaction, before the

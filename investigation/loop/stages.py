@@ -666,6 +666,13 @@ class Stages(StageFramework):
             facts = checkpoints.step_facts(s, key)
             state = checkpoints.state_document(s, key, case, accounts, outcome, reason,
                                                hid, built.get("context_sha256"), facts=facts)
+            if built.get("policy_sha256") not in (None, state["policy_sha256"]):
+                # The stages took the policy build_context named (decision 127); the store
+                # now holds another one: never publish a step under a swapped policy.
+                raise InvestigationError(
+                    "POLICY_CHANGED",
+                    f"the policy of revision {key.revision} changed during step "
+                    f"{key.step_seq}", step_seq=key.step_seq)
             if outcome == COMPLETED:
                 state["case_state"] = CASE_BUILDING_DIAGNOSIS
             case_state, blocked_reason = state["case_state"], state["blocked_reason"]

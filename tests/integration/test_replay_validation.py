@@ -313,6 +313,32 @@ def test_a_policy_swapped_between_the_stages_of_a_step_is_refused(case: Case) ->
     assert info.value.code == "POLICY_CHANGED"
 
 
+def test_a_policy_swapped_under_one_process_running_the_whole_step_is_not_published(
+        case: Case) -> None:
+    """Decision 127: the stages after build_context take the policy build_context named
+    from their process; publish compares it with the store's and refuses a swap."""
+    from investigation.constants import STAGES
+    from investigation.store.engine import sha256_hex
+
+    stages = Stages(case.env())
+    key = StepKey(case.case_id, 1, 4)
+    stages.run("build_context", key)
+
+    def swap(s: Session) -> None:
+        rev = s.exec(select(RevisionRecord).where(
+            RevisionRecord.case_id == case.case_id)).one()
+        policy = rev.policy_json.replace('"source.read":2', '"source.read":50')
+        rev.policy_json, rev.policy_sha256 = policy, sha256_hex(policy.encode())
+        s.add(rev)
+    forge(case, swap)
+    with pytest.raises(InvestigationError) as info:
+        for stage in STAGES[1:]:
+            stages.run(stage, key)
+    assert info.value.code == "POLICY_CHANGED"
+    with case.store.session() as s:
+        assert s.get(CaseRecord, case.case_id).head_seq == 3  # not published
+
+
 @pytest.mark.parametrize(("sql", "guarded"), [
     ("UPDATE budget_account SET status='rejected' WHERE hypothesis_id=2", False),
     ("UPDATE evidence SET findings_json='[{\"key\":\"x\",\"text\":\"FORGED\"}]' "
