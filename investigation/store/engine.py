@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Table, bindparam, event, func
 from sqlalchemy import select as sa_select
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
@@ -81,7 +82,10 @@ _CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
 #: (``SET LOCAL synchronous_commit = off`` as an expression, so that it rides on a
 #: statement the transaction runs anyway; decision 126).
 ASYNC_COMMIT = func.set_config("synchronous_commit", "off", True)
-ASYNC_COMMIT_SQL = "set_config('synchronous_commit', 'off', true)"
+#: The same expression as SQL text, for statements written as text.
+ASYNC_COMMIT_SQL = str(ASYNC_COMMIT.compile(
+    dialect=postgresql.dialect(),  # type: ignore[no-untyped-call]
+    compile_kwargs={"literal_binds": True}))
 _CASE_ROW_FOR_UPDATE_ASYNC = sa_select(CaseRecord, ASYNC_COMMIT).where(
     col(CaseRecord.id) == bindparam("id")).execution_options(
     populate_existing=True, autoflush=False).with_for_update(of=table_of(CaseRecord))

@@ -293,20 +293,23 @@ def test_a_rewritten_stage_record_is_refused_or_found_afresh(case: Case) -> None
     assert (info.value.code, info.value.details["seq"]) == ("CHECKPOINT_INVALID", 1)
 
 
-def test_a_policy_swapped_between_the_stages_of_a_step_is_refused(case: Case) -> None:
+def swap_policy(c: Case) -> None:
+    """Replace the frozen policy of the case's revision (guards dropped), hash included."""
     from investigation.store.engine import sha256_hex
 
-    stages = Stages(case.env())
-    key = StepKey(case.case_id, 1, 4)
-    stages.run("build_context", key)
-
     def swap(s: Session) -> None:
-        rev = s.exec(select(RevisionRecord).where(
-            RevisionRecord.case_id == case.case_id)).one()
+        rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == c.case_id)).one()
         policy = rev.policy_json.replace('"source.read":2', '"source.read":50')
         rev.policy_json, rev.policy_sha256 = policy, sha256_hex(policy.encode())
         s.add(rev)
-    forge(case, swap)
+    forge(c, swap)
+
+
+def test_a_policy_swapped_between_the_stages_of_a_step_is_refused(case: Case) -> None:
+    stages = Stages(case.env())
+    key = StepKey(case.case_id, 1, 4)
+    stages.run("build_context", key)
+    swap_policy(case)
     with pytest.raises(InvestigationError) as info:
         Stages(case.env()).run("llm_call", key)
         Stages(case.env()).run("validate", key)
@@ -318,19 +321,11 @@ def test_a_policy_swapped_under_one_process_running_the_whole_step_is_not_publis
     """Decision 127: the stages after build_context take the policy build_context named
     from their process; publish compares it with the store's and refuses a swap."""
     from investigation.constants import STAGES
-    from investigation.store.engine import sha256_hex
 
     stages = Stages(case.env())
     key = StepKey(case.case_id, 1, 4)
     stages.run("build_context", key)
-
-    def swap(s: Session) -> None:
-        rev = s.exec(select(RevisionRecord).where(
-            RevisionRecord.case_id == case.case_id)).one()
-        policy = rev.policy_json.replace('"source.read":2', '"source.read":50')
-        rev.policy_json, rev.policy_sha256 = policy, sha256_hex(policy.encode())
-        s.add(rev)
-    forge(case, swap)
+    swap_policy(case)
     with pytest.raises(InvestigationError) as info:
         for stage in STAGES[1:]:
             stages.run(stage, key)
