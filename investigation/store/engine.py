@@ -183,7 +183,10 @@ def make_engine(url: str) -> Engine:
             _begin_immediate(conn)
 
         return engine
-    engine = create_engine(url, pool_size=5, max_overflow=5)
+    # The driver runs in autocommit; a transaction's BEGIN is sent by the engine, in one
+    # round trip with the transaction's first statement (decision 128).
+    engine = create_engine(url, pool_size=5, max_overflow=5, isolation_level="AUTOCOMMIT")
+    _begin_with_first_statement(engine)
 
     @event.listens_for(engine, "checkout")
     def _ping_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
@@ -204,6 +207,84 @@ def make_engine(url: str) -> Engine:
         record.info["checked_in"] = time.monotonic()
 
     return engine
+
+
+#: PostgreSQL: the statement that opens a transaction (the server's default isolation,
+#: as the driver's own ``BEGIN`` said it).
+PG_BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
+
+
+def _begin_with_first_statement(engine: Engine) -> None:
+    """PostgreSQL: open each transaction with its first statement, in one round trip.
+
+    psycopg sends a transaction's ``BEGIN`` alone and waits for its answer before the
+    first statement: a round trip per transaction, 13 per step. Here the driver runs in
+    autocommit (SQLAlchemy's ``isolation_level="AUTOCOMMIT"`` on the engine) and the
+    engine sends ``BEGIN`` itself: when SQLAlchemy begins a transaction the connection is
+    marked, and the transaction's first statement goes out in a psycopg pipeline behind
+    ``BEGIN`` (one round trip; an error of either is raised as the statement's). The
+    driver's ``commit()`` and ``rollback()`` act on the server's transaction status, not
+    on the autocommit flag, so COMMIT and ROLLBACK are unchanged. A connection given
+    ``isolation_level="AUTOCOMMIT"`` explicitly (``Store.read_one``, ``Store.reading``)
+    gets no ``BEGIN``: each statement stands alone, as before.
+
+    Raises:
+        StoreError: ``STORE_TRANSACTION_NOT_OPEN`` when a statement would run outside the
+            transaction SQLAlchemy believes open (a path that escaped this mechanism:
+            refused rather than committed statement by statement).
+    """
+    from psycopg.pq import TransactionStatus
+
+    idle = TransactionStatus.IDLE
+    pending: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    @event.listens_for(engine, "begin")
+    def _mark(conn: Connection) -> None:
+        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            return
+        pending.add(conn.connection.dbapi_connection)
+
+    @event.listens_for(engine, "commit")
+    @event.listens_for(engine, "rollback")
+    def _unmark(conn: Connection) -> None:
+        pending.discard(conn.connection.dbapi_connection)
+
+    def _check(raw: Any, context: Any) -> bool:
+        """Whether ``BEGIN`` is still to be sent on ``raw``; refuses a lost transaction."""
+        if raw in pending:
+            pending.discard(raw)
+            return True
+        if context is not None and raw.pgconn.transaction_status == idle:
+            root = context.root_connection
+            if root.in_transaction() and \
+                    root.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+                raise StoreError(
+                    "STORE_TRANSACTION_NOT_OPEN",
+                    "a statement would have run outside its transaction: "
+                    + context.statement[:80])
+        return False
+
+    @event.listens_for(engine, "do_execute")
+    def _execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
+        raw = cursor.connection
+        if not _check(raw, context):
+            return False
+        with raw.pipeline():
+            raw.execute(PG_BEGIN)
+            cursor.execute(statement, parameters)
+        return True
+
+    @event.listens_for(engine, "do_execute_no_params")
+    def _execute_no_params(cursor: Any, statement: str, context: Any) -> bool:
+        if _check(cursor.connection, context):
+            cursor.connection.execute(PG_BEGIN)
+        return False
+
+    @event.listens_for(engine, "do_executemany")
+    def _executemany(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
+        if _check(cursor.connection, context):
+            cursor.connection.execute(PG_BEGIN)
+        return False
 
 
 #: Execution option of the connections ``Store.reading`` hands out.

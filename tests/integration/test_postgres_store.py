@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy import column as sa_column
+from sqlalchemy import table as sa_table
+from sqlalchemy import text
 
 from investigation.constants import COMPLETED
-from investigation.errors import StaleStateError
+from investigation.errors import StaleStateError, StoreError
 from investigation.loop.checkpoints import verify_chain
 from investigation.loop.outcome import StepKey
 from investigation.loop.stages import Stages
 from investigation.operations import summary_bytes
+from investigation.store.engine import Store
 from tests.casekit import INTERPRETATION, make_case
 
 pytestmark = pytest.mark.postgres
@@ -191,3 +198,129 @@ def test_derived_stage_transactions_commit_without_waiting_for_the_disk(
     seen = _commit_settings(durable, dataclasses.replace(durable.env(), async_commit=False),
                             monkeypatch)
     assert len(seen) > 40 and {setting for _, setting, _ in seen} == {"on"}
+
+
+# -- decision 128: a transaction's BEGIN rides with its first statement -------------------
+
+
+@contextmanager
+def _traced(store: Store, trace: Path) -> Iterator[None]:
+    """libpq's protocol trace of every connection ``store`` checks out, into ``trace``."""
+    from sqlalchemy import event
+
+    out = trace.open("w")
+
+    def on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+        dbapi_conn.pgconn.trace(out.fileno())
+
+    def on_checkin(dbapi_conn: Any, _record: Any) -> None:
+        if dbapi_conn is not None:
+            dbapi_conn.pgconn.untrace()
+
+    event.listen(store.engine, "checkout", on_checkout)
+    event.listen(store.engine, "checkin", on_checkin)
+    try:
+        yield
+    finally:
+        event.remove(store.engine, "checkout", on_checkout)
+        event.remove(store.engine, "checkin", on_checkin)
+        out.close()
+
+
+def _waits(trace: Path) -> list[str]:
+    """What the client sent before each wait for the server: the statements since the
+    previous wait (a ``Sync`` of the extended protocol or a simple ``Query`` ends one)."""
+    waits: list[str] = []
+    sent: list[str] = []
+    for line in trace.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) < 4 or parts[1] != "F":
+            continue
+        if parts[3] == "Parse":
+            sent.append(parts[4].split('"')[3])
+        elif parts[3] == "Query":
+            waits.append(parts[4].split('"', 1)[1].rsplit('"', 1)[0])
+        elif parts[3] == "Sync":
+            waits.append(" + ".join(sent))
+            sent = []
+    return waits
+
+
+@pytest.fixture
+def scratch(postgres_url: str) -> Iterator[Store]:
+    store = Store(postgres_url)
+    with store.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE scratch (id integer PRIMARY KEY)"))
+    try:
+        yield store
+    finally:
+        store.dispose()
+
+
+def _ids(store: Store) -> list[int]:
+    with store.session() as s:
+        return [int(r[0]) for r in s.execute(text("SELECT id FROM scratch ORDER BY id"))]
+
+
+def test_a_transaction_opens_with_its_first_statement_in_one_round_trip(
+        scratch: Store, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.txt"
+    with _traced(scratch, trace):
+        with scratch.session() as s:
+            first = s.execute(text("SELECT txid_current(), current_setting("
+                                   "'transaction_isolation')")).one()
+            second = s.execute(text("INSERT INTO scratch VALUES (1) RETURNING txid_current()"
+                                    )).scalar()
+        with scratch.session() as s:
+            third = s.execute(text("SELECT txid_current()")).scalar()
+        scratch.read_one(text("SELECT count(*) FROM scratch"), {})
+    # One transaction for both statements of a session, at READ COMMITTED as before.
+    assert first[0] == second and first[1] == "read committed" and third != second
+    # BEGIN went out with each session's first statement; the second statement and the
+    # COMMIT cost a round trip each; read_one (autocommit) sent no BEGIN.
+    assert _waits(trace) == [
+        "BEGIN ISOLATION LEVEL READ COMMITTED + SELECT txid_current(), "
+        "current_setting('transaction_isolation')",
+        "INSERT INTO scratch VALUES (1) RETURNING txid_current()",
+        "COMMIT",
+        "BEGIN ISOLATION LEVEL READ COMMITTED + SELECT txid_current()",
+        "COMMIT",
+        "SELECT count(*) FROM scratch",
+    ]
+
+
+def test_a_failed_transaction_keeps_nothing_whatever_its_first_statement(
+        scratch: Store) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    scratch_table = sa_table("scratch", sa_column("id"))
+    with pytest.raises(RuntimeError), scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (1)"))
+        s.execute(text("INSERT INTO scratch VALUES (2)"))
+        raise RuntimeError("the stage failed")
+    with pytest.raises(RuntimeError), scratch.session() as s:  # first: an executemany
+        s.connection().execute(scratch_table.insert(), [{"id": 3}, {"id": 4}])
+        raise RuntimeError("the stage failed")
+    with pytest.raises(RuntimeError), scratch.session() as s:  # first: no parameters
+        s.connection().exec_driver_sql("INSERT INTO scratch VALUES (5)")
+        raise RuntimeError("the stage failed")
+    assert _ids(scratch) == []
+    with scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (6)"))
+    # The first statement fails: its error is the statement's, and the store goes on.
+    with pytest.raises(IntegrityError, match="duplicate key"), scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (6)"))
+    with scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (7)"))
+    assert _ids(scratch) == [6, 7]
+
+
+def test_a_statement_outside_its_transaction_is_refused(scratch: Store) -> None:
+    """A transaction that ended behind SQLAlchemy's back (here an explicit COMMIT) would
+    run the rest of the session statement by statement: refused, nothing written."""
+    with pytest.raises(StoreError) as caught, scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (1)"))
+        s.connection().exec_driver_sql("COMMIT")
+        s.execute(text("INSERT INTO scratch VALUES (2)"))
+    assert caught.value.code == "STORE_TRANSACTION_NOT_OPEN"
+    assert _ids(scratch) == [1]  # the first insert was committed by the explicit COMMIT

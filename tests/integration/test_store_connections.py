@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from psycopg.pq import TransactionStatus
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
@@ -104,10 +105,11 @@ def test_postgres_pings_an_idle_connection_and_replaces_a_dead_one(
         with store.reading() as conn:  # autocommit: no transaction round trips
             assert conn.execute(text("SELECT 1")).scalar() == 1
             raw = conn.connection.dbapi_connection
-            assert raw is not None and raw.autocommit
-        with store.session() as s:  # the pooled connection is transactional again
+            assert raw is not None and raw.info.transaction_status == TransactionStatus.IDLE
+        with store.session() as s:  # the pooled connection opens a transaction again
+            assert s.execute(text("SELECT 1")).scalar() == 1
             raw = s.connection().connection.dbapi_connection
-            assert raw is not None and not raw.autocommit
+            assert raw is not None and raw.info.transaction_status == TransactionStatus.INTRANS
     finally:
         store.dispose()
         admin.dispose()
