@@ -154,6 +154,15 @@ _LINEAGE_HEAD = (select(_A.sha256, _B.depth)
                  .join(Blob.__table__, _B.sha256 == _A.sha256)  # type: ignore[attr-defined]
                  .where(_A.case_id == bindparam("case_id"), _A.kind == bindparam("kind"))
                  .order_by(_A.id.desc()).limit(1))
+#: The lineage head's sha256 and depth as two scalar subqueries of ``head_case_id`` and
+#: ``head_kind``: on PostgreSQL the artifact insert returns them (:data:`LINEAGE_HEAD_RETURNING`),
+#: so a blob stored next needs no statement of its own to find its base.
+_HEAD_ROWS = (select(_A.sha256.label("sha256"), _B.depth.label("depth"))
+              .join(Blob.__table__, _B.sha256 == _A.sha256)  # type: ignore[attr-defined]
+              .where(_A.case_id == bindparam("head_case_id"), _A.kind == bindparam("head_kind"))
+              .order_by(_A.id.desc()).limit(1).subquery("head"))
+LINEAGE_HEAD_RETURNING = (select(_HEAD_ROWS.c.sha256).scalar_subquery(),
+                          select(_HEAD_ROWS.c.depth).scalar_subquery())
 #: A blob unless its bytes are stored already (a row when inserted: a rowcount is not
 #: reported on every driver).
 _INSERTS = {name: insert(Blob.__table__)  # type: ignore[attr-defined]
@@ -266,8 +275,13 @@ def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes
     return data
 
 
+#: ``store``'s ``lineage_head`` when the caller did not read the lineage head.
+UNREAD: Any = object()
+
+
 def store(session: Session, case_id: str, kind: str, data: bytes, sha: str,
-          path: str | None = None) -> None:
+          path: str | None = None,
+          lineage_head: tuple[str, int] | None = UNREAD) -> None:
     """Store ``data`` (whose sha256 is ``sha``) as a blob unless it exists: a delta of the
     newest blob of the same case and kind, or a keyframe when there is none or its chain
     is full. Concurrent writers of the same bytes are harmless (the first row stays).
@@ -275,6 +289,9 @@ def store(session: Session, case_id: str, kind: str, data: bytes, sha: str,
     Args:
         path: the artifact path the bytes are stored under; with it, the lineage head
             this process remembers from the previous step is used (see :class:`_Heads`).
+        lineage_head: the newest blob of the case and kind, ``(sha256, depth)`` or ``None`` for
+            none, read earlier in this transaction (the PostgreSQL artifact insert
+            returns it); by default it is read here when needed.
     """
     conn = session.connection()
     dialect = "postgresql" if conn.dialect.name == "postgresql" else "sqlite"
@@ -312,7 +329,8 @@ def store(session: Session, case_id: str, kind: str, data: bytes, sha: str,
                 CACHE.put(sha, data)
                 return
         # Not inserted (the bytes exist, the base is gone or full): ask the store.
-    base_row = conn.execute(_LINEAGE_HEAD, {"case_id": case_id, "kind": kind}).first()
+    base_row = conn.execute(_LINEAGE_HEAD, {"case_id": case_id, "kind": kind}).first() \
+        if lineage_head is UNREAD else lineage_head
     if base_row is not None and base_row[0] == sha:
         _Heads.remember(heads, key, step, sha, int(base_row[1]))
         CACHE.put(sha, data)

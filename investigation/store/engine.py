@@ -70,10 +70,14 @@ _ARTIFACT_ROWS = sa_select(_ART.path, _ART.sha256, _ART.media_type, _ART.size_by
                            _ART.created_at).where(
     _ART.case_id == bindparam("case_id"), _ART.path.in_(bindparam("paths", expanding=True)))
 # A path holds one artifact for ever: a second write of it inserts nothing.
+# On PostgreSQL the row also brings the lineage head its blob is stored against (one round
+# trip fewer for each new artifact; the subqueries read the statement's snapshot, which
+# does not hold the row being inserted).
 _ARTIFACT_INSERTS = {
-    name: ins(table_of(Artifact)).on_conflict_do_nothing(index_elements=["case_id", "path"])
-    .returning(_ART.id)  # a row when inserted, none when the path existed
-    for name, ins in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
+    "postgresql": pg_insert(table_of(Artifact)).on_conflict_do_nothing(
+        index_elements=["case_id", "path"]).returning(_ART.id, *blobs.LINEAGE_HEAD_RETURNING),
+    "sqlite": sqlite_insert(table_of(Artifact)).on_conflict_do_nothing(
+        index_elements=["case_id", "path"]).returning(_ART.id)}
 # What ``Session.get(CaseRecord, id, populate_existing=True)`` runs, built once.
 _CASE_ROW = select(CaseRecord).where(col(CaseRecord.id) == bindparam("id")) \
     .execution_options(populate_existing=True, autoflush=False)
@@ -421,11 +425,11 @@ class Store:
         # The row first (one statement when the path is new, the usual case); its blob
         # next: the lineage head ``blobs.store`` reads joins ``blob``, so it never finds
         # this row unless the same bytes are stored already.
-        inserted = conn.execute(_ARTIFACT_INSERTS[
-            "postgresql" if conn.dialect.name == "postgresql" else "sqlite"], {
+        postgres = conn.dialect.name == "postgresql"
+        inserted = conn.execute(_ARTIFACT_INSERTS["postgresql" if postgres else "sqlite"], {
             "case_id": case_id, "path": path, "kind": kind, "sha256": digest,
             "size_bytes": len(data), "media_type": media_type,
-            "created_at": models.utcnow()}).first()
+            "created_at": models.utcnow(), "head_case_id": case_id, "head_kind": kind}).first()
         if inserted is None:
             existing = conn.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
             if existing is None or existing[0] != digest:
@@ -435,7 +439,10 @@ class Store:
                     path=path,
                 )
             return digest
-        blobs.store(session, case_id, kind, data, digest, path)
+        head: Any = blobs.UNREAD
+        if postgres:
+            head = None if inserted[1] is None else (str(inserted[1]), int(inserted[2]))
+        blobs.store(session, case_id, kind, data, digest, path, head)
         return digest
 
     @staticmethod

@@ -154,6 +154,43 @@ def test_a_stale_lineage_head_changes_compression_never_bytes(backend: str) -> N
         assert later.depth == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_a_new_artifact_finds_its_base_without_a_statement_of_its_own(backend: str) -> None:
+    """A process that did not write the previous artifact of a kind (another worker
+    process did) stores the next one as a delta of it: on PostgreSQL the artifact insert
+    returns the lineage head, so the artifact and its blob cost two statements."""
+    store = Store(backend)
+    store.create_schema()
+    path = "analysis/investigation/{:04d}/context.json"
+    body = b'{"e":[' + b",".join(b'"%d"' % i for i in range(300)) + b"]}"
+    with store.session() as s:
+        Store.put_artifact(s, "c", path.format(1), body + b"1")
+    blobs._HEADS.of(store.engine).clear()  # as in a process that meets the case now
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    sa.event.listen(store.engine, "before_cursor_execute", seen)
+    try:
+        with store.session() as s:
+            Store.put_artifact(s, "c", path.format(2), body + b"2")
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", seen)
+    written = [st.split("(")[0].split("\n")[0].strip() for st in statements]
+    if store.engine.dialect.name == "postgresql":
+        assert written == ["INSERT INTO artifact", "INSERT INTO blob"]
+    else:  # SQLite: no round trip to save; the head is read apart
+        assert written == ["INSERT INTO artifact", "SELECT artifact.sha256, blob.depth",
+                           "INSERT INTO blob"]
+    with store.session() as s:
+        row = s.exec(select(Blob).where(
+            Blob.sha256 == hashlib.sha256(body + b"2").hexdigest())).one()
+        art = Store.get_artifact(s, "c", path.format(2), cache=blobs.ByteCache())
+    assert row.base_sha256 == hashlib.sha256(body + b"1").hexdigest() and row.depth == 1
+    assert art is not None and art.data == body + b"2"
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return _url(request, tmp_path, "a")
