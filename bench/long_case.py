@@ -58,7 +58,7 @@ if str(REPO) not in sys.path:
 MARKS = (5, 50, 100, 200, 300, 500)
 WINDOW = 4
 #: New cases whose steps 1-9 alternate with the long case's steps after the last mark.
-SIDE_BY_SIDE_ROUNDS = 10
+SIDE_BY_SIDE_ROUNDS = 20
 #: What LangGraph's SqliteSaver leaves after 500 eight-node steps (issue 13).
 LANGGRAPH_STORE_MB = 24.5
 MODULES = 40

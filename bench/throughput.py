@@ -9,14 +9,16 @@ dispatch to the last case's completion. Beside it, the same number of bare chain
 trivial tasks and a tail, ``bench/bare_chain.py``) enqueued at once on a worker with the
 same options and Celery settings: chains per second, measured right before and right
 after each engine run (the ratio takes their mean, so that a shared machine's drift over
-the minutes of a run slows both alike). Target: bare chains per second / engine steps
+the minutes of a run slows both alike), each the median of ``--bare-batches`` (default 3)
+runs of that many chains (one run lasts a few seconds: a hiccup of the machine moved a
+single one by half). Target: bare chains per second / engine steps
 per second <= 2.5, on a SQLite store and on PostgreSQL (a fresh schema of ``--postgres``
 dropped afterwards; ``--no-postgres`` skips it).
 
 Prints figures and ratios with the load average; asserts nothing. The Redis database
 ``--broker-db`` is flushed before and after. Usage (repository root)::
 
-    .venv/bin/python bench/throughput.py [--cases 100] [--broker-db 6]
+    .venv/bin/python bench/throughput.py [--cases 100] [--broker-db 6] [--bare-batches 3]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -91,8 +94,10 @@ def engine_rate(url: str, root: Path, n: int, broker_url: str, queue: str,
 
 
 def bare_rate(n: int, root: Path, broker_url: str, queue: str,
-              concurrency: int) -> tuple[float, str]:
-    """Bare chains per second for ``n`` chains enqueued at once."""
+              concurrency: int, batches: int = 3) -> tuple[float, str, list[float]]:
+    """Bare chains per second for ``n`` chains enqueued at once: the median of ``batches``
+    such runs on one worker (a single run of 100 chains lasts a few seconds, short
+    enough for a shared machine's hiccup to move it by half), with each run's rate."""
     import redis
 
     os.environ["INVESTIGATE_BROKER_URL"] = broker_url
@@ -102,21 +107,23 @@ def bare_rate(n: int, root: Path, broker_url: str, queue: str,
     client = redis.Redis.from_url(broker_url)
     worker = Worker("bench.bare_chain:app", queue, dict(os.environ, PYTHONUNBUFFERED="1"),
                     root / "bare-worker.log", concurrency)
+    rates: list[float] = []
     with running(worker):
         for i in range(10):  # warm-up
             bare_chain({"id": f"w{i}", "case_id": "bench", "step_seq": i}).apply_async()
         for _ in range(10):
             client.blpop([DONE_KEY], timeout=60)
-        started = time.perf_counter()
-        for i in range(n):
-            bare_chain({"id": uuid.uuid4().hex, "case_id": "bench",
-                        "step_seq": i}).apply_async()
-        for _ in range(n):
-            if client.blpop([DONE_KEY], timeout=120) is None:
-                raise SystemExit("bare chains did not finish:\n" + worker.log()[-4000:])
-        elapsed = time.perf_counter() - started
+        for _ in range(batches):
+            started = time.perf_counter()
+            for i in range(n):
+                bare_chain({"id": uuid.uuid4().hex, "case_id": "bench",
+                            "step_seq": i}).apply_async()
+            for _ in range(n):
+                if client.blpop([DONE_KEY], timeout=120) is None:
+                    raise SystemExit("bare chains did not finish:\n" + worker.log()[-4000:])
+            rates.append(n / (time.perf_counter() - started))
     client.close()
-    return n / elapsed, load_average()
+    return statistics.median(rates), load_average(), rates
 
 
 def postgres_schema(base: str) -> tuple[str, Any]:
@@ -139,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--bare-batches", type=int, default=3,
+                        help="runs of --cases bare chains before and after each engine run; "
+                             "their median is the reference (default 3)")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379")
     parser.add_argument("--broker-db", type=int, default=6,
                         help="Redis database for broker and locks; FLUSHED (default 6)")
@@ -159,13 +169,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         if not args.no_postgres:
             url, drop = postgres_schema(args.postgres)
             stores.append(("PostgreSQL", url, drop))
-        bare_rates: list[tuple[float, str]] = []
+        bare_rates: list[tuple[float, str, list[float]]] = []
         for name, url, drop in stores:
             # The bare chains run right before and right after each engine run, and the
             # ratio takes their mean: a shared machine's speed drifts over minutes.
-            print(f"bare chains: {args.cases} at once ...", flush=True)
+            print(f"bare chains: {args.cases} at once, {args.bare_batches} times ...",
+                  flush=True)
             before = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
-                               args.concurrency)
+                               args.concurrency, args.bare_batches)
             print(f"engine on {name}: {args.cases} cases at once ...", flush=True)
             try:
                 rate, load = engine_rate(url, work / name.lower(), args.cases, broker_url,
@@ -177,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             admin.flushdb()
             print("bare chains again ...", flush=True)
             after = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
-                              args.concurrency)
+                              args.concurrency, args.bare_batches)
             bare_rates += [before, after]
             bare = (before[0] + after[0]) / 2
             figures[f"ratio_{name.lower()}"] = bare / rate
@@ -191,8 +202,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     print()
     print(f"throughput: one worker --pool=prefork -c {args.concurrency}, {args.cases} tiny "
           f"cases ({STEPS_PER_CASE} steps each) or bare chains at once; broker {broker_url}")
-    for rate, load in bare_rates:
-        print(f"    bare chains/s            {rate:7.1f}   [{load}]")
+    for rate, load, rates in bare_rates:
+        print(f"    bare chains/s            {rate:7.1f}   (median of "
+              f"{', '.join(f'{r:.1f}' for r in rates)})   [{load}]")
     for line in lines:
         print(line)
     return figures
