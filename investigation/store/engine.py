@@ -213,9 +213,9 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
-#: PostgreSQL: the statement that opens a transaction (the server's default isolation,
-#: as the driver's own ``BEGIN`` said it).
-PG_BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
+#: PostgreSQL: the statement that opens a transaction, at the server's default isolation
+#: (``default_transaction_isolation``: READ COMMITTED unless the operator set another).
+PG_BEGIN = "BEGIN"
 
 
 def _begin_with_first_statement(engine: Engine) -> None:
@@ -251,6 +251,10 @@ def _begin_with_first_statement(engine: Engine) -> None:
     @event.listens_for(engine, "commit")
     @event.listens_for(engine, "rollback")
     def _unmark(conn: Connection) -> None:
+        if conn.invalidated:
+            # A lost connection (its error is on its way; ``conn.connection`` would raise
+            # PendingRollbackError in its place): it is discarded, and the set is weak.
+            return
         pending.discard(conn.connection.dbapi_connection)
 
     def _check(raw: Any, context: Any) -> bool:

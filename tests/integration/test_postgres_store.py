@@ -274,16 +274,15 @@ def test_a_transaction_opens_with_its_first_statement_in_one_round_trip(
         with scratch.session() as s:
             third = s.execute(text("SELECT txid_current()")).scalar()
         scratch.read_one(text("SELECT count(*) FROM scratch"), {})
-    # One transaction for both statements of a session, at READ COMMITTED as before.
+    # One transaction for both statements of a session, at the server's default isolation.
     assert first[0] == second and first[1] == "read committed" and third != second
     # BEGIN went out with each session's first statement; the second statement and the
     # COMMIT cost a round trip each; read_one (autocommit) sent no BEGIN.
     assert _waits(trace) == [
-        "BEGIN ISOLATION LEVEL READ COMMITTED + SELECT txid_current(), "
-        "current_setting('transaction_isolation')",
+        "BEGIN + SELECT txid_current(), current_setting('transaction_isolation')",
         "INSERT INTO scratch VALUES (1) RETURNING txid_current()",
         "COMMIT",
-        "BEGIN ISOLATION LEVEL READ COMMITTED + SELECT txid_current()",
+        "BEGIN + SELECT txid_current()",
         "COMMIT",
         "SELECT count(*) FROM scratch",
     ]
@@ -324,3 +323,38 @@ def test_a_statement_outside_its_transaction_is_refused(scratch: Store) -> None:
         s.execute(text("INSERT INTO scratch VALUES (2)"))
     assert caught.value.code == "STORE_TRANSACTION_NOT_OPEN"
     assert _ids(scratch) == [1]  # the first insert was committed by the explicit COMMIT
+
+
+def test_transactions_keep_the_servers_default_isolation(postgres_url: str) -> None:
+    """An operator's ``default_transaction_isolation`` (here SERIALIZABLE, which the
+    fencing tests run under too) still applies: the engine's BEGIN names no level."""
+    store = Store(postgres_url + "%20-cdefault_transaction_isolation%3Dserializable")
+    try:
+        with store.session() as s:
+            level = s.execute(text("SELECT current_setting('transaction_isolation')")).scalar()
+        assert level == "serializable"
+    finally:
+        store.dispose()
+
+
+def test_a_lost_connection_raises_its_own_error_and_the_pool_recovers(scratch: Store) -> None:
+    """A backend gone between two transactions (a server restart, a killed session):
+    the next transaction fails with the driver's OperationalError, which the worker
+    retries as a store outage (not a PendingRollbackError raised while rolling back),
+    and the one after it gets a new connection."""
+    from sqlalchemy.exc import OperationalError
+
+    with scratch.session() as s:
+        pid = s.execute(text("SELECT pg_backend_pid()")).scalar()
+    admin = Store(scratch.url)
+    try:
+        with admin.engine.begin() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    finally:
+        admin.dispose()
+    with pytest.raises(OperationalError) as caught, scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (1)"))
+    assert caught.value.connection_invalidated
+    with scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (2)"))
+    assert _ids(scratch) == [2]
