@@ -116,13 +116,21 @@ class LockBusy(Exception):
 
     Args:
         case_id: the case whose lock is held.
+        expires_in_s: seconds left of the holder's lease (Redis lock), if known: a live
+            holder renews it at every stage; the lease of a worker that died runs out,
+            and the recovery sweep then dispatches the case.
     """
 
     code = "LOCK_BUSY"
 
-    def __init__(self, case_id: str) -> None:
+    def __init__(self, case_id: str, expires_in_s: float | None = None) -> None:
+        lease = "" if expires_in_s is None else (
+            f"; its lease runs out in {max(1, round(expires_in_s))} s unless its holder "
+            "renews it (a running stage does; if the holding worker died, the recovery "
+            "sweep dispatches the case after that)")
         super().__init__(
             f"LOCK_BUSY: case {case_id} is already being dispatched (a worker, the recovery "
-            f"sweep or another `run` holds its lock); nothing to do: `investigate status "
-            f"{case_id}` shows its progress")
+            f"sweep or another `run` holds its lock{lease}); nothing to do: `investigate "
+            f"status {case_id}` shows its progress")
         self.case_id = case_id
+        self.expires_in_s = expires_in_s

@@ -455,7 +455,12 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
         for case_id in report.dispatched:
             out.print(f"dispatched {case_id}", highlight=False)
         for case_id in report.busy:
-            out.print(f"busy {case_id} (a dispatch holds its lock)", highlight=False)
+            lease = report.busy_lease_s.get(case_id)
+            out.print(f"busy {case_id} (a dispatch holds its lock"
+                      + ("" if lease is None else
+                         f"; its lease runs out in {lease} s unless renewed: if its worker "
+                         "died, a sweep after that dispatches the case") + ")",
+                      highlight=False)
         for case_id in report.idle:
             out.print(f"idle {case_id} (nothing to run)", highlight=False)
         for case_id, code in report.failed.items():

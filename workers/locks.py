@@ -137,10 +137,13 @@ class RedisCaseLock:
 
     def acquire(self, case_id: str) -> str:
         token = secrets.token_hex(16)
-        if not self.client.set(REDIS_LOCK_KEY.format(case_id=case_id), token, nx=True,
-                               px=self.ttl_ms):
-            raise LockBusy(case_id)
+        key = REDIS_LOCK_KEY.format(case_id=case_id)
+        if not self.client.set(key, token, nx=True, px=self.ttl_ms):
+            left_ms = self.client.pttl(key)  # the busy path only: one more round trip
+            raise LockBusy(case_id, left_ms / 1000 if isinstance(left_ms, int)
+                           and left_ms >= 0 else None)
         return token
+
 
     def hold(self, case_id: str, token: str) -> bool:
         started = time.monotonic()  # the lease runs from before the request at the latest

@@ -44,6 +44,9 @@ class SweepReport:
     """Cases whose next step was enqueued."""
     busy: list[str] = field(default_factory=list)
     """Cases whose lock is held: a dispatch is alive (or its lease has not run out)."""
+    busy_lease_s: dict[str, int] = field(default_factory=dict)
+    """Busy cases -> seconds left of the holder's lease (a live holder renews it; the
+    lease of a worker that died runs out, and a later sweep dispatches the case)."""
     idle: list[str] = field(default_factory=list)
     """Cases that turned out to have no step to run (finished or blocked meanwhile)."""
     failed: dict[str, str] = field(default_factory=dict)
@@ -111,8 +114,10 @@ def sweep(rt: Runtime, now: datetime | None = None) -> SweepReport:
     for case_id in due:
         try:
             result = start_dispatch(case_id)
-        except LockBusy:
+        except LockBusy as exc:
             report.busy.append(case_id)
+            if exc.expires_in_s is not None:
+                report.busy_lease_s[case_id] = max(1, round(exc.expires_in_s))
             continue
         except InvestigationError as exc:
             log.error("recovery sweep: case %s cannot be dispatched: %s", case_id, exc)

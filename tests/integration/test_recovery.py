@@ -30,6 +30,7 @@ every test uses its own queue name.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -440,6 +441,8 @@ def test_recover_cli_dispatches_pending_cases_only(cluster: Cluster) -> None:
                             text=True, timeout=60)
     assert second.returncode == 0, second.stderr
     assert f'"busy": [\n    "{pending}"' in second.stdout  # its dispatch holds the lock
+    lease = json.loads(second.stdout)["busy_lease_s"][pending]  # what is left of it
+    assert 0 < lease <= int(os.environ.get("INVESTIGATE_LOCK_TTL_S", "300"))
     assert cluster.redis.llen(cluster.queue) == 1  # nothing enqueued twice
 
 

@@ -98,11 +98,15 @@ def test_second_acquire_raises_lock_busy_without_blocking(backend: Backend) -> N
     case_id = backend.case_id()
     token = first.acquire(case_id)
     started = time.monotonic()
-    with pytest.raises(LockBusy):
+    with pytest.raises(LockBusy) as busy:
         second.acquire(case_id)
     with pytest.raises(LockBusy):
         first.acquire(case_id)  # not reentrant either
     assert time.monotonic() - started < 1.0  # never waits for the lease
+    # The refusal says how long the holder's lease has left (a dead holder's runs out).
+    assert busy.value.expires_in_s is not None and 0 < busy.value.expires_in_s <= TTL_S
+    assert f"its lease runs out in {max(1, round(busy.value.expires_in_s))} s" \
+        in str(busy.value)
     assert first.holder(case_id) == token
 
 
