@@ -144,7 +144,6 @@ class RedisCaseLock:
                            and left_ms >= 0 else None)
         return token
 
-
     def hold(self, case_id: str, token: str) -> bool:
         started = time.monotonic()  # the lease runs from before the request at the latest
         held = bool(self._renew(keys=[REDIS_LOCK_KEY.format(case_id=case_id)],

@@ -150,19 +150,24 @@ def _corrupt(sha: str, why: str) -> StoreError:
 _B = Blob.__table__.c  # type: ignore[attr-defined]
 _A = Artifact.__table__.c  # type: ignore[attr-defined]
 _BLOB = select(_B.encoding, _B.base_sha256, _B.data).where(_B.sha256 == bindparam("sha"))
-_LINEAGE_HEAD = (select(_A.sha256, _B.depth)
-                 .join(Blob.__table__, _B.sha256 == _A.sha256)  # type: ignore[attr-defined]
-                 .where(_A.case_id == bindparam("case_id"), _A.kind == bindparam("kind"))
-                 .order_by(_A.id.desc()).limit(1))
-#: The lineage head's sha256 and depth as two scalar subqueries of ``head_case_id`` and
-#: ``head_kind``: on PostgreSQL the artifact insert returns them (:data:`LINEAGE_HEAD_RETURNING`),
-#: so a blob stored next needs no statement of its own to find its base.
-_HEAD_ROWS = (select(_A.sha256.label("sha256"), _B.depth.label("depth"))
-              .join(Blob.__table__, _B.sha256 == _A.sha256)  # type: ignore[attr-defined]
-              .where(_A.case_id == bindparam("head_case_id"), _A.kind == bindparam("head_kind"))
-              .order_by(_A.id.desc()).limit(1).subquery("head"))
-LINEAGE_HEAD_RETURNING = (select(_HEAD_ROWS.c.sha256).scalar_subquery(),
-                          select(_HEAD_ROWS.c.depth).scalar_subquery())
+
+
+def _lineage_head(case_id: str, kind: str) -> Any:
+    """The newest blob of a case and kind, ``(sha256, depth)``, for the bind parameters
+    named ``case_id`` and ``kind``."""
+    return (select(_A.sha256, _B.depth)
+            .join(Blob.__table__, _B.sha256 == _A.sha256)  # type: ignore[attr-defined]
+            .where(_A.case_id == bindparam(case_id), _A.kind == bindparam(kind))
+            .order_by(_A.id.desc()).limit(1))
+
+
+_LINEAGE_HEAD = _lineage_head("case_id", "kind")
+#: The same head as two scalar subqueries of ``head_case_id`` and ``head_kind`` (an
+#: insert's own columns take the plain names): on PostgreSQL the artifact insert returns
+#: them, so a blob stored next needs no statement of its own to find its base.
+_HEAD_ROW = _lineage_head("head_case_id", "head_kind").subquery("head")
+LINEAGE_HEAD_RETURNING = (select(_HEAD_ROW.c.sha256).scalar_subquery(),
+                          select(_HEAD_ROW.c.depth).scalar_subquery())
 #: A blob unless its bytes are stored already (a row when inserted: a rowcount is not
 #: reported on every driver).
 _INSERTS = {name: insert(Blob.__table__)  # type: ignore[attr-defined]
