@@ -26,12 +26,16 @@ does, by a factor of two over minutes) slows both alike.
 ``durability="sync"`` (``bench/langgraph_step.py``, run in the benchmarks' own environment
 ``.venv-bench``, built by ``make bench-env``; never a dependency of the engine).
 
+(b) and (c) run in ``--rounds`` rounds (default 3), each of ``--cases`` engine cases beside
+``--steps`` bare chains; the Redis ratio is the median of the rounds' ratios, printed with
+each round's (a single round moved by 0.1-0.4 between runs on the 2-core machine).
+
 Prints medians and ratios with their targets (issue 13: Redis step / bare chain <= 2.0;
 ``Investigator.step`` <= 2 x the LangGraph step), the SQL statements and transactions of
 one ``Investigator.step``, and the load average beside each figure; asserts nothing. The
 Redis database ``--broker-db`` (default 6) is flushed before and after. Usage (from the repository root)::
 
-    .venv/bin/python bench/step_overhead.py [--cases 10] [--steps 100]
+    .venv/bin/python bench/step_overhead.py [--cases 10] [--steps 100] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -248,11 +252,15 @@ def _bare_chain(client: Any, i: int, worker: Worker) -> float:
 
 
 def bench_redis_and_bare(cases: Cases, warmup: int, engine_worker: Worker, chains: int,
-                         warmup_chains: int, bare_worker: Worker,
-                         redis_url: str) -> tuple[Result, Result]:
+                         warmup_chains: int, bare_worker: Worker, redis_url: str,
+                         rounds: int = 1) -> tuple[Result, Result, list[tuple[float, float]]]:
     """(b) and (c) side by side: both workers run at once, and each counted engine case
     is followed by its share of the bare chains, so that a machine whose speed drifts
-    over the minutes of a run (a shared one does) slows both alike."""
+    over the minutes of a run (a shared one does) slows both alike.
+
+    The counted cases are split into ``rounds`` equal rounds, each with ``chains`` bare
+    chains; returns both results (every sample) and, per round, the medians ``(engine
+    step, bare chain)`` in seconds."""
     import redis
 
     from bench.bare_chain import DONE_KEY
@@ -263,28 +271,36 @@ def bench_redis_and_bare(cases: Cases, warmup: int, engine_worker: Worker, chain
     client = redis.Redis.from_url(redis_url)
     engine, bare = Result(), Result()
     counted = cases.case_ids[warmup:]
-    per_case = max(1, chains // max(1, len(counted)))
+    per_round = max(1, len(counted) // max(1, rounds))
+    per_case = max(1, chains // per_round)
+    medians: list[tuple[float, float]] = []
     with running(engine_worker), running(bare_worker):
         for case_id in cases.case_ids[:warmup]:
             _redis_case(cases, case_id, engine_worker)
         for i in range(warmup_chains):
             _bare_chain(client, i, bare_worker)
         n = warmup_chains
-        for case_id in counted:
-            stamps = _redis_case(cases, case_id, engine_worker)
-            engine.per_step += [(b - a).total_seconds() for a, b in pairwise(stamps)]
-            engine.per_case_step.append((stamps[-1] - stamps[0]).total_seconds()
-                                        / STEPS_PER_CASE)
-            for _ in range(per_case):
-                bare.per_step.append(_bare_chain(client, n, bare_worker))
-                n += 1
+        for start in range(0, per_round * max(1, rounds), per_round):
+            steps: list[float] = []
+            chain_times: list[float] = []
+            for case_id in counted[start:start + per_round]:
+                stamps = _redis_case(cases, case_id, engine_worker)
+                steps += [(b - a).total_seconds() for a, b in pairwise(stamps)]
+                engine.per_case_step.append((stamps[-1] - stamps[0]).total_seconds()
+                                            / STEPS_PER_CASE)
+                for _ in range(per_case):
+                    chain_times.append(_bare_chain(client, n, bare_worker))
+                    n += 1
+            engine.per_step += steps
+            bare.per_step += chain_times
+            medians.append((statistics.median(steps), statistics.median(chain_times)))
     engine.in_task = engine_worker.task_runtimes("investigation.")
     bare.in_task = bare_worker.task_runtimes("bench.")
     client.delete(DONE_KEY)
     client.close()
     rt.env.store.dispose()
     runtime.configure(None)
-    return engine, bare
+    return engine, bare, medians
 
 
 def bench_embedded(cases: Cases, warmup: int, home: Path) -> Result:
@@ -383,6 +399,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="measured cases per engine runtime (5 steps each; default 10)")
     parser.add_argument("--steps", type=int, default=100,
                         help="measured bare chains (one chain = one bare step; default 100)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of (b) beside (c), each of --cases cases and --steps "
+                             "chains; the ratio is the median of the rounds' (default 3)")
     parser.add_argument("--warmup-cases", type=int, default=2)
     parser.add_argument("--warmup-chains", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=2, help="worker -c (default 2)")
@@ -396,16 +415,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "(`make bench-env`); the LangGraph reference is skipped without "
                              "it")
     args = parser.parse_args(argv)
-    if args.cases < 1 or args.steps < 1:
-        parser.error("--cases and --steps must be at least 1")
+    if args.cases < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error("--cases, --steps and --rounds must be at least 1")
 
     work = Path(tempfile.mkdtemp(prefix="step-overhead-"))
     broker_url = f"{args.redis.rstrip('/')}/{args.broker_db}"
     tag = uuid.uuid4().hex[:8]
     engine_queue, bare_queue = f"bench-engine-{tag}", f"bench-bare-{tag}"
     n = args.warmup_cases + args.cases
-    print(f"preparing {3 * n} cases under {work} ...", flush=True)
-    distributed = prepare_cases(work / "distributed", n)
+    n_distributed = args.warmup_cases + args.rounds * args.cases
+    print(f"preparing {2 * n + n_distributed} cases under {work} ...", flush=True)
+    distributed = prepare_cases(work / "distributed", n_distributed)
     embedded = prepare_cases(work / "embedded", n)
     direct = prepare_cases(work / "direct", n)
 
@@ -433,9 +453,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                work / "engine-worker.log", args.concurrency)
         bare_worker = Worker("bench.bare_chain:app", bare_queue, worker_env,
                              work / "bare-worker.log", args.concurrency)
-        redis_res, bare_res = bench_redis_and_bare(
+        redis_res, bare_res, rounds = bench_redis_and_bare(
             distributed, args.warmup_cases, engine_worker, args.steps, args.warmup_chains,
-            bare_worker, broker_url)
+            bare_worker, broker_url, args.rounds)
         load_redis = load_average()
         print("(a) embedded runtime ...", flush=True)
         emb_res = bench_embedded(embedded, args.warmup_cases, work / "embedded" / "home")
@@ -458,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                    "tail"])
     redis_step = statistics.median(redis_res.per_step)
     bare_step = statistics.median(bare_res.per_step)
+    round_ratios = [engine / bare for engine, bare in rounds]
+    ratio = statistics.median(round_ratios)
     emb_step = statistics.median(emb_res.per_step)
     direct_step = statistics.median(direct_res.per_step)
 
@@ -465,8 +487,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"step orchestration overhead; scripted model (zero latency); SQLite stores; "
           f"broker {broker_url}; worker --pool=prefork -c {args.concurrency}")
     print(f"engine: {args.cases} cases x {STEPS_PER_CASE} steps per runtime "
-          f"(+{args.warmup_cases} warm-up cases); bare: {args.steps} chains "
-          f"(+{args.warmup_chains} warm-up)")
+          f"(+{args.warmup_cases} warm-up cases), (b) in {args.rounds} rounds of that beside "
+          f"(c) {args.steps} bare chains each (+{args.warmup_chains} warm-up)")
     print()
     print("(a) embedded runtime, wall per step (run_case, chain.apply in process)")
     print(f"      {describe(emb_res.per_step)}")
@@ -481,6 +503,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("(c) bare chain, 8 trivial tasks + tail, wall per chain")
     print(f"      {describe(bare_res.per_step)}")
     print(f"      in-task time, sum of per-task medians: {ms(bare_task)}")
+    print("(b) / (c), round by round (medians)")
+    for i, ((engine, bare), r) in enumerate(zip(rounds, round_ratios, strict=True), 1):
+        print(f"      round {i}: engine step {ms(engine)}  bare chain {ms(bare)}  {r:.2f}x")
     print()
     print("(d) LangGraph, eight nodes in a line, SqliteSaver, durability=\"sync\" "
           "(bench/langgraph_step.py in .venv-bench), wall per step")
@@ -489,9 +514,11 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"statements, {statistics.median(direct_res.transactions):.0f} transactions")
     print()
     print("ratios (medians), with their targets (issue 13)")
-    print(f"    Redis engine step / bare chain      {redis_step / bare_step:6.2f}x  "
-          f"(target <= 2.0, then 1.3; engine adds {ms(redis_step - bare_step).strip()} per "
-          f"step)   [{load_redis}]")
+    spread = f"rounds {min(round_ratios):.2f}-{max(round_ratios):.2f}, " \
+        if len(round_ratios) > 1 else ""
+    print(f"    Redis engine step / bare chain      {ratio:6.2f}x  "
+          f"(target <= 2.0, then 1.3; median of {len(round_ratios)} round(s), {spread}"
+          f"engine adds {ms(redis_step - bare_step).strip()} per step)   [{load_redis}]")
     if langgraph_ms:
         print(f"    Investigator.step / LangGraph step  "
               f"{direct_step * 1000 / langgraph_ms:6.2f}x  (target <= 2.0)   [{load_direct}]")
