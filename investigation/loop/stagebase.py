@@ -48,6 +48,7 @@ from investigation.store.engine import (
     ASYNC_COMMIT_SQL,
     Store,
     core,
+    deferred,
     is_lost_race,
     is_serialization_failure,
     sha256_hex,
@@ -71,7 +72,9 @@ _STEP = (_RUN.case_id == bindparam("case_id"), _RUN.revision == bindparam("revis
          _RUN.step_seq == bindparam("step_seq"))
 _MARKERS = sa_select(_RUN.stage, _RUN.output_json).where(*_STEP)
 _MARKER = sa_select(_RUN.output_json).where(*_STEP, _RUN.stage == bindparam("stage"))
-_MARKER_INSERT = insert(table_of(StageRun))
+#: The marker is a stage transaction's last write and nobody reads its result: on
+#: PostgreSQL it goes out with the COMMIT (decision 130).
+_MARKER_INSERT = deferred(insert(table_of(StageRun)))
 _CASE = table_of(CaseRecord).c
 # The columns a stage's entry checks, read without building an ORM object (most stage
 # bodies never touch the case row; the ORM object is loaded when one asks, ``_fence``),

@@ -216,10 +216,29 @@ def make_engine(url: str) -> Engine:
 #: PostgreSQL: the statement that opens a transaction, at the server's default isolation
 #: (``default_transaction_isolation``: READ COMMITTED unless the operator set another).
 PG_BEGIN = "BEGIN"
+#: PostgreSQL: the statement that ends a transaction with deferred writes (decision 130).
+PG_COMMIT = "COMMIT"
+#: Execution option of a write whose result nobody reads (no ``RETURNING``, no rowcount;
+#: build it with :func:`deferred`): on PostgreSQL it waits on its connection and goes
+#: out in one pipeline exchange with the transaction's next statement or with its
+#: ``COMMIT`` (decision 130); on SQLite it runs at once.
+DEFERRED = "investigation_deferred"
+
+
+def deferred(statement: Any) -> Any:
+    """``statement`` (an INSERT or UPDATE whose result the caller never reads) marked
+    :data:`DEFERRED`. An INSERT is made ``inline``: no primary key is fetched for it.
+    An error it raises (a unique violation: another runner wrote the row) surfaces at
+    the transaction's next statement or at its commit, as a
+    :class:`~sqlalchemy.exc.DBAPIError` like any other."""
+    if hasattr(statement, "inline"):
+        statement = statement.inline()
+    return statement.execution_options(**{DEFERRED: True})
 
 
 def _begin_with_first_statement(engine: Engine) -> None:
-    """PostgreSQL: open each transaction with its first statement, in one round trip.
+    """PostgreSQL: open each transaction with its first statement, in one round trip, and
+    send deferred writes with what follows them.
 
     psycopg sends a transaction's ``BEGIN`` alone and waits for its answer before the
     first statement: a round trip per transaction, 13 per step. Here the driver runs in
@@ -232,15 +251,25 @@ def _begin_with_first_statement(engine: Engine) -> None:
     ``isolation_level="AUTOCOMMIT"`` explicitly (``Store.read_one``, ``Store.reading``)
     gets no ``BEGIN``: each statement stands alone, as before.
 
+    A statement executed with :data:`DEFERRED` inside an open transaction is not sent: it
+    waits on its connection and goes out, in order, in one pipeline exchange with the
+    next statement, or with ``COMMIT`` when the transaction ends (the driver's own
+    ``commit()`` is not called then); a rollback drops it (decision 130). A stage's marker, the last write of every stage transaction, costs
+    no round trip of its own.
+
     Raises:
         StoreError: ``STORE_TRANSACTION_NOT_OPEN`` when a statement would run outside the
             transaction SQLAlchemy believes open (a path that escaped this mechanism:
             refused rather than committed statement by statement).
+        sqlalchemy.exc.DBAPIError: a deferred write failed; raised at the statement or
+            commit it went out with.
     """
     from psycopg.pq import TransactionStatus
 
     idle = TransactionStatus.IDLE
     pending: weakref.WeakSet[Any] = weakref.WeakSet()
+    waiting: weakref.WeakKeyDictionary[Any, list[tuple[str, Any]]] = \
+        weakref.WeakKeyDictionary()
 
     @event.listens_for(engine, "begin")
     def _mark(conn: Connection) -> None:
@@ -249,13 +278,49 @@ def _begin_with_first_statement(engine: Engine) -> None:
         pending.add(conn.connection.dbapi_connection)
 
     @event.listens_for(engine, "commit")
+    def _committing(conn: Connection) -> None:
+        if not conn.invalidated:
+            pending.discard(conn.connection.dbapi_connection)
+
+    # SQLAlchemy has no event in place of the driver's commit: the engine's own dialect
+    # instance (one per engine) sends the waiting writes and COMMIT in one exchange. An
+    # error is raised from the commit, which SQLAlchemy wraps as it wraps any (a unique
+    # violation stays an IntegrityError, for ``is_lost_race``).
+    dialect = engine.dialect
+    commit_alone = dialect.do_commit
+
+    def _do_commit(connection: Any) -> None:
+        # SQLAlchemy passes the pool's proxy of the driver's connection.
+        raw = getattr(connection, "dbapi_connection", connection)
+        writes = waiting.pop(raw, None)
+        if not writes:
+            commit_alone(connection)
+            return
+        with raw.pipeline():
+            for statement, parameters in writes:
+                raw.execute(statement, parameters)
+            raw.execute(PG_COMMIT)
+        # The server is idle now: the driver's commit() would send nothing.
+
+    dialect.do_commit = _do_commit  # type: ignore[method-assign,assignment]
+
     @event.listens_for(engine, "rollback")
     def _unmark(conn: Connection) -> None:
         if conn.invalidated:
             # A lost connection (its error is on its way; ``conn.connection`` would raise
             # PendingRollbackError in its place): it is discarded, and the set is weak.
             return
-        pending.discard(conn.connection.dbapi_connection)
+        raw = conn.connection.dbapi_connection
+        pending.discard(raw)
+        waiting.pop(raw, None)
+
+    @event.listens_for(engine, "checkin")
+    def _returned(dbapi_conn: Any, _record: Any) -> None:
+        # A connection back in the pool with writes never sent: their transaction never
+        # committed (the pool's reset rolls it back); they must not join the next one.
+        if dbapi_conn is not None:
+            pending.discard(dbapi_conn)
+            waiting.pop(dbapi_conn, None)
 
     def _check(raw: Any, context: Any) -> bool:
         """Whether ``BEGIN`` is still to be sent on ``raw``; refuses a lost transaction."""
@@ -272,13 +337,30 @@ def _begin_with_first_statement(engine: Engine) -> None:
                     + context.statement[:80])
         return False
 
+    def _send_waiting(raw: Any) -> None:
+        """Send the writes waiting on ``raw`` before a statement that cannot join them."""
+        writes = waiting.pop(raw, None)
+        if writes:
+            with raw.pipeline():
+                for statement, parameters in writes:
+                    raw.execute(statement, parameters)
+
     @event.listens_for(engine, "do_execute")
     def _execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
         raw = cursor.connection
-        if not _check(raw, context):
+        begin = _check(raw, context)
+        if not begin and context is not None and context.execution_options.get(DEFERRED) \
+                and context.root_connection.in_transaction():
+            waiting.setdefault(raw, []).append((statement, parameters))
+            return True
+        writes = waiting.pop(raw, None)
+        if not begin and not writes:
             return False
         with raw.pipeline():
-            raw.execute(PG_BEGIN)
+            if begin:
+                raw.execute(PG_BEGIN)
+            for waiting_statement, waiting_parameters in writes or ():
+                raw.execute(waiting_statement, waiting_parameters)
             cursor.execute(statement, parameters)
         return True
 
@@ -286,12 +368,14 @@ def _begin_with_first_statement(engine: Engine) -> None:
     def _execute_no_params(cursor: Any, statement: str, context: Any) -> bool:
         if _check(cursor.connection, context):
             cursor.connection.execute(PG_BEGIN)
+        _send_waiting(cursor.connection)
         return False
 
     @event.listens_for(engine, "do_executemany")
     def _executemany(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
         if _check(cursor.connection, context):
             cursor.connection.execute(PG_BEGIN)
+        _send_waiting(cursor.connection)
         return False
 
 

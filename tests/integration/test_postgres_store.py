@@ -205,17 +205,22 @@ def test_derived_stage_transactions_commit_without_waiting_for_the_disk(
 
 @contextmanager
 def _traced(store: Store, trace: Path) -> Iterator[None]:
-    """libpq's protocol trace of every connection ``store`` checks out, into ``trace``."""
+    """libpq's protocol trace of every connection ``store`` checks out, into ``trace``.
+    psycopg prepares none of their statements meanwhile, so that every statement sent
+    shows its text (a prepared one is sent by name)."""
     from sqlalchemy import event
 
     out = trace.open("w")
 
-    def on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+    def on_checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        record.info["prepare_threshold"] = dbapi_conn.prepare_threshold
+        dbapi_conn.prepare_threshold = None
         dbapi_conn.pgconn.trace(out.fileno())
 
-    def on_checkin(dbapi_conn: Any, _record: Any) -> None:
+    def on_checkin(dbapi_conn: Any, record: Any) -> None:
         if dbapi_conn is not None:
             dbapi_conn.pgconn.untrace()
+            dbapi_conn.prepare_threshold = record.info.pop("prepare_threshold", 5)
 
     event.listen(store.engine, "checkout", on_checkout)
     event.listen(store.engine, "checkin", on_checkin)
@@ -357,4 +362,125 @@ def test_a_lost_connection_raises_its_own_error_and_the_pool_recovers(scratch: S
     assert caught.value.connection_invalidated
     with scratch.session() as s:
         s.execute(text("INSERT INTO scratch VALUES (2)"))
+    assert _ids(scratch) == [2]
+
+
+# -- decision 130: a deferred write goes out with what follows it -------------------------
+
+
+def test_a_deferred_write_goes_out_with_the_commit_or_the_next_statement(
+        scratch: Store, tmp_path: Path) -> None:
+    from investigation.store.engine import deferred
+
+    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    trace = tmp_path / "trace.txt"
+    with _traced(scratch, trace):
+        with scratch.session() as s:
+            s.execute(text("SELECT 1"))
+            s.connection().execute(write, {"id": 1})
+        with scratch.session() as s:
+            s.execute(text("SELECT 1"))
+            s.connection().execute(write, {"id": 2})
+            s.connection().execute(write, {"id": 3})
+            # In order, before the statement they went out with.
+            assert s.execute(text("SELECT count(*) FROM scratch")).scalar() == 3
+    insert = "INSERT INTO scratch (id) VALUES ($1)"
+    assert _waits(trace) == [
+        "BEGIN + SELECT 1",
+        f"{insert} + COMMIT",
+        "BEGIN + SELECT 1",
+        f"{insert} + {insert} + SELECT count(*) FROM scratch",
+        "COMMIT",
+    ]
+    assert _ids(scratch) == [1, 2, 3]
+
+
+def test_a_deferred_write_that_fails_fails_its_commit_and_keeps_nothing(
+        scratch: Store) -> None:
+    """A unique violation surfaces at the commit as SQLAlchemy's IntegrityError (a lost
+    race for the stage framework); the transaction keeps nothing, the store goes on."""
+    from sqlalchemy.exc import IntegrityError
+
+    from investigation.store.engine import deferred, is_lost_race
+
+    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    with scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (1)"))
+    with pytest.raises(IntegrityError) as caught, scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (2)"))
+        s.connection().execute(write, {"id": 1})  # not sent yet: no error here
+    assert is_lost_race(caught.value)
+    assert _ids(scratch) == [1]
+    with scratch.session() as s:
+        s.connection().execute(text("INSERT INTO scratch VALUES (3)"))
+        s.connection().execute(write, {"id": 4})
+    assert _ids(scratch) == [1, 3, 4]
+
+
+def test_a_deferred_write_of_a_rolled_back_transaction_is_never_sent(
+        scratch: Store, tmp_path: Path) -> None:
+    """Rolled back (an error in the stage) or returned to the pool unfinished: the write
+    never reaches the server, nor joins the connection's next transaction."""
+    from sqlmodel import Session
+
+    from investigation.store.engine import deferred
+
+    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    trace = tmp_path / "trace.txt"
+    with _traced(scratch, trace):
+        with pytest.raises(RuntimeError), scratch.session() as s:
+            s.execute(text("SELECT 1"))
+            s.connection().execute(write, {"id": 1})
+            raise RuntimeError("the stage failed")
+        s = Session(scratch.engine)
+        s.execute(text("SELECT 1"))
+        s.connection().execute(write, {"id": 2})
+        s.close()  # no commit: the pool resets the connection
+        with scratch.session() as s:
+            s.execute(text("INSERT INTO scratch VALUES (3)"))
+    assert _ids(scratch) == [3]
+    assert not any("INSERT INTO scratch (id)" in wait for wait in _waits(trace))
+
+
+def test_a_stage_marker_costs_no_round_trip_of_its_own(tmp_path: Path,
+                                                       postgres_url: str) -> None:
+    """Every stage transaction ends with its marker: it goes out with the COMMIT, or
+    with the ORM's flush of the stage's changed rows that comes before the COMMIT."""
+    case = make_case(tmp_path / "markers", database_url=postgres_url)
+    investigator = case.investigator()
+    investigator.step(case.case_id)  # the first step opens the snapshot, the replay ...
+    trace = tmp_path / "trace.txt"
+    with _traced(case.store, trace):
+        assert investigator.step(case.case_id).outcome == "PROGRESSED"
+    marker = ("INSERT INTO stage_run (case_id, revision, step_seq, stage, output_json, "
+              "completed_at) VALUES ($1::VARCHAR, $2::INTEGER, $3::INTEGER, $4::VARCHAR, "
+              "$5::VARCHAR, $6::TIMESTAMP WITH TIME ZONE)")
+    waits = _waits(trace)
+    assert sum(w.count(marker) for w in waits) == 8  # one per stage
+    assert not [w for w in waits if w.endswith(marker)]  # never sent alone or last
+    assert sum(w.endswith(f"{marker} + COMMIT") for w in waits) >= 6
+
+
+def test_a_connection_lost_before_a_deferred_write_fails_the_commit_as_an_outage(
+        scratch: Store) -> None:
+    """The backend dies while a write waits: the commit raises the driver's
+    OperationalError on an invalidated connection (a worker retries it as a store
+    outage), nothing is kept, and the next transaction gets a new connection."""
+    from sqlalchemy.exc import OperationalError
+
+    from investigation.store.engine import deferred
+
+    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    admin = Store(scratch.url)
+    try:
+        with pytest.raises(OperationalError) as caught, scratch.session() as s:
+            pid = s.execute(text("SELECT pg_backend_pid()")).scalar()
+            s.connection().execute(write, {"id": 1})
+            with admin.engine.begin() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    finally:
+        admin.dispose()
+    assert caught.value.connection_invalidated
+    with scratch.session() as s:
+        s.connection().execute(write, {"id": 2})
     assert _ids(scratch) == [2]
