@@ -230,7 +230,9 @@ def deferred(statement: Any) -> Any:
     :data:`DEFERRED`. An INSERT is made ``inline``: no primary key is fetched for it.
     An error it raises (a unique violation: another runner wrote the row) surfaces at
     the transaction's next statement or at its commit, as a
-    :class:`~sqlalchemy.exc.DBAPIError` like any other."""
+    :class:`~sqlalchemy.exc.DBAPIError` like any other (naming that statement's SQL,
+    not the write's). Outside a transaction of its own (autocommit, a savepoint) it runs
+    at once."""
     if hasattr(statement, "inline"):
         statement = statement.inline()
     return statement.execution_options(**{DEFERRED: True})
@@ -251,10 +253,12 @@ def _begin_with_first_statement(engine: Engine) -> None:
     ``isolation_level="AUTOCOMMIT"`` explicitly (``Store.read_one``, ``Store.reading``)
     gets no ``BEGIN``: each statement stands alone, as before.
 
-    A statement executed with :data:`DEFERRED` inside an open transaction is not sent: it
-    waits on its connection and goes out, in order, in one pipeline exchange with the
+    A statement executed with :data:`DEFERRED` inside an open transaction (not on an
+    autocommit connection, not inside a savepoint) is not sent: it waits on its connection and goes out, in order, in one pipeline exchange with the
     next statement, or with ``COMMIT`` when the transaction ends (the driver's own
-    ``commit()`` is not called then); a rollback drops it (decision 130). A stage's marker, the last write of every stage transaction, costs
+    ``commit()`` is not called then; when a write fails, the aborted transaction is
+    rolled back there, as a failed ``COMMIT`` would have ended it); a rollback drops it
+    (decision 130). A stage's marker, the last write of every stage transaction, costs
     no round trip of its own.
 
     Raises:
@@ -266,7 +270,7 @@ def _begin_with_first_statement(engine: Engine) -> None:
     """
     from psycopg.pq import TransactionStatus
 
-    idle = TransactionStatus.IDLE
+    idle, in_error = TransactionStatus.IDLE, TransactionStatus.INERROR
     pending: weakref.WeakSet[Any] = weakref.WeakSet()
     waiting: weakref.WeakKeyDictionary[Any, list[tuple[str, Any]]] = \
         weakref.WeakKeyDictionary()
@@ -296,10 +300,18 @@ def _begin_with_first_statement(engine: Engine) -> None:
         if not writes:
             commit_alone(connection)
             return
-        with raw.pipeline():
-            for statement, parameters in writes:
-                raw.execute(statement, parameters)
-            raw.execute(PG_COMMIT)
+        try:
+            with raw.pipeline():
+                for statement, parameters in writes:
+                    raw.execute(statement, parameters)
+                raw.execute(PG_COMMIT)
+        except Exception:
+            # A write failed, so the pipeline skipped COMMIT: the transaction is aborted,
+            # not ended. End it, as a failed COMMIT does, or the pool would keep the
+            # connection inside it (SQLAlchemy counts the transaction as finished).
+            if not raw.closed and raw.info.transaction_status == in_error:
+                raw.rollback()
+            raise
         # The server is idle now: the driver's commit() would send nothing.
 
     dialect.do_commit = _do_commit  # type: ignore[method-assign,assignment]
@@ -337,6 +349,13 @@ def _begin_with_first_statement(engine: Engine) -> None:
                     + context.statement[:80])
         return False
 
+    def _may_wait(root: Connection) -> bool:
+        """A deferred write waits only in an open transaction of its own: not on an
+        autocommit connection (nothing would send it), nor inside a savepoint (its error
+        must be raised there, where a ``begin_nested`` block can roll it back)."""
+        return root.in_transaction() and not root.in_nested_transaction() and \
+            root.get_execution_options().get("isolation_level") != "AUTOCOMMIT"
+
     def _send_waiting(raw: Any) -> None:
         """Send the writes waiting on ``raw`` before a statement that cannot join them."""
         writes = waiting.pop(raw, None)
@@ -350,7 +369,7 @@ def _begin_with_first_statement(engine: Engine) -> None:
         raw = cursor.connection
         begin = _check(raw, context)
         if not begin and context is not None and context.execution_options.get(DEFERRED) \
-                and context.root_connection.in_transaction():
+                and _may_wait(context.root_connection):
             waiting.setdefault(raw, []).append((statement, parameters))
             return True
         writes = waiting.pop(raw, None)

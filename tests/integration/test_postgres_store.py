@@ -484,3 +484,45 @@ def test_a_connection_lost_before_a_deferred_write_fails_the_commit_as_an_outage
     with scratch.session() as s:
         s.connection().execute(write, {"id": 2})
     assert _ids(scratch) == [2]
+
+
+def test_a_failed_deferred_commit_leaves_the_pooled_connection_clean(scratch: Store) -> None:
+    """SQLAlchemy's own pattern (``commit()`` with no rollback after it fails): the next
+    transaction on the same pooled connection is not inside the aborted one."""
+    from sqlalchemy.exc import IntegrityError
+    from sqlmodel import Session
+
+    from investigation.store.engine import deferred
+
+    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    with scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (1)"))
+    with pytest.raises(IntegrityError), Session(scratch.engine) as s:
+        s.execute(text("SELECT 1"))
+        s.connection().execute(write, {"id": 1})
+        s.commit()
+    with scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (2)"))
+    assert _ids(scratch) == [1, 2]
+
+
+def test_a_deferred_write_in_a_savepoint_or_in_autocommit_runs_at_once(
+        scratch: Store) -> None:
+    """In a savepoint the write's error is raised inside it, which rolls back to the
+    savepoint and lets the transaction go on; on an autocommit connection, where no
+    commit would send it, it stands alone."""
+    from sqlalchemy.exc import IntegrityError
+
+    from investigation.store.engine import deferred
+
+    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    with scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (1)"))
+    with scratch.session() as s:
+        s.execute(text("INSERT INTO scratch VALUES (2)"))
+        with pytest.raises(IntegrityError), s.begin_nested():
+            s.connection().execute(write, {"id": 1})
+        s.execute(text("INSERT INTO scratch VALUES (3)"))
+    with scratch.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(write, {"id": 9})
+    assert _ids(scratch) == [1, 2, 3, 9]
