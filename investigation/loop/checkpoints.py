@@ -43,7 +43,14 @@ from investigation.errors import InvestigationError, StoreError
 from investigation.loop.outcome import StepKey
 from investigation.store import blobs
 from investigation.store.blobs import ByteCache
-from investigation.store.engine import RevisionColumns, Store, core, sha256_hex, table_of
+from investigation.store.engine import (
+    RevisionColumns,
+    Store,
+    core,
+    deferred,
+    sha256_hex,
+    table_of,
+)
 from investigation.store.models import (
     Artifact,
     BudgetAccount,
@@ -178,7 +185,9 @@ _STATE_QUESTIONS = sa_select(
     col(Question.question_id), col(Question.hypothesis_id), col(Question.status)).where(
     col(Question.case_id) == bindparam("case_id"),
     col(Question.revision) == bindparam("revision")).order_by(col(Question.ordinal))
-_CHECKPOINT_INSERT = insert(table_of(Checkpoint))
+#: Nobody reads the insert's result: on PostgreSQL it goes out with publishing's next
+#: statement (decision 130); a second publisher's unique violation is raised there.
+_CHECKPOINT_INSERT = deferred(insert(table_of(Checkpoint)))
 _PARENT_DIGEST = sa_select(col(Checkpoint.archive_digest)).where(
     col(Checkpoint.case_id) == bindparam("case_id"), col(Checkpoint.seq) == bindparam("seq"))
 _EV = table_of(Evidence).c
@@ -524,7 +533,8 @@ def publish(s: Session, key: StepKey, case: CaseRecord, state: dict[str, Any],
         previous, key.case_id, cp, digest, context_sha256,
         text_sha256(build_context_text) if build_context_text is not None else None)
     # Checkpoints are append-only rows the ORM never writes: one Core INSERT of every
-    # column (a second publisher fails here on the unique (case_id, seq)).
+    # column (a second publisher fails on the unique (case_id, seq), here on SQLite, at
+    # the transaction's next statement on PostgreSQL, decision 130).
     core(s).execute(_CHECKPOINT_INSERT, {
         "case_id": key.case_id, "revision": cp.revision, "seq": cp.seq,
         "parent_hash": cp.parent_hash, "hash": cp.hash, "state_path": cp.state_path,

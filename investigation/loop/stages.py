@@ -80,7 +80,7 @@ from investigation.loop.stagebase import SKIPPED, StageFramework, _AlreadyRecord
 from investigation.loop.summary import write_summary
 from investigation.loop.validation import validate_reply
 from investigation.secrets import default_masker
-from investigation.store.engine import Store, core, table_of
+from investigation.store.engine import Store, core, deferred, table_of
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -111,7 +111,9 @@ _BIRTHS = sa_select(
     newest_balance_of(_BIRTH.hypothesis_id).label("ledger_balance")).where(
     _BIRTH.case_id == bindparam("case_id"), _BIRTH.revision == bindparam("revision")) \
     .order_by(_BIRTH.hypothesis_id)
-_PLAN_INSERT = insert(table_of(Plan))
+#: Nobody reads the insert's result: on PostgreSQL it goes out with the marker and the
+#: COMMIT (decision 130).
+_PLAN_INSERT = deferred(insert(table_of(Plan)))
 _CASES = table_of(CaseRecord)
 #: Publishing's compare-and-set of the case head (the values come with the parameters).
 _CASE_PUBLISH = _CASES.update().where(_CASES.c.id == bindparam("id_"),

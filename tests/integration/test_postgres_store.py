@@ -445,7 +445,8 @@ def test_a_deferred_write_of_a_rolled_back_transaction_is_never_sent(
 def test_a_stage_marker_costs_no_round_trip_of_its_own(tmp_path: Path,
                                                        postgres_url: str) -> None:
     """Every stage transaction ends with its marker: it goes out with the COMMIT, or
-    with the ORM's flush of the stage's changed rows that comes before the COMMIT."""
+    with the ORM's flush of the stage's changed rows that comes before the COMMIT. The
+    plan row and the checkpoint row go out with what follows them too."""
     case = make_case(tmp_path / "markers", database_url=postgres_url)
     investigator = case.investigator()
     investigator.step(case.case_id)  # the first step opens the snapshot, the replay ...
@@ -459,6 +460,10 @@ def test_a_stage_marker_costs_no_round_trip_of_its_own(tmp_path: Path,
     assert sum(w.count(marker) for w in waits) == 8  # one per stage
     assert not [w for w in waits if w.endswith(marker)]  # never sent alone or last
     assert sum(w.endswith(f"{marker} + COMMIT") for w in waits) >= 6
+    for table in ("plan", "checkpoint"):
+        sent = [w for w in waits if f"INSERT INTO {table} " in w]
+        assert len(sent) == 1 and not sent[0].split(" + ")[-1].startswith(
+            f"INSERT INTO {table} "), sent
 
 
 def test_a_connection_lost_before_a_deferred_write_fails_the_commit_as_an_outage(
