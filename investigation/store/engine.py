@@ -190,7 +190,7 @@ def make_engine(url: str) -> Engine:
     # The driver runs in autocommit; a transaction's BEGIN is sent by the engine, in one
     # round trip with the transaction's first statement (decision 128).
     engine = create_engine(url, pool_size=5, max_overflow=5, isolation_level="AUTOCOMMIT")
-    _begin_with_first_statement(engine)
+    _pipelined_transactions(engine)
 
     @event.listens_for(engine, "checkout")
     def _ping_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
@@ -238,7 +238,7 @@ def deferred(statement: Any) -> Any:
     return statement.execution_options(**{DEFERRED: True})
 
 
-def _begin_with_first_statement(engine: Engine) -> None:
+def _pipelined_transactions(engine: Engine) -> None:
     """PostgreSQL: open each transaction with its first statement, in one round trip, and
     send deferred writes with what follows them.
 
@@ -254,12 +254,12 @@ def _begin_with_first_statement(engine: Engine) -> None:
     gets no ``BEGIN``: each statement stands alone, as before.
 
     A statement executed with :data:`DEFERRED` inside an open transaction (not on an
-    autocommit connection, not inside a savepoint) is not sent: it waits on its connection and goes out, in order, in one pipeline exchange with the
-    next statement, or with ``COMMIT`` when the transaction ends (the driver's own
-    ``commit()`` is not called then; when a write fails, the aborted transaction is
-    rolled back there, as a failed ``COMMIT`` would have ended it); a rollback drops it
-    (decision 130). A stage's marker, the last write of every stage transaction, costs
-    no round trip of its own.
+    autocommit connection, not inside a savepoint) is not sent: it waits on its
+    connection and goes out, in order, in one pipeline exchange with the next statement,
+    or with ``COMMIT`` when the transaction ends (the driver's own ``commit()`` is not
+    called then; when a write fails, the aborted transaction is rolled back there, as a
+    failed ``COMMIT`` would have ended it); a rollback drops it (decision 130). A stage's
+    marker, the last write of every stage transaction, costs no round trip of its own.
 
     Raises:
         StoreError: ``STORE_TRANSACTION_NOT_OPEN`` when a statement would run outside the
