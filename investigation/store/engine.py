@@ -188,7 +188,8 @@ def make_engine(url: str) -> Engine:
 
         return engine
     # The driver runs in autocommit; a transaction's BEGIN is sent by the engine, in one
-    # round trip with the transaction's first statement (decision 128).
+    # round trip with the transaction's first statement (decision 128), and a deferred
+    # write with what follows it (decision 130).
     engine = create_engine(url, pool_size=5, max_overflow=5, isolation_level="AUTOCOMMIT")
     _pipelined_transactions(engine)
 
@@ -226,16 +227,14 @@ DEFERRED = "investigation_deferred"
 
 
 def deferred(statement: Any) -> Any:
-    """``statement`` (an INSERT or UPDATE whose result the caller never reads) marked
-    :data:`DEFERRED`. An INSERT is made ``inline``: no primary key is fetched for it.
+    """``statement`` (an INSERT whose result the caller never reads) made ``inline``, so
+    that no primary key is fetched for it, and marked :data:`DEFERRED`.
     An error it raises (a unique violation: another runner wrote the row) surfaces at
     the transaction's next statement or at its commit, as a
     :class:`~sqlalchemy.exc.DBAPIError` like any other (naming that statement's SQL,
     not the write's). Outside a transaction of its own (autocommit, a savepoint) it runs
     at once."""
-    if hasattr(statement, "inline"):
-        statement = statement.inline()
-    return statement.execution_options(**{DEFERRED: True})
+    return statement.inline().execution_options(**{DEFERRED: True})
 
 
 def _pipelined_transactions(engine: Engine) -> None:
@@ -275,6 +274,12 @@ def _pipelined_transactions(engine: Engine) -> None:
     waiting: weakref.WeakKeyDictionary[Any, list[tuple[str, Any]]] = \
         weakref.WeakKeyDictionary()
 
+    def _send(raw: Any, writes: list[tuple[str, Any]]) -> None:
+        """Queue ``writes`` (the driver's statements and parameters) in ``raw``'s open
+        pipeline, in order."""
+        for statement, parameters in writes:
+            raw.execute(statement, parameters)
+
     @event.listens_for(engine, "begin")
     def _mark(conn: Connection) -> None:
         if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
@@ -302,8 +307,7 @@ def _pipelined_transactions(engine: Engine) -> None:
             return
         try:
             with raw.pipeline():
-                for statement, parameters in writes:
-                    raw.execute(statement, parameters)
+                _send(raw, writes)
                 raw.execute(PG_COMMIT)
         except Exception:
             # A write failed, so the pipeline skipped COMMIT: the transaction is aborted,
@@ -361,8 +365,7 @@ def _pipelined_transactions(engine: Engine) -> None:
         writes = waiting.pop(raw, None)
         if writes:
             with raw.pipeline():
-                for statement, parameters in writes:
-                    raw.execute(statement, parameters)
+                _send(raw, writes)
 
     @event.listens_for(engine, "do_execute")
     def _execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
@@ -378,8 +381,7 @@ def _pipelined_transactions(engine: Engine) -> None:
         with raw.pipeline():
             if begin:
                 raw.execute(PG_BEGIN)
-            for waiting_statement, waiting_parameters in writes or ():
-                raw.execute(waiting_statement, waiting_parameters)
+            _send(raw, writes or [])
             cursor.execute(statement, parameters)
         return True
 
