@@ -127,37 +127,44 @@ def _copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _walk(schema: Any, fn: Any) -> Any:
-    """Apply ``fn`` bottom-up to every sub-schema (dicts under the schema keywords)."""
+def _walk(schema: Any, fn: Any, keep: frozenset[str] | None = None) -> Any:
+    """Apply ``fn`` bottom-up to every sub-schema (dicts under the schema keywords).
+
+    ``keep``: the only keywords the copies hold (others are neither copied nor walked).
+    """
     if isinstance(schema, list):
-        return [_walk(s, fn) for s in schema]
+        return [_walk(s, fn, keep) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
+        if keep is not None and key not in keep:
+            continue
         if key == "properties" and isinstance(value, dict):
-            out[key] = {k: _walk(v, fn) for k, v in value.items()}
+            out[key] = {k: _walk(v, fn, keep) for k, v in value.items()}
         elif key in ("items", "additionalProperties") and isinstance(value, dict):
-            out[key] = _walk(value, fn)
+            out[key] = _walk(value, fn, keep)
         elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
-            out[key] = [_walk(v, fn) for v in value]
+            out[key] = [_walk(v, fn, keep) for v in value]
         elif key == "$defs" and isinstance(value, dict):
-            out[key] = {k: _walk(v, fn) for k, v in value.items()}
+            out[key] = {k: _walk(v, fn, keep) for k, v in value.items()}
         else:
             out[key] = _copy(value)
     return fn(out)
 
 
+def _capped(node: dict[str, Any], max_chars: int) -> dict[str, Any]:
+    """``node`` (a copy, changed in place) with its string length capped at ``max_chars``."""
+    if node.get("type") == "string" and "enum" not in node and "const" not in node:
+        node["maxLength"] = min(int(node.get("maxLength", max_chars)), max_chars)
+        if "minLength" in node:
+            node["minLength"] = min(int(node["minLength"]), node["maxLength"])
+    return node
+
+
 def cap_strings(schema: dict[str, Any], max_chars: int) -> dict[str, Any]:
     """Every ``maxLength`` at most ``max_chars``, one set on every unbounded string."""
-    def cap(node: dict[str, Any]) -> dict[str, Any]:
-        if node.get("type") == "string" and "enum" not in node and "const" not in node:
-            node["maxLength"] = min(int(node.get("maxLength", max_chars)), max_chars)
-            if "minLength" in node:
-                node["minLength"] = min(int(node["minLength"]), node["maxLength"])
-        return node
-
-    result: dict[str, Any] = _walk(schema, cap)
+    result: dict[str, Any] = _walk(schema, lambda node: _capped(node, max_chars))
     return result
 
 
@@ -178,6 +185,8 @@ def grammar_friendly(schema: dict[str, Any], max_chars: int) -> dict[str, Any]:
     name with a quote in a hostile snapshot) becomes a plain string of that length (the
     validator still checks the name)."""
     def per_node(node: dict[str, Any]) -> dict[str, Any]:
+        # One walk: each node is capped (as :func:`cap_strings`), then rewritten.
+        node = _capped(node, max_chars)
         values = node.get("enum")
         if isinstance(values, list) and not all(_grammar_safe(v) for v in values):
             longest = max(len(v) for v in values if isinstance(v, str))
@@ -191,7 +200,7 @@ def grammar_friendly(schema: dict[str, Any], max_chars: int) -> dict[str, Any]:
                 return rest
         return node
 
-    result: dict[str, Any] = _walk(cap_strings(schema, max_chars), per_node)
+    result: dict[str, Any] = _walk(schema, per_node)
     return result
 
 
@@ -221,8 +230,10 @@ def openai_strict(schema: dict[str, Any]) -> dict[str, Any]:
     alone), every object with ``additionalProperties: false`` and every property
     required, a property that was optional made nullable (``anyOf [X, {"type": "null"}]``),
     and only :data:`OPENAI_STRICT_KEYWORDS`."""
+    enums: list[dict[str, Any]] = []  # the nodes with an enum, as _walk visits them
+
     def strict(node: dict[str, Any]) -> dict[str, Any]:
-        node = {k: v for k, v in node.items() if k in OPENAI_STRICT_KEYWORDS}
+        # ``node`` is a new dict of the strict keywords only (``_walk``'s ``keep``).
         if node.get("type") == "object":
             properties = node.get("properties", {})
             required = set(node.get("required", []))
@@ -232,48 +243,25 @@ def openai_strict(schema: dict[str, Any]) -> dict[str, Any]:
             node["properties"] = properties
             node["required"] = list(properties)
             node["additionalProperties"] = False
+        if isinstance(node.get("enum"), list):
+            enums.append(node)
         return node
 
-    result: dict[str, Any] = _fit_openai_enums(_walk(_merge_roots(schema), strict))
+    walked = _walk(_merge_roots(schema), strict, OPENAI_STRICT_KEYWORDS)
+    result: dict[str, Any] = _fit_openai_enums(walked, enums)
     return result
 
 
-def _enum_nodes(schema: Any) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = []
-
-    def visit(node: dict[str, Any]) -> dict[str, Any]:
-        if isinstance(node.get("enum"), list):
-            found.append(node)
-        return node
-
-    _walk_in_place(schema, visit)
-    return found
-
-
-def _walk_in_place(schema: Any, fn: Any) -> None:
-    """Call ``fn`` on every sub-schema of ``schema`` (the same keys as :func:`_walk`)."""
-    if isinstance(schema, list):
-        for sub in schema:
-            _walk_in_place(sub, fn)
-        return
-    if not isinstance(schema, dict):
-        return
-    for key, value in schema.items():
-        if key in ("properties", "$defs") and isinstance(value, dict):
-            for sub in value.values():
-                _walk_in_place(sub, fn)
-        elif (key in ("items", "additionalProperties") and isinstance(value, dict)) or (key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list)):
-            _walk_in_place(value, fn)
-    fn(schema)
-
-
-def _fit_openai_enums(schema: dict[str, Any]) -> dict[str, Any]:
+def _fit_openai_enums(schema: dict[str, Any], nodes: list[dict[str, Any]]) -> dict[str, Any]:
     """Widen enums until the schema is within OpenAI's enum limits: a string enum of more
     than :data:`OPENAI_LONG_ENUM_VALUES` values longer than
     :data:`OPENAI_MAX_LONG_ENUM_CHARS` in total becomes a plain string, then the largest
     enums become plain strings (or integer ranges) until all hold at most
     :data:`OPENAI_MAX_ENUM_VALUES` values. The validator still checks every value (a
-    snapshot with thousands of tables, a hypothesis with many questions)."""
+    snapshot with thousands of tables, a hypothesis with many questions).
+
+    ``nodes``: the schema's nodes holding an enum, children before their parent and in
+    key order (the order :func:`_walk` visits them)."""
     def widen(node: dict[str, Any]) -> None:
         values = node.pop("enum")
         if values and all(type(v) is int for v in values):
@@ -281,7 +269,6 @@ def _fit_openai_enums(schema: dict[str, Any]) -> dict[str, Any]:
         else:
             node["type"] = "string"
 
-    nodes = _enum_nodes(schema)
     for node in nodes:
         values = node["enum"]
         if len(values) > OPENAI_LONG_ENUM_VALUES and sum(
