@@ -23,6 +23,7 @@ header and the carried-back reply a space follows it (:func:`neutralize`).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -108,7 +109,16 @@ def _cut(text: str, limit: int = _QUOTE_CHARS) -> str:
 
 
 def _args(arguments: Any) -> str:
-    return _cut(json.dumps(arguments, ensure_ascii=False, sort_keys=True), 200)
+    """A query's arguments as the header shows them (``json.dumps`` with its default
+    separators, keys sorted, cut at 200 characters)."""
+    return _args_shown(jsonio.dumps(arguments))
+
+
+@functools.lru_cache(maxsize=4096)
+def _args_shown(canonical: bytes) -> str:
+    # Keyed by the arguments' canonical JSON: a header lists the hypothesis's last 20
+    # queries, all but one of them listed at its previous turn too.
+    return _cut(json.dumps(json.loads(canonical), ensure_ascii=False, sort_keys=True), 200)
 
 
 def turn_header(context: dict[str, Any]) -> str:
