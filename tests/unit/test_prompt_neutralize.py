@@ -5,6 +5,7 @@ nor ``INST]``: each spelling holds one of them)."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -30,3 +31,24 @@ def test_json_keeps_its_value_and_loses_every_spelling(value: str) -> None:
     shown = neutralize_json(text)
     assert json.loads(shown) == {"statement": value}
     assert CONTROL_TOKENS.search(shown) is None
+
+
+def _by_pattern(text: str, first: str) -> str:
+    """What the pattern alone gives: the reference the candidate scan must equal."""
+    if first == "space":
+        return CONTROL_TOKENS.sub(lambda m: m.group(0)[0] + " " + m.group(0)[1:], text)
+    return CONTROL_TOKENS.sub(lambda m: f"\\u{ord(m.group(0)[0]):04x}" + m.group(0)[1:], text)
+
+
+def test_the_candidate_scan_equals_the_pattern_on_random_and_crowded_text() -> None:
+    # Only the positions of '<' and of 'INST]' are tried when they are few; overlapping
+    # and adjacent spellings ('<<|', '<<SYS>>', '[[INST]') must come out as re.sub's.
+    pieces = ["<", "|", "[", "/", "INST", "]", "<<", "SYS", ">>", "s", ">", "start", "end",
+              "_of_turn", "x", " ", "<|", "[INST]", "</s>", "é", "\n"]
+    rng = random.Random(13)
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
+             for _ in range(20_000)]
+    texts += ["<" * 100 + "<|x [INST]", "[INST]" * 70 + "<s>", "a" * 5000 + "<|b"]
+    for text in texts:
+        assert neutralize(text) == _by_pattern(text, "space"), text
+        assert neutralize_json(text) == _by_pattern(text, "escape"), text
