@@ -36,7 +36,7 @@ the same bytes. Its shape (keys in canonical order when serialised):
 from __future__ import annotations
 
 import functools
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import bindparam, func, union_all
 from sqlalchemy import select as sa_select
@@ -70,6 +70,27 @@ _EVIDENCE_COLUMNS = (
     col(Evidence.arguments_json), col(Evidence.item_count), col(Evidence.new_item_count),
     col(Evidence.duplicate), col(Evidence.warnings_json), col(Evidence.assessed),
     col(Evidence.cost_units), col(Evidence.ordinal))
+
+
+class _Listed(NamedTuple):
+    """One listed evidence row (the columns of ``_EVIDENCE_COLUMNS``, in their order): a
+    plain tuple, whose fields read in tens of nanoseconds where a SQLAlchemy ``Row``'s
+    attributes take about 300 (a long case's context lists 48 records, each read ten
+    times)."""
+
+    evidence_id: str
+    hypothesis_id: int
+    operation: str
+    arguments_json: str
+    item_count: int
+    new_item_count: int
+    duplicate: bool
+    warnings_json: str
+    assessed: bool
+    cost_units: int
+    ordinal: int
+
+
 _OF_REVISION = (col(Evidence.case_id) == bindparam("case_id"),
                 col(Evidence.revision) == bindparam("revision"))
 # The newest records of the selected hypothesis and of the others, newest first, each
@@ -104,13 +125,15 @@ def _parsed(text: str) -> Any:
     return jsonio.loads(text)
 
 
-def _evidence_entry(e: Any, findings_json: str | None) -> dict[str, Any]:
+def _evidence_entry(e: _Listed, findings_json: str | None) -> dict[str, Any]:
+    (evidence_id, hypothesis_id, operation, arguments_json, item_count, new_item_count,
+     duplicate, warnings_json, assessed, _, _) = e
     entry: dict[str, Any] = {
-        "evidence_id": e.evidence_id, "hypothesis_id": e.hypothesis_id,
-        "operation": e.operation, "arguments": _parsed(e.arguments_json),
-        "item_count": e.item_count, "new_item_count": e.new_item_count,
-        "duplicate": e.duplicate, "warnings": _parsed(e.warnings_json),
-        "assessed": e.assessed,
+        "evidence_id": evidence_id, "hypothesis_id": hypothesis_id,
+        "operation": operation, "arguments": _parsed(arguments_json),
+        "item_count": item_count, "new_item_count": new_item_count,
+        "duplicate": duplicate, "warnings": _parsed(warnings_json),
+        "assessed": assessed,
     }
     if findings_json is not None:
         entry["items"] = jsonio.loads(findings_json)
@@ -421,7 +444,7 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
 
 def _listed_evidence(s: Session, key: StepKey, config: InvestigationConfig, selected: int,
                      account: BudgetAccount,
-                     evidence_count: int | None = None) -> tuple[list[Any], int]:
+                     evidence_count: int | None = None) -> tuple[list[_Listed], int]:
     """The evidence rows a context lists, in creation order, and how many it leaves out.
 
     The selected hypothesis's newest ``limits.own_evidence_in_context`` records (its
@@ -434,17 +457,18 @@ def _listed_evidence(s: Session, key: StepKey, config: InvestigationConfig, sele
     params = {"case_id": key.case_id, "revision": key.revision, "hid": selected}
     conn = core(s)
     if limits.other_evidence_in_context:
-        both = conn.execute(_WINDOWS, {**params, "limit": limits.own_evidence_in_context,
-                                       "other_limit": limits.other_evidence_in_context}).all()
+        both = [_Listed(*row) for row in conn.execute(_WINDOWS, {
+            **params, "limit": limits.own_evidence_in_context,
+            "other_limit": limits.other_evidence_in_context})]
         own = [e for e in both if e.hypothesis_id == selected]
         other = [e for e in both if e.hypothesis_id != selected]
     else:
-        own, other = list(conn.execute(_OWN_EVIDENCE, {
-            **params, "limit": limits.own_evidence_in_context})), []
+        own, other = [_Listed(*row) for row in conn.execute(_OWN_EVIDENCE, {
+            **params, "limit": limits.own_evidence_in_context})], []
     pending_id = account.pending_evidence_id
     if pending_id is not None and all(e.evidence_id != pending_id for e in own):
-        own += conn.execute(_PENDING_EVIDENCE, {"case_id": key.case_id, "revision": key.revision,
-                                             "evidence_id": pending_id}).all()
+        own += [_Listed(*row) for row in conn.execute(_PENDING_EVIDENCE, {
+            "case_id": key.case_id, "revision": key.revision, "evidence_id": pending_id})]
     rows = sorted(own + other, key=lambda e: e.ordinal)
     if len(own) < limits.own_evidence_in_context and \
             len(other) < limits.other_evidence_in_context:
