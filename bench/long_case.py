@@ -9,7 +9,9 @@ the case early (iterations per hypothesis, results without novelty, credit). The
 a stub provider that answers at once with a valid reply derived from the context it is
 sent (an assessment of the previous result, a cheap ``source.read``/``source.search``/
 ``source.list`` query, now and then a new or resolved question); its own time is
-subtracted, so the figures are the engine's.
+subtracted, so the figures are the engine's. The process's cyclic collector is tuned as
+the product's stage-running processes tune theirs (``workers.runtime.tune_collector``,
+decision 131: a worker's main process before it forks its pool, the embedded CLI).
 
 Prints, with the target beside each figure:
 
@@ -337,7 +339,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     from investigation.llm.gateway import LLMGateway
     from investigation.loop.env import StageEnv
     from investigation.loop.investigator import Investigator
+    from workers.runtime import tune_collector
 
+    tune_collector()  # as a worker and the embedded CLI do (decision 131)
     work = Path(tempfile.mkdtemp(prefix="long-case-"))
     url = args.database_url or f"sqlite:///{work / 'store.db'}"
     try:
