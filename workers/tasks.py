@@ -327,8 +327,11 @@ def step_chain(payload: dict[str, Any], token: str, start: str | None = None) ->
 
     stages = STAGES[STAGES.index(start):] if start else STAGES
     first, *rest = stages
+    # With a keyword argument Celery builds the chain from the list as it is; without
+    # one it folds the signatures with ``|`` one at a time, copying the chain so far at
+    # each (about 0.2 ms per step's chain). The message is the same.
     return chain(sig(STAGE_TASKS[first], first, payload),
-                 *(sig(STAGE_TASKS[s], s) for s in rest), sig(advance, "advance"))
+                 *(sig(STAGE_TASKS[s], s) for s in rest), sig(advance, "advance"), app=app)
 
 
 def new_payload(case_id: str, steps_left: int, mode: str,
