@@ -235,6 +235,10 @@ def openai_strict(schema: dict[str, Any]) -> dict[str, Any]:
     def strict(node: dict[str, Any]) -> dict[str, Any]:
         # ``node`` is a new dict of the strict keywords only (``_walk``'s ``keep``).
         if node.get("type") == "object":
+            dropped = node.get("additionalProperties")
+            if isinstance(dropped, dict):  # replaced below: its enums leave the schema
+                gone = _dict_ids(dropped)
+                enums[:] = [n for n in enums if id(n) not in gone]
             properties = node.get("properties", {})
             required = set(node.get("required", []))
             for key, prop in properties.items():
@@ -250,6 +254,20 @@ def openai_strict(schema: dict[str, Any]) -> dict[str, Any]:
     walked = _walk(_merge_roots(schema), strict, OPENAI_STRICT_KEYWORDS)
     result: dict[str, Any] = _fit_openai_enums(walked, enums)
     return result
+
+
+def _dict_ids(value: Any) -> set[int]:
+    """The ids of every dict in a JSON value, ``value`` itself included."""
+    found: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            found.add(id(item))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
 
 
 def _fit_openai_enums(schema: dict[str, Any], nodes: list[dict[str, Any]]) -> dict[str, Any]:

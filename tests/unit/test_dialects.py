@@ -188,3 +188,24 @@ def test_representative_schemas_are_stored_with_the_tests() -> None:
     # cover a first turn, a turn with a pending result and support, and a closing turn.
     assert set(SCHEMAS) >= {"first_turn", "pending_with_support", "closing"}
     assert Path(__file__).resolve().parents[1].joinpath("turn_schemas.py").exists()
+
+
+def test_openai_enum_limits_count_only_the_enums_that_stay_in_the_schema() -> None:
+    # A dict ``additionalProperties`` becomes ``false``: its 600 enum values leave the
+    # schema and must not push the 700 that stay over the limit of 1000.
+    schema = {"type": "object",
+              "properties": {"a": {"type": "string", "enum": [f"a{i}" for i in range(700)]}},
+              "required": ["a"],
+              "additionalProperties": {"type": "string",
+                                       "enum": [f"b{i}" for i in range(600)]}}
+    strict = dialects.openai_strict(schema)
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["a"] == schema["properties"]["a"]
+    # Both kept (a nested object's open map dropped nothing): together they are widened.
+    nested = {"type": "object", "properties": {
+        "a": schema["properties"]["a"],
+        "b": {"type": "string", "enum": [f"b{i}" for i in range(600)]}},
+        "required": ["a", "b"], "additionalProperties": False}
+    widened = dialects.openai_strict(nested)
+    assert sum(len(p.get("enum", [])) for p in widened["properties"].values()) \
+        <= OPENAI_MAX_ENUM_VALUES
