@@ -136,7 +136,11 @@ def _cut(text: str, limit: int = _QUOTE_CHARS) -> str:
 def _args(arguments: Any) -> str:
     """A query's arguments as the header shows them (``json.dumps`` with its default
     separators, keys sorted, cut at 200 characters)."""
-    return _args_shown(jsonio.dumps(arguments))
+    try:
+        canonical = jsonio.dumps(arguments)
+    except (ValueError, TypeError, UnicodeError):  # a NaN, a lone surrogate: not cached
+        return _cut(json.dumps(arguments, ensure_ascii=False, sort_keys=True), 200)
+    return _args_shown(canonical)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -52,3 +52,18 @@ def test_the_candidate_scan_equals_the_pattern_on_random_and_crowded_text() -> N
     for text in texts:
         assert neutralize(text) == _by_pattern(text, "space"), text
         assert neutralize_json(text) == _by_pattern(text, "escape"), text
+
+
+@pytest.mark.parametrize("arguments", [
+    {"path": "src/app.py", "start_line": 1, "end_line": 40},
+    {"b": [1.5, -0.0, 10**30], "a": {"é": "x" * 300}},  # sorted keys, cut at 200
+    {"x": float("nan")},  # never stored (the contract refuses it), still shown as before
+    {"q": "\ud800"},  # a lone surrogate: likewise
+])
+def test_a_querys_arguments_show_as_sorted_json(arguments: dict[str, object]) -> None:
+    from investigation.loop.prompt import _args
+
+    want = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+    want = want if len(want) <= 200 else want[:200] + "..."
+    assert _args(arguments) == want
+    assert _args(arguments) == want  # the cached second reading
