@@ -26,6 +26,10 @@ does, by a factor of two over minutes) slows both alike.
 ``durability="sync"`` (``bench/langgraph_step.py``, run in the benchmarks' own environment
 ``.venv-bench``, built by ``make bench-env``; never a dependency of the engine).
 
+Every process measured runs the engine's collector threshold (decision 131): the worker's
+through ``preload``, this one from (a)'s ``workers.runtime.embedded`` on (so the bare
+``Investigator.step`` too), LangGraph's process by its own setting.
+
 (b) and (c) run in ``--rounds`` rounds (default 3), each of ``--cases`` engine cases beside
 ``--steps`` bare chains; the Redis ratio is the median of the rounds' ratios, printed with
 each round's (a single round moved by 0.1-0.4 between runs on the 2-core machine).
