@@ -165,8 +165,9 @@ def preload() -> None:
     A child then starts its first stage without that second of imports, shares those
     pages with its parent, and its full collections no longer walk the imported world
     (about 80 ms each). The collector's first-generation threshold is raised
-    (:func:`tune_collector`), for the children too. Nothing built here holds a connection, a thread or a file: each
-    child still builds its own runtime (``worker_process_init``).
+    (:func:`tune_collector`), for the children too. Nothing built here holds a
+    connection, a thread or a file: each child still builds its own runtime
+    (``worker_process_init``).
     """
     from investigation.secrets import default_masker
 
