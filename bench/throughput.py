@@ -4,21 +4,27 @@
 One ``celery worker`` (prefork, two processes) on the Redis broker; ``--cases`` (default
 100) fresh copies of the tests' tiny case (``tests/casekit.py``: five steps, three
 snapshot queries, a scripted model of zero latency) are dispatched at once with
-``workers.tasks.start_dispatch``; the figure is published steps per second from the first
-dispatch to the last case's completion. Beside it, the same number of bare chains (eight
-trivial tasks and a tail, ``bench/bare_chain.py``) enqueued at once on a worker with the
-same options and Celery settings: chains per second, measured right before and right
-after each engine run (the ratio takes their mean, so that a shared machine's drift over
-the minutes of a run slows both alike), each the median of ``--bare-batches`` (default 3)
-runs of that many chains (one run lasts a few seconds: a hiccup of the machine moved a
-single one by half). Target: bare chains per second / engine steps
-per second <= 2.5, on a SQLite store and on PostgreSQL (a fresh schema of ``--postgres``
-dropped afterwards; ``--no-postgres`` skips it).
+``workers.tasks.start_dispatch``; an engine run's figure is published steps per second
+from the first dispatch to the last case's completion. Beside it, the same number of bare
+chains (eight trivial tasks and a tail, ``bench/bare_chain.py``) enqueued at once on a
+worker with the same options and Celery settings: chains per second, each the median of
+``--bare-batches`` (default 3) runs of that many chains (one run lasts a few seconds: a
+hiccup of the machine moved a single one by half).
+
+Side by side, in ``--rounds`` (default 3) rounds per store: bare chains run before the
+first engine run and after every engine run, and a round's ratio is the mean of the
+bare chains right before and right after its engine run over the engine's steps per
+second (a shared machine's speed drifts by up to a factor of two over minutes, which
+moves both alike). The figure is the median of the rounds' ratios; every round is
+printed. Target: bare chains per second / engine steps per second <= 2.5, on a SQLite
+store and on PostgreSQL (a fresh schema of ``--postgres`` per round, dropped afterwards;
+``--no-postgres`` skips it).
 
 Prints figures and ratios with the load average; asserts nothing. The Redis database
 ``--broker-db`` is flushed before and after. Usage (repository root)::
 
-    .venv/bin/python bench/throughput.py [--cases 100] [--broker-db 6] [--bare-batches 3]
+    .venv/bin/python bench/throughput.py [--cases 100] [--rounds 3] [--broker-db 6]
+        [--bare-batches 3]
 """
 
 from __future__ import annotations
@@ -146,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="engine runs per store, each between two bare-chain runs; the "
+                             "figure is the median of their ratios (default 3)")
     parser.add_argument("--bare-batches", type=int, default=3,
                         help="runs of --cases bare chains before and after each engine run; "
                              "their median is the reference (default 3)")
@@ -164,37 +173,50 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     tag = uuid.uuid4().hex[:8]
     figures: dict[str, float] = {}
     lines: list[str] = []
+    summary: list[str] = []
     try:
-        stores = [("SQLite", f"sqlite:///{work / 'sqlite' / 'store.db'}", None)]
+        stores: list[tuple[str, Any]] = [
+            ("SQLite", lambda i: (f"sqlite:///{work / f'sqlite-{i}' / 'store.db'}", None))]
         if not args.no_postgres:
-            url, drop = postgres_schema(args.postgres)
-            stores.append(("PostgreSQL", url, drop))
-        bare_rates: list[tuple[float, str, list[float]]] = []
-        for name, url, drop in stores:
-            # The bare chains run right before and right after each engine run, and the
-            # ratio takes their mean: a shared machine's speed drifts over minutes.
+            stores.append(("PostgreSQL", lambda _i: postgres_schema(args.postgres)))
+
+        def bare() -> tuple[float, str, list[float]]:
             print(f"bare chains: {args.cases} at once, {args.bare_batches} times ...",
                   flush=True)
-            before = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
-                               args.concurrency, args.bare_batches)
-            print(f"engine on {name}: {args.cases} cases at once ...", flush=True)
-            try:
-                rate, load = engine_rate(url, work / name.lower(), args.cases, broker_url,
-                                         f"bench-engine-{name.lower()}-{tag}",
-                                         args.concurrency)
-            finally:
-                if drop is not None:
-                    drop()
-            admin.flushdb()
-            print("bare chains again ...", flush=True)
-            after = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
-                              args.concurrency, args.bare_batches)
-            bare_rates += [before, after]
-            bare = (before[0] + after[0]) / 2
-            figures[f"ratio_{name.lower()}"] = bare / rate
-            lines.append(f"    engine steps/s on {name:10s} {rate:7.1f}   bare chains/s before "
-                         f"and after {before[0]:.1f} and {after[0]:.1f}; mean / engine "
-                         f"steps/s {bare / rate:5.2f}x   (target <= 2.5)   [{load}]")
+            measured = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
+                                 args.concurrency, args.bare_batches)
+            bare_rates.append(measured)
+            return measured
+
+        # Bare chains before the first engine run and after every one: each engine run
+        # is compared with the bare chains right before and right after it.
+        bare_rates: list[tuple[float, str, list[float]]] = []
+        before = bare()
+        for name, store_url in stores:
+            ratios: list[float] = []
+            for i in range(1, max(1, args.rounds) + 1):
+                url, drop = store_url(i)
+                print(f"engine on {name}, round {i}: {args.cases} cases at once ...",
+                      flush=True)
+                try:
+                    rate, load = engine_rate(url, work / f"{name.lower()}-{i}", args.cases,
+                                             broker_url, f"bench-engine-{name.lower()}-{tag}",
+                                             args.concurrency)
+                finally:
+                    if drop is not None:
+                        drop()
+                admin.flushdb()
+                after = bare()
+                ratio = (before[0] + after[0]) / 2 / rate
+                ratios.append(ratio)
+                lines.append(f"    engine steps/s on {name:10s} round {i}  {rate:7.1f}   bare "
+                             f"chains/s before and after {before[0]:.1f} and {after[0]:.1f}; "
+                             f"mean / engine steps/s {ratio:5.2f}x   [{load}]")
+                before = after
+            figures[f"ratio_{name.lower()}"] = statistics.median(ratios)
+            summary.append(f"    bare chains/s / engine steps/s, {name:10s}  "
+                           f"{statistics.median(ratios):5.2f}x   (median of "
+                           f"{', '.join(f'{r:.2f}x' for r in ratios)})   (target <= 2.5)")
     finally:
         admin.flushdb()
         admin.close()
@@ -206,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         print(f"    bare chains/s            {rate:7.1f}   (median of "
               f"{', '.join(f'{r:.1f}' for r in rates)})   [{load}]")
     for line in lines:
+        print(line)
+    for line in summary:
         print(line)
     return figures
 
