@@ -148,14 +148,22 @@ def postgres_schema(base: str) -> tuple[str, Any]:
     return f"{base}?options=-csearch_path%3D{schema}", drop
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", type=int, default=100)
-    parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--cases", type=positive, default=100)
+    parser.add_argument("--concurrency", type=positive, default=2)
+    parser.add_argument("--rounds", type=positive, default=3,
                         help="engine runs per store, each between two bare-chain runs; the "
                              "figure is the median of their ratios (default 3)")
-    parser.add_argument("--bare-batches", type=int, default=3,
+    parser.add_argument("--bare-batches", type=positive, default=3,
                         help="runs of --cases bare chains before and after each engine run; "
                              "their median is the reference (default 3)")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379")
@@ -194,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         before = bare()
         for name, store_url in stores:
             ratios: list[float] = []
-            for i in range(1, max(1, args.rounds) + 1):
+            for i in range(1, args.rounds + 1):
                 url, drop = store_url(i)
                 print(f"engine on {name}, round {i}: {args.cases} cases at once ...",
                       flush=True)
