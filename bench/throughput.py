@@ -12,9 +12,9 @@ worker with the same options and Celery settings: chains per second, each the me
 hiccup of the machine moved a single one by half).
 
 Side by side, in ``--rounds`` (default 3) rounds per store: bare chains run before the
-first engine run and after every engine run, and a round's ratio is the mean of the
-bare chains right before and right after its engine run over the engine's steps per
-second (a shared machine's speed drifts by up to a factor of two over minutes, which
+first engine run (of all stores) and after every engine run, so each engine run lies
+between two of them, and a round's ratio is the mean of the bare chains right before
+and right after its engine run over the engine's steps per second (a shared machine's speed drifts by up to a factor of two over minutes, which
 moves both alike). The figure is the median of the rounds' ratios; every round is
 printed. Target: bare chains per second / engine steps per second <= 2.5, on a SQLite
 store and on PostgreSQL (a fresh schema of ``--postgres`` per round, dropped afterwards;
@@ -150,9 +150,12 @@ def postgres_schema(base: str) -> tuple[str, Any]:
 
 def positive(text: str) -> int:
     """An argparse type: an integer of at least 1."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return value
 
 
@@ -188,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         if not args.no_postgres:
             stores.append(("PostgreSQL", lambda _i: postgres_schema(args.postgres)))
 
+        bare_rates: list[tuple[float, str, list[float]]] = []
+
         def bare() -> tuple[float, str, list[float]]:
             print(f"bare chains: {args.cases} at once, {args.bare_batches} times ...",
                   flush=True)
@@ -198,7 +203,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
         # Bare chains before the first engine run and after every one: each engine run
         # is compared with the bare chains right before and right after it.
-        bare_rates: list[tuple[float, str, list[float]]] = []
         before = bare()
         for name, store_url in stores:
             ratios: list[float] = []
