@@ -186,10 +186,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     lines: list[str] = []
     summary: list[str] = []
     try:
-        stores: list[tuple[str, Any]] = [
-            ("SQLite", lambda i: (f"sqlite:///{work / f'sqlite-{i}' / 'store.db'}", None))]
-        if not args.no_postgres:
-            stores.append(("PostgreSQL", lambda _i: postgres_schema(args.postgres)))
+        names = ["SQLite"] if args.no_postgres else ["SQLite", "PostgreSQL"]
+
+        def fresh_store(name: str, i: int) -> tuple[str, Any]:
+            """Round ``i``'s empty store: its URL and what drops it (``None``: a file)."""
+            if name == "SQLite":
+                return f"sqlite:///{work / f'sqlite-{i}' / 'store.db'}", None
+            return postgres_schema(args.postgres)
 
         bare_rates: list[tuple[float, str, list[float]]] = []
 
@@ -204,10 +207,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         # Bare chains before the first engine run and after every one: each engine run
         # is compared with the bare chains right before and right after it.
         before = bare()
-        for name, store_url in stores:
+        for name in names:
             ratios: list[float] = []
             for i in range(1, args.rounds + 1):
-                url, drop = store_url(i)
+                url, drop = fresh_store(name, i)
                 print(f"engine on {name}, round {i}: {args.cases} cases at once ...",
                       flush=True)
                 try:
@@ -225,9 +228,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                              f"chains/s before and after {before[0]:.1f} and {after[0]:.1f}; "
                              f"mean / engine steps/s {ratio:5.2f}x   [{load}]")
                 before = after
-            figures[f"ratio_{name.lower()}"] = statistics.median(ratios)
+            median = figures[f"ratio_{name.lower()}"] = statistics.median(ratios)
             summary.append(f"    bare chains/s / engine steps/s, {name:10s}  "
-                           f"{statistics.median(ratios):5.2f}x   (median of "
+                           f"{median:5.2f}x   (median of "
                            f"{', '.join(f'{r:.2f}x' for r in ratios)})   (target <= 2.5)")
     finally:
         admin.flushdb()
