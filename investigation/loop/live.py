@@ -47,7 +47,7 @@ from investigation.loop.checkpoints import (
     recorded_last_ordinal,
 )
 from investigation.store.blobs import ByteCache
-from investigation.store.engine import Store
+from investigation.store.engine import Store, core
 from investigation.store.models import (
     BudgetAccount,
     CaseRecord,
@@ -211,7 +211,7 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
         return imports[0]
 
     rows = {"case_id": case.id, "revision": head_revision}
-    conn = s.connection()
+    conn = core(s)
     last_recorded = recorded_last_ordinal(head_state)
     # A head state of the first format names no newest record: counted in full.
     since_head = not full and last_recorded is not None and recorded_count is not None \

@@ -46,6 +46,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
 
 from investigation.errors import StoreError
+from investigation.store import direct
 from investigation.store.models import Artifact, Blob
 
 #: Deltas at most between a blob and its keyframe (bounds a read to this many frames).
@@ -254,7 +255,7 @@ def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes
             known = cache.get(current)
             if known is not None:
                 break
-        row = session.connection().execute(_BLOB, {"sha": current}).first()
+        row = direct.session_connection(session).execute(_BLOB, {"sha": current}).first()
         if row is None:
             raise _corrupt(current, "are missing")
         encoding, base_sha, frame = row
@@ -298,7 +299,7 @@ def store(session: Session, case_id: str, kind: str, data: bytes, sha: str,
             none, read earlier in this transaction (the PostgreSQL artifact insert
             returns it); by default it is read here when needed.
     """
-    conn = session.connection()
+    conn = direct.session_connection(session)
     dialect = "postgresql" if conn.dialect.name == "postgresql" else "sqlite"
     heads = _HEADS.of(conn.engine)
     key = (case_id, kind)

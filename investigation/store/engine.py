@@ -28,7 +28,7 @@ from sqlalchemy.pool import QueuePool
 from sqlmodel import Session, col, create_engine, select
 
 from investigation.errors import InvestigationError, StoreError
-from investigation.store import blobs, models
+from investigation.store import blobs, direct, models
 from investigation.store.models import Artifact, CaseRecord, ManifestPointer, RevisionRecord
 
 #: SQLite busy timeout: writers wait for each other instead of failing at once.
@@ -58,8 +58,12 @@ def core(session: Session) -> Connection:
     """The connection of ``session``'s transaction, for Core statements on the tables the
     ORM never writes (``artifact``, ``blob``, ``stage_run``, ``checkpoint``,
     ``manifest_pointer``): no ORM result processing, no bulk-insert machinery, no
-    autoflush (nothing of theirs is pending)."""
-    return session.connection()
+    autoflush (nothing of theirs is pending).
+
+    On SQLite it is a :class:`~investigation.store.direct.DirectConnection` over that
+    connection: its ``execute`` runs a statement built once on the driver's cursor
+    (decision 132); any other attribute is the connection's."""
+    return direct.session_connection(session)
 
 
 _ART = table_of(Artifact).c
@@ -222,8 +226,8 @@ PG_COMMIT = "COMMIT"
 #: Execution option of a write whose result nobody reads (no ``RETURNING``, no rowcount;
 #: build it with :func:`deferred`): on PostgreSQL it waits on its connection and goes
 #: out in one pipeline exchange with the transaction's next statement or with its
-#: ``COMMIT`` (decision 130); on SQLite it runs at once.
-DEFERRED = "investigation_deferred"
+#: ``COMMIT`` (decision 130); on SQLite it runs at once (and directly, decision 132).
+DEFERRED = direct.DEFERRED
 
 
 def deferred(statement: Any) -> Any:

@@ -1,0 +1,258 @@
+"""Core statements run on SQLite's driver cursor, past SQLAlchemy's execution machinery
+(decision 132).
+
+A stage's Core statements (stage markers, artifacts, blobs, checkpoints, evidence
+lookups) are built once, at import, and run many times. On the 2-core machine,
+SQLAlchemy's execution of such a cached statement costs about 60 us of Python (the
+compiled-cache lookup, an execution context, parameter and result processing, event
+dispatch), where sqlite3 itself takes 5-8 us; over the 76 statements of a step that
+was the larger part of a step's own work. :class:`DirectConnection` keeps SQLAlchemy's
+compiler: a statement is compiled once per set of parameter names, its SQL,
+parameter order and the type processors SQLAlchemy would apply are kept, and later
+executions bind the parameters through those processors, run the SQL on the
+transaction's own DBAPI connection and return :class:`Rows`.
+
+What does not change: the transaction (the statement runs inside the one SQLAlchemy
+opened, ``BEGIN IMMEDIATE`` included), the values bound and read (the same processors),
+the errors (``sqlite3`` errors are raised as SQLAlchemy's ``DBAPIError`` subclasses,
+``IntegrityError`` and ``OperationalError`` among them, so lost races and store outages
+are told apart as before) and the statements a ``before_cursor_execute`` listener sees
+(it is called, with ``context=None``, when the engine has one).
+
+A statement goes through SQLAlchemy as before when: the store is not SQLite (PostgreSQL's
+pipelined transactions hook SQLAlchemy's execution, decision 128 and 130); it is run
+for the first time (a statement built per call is never compiled twice); it is not
+a compiled Core SELECT, INSERT, UPDATE or DELETE (ORM statements, text); it needs the
+execution context (Python-side column defaults, expanding or literal-execute
+parameters, ``return_defaults``); it has execution options; or its parameters are a
+list (``executemany``). A statement marked ``deferred`` runs directly (on SQLite it
+runs at once in either case).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import weakref
+from collections import namedtuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, cast
+
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
+from sqlalchemy.orm import Session
+from sqlalchemy.sql.dml import UpdateBase
+from sqlalchemy.sql.selectable import Select
+
+#: Execution option of a write whose result nobody reads (``store.engine.DEFERRED``,
+#: ``store.engine.deferred``): on PostgreSQL it waits for the transaction's next
+#: statement (decision 130); on SQLite it changes nothing.
+DEFERRED = "investigation_deferred"
+#: Execution options a statement may carry and still run directly.
+SQLITE_INERT_OPTIONS = frozenset({DEFERRED})
+
+
+class _Plan(NamedTuple):
+    """A statement compiled for one set of parameter names, ready to run on the driver."""
+
+    compiled: Any  # SQLCompiler
+    sql: str
+    binds: tuple[tuple[str, Callable[[Any], Any] | None], ...]
+    results: tuple[Callable[[Any], Any] | None, ...] | None  # None: no processing
+    row: Any  # a namedtuple class, or None for a statement without result columns
+
+
+#: ``_plans[statement][parameter names]``: a plan, or ``None`` (SQLAlchemy runs it).
+#: Statements are module constants; one built per call is dropped with it.
+_plans: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], _Plan | None]] = \
+    weakref.WeakKeyDictionary()
+#: Statements run once through SQLAlchemy (a plan is made at their second execution).
+_seen: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class ScalarRows:
+    """The first column of :class:`Rows` (``Result.scalars()``'s subset)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: list[Any]) -> None:
+        self._values = values
+
+    def all(self) -> list[Any]:
+        return self._values
+
+    def first(self) -> Any:
+        return self._values[0] if self._values else None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._values)
+
+
+class Rows:
+    """What a direct statement returned: its rows (named tuples: by position, by column
+    name, unpacked) and ``rowcount``. The subset of SQLAlchemy's ``CursorResult`` the
+    engine uses, with the same errors (``NoResultFound``, ``MultipleResultsFound``)."""
+
+    __slots__ = ("_rows", "rowcount")
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows = rows
+        self.rowcount = rowcount
+
+    def all(self) -> list[Any]:
+        return self._rows
+
+    def fetchall(self) -> list[Any]:
+        return self._rows
+
+    def first(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def one(self) -> Any:
+        if len(self._rows) != 1:
+            raise (NoResultFound("No row was found when one was required") if not self._rows
+                   else MultipleResultsFound("Multiple rows were found when exactly one "
+                                             "was required"))
+        return self._rows[0]
+
+    def one_or_none(self) -> Any:
+        if len(self._rows) > 1:
+            raise MultipleResultsFound("Multiple rows were found when one or none was "
+                                       "required")
+        return self._rows[0] if self._rows else None
+
+    def scalar(self) -> Any:
+        return self._rows[0][0] if self._rows else None
+
+    def scalar_one(self) -> Any:
+        return self.one()[0]
+
+    def scalar_one_or_none(self) -> Any:
+        row = self.one_or_none()
+        return None if row is None else row[0]
+
+    def scalars(self) -> ScalarRows:
+        return ScalarRows([row[0] for row in self._rows])
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._rows)
+
+
+def _make_plan(conn: Connection, statement: Any, names: tuple[str, ...]) -> _Plan | None:
+    """Compile ``statement`` for SQLite with ``names`` as its parameters, or ``None`` when
+    it needs SQLAlchemy's execution context (see the module docstring)."""
+    if not isinstance(statement, Select | UpdateBase) \
+            or not SQLITE_INERT_OPTIONS.issuperset(statement.get_execution_options()) \
+            or statement._propagate_attrs.get("compile_state_plugin") == "orm":
+        return None
+    if isinstance(statement, UpdateBase) and statement._return_defaults:
+        return None
+    compiled: Any = statement.compile(dialect=conn.dialect, column_keys=list(names))
+    if compiled.positiontup is None or compiled.insert_prefetch or compiled.update_prefetch \
+            or compiled.literal_execute_params or compiled.post_compile_params \
+            or any(bind.expanding for bind in compiled.binds.values()):
+        return None
+    processors = compiled._bind_processors
+    binds = tuple((name, processors.get(name)) for name in compiled.positiontup)
+    columns = compiled._result_columns or []
+    results = tuple(column.type._cached_result_processor(conn.dialect, None)
+                    for column in columns)
+    row = namedtuple("Row", [column.keyname for column in columns], rename=True) \
+        if columns else None
+    return _Plan(compiled, compiled.string, binds,
+                 results if any(f is not None for f in results) else None, row)
+
+
+def _plan(conn: Connection, statement: Any, parameters: Mapping[str, Any]) -> _Plan | None:
+    try:
+        by_names = _plans[statement]
+    except TypeError:  # not weak-referenceable: SQLAlchemy runs it
+        return None
+    except KeyError:
+        if statement not in _seen:
+            _seen.add(statement)  # the first execution: SQLAlchemy's
+            return None
+        by_names = _plans[statement] = {}
+    names = tuple(sorted(parameters))
+    if names not in by_names:
+        by_names[names] = _make_plan(conn, statement, names)
+    return by_names[names]
+
+
+class DirectConnection:
+    """``conn`` (a SQLite connection inside its transaction) whose :meth:`execute` runs
+    a Core statement on the driver's cursor; every other attribute is ``conn``'s.
+
+    Args:
+        conn: the SQLAlchemy connection of a session's open transaction.
+    """
+
+    __slots__ = ("connection_",)
+
+    def __init__(self, conn: Connection) -> None:
+        self.connection_ = conn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.connection_, name)
+
+    def execute(self, statement: Any, parameters: Mapping[str, Any] | None = None, *,
+                execution_options: Mapping[str, Any] | None = None) -> Any:
+        """Run ``statement`` with ``parameters``; the result is :class:`Rows` on the
+        direct path, SQLAlchemy's ``CursorResult`` otherwise (the same subset of calls
+        works on both).
+
+        Raises:
+            sqlalchemy.exc.DBAPIError: the driver's error, as SQLAlchemy raises it
+                (``IntegrityError``, ``OperationalError``, ...).
+        """
+        conn = self.connection_
+        params = parameters if parameters is not None else {}
+        plan = None
+        if execution_options is None and isinstance(params, Mapping) \
+                and conn.in_transaction():
+            plan = _plan(conn, statement, params)
+        if plan is None:
+            return conn.execute(statement, parameters, execution_options=execution_options)
+        values = plan.compiled.construct_params(params, _check=False)
+        args = [values[name] if process is None else process(values[name])
+                for name, process in plan.binds]
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        listeners = conn.engine.dispatch.before_cursor_execute
+        try:
+            cursor = raw.cursor()
+            try:
+                for listener in listeners:  # statement counters (tests, benchmarks)
+                    listener(conn, cursor, plan.sql, args, None, False)
+                cursor.execute(plan.sql, args)
+                rows: list[Any] = cast(list[Any], cursor.fetchall()) \
+                    if cursor.description is not None else []
+                count = cursor.rowcount
+            finally:
+                cursor.close()
+        except sqlite3.Error as exc:
+            raise DBAPIError.instance(plan.sql, args, exc, sqlite3.Error,
+                                      dialect=conn.dialect) from exc
+        if plan.results is not None:
+            rows = [tuple(value if f is None else f(value)
+                          for f, value in zip(plan.results, row, strict=True))
+                    for row in rows]
+        if plan.row is not None and rows:
+            make = plan.row._make
+            rows = [make(row) for row in rows]
+        return Rows(rows, count)
+
+
+#: ``Session.info`` key of the session's :class:`DirectConnection`.
+_DIRECT = "investigation_direct_connection"
+
+
+def session_connection(session: Session) -> Connection:
+    """The connection of ``session``'s transaction (begun if it was not); on SQLite a
+    :class:`DirectConnection` over it, typed as the connection it stands for."""
+    conn = session.connection()
+    if conn.dialect.name != "sqlite":
+        return conn
+    held = session.info.get(_DIRECT)
+    if held is None or held.connection_ is not conn:
+        held = session.info[_DIRECT] = DirectConnection(conn)
+    return cast(Connection, held)

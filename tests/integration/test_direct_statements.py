@@ -1,0 +1,192 @@
+"""Decision 132: on SQLite a stage's Core statements run on the driver's cursor from their
+second execution, with the values, rows and errors SQLAlchemy gives; what needs
+SQLAlchemy's execution context, and every statement on PostgreSQL, still goes through it.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import bindparam, event, insert, select
+from sqlalchemy.exc import IntegrityError, MultipleResultsFound, NoResultFound
+
+from investigation.store import Store, direct
+from investigation.store.engine import core, deferred, is_lost_race, table_of
+from investigation.store.models import Artifact, StageRun
+
+_RUN = table_of(StageRun)
+_ART = table_of(Artifact)
+_MARKER_INSERT = deferred(insert(_RUN))
+_MARKERS = select(_RUN.c.stage, _RUN.c.output_json, _RUN.c.completed_at).where(
+    _RUN.c.case_id == bindparam("case_id"), _RUN.c.step_seq == bindparam("step_seq")
+).order_by(_RUN.c.stage)
+_ART_INSERT = insert(_ART)
+_ART_ROW = select(_ART.c.sha256, _ART.c.size_bytes, _ART.c.created_at).where(
+    _ART.c.case_id == bindparam("case_id"), _ART.c.path == bindparam("path"))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    st = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    st.create_schema()
+    yield st
+    st.dispose()
+
+
+class _Seen:
+    """The statements the engine's ``before_cursor_execute`` listeners are shown, with
+    whether SQLAlchemy ran them (an execution context) or the driver did (``None``)."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.calls: list[tuple[str, bool]] = []
+
+    def __call__(self, _conn: Any, _cursor: Any, statement: str, _params: Any,
+                 context: Any, _many: bool) -> None:
+        self.calls.append((statement.split()[0], context is None))
+
+    def __enter__(self) -> _Seen:
+        event.listen(self.engine, "before_cursor_execute", self)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        event.remove(self.engine, "before_cursor_execute", self)
+
+
+def _marker(stage: str, step_seq: int = 1) -> dict[str, Any]:
+    return {"case_id": "c1", "revision": 1, "step_seq": step_seq, "stage": stage,
+            "output_json": json.dumps({"stage": stage}),
+            "completed_at": datetime(2026, 12, 4, 21, 0, 0, 5, tzinfo=UTC)}
+
+
+def test_a_statement_runs_on_the_driver_from_its_second_execution_with_sqlalchemys_values(
+        store: Store) -> None:
+    with _Seen(store.engine) as seen, store.session() as s:
+        conn = core(s)
+        assert isinstance(conn, direct.DirectConnection)
+        for stage in ("build_context", "llm_call", "validate"):
+            conn.execute(_MARKER_INSERT, _marker(stage))
+        first = conn.execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).all()
+        second = conn.execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).all()
+    # The marker insert: SQLAlchemy's the first time, then the driver's; so for the read.
+    assert seen.calls == [("INSERT", False), ("INSERT", True), ("INSERT", True),
+                          ("SELECT", False), ("SELECT", True)]
+    with store.engine.connect() as plain:  # SQLAlchemy alone, as the reference
+        reference = plain.execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).all()
+    assert [tuple(r) for r in second] == [tuple(r) for r in first] == \
+        [tuple(r) for r in reference]
+    assert second[0].stage == "build_context" and second[0][0] == "build_context"
+    stage, text, completed = second[1]
+    assert (stage, text) == ("llm_call", '{"stage": "llm_call"}')
+    # The DateTime column is bound and read through SQLAlchemy's processors.
+    assert completed == datetime(2026, 12, 4, 21, 0, 0, 5, tzinfo=UTC)
+
+
+def test_result_methods_raise_what_sqlalchemys_raise(store: Store) -> None:
+    key = {"case_id": "c1", "step_seq": 1}
+    with store.session() as s:
+        conn = core(s)
+        for _ in range(2):  # the second execution is the driver's
+            none = conn.execute(_MARKERS, key)
+        assert isinstance(none, direct.Rows)
+        assert none.first() is None and none.scalar() is None and none.all() == []
+        assert none.one_or_none() is None and none.scalar_one_or_none() is None
+        with pytest.raises(NoResultFound):
+            none.one()
+        with pytest.raises(NoResultFound):
+            none.scalar_one()
+        conn.execute(_MARKER_INSERT, _marker("a"))
+        conn.execute(_MARKER_INSERT, _marker("b"))
+        two = conn.execute(_MARKERS, key)
+        assert two.scalars().all() == ["a", "b"] and list(two.scalars()) == ["a", "b"]
+        with pytest.raises(MultipleResultsFound):
+            two.one()
+        with pytest.raises(MultipleResultsFound):
+            two.one_or_none()
+        assert [row.stage for row in two] == ["a", "b"]
+        metadata = sa.MetaData()
+        counts = sa.Table("direct_counts", metadata, sa.Column("id", sa.Integer, primary_key=True),
+                          sa.Column("n", sa.Integer, nullable=False))
+        metadata.create_all(s.connection())
+        conn.execute(insert(counts), [{"id": i, "n": 0} for i in range(1, 4)])
+        bump = sa.update(counts).where(counts.c.id >= bindparam("low")).values(
+            n=counts.c.n + 1)
+        assert [conn.execute(bump, {"low": 2}).rowcount for _ in range(2)] == [2, 2]
+        assert conn.execute(select(counts.c.n).order_by(counts.c.id)).scalars().all() == \
+            [0, 2, 2]
+
+
+def test_a_unique_violation_is_sqlalchemys_integrity_error_and_changes_nothing(
+        store: Store) -> None:
+    with store.session() as s:
+        core(s).execute(_MARKER_INSERT, _marker("build_context"))
+    with store.session() as s:  # the statement's second execution: the driver's
+        core(s).execute(_MARKER_INSERT, _marker("llm_call"))
+    with pytest.raises(IntegrityError) as raised, store.session() as s:
+        core(s).execute(_MARKER_INSERT, _marker("validate"))
+        core(s).execute(_MARKER_INSERT, _marker("build_context"))  # taken: a lost race
+    assert is_lost_race(raised.value)
+    assert "UNIQUE constraint failed" in str(raised.value.orig)
+    with store.session() as s:
+        stages = core(s).execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).scalars().all()
+    assert stages == ["build_context", "llm_call"]  # validate was rolled back with it
+
+
+def test_statements_that_need_sqlalchemys_execution_context_go_through_it(
+        store: Store) -> None:
+    metadata = sa.MetaData()
+    made = sa.Table("direct_defaults", metadata,
+                    sa.Column("id", sa.Integer, primary_key=True),
+                    sa.Column("name", sa.String, nullable=False),
+                    sa.Column("made_at", sa.DateTime, nullable=False,
+                              default=lambda: datetime.now(UTC).replace(tzinfo=None)))
+    metadata.create_all(store.engine)
+    add = insert(made)
+    named = select(made.c.name).where(made.c.name.in_(bindparam("names", expanding=True)))
+    with _Seen(store.engine) as seen, store.session() as s:
+        conn = core(s)
+        for name in ("a", "b", "c"):
+            conn.execute(add, {"name": name})  # made_at: a Python-side default
+        for _ in range(2):
+            rows = conn.execute(named, {"names": ["a", "c"]}).scalars().all()
+        for _ in range(2):  # a statement built per call is compiled by SQLAlchemy's cache
+            conn.execute(select(made.c.id).where(made.c.id == 1)).all()
+    assert sorted(rows) == ["a", "c"]
+    assert not any(on_driver for _, on_driver in seen.calls)
+    with store.engine.connect() as plain:
+        assert plain.execute(select(sa.func.count()).where(made.c.made_at.is_not(None))
+                             ).scalar() == 3
+
+
+def test_statements_outside_a_session_transaction_and_on_lists_go_through_sqlalchemy(
+        store: Store) -> None:
+    rows = [{"case_id": "c1", "path": f"p{i}", "kind": "k", "sha256": "0" * 64,
+             "size_bytes": i, "media_type": "application/json",
+             "created_at": datetime(2026, 12, 4, tzinfo=UTC)} for i in range(3)]
+    with _Seen(store.engine) as seen, store.session() as s:
+        conn = core(s)
+        conn.execute(_ART_INSERT, rows)  # executemany
+        got = [conn.execute(_ART_ROW, {"case_id": "c1", "path": "p2"}).one() for _ in range(2)]
+    assert [tuple(g) for g in got] == [("0" * 64, 2, datetime(2026, 12, 4, tzinfo=UTC))] * 2
+    assert [on_driver for _, on_driver in seen.calls] == [False, False, True]
+
+
+@pytest.mark.postgres
+def test_on_postgresql_every_statement_is_sqlalchemys(postgres_url: str) -> None:
+    st = Store(postgres_url)
+    st.create_schema()
+    try:
+        with st.session() as s:
+            conn = core(s)
+            assert isinstance(conn, sa.Connection)
+            for stage in ("a", "b"):
+                conn.execute(_MARKER_INSERT, _marker(stage))
+            assert conn.execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).scalars().all() \
+                == ["a", "b"]
+    finally:
+        st.dispose()
