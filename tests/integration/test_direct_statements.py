@@ -163,7 +163,7 @@ def test_statements_that_need_sqlalchemys_execution_context_go_through_it(
                              ).scalar() == 3
 
 
-def test_statements_outside_a_session_transaction_and_on_lists_go_through_sqlalchemy(
+def test_a_list_of_parameters_goes_through_sqlalchemy_and_later_reads_on_the_driver(
         store: Store) -> None:
     rows = [{"case_id": "c1", "path": f"p{i}", "kind": "k", "sha256": "0" * 64,
              "size_bytes": i, "media_type": "application/json",
