@@ -34,6 +34,8 @@ from typing import Any
 from celery import Task, chain
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import worker_process_init
+from celery.worker import state as worker_state
+from celery.worker.request import Request
 from sqlalchemy.exc import OperationalError
 
 from investigation.constants import (
@@ -106,6 +108,31 @@ class CheckedTask(Task):  # type: ignore[misc]
                       escape_text(str(exc))[:200])
             return {"case_id": None, "outcome": "REFUSED", "code": self.refusal_code}
         return None
+
+
+class StageRequest(Request):  # type: ignore[misc]
+    """The worker's request of a stage or ``advance`` task.
+
+    Celery enforces a hard time limit (``--time-limit``) in the worker's main process: it
+    kills the child that ran the task and calls :meth:`on_timeout` there. This request
+    then hands the step on with a :func:`time_limit` message (see
+    :func:`hand_over_hard_limit`). A soft limit is raised inside the task and handled
+    there (:func:`_time_limited`). Neither needs an error callback on the chain's
+    messages, which keeps each message of a step's chain near a bare chain's size
+    (decision 133).
+    """
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        if not soft and not worker_state.should_terminate:  # as Celery: not at cold shutdown
+            hand_over_hard_limit(self.id, self.task.name, self.args, self.kwargs, timeout)
+
+
+class StageTask(CheckedTask):
+    """A stage of a step's chain, or ``advance``: a :class:`CheckedTask` whose worker
+    request hands a hard time limit on (:class:`StageRequest`)."""
+
+    Request = StageRequest
 
 
 class DispatchTask(CheckedTask):
@@ -304,7 +331,7 @@ def _time_limited(rt: runtime.Runtime, payload: dict[str, Any], stage: str, kind
 
 
 def _stage_task(stage: str) -> Any:
-    @app.task(name=f"{TASK_PREFIX}{stage}", bind=True, base=CheckedTask)
+    @app.task(name=f"{TASK_PREFIX}{stage}", bind=True, base=StageTask)
     def task(self: Any, payload: dict[str, Any], token: str | None = None) -> dict[str, Any]:
         return _run_stage(self, payload, stage, token)
 
@@ -317,13 +344,14 @@ STAGE_TASKS = {stage: _stage_task(stage) for stage in STAGES}
 
 def step_chain(payload: dict[str, Any], token: str, start: str | None = None) -> Any:
     """The Celery chain of one step: eight stages (or those from ``start`` on), then
-    ``advance``. Every signature carries the lock ``token``, shows itself as
-    ``describe(payload, stage)`` and has the :func:`on_chain_error` error callback."""
+    ``advance``. Every signature carries the lock ``token`` and shows itself as
+    ``describe(payload, stage)``; none has an error callback (a stage handles its own
+    failures, and the worker's :class:`StageRequest` a hard time limit)."""
     shown = repr({"token": logs.short_token(token)})
 
     def sig(task: Any, stage: str | None, *args: Any) -> Any:
         return task.s(*args, token=token).set(argsrepr=describe(payload, stage),
-                                              kwargsrepr=shown).on_error(on_chain_error.s())
+                                              kwargsrepr=shown)
 
     stages = STAGES[STAGES.index(start):] if start else STAGES
     first, *rest = stages
@@ -425,7 +453,7 @@ def dispatch(self: Any, case_id: str, max_steps: int | None = None,
     return {"case_id": case_id, "outcome": "DISPATCHED"}
 
 
-@app.task(name=f"{TASK_PREFIX}advance", bind=True, base=CheckedTask)
+@app.task(name=f"{TASK_PREFIX}advance", bind=True, base=StageTask)
 def advance(self: Any, payload: dict[str, Any], token: str | None = None) -> dict[str, Any]:
     """After a step: continue, yield, schedule a retry countdown, or stop.
 
@@ -488,29 +516,44 @@ _TIME_LIMITED: OrderedDict[str, None] = OrderedDict()
 
 @app.task(name=f"{TASK_PREFIX}on_chain_error", base=CheckedTask)
 def on_chain_error(request: Any, exc: BaseException, traceback: Any) -> None:
-    """Error callback of every task of a step chain.
+    """Error callback that step chains enqueued before decision 133 carry on every
+    signature; kept registered so that their messages still find it.
 
     Celery calls it where the failure is seen; for a hard time limit that is the
-    worker's main process (its child was killed), so it only publishes a
-    :func:`time_limit` message (ids only). Other failures were handled by the task itself
-    (a stage releases the lock and re-raises), so they are ignored here.
+    worker's main process, where :class:`StageRequest` has already handed the step on
+    (a task id is handed on once). Other failures were handled by the task itself (a
+    stage releases the lock and re-raises), so they are ignored here.
     """
     if not isinstance(exc, TimeLimitExceeded):
         return
-    task_id = str(getattr(request, "id", "") or "")
-    if task_id in _TIME_LIMITED:  # Celery reports one hard limit on two paths
+    name = str(getattr(request, "task", None) or getattr(request, "name", None) or "")
+    limit = exc.args[0] if exc.args and isinstance(exc.args[0], int | float) else None
+    hand_over_hard_limit(str(getattr(request, "id", "") or ""), name,
+                         getattr(request, "args", None), getattr(request, "kwargs", None),
+                         limit)
+
+
+def hand_over_hard_limit(task_id: str, name: str, args: Any, kwargs: Any,
+                         limit_s: float | None) -> None:
+    """Publish the :func:`time_limit` message of a stage (or ``advance``) task that a hard
+    time limit killed: ids, stage, limit and lock token, nothing more.
+
+    Runs in the worker's main process. A task id is handed on once (Celery 5.4 reports
+    one limit both to the request and to a chain's error callbacks); a request that is
+    not a stage task's with a payload (a malformed message) is ignored.
+    """
+    if task_id in _TIME_LIMITED:
         return
     _TIME_LIMITED[task_id] = None
     while len(_TIME_LIMITED) > 1000:
         _TIME_LIMITED.popitem(last=False)
-    args = getattr(request, "args", None) or ()
+    args = args or ()
     payload = args[0] if args and isinstance(args[0], dict) else None
-    name = str(getattr(request, "task", None) or getattr(request, "name", None) or "")
     stage = name.removeprefix(TASK_PREFIX)
     if payload is None or (stage not in STAGES and stage != "advance"):
         return
-    limit = exc.args[0] if exc.args and isinstance(exc.args[0], int | float) else None
-    kwargs = getattr(request, "kwargs", None) or {}
+    limit = limit_s if isinstance(limit_s, int | float) else None
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
     token = kwargs.get("token") or payload.get("token")  # older payloads carried it
     ids = {k: payload.get(k) for k in ("case_id", "revision", "step_seq", "steps_left",
                                        "max_steps", "mode")}

@@ -6,10 +6,12 @@ import functools
 import json
 import operator
 
+import pytest
 from celery import chain
 
 from workers import tasks
 
+TOKEN = "9f1c2e7a5b3d4c8e"  # a lock token: only its first 8 characters are ever shown
 PAYLOAD = {"case_id": "case-0123456789abcdef", "revision": 1, "step_seq": 3,
            "steps_left": 10, "mode": "distributed", "max_steps": None, "halt": None}
 
@@ -25,8 +27,10 @@ def test_the_chain_is_the_fold_of_its_signatures() -> None:
     first = built.tasks[0]
     assert first.args == (PAYLOAD,) and first.kwargs == {"token": "token-1"}
     assert all(t.args == () for t in built.tasks[1:])
-    assert all(t.options["link_error"][0]["task"] == tasks.on_chain_error.name
-               for t in built.tasks)
+    # No error callback rides on the messages: a hard time limit is handed on by the
+    # worker's request of each stage task (decision 133).
+    assert not any("link_error" in t.options for t in built.tasks)
+    assert all(type(tasks.app.tasks[n]).Request is tasks.StageRequest for n in names)
     assert built.tasks[1].options["argsrepr"] == tasks.describe(PAYLOAD, tasks.STAGES[1])
 
 
@@ -36,3 +40,40 @@ def test_a_chain_from_a_stage_starts_there() -> None:
     start = tasks.STAGES.index("execute_tool")
     assert names == [tasks.TASK_PREFIX + s for s in (*tasks.STAGES[start:], "advance")]
     assert built.tasks[0].args == (PAYLOAD,)
+
+
+def test_a_hard_time_limit_is_handed_on_once_by_the_stage_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.canvas import Signature
+    from celery.contrib.testing.mocks import TaskMessage
+
+    sent: list[Signature] = []
+    monkeypatch.setattr(Signature, "apply_async", lambda self, *a, **k: sent.append(self))
+    name = tasks.TASK_PREFIX + "execute_tool"
+    message = TaskMessage(name, id="task-7", args=(PAYLOAD,), kwargs={"token": TOKEN})
+    request = tasks.StageRequest(message, app=tasks.app, task=tasks.app.tasks[name])
+    request.on_timeout(True, 2.0)  # a soft limit is raised in the task, not handed on
+    assert sent == []
+    request.on_timeout(False, 3.0)
+    assert len(sent) == 1
+    # A chain enqueued before decision 133 also calls its error callback: not a second time.
+    tasks.on_chain_error(request._context, tasks.TimeLimitExceeded(3.0), None)
+    assert len(sent) == 1
+    (handed,) = sent
+    assert handed["task"] == tasks.time_limit.name
+    ids = {k: PAYLOAD[k] for k in ("case_id", "revision", "step_seq", "steps_left",
+                                   "max_steps", "mode")}
+    assert handed.args == (ids, "execute_tool", 3.0)
+    assert handed.kwargs == {"token": TOKEN}
+    assert TOKEN not in handed.options["kwargsrepr"]
+
+
+def test_a_hard_time_limit_of_a_message_without_a_payload_is_not_handed_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery.canvas import Signature
+
+    sent: list[Signature] = []
+    monkeypatch.setattr(Signature, "apply_async", lambda self, *a, **k: sent.append(self))
+    tasks.hand_over_hard_limit("task-8", tasks.TASK_PREFIX + "validate", ("x",), {}, 3.0)
+    tasks.hand_over_hard_limit("task-9", tasks.TASK_PREFIX + "dispatch", (PAYLOAD,), {}, 3.0)
+    assert sent == []
