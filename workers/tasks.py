@@ -125,7 +125,13 @@ class StageRequest(Request):  # type: ignore[misc]
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)
         if not soft and not worker_state.should_terminate:  # as Celery: not at cold shutdown
-            hand_over_hard_limit(self.id, self.task.name, self.args, self.kwargs, timeout)
+            try:
+                hand_over_hard_limit(self.id, self.task.name, self.args, self.kwargs,
+                                     timeout)
+            except Exception:  # the broker is unreachable: never break the worker's timer
+                log.exception("%s[%s]: the hard time limit could not be handed on; the case "
+                              "stays locked until its lease runs out, then the recovery "
+                              "sweep dispatches it", self.task.name, self.id)
 
 
 class StageTask(CheckedTask):

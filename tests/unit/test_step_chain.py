@@ -77,3 +77,19 @@ def test_a_hard_time_limit_of_a_message_without_a_payload_is_not_handed_on(
     tasks.hand_over_hard_limit("task-8", tasks.TASK_PREFIX + "validate", ("x",), {}, 3.0)
     tasks.hand_over_hard_limit("task-9", tasks.TASK_PREFIX + "dispatch", (PAYLOAD,), {}, 3.0)
     assert sent == []
+
+
+def test_a_hand_over_that_cannot_be_published_is_logged_not_raised(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from celery.canvas import Signature
+    from celery.contrib.testing.mocks import TaskMessage
+
+    def unreachable(self: Signature, *args: object, **kwargs: object) -> None:
+        raise ConnectionError("broker unreachable")
+
+    monkeypatch.setattr(Signature, "apply_async", unreachable)
+    name = tasks.TASK_PREFIX + "publish"
+    message = TaskMessage(name, id="task-10", args=(PAYLOAD,), kwargs={"token": TOKEN})
+    request = tasks.StageRequest(message, app=tasks.app, task=tasks.app.tasks[name])
+    request.on_timeout(False, 3.0)  # does not raise into the worker's timer
+    assert any("could not be handed on" in r.getMessage() for r in caplog.records)
