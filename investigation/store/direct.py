@@ -1,44 +1,48 @@
-"""Core statements run on SQLite's driver cursor, past SQLAlchemy's execution machinery
-(decision 132).
+"""Core statements run on the driver's cursor, past SQLAlchemy's execution machinery
+(decisions 132 and 134).
 
 A stage's Core statements (stage markers, artifacts, blobs, checkpoints, evidence
 lookups) are built once, at import, and run many times. On the 2-core machine,
 SQLAlchemy's execution of such a cached statement costs about 60 us of Python (the
 compiled-cache lookup, an execution context, parameter and result processing, event
-dispatch), where sqlite3 itself takes 5-8 us; over the 76 statements of a step that
-was the larger part of a step's own work. :class:`DirectConnection` keeps SQLAlchemy's
-compiler: a statement is compiled once per set of parameter names, its SQL,
-parameter order and the type processors SQLAlchemy would apply are kept, and later
-executions bind the parameters through those processors, run the SQL on the
-transaction's own DBAPI connection and return :class:`Rows`.
+dispatch), where sqlite3 itself takes 5-8 us and psycopg about 40 us with its round
+trip; over the 76 statements of a step that was the larger part of a step's own work.
+:class:`DirectConnection` keeps SQLAlchemy's compiler: a statement is compiled once per
+dialect and set of parameter names, its SQL, parameters and the type processors
+SQLAlchemy would apply are kept, and later executions bind the parameters through those
+processors, run the SQL on the transaction's own DBAPI connection and return
+:class:`Rows`.
 
 What does not change: the transaction (the statement runs inside the one SQLAlchemy
-opened, ``BEGIN IMMEDIATE`` included), the values bound and read (the same processors),
-the errors (``sqlite3`` errors are raised as SQLAlchemy's ``DBAPIError`` subclasses,
-``IntegrityError`` and ``OperationalError`` among them, so lost races and store outages
-are told apart as before) and the statements a ``before_cursor_execute`` listener sees
-(it is called, with ``context=None``, when the engine has one).
+opened: SQLite's ``BEGIN IMMEDIATE``; on PostgreSQL the ``BEGIN`` that goes out with the
+transaction's first statement and the deferred writes that wait for the next one, through
+the runner the store's engine registers with :func:`register_runner`, decisions 128 and
+130), the values bound and read (the same processors), the errors (a driver error is
+handled by the connection as SQLAlchemy handles it: raised as its ``DBAPIError``
+subclass, ``IntegrityError`` and ``OperationalError`` among them, so lost races and
+store outages are told apart as before, and a lost PostgreSQL connection is invalidated)
+and the statements a ``before_cursor_execute`` listener sees (it is called, with
+``context=None``, when the engine has one).
 
-A statement goes through SQLAlchemy as before when: the store is not SQLite (PostgreSQL's
-pipelined transactions hook SQLAlchemy's execution, decision 128 and 130); it is run
-for the first time (a statement built per call is never compiled twice); it is not
-a compiled Core SELECT, INSERT, UPDATE or DELETE (ORM statements, text); it needs the
-execution context (Python-side column defaults, expanding or literal-execute
-parameters, ``return_defaults``); it has execution options; or its parameters are a
-list (``executemany``). A statement marked ``deferred`` runs directly (on SQLite it
-runs at once in either case).
+A statement goes through SQLAlchemy as before when: the store is neither SQLite nor
+PostgreSQL through psycopg with its runner; it is run for the first time (a statement
+built per call is never compiled twice); it is not a compiled Core SELECT, INSERT,
+UPDATE or DELETE (ORM statements, text); it needs the execution context (Python-side
+column defaults, expanding or literal-execute parameters, ``return_defaults``, escaped
+parameter names); it has execution options other than ``deferred``; or its parameters
+are a list (``executemany``). A statement marked ``deferred`` runs directly: on SQLite
+at once, on PostgreSQL it waits for the transaction's next statement as before.
 """
 
 from __future__ import annotations
 
-import sqlite3
 import weakref
 from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
+from sqlalchemy.exc import MultipleResultsFound, NoResultFound
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import UpdateBase
 from sqlalchemy.sql.selectable import Select
@@ -48,7 +52,21 @@ from sqlalchemy.sql.selectable import Select
 #: statement (decision 130); on SQLite it changes nothing.
 DEFERRED = "investigation_deferred"
 #: Execution options a statement may carry and still run directly.
-SQLITE_INERT_OPTIONS = frozenset({DEFERRED})
+DIRECT_OPTIONS = frozenset({DEFERRED})
+
+#: ``runner(cursor, sql, parameters, connection, deferred) -> bool``: sends a statement
+#: through a store's transaction pipeline (PostgreSQL: ``store.engine``'s
+#: ``_pipelined_transactions``); ``False`` when the caller is to execute it alone.
+Runner = Callable[[Any, str, Any, Connection, bool], bool]
+#: The runner of each PostgreSQL engine (registered by the store that built it).
+_runners: weakref.WeakKeyDictionary[Any, Runner] = weakref.WeakKeyDictionary()
+
+
+def register_runner(engine: Any, runner: Runner) -> None:
+    """Make ``engine``'s direct statements go through ``runner`` (PostgreSQL: its
+    ``BEGIN`` and deferred writes, decisions 128 and 130); an engine without one runs
+    every statement on SQLAlchemy, but SQLite's."""
+    _runners[engine] = runner
 
 
 class _Plan(NamedTuple):
@@ -57,14 +75,16 @@ class _Plan(NamedTuple):
     compiled: Any  # SQLCompiler
     sql: str
     binds: tuple[tuple[str, Callable[[Any], Any] | None], ...]
+    named: bool  # parameters as a mapping (PostgreSQL's pyformat), else a sequence
     results: tuple[Callable[[Any], Any] | None, ...] | None  # None: no processing
     row: Any  # a namedtuple class, or None for a statement without result columns
+    deferred: bool  # marked ``deferred``: a write whose result nobody reads
 
 
-#: ``_plans[statement][parameter names]``: a plan, or ``None`` (SQLAlchemy runs it).
-#: Statements are module constants; one built per call is dropped with it.
-_plans: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], _Plan | None]] = \
-    weakref.WeakKeyDictionary()
+#: ``_plans[statement][(dialect, parameter names)]``: a plan, or ``None`` (SQLAlchemy
+#: runs it). Statements are module constants; one built per call is dropped with it.
+_plans: weakref.WeakKeyDictionary[
+    Any, dict[tuple[str, tuple[str, ...]], _Plan | None]] = weakref.WeakKeyDictionary()
 #: Statements run once through SQLAlchemy (a plan is made at their second execution).
 _seen: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -138,28 +158,36 @@ class Rows:
 
 
 def _make_plan(conn: Connection, statement: Any, names: tuple[str, ...]) -> _Plan | None:
-    """Compile ``statement`` for SQLite with ``names`` as its parameters, or ``None`` when
-    it needs SQLAlchemy's execution context (see the module docstring)."""
+    """Compile ``statement`` for ``conn``'s dialect with ``names`` as its parameters, or
+    ``None`` when it needs SQLAlchemy's execution context (see the module docstring)."""
     if not isinstance(statement, Select | UpdateBase) \
-            or not SQLITE_INERT_OPTIONS.issuperset(statement.get_execution_options()) \
+            or not DIRECT_OPTIONS.issuperset(statement.get_execution_options()) \
             or statement._propagate_attrs.get("compile_state_plugin") == "orm":
         return None
     if isinstance(statement, UpdateBase) and statement._return_defaults:
         return None
     compiled: Any = statement.compile(dialect=conn.dialect, column_keys=list(names))
-    if compiled.positiontup is None or compiled.insert_prefetch or compiled.update_prefetch \
+    if compiled.insert_prefetch or compiled.update_prefetch \
             or compiled.literal_execute_params or compiled.post_compile_params \
+            or compiled.escaped_bind_names \
             or any(bind.expanding for bind in compiled.binds.values()):
         return None
     processors = compiled._bind_processors
-    binds = tuple((name, processors.get(name)) for name in compiled.positiontup)
+    if compiled.positiontup is not None:
+        order, named = compiled.positiontup, False
+    elif conn.dialect.paramstyle == "pyformat":
+        order, named = tuple(compiled.bind_names.values()), True
+    else:
+        return None
+    binds = tuple((name, processors.get(name)) for name in order)
     columns = compiled._result_columns or []
     results = tuple(column.type._cached_result_processor(conn.dialect, None)
                     for column in columns)
     row = namedtuple("Row", [column.keyname for column in columns], rename=True) \
         if columns else None
-    return _Plan(compiled, compiled.string, binds,
-                 results if any(f is not None for f in results) else None, row)
+    return _Plan(compiled, compiled.string, binds, named,
+                 results if any(f is not None for f in results) else None, row,
+                 bool(statement.get_execution_options().get(DEFERRED)))
 
 
 def _plan(conn: Connection, statement: Any, parameters: Mapping[str, Any]) -> _Plan | None:
@@ -172,24 +200,28 @@ def _plan(conn: Connection, statement: Any, parameters: Mapping[str, Any]) -> _P
             _seen.add(statement)  # the first execution: SQLAlchemy's
             return None
         by_names = _plans[statement] = {}
-    names = tuple(sorted(parameters))
-    if names not in by_names:
-        by_names[names] = _make_plan(conn, statement, names)
-    return by_names[names]
+    key = (conn.dialect.name, tuple(sorted(parameters)))
+    if key not in by_names:
+        by_names[key] = _make_plan(conn, statement, key[1])
+    return by_names[key]
 
 
 class DirectConnection:
-    """``conn`` (a SQLite connection inside its transaction) whose :meth:`execute` runs
-    a Core statement on the driver's cursor; every other attribute is ``conn``'s.
+    """``conn`` (a SQLite or PostgreSQL connection inside its transaction) whose
+    :meth:`execute` runs a Core statement on the driver's cursor; every other attribute
+    is ``conn``'s.
 
     Args:
         conn: the SQLAlchemy connection of a session's open transaction.
+        runner: PostgreSQL: the engine's transaction pipeline (:func:`register_runner`);
+            ``None`` on SQLite.
     """
 
-    __slots__ = ("connection_",)
+    __slots__ = ("connection_", "runner")
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, runner: Runner | None = None) -> None:
         self.connection_ = conn
+        self.runner = runner
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.connection_, name)
@@ -198,11 +230,14 @@ class DirectConnection:
                 execution_options: Mapping[str, Any] | None = None) -> Any:
         """Run ``statement`` with ``parameters``; the result is :class:`Rows` on the
         direct path, SQLAlchemy's ``CursorResult`` otherwise (the same subset of calls
-        works on both).
+        works on both). A deferred write that waits for the next statement (PostgreSQL)
+        returns no rows and a ``rowcount`` of -1.
 
         Raises:
             sqlalchemy.exc.DBAPIError: the driver's error, as SQLAlchemy raises it
                 (``IntegrityError``, ``OperationalError``, ...).
+            investigation.errors.StoreError: ``STORE_TRANSACTION_NOT_OPEN`` (PostgreSQL:
+                the server holds no transaction where SQLAlchemy believes one open).
         """
         conn = self.connection_
         params = parameters if parameters is not None else {}
@@ -213,25 +248,32 @@ class DirectConnection:
         if plan is None:
             return conn.execute(statement, parameters, execution_options=execution_options)
         values = plan.compiled.construct_params(params, _check=False)
-        args = [values[name] if process is None else process(values[name])
-                for name, process in plan.binds]
+        args: Any
+        if plan.named:
+            args = {name: values[name] if process is None else process(values[name])
+                    for name, process in plan.binds}
+        else:
+            args = [values[name] if process is None else process(values[name])
+                    for name, process in plan.binds]
         raw = conn.connection.dbapi_connection
         assert raw is not None
         listeners = conn.engine.dispatch.before_cursor_execute
+        cursor = raw.cursor()
         try:
-            cursor = raw.cursor()
-            try:
-                for listener in listeners:  # statement counters (tests, benchmarks)
-                    listener(conn, cursor, plan.sql, args, None, False)
+            for listener in listeners:  # statement counters (tests, benchmarks)
+                listener(conn, cursor, plan.sql, args, None, False)
+            runner = self.runner
+            if runner is None or not runner(cursor, plan.sql, args, conn, plan.deferred):
                 cursor.execute(plan.sql, args)
-                rows: list[Any] = cast(list[Any], cursor.fetchall()) \
-                    if cursor.description is not None else []
-                count = cursor.rowcount
-            finally:
-                cursor.close()
-        except sqlite3.Error as exc:
-            raise DBAPIError.instance(plan.sql, args, exc, sqlite3.Error,
-                                      dialect=conn.dialect) from exc
+            rows: list[Any] = cast(list[Any], cursor.fetchall()) \
+                if cursor.description is not None else []
+            count = cursor.rowcount
+        except conn.dialect.loaded_dbapi.Error as exc:
+            # As SQLAlchemy handles an error of its own execution: wrapped in its
+            # DBAPIError subclass, a lost connection invalidated.
+            conn._handle_dbapi_exception(exc, plan.sql, args, cursor, None)
+        finally:
+            cursor.close()
         if plan.results is not None:
             rows = [tuple(value if f is None else f(value)
                           for f, value in zip(plan.results, row, strict=True))
@@ -247,12 +289,21 @@ _DIRECT = "investigation_direct_connection"
 
 
 def session_connection(session: Session) -> Connection:
-    """The connection of ``session``'s transaction (begun if it was not); on SQLite a
-    :class:`DirectConnection` over it, typed as the connection it stands for."""
+    """The connection of ``session``'s transaction (begun if it was not); a
+    :class:`DirectConnection` over it, typed as the connection it stands for, on SQLite
+    and on PostgreSQL through psycopg with the engine's runner registered."""
     conn = session.connection()
-    if conn.dialect.name != "sqlite":
-        return conn
     held = session.info.get(_DIRECT)
-    if held is None or held.connection_ is not conn:
-        held = session.info[_DIRECT] = DirectConnection(conn)
+    if held is not None and held.connection_ is conn:
+        return cast(Connection, held)
+    dialect = conn.dialect
+    if dialect.name == "sqlite":
+        runner = None
+    elif dialect.name == "postgresql" and dialect.driver == "psycopg":
+        runner = _runners.get(conn.engine)
+        if runner is None:
+            return conn
+    else:
+        return conn
+    held = session.info[_DIRECT] = DirectConnection(conn, runner)
     return cast(Connection, held)

@@ -60,9 +60,11 @@ def core(session: Session) -> Connection:
     ``manifest_pointer``): no ORM result processing, no bulk-insert machinery, no
     autoflush (nothing of theirs is pending).
 
-    On SQLite it is a :class:`~investigation.store.direct.DirectConnection` over that
-    connection: its ``execute`` runs a statement built once on the driver's cursor
-    (decision 132); any other attribute is the connection's."""
+    On SQLite and on PostgreSQL (psycopg) it is a
+    :class:`~investigation.store.direct.DirectConnection` over that connection: its
+    ``execute`` runs a statement built once on the driver's cursor (decisions 132 and
+    134), on PostgreSQL through the transaction's pipeline; any other attribute is the
+    connection's."""
     return direct.session_connection(session)
 
 
@@ -342,20 +344,21 @@ def _pipelined_transactions(engine: Engine) -> None:
             pending.discard(dbapi_conn)
             waiting.pop(dbapi_conn, None)
 
-    def _check(raw: Any, context: Any) -> bool:
+    def _check(raw: Any, root: Connection | None, statement: str) -> bool:
         """Whether ``BEGIN`` is still to be sent on ``raw``; refuses a lost transaction."""
         if raw in pending:
             pending.discard(raw)
             return True
-        if context is not None and raw.pgconn.transaction_status == idle:
-            root = context.root_connection
-            if root.in_transaction() and \
-                    root.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
-                raise StoreError(
-                    "STORE_TRANSACTION_NOT_OPEN",
-                    "a statement would have run outside its transaction: "
-                    + context.statement[:80])
+        if root is not None and raw.pgconn.transaction_status == idle \
+                and root.in_transaction() \
+                and root.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+            raise StoreError(
+                "STORE_TRANSACTION_NOT_OPEN",
+                "a statement would have run outside its transaction: " + statement[:80])
         return False
+
+    def _root(context: Any) -> Connection | None:
+        return context.root_connection if context is not None else None
 
     def _may_wait(root: Connection) -> bool:
         """A deferred write waits only in an open transaction of its own: not on an
@@ -371,12 +374,14 @@ def _pipelined_transactions(engine: Engine) -> None:
             with raw.pipeline():
                 _send(raw, writes)
 
-    @event.listens_for(engine, "do_execute")
-    def _execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
+    def _run(cursor: Any, statement: str, parameters: Any, root: Connection | None,
+             is_deferred: bool) -> bool:
+        """Send ``statement`` on ``cursor`` behind a pending ``BEGIN`` and the writes
+        waiting on its connection, or queue it when it is a deferred write; ``False``
+        when nothing is pending (the caller executes it alone)."""
         raw = cursor.connection
-        begin = _check(raw, context)
-        if not begin and context is not None and context.execution_options.get(DEFERRED) \
-                and _may_wait(context.root_connection):
+        begin = _check(raw, root, statement)
+        if not begin and is_deferred and root is not None and _may_wait(root):
             waiting.setdefault(raw, []).append((statement, parameters))
             return True
         writes = waiting.pop(raw, None)
@@ -389,16 +394,27 @@ def _pipelined_transactions(engine: Engine) -> None:
             cursor.execute(statement, parameters)
         return True
 
+    @event.listens_for(engine, "do_execute")
+    def _execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
+        if context is None:
+            return _run(cursor, statement, parameters, None, False)
+        return _run(cursor, statement, parameters, context.root_connection,
+                    bool(context.execution_options.get(DEFERRED)))
+
+    # The statements a stage runs on the driver's cursor (decision 134) go through the
+    # same pipeline.
+    direct.register_runner(engine, _run)
+
     @event.listens_for(engine, "do_execute_no_params")
     def _execute_no_params(cursor: Any, statement: str, context: Any) -> bool:
-        if _check(cursor.connection, context):
+        if _check(cursor.connection, _root(context), statement):
             cursor.connection.execute(PG_BEGIN)
         _send_waiting(cursor.connection)
         return False
 
     @event.listens_for(engine, "do_executemany")
     def _executemany(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
-        if _check(cursor.connection, context):
+        if _check(cursor.connection, _root(context), statement):
             cursor.connection.execute(PG_BEGIN)
         _send_waiting(cursor.connection)
         return False

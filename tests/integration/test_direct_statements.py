@@ -1,6 +1,8 @@
-"""Decision 132: on SQLite a stage's Core statements run on the driver's cursor from their
-second execution, with the values, rows and errors SQLAlchemy gives; what needs
-SQLAlchemy's execution context, and every statement on PostgreSQL, still goes through it.
+"""Decisions 132 and 134: on SQLite and on PostgreSQL a stage's Core statements run on the
+driver's cursor from their second execution, with the values, rows and errors SQLAlchemy
+gives; what needs SQLAlchemy's execution context still goes through it. On PostgreSQL a
+direct statement keeps the transaction's pipeline: ``BEGIN`` with the first statement,
+deferred writes with the next one (decisions 128 and 130).
 """
 
 from __future__ import annotations
@@ -21,18 +23,32 @@ from investigation.store.models import Artifact, StageRun
 
 _RUN = table_of(StageRun)
 _ART = table_of(Artifact)
-_MARKER_INSERT = deferred(insert(_RUN))
-_MARKERS = select(_RUN.c.stage, _RUN.c.output_json, _RUN.c.completed_at).where(
-    _RUN.c.case_id == bindparam("case_id"), _RUN.c.step_seq == bindparam("step_seq")
-).order_by(_RUN.c.stage)
-_ART_INSERT = insert(_ART)
-_ART_ROW = select(_ART.c.sha256, _ART.c.size_bytes, _ART.c.created_at).where(
-    _ART.c.case_id == bindparam("case_id"), _ART.c.path == bindparam("path"))
+
+
+class _Statements:
+    """Statements built once per test, as the engine builds its own once per process (a
+    statement's first execution, in any store, is SQLAlchemy's)."""
+
+    def __init__(self) -> None:
+        self.marker_insert = deferred(insert(_RUN))
+        self.markers = select(_RUN.c.stage, _RUN.c.output_json, _RUN.c.completed_at).where(
+            _RUN.c.case_id == bindparam("case_id"), _RUN.c.step_seq == bindparam("step_seq")
+        ).order_by(_RUN.c.stage)
+        self.art_insert = insert(_ART)
+        self.art_row = select(_ART.c.sha256, _ART.c.size_bytes, _ART.c.created_at).where(
+            _ART.c.case_id == bindparam("case_id"), _ART.c.path == bindparam("path"))
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Any:
-    st = Store(f"sqlite:///{tmp_path / 'store.db'}")
+def q() -> _Statements:
+    return _Statements()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    url = f"sqlite:///{tmp_path / 'store.db'}" if request.param == "sqlite" \
+        else request.getfixturevalue("postgres_url")
+    st = Store(url)
     st.create_schema()
     yield st
     st.dispose()
@@ -65,19 +81,19 @@ def _marker(stage: str, step_seq: int = 1) -> dict[str, Any]:
 
 
 def test_a_statement_runs_on_the_driver_from_its_second_execution_with_sqlalchemys_values(
-        store: Store) -> None:
+        store: Store, q: _Statements) -> None:
     with _Seen(store.engine) as seen, store.session() as s:
         conn = core(s)
         assert isinstance(conn, direct.DirectConnection)
         for stage in ("build_context", "llm_call", "validate"):
-            conn.execute(_MARKER_INSERT, _marker(stage))
-        first = conn.execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).all()
-        second = conn.execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).all()
+            conn.execute(q.marker_insert, _marker(stage))
+        first = conn.execute(q.markers, {"case_id": "c1", "step_seq": 1}).all()
+        second = conn.execute(q.markers, {"case_id": "c1", "step_seq": 1}).all()
     # The marker insert: SQLAlchemy's the first time, then the driver's; so for the read.
     assert seen.calls == [("INSERT", False), ("INSERT", True), ("INSERT", True),
                           ("SELECT", False), ("SELECT", True)]
     with store.engine.connect() as plain:  # SQLAlchemy alone, as the reference
-        reference = plain.execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).all()
+        reference = plain.execute(q.markers, {"case_id": "c1", "step_seq": 1}).all()
     assert [tuple(r) for r in second] == [tuple(r) for r in first] == \
         [tuple(r) for r in reference]
     assert second[0].stage == "build_context" and second[0][0] == "build_context"
@@ -87,12 +103,12 @@ def test_a_statement_runs_on_the_driver_from_its_second_execution_with_sqlalchem
     assert completed == datetime(2026, 12, 4, 21, 0, 0, 5, tzinfo=UTC)
 
 
-def test_result_methods_raise_what_sqlalchemys_raise(store: Store) -> None:
+def test_result_methods_raise_what_sqlalchemys_raise(store: Store, q: _Statements) -> None:
     key = {"case_id": "c1", "step_seq": 1}
     with store.session() as s:
         conn = core(s)
         for _ in range(2):  # the second execution is the driver's
-            none = conn.execute(_MARKERS, key)
+            none = conn.execute(q.markers, key)
         assert isinstance(none, direct.Rows)
         assert none.first() is None and none.scalar() is None and none.all() == []
         assert none.one_or_none() is None and none.scalar_one_or_none() is None
@@ -100,9 +116,9 @@ def test_result_methods_raise_what_sqlalchemys_raise(store: Store) -> None:
             none.one()
         with pytest.raises(NoResultFound):
             none.scalar_one()
-        conn.execute(_MARKER_INSERT, _marker("a"))
-        conn.execute(_MARKER_INSERT, _marker("b"))
-        two = conn.execute(_MARKERS, key)
+        conn.execute(q.marker_insert, _marker("a"))
+        conn.execute(q.marker_insert, _marker("b"))
+        two = conn.execute(q.markers, key)
         assert two.scalars().all() == ["a", "b"] and list(two.scalars()) == ["a", "b"]
         with pytest.raises(MultipleResultsFound):
             two.one()
@@ -122,23 +138,24 @@ def test_result_methods_raise_what_sqlalchemys_raise(store: Store) -> None:
 
 
 def test_a_unique_violation_is_sqlalchemys_integrity_error_and_changes_nothing(
-        store: Store) -> None:
+        store: Store, q: _Statements) -> None:
     with store.session() as s:
-        core(s).execute(_MARKER_INSERT, _marker("build_context"))
+        core(s).execute(q.marker_insert, _marker("build_context"))
     with store.session() as s:  # the statement's second execution: the driver's
-        core(s).execute(_MARKER_INSERT, _marker("llm_call"))
+        core(s).execute(q.marker_insert, _marker("llm_call"))
     with pytest.raises(IntegrityError) as raised, store.session() as s:
-        core(s).execute(_MARKER_INSERT, _marker("validate"))
-        core(s).execute(_MARKER_INSERT, _marker("build_context"))  # taken: a lost race
+        core(s).execute(q.marker_insert, _marker("validate"))
+        core(s).execute(q.marker_insert, _marker("build_context"))  # taken: a lost race
     assert is_lost_race(raised.value)
-    assert "UNIQUE constraint failed" in str(raised.value.orig)
+    assert ("UNIQUE constraint failed" if store.engine.dialect.name == "sqlite"
+            else "duplicate key value violates unique constraint") in str(raised.value.orig)
     with store.session() as s:
-        stages = core(s).execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).scalars().all()
+        stages = core(s).execute(q.markers, {"case_id": "c1", "step_seq": 1}).scalars().all()
     assert stages == ["build_context", "llm_call"]  # validate was rolled back with it
 
 
 def test_statements_that_need_sqlalchemys_execution_context_go_through_it(
-        store: Store) -> None:
+        store: Store, q: _Statements) -> None:
     metadata = sa.MetaData()
     made = sa.Table("direct_defaults", metadata,
                     sa.Column("id", sa.Integer, primary_key=True),
@@ -164,29 +181,15 @@ def test_statements_that_need_sqlalchemys_execution_context_go_through_it(
 
 
 def test_a_list_of_parameters_goes_through_sqlalchemy_and_later_reads_on_the_driver(
-        store: Store) -> None:
+        store: Store, q: _Statements) -> None:
     rows = [{"case_id": "c1", "path": f"p{i}", "kind": "k", "sha256": "0" * 64,
              "size_bytes": i, "media_type": "application/json",
              "created_at": datetime(2026, 12, 4, tzinfo=UTC)} for i in range(3)]
     with _Seen(store.engine) as seen, store.session() as s:
         conn = core(s)
-        conn.execute(_ART_INSERT, rows)  # executemany
-        got = [conn.execute(_ART_ROW, {"case_id": "c1", "path": "p2"}).one() for _ in range(2)]
+        conn.execute(q.art_insert, rows)  # executemany
+        got = [conn.execute(q.art_row, {"case_id": "c1", "path": "p2"}).one() for _ in range(2)]
     assert [tuple(g) for g in got] == [("0" * 64, 2, datetime(2026, 12, 4, tzinfo=UTC))] * 2
     assert [on_driver for _, on_driver in seen.calls] == [False, False, True]
 
 
-@pytest.mark.postgres
-def test_on_postgresql_every_statement_is_sqlalchemys(postgres_url: str) -> None:
-    st = Store(postgres_url)
-    st.create_schema()
-    try:
-        with st.session() as s:
-            conn = core(s)
-            assert isinstance(conn, sa.Connection)
-            for stage in ("a", "b"):
-                conn.execute(_MARKER_INSERT, _marker(stage))
-            assert conn.execute(_MARKERS, {"case_id": "c1", "step_seq": 1}).scalars().all() \
-                == ["a", "b"]
-    finally:
-        st.dispose()

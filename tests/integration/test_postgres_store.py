@@ -18,10 +18,51 @@ from investigation.loop.checkpoints import verify_chain
 from investigation.loop.outcome import StepKey
 from investigation.loop.stages import Stages
 from investigation.operations import summary_bytes
-from investigation.store.engine import Store
+from investigation.store.engine import Store, core, deferred
 from tests.casekit import INTERPRETATION, make_case
 
 pytestmark = pytest.mark.postgres
+
+
+class Via:
+    """How a test's Core statements run: on the session's own connection (SQLAlchemy
+    executes them) or on ``core(session)`` (the driver's cursor executes a statement
+    from its second execution, decision 134); both keep the transaction's pipeline."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.on_driver = 0
+
+    def conn(self, session: Any) -> Any:
+        return core(session) if self.name == "driver" else session.connection()
+
+    def write(self, store: Store) -> Any:
+        """A deferred insert into ``scratch``; on the driver's path it has run once (in a
+        rolled-back transaction), so that every later execution is the driver's."""
+        from sqlalchemy import event
+        from sqlmodel import Session
+
+        write = deferred(sa_table("scratch", sa_column("id")).insert())
+        if self.name == "driver":
+            with Session(store.engine) as s:
+                core(s).execute(write, {"id": -1})
+                s.rollback()
+            event.listen(store.engine, "before_cursor_execute", self._seen)
+        return write
+
+    def _seen(self, _conn: Any, _cursor: Any, statement: str, _params: Any, context: Any,
+              _many: bool) -> None:
+        if context is None and statement.startswith("INSERT INTO scratch"):
+            self.on_driver += 1
+
+    def check(self) -> None:
+        """On the driver's path, the writes did run on the driver."""
+        assert self.name == "sqlalchemy" or self.on_driver > 0
+
+
+@pytest.fixture(params=["sqlalchemy", "driver"])
+def via(request: pytest.FixtureRequest) -> Via:
+    return Via(request.param)
 
 
 def test_full_investigation_on_postgres_matches_sqlite(tmp_path: Path,
@@ -319,15 +360,20 @@ def test_a_failed_transaction_keeps_nothing_whatever_its_first_statement(
     assert _ids(scratch) == [6, 7]
 
 
-def test_a_statement_outside_its_transaction_is_refused(scratch: Store) -> None:
+def test_a_statement_outside_its_transaction_is_refused(scratch: Store, via: Via) -> None:
     """A transaction that ended behind SQLAlchemy's back (here an explicit COMMIT) would
-    run the rest of the session statement by statement: refused, nothing written."""
-    with pytest.raises(StoreError) as caught, scratch.session() as s:
-        s.execute(text("INSERT INTO scratch VALUES (1)"))
-        s.connection().exec_driver_sql("COMMIT")
-        s.execute(text("INSERT INTO scratch VALUES (2)"))
-    assert caught.value.code == "STORE_TRANSACTION_NOT_OPEN"
-    assert _ids(scratch) == [1]  # the first insert was committed by the explicit COMMIT
+    run the rest of the session statement by statement: refused, nothing written, on
+    SQLAlchemy's path and on the driver's."""
+    write = via.write(scratch)
+    for later in (lambda s: s.execute(text("INSERT INTO scratch VALUES (2)")),
+                  lambda s: via.conn(s).execute(write, {"id": 2})):
+        with pytest.raises(StoreError) as caught, scratch.session() as s:
+            s.execute(text("INSERT INTO scratch VALUES (1) ON CONFLICT DO NOTHING"))
+            s.connection().exec_driver_sql("COMMIT")
+            later(s)
+        assert caught.value.code == "STORE_TRANSACTION_NOT_OPEN"
+        assert _ids(scratch) == [1]  # the first insert was committed by the explicit COMMIT
+    via.check()
 
 
 def test_transactions_keep_the_servers_default_isolation(postgres_url: str) -> None:
@@ -342,13 +388,16 @@ def test_transactions_keep_the_servers_default_isolation(postgres_url: str) -> N
         store.dispose()
 
 
-def test_a_lost_connection_raises_its_own_error_and_the_pool_recovers(scratch: Store) -> None:
+def test_a_lost_connection_raises_its_own_error_and_the_pool_recovers(scratch: Store,
+                                                                     via: Via) -> None:
     """A backend gone between two transactions (a server restart, a killed session):
     the next transaction fails with the driver's OperationalError, which the worker
     retries as a store outage (not a PendingRollbackError raised while rolling back),
-    and the one after it gets a new connection."""
+    and the one after it gets a new connection; so when the failing statement is one
+    the driver's cursor runs (decision 134)."""
     from sqlalchemy.exc import OperationalError
 
+    write = via.write(scratch)
     with scratch.session() as s:
         pid = s.execute(text("SELECT pg_backend_pid()")).scalar()
     admin = Store(scratch.url)
@@ -358,30 +407,32 @@ def test_a_lost_connection_raises_its_own_error_and_the_pool_recovers(scratch: S
     finally:
         admin.dispose()
     with pytest.raises(OperationalError) as caught, scratch.session() as s:
-        s.execute(text("INSERT INTO scratch VALUES (1)"))
+        via.conn(s).execute(write, {"id": 1})  # the transaction's first: sent at once
+    # The statement's own error, on a connection invalidated there (not an error of the
+    # rollback that closing the session would then try on the dead connection).
     assert caught.value.connection_invalidated
+    assert (caught.value.statement or "").startswith("INSERT INTO scratch")
     with scratch.session() as s:
-        s.execute(text("INSERT INTO scratch VALUES (2)"))
+        via.conn(s).execute(write, {"id": 2})
     assert _ids(scratch) == [2]
+    via.check()
 
 
 # -- decision 130: a deferred write goes out with what follows it -------------------------
 
 
 def test_a_deferred_write_goes_out_with_the_commit_or_the_next_statement(
-        scratch: Store, tmp_path: Path) -> None:
-    from investigation.store.engine import deferred
-
-    write = deferred(sa_table("scratch", sa_column("id")).insert())
+        scratch: Store, tmp_path: Path, via: Via) -> None:
+    write = via.write(scratch)
     trace = tmp_path / "trace.txt"
     with _traced(scratch, trace):
         with scratch.session() as s:
             s.execute(text("SELECT 1"))
-            s.connection().execute(write, {"id": 1})
+            via.conn(s).execute(write, {"id": 1})
         with scratch.session() as s:
             s.execute(text("SELECT 1"))
-            s.connection().execute(write, {"id": 2})
-            s.connection().execute(write, {"id": 3})
+            via.conn(s).execute(write, {"id": 2})
+            via.conn(s).execute(write, {"id": 3})
             # In order, before the statement they went out with.
             assert s.execute(text("SELECT count(*) FROM scratch")).scalar() == 3
     insert = "INSERT INTO scratch (id) VALUES ($1)"
@@ -393,53 +444,54 @@ def test_a_deferred_write_goes_out_with_the_commit_or_the_next_statement(
         "COMMIT",
     ]
     assert _ids(scratch) == [1, 2, 3]
+    via.check()
 
 
 def test_a_deferred_write_that_fails_fails_its_commit_and_keeps_nothing(
-        scratch: Store) -> None:
+        scratch: Store, via: Via) -> None:
     """A unique violation surfaces at the commit as SQLAlchemy's IntegrityError (a lost
     race for the stage framework); the transaction keeps nothing, the store goes on."""
     from sqlalchemy.exc import IntegrityError
 
-    from investigation.store.engine import deferred, is_lost_race
+    from investigation.store.engine import is_lost_race
 
-    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    write = via.write(scratch)
     with scratch.session() as s:
         s.execute(text("INSERT INTO scratch VALUES (1)"))
     with pytest.raises(IntegrityError) as caught, scratch.session() as s:
         s.execute(text("INSERT INTO scratch VALUES (2)"))
-        s.connection().execute(write, {"id": 1})  # not sent yet: no error here
+        via.conn(s).execute(write, {"id": 1})  # not sent yet: no error here
     assert is_lost_race(caught.value)
     assert _ids(scratch) == [1]
     with scratch.session() as s:
         s.connection().execute(text("INSERT INTO scratch VALUES (3)"))
-        s.connection().execute(write, {"id": 4})
+        via.conn(s).execute(write, {"id": 4})
     assert _ids(scratch) == [1, 3, 4]
+    via.check()
 
 
 def test_a_deferred_write_of_a_rolled_back_transaction_is_never_sent(
-        scratch: Store, tmp_path: Path) -> None:
+        scratch: Store, tmp_path: Path, via: Via) -> None:
     """Rolled back (an error in the stage) or returned to the pool unfinished: the write
     never reaches the server, nor joins the connection's next transaction."""
     from sqlmodel import Session
 
-    from investigation.store.engine import deferred
-
-    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    write = via.write(scratch)
     trace = tmp_path / "trace.txt"
     with _traced(scratch, trace):
         with pytest.raises(RuntimeError), scratch.session() as s:
             s.execute(text("SELECT 1"))
-            s.connection().execute(write, {"id": 1})
+            via.conn(s).execute(write, {"id": 1})
             raise RuntimeError("the stage failed")
         s = Session(scratch.engine)
         s.execute(text("SELECT 1"))
-        s.connection().execute(write, {"id": 2})
+        via.conn(s).execute(write, {"id": 2})
         s.close()  # no commit: the pool resets the connection
         with scratch.session() as s:
             s.execute(text("INSERT INTO scratch VALUES (3)"))
     assert _ids(scratch) == [3]
     assert not any("INSERT INTO scratch (id)" in wait for wait in _waits(trace))
+    via.check()
 
 
 def test_a_stage_marker_costs_no_round_trip_of_its_own(tmp_path: Path,
@@ -467,67 +519,65 @@ def test_a_stage_marker_costs_no_round_trip_of_its_own(tmp_path: Path,
 
 
 def test_a_connection_lost_before_a_deferred_write_fails_the_commit_as_an_outage(
-        scratch: Store) -> None:
+        scratch: Store, via: Via) -> None:
     """The backend dies while a write waits: the commit raises the driver's
     OperationalError on an invalidated connection (a worker retries it as a store
     outage), nothing is kept, and the next transaction gets a new connection."""
     from sqlalchemy.exc import OperationalError
 
-    from investigation.store.engine import deferred
-
-    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    write = via.write(scratch)
     admin = Store(scratch.url)
     try:
         with pytest.raises(OperationalError) as caught, scratch.session() as s:
             pid = s.execute(text("SELECT pg_backend_pid()")).scalar()
-            s.connection().execute(write, {"id": 1})
+            via.conn(s).execute(write, {"id": 1})
             with admin.engine.begin() as conn:
                 conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
     finally:
         admin.dispose()
     assert caught.value.connection_invalidated
     with scratch.session() as s:
-        s.connection().execute(write, {"id": 2})
+        via.conn(s).execute(write, {"id": 2})
     assert _ids(scratch) == [2]
+    via.check()
 
 
-def test_a_failed_deferred_commit_leaves_the_pooled_connection_clean(scratch: Store) -> None:
+def test_a_failed_deferred_commit_leaves_the_pooled_connection_clean(scratch: Store,
+                                                                    via: Via) -> None:
     """SQLAlchemy's own pattern (``commit()`` with no rollback after it fails): the next
     transaction on the same pooled connection is not inside the aborted one."""
     from sqlalchemy.exc import IntegrityError
     from sqlmodel import Session
 
-    from investigation.store.engine import deferred
-
-    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    write = via.write(scratch)
     with scratch.session() as s:
         s.execute(text("INSERT INTO scratch VALUES (1)"))
     with pytest.raises(IntegrityError), Session(scratch.engine) as s:
         s.execute(text("SELECT 1"))
-        s.connection().execute(write, {"id": 1})
+        via.conn(s).execute(write, {"id": 1})
         s.commit()
     with scratch.session() as s:
         s.execute(text("INSERT INTO scratch VALUES (2)"))
     assert _ids(scratch) == [1, 2]
+    via.check()
 
 
 def test_a_deferred_write_in_a_savepoint_or_in_autocommit_runs_at_once(
-        scratch: Store) -> None:
+        scratch: Store, via: Via) -> None:
     """In a savepoint the write's error is raised inside it, which rolls back to the
     savepoint and lets the transaction go on; on an autocommit connection, where no
     commit would send it, it stands alone."""
     from sqlalchemy.exc import IntegrityError
 
-    from investigation.store.engine import deferred
-
-    write = deferred(sa_table("scratch", sa_column("id")).insert())
+    write = via.write(scratch)
     with scratch.session() as s:
         s.execute(text("INSERT INTO scratch VALUES (1)"))
     with scratch.session() as s:
         s.execute(text("INSERT INTO scratch VALUES (2)"))
         with pytest.raises(IntegrityError), s.begin_nested():
-            s.connection().execute(write, {"id": 1})
+            via.conn(s).execute(write, {"id": 1})
         s.execute(text("INSERT INTO scratch VALUES (3)"))
     with scratch.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(write, {"id": 9})
     assert _ids(scratch) == [1, 2, 3, 9]
+    via.check()
