@@ -266,6 +266,11 @@ def _pipelined_transactions(engine: Engine) -> None:
     failed ``COMMIT`` would have ended it); a rollback drops it (decision 130). A stage's
     marker, the last write of every stage transaction, costs no round trip of its own.
 
+    Statements a :class:`~investigation.store.direct.DirectConnection` runs on the
+    driver's cursor (decision 134) go through the same function (registered with
+    :func:`~investigation.store.direct.register_runner`): the same ``BEGIN``, the same
+    waiting writes, the same refusal.
+
     Raises:
         StoreError: ``STORE_TRANSACTION_NOT_OPEN`` when a statement would run outside the
             transaction SQLAlchemy believes open (a path that escaped this mechanism:
