@@ -1,8 +1,18 @@
 """Per-case dispatch locks: Redis for the distributed runtime, a file lock for the embedded one.
 
 A lock is a lease with a random token. ``acquire`` never blocks (a held lock raises
-``LockBusy``); ``hold`` renews the lease only for its owner and re-takes an expired one;
-``release`` deletes the key only if it still holds the caller's token. Correctness never
+``LockBusy``); ``hold`` renews the lease only for its owner and re-takes an expired one,
+never a released one; ``release`` deletes the key only if it still holds the caller's
+token.
+
+A released lease leaves a tombstone behind (``<lock key>:released:<token>``, kept for
+``released_ttl_s``: the broker's visibility timeout plus its restore interval plus the
+lease, see ``workers.runtime``), so a late duplicate of a finished chain's message (a
+killed worker child's delivery that the broker restores after the chain went on and
+ended) stops with ``LOCK_LOST`` at its first stage instead of re-taking the free lock for
+its own short run, during which a new dispatch of the case would meet ``LockBusy``
+(decision 135). A lease that expired without a release (a holder stalled past its TTL)
+can still be re-taken by its holder, as before. Correctness never
 rests on the lock: stages are fenced on the checkpoint head in SQL. The lock only keeps
 two dispatches from doing the same work twice.
 
@@ -41,20 +51,29 @@ from investigation.errors import InvestigationError, LockBusy
 #: What a case id may look like where it becomes a file name.
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
+#: KEYS: the lock, the token's tombstone; ARGV: the token, the lease (ms).
 _RENEW = """
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-elseif not v then
+elseif not v and redis.call('EXISTS', KEYS[2]) == 0 then
   if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 end
 return 0
 """
 
+#: KEYS: the lock, the token's tombstone; ARGV: the token, the tombstone's life (ms; 0:
+#: none).
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if tonumber(ARGV[2]) > 0 then redis.call('SET', KEYS[2], '1', 'PX', ARGV[2]) end
+  return redis.call('DEL', KEYS[1])
+end
 return 0
 """
+
+#: Suffix of a released lease's tombstone key (after the lock key, before the token).
+RELEASED_SUFFIX = ":released:"
 
 
 class CaseLock(Protocol):
@@ -68,8 +87,10 @@ class CaseLock(Protocol):
         """Renew the lease for ``token``; True while the caller owns the lock."""
         ...
 
-    def release(self, case_id: str, token: str) -> bool:
-        """Release if ``token`` still owns it; never deletes another holder's key."""
+    def release(self, case_id: str, token: str, *, sent: bool = True) -> bool:
+        """Release if ``token`` still owns it; never deletes another holder's key.
+        ``sent=False``: no message carrying ``token`` was ever sent (nothing can come
+        back with it; a Redis lock leaves no tombstone then)."""
         ...
 
     def holder(self, case_id: str) -> str | None:
@@ -115,15 +136,20 @@ class RedisCaseLock:
     Args:
         client: a redis-py client.
         ttl_s: lease length in seconds; stages renew it (:meth:`renew`).
+        released_ttl_s: how long a released lease's tombstone keeps its token from
+            re-taking the free lock (seconds; default: an hour or ``ttl_s``, whichever is
+            longer). It must outlast the latest redelivery of a message of the chain.
     """
 
     #: A lease this process renewed less than this many seconds ago (and less than a
     #: quarter of its TTL ago) is not renewed again by :meth:`renew`.
     RENEW_AFTER_S = 10.0
 
-    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, ttl_s: int,
+                 released_ttl_s: int | None = None) -> None:
         self.client = client
         self.ttl_ms = ttl_s * 1000
+        self.released_ttl_ms = max(ttl_s, released_ttl_s or 3600) * 1000
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._renewals = _Renewals()
@@ -132,8 +158,9 @@ class RedisCaseLock:
         self.renew_within_s = min(self.RENEW_AFTER_S, ttl_s / 4)
 
     @classmethod
-    def from_url(cls, url: str, ttl_s: int) -> RedisCaseLock:
-        return cls(redis.Redis.from_url(url), ttl_s)
+    def from_url(cls, url: str, ttl_s: int, released_ttl_s: int | None = None
+                 ) -> RedisCaseLock:
+        return cls(redis.Redis.from_url(url), ttl_s, released_ttl_s)
 
     def acquire(self, case_id: str) -> str:
         token = secrets.token_hex(16)
@@ -146,7 +173,8 @@ class RedisCaseLock:
 
     def hold(self, case_id: str, token: str) -> bool:
         started = time.monotonic()  # the lease runs from before the request at the latest
-        held = bool(self._renew(keys=[REDIS_LOCK_KEY.format(case_id=case_id)],
+        key = REDIS_LOCK_KEY.format(case_id=case_id)
+        held = bool(self._renew(keys=[key, key + RELEASED_SUFFIX + token],
                                 args=[token, self.ttl_ms]))
         if held:
             self._renewals.renewed((case_id, token), started)
@@ -159,9 +187,13 @@ class RedisCaseLock:
             return True
         return self.hold(case_id, token)
 
-    def release(self, case_id: str, token: str) -> bool:
+    def release(self, case_id: str, token: str, *, sent: bool = True) -> bool:
+        """Delete the lock if ``token`` holds it, leaving the token's tombstone unless
+        ``sent`` is false (no message of a chain ever carried the token)."""
         self._renewals.forget((case_id, token))
-        return bool(self._release(keys=[REDIS_LOCK_KEY.format(case_id=case_id)], args=[token]))
+        key = REDIS_LOCK_KEY.format(case_id=case_id)
+        return bool(self._release(keys=[key, key + RELEASED_SUFFIX + token],
+                                  args=[token, self.released_ttl_ms if sent else 0]))
 
     def holder(self, case_id: str) -> str | None:
         """The current token, if any (for status and tests)."""
@@ -213,7 +245,7 @@ class FileCaseLock:
             held = self._held.get(case_id)
             return None if held is None else held[0]
 
-    def release(self, case_id: str, token: str) -> bool:
+    def release(self, case_id: str, token: str, *, sent: bool = True) -> bool:
         with self._mutex:
             held = self._held.get(case_id)
             if held is None or held[0] != token:

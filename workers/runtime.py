@@ -107,6 +107,13 @@ def configure(runtime: Runtime | None) -> None:
         _current = runtime
 
 
+def released_lease_s(settings: Settings) -> int:
+    """How long a released case lock's tombstone lives (seconds, decision 135): the latest
+    a message of the released chain can still be delivered (the visibility timeout and
+    one restore scan after its delivery) plus one lease."""
+    return settings.visibility_timeout_s + settings.restore_interval_s + settings.lock_ttl_s
+
+
 def distributed(settings: Settings) -> Runtime:
     """Build the distributed runtime for ``settings`` (Redis locks, the settings' store),
     and point the Celery app at the settings' broker and queue."""
@@ -114,7 +121,8 @@ def distributed(settings: Settings) -> Runtime:
 
     configure_app(settings)
     runtime = Runtime("distributed", settings, build_env(settings),
-                      RedisCaseLock.from_url(settings.effective_redis_url, settings.lock_ttl_s))
+                      RedisCaseLock.from_url(settings.effective_redis_url, settings.lock_ttl_s,
+                                             released_lease_s(settings)))
     log.info("distributed runtime ready (store %s)",
              settings.effective_database_url.split("@")[-1])
     return runtime

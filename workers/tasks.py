@@ -423,7 +423,7 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
         steps = max_steps or rt.env.config.loop.max_steps_per_dispatch
         payload = new_payload(case_id, steps, "distributed", max_steps)
         if payload is None:
-            rt.lock.release(case_id, token)
+            rt.lock.release(case_id, token, sent=False)  # the token never left
             outcome = Investigator(rt.env).next_step(case_id)
             assert isinstance(outcome, Outcome)
             return outcome

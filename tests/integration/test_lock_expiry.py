@@ -279,3 +279,28 @@ def test_a_lease_released_by_a_sibling_process_stops_the_stale_chain_at_its_next
         b = run(stage, b | {"token": token_b})
     assert b["halt"]["outcome"] == PROGRESSED
     assert effects(case) == one_clean_step(tmp_path)
+
+
+def test_a_late_duplicate_of_a_finished_chains_first_stage_stops_and_leaves_the_lock_free(
+    setup: tuple[Case, RedisCaseLock], tmp_path: Path
+) -> None:
+    """A killed worker child's delivery that the broker restores after its chain went on
+    and released the lock (decision 135): its stage finds the released lease's tombstone,
+    stops with ``LOCK_LOST`` and leaves the lock free, so the next dispatch of the case
+    takes it at once (it used to re-take the free lock for its own short run)."""
+    case, lock = setup
+    token = lock.acquire(case.case_id)
+    first = payload_for(case, token)
+    p = first
+    for stage in STAGES:
+        p = run(stage, p)
+    assert p["halt"]["outcome"] == PROGRESSED
+    tasks.advance.apply(args=(p,)).get()  # one step asked: the dispatch ends, released
+    assert lock.holder(case.case_id) is None
+    late = run("build_context", first)
+    assert late["halt"]["outcome"] == "LOCK_LOST"
+    assert lock.holder(case.case_id) is None
+    tasks.advance.apply(args=(late,)).get()  # its advance touches no lock
+    assert lock.holder(case.case_id) is None
+    assert lock.acquire(case.case_id)  # the next dispatch is not LOCK_BUSY
+    assert effects(case) == one_clean_step(tmp_path)

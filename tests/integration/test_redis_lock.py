@@ -19,7 +19,7 @@ import redis
 
 from investigation.constants import REDIS_LOCK_KEY
 from investigation.errors import LockBusy
-from workers.locks import RedisCaseLock
+from workers.locks import RELEASED_SUFFIX, RedisCaseLock
 
 TTL_S = 30
 
@@ -69,6 +69,10 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if b.used:
         cleanup = b.client()
         cleanup.delete(*(key(c) for c in b.used))
+        for c in b.used:  # the tombstones of released leases (decision 135)
+            tombstones = list(cleanup.scan_iter(match=key(c) + RELEASED_SUFFIX + "*"))
+            if tombstones:
+                cleanup.delete(*tombstones)
         cleanup.close()
 
 
@@ -190,15 +194,39 @@ def test_hold_refuses_when_another_token_holds_it(backend: Backend) -> None:
     assert old.hold(case_id, "never-issued") is False
 
 
-def test_hold_after_release_retakes_only_a_free_lock(backend: Backend) -> None:
-    """``hold`` re-takes any free key for its token (documented behaviour), so a released
-    token can come back; it never steals a held one."""
+def test_a_released_token_never_retakes_the_lock(backend: Backend) -> None:
+    """A released lease leaves a tombstone (decision 135): its token's ``hold`` fails on
+    the free key and on a newer holder's, and a new dispatch acquires at once."""
     lock, case_id = backend.lock(), backend.case_id()
     token = lock.acquire(case_id)
-    lock.release(case_id, token)
+    assert lock.release(case_id, token)
+    assert lock.hold(case_id, token) is False  # free, but released: not re-taken
+    assert lock.holder(case_id) is None
     other = lock.acquire(case_id)
     assert lock.hold(case_id, token) is False
     assert lock.holder(case_id) == other
+
+
+def test_the_tombstone_lives_for_released_ttl_s_and_only_a_real_release_leaves_one(
+        backend: Backend) -> None:
+    client = backend.client()
+    lock, case_id = RedisCaseLock(client, TTL_S, released_ttl_s=120), backend.case_id()
+    token = lock.acquire(case_id)
+    assert lock.release(case_id, "f" * 32) is False  # not the holder's token
+    assert not client.exists(key(case_id) + RELEASED_SUFFIX + "f" * 32)
+    assert lock.release(case_id, token)
+    left_ms = client.pttl(key(case_id) + RELEASED_SUFFIX + token)
+    assert 110_000 < left_ms <= 120_000
+    assert lock.release(case_id, token) is False  # a second release changes nothing
+    # Once the tombstone has lapsed (past every redelivery), the token is a stranger.
+    client.delete(key(case_id) + RELEASED_SUFFIX + token)
+    assert lock.hold(case_id, token) is True
+    assert RedisCaseLock(client, TTL_S).released_ttl_ms == 3600 * 1000  # the default
+    # A token that no message ever carried (a dispatch with nothing to run) leaves none.
+    unsent = lock.acquire(backend.case_id())
+    assert lock.release(backend.used[-1], unsent, sent=False)
+    assert not client.exists(key(backend.used[-1]) + RELEASED_SUFFIX + unsent)
+    assert lock.holder(backend.used[-1]) is None
 
 
 # -- renew: hold, unless this process renewed the same lease recently ---------------------
