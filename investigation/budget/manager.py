@@ -24,7 +24,7 @@ from investigation.store.models import BudgetAccount, Evidence, LedgerEntry, Rev
 # Built once (building a statement costs more than running it on SQLite).
 #: Ledger rows are append-only and never written through the ORM: one Core INSERT each
 #: (no SQLModel object, nothing pending; decision 72's rule).
-_LEDGER_INSERT = sa_insert(table_of(LedgerEntry))
+_LEDGER_INSERT = sa_insert(table_of(LedgerEntry)).inline()  # no primary key fetched
 
 
 def _ledger(session: Session, **values: Any) -> None:

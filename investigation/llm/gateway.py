@@ -926,7 +926,7 @@ _ATTEMPT_CLOSE = _ATTEMPT.update().where(
     _ATTEMPT.c.status == ATTEMPT_SENT)
 _ATTEMPT_LIVE = sa_select(_ATTEMPT.c.started_at).where(
     _ATTEMPT.c.operation_id == bindparam("op_id"), _ATTEMPT.c.status == ATTEMPT_SENT)
-_ATTEMPT_INSERT = _ATTEMPT.insert()
+_ATTEMPT_INSERT = _ATTEMPT.insert().inline()  # no primary key fetched (nobody reads it)
 #: The columns a new attempt leaves at their defaults (all ``None``).
 _ATTEMPT_UNSET = {name: None for name in (
     "response_path", "response_sha256", "http_status", "error_code", "error_message",

@@ -29,22 +29,30 @@ PostgreSQL through psycopg with its runner; it is run for the first time (a stat
 built per call is never compiled twice); it is not a compiled Core SELECT, INSERT,
 UPDATE or DELETE (ORM statements, text); it needs the execution context (Python-side
 column defaults, expanding or literal-execute parameters, ``return_defaults``, escaped
-parameter names); it has execution options other than ``deferred``; or its parameters
-are a list (``executemany``). A statement marked ``deferred`` runs directly: on SQLite
+parameter names, an INSERT whose primary key SQLAlchemy fetches: neither ``inline()``
+nor with ``RETURNING``); a
+result column is a Float or Numeric (its processor depends on the type the driver
+reports) or has a name a named tuple cannot carry (a leading underscore, a keyword, a
+duplicate); it or its connection has execution options other than ``deferred``
+(``schema_translate_map``, say); or its parameters are a list (``executemany``). A
+parameter without a value raises SQLAlchemy's ``StatementError``, as SQLAlchemy does. A statement marked ``deferred`` runs directly: on SQLite
 at once, on PostgreSQL it waits for the transaction's next statement as before.
 """
 
 from __future__ import annotations
 
+import keyword
+import threading
 import weakref
 from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import MultipleResultsFound, NoResultFound
+from sqlalchemy.exc import InvalidRequestError, MultipleResultsFound, NoResultFound
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.dml import UpdateBase
+from sqlalchemy.sql import sqltypes
+from sqlalchemy.sql.dml import Insert, UpdateBase
 from sqlalchemy.sql.selectable import Select
 
 #: Execution option of a write whose result nobody reads (``store.engine.DEFERRED``,
@@ -82,9 +90,13 @@ class _Plan(NamedTuple):
 
 
 #: ``_plans[statement][(dialect, parameter names)]``: a plan, or ``None`` (SQLAlchemy
-#: runs it). Statements are module constants; one built per call is dropped with it.
-_plans: weakref.WeakKeyDictionary[
-    Any, dict[tuple[str, tuple[str, ...]], _Plan | None]] = weakref.WeakKeyDictionary()
+#: runs it), for at most :data:`PLANNED_STATEMENTS` statements. A plan holds its compiled
+#: form, which holds the statement, so the map holds its statements strongly; the engine's
+#: are module constants, and one built per call and run twice is dropped when the map is
+#: full (the oldest quarter goes, in the order planned).
+_plans: dict[Any, dict[tuple[str, tuple[str, ...]], _Plan | None]] = {}
+PLANNED_STATEMENTS = 1024
+_planning = threading.Lock()
 #: Statements run once through SQLAlchemy (a plan is made at their second execution).
 _seen: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -166,10 +178,12 @@ def _make_plan(conn: Connection, statement: Any, names: tuple[str, ...]) -> _Pla
         return None
     if isinstance(statement, UpdateBase) and statement._return_defaults:
         return None
+    if isinstance(statement, Insert) and not statement._inline and not statement._returning:
+        return None  # SQLAlchemy fetches its primary key (``inserted_primary_key``)
     compiled: Any = statement.compile(dialect=conn.dialect, column_keys=list(names))
     if compiled.insert_prefetch or compiled.update_prefetch \
             or compiled.literal_execute_params or compiled.post_compile_params \
-            or compiled.escaped_bind_names \
+            or compiled.escaped_bind_names or compiled.implicit_returning \
             or any(bind.expanding for bind in compiled.binds.values()):
         return None
     processors = compiled._bind_processors
@@ -181,29 +195,48 @@ def _make_plan(conn: Connection, statement: Any, names: tuple[str, ...]) -> _Pla
         return None
     binds = tuple((name, processors.get(name)) for name in order)
     columns = compiled._result_columns or []
+    fields = [column.keyname for column in columns]
+    if any(isinstance(column.type, (sqltypes.Numeric, sqltypes.Float)) for column in columns) \
+            or len(set(fields)) != len(fields) \
+            or any(not f.isidentifier() or f.startswith("_") or keyword.iskeyword(f)
+                   for f in fields):
+        # A Float or Numeric column's result processor depends on the type the driver
+        # reports; a field a named tuple cannot carry under its own name would be
+        # renamed (SQLAlchemy's Row keeps it).
+        return None
     results = tuple(column.type._cached_result_processor(conn.dialect, None)
                     for column in columns)
-    row = namedtuple("Row", [column.keyname for column in columns], rename=True) \
-        if columns else None
+    row = namedtuple("Row", fields) if columns else None
     return _Plan(compiled, compiled.string, binds, named,
                  results if any(f is not None for f in results) else None, row,
                  bool(statement.get_execution_options().get(DEFERRED)))
 
 
 def _plan(conn: Connection, statement: Any, parameters: Mapping[str, Any]) -> _Plan | None:
-    try:
-        by_names = _plans[statement]
-    except TypeError:  # not weak-referenceable: SQLAlchemy runs it
-        return None
-    except KeyError:
-        if statement not in _seen:
-            _seen.add(statement)  # the first execution: SQLAlchemy's
-            return None
-        by_names = _plans[statement] = {}
     key = (conn.dialect.name, tuple(sorted(parameters)))
-    if key not in by_names:
-        by_names[key] = _make_plan(conn, statement, key[1])
-    return by_names[key]
+    try:
+        by_names = _plans.get(statement)
+    except TypeError:  # not hashable: SQLAlchemy runs it
+        return None
+    if by_names is not None:
+        try:
+            return by_names[key]
+        except KeyError:
+            pass
+    else:
+        try:
+            if statement not in _seen:
+                _seen.add(statement)  # the first execution: SQLAlchemy's
+                return None
+        except TypeError:  # not weak-referenceable: SQLAlchemy runs it
+            return None
+    plan = _make_plan(conn, statement, key[1])
+    with _planning:
+        if statement not in _plans and len(_plans) >= PLANNED_STATEMENTS:
+            for old in list(_plans)[:PLANNED_STATEMENTS // 4]:
+                del _plans[old]
+        _plans.setdefault(statement, {})[key] = plan
+    return plan
 
 
 class DirectConnection:
@@ -243,11 +276,14 @@ class DirectConnection:
         params = parameters if parameters is not None else {}
         plan = None
         if execution_options is None and isinstance(params, Mapping) \
-                and conn.in_transaction():
+                and conn.in_transaction() and not conn.get_execution_options():
             plan = _plan(conn, statement, params)
         if plan is None:
             return conn.execute(statement, parameters, execution_options=execution_options)
-        values = plan.compiled.construct_params(params, _check=False)
+        try:
+            values = plan.compiled.construct_params(params)
+        except InvalidRequestError as exc:  # a parameter without a value, as SQLAlchemy
+            conn._handle_dbapi_exception(exc, plan.sql, params, None, None)
         args: Any
         if plan.named:
             args = {name: values[name] if process is None else process(values[name])
@@ -268,9 +304,13 @@ class DirectConnection:
             rows: list[Any] = cast(list[Any], cursor.fetchall()) \
                 if cursor.description is not None else []
             count = cursor.rowcount
-        except conn.dialect.loaded_dbapi.Error as exc:
+        except BaseException as exc:
+            if not isinstance(exc, conn.dialect.loaded_dbapi.Error) \
+                    and isinstance(exc, Exception):
+                raise  # the engine's own (STORE_TRANSACTION_NOT_OPEN), as it is
             # As SQLAlchemy handles an error of its own execution: wrapped in its
-            # DBAPIError subclass, a lost connection invalidated.
+            # DBAPIError subclass, a lost connection invalidated; an interrupt
+            # (KeyboardInterrupt, a worker's SystemExit) invalidates the connection too.
             conn._handle_dbapi_exception(exc, plan.sql, args, cursor, None)
         finally:
             cursor.close()

@@ -111,7 +111,7 @@ _REVISION_COLUMNS = sa_select(_REV.interpretation_json, _REV.policy_sha256,
 _POINTER = table_of(ManifestPointer)
 _POINTER_MOVE = _POINTER.update().where(_POINTER.c.case_id == bindparam("case_id_"),
                                         _POINTER.c.name == bindparam("name_"))
-_POINTER_INSERT = _POINTER.insert()
+_POINTER_INSERT = _POINTER.insert().inline()  # no primary key fetched (nobody reads it)
 
 
 class RevisionColumns(NamedTuple):

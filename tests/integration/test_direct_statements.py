@@ -193,3 +193,119 @@ def test_a_list_of_parameters_goes_through_sqlalchemy_and_later_reads_on_the_dri
     assert [on_driver for _, on_driver in seen.calls] == [False, False, True]
 
 
+
+
+# -- what stays on SQLAlchemy, or behaves as SQLAlchemy does (a break-it probe's findings) --
+
+
+@pytest.fixture
+def odd(store: Store) -> sa.Table:
+    """A table with a Float, a Numeric, and columns a named tuple cannot name."""
+    metadata = sa.MetaData()
+    table = sa.Table("direct_odd", metadata, sa.Column("id", sa.Integer, primary_key=True),
+                     sa.Column("f", sa.Float), sa.Column("n", sa.Numeric(10, 3)),
+                     sa.Column("_x", sa.Integer), sa.Column("class", sa.Integer))
+    metadata.create_all(store.engine)
+    with store.engine.begin() as conn:
+        conn.execute(insert(table), {"f": 1.5, "n": "2.125", "_x": 7, "class": 8})  # id 1
+    return table
+
+
+def test_float_and_numeric_columns_and_unnamed_fields_read_as_sqlalchemy_reads_them(
+        store: Store, odd: sa.Table) -> None:
+    from decimal import Decimal
+
+    numbers = [select(odd.c.f), select(odd.c.n), select(sa.literal(0.25)),
+               select(sa.func.sum(odd.c.n))]
+    names = select(odd.c._x, odd.c["class"]).where(odd.c.id == bindparam("id"))
+    with store.session() as s:
+        conn = core(s)
+        read = [[conn.execute(each).scalar_one() for _ in range(3)] for each in numbers]
+        rows = [conn.execute(names, {"id": 1}).one() for _ in range(3)]
+    assert read == [[1.5] * 3, [Decimal("2.125")] * 3, [0.25] * 3, [Decimal("2.125")] * 3]
+    assert [(r._x, getattr(r, "class")) for r in rows] == [(7, 8)] * 3
+
+
+def test_a_parameter_without_a_value_is_sqlalchemys_statement_error(
+        store: Store, odd: sa.Table) -> None:
+    from sqlalchemy.exc import StatementError
+
+    change = sa.update(odd).where(odd.c.id == bindparam("id_")).values(
+        f=bindparam("f"))
+    with store.session() as s:
+        assert core(s).execute(change, {"id_": 1, "f": 2.5}).rowcount == 1
+        assert core(s).execute(change, {"id_": 1, "f": 3.5}).rowcount == 1  # the driver's
+        with pytest.raises(StatementError, match="A value is required for bind parameter"):
+            core(s).execute(change, {"f": 4.5})  # no id_: never NULL, never "0 rows"
+    with store.engine.connect() as plain:
+        assert plain.execute(select(odd.c.f)).scalar() == 3.5
+
+
+def test_an_insert_that_fetches_its_primary_key_stays_on_sqlalchemy(
+        store: Store, odd: sa.Table) -> None:
+    """``inserted_primary_key`` (SQLite's ``lastrowid``, PostgreSQL's implicit
+    ``RETURNING``) needs SQLAlchemy's result; an ``inline()`` insert runs directly."""
+    add, inline = insert(odd), insert(odd).inline()
+    with _Seen(store.engine) as seen, store.session() as s:
+        keys = [core(s).execute(add, {"f": 0.5}).inserted_primary_key[0] for _ in range(3)]
+        for _ in range(2):
+            core(s).execute(inline, {"f": 0.75})
+    assert keys == [2, 3, 4]
+    assert [on_driver for _, on_driver in seen.calls] == [False] * 4 + [True]
+    with store.engine.connect() as plain:
+        assert plain.execute(select(sa.func.count()).select_from(odd)).scalar() == 6
+
+
+def test_a_connection_with_execution_options_runs_every_statement_on_sqlalchemy(
+        store: Store, q: _Statements) -> None:
+    with _Seen(store.engine) as seen, store.session() as s:
+        s.connection(execution_options={"schema_translate_map": {None: None}})
+        for _ in range(3):
+            core(s).execute(q.markers, {"case_id": "c1", "step_seq": 1}).all()
+    assert [on_driver for _, on_driver in seen.calls] == [False, False, False]
+
+
+def test_statements_built_per_call_do_not_pile_up(
+        store: Store, odd: sa.Table, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct, "PLANNED_STATEMENTS", 8)
+    monkeypatch.setattr(direct, "_plans", {})
+    with _Seen(store.engine) as seen, store.session() as s:
+        for _ in range(50):
+            built = select(odd.c.id).where(odd.c.id == bindparam("id"))
+            assert [core(s).execute(built, {"id": 1}).scalar() for _run in range(2)] == [1, 1]
+            assert len(direct._plans) <= 8
+    assert sum(on_driver for _, on_driver in seen.calls) == 50  # each one's second run
+
+
+@pytest.mark.postgres
+def test_an_interrupt_inside_a_direct_statement_invalidates_its_connection(
+        postgres_url: str) -> None:
+    """A KeyboardInterrupt (or a worker's SystemExit) while PostgreSQL runs the statement:
+    as on SQLAlchemy's path, the connection is invalidated, not handed back to the pool
+    inside its transaction."""
+    import signal
+
+    st = Store(postgres_url)
+    st.create_schema()
+    slow = select(sa.func.pg_sleep(bindparam("t")))
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with st.session() as s:
+            core(s).execute(slow, {"t": 0})  # the first execution: SQLAlchemy's
+        with pytest.raises(KeyboardInterrupt), st.session() as s:
+            plain = s.connection()
+            pid = plain.connection.dbapi_connection.info.backend_pid
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            core(s).execute(slow, {"t": 5})
+        with st.session() as s:  # a new backend: the interrupted one was discarded
+            raw = s.connection().connection.dbapi_connection
+            assert raw.info.backend_pid != pid
+            assert s.execute(select(sa.literal(1))).scalar() == 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        st.dispose()
