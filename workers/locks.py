@@ -76,6 +76,12 @@ return 0
 RELEASED_SUFFIX = ":released:"
 
 
+def _keys(case_id: str, token: str) -> list[str]:
+    """KEYS of the renew and release scripts: the case's lock, ``token``'s tombstone."""
+    key = REDIS_LOCK_KEY.format(case_id=case_id)
+    return [key, key + RELEASED_SUFFIX + token]
+
+
 class CaseLock(Protocol):
     """The lock protocol both runtimes use."""
 
@@ -173,9 +179,7 @@ class RedisCaseLock:
 
     def hold(self, case_id: str, token: str) -> bool:
         started = time.monotonic()  # the lease runs from before the request at the latest
-        key = REDIS_LOCK_KEY.format(case_id=case_id)
-        held = bool(self._renew(keys=[key, key + RELEASED_SUFFIX + token],
-                                args=[token, self.ttl_ms]))
+        held = bool(self._renew(keys=_keys(case_id, token), args=[token, self.ttl_ms]))
         if held:
             self._renewals.renewed((case_id, token), started)
         else:
@@ -191,8 +195,7 @@ class RedisCaseLock:
         """Delete the lock if ``token`` holds it, leaving the token's tombstone unless
         ``sent`` is false (no message of a chain ever carried the token)."""
         self._renewals.forget((case_id, token))
-        key = REDIS_LOCK_KEY.format(case_id=case_id)
-        return bool(self._release(keys=[key, key + RELEASED_SUFFIX + token],
+        return bool(self._release(keys=_keys(case_id, token),
                                   args=[token, self.released_ttl_ms if sent else 0]))
 
     def holder(self, case_id: str) -> str | None:

@@ -30,13 +30,13 @@ built per call is never compiled twice); it is not a compiled Core SELECT, INSER
 UPDATE or DELETE (ORM statements, text); it needs the execution context (Python-side
 column defaults, expanding or literal-execute parameters, ``return_defaults``, escaped
 parameter names, an INSERT whose primary key SQLAlchemy fetches: neither ``inline()``
-nor with ``RETURNING``); a
-result column is a Float or Numeric (its processor depends on the type the driver
-reports) or has a name a named tuple cannot carry (a leading underscore, a keyword, a
-duplicate); it or its connection has execution options other than ``deferred``
-(``schema_translate_map``, say); or its parameters are a list (``executemany``). A
-parameter without a value raises SQLAlchemy's ``StatementError``, as SQLAlchemy does. A statement marked ``deferred`` runs directly: on SQLite
-at once, on PostgreSQL it waits for the transaction's next statement as before.
+nor with ``RETURNING``); a result column is a Float or Numeric (its processor depends
+on the type the driver reports) or has a name a named tuple cannot carry (a leading
+underscore, a keyword, a duplicate); it or its connection has execution options other
+than ``deferred`` (``schema_translate_map``, say); or its parameters are a list
+(``executemany``). A parameter without a value raises SQLAlchemy's ``StatementError``,
+as SQLAlchemy does. A statement marked ``deferred`` runs directly: on SQLite at once,
+on PostgreSQL it waits for the transaction's next statement as before.
 """
 
 from __future__ import annotations
@@ -216,20 +216,13 @@ def _plan(conn: Connection, statement: Any, parameters: Mapping[str, Any]) -> _P
     key = (conn.dialect.name, tuple(sorted(parameters)))
     try:
         by_names = _plans.get(statement)
-    except TypeError:  # not hashable: SQLAlchemy runs it
-        return None
-    if by_names is not None:
-        try:
-            return by_names[key]
-        except KeyError:
-            pass
-    else:
-        try:
-            if statement not in _seen:
-                _seen.add(statement)  # the first execution: SQLAlchemy's
-                return None
-        except TypeError:  # not weak-referenceable: SQLAlchemy runs it
+        if by_names is None and statement not in _seen:
+            _seen.add(statement)  # the first execution: SQLAlchemy's
             return None
+    except TypeError:  # neither hashable nor weak-referenceable: SQLAlchemy runs it
+        return None
+    if by_names is not None and key in by_names:
+        return by_names[key]
     plan = _make_plan(conn, statement, key[1])
     with _planning:
         if statement not in _plans and len(_plans) >= PLANNED_STATEMENTS:

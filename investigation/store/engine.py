@@ -401,10 +401,8 @@ def _pipelined_transactions(engine: Engine) -> None:
 
     @event.listens_for(engine, "do_execute")
     def _execute(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
-        if context is None:
-            return _run(cursor, statement, parameters, None, False)
-        return _run(cursor, statement, parameters, context.root_connection,
-                    bool(context.execution_options.get(DEFERRED)))
+        is_deferred = context is not None and bool(context.execution_options.get(DEFERRED))
+        return _run(cursor, statement, parameters, _root(context), is_deferred)
 
     # The statements a stage runs on the driver's cursor (decision 134) go through the
     # same pipeline.

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import redis
@@ -403,3 +404,21 @@ def test_concurrent_acquires_from_processes_yield_exactly_one_token(redis_url: s
                 p.join(timeout=5)
         client.delete(key(case_id))
         client.close()
+
+
+def test_the_distributed_runtime_keeps_tombstones_past_every_redelivery(
+        tmp_path: Path) -> None:
+    """Decision 135: a worker's lock keeps a released token's tombstone for the
+    visibility timeout, one restore scan and one lease (a late message comes no later)."""
+    from workers import runtime
+    from workers.settings import Settings
+
+    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'store.db'}",
+                        visibility_timeout_s=2000, restore_interval_s=7, lock_ttl_s=60)
+    rt = runtime.distributed(settings)
+    try:
+        assert isinstance(rt.lock, RedisCaseLock)
+        assert rt.lock.released_ttl_ms == (2000 + 7 + 60) * 1000
+    finally:
+        rt.env.store.dispose()
+        runtime.configure(None)
