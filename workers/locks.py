@@ -12,7 +12,12 @@ killed worker child's delivery that the broker restores after the chain went on 
 ended) stops with ``LOCK_LOST`` at its first stage instead of re-taking the free lock for
 its own short run, during which a new dispatch of the case would meet ``LockBusy``
 (decision 135). A lease that expired without a release (a holder stalled past its TTL)
-can still be re-taken by its holder, as before. Correctness never
+can still be re-taken by its holder, as before, and so can a lease released with
+``tombstone=False``: by a dispatch whose token never left the process, and by a chain
+that stops because another chain is at work on the case (``STALE``, a model call in
+flight), which may be a twin of itself with the same token (a killed worker's
+unacknowledged ``advance``, redelivered, starts a second chain of the next step); that
+twin re-takes the lease at its next renewal and goes on (decision 136). Correctness never
 rests on the lock: stages are fenced on the checkpoint head in SQL. The lock only keeps
 two dispatches from doing the same work twice.
 
@@ -93,10 +98,11 @@ class CaseLock(Protocol):
         """Renew the lease for ``token``; True while the caller owns the lock."""
         ...
 
-    def release(self, case_id: str, token: str, *, sent: bool = True) -> bool:
+    def release(self, case_id: str, token: str, *, tombstone: bool = True) -> bool:
         """Release if ``token`` still owns it; never deletes another holder's key.
-        ``sent=False``: no message carrying ``token`` was ever sent (nothing can come
-        back with it; a Redis lock leaves no tombstone then)."""
+        ``tombstone=False``: ``token`` may re-take the free lock later (a Redis lock
+        leaves no tombstone): no message carrying it was ever sent, or another chain of
+        the same token may still be at work (see the module docstring)."""
         ...
 
     def holder(self, case_id: str) -> str | None:
@@ -191,12 +197,12 @@ class RedisCaseLock:
             return True
         return self.hold(case_id, token)
 
-    def release(self, case_id: str, token: str, *, sent: bool = True) -> bool:
+    def release(self, case_id: str, token: str, *, tombstone: bool = True) -> bool:
         """Delete the lock if ``token`` holds it, leaving the token's tombstone unless
-        ``sent`` is false (no message of a chain ever carried the token)."""
+        ``tombstone`` is false."""
         self._renewals.forget((case_id, token))
         return bool(self._release(keys=_keys(case_id, token),
-                                  args=[token, self.released_ttl_ms if sent else 0]))
+                                  args=[token, self.released_ttl_ms if tombstone else 0]))
 
     def holder(self, case_id: str) -> str | None:
         """The current token, if any (for status and tests)."""
@@ -248,7 +254,7 @@ class FileCaseLock:
             held = self._held.get(case_id)
             return None if held is None else held[0]
 
-    def release(self, case_id: str, token: str, *, sent: bool = True) -> bool:
+    def release(self, case_id: str, token: str, *, tombstone: bool = True) -> bool:
         with self._mutex:
             held = self._held.get(case_id)
             if held is None or held[0] != token:

@@ -423,7 +423,7 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
         steps = max_steps or rt.env.config.loop.max_steps_per_dispatch
         payload = new_payload(case_id, steps, "distributed", max_steps)
         if payload is None:
-            rt.lock.release(case_id, token, sent=False)  # the token never left
+            rt.lock.release(case_id, token, tombstone=False)  # the token never left
             outcome = Investigator(rt.env).next_step(case_id)
             assert isinstance(outcome, Outcome)
             return outcome
@@ -500,7 +500,7 @@ def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
         dispatch.apply_async((case_id, payload.get("max_steps")))  # behind other cases
         payload["halt"]["outcome"] = YIELDED if steps_left <= 0 else outcome
         return payload
-    rt.lock.release(case_id, token)
+    rt.lock.release(case_id, token, tombstone=not _another_chain_at_work(halt))
     if outcome == RETRY_PENDING and halt.get("retry_not_before"):
         due = datetime.fromisoformat(halt["retry_not_before"])
         wait_s = max(0.0, (due - datetime.now(UTC)).total_seconds())
@@ -514,6 +514,23 @@ def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
     elif outcome not in (BLOCKED, COMPLETED):
         log.warning("case %s: dispatch ended with %s", case_id, halt)
     return payload
+
+
+def _another_chain_at_work(halt: dict[str, Any]) -> bool:
+    """Whether the step stopped because another chain is at work on the case: its
+    stage was fenced out (``STALE``) or the model call it would make is in flight
+    (``RETRY_PENDING`` / ``PROVIDER_CALL_IN_FLIGHT``).
+
+    That chain may be a twin of this one, with the same lock token: a whole worker killed
+    before it acknowledged a step's ``advance`` gets it redelivered, and the redelivery
+    starts a second chain of the next step beside the one already running. Its release
+    then leaves no tombstone, so the twin re-takes the lease at its next renewal and
+    goes on (decision 136); with a tombstone the twin stopped with ``LOCK_LOST`` and the
+    case waited for the retry countdown (the in-flight grace, ``2 x timeout_s + 5``) or
+    the recovery sweep.
+    """
+    return halt.get("outcome") == "STALE" or (
+        halt.get("outcome") == RETRY_PENDING and halt.get("reason") == "PROVIDER_CALL_IN_FLIGHT")
 
 
 #: Task ids whose hard time limit this process has already handed on (bounded).
@@ -611,7 +628,8 @@ def time_limit(self: Any, payload: dict[str, Any], stage: str,
     except Exception:
         rt.lock.release(case_id, token)
         raise
-    rt.lock.release(case_id, token)
+    rt.lock.release(case_id, token,
+                    tombstone=not _another_chain_at_work(payload.get("halt") or {}))
     return payload
 
 

@@ -304,3 +304,62 @@ def test_a_late_duplicate_of_a_finished_chains_first_stage_stops_and_leaves_the_
     assert lock.holder(case.case_id) is None
     assert lock.acquire(case.case_id)  # the next dispatch is not LOCK_BUSY
     assert effects(case) == one_clean_step(tmp_path)
+
+
+def test_a_twin_chain_whose_model_call_is_in_flight_goes_on_after_the_other_twin_stops(
+    setup: tuple[Case, RedisCaseLock], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two chains of one step with the same token (a whole worker killed before it
+    acknowledged ``advance``: its redelivery starts a second chain beside the redelivered
+    stage's). Twin A meets B's model call in flight, stops with ``RETRY_PENDING`` /
+    ``PROVIDER_CALL_IN_FLIGHT`` and its ``advance`` releases the lock; B must re-take the
+    lease at its next renewal and finish the step (decision 136). With a tombstone, B
+    stopped with ``LOCK_LOST`` and the case waited for the retry or the recovery sweep
+    (CI, 2026-12-05: test_recovery's whole-worker kill before step 2's build_context)."""
+    from investigation.constants import RETRY_PENDING
+    from investigation.llm.scripted import ScriptedProvider
+    from workers.locks import RELEASED_SUFFIX
+
+    case, lock = setup
+    token = lock.acquire(case.case_id)
+    first = payload_for(case, token)
+    inside, go_on = threading.Event(), threading.Event()
+    original = ScriptedProvider.send
+    paused_thread: list[threading.Thread] = []
+
+    def send(self: ScriptedProvider, request_bytes: bytes, req: Any) -> Any:
+        if threading.current_thread() in paused_thread:
+            inside.set()
+            assert go_on.wait(30)  # B's model call is in flight
+        return original(self, request_bytes, req)
+
+    monkeypatch.setattr(ScriptedProvider, "send", send)
+    b = run("build_context", first)
+    out: dict[str, Any] = {}
+    twin_b = threading.Thread(target=lambda: out.update(run("llm_call", b)))
+    paused_thread.append(twin_b)
+    twin_b.start()
+    try:
+        assert inside.wait(30)
+        a = first
+        for stage in STAGES:
+            a = run(stage, a)
+        assert (a["halt"]["outcome"], a["halt"]["reason"]) == (
+            RETRY_PENDING, "PROVIDER_CALL_IN_FLIGHT")
+        tasks.advance.apply(args=(a,)).get()
+        assert lock.holder(case.case_id) is None
+        tombstone = REDIS_LOCK_KEY.format(case_id=case.case_id) + RELEASED_SUFFIX + token
+        assert not lock.client.exists(tombstone)  # B may re-take the lease
+    finally:
+        go_on.set()
+        twin_b.join(30)
+    b = out
+    assert b["halt"] is None
+    for stage in STAGES[2:]:
+        b = run(stage, b)
+    assert b["halt"]["outcome"] == PROGRESSED
+    assert lock.holder(case.case_id) == token  # re-taken at B's next renewal
+    tasks.advance.apply(args=(b,)).get()  # one step asked: the dispatch ends
+    assert lock.holder(case.case_id) is None
+    assert lock.client.exists(tombstone)  # a real end leaves its tombstone
+    assert effects(case) == one_clean_step(tmp_path)

@@ -225,7 +225,7 @@ def test_the_tombstone_lives_for_released_ttl_s_and_only_a_real_release_leaves_o
     assert RedisCaseLock(client, TTL_S).released_ttl_ms == 3600 * 1000  # the default
     # A token that no message ever carried (a dispatch with nothing to run) leaves none.
     unsent = lock.acquire(backend.case_id())
-    assert lock.release(backend.used[-1], unsent, sent=False)
+    assert lock.release(backend.used[-1], unsent, tombstone=False)
     assert not client.exists(key(backend.used[-1]) + RELEASED_SUFFIX + unsent)
     assert lock.holder(backend.used[-1]) is None
 
