@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, update
+from sqlalchemy import bindparam, exists, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -187,11 +187,18 @@ def delivery_returned(store: Store, key: StepKey, stage: str, counted: bool = Tr
     """A delivery of ``stage`` returned without its marker (a halt or a controlled
     error): it did not kill its worker, so the stage's ``unfinished`` count restarts.
 
+    The counts of a case parked ``STAGE_POISONED`` are left as they are: they are what
+    status reports as the reason, and ``investigate resume`` resets them (a duplicate of
+    the poisoned stage that the broker restores after the parking returns at once and
+    must not make another stage's count look like the poisoned one).
+
     Args:
         counted: whether the delivery's count was committed; if its transaction was
             rolled back (a controlled error inside it), the delivery is counted here as
             one that returned.
     """
+    not_poisoned = ~exists().where(_C.c.id == key.case_id, _C.c.state == CASE_BLOCKED,
+                                   _C.c.blocked_reason == BLOCK_STAGE_POISONED)
     with store.session() as s:
         if counted:
             s.execute(update(StageDelivery).where(
@@ -199,7 +206,7 @@ def delivery_returned(store: Store, key: StepKey, stage: str, counted: bool = Tr
                 col(StageDelivery.revision) == key.revision,
                 col(StageDelivery.step_seq) == key.step_seq,
                 col(StageDelivery.stage) == stage,
-                col(StageDelivery.unfinished) > 0).values(unfinished=0))
+                col(StageDelivery.unfinished) > 0, not_poisoned).values(unfinished=0))
             return
         insert = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
         now = utcnow()
@@ -208,7 +215,7 @@ def delivery_returned(store: Store, key: StepKey, stage: str, counted: bool = Tr
             deliveries=1, unfinished=0, last_delivered_at=now).on_conflict_do_update(
             index_elements=["case_id", "revision", "step_seq", "stage"],
             set_={"deliveries": StageDelivery.deliveries + 1, "unfinished": 0,
-                  "last_delivered_at": now}))
+                  "last_delivered_at": now}, where=not_poisoned))
 
 
 def reset_case(s: Session, case_id: str) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from sqlmodel import select
 
@@ -11,7 +13,7 @@ from investigation.loop.deliveries import delivery_returned, record_delivery
 from investigation.loop.outcome import StepKey
 from investigation.operations import resume, status
 from investigation.store.models import StageDelivery
-from tests.casekit import Case
+from tests.casekit import Case, make_case
 
 
 def _row(case: Case, key: StepKey, stage: str) -> StageDelivery:
@@ -219,3 +221,40 @@ def test_an_effect_stage_over_the_limit_parks_the_case_without_loading_it(
     info = status(tiny_case.store, tiny_case.case_id)
     assert (info["state"], info["blocked_reason"], info["last_reason"]) == (
         CASE_BLOCKED, BLOCK_STAGE_POISONED, BLOCK_STAGE_POISONED)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def either_store_case(request: pytest.FixtureRequest, tmp_path: Path) -> Case:
+    """The tiny case on SQLite, or on a fresh PostgreSQL schema."""
+    url = request.getfixturevalue("postgres_url") if request.param == "postgresql" else None
+    return make_case(tmp_path / "case", database_url=url)
+
+
+def test_a_late_delivery_after_the_parking_keeps_the_poisoned_stages_count(
+        either_store_case: Case) -> None:
+    """A duplicate of the poisoned stage, restored by the broker after the case was
+    parked, returns at once (the case is not investigating); its return must not reset
+    the count that status reports as the reason (test_recovery's poisoned-stage test once
+    named llm_call, whose own count of 1 was then the highest)."""
+    from investigation.errors import StaleStateError
+    from investigation.loop.deliveries import Delivery
+    from investigation.loop.stages import Stages
+
+    key = StepKey(either_store_case.case_id, 1, 1)
+    assert record_delivery(either_store_case.store, key, "llm_call", 2) is None
+    assert record_delivery(either_store_case.store, key, "execute_tool", 2) is None
+    assert record_delivery(either_store_case.store, key, "execute_tool", 2) is None
+    assert record_delivery(either_store_case.store, key, "execute_tool", 2) is not None  # parked
+    late = Stages(either_store_case.env())
+    try:
+        result = late.run("execute_tool", key, Delivery(2, redelivered=True))
+    except StaleStateError:
+        pass
+    else:
+        assert result.halt is not None  # it ran nothing
+    assert _row(either_store_case, key, "execute_tool").unfinished == 3
+    info = status(either_store_case.store, either_store_case.case_id)
+    assert info["blocked_detail"].startswith("stage execute_tool of step 1 was delivered 3 "
+                                             "times and 3 deliveries never returned")
+    resume(either_store_case.store, either_store_case.case_id)  # the operator's resume still resets it
+    assert _row(either_store_case, key, "execute_tool").unfinished == 0
