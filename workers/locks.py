@@ -2,8 +2,8 @@
 
 A lock is a lease with a random token. ``acquire`` never blocks (a held lock raises
 ``LockBusy``); ``hold`` renews the lease only for its owner and re-takes an expired one,
-never a released one; ``release`` deletes the key only if it still holds the caller's
-token.
+never one released with a tombstone (below); ``release`` deletes the key only if it
+still holds the caller's token.
 
 A released lease leaves a tombstone behind (``<lock key>:released:<token>``, kept for
 ``released_ttl_s``: the broker's visibility timeout plus its restore interval plus the
@@ -17,7 +17,9 @@ can still be re-taken by its holder, as before, and so can a lease released with
 that stops because another chain is at work on the case (``STALE``, a model call in
 flight), which may be a twin of itself with the same token (a killed worker's
 unacknowledged ``advance``, redelivered, starts a second chain of the next step); that
-twin re-takes the lease at its next renewal and goes on (decision 136). Correctness never
+twin re-takes the lease at its next renewal in Redis (at most 10 s later, and at the
+latest at its next ``llm_call``, ``execute_tool`` or ``advance``) and goes on (decision
+136). Correctness never
 rests on the lock: stages are fenced on the checkpoint head in SQL. The lock only keeps
 two dispatches from doing the same work twice.
 

@@ -20,7 +20,7 @@ Where the count is written (issue 13: one transaction per stage):
   one transaction, where the count would commit with the stage's marker (a finished
   stage is never counted again) or be lost with it when the worker dies there.
 * A delivery that may follow such a loss is counted **in a transaction of its own, before
-  the stage runs** (:func:`record_delivery`), as every delivery was before: a redelivery
+  the stage runs** (:func:`count_apart`), as every delivery was before: a redelivery
   (the broker marks it: kombu's Redis transport sets ``redelivered`` on every message it
   restores) and the first delivery a process counts for a case (a new worker process or
   CLI run after a crash). A redelivery that finds no unfinished delivery counted adds the
@@ -38,7 +38,7 @@ that cannot be recorded as a failed query result parks the case ``BLOCKED`` with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import bindparam, exists, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -128,14 +128,32 @@ def count(s: Session, case: CaseRecord | None, key: StepKey, stage: str,
                             "unfinished": int(unfinished)})
 
 
+class Apart(NamedTuple):
+    """What :func:`count_apart` did: whether it counted the delivery, and the outcome of a
+    case it parked."""
+
+    counted: bool
+    parked: Outcome | None
+
+
 def record_delivery(store: Store, key: StepKey, stage: str, max_unfinished: int,
                     redelivered: bool = False, *, async_commit: bool = False) -> Outcome | None:
+    """:func:`count_apart`, returning only the ``BLOCKED``/``STAGE_POISONED`` outcome of a
+    case it parked (``None``: run the stage)."""
+    return count_apart(store, key, stage, max_unfinished, redelivered,
+                       async_commit=async_commit).parked
+
+
+def count_apart(store: Store, key: StepKey, stage: str, max_unfinished: int,
+                redelivered: bool = False, *, async_commit: bool = False) -> Apart:
     """Count one delivery of ``stage`` of step ``key`` in a transaction of its own, before
     the stage runs; park the case if it is poisoned.
 
     Nothing is counted when the stage already has its completion marker (a redelivery of
     finished work is harmless and returns at once) or when the step is stale or the case
-    not investigating (the stage's own fence reports that).
+    not investigating (the stage's own fence reports that); such a delivery must not be
+    reported as returned either (:func:`delivery_returned` would reset the count of a
+    stage that a parked or paused case is held on).
 
     Args:
         store: the SQL store.
@@ -149,8 +167,9 @@ def record_delivery(store: Store, key: StepKey, stage: str, max_unfinished: int,
             commit; only a crash of the database server may lose it.
 
     Returns:
-        ``None`` to run the stage, or a ``BLOCKED``/``STAGE_POISONED`` outcome (the case
-        was parked in this call) that ends the step without running it.
+        ``Apart(counted, parked)``: ``parked`` is ``None`` to run the stage, or a
+        ``BLOCKED``/``STAGE_POISONED`` outcome (the case was parked in this call) that
+        ends the step without running it.
 
     Raises:
         sqlalchemy.exc.OperationalError: the store is unavailable (the runtime retries).
@@ -162,12 +181,12 @@ def record_delivery(store: Store, key: StepKey, stage: str, max_unfinished: int,
                 if (case is None or case.state != CASE_INVESTIGATING
                         or case.current_revision != key.revision
                         or case.head_seq != key.step_seq - 1):
-                    return None
+                    return Apart(False, None)
                 marker = s.exec(select(StageRun.id).where(
                     StageRun.case_id == key.case_id, StageRun.revision == key.revision,
                     StageRun.step_seq == key.step_seq, StageRun.stage == stage)).first()
                 if marker is not None:
-                    return None
+                    return Apart(False, None)
                 lost = 0
                 if redelivered:
                     unfinished = s.exec(select(StageDelivery.unfinished).where(
@@ -176,7 +195,7 @@ def record_delivery(store: Store, key: StepKey, stage: str, max_unfinished: int,
                         StageDelivery.step_seq == key.step_seq,
                         StageDelivery.stage == stage)).first()
                     lost = 1 if not unfinished else 0
-                return count(s, case, key, stage, max_unfinished, lost)
+                return Apart(True, count(s, case, key, stage, max_unfinished, lost))
         except IntegrityError as exc:  # pragma: no cover - the upsert does not conflict
             if attempt or not is_unique_violation(exc):
                 raise
@@ -187,17 +206,18 @@ def delivery_returned(store: Store, key: StepKey, stage: str, counted: bool = Tr
     """A delivery of ``stage`` returned without its marker (a halt or a controlled
     error): it did not kill its worker, so the stage's ``unfinished`` count restarts.
 
-    The counts of a case parked ``STAGE_POISONED`` are left as they are: they are what
-    status reports as the reason, and ``investigate resume`` resets them (a duplicate of
-    the poisoned stage that the broker restores after the parking returns at once and
-    must not make another stage's count look like the poisoned one).
+    The counts of a case parked ``STAGE_POISONED`` (blocked, or paused since) are left as
+    they are, and such a delivery is not added: they are what status reports as the
+    reason, and ``investigate resume`` resets them. (A delivery that :func:`count_apart`
+    did not count is never reported here; this guards whatever else returns while the
+    case is parked.)
 
     Args:
         counted: whether the delivery's count was committed; if its transaction was
             rolled back (a controlled error inside it), the delivery is counted here as
             one that returned.
     """
-    not_poisoned = ~exists().where(_C.c.id == key.case_id, _C.c.state == CASE_BLOCKED,
+    not_poisoned = ~exists().where(_C.c.id == key.case_id,
                                    _C.c.blocked_reason == BLOCK_STAGE_POISONED)
     with store.session() as s:
         if counted:

@@ -228,10 +228,10 @@ class StageFramework:
         count_here = delivery is not None
         apart = False  # counted (and committed) before the stage transaction
         if delivery is not None and (delivery.redelivered or key.case_id not in self._met):
-            parked = self._count_apart(stage, key, delivery)
+            apart, parked = self._count_apart(stage, key, delivery)
             if parked is not None:
                 return StageResult({}, parked)
-            count_here, apart = False, True
+            count_here = False
             done = self._recorded.get((key, stage))
             if done is not None and stage != "build_context":
                 return StageResult(done, self._recorded_halt(stage, key, done))
@@ -392,12 +392,13 @@ class StageFramework:
                 f"step {key.step_seq} of {key.case_id}: the store lost the outputs of "
                 f"{', '.join(lost)}; the step is redone from the store", lost=lost)
 
-    def _count_apart(self, stage: str, key: StepKey, delivery: Delivery) -> Outcome | None:
+    def _count_apart(self, stage: str, key: StepKey, delivery: Delivery) -> deliveries.Apart:
         """Count a delivery that may follow a lost one in its own transaction, before the
-        stage; after a redelivery, replay the whole chain (no cache)."""
-        parked = deliveries.record_delivery(self.store, key, stage, delivery.max_unfinished,
-                                            delivery.redelivered,
-                                            async_commit=self.env.async_commit)
+        stage (:func:`deliveries.count_apart`); after a redelivery, replay the whole chain
+        (no cache)."""
+        apart = deliveries.count_apart(self.store, key, stage, delivery.max_unfinished,
+                                       delivery.redelivered, async_commit=self.env.async_commit)
+        parked = apart.parked
         if delivery.redelivered:
             # Full replay after a redelivery: now (the chain up to the head), and again with
             # the live rows at the next build_context (its cache entry is gone).
@@ -410,7 +411,7 @@ class StageFramework:
         self._met.add(key.case_id)
         if parked is not None:
             _log_parked(key, stage, parked)
-        return parked
+        return apart
 
     @contextmanager
     def _tx(self, *, derived: bool = False) -> Iterator[Session]:

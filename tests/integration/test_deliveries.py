@@ -230,31 +230,41 @@ def either_store_case(request: pytest.FixtureRequest, tmp_path: Path) -> Case:
     return make_case(tmp_path / "case", database_url=url)
 
 
+@pytest.mark.parametrize("paused", [False, True], ids=["blocked", "paused"])
 def test_a_late_delivery_after_the_parking_keeps_the_poisoned_stages_count(
-        either_store_case: Case) -> None:
+        either_store_case: Case, paused: bool) -> None:
     """A duplicate of the poisoned stage, restored by the broker after the case was
-    parked, returns at once (the case is not investigating); its return must not reset
-    the count that status reports as the reason (test_recovery's poisoned-stage test once
-    named llm_call, whose own count of 1 was then the highest)."""
+    parked (and perhaps paused since), returns at once: the case is not investigating,
+    so the delivery is not counted, and its return must not reset the count that status
+    reports as the reason (test_recovery's poisoned-stage test once named llm_call, whose
+    own count of 1 was then the highest; decision 137)."""
     from investigation.errors import StaleStateError
     from investigation.loop.deliveries import Delivery
     from investigation.loop.stages import Stages
+    from investigation.operations import pause
 
-    key = StepKey(either_store_case.case_id, 1, 1)
-    assert record_delivery(either_store_case.store, key, "llm_call", 2) is None
-    assert record_delivery(either_store_case.store, key, "execute_tool", 2) is None
-    assert record_delivery(either_store_case.store, key, "execute_tool", 2) is None
-    assert record_delivery(either_store_case.store, key, "execute_tool", 2) is not None  # parked
-    late = Stages(either_store_case.env())
+    case = either_store_case
+    key = StepKey(case.case_id, 1, 1)
+    assert record_delivery(case.store, key, "llm_call", 2) is None
+    assert record_delivery(case.store, key, "execute_tool", 2) is None
+    assert record_delivery(case.store, key, "execute_tool", 2) is None
+    assert record_delivery(case.store, key, "execute_tool", 2) is not None  # parked
+    if paused:
+        pause(case.store, case.case_id)
+    late = Stages(case.env())
     try:
         result = late.run("execute_tool", key, Delivery(2, redelivered=True))
     except StaleStateError:
         pass
     else:
         assert result.halt is not None  # it ran nothing
-    assert _row(either_store_case, key, "execute_tool").unfinished == 3
-    info = status(either_store_case.store, either_store_case.case_id)
+    row = _row(case, key, "execute_tool")
+    assert (row.deliveries, row.unfinished) == (3, 3)
+    if paused:
+        resume(case.store, case.case_id)  # unpaused: parked again
+    info = status(case.store, case.case_id)
+    assert (info["state"], info["blocked_reason"]) == (CASE_BLOCKED, BLOCK_STAGE_POISONED)
     assert info["blocked_detail"].startswith("stage execute_tool of step 1 was delivered 3 "
                                              "times and 3 deliveries never returned")
-    resume(either_store_case.store, either_store_case.case_id)  # the operator's resume still resets it
-    assert _row(either_store_case, key, "execute_tool").unfinished == 0
+    resume(case.store, case.case_id)  # the operator's resume still resets it
+    assert _row(case, key, "execute_tool").unfinished == 0
