@@ -51,6 +51,7 @@ from investigation.constants import (
     YIELDED,
 )
 from investigation.errors import InvestigationError, LockBusy, StaleStateError
+from investigation.llm.types import PROVIDER_CALL_IN_FLIGHT
 from investigation.loop import deliveries
 from investigation.loop.deliveries import Delivery
 from investigation.loop.investigator import Investigator
@@ -530,7 +531,7 @@ def _another_chain_at_work(halt: dict[str, Any]) -> bool:
     the recovery sweep.
     """
     return halt.get("outcome") == "STALE" or (
-        halt.get("outcome") == RETRY_PENDING and halt.get("reason") == "PROVIDER_CALL_IN_FLIGHT")
+        halt.get("outcome") == RETRY_PENDING and halt.get("reason") == PROVIDER_CALL_IN_FLIGHT)
 
 
 #: Task ids whose hard time limit this process has already handed on (bounded).

@@ -90,6 +90,7 @@ from investigation.llm.scripted import ScriptedProvider
 from investigation.llm.tokens import PromptBudget, output_budget, prompt_budget
 from investigation.llm.types import (
     PROVIDER_BAD_CONFIG,
+    PROVIDER_CALL_IN_FLIGHT,
     PROVIDER_CREDENTIALS,
     PROVIDER_CREDENTIALS_MISSING,
     PROVIDER_INTERRUPTED,
@@ -297,7 +298,7 @@ class LLMGateway:
                 return self._attempt_loop(case_id, step_seq, request, op.id,
                                           (op, _OpState(op.id, 0, 0, 0)))
             except _InFlight as busy:  # pragma: no cover - nobody else knew the operation
-                return RetryPending(op.id, busy.until, "PROVIDER_CALL_IN_FLIGHT")
+                return RetryPending(op.id, busy.until, PROVIDER_CALL_IN_FLIGHT)
         if op.status == OP_SUCCEEDED:
             return self._stored_success(op)
         if op.status in (OP_EXHAUSTED, OP_FAILED):
@@ -317,7 +318,7 @@ class LLMGateway:
         except _InFlight as busy:
             log.info("llm operation %s: another runner's attempt is in flight until %s",
                      op.id, busy.until.isoformat())
-            return RetryPending(op.id, busy.until, "PROVIDER_CALL_IN_FLIGHT")
+            return RetryPending(op.id, busy.until, PROVIDER_CALL_IN_FLIGHT)
 
     # -- operation row -----------------------------------------------------------------------
 
@@ -480,7 +481,7 @@ class LLMGateway:
                             "llm operation %s attempt %s may still be in flight until %s",
                             op_id, attempt.attempt, until.isoformat(),
                         )
-                        return RetryPending(op_id, until, "PROVIDER_CALL_IN_FLIGHT")
+                        return RetryPending(op_id, until, PROVIDER_CALL_IN_FLIGHT)
                 message = (
                     f"attempt {attempt.attempt} to provider {attempt.provider!r} was stored as "
                     "sent but no response was recorded (the worker stopped); it counts as an "

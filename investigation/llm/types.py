@@ -83,6 +83,9 @@ PROVIDER_SCRIPT_UNREADABLE = "PROVIDER_SCRIPT_UNREADABLE"
 PROVIDER_UNEXPECTED = "PROVIDER_UNEXPECTED"
 #: An attempt was stored as sent but its worker never recorded a response.
 PROVIDER_INTERRUPTED = "PROVIDER_INTERRUPTED"
+#: Another runner's attempt of the same operation may still be in flight (the step is
+#: ``RETRY_PENDING`` until it has answered or its grace has passed). Not a failure.
+PROVIDER_CALL_IN_FLIGHT = "PROVIDER_CALL_IN_FLIGHT"
 #: Every configured provider rejected this exact request. Configuration.
 PROVIDER_REQUEST_REJECTED = "PROVIDER_REQUEST_REJECTED"
 

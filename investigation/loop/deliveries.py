@@ -136,14 +136,6 @@ class Apart(NamedTuple):
     parked: Outcome | None
 
 
-def record_delivery(store: Store, key: StepKey, stage: str, max_unfinished: int,
-                    redelivered: bool = False, *, async_commit: bool = False) -> Outcome | None:
-    """:func:`count_apart`, returning only the ``BLOCKED``/``STAGE_POISONED`` outcome of a
-    case it parked (``None``: run the stage)."""
-    return count_apart(store, key, stage, max_unfinished, redelivered,
-                       async_commit=async_commit).parked
-
-
 def count_apart(store: Store, key: StepKey, stage: str, max_unfinished: int,
                 redelivered: bool = False, *, async_commit: bool = False) -> Apart:
     """Count one delivery of ``stage`` of step ``key`` in a transaction of its own, before

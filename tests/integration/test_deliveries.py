@@ -9,7 +9,7 @@ from sqlmodel import select
 
 from investigation.constants import BLOCK_STAGE_POISONED, BLOCKED, CASE_BLOCKED, STAGES
 from investigation.errors import InvestigationError
-from investigation.loop.deliveries import delivery_returned, record_delivery
+from investigation.loop.deliveries import Apart, count_apart, delivery_returned
 from investigation.loop.outcome import StepKey
 from investigation.operations import resume, status
 from investigation.store.models import StageDelivery
@@ -25,9 +25,9 @@ def _row(case: Case, key: StepKey, stage: str) -> StageDelivery:
 
 def test_unfinished_deliveries_park_the_case_and_resume_resets_them(tiny_case: Case) -> None:
     key = StepKey(tiny_case.case_id, 1, 1)
-    assert record_delivery(tiny_case.store, key, "build_context", 2) is None
-    assert record_delivery(tiny_case.store, key, "build_context", 2) is None
-    parked = record_delivery(tiny_case.store, key, "build_context", 2)
+    assert count_apart(tiny_case.store, key, "build_context", 2) == Apart(True, None)
+    assert count_apart(tiny_case.store, key, "build_context", 2) == Apart(True, None)
+    parked = count_apart(tiny_case.store, key, "build_context", 2).parked
     assert parked is not None
     assert (parked.outcome, parked.reason) == (BLOCKED, BLOCK_STAGE_POISONED)
     assert parked.details == {"stage": "build_context", "deliveries": 3, "unfinished": 3}
@@ -36,7 +36,7 @@ def test_unfinished_deliveries_park_the_case_and_resume_resets_them(tiny_case: C
     assert info["blocked_detail"].startswith(
         "stage build_context of step 1 was delivered 3 times and 3 deliveries never returned")
     # A parked case counts nothing more (its stages are fenced on the state).
-    assert record_delivery(tiny_case.store, key, "build_context", 2) is None
+    assert count_apart(tiny_case.store, key, "build_context", 2) == Apart(False, None)
     assert _row(tiny_case, key, "build_context").deliveries == 3
     resume(tiny_case.store, tiny_case.case_id)
     row = _row(tiny_case, key, "build_context")
@@ -46,24 +46,24 @@ def test_unfinished_deliveries_park_the_case_and_resume_resets_them(tiny_case: C
     while inv.step(tiny_case.case_id).outcome != "COMPLETED":
         pass
     for stage in STAGES:
-        assert record_delivery(tiny_case.store, key, stage, 1) is None
+        assert count_apart(tiny_case.store, key, stage, 1) == Apart(False, None)
     assert _row(tiny_case, key, "build_context").deliveries == 3
 
 
 def test_a_delivery_that_returns_restarts_the_count(tiny_case: Case) -> None:
     key = StepKey(tiny_case.case_id, 1, 1)
     for _ in range(5):  # e.g. llm_call ending RETRY_PENDING again and again
-        assert record_delivery(tiny_case.store, key, "llm_call", 1) is None
+        assert count_apart(tiny_case.store, key, "llm_call", 1).parked is None
         delivery_returned(tiny_case.store, key, "llm_call")
     row = _row(tiny_case, key, "llm_call")
     assert (row.deliveries, row.unfinished) == (5, 0)
 
 
 def test_stale_steps_are_not_counted(tiny_case: Case) -> None:
-    assert record_delivery(tiny_case.store, StepKey(tiny_case.case_id, 1, 3), "publish", 1) \
-        is None
-    assert record_delivery(tiny_case.store, StepKey(tiny_case.case_id, 2, 1), "publish", 1) \
-        is None
+    assert count_apart(tiny_case.store, StepKey(tiny_case.case_id, 1, 3), "publish", 1) \
+        == Apart(False, None)
+    assert count_apart(tiny_case.store, StepKey(tiny_case.case_id, 2, 1), "publish", 1) \
+        == Apart(False, None)
     with tiny_case.store.session() as s:
         assert s.exec(select(StageDelivery)).all() == []
 
@@ -213,7 +213,7 @@ def test_an_effect_stage_over_the_limit_parks_the_case_without_loading_it(
     stages = Stages(tiny_case.env())
     assert stages.run("build_context", key, Delivery(2)).halt is None  # met: counted apart
     for _ in range(2):  # two deliveries of llm_call counted apart that never returned
-        assert record_delivery(tiny_case.store, key, "llm_call", 2) is None
+        assert count_apart(tiny_case.store, key, "llm_call", 2).parked is None
     parked = stages.run("llm_call", key, Delivery(2)).halt  # an ordinary third delivery
     assert parked is not None and (parked.outcome, parked.reason) == (
         BLOCKED, BLOCK_STAGE_POISONED)
@@ -245,10 +245,10 @@ def test_a_late_delivery_after_the_parking_keeps_the_poisoned_stages_count(
 
     case = either_store_case
     key = StepKey(case.case_id, 1, 1)
-    assert record_delivery(case.store, key, "llm_call", 2) is None
-    assert record_delivery(case.store, key, "execute_tool", 2) is None
-    assert record_delivery(case.store, key, "execute_tool", 2) is None
-    assert record_delivery(case.store, key, "execute_tool", 2) is not None  # parked
+    assert count_apart(case.store, key, "llm_call", 2).parked is None
+    assert count_apart(case.store, key, "execute_tool", 2).parked is None
+    assert count_apart(case.store, key, "execute_tool", 2).parked is None
+    assert count_apart(case.store, key, "execute_tool", 2).parked is not None  # parked
     if paused:
         pause(case.store, case.case_id)
     late = Stages(case.env())

@@ -186,7 +186,7 @@ def test_a_time_limit_message_without_the_lock_changes_nothing(tmp_path: Path) -
     try:
         key = StepKey(case.case_id, 1, 1)
         Stages(env).run("build_context", key)
-        assert deliveries.record_delivery(case.store, key, "llm_call", 5) is None
+        assert deliveries.count_apart(case.store, key, "llm_call", 5).parked is None
         payload = {**key.to_dict(), "token": "forged", "steps_left": 8,
                    "mode": "distributed", "max_steps": None, "halt": None}
         refused = {"outcome": "REFUSED", "code": "LOCK_NOT_HELD", "case_id": case.case_id}

@@ -113,7 +113,7 @@ def test_a_time_limit_in_another_stage_parks_the_case_with_its_own_code(
                  FileCaseLock(tmp_path / "locks"))
     key = StepKey(case.case_id, 1, 1)
     Stages(env).run("build_context", key)
-    assert deliveries.record_delivery(case.store, key, "llm_call", 5) is None
+    assert deliveries.count_apart(case.store, key, "llm_call", 5).parked is None
     payload = {**key.to_dict(), "token": "t", "steps_left": 8, "mode": "distributed",
                "max_steps": None, "halt": None}
     out = _time_limited(rt, payload, "llm_call", "hard", 5.0)
