@@ -20,6 +20,12 @@ printed. Target: bare chains per second / engine steps per second <= 2.5, on a S
 store and on PostgreSQL (a fresh schema of ``--postgres`` per round, dropped afterwards;
 ``--no-postgres`` skips it).
 
+Beside each run, where its CPU went (Linux, from ``/proc``): CPU milliseconds per engine
+step or bare chain spent by the worker's pool children, by its main process, by the
+PostgreSQL server (all its processes; engine runs on PostgreSQL only) and by Redis, and
+what the machine's cores offered per step in that time (cores x wall time / steps): the
+gap between the two is time every process spent waiting.
+
 Prints figures and ratios with the load average; asserts nothing. The Redis database
 ``--broker-db`` is flushed before and after. Usage (repository root)::
 
@@ -56,9 +62,61 @@ def load_average() -> str:
     return f"load {one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+#: The groups :func:`cpu_seconds` reports, in the order printed.
+CPU_GROUPS = ("worker children", "worker main", "PostgreSQL", "Redis")
+
+
+def cpu_seconds(worker_pid: int) -> dict[str, float] | None:
+    """CPU seconds (user + system) used so far by the processes of each of
+    :data:`CPU_GROUPS` (the worker's main process ``worker_pid``, its children, every
+    ``postgres`` and ``redis-server`` process); ``None`` without Linux's ``/proc``. A
+    process that ends between two readings takes its time with it: read both while the
+    worker runs."""
+    proc = Path("/proc")
+    if not (proc / str(worker_pid) / "stat").exists():
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    used = dict.fromkeys(CPU_GROUPS, 0.0)
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        name, _, rest = stat.partition("(")[2].rpartition(")")
+        fields = rest.split()
+        parent, seconds = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        if int(entry.name) == worker_pid:
+            group = "worker main"
+        elif parent == worker_pid:
+            group = "worker children"
+        elif name.startswith("postgres"):
+            group = "PostgreSQL"
+        elif name.startswith("redis-server"):
+            group = "Redis"
+        else:
+            continue
+        used[group] += seconds
+    return used
+
+
+def cpu_line(start: dict[str, float] | None, end: dict[str, float] | None, wall_s: float,
+             units: int, unit: str, groups: Sequence[str] = CPU_GROUPS) -> str:
+    """``CPU ms per <unit>: ...`` between two :func:`cpu_seconds` readings, and what the
+    machine's cores offered per unit in ``wall_s`` seconds."""
+    if start is None or end is None or units <= 0:
+        return f"CPU ms per {unit}: not measured (no /proc)"
+    spent = "  ".join(f"{g} {(end[g] - start[g]) * 1000 / units:.1f}" for g in groups)
+    cores = os.cpu_count() or 1
+    return (f"CPU ms per {unit}: {spent}; {cores} cores offered "
+            f"{cores * wall_s * 1000 / units:.1f}")
+
+
 def engine_rate(url: str, root: Path, n: int, broker_url: str, queue: str,
-                concurrency: int) -> tuple[float, str]:
-    """Engine steps per second for ``n`` cases dispatched at once on store ``url``."""
+                concurrency: int) -> tuple[float, str, str]:
+    """Engine steps per second for ``n`` cases dispatched at once on store ``url``, the
+    load average, and where the CPU went (:func:`cpu_line`)."""
     from sqlmodel import col, func, select
 
     from investigation.constants import CASE_BUILDING_DIAGNOSIS
@@ -78,6 +136,8 @@ def engine_rate(url: str, root: Path, n: int, broker_url: str, queue: str,
     worker = Worker("workers.celery_app", queue, dict(os.environ, PYTHONUNBUFFERED="1"),
                     root / "engine-worker.log", concurrency)
     with running(worker):
+        assert worker.proc is not None
+        cpu_start = cpu_seconds(worker.proc.pid)
         started = time.perf_counter()
         for case_id in cases.case_ids:
             start_dispatch(case_id)
@@ -93,17 +153,22 @@ def engine_rate(url: str, root: Path, n: int, broker_url: str, queue: str,
                                  + worker.log()[-4000:])
             time.sleep(0.05)
         elapsed = time.perf_counter() - started
+        cpu_end = cpu_seconds(worker.proc.pid)  # before the children exit
     rt.env.store.dispose()
     cases.store.dispose()
     runtime.configure(None)
-    return n * STEPS_PER_CASE / elapsed, load_average()
+    groups = CPU_GROUPS if url.startswith("postgresql") else \
+        tuple(g for g in CPU_GROUPS if g != "PostgreSQL")
+    return n * STEPS_PER_CASE / elapsed, load_average(), cpu_line(
+        cpu_start, cpu_end, elapsed, n * STEPS_PER_CASE, "step", groups)
 
 
 def bare_rate(n: int, root: Path, broker_url: str, queue: str,
-              concurrency: int, batches: int = 3) -> tuple[float, str, list[float]]:
+              concurrency: int, batches: int = 3) -> tuple[float, str, list[float], str]:
     """Bare chains per second for ``n`` chains enqueued at once: the median of ``batches``
     such runs on one worker (a single run of 100 chains lasts a few seconds, short
-    enough for a shared machine's hiccup to move it by half), with each run's rate."""
+    enough for a shared machine's hiccup to move it by half), with each run's rate and
+    where the CPU of all the runs went (:func:`cpu_line`)."""
     import redis
 
     os.environ["INVESTIGATE_BROKER_URL"] = broker_url
@@ -119,6 +184,8 @@ def bare_rate(n: int, root: Path, broker_url: str, queue: str,
             bare_chain({"id": f"w{i}", "case_id": "bench", "step_seq": i}).apply_async()
         for _ in range(10):
             client.blpop([DONE_KEY], timeout=60)
+        assert worker.proc is not None
+        cpu_start, wall = cpu_seconds(worker.proc.pid), 0.0
         for _ in range(batches):
             started = time.perf_counter()
             for i in range(n):
@@ -128,8 +195,12 @@ def bare_rate(n: int, root: Path, broker_url: str, queue: str,
                 if client.blpop([DONE_KEY], timeout=120) is None:
                     raise SystemExit("bare chains did not finish:\n" + worker.log()[-4000:])
             rates.append(n / (time.perf_counter() - started))
+            wall += time.perf_counter() - started
+        cpu_end = cpu_seconds(worker.proc.pid)
     client.close()
-    return statistics.median(rates), load_average(), rates
+    return statistics.median(rates), load_average(), rates, cpu_line(
+        cpu_start, cpu_end, wall, n * batches, "chain",
+        tuple(g for g in CPU_GROUPS if g != "PostgreSQL"))
 
 
 def postgres_schema(base: str) -> tuple[str, Any]:
@@ -194,9 +265,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 return f"sqlite:///{work / f'sqlite-{i}' / 'store.db'}", None
             return postgres_schema(args.postgres)
 
-        bare_rates: list[tuple[float, str, list[float]]] = []
+        bare_rates: list[tuple[float, str, list[float], str]] = []
 
-        def bare() -> tuple[float, str, list[float]]:
+        def bare() -> tuple[float, str, list[float], str]:
             print(f"bare chains: {args.cases} at once, {args.bare_batches} times ...",
                   flush=True)
             measured = bare_rate(args.cases, work, broker_url, f"bench-bare-{tag}",
@@ -214,9 +285,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 print(f"engine on {name}, round {i}: {args.cases} cases at once ...",
                       flush=True)
                 try:
-                    rate, load = engine_rate(url, work / f"{name.lower()}-{i}", args.cases,
-                                             broker_url, f"bench-engine-{name.lower()}-{tag}",
-                                             args.concurrency)
+                    rate, load, cpu = engine_rate(
+                        url, work / f"{name.lower()}-{i}", args.cases, broker_url,
+                        f"bench-engine-{name.lower()}-{tag}", args.concurrency)
                 finally:
                     if drop is not None:
                         drop()
@@ -227,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 lines.append(f"    engine steps/s on {name:10s} round {i}  {rate:7.1f}   bare "
                              f"chains/s before and after {before[0]:.1f} and {after[0]:.1f}; "
                              f"mean / engine steps/s {ratio:5.2f}x   [{load}]")
+                lines.append(f"        {cpu}")
                 before = after
             median = figures[f"ratio_{name.lower()}"] = statistics.median(ratios)
             summary.append(f"    bare chains/s / engine steps/s, {name:10s}  "
@@ -239,9 +311,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     print()
     print(f"throughput: one worker --pool=prefork -c {args.concurrency}, {args.cases} tiny "
           f"cases ({STEPS_PER_CASE} steps each) or bare chains at once; broker {broker_url}")
-    for rate, load, rates in bare_rates:
+    for rate, load, rates, cpu in bare_rates:
         print(f"    bare chains/s            {rate:7.1f}   (median of "
               f"{', '.join(f'{r:.1f}' for r in rates)})   [{load}]")
+        print(f"        {cpu}")
     for line in lines:
         print(line)
     for line in summary:
