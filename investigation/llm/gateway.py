@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, update
+from sqlalchemy import bindparam, or_, update
 from sqlalchemy import exists as sa_exists
 from sqlalchemy import select as sa_select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -917,7 +917,9 @@ _ATTEMPT = table_of(LLMAttempt)
 #: Move an operation to its next attempt (a compare-and-set on ``attempts_made``).
 _OP_BEGIN = _OP.update().where(
     _OP.c.id == bindparam("op_id_"), _OP.c.attempts_made == bindparam("made_"),
-    _OP.c.status.in_([OP_PENDING, OP_RETRY_PENDING]))
+    # Two comparisons, not IN: a literal IN list is expanded per execution, which keeps
+    # the statement off the driver's cursor (``store.direct``).
+    or_(_OP.c.status == OP_PENDING, _OP.c.status == OP_RETRY_PENDING))
 #: Close an operation's state at attempt ``made_`` (SET from the parameters given).
 _OP_UPDATE = _OP.update().where(_OP.c.id == bindparam("op_id_"),
                                 _OP.c.attempts_made == bindparam("made_"))

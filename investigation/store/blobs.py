@@ -37,10 +37,10 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import zstandard
-from sqlalchemy import bindparam, literal, select
+from sqlalchemy import bindparam, exists, literal, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
@@ -192,6 +192,36 @@ _DELTA_INSERTS = {
 _STEP = re.compile(r"\d+")
 
 
+def _with_artifact(blob_row: Any) -> Any:
+    """PostgreSQL: a new artifact row and its blob in one statement (decision 138): the
+    artifact is inserted unless its path exists, the blob ``blob_row`` selects only when
+    the artifact was inserted and unless its bytes are stored. Returns one row
+    ``(artifact_id, depth)``: the new artifact's id (``None``: the path existed) and the
+    new blob's depth (``None``: not inserted). The artifact's bind parameters are
+    ``put_artifact``'s, the blob's those of :attr:`Planned.values`."""
+    new_artifact = pg_insert(Artifact.__table__).values(  # type: ignore[attr-defined]
+        case_id=bindparam("case_id"), path=bindparam("path"), kind=bindparam("kind"),
+        sha256=bindparam("sha256"), size_bytes=bindparam("size_bytes"),
+        media_type=bindparam("media_type"), created_at=bindparam("created_at"),
+    ).on_conflict_do_nothing(index_elements=["case_id", "path"]).returning(_A.id) \
+        .cte("new_artifact")
+    new_blob = pg_insert(Blob.__table__).from_select(  # type: ignore[attr-defined]
+        ["sha256", "size_bytes", "encoding", "base_sha256", "depth", "data"],
+        blob_row.where(exists(select(new_artifact.c.id)))
+    ).on_conflict_do_nothing(index_elements=["sha256"]).returning(_B.depth).cte("new_blob")
+    return select(select(new_artifact.c.id).scalar_subquery().label("artifact_id"),
+                  select(new_blob.c.depth).scalar_subquery().label("depth"))
+
+
+_KEYFRAME_ROW = select(
+    bindparam("sha256", type_=_B.sha256.type), bindparam("size_bytes", type_=_B.size_bytes.type),
+    bindparam("encoding", type_=_B.encoding.type),
+    bindparam("base_sha256", type_=_B.base_sha256.type), bindparam("depth", type_=_B.depth.type),
+    bindparam("data", type_=_B.data.type))
+#: PostgreSQL: :func:`_with_artifact` with a planned keyframe, or a planned delta.
+WITH_ARTIFACT = {True: _with_artifact(_KEYFRAME_ROW), False: _with_artifact(_DELTA_FROM_BASE)}
+
+
 class _Heads:
     """The newest blob this process stored or found per (case, kind) and database, with
     the step its path names: ``(case_id, kind) -> (step, sha256, depth)``. Only a head of
@@ -285,9 +315,74 @@ def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes
 UNREAD: Any = object()
 
 
+class Planned(NamedTuple):
+    """A blob insert worked out from this process's lineage head before any statement
+    runs (:func:`plan`)."""
+
+    keyframe: bool  # a keyframe (the head's chain is full), else a delta of the head
+    values: dict[str, Any]  # the insert's bind parameters (``sha256`` ... ``data``)
+    key: tuple[str, str]  # (case_id, kind)
+    step: int  # the step the artifact path names
+
+
+def _usable_head(heads: dict[tuple[str, str], tuple[int, str, int]], key: tuple[str, str],
+                 step: int | None) -> tuple[int, str, int] | None:
+    """The remembered head of ``key`` when it is of the step before or the same step."""
+    head = heads.get(key) if step is not None else None
+    if head is None or step is None or head[0] not in (step - 1, step):
+        return None
+    return head
+
+
+def plan(conn: Any, case_id: str, kind: str, data: bytes, sha: str, path: str, *,
+         unless_seen: bool = True) -> Planned | None:
+    """The blob insert that stores ``data`` (sha256 ``sha``) against this process's
+    remembered lineage head, computed before any statement runs, or ``None`` when none is
+    sure to be the one to run: no head of the step before is remembered, the head holds
+    these very bytes, the head's bytes are not cached, or (``unless_seen``) this process
+    has seen these bytes (they may be stored already: :func:`store` asks first).
+
+    Args:
+        conn: the transaction's connection (its engine keys the remembered heads).
+    """
+    key, step = (case_id, kind), _step_of(path)
+    head = _usable_head(_HEADS.of(conn.engine), key, step)
+    if step is None or head is None or head[1] == sha \
+            or (unless_seen and CACHE.get(sha) is not None):
+        return None
+    _, head_sha, head_depth = head
+    if head_depth >= MAX_DELTA_DEPTH:  # the chain is full: a keyframe
+        return Planned(True, {"sha256": sha, "size_bytes": len(data),
+                              "encoding": ENCODING_WHOLE, "base_sha256": None, "depth": 0,
+                              "data": compress(data)}, key, step)
+    base = CACHE.get(head_sha)
+    if base is None:
+        return None
+    return Planned(False, {"sha256": sha, "size_bytes": len(data), "base_sha256": head_sha,
+                           "data": compress(data, base)}, key, step)
+
+
+def planned_stored(conn: Any, planned: Planned, data: bytes, depth: int | None) -> bool:
+    """Take in what a :class:`Planned` insert did (``depth``: the new blob's, ``None`` when
+    it inserted nothing). ``True`` when the bytes are stored: inserted, or a keyframe that
+    met the same bytes stored already; ``False`` for a delta not inserted (the bytes are
+    stored already, or the base is gone or full): :func:`store` them with ``fast=False``,
+    which asks the store for the lineage head."""
+    heads = _HEADS.of(conn.engine)
+    sha = planned.values["sha256"]
+    if depth is not None:
+        _Heads.remember(heads, planned.key, planned.step, sha, int(depth))
+    elif planned.keyframe:
+        heads.pop(planned.key, None)
+    else:
+        return False
+    CACHE.put(sha, data)
+    return True
+
+
 def store(session: Session, case_id: str, kind: str, data: bytes, sha: str,
           path: str | None = None,
-          lineage_head: tuple[str, int] | None = UNREAD) -> None:
+          lineage_head: tuple[str, int] | None = UNREAD, *, fast: bool = True) -> None:
     """Store ``data`` (whose sha256 is ``sha``) as a blob unless it exists: a delta of the
     newest blob of the same case and kind, or a keyframe when there is none or its chain
     is full. Concurrent writers of the same bytes are harmless (the first row stays).
@@ -298,16 +393,17 @@ def store(session: Session, case_id: str, kind: str, data: bytes, sha: str,
         lineage_head: the newest blob of the case and kind, ``(sha256, depth)`` or ``None`` for
             none, read earlier in this transaction (the PostgreSQL artifact insert
             returns it); by default it is read here when needed.
+        fast: ``False``: the remembered head was tried already (a :class:`Planned`
+            delta that inserted nothing); go to the store's lineage head at once.
     """
     conn = direct.session_connection(session)
     dialect = "postgresql" if conn.dialect.name == "postgresql" else "sqlite"
     heads = _HEADS.of(conn.engine)
     key = (case_id, kind)
     step = _step_of(path) if path is not None else None
-    head = heads.get(key) if step is not None else None
-    if head is not None and step is not None and head[0] in (step - 1, step):
-        _, head_sha, head_depth = head
-        if head_sha == sha or CACHE.get(sha) is not None:
+    head = _usable_head(heads, key, step) if fast else None
+    if head is not None and path is not None:
+        if head[1] == sha or CACHE.get(sha) is not None:
             # The same bytes as the head, or bytes this process has seen: they may be
             # stored already (by this case or another).
             depth = conn.execute(_DEPTH, {"sha": sha}).scalar()
@@ -315,26 +411,13 @@ def store(session: Session, case_id: str, kind: str, data: bytes, sha: str,
                 _Heads.remember(heads, key, step, sha, int(depth))
                 CACHE.put(sha, data)
                 return
-        if head_depth >= MAX_DELTA_DEPTH:  # the chain is full: a keyframe
-            inserted = conn.execute(_INSERTS[dialect], {
-                "sha256": sha, "size_bytes": len(data), "encoding": ENCODING_WHOLE,
-                "base_sha256": None, "depth": 0, "data": compress(data)}).first()
-            if inserted is not None:
-                _Heads.remember(heads, key, step, sha, 0)
-            else:
-                heads.pop(key, None)
-            CACHE.put(sha, data)
-            return
-        base = CACHE.get(head_sha) if head_sha != sha else None
-        if base is not None:
-            row = conn.execute(_DELTA_INSERTS[dialect], {
-                "sha256": sha, "size_bytes": len(data), "base_sha256": head_sha,
-                "data": compress(data, base)}).first()
-            if row is not None:
-                _Heads.remember(heads, key, step, sha, int(row[0]))
-                CACHE.put(sha, data)
+        planned = plan(conn, case_id, kind, data, sha, path, unless_seen=False)
+        if planned is not None:
+            row = conn.execute(_INSERTS[dialect] if planned.keyframe
+                               else _DELTA_INSERTS[dialect], planned.values).first()
+            if planned_stored(conn, planned, data, None if row is None else int(row[0])):
                 return
-        # Not inserted (the bytes exist, the base is gone or full): ask the store.
+    # Not inserted (the bytes exist, the base is gone or full): ask the store.
     base_row = conn.execute(_LINEAGE_HEAD, {"case_id": case_id, "kind": kind}).first() \
         if lineage_head is UNREAD else lineage_head
     if base_row is not None and base_row[0] == sha:

@@ -48,9 +48,11 @@ from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
+from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InvalidRequestError, MultipleResultsFound, NoResultFound
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Mapper, Session
+from sqlalchemy.orm.util import AliasedInsp
 from sqlalchemy.sql import sqltypes
 from sqlalchemy.sql.dml import Insert, UpdateBase
 from sqlalchemy.sql.selectable import Select
@@ -169,12 +171,25 @@ class Rows:
         return iter(self._rows)
 
 
+def _columns_only(statement: Any) -> bool:
+    """Whether an ORM-enabled statement is a SELECT of columns only: built from mapped
+    attributes (``col(Model.field)``), no mapped class or alias among what it selects. Its
+    SQL and rows are a Core SELECT's; one that loads ORM objects is SQLAlchemy's."""
+    if not isinstance(statement, Select):
+        return False
+    for description in statement.column_descriptions:
+        if isinstance(inspect(description["expr"], raiseerr=False), Mapper | AliasedInsp):
+            return False
+    return True
+
+
 def _make_plan(conn: Connection, statement: Any, names: tuple[str, ...]) -> _Plan | None:
     """Compile ``statement`` for ``conn``'s dialect with ``names`` as its parameters, or
     ``None`` when it needs SQLAlchemy's execution context (see the module docstring)."""
     if not isinstance(statement, Select | UpdateBase) \
             or not DIRECT_OPTIONS.issuperset(statement.get_execution_options()) \
-            or statement._propagate_attrs.get("compile_state_plugin") == "orm":
+            or (statement._propagate_attrs.get("compile_state_plugin") == "orm"
+                and not _columns_only(statement)):
         return None
     if isinstance(statement, UpdateBase) and statement._return_defaults:
         return None
@@ -294,8 +309,10 @@ class DirectConnection:
             runner = self.runner
             if runner is None or not runner(cursor, plan.sql, args, conn, plan.deferred):
                 cursor.execute(plan.sql, args)
+            # The plan knows whether the statement returns rows (asking the cursor for its
+            # description builds psycopg's column objects at every statement).
             rows: list[Any] = cast(list[Any], cursor.fetchall()) \
-                if cursor.description is not None else []
+                if plan.row is not None else []
             count = cursor.rowcount
         except BaseException as exc:
             if not isinstance(exc, conn.dialect.loaded_dbapi.Error) \

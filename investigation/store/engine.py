@@ -460,6 +460,22 @@ def _begin_immediate(conn: Connection) -> None:
         raw.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
 
 
+def _check_existing_artifact(conn: Any, case_id: str, path: str, digest: str) -> None:
+    """An artifact insert met an existing row at ``path``: storing the same bytes again
+    is a no-op (idempotent stages rely on it).
+
+    Raises:
+        StoreError: ``STORE_ARTIFACT_CONFLICT`` when the row holds other bytes.
+    """
+    existing = conn.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
+    if existing is None or existing[0] != digest:
+        raise StoreError(
+            "STORE_ARTIFACT_CONFLICT",
+            f"artifact {path} of case {case_id} already holds other bytes",
+            path=path,
+        )
+
+
 class Store:
     """The SQL store: sessions, schema creation and artifact bytes.
 
@@ -554,22 +570,29 @@ class Store:
         kind = blobs.kind_of(path)
         conn = core(session)
         _read_in_transaction(session).pop(("artifact", case_id, path), None)
+        row = {"case_id": case_id, "path": path, "kind": kind, "sha256": digest,
+               "size_bytes": len(data), "media_type": media_type,
+               "created_at": models.utcnow()}
+        postgres = conn.dialect.name == "postgresql"
+        planned = blobs.plan(conn, case_id, kind, data, digest, path) if postgres else None
+        if planned is not None:
+            # The usual step on PostgreSQL: the row and its blob (a delta of the lineage
+            # head this process remembers) in one statement, one round trip (decision 138).
+            inserted_id, depth = conn.execute(blobs.WITH_ARTIFACT[planned.keyframe],
+                                              {**row, **planned.values}).one()
+            if inserted_id is None:
+                _check_existing_artifact(conn, case_id, path, digest)
+                return digest
+            if not blobs.planned_stored(conn, planned, data, depth):
+                blobs.store(session, case_id, kind, data, digest, path, fast=False)
+            return digest
         # The row first (one statement when the path is new, the usual case); its blob
         # next: the lineage head ``blobs.store`` reads joins ``blob``, so it never finds
         # this row unless the same bytes are stored already.
-        postgres = conn.dialect.name == "postgresql"
         inserted = conn.execute(_ARTIFACT_INSERTS["postgresql" if postgres else "sqlite"], {
-            "case_id": case_id, "path": path, "kind": kind, "sha256": digest,
-            "size_bytes": len(data), "media_type": media_type,
-            "created_at": models.utcnow(), "head_case_id": case_id, "head_kind": kind}).first()
+            **row, "head_case_id": case_id, "head_kind": kind}).first()
         if inserted is None:
-            existing = conn.execute(_ARTIFACT_ROW, {"case_id": case_id, "path": path}).first()
-            if existing is None or existing[0] != digest:
-                raise StoreError(
-                    "STORE_ARTIFACT_CONFLICT",
-                    f"artifact {path} of case {case_id} already holds other bytes",
-                    path=path,
-                )
+            _check_existing_artifact(conn, case_id, path, digest)
             return digest
         head: Any = blobs.UNREAD
         if postgres:

@@ -191,6 +191,51 @@ def test_a_new_artifact_finds_its_base_without_a_statement_of_its_own(backend: s
     assert art is not None and art.data == body + b"2"
 
 
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_an_artifact_that_follows_its_remembered_head_costs_one_statement(backend: str) -> None:
+    """The usual step (decision 138): the process stored the previous artifact of the kind,
+    so the next one's blob is a delta worked out before any statement; on PostgreSQL the
+    row and its blob go in one statement. Storing the same bytes at the path again
+    changes nothing; other bytes are refused, and their blob is not stored either."""
+    store = Store(backend)
+    store.create_schema()
+    path = "analysis/investigation/{:04d}/context.json"
+    # Bytes no other test stored: the process's byte cache spans stores (this process
+    # has seen bytes -> they may be stored: the store is asked first).
+    body = b'{"e":[' + b",".join(b'"%d"' % i for i in range(300)) + b"]}" \
+        + backend.encode()
+    with store.session() as s:
+        Store.put_artifact(s, "c", path.format(1), body + b"1")
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement.split("(")[0].split("\n")[0].strip())
+
+    sa.event.listen(store.engine, "before_cursor_execute", seen)
+    try:
+        with store.session() as s:
+            Store.put_artifact(s, "c", path.format(2), body + b"2")
+        if store.engine.dialect.name == "postgresql":
+            assert statements == ["WITH new_artifact AS"]
+        else:  # SQLite: no round trip to save
+            assert statements == ["INSERT INTO artifact", "INSERT INTO blob"]
+        with store.session() as s:  # the same bytes again: nothing changes
+            Store.put_artifact(s, "c", path.format(2), body + b"2")
+        with pytest.raises(StoreError) as refused, store.session() as s:
+            Store.put_artifact(s, "c", path.format(2), body + b"other")
+        assert refused.value.code == "STORE_ARTIFACT_CONFLICT"
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", seen)
+    with store.session() as s:
+        stored = {r.sha256: r for r in s.exec(select(Blob)).all()}
+        art = Store.get_artifact(s, "c", path.format(2), cache=blobs.ByteCache())
+    assert set(stored) == {hashlib.sha256(body + b"1").hexdigest(),
+                           hashlib.sha256(body + b"2").hexdigest()}
+    row = stored[hashlib.sha256(body + b"2").hexdigest()]
+    assert row.base_sha256 == hashlib.sha256(body + b"1").hexdigest() and row.depth == 1
+    assert art is not None and art.data == body + b"2"
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return _url(request, tmp_path, "a")
