@@ -338,24 +338,26 @@ def plan(conn: Any, case_id: str, kind: str, data: bytes, sha: str, path: str, *
          unless_seen: bool = True) -> Planned | None:
     """The blob insert that stores ``data`` (sha256 ``sha``) against this process's
     remembered lineage head, computed before any statement runs, or ``None`` when none is
-    sure to be the one to run: no head of the step before is remembered, the head holds
-    these very bytes, the head's bytes are not cached, or (``unless_seen``) this process
-    has seen these bytes (they may be stored already: :func:`store` asks first).
+    sure to be the one to run: no head of the step before is remembered, (``unless_seen``)
+    the head holds these very bytes or this process has seen them (they may be stored
+    already: :func:`store` asks first), or a delta is due and the head's bytes are not
+    cached (or are these very bytes).
 
     Args:
         conn: the transaction's connection (its engine keys the remembered heads).
     """
     key, step = (case_id, kind), _step_of(path)
     head = _usable_head(_HEADS.of(conn.engine), key, step)
-    if step is None or head is None or head[1] == sha \
-            or (unless_seen and CACHE.get(sha) is not None):
+    if step is None or head is None:
         return None
     _, head_sha, head_depth = head
+    if unless_seen and (head_sha == sha or CACHE.get(sha) is not None):
+        return None
     if head_depth >= MAX_DELTA_DEPTH:  # the chain is full: a keyframe
         return Planned(True, {"sha256": sha, "size_bytes": len(data),
                               "encoding": ENCODING_WHOLE, "base_sha256": None, "depth": 0,
                               "data": compress(data)}, key, step)
-    base = CACHE.get(head_sha)
+    base = CACHE.get(head_sha) if head_sha != sha else None
     if base is None:
         return None
     return Planned(False, {"sha256": sha, "size_bytes": len(data), "base_sha256": head_sha,

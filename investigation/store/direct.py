@@ -219,12 +219,14 @@ def _make_plan(conn: Connection, statement: Any, names: tuple[str, ...]) -> _Pla
         # reports; a field a named tuple cannot carry under its own name would be
         # renamed (SQLAlchemy's Row keeps it).
         return None
+    deferred = bool(statement.get_execution_options().get(DEFERRED))
+    if deferred and columns:
+        return None  # a deferred write has no result to read (``store.engine.deferred``)
     results = tuple(column.type._cached_result_processor(conn.dialect, None)
                     for column in columns)
     row = namedtuple("Row", fields) if columns else None
     return _Plan(compiled, compiled.string, binds, named,
-                 results if any(f is not None for f in results) else None, row,
-                 bool(statement.get_execution_options().get(DEFERRED)))
+                 results if any(f is not None for f in results) else None, row, deferred)
 
 
 def _plan(conn: Connection, statement: Any, parameters: Mapping[str, Any]) -> _Plan | None:
