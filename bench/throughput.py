@@ -64,6 +64,8 @@ def load_average() -> str:
 
 #: The groups :func:`cpu_seconds` reports, in the order printed.
 CPU_GROUPS = ("worker children", "worker main", "PostgreSQL", "Redis")
+#: The same without PostgreSQL (a run that does not use it).
+CPU_GROUPS_NO_POSTGRES = tuple(g for g in CPU_GROUPS if g != "PostgreSQL")
 
 
 def cpu_seconds(worker_pid: int) -> dict[str, float] | None:
@@ -157,8 +159,7 @@ def engine_rate(url: str, root: Path, n: int, broker_url: str, queue: str,
     rt.env.store.dispose()
     cases.store.dispose()
     runtime.configure(None)
-    groups = CPU_GROUPS if url.startswith("postgresql") else \
-        tuple(g for g in CPU_GROUPS if g != "PostgreSQL")
+    groups = CPU_GROUPS if url.startswith("postgresql") else CPU_GROUPS_NO_POSTGRES
     return n * STEPS_PER_CASE / elapsed, load_average(), cpu_line(
         cpu_start, cpu_end, elapsed, n * STEPS_PER_CASE, "step", groups)
 
@@ -199,8 +200,7 @@ def bare_rate(n: int, root: Path, broker_url: str, queue: str,
         cpu_end = cpu_seconds(worker.proc.pid)
     client.close()
     return statistics.median(rates), load_average(), rates, cpu_line(
-        cpu_start, cpu_end, wall, n * batches, "chain",
-        tuple(g for g in CPU_GROUPS if g != "PostgreSQL"))
+        cpu_start, cpu_end, wall, n * batches, "chain", CPU_GROUPS_NO_POSTGRES)
 
 
 def postgres_schema(base: str) -> tuple[str, Any]:

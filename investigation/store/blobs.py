@@ -328,10 +328,10 @@ class Planned(NamedTuple):
 def _usable_head(heads: dict[tuple[str, str], tuple[int, str, int]], key: tuple[str, str],
                  step: int | None) -> tuple[int, str, int] | None:
     """The remembered head of ``key`` when it is of the step before or the same step."""
-    head = heads.get(key) if step is not None else None
-    if head is None or step is None or head[0] not in (step - 1, step):
+    if step is None:
         return None
-    return head
+    head = heads.get(key)
+    return head if head is not None and head[0] in (step - 1, step) else None
 
 
 def plan(conn: Any, case_id: str, kind: str, data: bytes, sha: str, path: str, *,
