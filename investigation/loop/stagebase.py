@@ -27,13 +27,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import bindparam, insert
 from sqlalchemy import select as sa_select
 from sqlalchemy import text as sa_text
 from sqlalchemy.exc import DBAPIError
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
 from investigation import jsonio
 from investigation.budget import BudgetManager
@@ -44,6 +44,7 @@ from investigation.loop import checkpoints, deliveries
 from investigation.loop.deliveries import Delivery
 from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StageResult, StepKey
+from investigation.store import direct
 from investigation.store.engine import (
     ASYNC_COMMIT_SQL,
     Store,
@@ -99,11 +100,14 @@ _ENTRY_FUNCTION_ASYNC = sa_text(
     f"{ASYNC_COMMIT_SQL} FROM investigation_case_and_markers(:case_id, :revision, :step_seq)")
 #: ``Session.info`` key: this transaction commits asynchronously on PostgreSQL.
 _ASYNC = "investigation_async_commit"
-_ACCOUNTS = select(BudgetAccount).where(
-    col(BudgetAccount.case_id) == bindparam("case_id"),
-    col(BudgetAccount.revision) == bindparam("revision"))
-_ACCOUNTS_ORDERED = _ACCOUNTS.order_by(col(BudgetAccount.hypothesis_id))
-_ACCOUNT = _ACCOUNTS.where(col(BudgetAccount.hypothesis_id) == bindparam("hid"))
+# A revision's budget accounts, read on the driver's cursor and taken into the session as
+# ORM objects (``direct.loaded``, decision 139).
+_ACCOUNT_LOADED, _ACCOUNT_COLUMNS = direct.loaded_rows(BudgetAccount)
+_ACC = table_of(BudgetAccount).c
+_ACCOUNTS = sa_select(*_ACCOUNT_COLUMNS).where(
+    _ACC.case_id == bindparam("case_id"), _ACC.revision == bindparam("revision"))
+_ACCOUNTS_ORDERED = _ACCOUNTS.order_by(_ACC.hypothesis_id)
+_ACCOUNT = _ACCOUNTS.where(_ACC.hypothesis_id == bindparam("hid"))
 #: Times a stage runs again after its transaction lost a PostgreSQL serialization race.
 RACE_RETRIES = 5
 #: Stage outputs kept per process (eight per step).
@@ -607,13 +611,22 @@ class StageFramework:
 
     @staticmethod
     def _accounts(s: Session, key: StepKey) -> list[BudgetAccount]:
-        return list(s.exec(_ACCOUNTS_ORDERED, params={"case_id": key.case_id,
-                                                      "revision": key.revision}).all())
+        """The step's revision's budget accounts, by hypothesis id; the session's own
+        objects where it holds them (as an ORM query, whose autoflush this keeps)."""
+        s.flush()
+        return direct.loaded(s, _ACCOUNT_LOADED, core(s).execute(_ACCOUNTS_ORDERED, {
+            "case_id": key.case_id, "revision": key.revision}))
 
     @staticmethod
     def _account(s: Session, key: StepKey, hid: int) -> BudgetAccount:
-        return s.exec(_ACCOUNT, params={"case_id": key.case_id, "revision": key.revision,
-                                        "hid": hid}).one()
+        """Hypothesis ``hid``'s budget account (:meth:`_accounts`).
+
+        Raises:
+            sqlalchemy.exc.NoResultFound: the revision has no such account."""
+        s.flush()
+        row = core(s).execute(_ACCOUNT, {"case_id": key.case_id, "revision": key.revision,
+                                         "hid": hid}).one()
+        return cast(BudgetAccount, direct.loaded(s, _ACCOUNT_LOADED, [row])[0])
 
     def _context_bytes(self, s: Session, key: StepKey) -> tuple[dict[str, Any], bytes]:
         """The step's recorded ``build_context`` and its stored context's exact bytes

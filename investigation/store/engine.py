@@ -84,9 +84,10 @@ _ARTIFACT_INSERTS = {
         index_elements=["case_id", "path"]).returning(_ART.id, *blobs.LINEAGE_HEAD_RETURNING),
     "sqlite": sqlite_insert(table_of(Artifact)).on_conflict_do_nothing(
         index_elements=["case_id", "path"]).returning(_ART.id)}
-# What ``Session.get(CaseRecord, id, populate_existing=True)`` runs, built once.
-_CASE_ROW = select(CaseRecord).where(col(CaseRecord.id) == bindparam("id")) \
-    .execution_options(populate_existing=True, autoflush=False)
+# The case row's columns, as ``Session.get(CaseRecord, id, populate_existing=True)`` reads
+# them, built once and run on the driver's cursor (decision 139).
+_CASE_LOADED, _CASE_COLUMNS = direct.loaded_rows(CaseRecord)
+_CASE_ROW = sa_select(*_CASE_COLUMNS).where(table_of(CaseRecord).c.id == bindparam("id"))
 _CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
 #: PostgreSQL: this transaction's commit does not wait for its WAL to reach the disk
 #: (``SET LOCAL synchronous_commit = off`` as an expression, so that it rides on a
@@ -96,9 +97,8 @@ ASYNC_COMMIT = func.set_config("synchronous_commit", "off", True)
 ASYNC_COMMIT_SQL = str(ASYNC_COMMIT.compile(
     dialect=postgresql.dialect(),  # type: ignore[no-untyped-call]
     compile_kwargs={"literal_binds": True}))
-_CASE_ROW_FOR_UPDATE_ASYNC = sa_select(CaseRecord, ASYNC_COMMIT).where(
-    col(CaseRecord.id) == bindparam("id")).execution_options(
-    populate_existing=True, autoflush=False).with_for_update(of=table_of(CaseRecord))
+_CASE_ROW_FOR_UPDATE_ASYNC = sa_select(*_CASE_COLUMNS, ASYNC_COMMIT).where(
+    table_of(CaseRecord).c.id == bindparam("id")).with_for_update(of=table_of(CaseRecord))
 _REVISION_ROW = select(RevisionRecord).where(
     col(RevisionRecord.case_id) == bindparam("case_id"),
     col(RevisionRecord.revision) == bindparam("revision"))
@@ -768,8 +768,9 @@ class Store:
             stmt = _CASE_ROW
         else:
             stmt = _CASE_ROW_FOR_UPDATE_ASYNC if async_commit else _CASE_ROW_FOR_UPDATE
-        return cast(CaseRecord | None,
-                    session.execute(stmt, {"id": case_id}).scalars().first())
+        rows = direct.loaded(session, _CASE_LOADED, core(session).execute(stmt, {"id": case_id}),
+                             refresh=True)
+        return cast(CaseRecord, rows[0]) if rows else None
 
     @staticmethod
     def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:
