@@ -106,7 +106,7 @@ from investigation.llm.types import (
     RetryPending,
     Succeeded,
 )
-from investigation.store.engine import Store, core, is_lost_race, table_of
+from investigation.store.engine import Store, core, deferred, is_lost_race, table_of
 from investigation.store.models import LLMAttempt, LLMOperation
 
 __all__ = [
@@ -929,7 +929,9 @@ _ATTEMPT_CLOSE = _ATTEMPT.update().where(
     _ATTEMPT.c.status == ATTEMPT_SENT)
 _ATTEMPT_LIVE = sa_select(_ATTEMPT.c.started_at).where(
     _ATTEMPT.c.operation_id == bindparam("op_id"), _ATTEMPT.c.status == ATTEMPT_SENT)
-_ATTEMPT_INSERT = _ATTEMPT.insert().inline()  # no primary key fetched (nobody reads it)
+# No primary key fetched (nobody reads it); on PostgreSQL it goes out with the COMMIT
+# (decision 139): a unique violation (a lost race) is raised there, as a stale attempt.
+_ATTEMPT_INSERT = deferred(_ATTEMPT.insert())
 #: The columns a new attempt leaves at their defaults (all ``None``).
 _ATTEMPT_UNSET = {name: None for name in (
     "response_path", "response_sha256", "http_status", "error_code", "error_message",

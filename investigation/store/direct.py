@@ -388,8 +388,9 @@ def loaded(session: Session, shape: LoadedRows, rows: Iterator[Any] | list[Any],
     would have loaded them, without its cost (about 60 us of SQLAlchemy per query on
     SQLite, 300 us on PostgreSQL; decision 139).
 
-    An object the session holds for the row already is returned as it is, or, with
-    ``refresh``, with the row's values as its loaded ones (``populate_existing``); a new
+    An object the session holds for the row already is returned with its changes kept
+    and its expired attributes filled in from the row, or, with ``refresh``, with the
+    row's values as its loaded ones (``populate_existing``); a new
     one is persistent with no history: loading writes nothing, and what the caller
     changes is flushed as an ``UPDATE`` of those columns, as for a queried object.
     Nothing is flushed before: a caller that relied on a query's autoflush flushes.
@@ -407,8 +408,13 @@ def loaded(session: Session, shape: LoadedRows, rows: Iterator[Any] | list[Any],
             obj.__dict__.update(zip(names, row, strict=False))
             make_transient_to_detached(obj)
             session.add(obj)
-        elif refresh:
-            for name, value in zip(names, row, strict=False):
-                set_committed_value(obj, name, value)
+        else:
+            # As a query: the row's values replace the loaded ones with ``refresh``, and
+            # fill in what was expired (a commit's expiry, ``Session.expire``) in any case.
+            unloaded = inspect(obj).unloaded
+            if refresh or unloaded:
+                for name, value in zip(names, row, strict=False):
+                    if refresh or name in unloaded:
+                        set_committed_value(obj, name, value)
         objects.append(obj)
     return objects

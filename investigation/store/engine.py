@@ -109,9 +109,6 @@ _REVISION_COLUMNS = sa_select(_REV.interpretation_json, _REV.policy_sha256,
                               _REV.policy_json).where(
     _REV.case_id == bindparam("case_id"), _REV.revision == bindparam("revision"))
 _POINTER = table_of(ManifestPointer)
-_POINTER_MOVE = _POINTER.update().where(_POINTER.c.case_id == bindparam("case_id_"),
-                                        _POINTER.c.name == bindparam("name_"))
-_POINTER_INSERT = _POINTER.insert().inline()  # no primary key fetched (nobody reads it)
 
 
 class RevisionColumns(NamedTuple):
@@ -241,6 +238,16 @@ def deferred(statement: Any) -> Any:
     not the write's). Outside a transaction of its own (autocommit, a savepoint) it runs
     at once."""
     return statement.inline().execution_options(**{DEFERRED: True})
+
+
+# A pointer is inserted or moved by one deferred upsert on its unique (case, name): no
+# round trip of its own on PostgreSQL (decision 139).
+_POINTER_SET = {
+    name: deferred(insert(_POINTER).on_conflict_do_update(
+        index_elements=["case_id", "name"],
+        set_={"path": insert(_POINTER).excluded.path,
+              "sha256": insert(_POINTER).excluded.sha256}))
+    for name, insert in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
 
 
 def _pipelined_transactions(engine: Engine) -> None:
@@ -776,11 +783,9 @@ class Store:
     def set_pointer(session: Session, case_id: str, name: str, path: str, sha256: str) -> None:
         """Point manifest pointer ``name`` at an artifact."""
         conn = core(session)  # pointers are written here only, never through the ORM
-        moved = conn.execute(_POINTER_MOVE, {"case_id_": case_id, "name_": name,
-                                             "path": path, "sha256": sha256}).rowcount
-        if moved == 0:
-            conn.execute(_POINTER_INSERT, {"case_id": case_id, "name": name, "path": path,
-                                           "sha256": sha256})
+        dialect = "postgresql" if conn.dialect.name == "postgresql" else "sqlite"
+        conn.execute(_POINTER_SET[dialect], {"case_id": case_id, "name": name, "path": path,
+                                             "sha256": sha256})
 
 
 def is_unique_violation(exc: BaseException) -> bool:

@@ -172,3 +172,22 @@ def test_the_case_row_is_loaded_in_a_process_whose_first_orm_use_it_is(case: Any
     with Session(case.store.engine) as s:
         stored = s.get(CaseRecord, case.case_id)
         assert stored is not None and stored.last_reason == "from a new process"
+
+
+def test_an_expired_object_is_filled_in_from_the_row_without_another_query(case: Any) -> None:
+    key = StepKey(case.case_id, 1, 1)
+    with Session(case.store.engine) as s:  # expire_on_commit, SQLModel's default
+        account = StageFramework._account(s, key, 2)
+        s.commit()
+        assert inspect(account).expired
+        with case.store.engine.begin() as other:  # changed meanwhile, outside the session
+            other.exec_driver_sql("UPDATE budget_account SET turns = 5 "
+                                  "WHERE hypothesis_id = 2")
+        selects: list[str] = []
+        event.listen(case.store.engine, "before_cursor_execute",
+                     lambda *a: selects.append(a[2]))
+        again = StageFramework._account(s, key, 2)
+        assert again is account and not inspect(account).expired
+        count = len(selects)
+        assert (account.turns, account.balance_units, account.deferred_by) == (5, 8, 2)
+        assert len(selects) == count  # read from the row: no lazy load

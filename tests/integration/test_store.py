@@ -88,3 +88,30 @@ def test_pointers_move(store: Store) -> None:
     with store.session() as s:
         rows = s.exec(select(ManifestPointer)).all()
         assert [(r.path, r.sha256) for r in rows] == [("a/0002/state.json", "2" * 64)]
+    # One upsert (decision 139): moved twice in a transaction, beside a new name and
+    # another case's pointer of the same name, read back in the same transaction.
+    with store.session() as s:
+        s.add(CaseRecord(id="d", package_id="p" * 64))
+        s.flush()
+        Store.set_pointer(s, "c", "investigation_state", "a/0003/state.json", "3" * 64)
+        Store.set_pointer(s, "c", "investigation_summary", "summary.md", "5" * 64)
+        Store.set_pointer(s, "d", "investigation_state", "d/0001/state.json", "6" * 64)
+        Store.set_pointer(s, "c", "investigation_state", "a/0004/state.json", "4" * 64)
+        seen = s.exec(select(ManifestPointer.path).where(ManifestPointer.case_id == "c")
+                      .order_by(ManifestPointer.name)).all()
+        assert seen == ["a/0004/state.json", "summary.md"]
+    with store.session() as s:
+        rows = s.exec(select(ManifestPointer).order_by(ManifestPointer.case_id,
+                                                       ManifestPointer.name)).all()
+        assert [(r.case_id, r.name, r.path, r.sha256) for r in rows] == [
+            ("c", "investigation_state", "a/0004/state.json", "4" * 64),
+            ("c", "investigation_summary", "summary.md", "5" * 64),
+            ("d", "investigation_state", "d/0001/state.json", "6" * 64)]
+    # A transaction that rolls back moves nothing.
+    with pytest.raises(RuntimeError), store.session() as s:
+        Store.set_pointer(s, "c", "investigation_state", "a/0005/state.json", "5" * 64)
+        raise RuntimeError("rolled back")
+    with store.session() as s:
+        assert s.exec(select(ManifestPointer.path).where(
+            ManifestPointer.case_id == "c", ManifestPointer.name == "investigation_state")
+        ).one() == "a/0004/state.json"
