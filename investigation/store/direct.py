@@ -411,10 +411,12 @@ def loaded(session: Session, shape: LoadedRows, rows: Iterator[Any] | list[Any],
         else:
             # As a query: the row's values replace the loaded ones with ``refresh``, and
             # fill in what was expired (a commit's expiry, ``Session.expire``) in any case.
+            if refresh:  # its changes dropped and its modified flag reset, as a load does
+                session.expire(obj)
             unloaded = inspect(obj).unloaded
-            if refresh or unloaded:
+            if unloaded:
                 for name, value in zip(names, row, strict=False):
-                    if refresh or name in unloaded:
+                    if name in unloaded:
                         set_committed_value(obj, name, value)
         objects.append(obj)
     return objects

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Table, bindparam, event, func
+from sqlalchemy import String, Table, bindparam, event, exists, func
 from sqlalchemy import select as sa_select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -240,14 +240,30 @@ def deferred(statement: Any) -> Any:
     return statement.inline().execution_options(**{DEFERRED: True})
 
 
-# A pointer is inserted or moved by one deferred upsert on its unique (case, name): no
-# round trip of its own on PostgreSQL (decision 139).
+# A pointer is moved, or inserted when it does not exist, by one deferred statement: no
+# round trip of its own on PostgreSQL (decision 139). There an UPDATE in a CTE, then an
+# INSERT only when it moved nothing (an upsert would take a value of the int4 id sequence
+# at every move, and a second creator of the same pointer would overwrite the first one
+# instead of losing the race on the unique (case, name)); SQLite's upsert takes none.
+_PTR = _POINTER.c
+# Parameters named apart from the columns (an UPDATE would SET a column its parameters
+# name): pointer_case, pointer_name, pointer_path, pointer_sha256.
+_POINTER_VALUES = {name: bindparam(f"pointer_{key}", type_=String())
+                   for name, key in (("case_id", "case"), ("name", "name"),
+                                     ("path", "path"), ("sha256", "sha256"))}
+_POINTER_MOVED = _POINTER.update().where(
+    _PTR.case_id == _POINTER_VALUES["case_id"], _PTR.name == _POINTER_VALUES["name"]
+).values(path=_POINTER_VALUES["path"], sha256=_POINTER_VALUES["sha256"]
+         ).returning(_PTR.id).cte("moved")
 _POINTER_SET = {
-    name: deferred(insert(_POINTER).on_conflict_do_update(
+    "postgresql": deferred(_POINTER.insert().from_select(
+        list(_POINTER_VALUES), sa_select(*_POINTER_VALUES.values()).where(
+            ~exists(sa_select(_POINTER_MOVED.c.id))))),
+    "sqlite": deferred(sqlite_insert(_POINTER).values(_POINTER_VALUES).on_conflict_do_update(
         index_elements=["case_id", "name"],
-        set_={"path": insert(_POINTER).excluded.path,
-              "sha256": insert(_POINTER).excluded.sha256}))
-    for name, insert in (("postgresql", pg_insert), ("sqlite", sqlite_insert))}
+        set_={"path": sqlite_insert(_POINTER).excluded.path,
+              "sha256": sqlite_insert(_POINTER).excluded.sha256})),
+}
 
 
 def _pipelined_transactions(engine: Engine) -> None:
@@ -784,8 +800,8 @@ class Store:
         """Point manifest pointer ``name`` at an artifact."""
         conn = core(session)  # pointers are written here only, never through the ORM
         dialect = "postgresql" if conn.dialect.name == "postgresql" else "sqlite"
-        conn.execute(_POINTER_SET[dialect], {"case_id": case_id, "name": name, "path": path,
-                                             "sha256": sha256})
+        conn.execute(_POINTER_SET[dialect], {"pointer_case": case_id, "pointer_name": name,
+                                             "pointer_path": path, "pointer_sha256": sha256})
 
 
 def is_unique_violation(exc: BaseException) -> bool:

@@ -136,6 +136,9 @@ def test_the_case_row_is_read_again_over_the_sessions_object_as_populate_existin
         again = Store.lock_case(s, case.case_id)
         assert again is row and row.last_reason is None
         assert not s.is_modified(row)  # the row's values are the loaded ones again
+        assert row not in s.dirty  # as populate_existing leaves it
+        row.last_outcome = "changed after"
+        assert row in s.dirty and s.is_modified(row)  # a later change is tracked
     with _Writes(case.store) as writes, Session(case.store.engine) as s:
         Store.lock_case(s, case.case_id).last_reason = "not written"
         Store.lock_case(s, case.case_id)

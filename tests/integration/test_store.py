@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,8 @@ def test_pointers_move(store: Store) -> None:
     with store.session() as s:
         rows = s.exec(select(ManifestPointer).order_by(ManifestPointer.case_id,
                                                        ManifestPointer.name)).all()
+        # A move takes no id: the three pointers were given the first three.
+        assert [r.id for r in rows] == [1, 2, 3]
         assert [(r.case_id, r.name, r.path, r.sha256) for r in rows] == [
             ("c", "investigation_state", "a/0004/state.json", "4" * 64),
             ("c", "investigation_summary", "summary.md", "5" * 64),
@@ -115,3 +118,30 @@ def test_pointers_move(store: Store) -> None:
         assert s.exec(select(ManifestPointer.path).where(
             ManifestPointer.case_id == "c", ManifestPointer.name == "investigation_state")
         ).one() == "a/0004/state.json"
+
+
+@pytest.mark.parametrize("store", [pytest.param("postgres", marks=pytest.mark.postgres)],
+                         indirect=True)  # SQLite runs one writer at a time
+def test_a_second_creator_of_a_pointer_loses_the_race(store: Store) -> None:
+    """Two transactions create the same pointer: the second one waits for the first and
+    then fails as a lost race (it does not overwrite the first one's pointer)."""
+    from sqlmodel import Session
+
+    from investigation.store.engine import core, is_lost_race
+
+    first, second = Session(store.engine), Session(store.engine)
+    try:
+        Store.set_pointer(first, "c", "investigation_state", "first", "1" * 64)
+        core(first).execute(select(ManifestPointer.id)).all()  # sends the deferred write
+        committer = threading.Timer(0.5, first.commit)
+        committer.start()
+        with pytest.raises(IntegrityError) as lost:
+            Store.set_pointer(second, "c", "investigation_state", "second", "2" * 64)
+            second.commit()
+        committer.join()
+        assert is_lost_race(lost.value)
+    finally:
+        first.close()
+        second.close()
+    with store.session() as s:
+        assert s.exec(select(ManifestPointer.path)).all() == ["first"]
