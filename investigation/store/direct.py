@@ -45,7 +45,7 @@ import keyword
 import threading
 import weakref
 from collections import namedtuple
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy import inspect
@@ -381,7 +381,7 @@ def loaded_rows(model: Any) -> tuple[LoadedRows, tuple[Any, ...]]:
     return LoadedRows(mapper, names, keys), columns
 
 
-def loaded(session: Session, shape: LoadedRows, rows: Iterator[Any] | list[Any], *,
+def loaded(session: Session, shape: LoadedRows, rows: Iterable[Any], *,
            refresh: bool = False) -> list[Any]:
     """The ORM objects of ``rows`` (every column of a table, as :func:`loaded_rows`
     selects them, run on the driver's cursor), taken into ``session`` as an ORM query
