@@ -321,6 +321,15 @@ def window(times: dict[int, float], step: int) -> float:
     return statistics.median(times[i] for i in range(lo, hi + 1) if i in times)
 
 
+def resident_mb() -> float:
+    """This process's resident set size in MB (Linux ``/proc/self/statm``; NaN elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=500)
@@ -370,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             return wall, used
 
         sizes = {0: store_bytes(store)}
+        rss: dict[int, float] = {}
         times: dict[int, float] = {}
         cpu: dict[int, float] = {}
         per_step_sql: dict[int, tuple[int, int]] = {}
@@ -388,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             per_step_sql[step] = (counters.statements - stmts, counters.transactions - txs)
             if step in (100, args.steps - 100, args.steps):
                 sizes[step] = store_bytes(store)
+            if step in (100, args.steps):
+                rss[step] = resident_mb()
             if step % 50 == 0:
                 print(f"  step {step}: {times[step] * 1000:.1f} ms  ({load_average()})",
                       flush=True)
@@ -458,6 +470,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
           "steps)")
     print("artifact bytes as read back, by kind (MB):  " + "  ".join(
         f"{k} {v / 1e6:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    if rss:
+        figures["rss_mb"] = rss[n]
+        print("resident memory of this process (one case, its caches and the store's "
+              "connections): " + "   ".join(f"after step {k}: {v:.0f} MB"
+                                            for k, v in sorted(rss.items())))
     for mark in (5, n):
         st, tx = per_step_sql[mark]
         print(f"    step {mark}: {st} SQL statements, {tx} transactions")

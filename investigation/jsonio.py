@@ -50,6 +50,12 @@ Differences kept, none of which a document the engine stores or parses meets:
   is refused by the contract's own limits (``REPLY_UNPROCESSABLE``);
 * :func:`loads` takes a ``memoryview`` (as bytes), where :func:`json.loads` raises
   ``TypeError``.
+
+Memory: orjson returns its bytes in the block of its working buffer, about ten times the
+text (a 60 KB text holds a 520 KB block, a 100-byte one a 4 KB block) for as long as the
+object lives. :func:`dumps` returns a copy the size of the text (a fraction of a
+microsecond, a few for a large document), so bytes kept in a cache or as a cache key
+cost what they count (decision 140).
 """
 
 from __future__ import annotations
@@ -145,7 +151,10 @@ def dumps(value: Any, *, sort_keys: bool = True, allow_nan: bool = False) -> byt
     """
     out = _fast(value, _SORTED if sort_keys else _PASSTHROUGH)
     if out is not None:
-        return out
+        # A copy the size of the text: orjson's bytes object keeps the block of its working
+        # buffer (4 KB for a 100-byte text, 520 KB for a 60 KB one), and what a cache or a
+        # key keeps alive must not hold ten times its size (decision 140).
+        return bytes(memoryview(out))
     return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=allow_nan).encode("utf-8")
 

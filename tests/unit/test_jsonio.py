@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -188,3 +189,20 @@ def test_loads_shared_parses_a_document_once_and_keeps_the_newest(
         jsonio.loads_shared(b"not json", "sha-a")  # parsed again, and refused
     assert jsonio.loads_shared(b"[0]", f"sha-{jsonio._Shared.KEPT - 1}") == \
         [jsonio._Shared.KEPT - 1]  # the newest is still kept
+
+
+@pytest.mark.parametrize("entries", [3, 30, 1500])
+def test_written_bytes_hold_a_block_the_size_of_their_text(entries: int) -> None:
+    """orjson's bytes keep the block of its working buffer (4 KB for a 100-byte text,
+    520 KB for a 60 KB one); what :func:`jsonio.dumps` returns is a copy the size of the
+    text, so a cache of written documents holds what it counts (decision 140)."""
+    value = {f"k{i}": ["x" * 20, i, None] for i in range(entries)}
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        out = jsonio.dumps(value)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert out == json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    assert held <= len(out) + 256, (len(out), held)
