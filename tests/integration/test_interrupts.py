@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 from sqlmodel import col, select
 
+from investigation.config import ProvidersConfig
 from investigation.constants import COMPLETED, STAGES
+from investigation.llm.gateway import LLMGateway, build_providers
 from investigation.loop.investigator import Investigator
 from investigation.loop.outcome import StepKey
 from investigation.loop.stages import Stages
@@ -128,3 +130,52 @@ def test_crash_inside_stage_before_commit(stage: str, tmp_path: Path,
     assert crashes["left"] == 0
     monkeypatch.setattr(Stages, "_complete", staticmethod(original))
     assert fingerprint(case) == reference
+
+
+class Died(BaseException):
+    """Stands for a process that dies while its model request is out."""
+
+
+def test_a_process_dying_inside_a_model_request_costs_one_attempt_more(
+        tmp_path: Path, reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request was stored before it was sent (seed 000), so the next process finds it
+    ``sent``, counts it as an attempt (``PROVIDER_INTERRUPTED``) and sends it again: the
+    summary's usage table counts one attempt more for that hypothesis, and nothing else
+    differs from an uninterrupted run (what a whole worker killed beside other cases
+    leaves, ``test_recovery``'s Redis-loss test)."""
+    from investigation.llm.scripted import ScriptedProvider
+
+    case = make_case(tmp_path / "case")
+    original = ScriptedProvider.send
+    sent = {"n": 0}
+
+    def dying(self: ScriptedProvider, request_bytes: bytes, req: Any) -> Any:
+        sent["n"] += 1
+        if sent["n"] == 3:
+            raise Died("killed while the third request was out")
+        return original(self, request_bytes, req)
+
+    monkeypatch.setattr(ScriptedProvider, "send", dying)
+    with pytest.raises(Died):
+        Investigator(case.env()).run(case.case_id, max_steps=50)
+    monkeypatch.setattr(ScriptedProvider, "send", original)
+    # A new process, whose gateway declares a request it finds out interrupted at once
+    # (the default waits twice the longest provider timeout plus 5 s: RETRY_PENDING then).
+    env = case.env()
+    providers = ProvidersConfig.load(case.providers_path)
+    env.gateway_factory = lambda: LLMGateway(case.store, build_providers(providers),
+                                             providers.gateway, in_flight_grace_s=0)
+    outcome = Investigator(env).run(case.case_id, max_steps=50)
+    assert outcome.outcome == COMPLETED, outcome
+    got = fingerprint(case)
+    assert got["model_calls"] == reference["model_calls"] + 1
+    with case.store.session() as s:
+        interrupted = s.exec(select(LLMAttempt).where(
+            LLMAttempt.error_code == "PROVIDER_INTERRUPTED")).all()
+    assert [a.status for a in interrupted] == ["failed"]
+    # The third request was hypothesis 1's third call: its row says 3 calls, 4 attempts.
+    assert b"| 1 | 3 | 3 |" in reference["summary"]
+    assert got.pop("summary") == reference["summary"].replace(b"| 1 | 3 | 3 |",
+                                                              b"| 1 | 3 | 4 |")
+    got.pop("model_calls")
+    assert got == {k: v for k, v in reference.items() if k not in ("summary", "model_calls")}

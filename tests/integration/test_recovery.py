@@ -55,6 +55,7 @@ from investigation.constants import (
     COMPLETED,
     STAGES,
 )
+from investigation.llm.types import PROVIDER_INTERRUPTED
 from investigation.loop.checkpoints import verify_chain
 from investigation.operations import resume, status, summary_bytes
 from investigation.store import Store
@@ -168,11 +169,15 @@ def summary_diff(expected: bytes, got: bytes) -> str:
 
 
 def unanswered_attempts(store: Store, case_id: str) -> int:
-    """The case's model requests that never succeeded (a dead worker's in-flight one)."""
+    """The case's model requests that a dead worker left unanswered (the gateway marks
+    them ``failed``/``PROVIDER_INTERRUPTED`` at its next call); the scripted provider
+    fails no other."""
     with store.session() as s:
-        return len(s.exec(select(LLMAttempt.id).join(
+        failed = s.exec(select(LLMAttempt.status, LLMAttempt.error_code).join(
             LLMOperation, col(LLMOperation.id) == col(LLMAttempt.operation_id)).where(
-            LLMOperation.case_id == case_id, LLMAttempt.status != "succeeded")).all())
+            LLMOperation.case_id == case_id, LLMAttempt.status != "succeeded")).all()
+    assert all(row == ("failed", PROVIDER_INTERRUPTED) for row in failed), failed
+    return len(failed)
 
 
 def reference(tmp_root: Path, interpretation: dict[str, Any] | None = None) -> Fingerprint:
