@@ -36,9 +36,10 @@ Decisions beyond the brief, kept here so callers can rely on them:
   to it.
 * An attempt left ``sent`` by a crash is marked ``failed``/``PROVIDER_INTERRUPTED`` on the
   next call, counts as an attempt, and the next attempt goes to the same provider at
-  once (the crash was ours, not the provider's). ``in_flight_grace_s`` (default 0) can
-  make the gateway wait that long after an attempt started before declaring it
-  interrupted, for deployments where a lock may expire under a live worker.
+  once (the crash was ours, not the provider's), but only once ``in_flight_grace_s`` has
+  passed since the attempt started (default: twice the longest provider ``timeout_s``
+  plus 5 s; until then the call returns ``RetryPending``), so a runner whose lock
+  expired under a live request never sends it a second time.
 * Finishing writes are compare-and-set: a worker whose attempt was meanwhile declared
   interrupted (or whose operation moved on) gets ``StaleStateError`` and its answer is
   discarded, never merged.
