@@ -581,3 +581,29 @@ def test_a_deferred_write_in_a_savepoint_or_in_autocommit_runs_at_once(
         conn.execute(write, {"id": 9})
     assert _ids(scratch) == [1, 2, 3, 9]
     via.check()
+
+
+def test_a_steps_attempt_row_and_pointer_moves_wait_for_the_next_statement(
+        tmp_path: Path, postgres_url: str) -> None:
+    """Decision 139: a new model attempt's row and a manifest pointer's move cost no round
+    trip of their own; each goes out in one exchange with what follows it (the attempt
+    with the COMMIT that makes it durable before the request is sent)."""
+    case = make_case(tmp_path / "traced", database_url=postgres_url)
+    trace = tmp_path / "trace.txt"
+    try:
+        with _traced(case.store, trace):
+            assert case.investigator().step(case.case_id).outcome == "PROGRESSED"
+    finally:
+        case.store.dispose()
+    # Each wait lists the statements sent before it (a multi-line statement by its
+    # first line: the pointer's is "WITH moved AS ...").
+    sent = [wait.split(" + ") for wait in _waits(trace)]
+
+    def followed(prefix: str) -> list[list[str]]:
+        """The rest of the exchange after each statement starting with ``prefix``."""
+        return [parts[i + 1:] for parts in sent
+                for i, part in enumerate(parts) if part.startswith(prefix)]
+
+    assert [rest[-1:] for rest in followed("INSERT INTO llm_attempt ")] == [["COMMIT"]]
+    pointers = followed("WITH moved AS")
+    assert pointers and all(rest for rest in pointers), sent
