@@ -255,14 +255,14 @@ _POINTER_MOVED = _POINTER.update().where(
     _PTR.case_id == _POINTER_VALUES["case_id"], _PTR.name == _POINTER_VALUES["name"]
 ).values(path=_POINTER_VALUES["path"], sha256=_POINTER_VALUES["sha256"]
          ).returning(_PTR.id).cte("moved")
+_SQLITE_POINTER = sqlite_insert(_POINTER)
 _POINTER_SET = {
     "postgresql": deferred(_POINTER.insert().from_select(
         list(_POINTER_VALUES), sa_select(*_POINTER_VALUES.values()).where(
             ~exists(sa_select(_POINTER_MOVED.c.id))))),
-    "sqlite": deferred(sqlite_insert(_POINTER).values(_POINTER_VALUES).on_conflict_do_update(
-        index_elements=["case_id", "name"],
-        set_={"path": sqlite_insert(_POINTER).excluded.path,
-              "sha256": sqlite_insert(_POINTER).excluded.sha256})),
+    "sqlite": deferred(_SQLITE_POINTER.values(_POINTER_VALUES).on_conflict_do_update(
+        index_elements=["case_id", "name"], set_={
+            "path": _SQLITE_POINTER.excluded.path, "sha256": _SQLITE_POINTER.excluded.sha256})),
 }
 
 
