@@ -29,7 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-from sqlalchemy import bindparam, insert
+from sqlalchemy import String, bindparam, insert
+from sqlalchemy import column as sa_column
 from sqlalchemy import select as sa_select
 from sqlalchemy import text as sa_text
 from sqlalchemy.exc import DBAPIError
@@ -98,6 +99,26 @@ _ENTRY_FUNCTION = sa_text("SELECT head_seq, current_revision, state, llm_retry_i
 _ENTRY_FUNCTION_ASYNC = sa_text(
     "SELECT head_seq, current_revision, state, llm_retry_id, stage, output_json, "
     f"{ASYNC_COMMIT_SQL} FROM investigation_case_and_markers(:case_id, :revision, :step_seq)")
+# A stage whose body changes the case row (``CASE_STAGES``) locks it and reads the whole
+# row with the step's markers in one round trip (decision 141): on SQLite the joined
+# query (the case row's columns first, as ``direct.loaded`` takes them); on PostgreSQL
+# the function of migration ``0011_case_entry_function``, which reads the row and the
+# markers after the lock is granted, as ``investigation_case_and_markers`` does.
+_CASE_LOADED, _CASE_COLUMNS = direct.loaded_rows(CaseRecord)
+_CASE_JOIN_MARKERS = table_of(CaseRecord).outerjoin(
+    table_of(StageRun), (_RUN.case_id == _CASE.id)
+    & (_RUN.revision == bindparam("revision")) & (_RUN.step_seq == bindparam("step_seq")))
+_CASE_ROW_AND_MARKERS = sa_select(*_CASE_COLUMNS, _RUN.stage, _RUN.output_json).select_from(
+    _CASE_JOIN_MARKERS).where(_CASE.id == bindparam("case_id"))
+_ROW_ENTRY_SQL = (f"SELECT {', '.join(c.name for c in _CASE_COLUMNS)}, stage, output_json"
+                  "{extra} FROM investigation_case_row_and_markers(:case_id, :revision, "
+                  ":step_seq)")
+_ROW_ENTRY_FUNCTION = sa_text(_ROW_ENTRY_SQL.format(extra="")).columns(
+    *_CASE_COLUMNS, _RUN.stage, _RUN.output_json)
+#: The same, in a transaction that commits without waiting for the disk (decision 126).
+_ROW_ENTRY_FUNCTION_ASYNC = sa_text(_ROW_ENTRY_SQL.format(
+    extra=f", {ASYNC_COMMIT_SQL} AS async_commit")).columns(
+    *_CASE_COLUMNS, _RUN.stage, _RUN.output_json, sa_column("async_commit", String()))
 #: ``Session.info`` key: this transaction commits asynchronously on PostgreSQL.
 _ASYNC = "investigation_async_commit"
 # A revision's budget accounts, read on the driver's cursor and taken into the session as
@@ -321,10 +342,8 @@ class StageFramework:
         if self.env.async_commit:
             s.info[_ASYNC] = True
         if stage in self.CASE_STAGES:  # the body changes the case row: load it at once
-            row = Store.lock_case(s, key.case_id, async_commit=self.env.async_commit)
+            row, markers = self._lock_case_row_and_markers(s, key)
             case = _CaseCheck(row.head_seq, row.current_revision, row.state, row.llm_retry_id)
-            markers = [(str(name), text) for name, text in
-                       core(s).execute(_MARKERS, key.to_dict()).all()]
         else:
             case, markers = self._lock_case_and_markers(s, key)
         self._reconcile(stage, key, markers)
@@ -470,6 +489,32 @@ class StageFramework:
         first = rows[0]
         return (_CaseCheck(int(first[0]), int(first[1]), str(first[2]), str(first[3])),
                 [(str(r[4]), r[5]) for r in rows if r[4] is not None])
+
+    @staticmethod
+    def _lock_case_row_and_markers(s: Session, key: StepKey
+                                   ) -> tuple[CaseRecord, list[tuple[str, str]]]:
+        """Lock the case row and read it whole, as its ORM object (refreshed, as
+        ``Store.lock_case`` loads it), with the step's recorded stage outputs, in one round
+        trip (decision 141): on SQLite one joined query; on PostgreSQL the function
+        ``investigation_case_row_and_markers`` (migration ``0011_case_entry_function``),
+        which reads both after the row lock is granted.
+
+        Raises:
+            InvestigationError: ``CASE_NOT_FOUND``.
+        """
+        conn = core(s)
+        entry: Any
+        if conn.dialect.name == "postgresql":
+            entry = _ROW_ENTRY_FUNCTION_ASYNC if s.info.get(_ASYNC) else _ROW_ENTRY_FUNCTION
+        else:
+            entry = _CASE_ROW_AND_MARKERS
+        rows = conn.execute(entry, key.to_dict()).all()
+        if not rows:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
+        stage_at = len(_CASE_COLUMNS)
+        case = cast(CaseRecord, direct.loaded(s, _CASE_LOADED, rows[:1], refresh=True)[0])
+        return case, [(str(r[stage_at]), r[stage_at + 1]) for r in rows
+                      if r[stage_at] is not None]
 
     def _load_markers(self, s: Session, key: StepKey) -> None:
         """Read every recorded stage output of the step in one query."""

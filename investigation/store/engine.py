@@ -754,6 +754,15 @@ class Store:
         return columns
 
     @staticmethod
+    def remember_policy_columns(session: Session, case_id: str, revision: int,
+                                policy_sha256: str | None, policy_json: str | None) -> None:
+        """Keep a revision's policy columns, read with other rows in this transaction,
+        for :meth:`policy_columns` (what this transaction read or froze before takes
+        precedence)."""
+        _read_in_transaction(session).setdefault(("policy", case_id, revision),
+                                                 (policy_sha256, policy_json))
+
+    @staticmethod
     def remember_revision_columns(session: Session, case_id: str, revision: int,
                                   columns: RevisionColumns) -> None:
         """Keep a revision's columns read (with other rows) in this transaction for

@@ -17,10 +17,11 @@ from sqlalchemy import event, inspect
 from sqlalchemy.exc import NoResultFound
 from sqlmodel import Session, select
 
+from investigation.errors import InvestigationError
 from investigation.loop.outcome import StepKey
 from investigation.loop.stagebase import StageFramework
 from investigation.store import Store
-from investigation.store.models import BudgetAccount, CaseRecord, utcnow
+from investigation.store.models import BudgetAccount, CaseRecord, StageRun, utcnow
 from tests.casekit import make_case
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +89,46 @@ def test_loaded_objects_hold_what_an_orm_query_loads(case: Any) -> None:
             assert not s.dirty and not s.new
             s.commit()
         assert writes.statements == []  # loading writes nothing
+
+
+def test_a_case_stage_entry_loads_the_row_and_the_steps_markers_in_one_statement(
+        case: Any) -> None:
+    """Decision 141: ``build_context`` and ``publish`` lock and load the whole case row
+    with the step's markers by one statement (SQLite's joined query, PostgreSQL's
+    function of migration 0011), with the values an ORM query loads."""
+    key = StepKey(case.case_id, 1, 1)
+    with Session(case.store.engine) as s:
+        reference = _values(s.get(CaseRecord, case.case_id))
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    event.listen(case.store.engine, "before_cursor_execute", seen)
+    try:
+        for marked in ([], ["build_context"], ["build_context", "llm_call"]):
+            with _Writes(case.store) as writes, Session(case.store.engine) as s:
+                before = len(statements)
+                row, markers = StageFramework._lock_case_row_and_markers(s, key)
+                assert len(statements) - before == 1
+                assert _values(row) == reference and inspect(row).persistent
+                assert sorted(name for name, _ in markers) == marked
+                assert all(text == '{"finalize": false}' for _, text in markers)
+                assert not s.dirty and not s.new
+                s.commit()
+            assert writes.statements == []
+            if len(marked) < 2:
+                with case.store.session() as s:  # the next marker, for the next read
+                    s.add(StageRun(case_id=case.case_id, revision=1, step_seq=1,
+                                   stage=["build_context", "llm_call"][len(marked)],
+                                   output_json='{"finalize": false}', completed_at=utcnow()))
+                    s.commit()
+    finally:
+        event.remove(case.store.engine, "before_cursor_execute", seen)
+    with Session(case.store.engine) as s:
+        with pytest.raises(InvestigationError) as err:
+            StageFramework._lock_case_row_and_markers(s, StepKey("case-missing", 1, 1))
+        assert err.value.code == "CASE_NOT_FOUND"
 
 
 def test_what_the_caller_changes_is_flushed_as_an_update_of_those_columns(case: Any) -> None:

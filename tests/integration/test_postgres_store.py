@@ -87,17 +87,22 @@ def test_stale_worker_cannot_run_a_published_step(tmp_path: Path, postgres_url: 
         Stages(case.env())._settle_reserve(stale)
 
 
-def _entry_markers(stages: Stages, key: StepKey, statement: object | None = None) -> list[str]:
-    """The stage names a stage entry reads with the case lock (the engine's statement, or
-    ``statement`` in its place), in a session of its own."""
+def _entry_markers(stages: Stages, key: StepKey, statement: object = "columns") -> list[str]:
+    """The stage names a stage entry reads with the case lock (the engine's statement:
+    ``"columns"`` for the checked columns, ``"whole_row"`` for the case row's ORM object,
+    whose ``last_reason`` is then listed as ``row: ...``; or ``statement`` in its place),
+    in a session of its own."""
     from sqlmodel import Session
 
     from investigation.loop import stagebase
 
     with Session(stages.store.engine) as s:
-        if statement is None:
+        if statement == "columns":
             _, markers = stages._lock_case_and_markers(s, key)
             names = [name for name, _ in markers]
+        elif statement == "whole_row":
+            row, markers = stages._lock_case_row_and_markers(s, key)
+            names = [name for name, _ in markers] + [f"row: {row.last_reason}"]
         else:
             rows = s.connection().execute(statement, key.to_dict()).all()  # type: ignore[arg-type]
             names = [str(r[4]) for r in rows if r[4] is not None]
@@ -114,20 +119,24 @@ def _runner_that_holds_the_lock(case: object, key: StepKey, stage: str) -> tuple
     conn = case.store.engine.connect()  # type: ignore[attr-defined]
     tx = conn.begin()
     conn.execute(text('SELECT id FROM "case" WHERE id = :id FOR UPDATE'), {"id": key.case_id})
+    conn.execute(text('UPDATE "case" SET last_reason = \'held\' WHERE id = :id'),
+                 {"id": key.case_id})
     conn.execute(text("INSERT INTO stage_run (case_id, revision, step_seq, stage, output_json, "
                       "completed_at) VALUES (:case_id, :revision, :step_seq, :stage, '{}', "
                       "now())"), {**key.to_dict(), "stage": stage})
     return conn, tx
 
 
-@pytest.mark.parametrize("engine_statement", [True, False])
+@pytest.mark.parametrize("entry", ["columns", "whole_row", "one_statement"])
 def test_a_stage_entry_that_waited_for_the_case_lock_sees_the_holders_marker(
-        tmp_path: Path, postgres_url: str, engine_statement: bool) -> None:
-    """The entry's lock and markers are one round trip (migration 0010's function), and
+        tmp_path: Path, postgres_url: str, entry: str) -> None:
+    """The entry's lock and markers are one round trip (the functions of migrations 0010
+    and 0011: the checked columns, or the whole row of a stage that changes it), and
     still read the markers after the lock is granted: a runner that waited for the holder
-    sees the marker the holder committed. The same read as one locking statement (the
-    joined query SQLite runs, ``FOR UPDATE`` of the case row) misses it on PostgreSQL:
-    its snapshot predates the holder's commit."""
+    sees the marker the holder committed, and the row as the holder left it. The same
+    read as one locking statement (the joined query SQLite runs, ``FOR UPDATE`` of the
+    case row) misses the marker on PostgreSQL: its snapshot predates the holder's
+    commit."""
     import threading
     import time
 
@@ -144,7 +153,8 @@ def test_a_stage_entry_that_waited_for_the_case_lock_sees_the_holders_marker(
     seen: list[list[str]] = []
     try:
         waiting = threading.Thread(target=lambda: seen.append(_entry_markers(
-            stages, key, None if engine_statement else one_statement)), daemon=True)
+            stages, key, one_statement if entry == "one_statement" else entry)),
+            daemon=True)
         waiting.start()
         time.sleep(0.5)  # the entry waits for the row lock
         assert waiting.is_alive() and not seen
@@ -152,10 +162,35 @@ def test_a_stage_entry_that_waited_for_the_case_lock_sees_the_holders_marker(
         tx.commit()  # type: ignore[attr-defined]
         conn.close()  # type: ignore[attr-defined]
     waiting.join(30)
-    if engine_statement:
+    if entry == "whole_row":
+        assert seen == [["build_context", "llm_call", "row: held"]]
+    elif entry == "columns":
         assert seen == [["build_context", "llm_call"]]
     else:
-        assert seen == [["build_context"]]  # why PostgreSQL needs the function
+        assert seen == [["build_context"]]  # why PostgreSQL needs the functions
+
+
+def test_the_case_entry_function_returns_every_column_of_the_case_table(
+        tmp_path: Path, postgres_url: str) -> None:
+    """Migration 0011's function lists the case table's columns itself: a migration that
+    changes the table must replace it, or a case stage's entry would load a row without
+    the new column (decision 141)."""
+    from investigation.store.models import CaseRecord
+
+    case = make_case(tmp_path / "columns", database_url=postgres_url)
+    with case.store.engine.connect() as conn:
+        table = [r[0] for r in conn.execute(text(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = "
+            "current_schema() AND table_name = 'case' ORDER BY ordinal_position"))]
+        result = conn.execute(text(
+            "SELECT * FROM investigation_case_row_and_markers(:id, 1, 1)"),
+            {"id": case.case_id})
+        returned = list(result.keys())
+        rows = result.all()
+    assert sorted(returned) == sorted([*table, "stage", "output_json"])
+    assert sorted(table) == sorted(c.name for c in CaseRecord.__table__.c)  # type: ignore[attr-defined]
+    assert len(rows) == 1 and rows[0]._mapping["id"] == case.case_id
+    assert rows[0]._mapping["stage"] is None  # no marker yet: one row of NULL markers
 
 
 def _commit_settings(case: object, env: object, monkeypatch: pytest.MonkeyPatch
