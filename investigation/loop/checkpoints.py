@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, insert, literal, text, union_all
+from sqlalchemy import and_, bindparam, func, insert, literal, literal_column, text, union_all
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col
 
@@ -169,6 +169,21 @@ _STATE_SINCE = union_all(
         # ``ix_evidence_ordinal``). 0.7 ms at step 500 against 0.03 at step 5 before.
         text("+evidence.revision = :revision AND evidence.assessed "
              "AND +evidence.ordinal <= :last_ordinal")))
+#: The same with a third branch (``newer`` 2): the records still open now, the state's
+#: ``open`` list, read in the same statement (decision 142). On SQLite the branch names the
+#: partial index, as :data:`_STATE_OPEN_SQLITE` does.
+_STATE_OPEN_BRANCH_COLUMNS = (literal(2).label("newer"), literal(0).label("keys"))
+_STATE_SINCE_AND_OPEN = {
+    "postgresql": union_all(*_STATE_SINCE.selects, sa_select(
+        *_STATE_EVIDENCE_COLUMNS, col(Evidence.ordinal), *_STATE_OPEN_BRANCH_COLUMNS).where(
+        *_OF_REVISION, text("NOT evidence.assessed"))),
+    "sqlite": union_all(*_STATE_SINCE.selects, sa_select(
+        *(literal_column(f"evidence.{c.key}") for c in _STATE_EVIDENCE_COLUMNS),
+        literal_column("evidence.ordinal"), *_STATE_OPEN_BRANCH_COLUMNS).select_from(
+        text("evidence INDEXED BY ix_evidence_open")).where(
+        text("evidence.case_id = :case_id AND evidence.revision = :revision "
+             "AND NOT evidence.assessed"))),
+}
 #: Every assessed record of a revision (after a parent state of the first format).
 _STATE_ALL_CLOSED = sa_select(*_STATE_EVIDENCE_COLUMNS).where(
     *_OF_REVISION, text("evidence.assessed")).order_by(col(Evidence.ordinal))
@@ -315,41 +330,49 @@ def evidence_section(s: Session, key: StepKey, parent: dict[str, Any],
     raw = (previous.get("count"), previous.get("last_ordinal"), previous.get("keys")) \
         if previous else (0, 0, 0)
     base = [v for v in raw if isinstance(v, int)]
-    if isinstance(before, list) or len(base) != 3:
+    if isinstance(before, list):
         # The first format (every record listed): every assessed record closes here, and
         # the counts are taken in full once.
         count, last = core(s).execute(_STATE_COUNTS, rows).one()
-        closed = core(s).execute(_STATE_ALL_CLOSED, rows).all() if isinstance(before, list) \
-            else _closed_since(s, rows, previous)[0]
+        closed = core(s).execute(_STATE_ALL_CLOSED, rows).all()
+        still_open = core(s).execute(open_evidence_statement(s), rows).all()
+        keys = int(core(s).execute(KEY_COUNT, rows).scalar_one())
+        count, last = int(count), int(last or 0)
+    elif len(base) != 3:
+        # No counts to add to (the first step, another revision's parent): taken in full.
+        count, last = core(s).execute(_STATE_COUNTS, rows).one()
+        closed, _, _, _, still_open = _closed_since(s, rows, previous)
         keys = int(core(s).execute(KEY_COUNT, rows).scalar_one())
         count, last = int(count), int(last or 0)
     else:
-        closed, newer, newest, new_keys = _closed_since(s, rows, previous)
+        closed, newer, newest, new_keys, still_open = _closed_since(s, rows, previous)
         count = base[0] + newer
         last = max(base[1], newest)
         keys = base[2] + new_keys
     return {"count": count, "last_ordinal": last, "keys": keys,
-            "open": [_evidence_record(r) for r in
-                     core(s).execute(open_evidence_statement(s), rows).all()],
+            "open": [_evidence_record(r) for r in still_open],
             "closed": [_evidence_record(r) for r in closed]}
 
 
 def _closed_since(s: Session, rows: dict[str, Any], previous: dict[str, Any],
-                  ) -> tuple[list[Any], int, int, int]:
+                  ) -> tuple[list[Any], int, int, int, list[Any]]:
     """The records assessed since the parent's evidence section ``previous`` (its open
     records now assessed, and assessed records created since), the number of records
-    created since, the newest one's ordinal (``0``: none) and their index rows."""
+    created since, the newest one's ordinal (``0``: none), their index rows, and the
+    records open now; one statement (:data:`_STATE_SINCE_AND_OPEN`), rows in ordinal
+    order."""
     open_ids = [str(e.get("evidence_id")) for e in previous.get("open", [])
                 if isinstance(e, dict)]
     last_before = previous.get("last_ordinal")
-    read = list(core(s).execute(_STATE_SINCE, {
+    dialect = "sqlite" if s.get_bind().dialect.name == "sqlite" else "postgresql"
+    read = list(core(s).execute(_STATE_SINCE_AND_OPEN[dialect], {
         **rows, "open_ids": open_ids,
         "last_ordinal": last_before if isinstance(last_before, int) else 0}).all())
     read.sort(key=lambda r: int(r.ordinal))
-    newer = [r for r in read if r.newer]
-    return ([r[:5] for r in read if r.assessed], len(newer),
+    newer = [r for r in read if r.newer == 1]
+    return ([r[:5] for r in read if r.newer != 2 and r.assessed], len(newer),
             max((int(r.ordinal) for r in newer), default=0),
-            sum(int(r.keys) for r in newer))
+            sum(int(r.keys) for r in newer), [r[:5] for r in read if r.newer == 2])
 
 
 def fold_evidence(recorded: dict[str, dict[str, Any]], state: dict[str, Any]) -> None:
