@@ -173,13 +173,14 @@ _STATE_SINCE = union_all(
 #: ``open`` list, read in the same statement (decision 142). On SQLite the branch names the
 #: partial index, as :data:`_STATE_OPEN_SQLITE` does.
 _STATE_OPEN_BRANCH_COLUMNS = (literal(2).label("newer"), literal(0).label("keys"))
-_STATE_SINCE_AND_OPEN = {
+_STATE_SINCE_AND_OPEN: dict[str, Any] = {
     "postgresql": union_all(*_STATE_SINCE.selects, sa_select(
         *_STATE_EVIDENCE_COLUMNS, col(Evidence.ordinal), *_STATE_OPEN_BRANCH_COLUMNS).where(
         *_OF_REVISION, text("NOT evidence.assessed"))),
     "sqlite": union_all(*_STATE_SINCE.selects, sa_select(
-        *(literal_column(f"evidence.{c.key}") for c in _STATE_EVIDENCE_COLUMNS),
-        literal_column("evidence.ordinal"), *_STATE_OPEN_BRANCH_COLUMNS).select_from(
+        *(literal_column(f"evidence.{name}") for name in (
+            "evidence_id", "hypothesis_id", "fingerprint", "assessed", "refund_units",
+            "ordinal")), *_STATE_OPEN_BRANCH_COLUMNS).select_from(
         text("evidence INDEXED BY ix_evidence_open")).where(
         text("evidence.case_id = :case_id AND evidence.revision = :revision "
              "AND NOT evidence.assessed"))),
