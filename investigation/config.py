@@ -39,7 +39,7 @@ DEFAULT_OUTPUT_RESERVE_TOKENS = 1024
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 class LoopConfig(_Strict):

@@ -50,6 +50,38 @@ def test_broken_policy_files(tmp_path: Path, text: str, code: str) -> None:
     assert err.value.code == code
 
 
+@pytest.mark.parametrize(("text", "named"), [
+    ("[loop]\nmax_invalid_responses = \"3\"\n", "loop.max_invalid_responses"),
+    ("[loop]\nearly_diagnosis = \"yes\"\n", "loop.early_diagnosis"),
+    ("[loop]\nearly_diagnosis = 1\n", "loop.early_diagnosis"),
+    ("[budget]\ncredit_units = true\n", "budget.credit_units"),
+    ("[budget]\ncredit_units = 1.5\n", "budget.credit_units"),
+    ("[budget]\ncredit_units = 60.0\n", "budget.credit_units"),
+    ("[budget.test_costs]\nhuman = \"5\"\n", "budget.test_costs.human"),
+    ("[tools]\nisolate_sql = 0\n", "tools.isolate_sql"),
+    ("[tools]\nsql_timeout_s = \"2\"\n", "tools.sql_timeout_s"),
+    ("[package]\nmax_entries = \"20\"\n", "package.max_entries"),
+    ("[package]\nmax_compression_ratio = true\n", "package.max_compression_ratio"),
+])
+def test_a_setting_of_the_wrong_type_is_refused_not_converted(tmp_path: Path, text: str,
+                                                              named: str) -> None:
+    """A policy is frozen into a case at its first step: a string, a boolean or a float
+    where the key takes an integer (or the other way round) is refused with the key's
+    name, never read as some number (``true`` as a credit of 1 unit)."""
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        InvestigationConfig.load(path)
+    assert err.value.code == "CONFIG_INVALID" and named in err.value.message
+
+
+def test_a_float_setting_takes_an_integer(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[tools]\nsql_timeout_s = 3\n[limits]\nmax_model_cost = 2\n")
+    cfg = InvestigationConfig.load(path)
+    assert (cfg.tools.sql_timeout_s, cfg.limits.max_model_cost) == (3.0, 2.0)
+
+
 def test_missing_file_is_unreadable(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         InvestigationConfig.load(tmp_path / "nope.toml")
