@@ -30,7 +30,7 @@ _PASSED = {"ok": 3, "invalid_reply": 2, "refused": 1, "unreachable": 0}
 
 
 def _marks(result: ProbeResult) -> list[str]:
-    if result.verdict == "skipped":
+    if result.verdict in ("skipped", "not_sent"):  # nothing was asked of a server
         return ["-", "-", "-"]
     if result.verdict == "refused" and result.code != "PROVIDER_SCHEMA_REFUSED":
         return ["yes", "?", "-"]  # an error answer that does not say the dialect is wrong
@@ -97,6 +97,9 @@ def check(
                 out.print(_term(f"{r.provider}: skipped ({r.detail}; `investigate replies "
                                 "check FILE CASE` checks a reply file)"),
                           highlight=False, markup=False)
+            elif r.verdict == "not_sent":
+                out.print(_term(f"{r.provider}: not sent, {r.code}: {r.detail}; nothing "
+                                "was asked of the server"), highlight=False, markup=False)
             elif r.verdict != "ok":
                 out.print(_term(f"{r.provider}: {r.verdict} {r.code}: {r.detail}"
                                 + _address_hint(r)), highlight=False, markup=False)

@@ -10,7 +10,8 @@ Verdicts (:class:`ProbeResult`): ``ok`` (a valid reply), ``invalid_reply`` (the 
 the request; the reply breaks the contract), ``refused`` (the server answered with an
 error: a dialect or schema it cannot take (``PROVIDER_SCHEMA_REFUSED``), a context too
 large, credentials, an address that is no chat-completions endpoint), ``unreachable`` (no
-HTTP answer: nothing listening, a timeout, a connection reset), ``skipped`` (a scripted
+HTTP answer: nothing listening, a timeout, a connection reset), ``not_sent`` (the request
+never left: the API key's environment variable is not set), ``skipped`` (a scripted
 provider).
 """
 
@@ -32,7 +33,7 @@ from investigation.errors import ProviderError, TransientProviderError
 from investigation.llm.dialects import canonical_dialect
 from investigation.llm.openai import OpenAIProvider
 from investigation.llm.scripted import read_script_lines
-from investigation.llm.types import ChatRequest
+from investigation.llm.types import PROVIDER_CREDENTIALS_MISSING, ChatRequest
 from investigation.loop.contract import ReplyRejected, read_reply
 from investigation.loop.prompt import build_messages
 from investigation.loop.reply_schema import turn_schema
@@ -113,7 +114,8 @@ class ProbeResult:
 
     Attributes:
         provider: its name; kind: ``openai`` or ``scripted``; dialect: canonical dialect.
-        verdict: ``ok``, ``invalid_reply``, ``refused``, ``unreachable`` or ``skipped``.
+        verdict: ``ok``, ``invalid_reply``, ``refused``, ``unreachable``, ``not_sent`` or
+            ``skipped``.
         code: the rejection or provider error code (``None`` when ok).
         detail: the rejection detail or the provider's message (never secrets).
         seconds: wall time of the call.
@@ -142,6 +144,8 @@ class ProbeResult:
 
 
 #: Provider errors where no HTTP answer came back: the address is the suspect.
+#: Failures raised before the request leaves this process (verdict ``not_sent``).
+_NOT_SENT = frozenset({PROVIDER_CREDENTIALS_MISSING})
 _NO_ANSWER = frozenset({"PROVIDER_UNREACHABLE", "PROVIDER_TIMEOUT", "PROVIDER_NETWORK_ERROR",
                         "PROVIDER_REQUEST_DROPPED"})
 
@@ -188,7 +192,10 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                                exc.message, round(time.monotonic() - started, 3),
                                base_url=config.base_url)
         except ProviderError as exc:
-            return ProbeResult(config.name, config.kind, dialect, "refused", exc.code,
+            # A key that is not set stops the request before any connection: the server
+            # was never asked (neither reachable nor refusing).
+            verdict = "not_sent" if exc.code in _NOT_SENT else "refused"
+            return ProbeResult(config.name, config.kind, dialect, verdict, exc.code,
                                exc.message, round(time.monotonic() - started, 3),
                                base_url=config.base_url)
         seconds = round(time.monotonic() - started, 3)

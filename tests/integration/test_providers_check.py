@@ -131,3 +131,28 @@ def test_cli_points_at_the_address_not_the_dialect(tmp_path: Path) -> None:
     row = next(line for line in res.output.splitlines() if line.strip("│ ").startswith("web"))
     assert "?" in row and "NO" not in row, res.output  # not the dialect's fault
     assert f"base_url {address}: is it an OpenAI-compatible" in res.output
+
+
+def test_a_key_that_is_not_set_is_not_sent_and_claims_no_reachability(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A provider whose API key variable is unset: the probe stops before any connection,
+    so the table claims neither reachability nor a refusal, and no address hint blames
+    the base_url (nothing listens there either)."""
+    monkeypatch.delenv("PROBE_TEST_KEY", raising=False)
+    dead = f"http://127.0.0.1:{_free_port()}/v1"
+    entries = tmp_path / "p.toml"
+    entries.write_text(_entry("keyless", dead) + 'api_key_env = "PROBE_TEST_KEY"\n')
+    runner = CliRunner()
+    res = runner.invoke(app, ["providers", "check", "--providers", str(entries), "--json"])
+    assert res.exit_code == 1, res.output
+    (only,) = json.loads(res.output)
+    assert (only["verdict"], only["code"]) == ("not_sent", "PROVIDER_CREDENTIALS_MISSING")
+    assert "PROBE_TEST_KEY" in only["detail"]
+    res = runner.invoke(app, ["providers", "check", "--providers", str(entries)],
+                        terminal_width=200)
+    assert res.exit_code == 1, res.output
+    row = next(line for line in res.output.splitlines()
+               if line.strip("│ ").startswith("keyless"))
+    assert "yes" not in row and "?" not in row and "NO" not in row, res.output
+    assert "not sent, PROVIDER_CREDENTIALS_MISSING" in res.output
+    assert "is it an OpenAI-compatible" not in res.output and "base_url" not in res.output
