@@ -5,7 +5,9 @@
 #   deploy/cluster.sh start [WORKERS]   # default 2 workers of WORKER_CONCURRENCY processes
 #   deploy/cluster.sh stop              # warm shutdown; waits until every process exited
 #   deploy/cluster.sh status
-# Settings come from deploy/cluster.env (copy cluster.env.example) or the environment:
+# Settings come from the environment, then from deploy/cluster.env (copy
+# cluster.env.example; CLUSTER_ENV names another file): a variable the caller set keeps
+# its value, the file fills in the others. Those read:
 #   WORKER_CONCURRENCY (2), WORKER_METRICS_BASE_PORT (9810: worker i serves base+i),
 #   METRICS_PORT (9808), FLOWER_PORT (5555), STOP_TIMEOUT_S (120), START_TIMEOUT_S (90:
 #   how long start waits for every worker to answer ping), INVESTIGATE_RUN_DIR (var/cluster),
@@ -16,7 +18,12 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-[ -f "$here/cluster.env" ] && set -a && . "$here/cluster.env" && set +a
+env_file="${CLUSTER_ENV:-$here/cluster.env}"
+if [ -f "$env_file" ]; then
+  caller="$(export -p)"   # the caller's environment wins over the file
+  set -a; . "$env_file"; set +a
+  eval "$caller"
+fi
 run="${INVESTIGATE_RUN_DIR:-$root/var/cluster}"
 bin="${INVESTIGATE_BIN:-$root/.venv/bin/investigate}"
 export INVESTIGATE_DATABASE_URL="${INVESTIGATE_DATABASE_URL:-postgresql+psycopg://postgres@127.0.0.1:5432/investigation}"

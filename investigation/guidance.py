@@ -65,6 +65,7 @@ from investigation.constants import (
 )
 from investigation.errors import InvestigationError
 from investigation.llm.scripted import script_path_of
+from investigation.llm.types import PROVIDER_CALL_IN_FLIGHT, PROVIDER_RATE_LIMITED
 from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
@@ -201,6 +202,10 @@ def _script_hint(f: CaseFacts, replies: str | None) -> Step:
                 f"{_q(f.case_id)}")
 
 
+#: The provider failure that is the server asking the client to wait (HTTP 429).
+_PAUSE_REQUESTS = frozenset({PROVIDER_RATE_LIMITED})
+
+
 def _why(f: CaseFacts) -> str:
     if f.error_code:
         return f" ({f.error_code}: {f.error_message})" if f.error_message else \
@@ -262,9 +267,18 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
         return _blocked(f, mode, providers, report, replies)
     if f.state == CASE_INVESTIGATING:
         if f.last_outcome == RETRY_PENDING:
+            # Only a rate limit or an overload is the provider asking for a pause; a
+            # refused connection or a timeout is a failure the engine backs off from.
+            if f.error_code in _PAUSE_REQUESTS:
+                headline = "The provider asked for a pause"
+            elif f.error_code == PROVIDER_CALL_IN_FLIGHT:
+                headline = "Another worker's request for this model call is still out"
+            else:
+                headline = "The model call failed for now and is retried"
             return Guidance(
-                f"The provider asked for a pause{_why(f)}: the case continues by itself "
-                f"after {f.retry_not_before} (no worker waits meanwhile).",
+                headline
+                + f"{_why(f)}: the case continues by itself after {f.retry_not_before} "
+                "(no worker waits meanwhile).",
                 (Step("embedded: `run` waits in the command (or exits 4 with --no-wait); "
                       "run it again after that time",
                       f"investigate run {case} --providers "
@@ -324,7 +338,8 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
         return Guidance(
             f"Blocked: the provider refused the credentials{_why(f)}.",
             (Step("set the environment variable the providers file names in api_key_env "
-                  "(the key itself never goes into a file or the store)"),
+                  "(the key itself never goes into a file or the store); workers read it "
+                  "when they start, so restart them after setting it"),
              resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_AWAITING_TEST_FEEDBACK:
         first = f.awaiting_tests[0] if f.awaiting_tests else "T1"

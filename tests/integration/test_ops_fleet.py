@@ -314,6 +314,7 @@ def test_cluster_sh_refuses_a_second_start_and_waits_for_its_workers_on_stop(
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
     env.update({
+        "CLUSTER_ENV": str(tmp_path / "no-cluster.env"),  # not a checkout's own file
         "INVESTIGATE_RUN_DIR": str(run_dir),
         "INVESTIGATE_BIN": str(BIN),
         "INVESTIGATE_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:5432/{db}",
@@ -354,6 +355,25 @@ def test_cluster_sh_refuses_a_second_start_and_waits_for_its_workers_on_stop(
                 os.kill(int(pidfile.read_text()), 9)
         subprocess.run(["dropdb", "-h", "127.0.0.1", "-U", "postgres", "--if-exists",
                         "--force", db], check=False, capture_output=True)
+
+
+def test_cluster_sh_takes_the_callers_environment_over_its_env_file(tmp_path: Path) -> None:
+    """``deploy/cluster.sh`` reads ``cluster.env`` (or ``CLUSTER_ENV``) for what the
+    caller did not set: a variable in the environment keeps its value."""
+    env_file = tmp_path / "cluster.env"
+    env_file.write_text(f"INVESTIGATE_RUN_DIR={tmp_path / 'from-file'}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+    env["CLUSTER_ENV"] = str(env_file)
+    script = ["bash", str(REPO / "deploy" / "cluster.sh"), "status"]
+    from_file = subprocess.run(script, env=env, capture_output=True, text=True, timeout=30,
+                               check=False)
+    assert from_file.returncode == 0, from_file.stderr
+    assert f"no pid files in {tmp_path / 'from-file'}" in from_file.stdout
+    env["INVESTIGATE_RUN_DIR"] = str(tmp_path / "from-caller")
+    from_caller = subprocess.run(script, env=env, capture_output=True, text=True, timeout=30,
+                                 check=False)
+    assert from_caller.returncode == 0, from_caller.stderr
+    assert f"no pid files in {tmp_path / 'from-caller'}" in from_caller.stdout
 
 
 def test_flower_refuses_to_listen_beyond_loopback_without_a_login(tmp_path: Path) -> None:

@@ -67,6 +67,14 @@ def test_states_and_outcomes() -> None:
     pending = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
                             retry_not_before="2030-01-01T00:00:00+00:00"))
     assert "2030-01-01T00:00:00+00:00" in pending.headline and not pending.final
+    for code, says in (("PROVIDER_RATE_LIMITED", "The provider asked for a pause"),
+                       ("PROVIDER_UNREACHABLE", "The model call failed for now and is "
+                                                "retried (PROVIDER_UNREACHABLE"),
+                       ("PROVIDER_CALL_IN_FLIGHT", "Another worker's request")):
+        waiting = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
+                                error_code=code, retry_not_before="2030-01-01T00:00:00Z"))
+        assert waiting.headline.startswith(says), waiting.headline
+        assert "pause" not in waiting.headline or code == "PROVIDER_RATE_LIMITED"
     resumed = advise(_facts(state="INVESTIGATING", last_outcome="RESUMED",
                             last_reason="INVALID_LLM_RESPONSES"), "embedded", "p.toml")
     assert "resumed (it was INVALID_LLM_RESPONSES)" in resumed.headline
