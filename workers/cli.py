@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import sqlite3
 import sys
 from collections.abc import Callable
@@ -375,12 +376,17 @@ def case_add(
         err.print(f"note: {note}", highlight=False, markup=False)
     out.print(case_id)
     # What to do next goes to stderr: stdout stays the bare id for `$(investigate case add ...)`.
+    # The files are INVESTIGATE_PROVIDERS and its scripted reply file when set (as
+    # `status` shows them); the reply-file check only when a scripted provider is there.
     resume_first = f"  $ investigate resume {case_id}\n" if state == CASE_PAUSED else ""
-    err.print("next: check a scripted reply file against it, then "
+    providers = _providers_shown(settings)
+    replies = guidance.scripted_file(settings.providers) if providers else "replies.jsonl"
+    check = f"  $ investigate replies check {shlex.quote(replies)} {case_id}\n" if replies else ""
+    err.print("next: " + ("check a scripted reply file against it, then " if check else "")
               + ("resume it and " if resume_first else "")
-              + f"run it here, or send it to the workers\n"
-              f"  $ investigate replies check replies.jsonl {case_id}\n{resume_first}"
-              f"  $ investigate run {case_id} --providers providers.toml\n"
+              + f"run it here, or send it to the workers\n{check}{resume_first}"
+              f"  $ investigate run {case_id} --providers "
+              f"{shlex.quote(providers) if providers else 'providers.toml'}\n"
               f"  $ investigate dispatch {case_id}", highlight=False, markup=False)
 
 

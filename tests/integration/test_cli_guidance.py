@@ -194,6 +194,38 @@ def test_repeated_case_add_says_what_it_did(tmp_path: Path,
     assert f"also registered as {case_id}" in other.stderr
 
 
+def test_case_add_names_the_providers_file_in_use(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With INVESTIGATE_PROVIDERS set, ``case add``'s next steps name that file, and its
+    scripted reply file (no reply-file check when it has no scripted provider)."""
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    package = casekit.build_tiny_package(tmp_path)
+    (tmp_path / "i.json").write_text(json.dumps(casekit.INTERPRETATION))
+    (tmp_path / "h.json").write_text(json.dumps(casekit.HYPOTHESES))
+    http = tmp_path / "http.toml"
+    http.write_text('[[providers]]\nname = "web"\nkind = "openai"\n'
+                    'base_url = "http://127.0.0.1:9/v1"\nmodel = "m"\n')
+    scripted = tmp_path / "scripted.toml"
+    scripted.write_text('[[providers]]\nname = "s"\nkind = "scripted"\npath = "r.jsonl"\n')
+    args = ["case", "add", str(package), "--interpretation", str(tmp_path / "i.json"),
+            "--hypotheses", str(tmp_path / "h.json")]
+    monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(http))
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    case_id = first.stdout.strip()
+    assert first.stderr.splitlines()[-2:] == [
+        f"  $ investigate run {case_id} --providers {http}",
+        f"  $ investigate dispatch {case_id}"]
+    assert "replies check" not in first.stderr and "scripted reply" not in first.stderr
+    monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(scripted))
+    again = invoke(*args)
+    assert again.exit_code == 0, again.output
+    assert f"  $ investigate replies check r.jsonl {case_id}" in again.stderr.splitlines()
+    assert f"  $ investigate run {case_id} --providers {scripted}" in again.stderr
+
+
 def test_watch_follows_a_case_that_moves_until_it_completes(tiny_case: Case) -> None:
     from workers.progress import watch
 
