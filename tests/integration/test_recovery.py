@@ -518,9 +518,17 @@ def test_a_stage_that_keeps_killing_its_worker_is_parked_and_resumable(
     enabled = cluster.tmp / "crash-enabled"
     enabled.touch()
     with cluster.dump_on_failure():
+        # Each killed child's message must come back once, through the worker's
+        # reject-on-worker-lost, for the count to be the crashes'. With the cluster's 4 s
+        # visibility timeout a loaded machine (the child's stage slow to reach the crash
+        # point, the loss noticed late) also had the broker restore it: two copies at
+        # once, the second counting the first as a delivery that never returned, and the
+        # case parked after one crash. 20 s is far beyond that.
         worker = cluster.start_worker({"TEST_CRASH_POINT": "2:execute_tool:pre_effect",
                                        "TEST_CRASH_MODE": "child",
-                                       "TEST_CRASH_ENABLED": str(enabled)})
+                                       "TEST_CRASH_ENABLED": str(enabled),
+                                       "INVESTIGATE_VISIBILITY_TIMEOUT_S": "20",
+                                       "INVESTIGATE_MAX_COUNTDOWN_S": "19"})
         start_dispatch(case.case_id)
         info = cluster.wait_for(case, CASE_BLOCKED)
         assert info["blocked_reason"] == BLOCK_STAGE_POISONED
