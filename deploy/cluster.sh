@@ -20,9 +20,15 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 env_file="${CLUSTER_ENV:-$here/cluster.env}"
 if [ -f "$env_file" ]; then
-  caller="$(export -p)"   # the caller's environment wins over the file
+  # The caller's environment wins over the file: its exported values are put back after
+  # the file is read (by name; a read-only variable such as SHELLOPTS is left as it is).
+  caller=()
+  while IFS= read -r name; do
+    flags="$(declare -p "$name" 2>/dev/null)"; flags="${flags#declare -}"
+    [[ "${flags%% *}" == *r* ]] || caller+=("$name=${!name}")
+  done < <(compgen -e)
   set -a; . "$env_file"; set +a
-  eval "$caller"
+  for assignment in "${caller[@]}"; do export "$assignment"; done
 fi
 run="${INVESTIGATE_RUN_DIR:-$root/var/cluster}"
 bin="${INVESTIGATE_BIN:-$root/.venv/bin/investigate}"

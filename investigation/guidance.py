@@ -267,17 +267,19 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
         return _blocked(f, mode, providers, report, replies)
     if f.state == CASE_INVESTIGATING:
         if f.last_outcome == RETRY_PENDING:
-            # Only a rate limit or an overload is the provider asking for a pause; a
-            # refused connection or a timeout is a failure the engine backs off from.
-            if f.error_code in _PAUSE_REQUESTS:
-                headline = "The provider asked for a pause"
-            elif f.error_code == PROVIDER_CALL_IN_FLIGHT:
-                headline = "Another worker's request for this model call is still out"
+            # The case's last reason is the code of this wait. Only a rate limit is the
+            # provider asking for a pause; a refused connection or a timeout is a failure
+            # the engine backs off from; an attempt still out is another runner's.
+            if f.last_reason == PROVIDER_CALL_IN_FLIGHT:
+                headline = ("Another worker's request for this model call is still out "
+                            f"({PROVIDER_CALL_IN_FLIGHT})")
+            elif f.last_reason in _PAUSE_REQUESTS:
+                headline = f"The provider asked for a pause{_why(f)}"
             else:
-                headline = "The model call failed for now and is retried"
+                headline = f"The model call failed for now and is retried{_why(f)}"
             return Guidance(
                 headline
-                + f"{_why(f)}: the case continues by itself after {f.retry_not_before} "
+                + f": the case continues by itself after {f.retry_not_before} "
                 "(no worker waits meanwhile).",
                 (Step("embedded: `run` waits in the command (or exits 4 with --no-wait); "
                       "run it again after that time",

@@ -11,7 +11,8 @@ the request; the reply breaks the contract), ``refused`` (the server answered wi
 error: a dialect or schema it cannot take (``PROVIDER_SCHEMA_REFUSED``), a context too
 large, credentials, an address that is no chat-completions endpoint), ``unreachable`` (no
 HTTP answer: nothing listening, a timeout, a connection reset), ``not_sent`` (the request
-never left: the API key's environment variable is not set), ``skipped`` (a scripted
+never left: the API key's environment variable is not set, or holds whitespace inside the
+key), ``skipped`` (a scripted
 provider).
 """
 
@@ -143,9 +144,10 @@ class ProbeResult:
         return asdict(self)
 
 
-#: Provider errors where no HTTP answer came back: the address is the suspect.
-#: Failures raised before the request leaves this process (verdict ``not_sent``).
+#: Failures raised before the request leaves this process (verdict ``not_sent``): the
+#: API key's variable is unset or holds whitespace inside the key.
 _NOT_SENT = frozenset({PROVIDER_CREDENTIALS_MISSING})
+#: Provider errors where no HTTP answer came back: the address is the suspect.
 _NO_ANSWER = frozenset({"PROVIDER_UNREACHABLE", "PROVIDER_TIMEOUT", "PROVIDER_NETWORK_ERROR",
                         "PROVIDER_REQUEST_DROPPED"})
 

@@ -306,3 +306,30 @@ def test_case_add_paused_waits_for_resume(tmp_path: Path,
         '[[providers]]\nname = "replay"\nkind = "scripted"\npath = "replies.jsonl"\n')
     ran = invoke("run", case_id, "--providers", str(tmp_path / "providers.toml"))
     assert ran.exit_code == 0 and f"case {case_id}: COMPLETED" in ran.output, ran.output
+
+
+def test_a_wait_for_another_workers_request_is_named_from_the_cases_reason(
+        tiny_case: Case) -> None:
+    """A step waiting because another runner's model request is still out: the case's
+    last reason says so (the gateway stores no error for it), so the guidance neither
+    calls it a failure nor quotes an older operation's rate limit."""
+    from datetime import UTC, datetime, timedelta
+
+    from investigation import guidance
+    from investigation.store.models import CaseRecord, LLMOperation
+
+    with tiny_case.store.session() as s:
+        s.add(LLMOperation(case_id=tiny_case.case_id, revision=1, step_seq=1, retry_id="",
+                           call_index=0, hypothesis_id=1, status="failed",
+                           attempts_made=1, next_provider_index=0, round_index=0,
+                           error_code="PROVIDER_RATE_LIMITED", error_message="429 earlier"))
+        case = s.get(CaseRecord, tiny_case.case_id)
+        assert case is not None
+        case.last_outcome, case.last_reason = "RETRY_PENDING", "PROVIDER_CALL_IN_FLIGHT"
+        case.retry_not_before = datetime.now(UTC) + timedelta(minutes=1)
+        s.add(case)
+        s.commit()
+    headline = guidance.for_case(tiny_case.store, tiny_case.case_id).headline
+    assert headline.startswith("Another worker's request for this model call is still "
+                               "out (PROVIDER_CALL_IN_FLIGHT)"), headline
+    assert "pause" not in headline and "429" not in headline

@@ -374,6 +374,12 @@ def test_cluster_sh_takes_the_callers_environment_over_its_env_file(tmp_path: Pa
                                  check=False)
     assert from_caller.returncode == 0, from_caller.stderr
     assert f"no pid files in {tmp_path / 'from-caller'}" in from_caller.stdout
+    # A caller that exports bash's read-only option variables (to pass `set -e` on).
+    env["SHELLOPTS"] = "braceexpand:errexit:hashall:interactive-comments"
+    readonly = subprocess.run(script, env=env, capture_output=True, text=True, timeout=30,
+                              check=False)
+    assert readonly.returncode == 0, readonly.stderr
+    assert f"no pid files in {tmp_path / 'from-caller'}" in readonly.stdout
 
 
 def test_flower_refuses_to_listen_beyond_loopback_without_a_login(tmp_path: Path) -> None:

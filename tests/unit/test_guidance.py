@@ -72,7 +72,8 @@ def test_states_and_outcomes() -> None:
                                                 "retried (PROVIDER_UNREACHABLE"),
                        ("PROVIDER_CALL_IN_FLIGHT", "Another worker's request")):
         waiting = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
-                                error_code=code, retry_not_before="2030-01-01T00:00:00Z"))
+                                last_reason=code, error_code=code,
+                                retry_not_before="2030-01-01T00:00:00Z"))
         assert waiting.headline.startswith(says), waiting.headline
         assert "pause" not in waiting.headline or code == "PROVIDER_RATE_LIMITED"
     resumed = advise(_facts(state="INVESTIGATING", last_outcome="RESUMED",

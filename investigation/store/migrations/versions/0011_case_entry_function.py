@@ -11,12 +11,14 @@ Schema (PostgreSQL only; SQLite reads both in one joined query and gets nothing)
   entry columns). One row per marker (``stage`` and ``output_json``), each with the case
   row's columns; one row with NULL marker columns when the step has none; no row when
   the case does not exist. A migration that changes the ``case`` table's columns
-  replaces this function too (``tests/integration/test_pg_entry_function.py`` compares
-  its columns with the model's).
+  replaces this function too (``tests/integration/test_postgres_store.py`` compares
+  its columns with the table's and the model's).
 
 Data: none.
 
-Downgrade drops the function (the engine then reads the two statements again).
+Downgrade drops the function: workers of the previous version never call it; workers
+of this version need it (at ``0010_entry_function`` they stop with ``STORE_NOT_MIGRATED``,
+or fail a case stage's entry when the migration check is bypassed).
 
 Revision ID: 0011_case_entry_function
 Revises: 0010_entry_function
