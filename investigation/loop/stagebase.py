@@ -27,12 +27,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
-from sqlalchemy import String, bindparam, insert
+from sqlalchemy import Integer, String, bindparam, func, insert
 from sqlalchemy import column as sa_column
 from sqlalchemy import select as sa_select
-from sqlalchemy import text as sa_text
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session
 
@@ -47,7 +46,9 @@ from investigation.loop.env import StageEnv
 from investigation.loop.outcome import Outcome, StageResult, StepKey
 from investigation.store import direct
 from investigation.store.engine import (
-    ASYNC_COMMIT_SQL,
+    ASYNC_COMMIT,
+    CASE_COLUMNS,
+    CASE_LOADED,
     Store,
     core,
     deferred,
@@ -83,42 +84,51 @@ _CASE = table_of(CaseRecord).c
 # and, in the same query, every recorded stage output of the step (one row per marker;
 # one row of NULLs when there is none): what a stage's entry reads on SQLite
 # (``StageFramework._lock_case_and_markers``).
-_CASE_AND_MARKERS = sa_select(
-    _CASE.head_seq, _CASE.current_revision, _CASE.state, _CASE.llm_retry_id, _RUN.stage,
-    _RUN.output_json).select_from(table_of(CaseRecord).outerjoin(
-        table_of(StageRun), (_RUN.case_id == _CASE.id)
-        & (_RUN.revision == bindparam("revision"))
-        & (_RUN.step_seq == bindparam("step_seq")))).where(_CASE.id == bindparam("case_id"))
-#: The same rows on PostgreSQL, the markers read after the case row is locked (one round
-#: trip: the two statements run in a PL/pgSQL function, migration ``0010_entry_function``).
-_ENTRY_FUNCTION = sa_text("SELECT head_seq, current_revision, state, llm_retry_id, stage, "
-                          "output_json FROM investigation_case_and_markers("
-                          ":case_id, :revision, :step_seq)")
-#: The same, in a transaction that commits without waiting for the disk (decision 126):
-#: ``set_config`` runs in the same statement, after the function has taken the lock.
-_ENTRY_FUNCTION_ASYNC = sa_text(
-    "SELECT head_seq, current_revision, state, llm_retry_id, stage, output_json, "
-    f"{ASYNC_COMMIT_SQL} FROM investigation_case_and_markers(:case_id, :revision, :step_seq)")
-# A stage whose body changes the case row (``CASE_STAGES``) locks it and reads the whole
-# row with the step's markers in one round trip (decision 141): on SQLite the joined
-# query (the case row's columns first, as ``direct.loaded`` takes them); on PostgreSQL
-# the function of migration ``0011_case_entry_function``, which reads the row and the
-# markers after the lock is granted, as ``investigation_case_and_markers`` does.
-_CASE_LOADED, _CASE_COLUMNS = direct.loaded_rows(CaseRecord)
 _CASE_JOIN_MARKERS = table_of(CaseRecord).outerjoin(
     table_of(StageRun), (_RUN.case_id == _CASE.id)
     & (_RUN.revision == bindparam("revision")) & (_RUN.step_seq == bindparam("step_seq")))
-_CASE_ROW_AND_MARKERS = sa_select(*_CASE_COLUMNS, _RUN.stage, _RUN.output_json).select_from(
+_CASE_AND_MARKERS = sa_select(
+    _CASE.head_seq, _CASE.current_revision, _CASE.state, _CASE.llm_retry_id, _RUN.stage,
+    _RUN.output_json).select_from(_CASE_JOIN_MARKERS).where(_CASE.id == bindparam("case_id"))
+# A stage whose body changes the case row (``CASE_STAGES``) locks it and reads the whole
+# row with the step's markers in one round trip (decision 141): on SQLite the joined
+# query (the case row's columns first, as ``direct.loaded`` takes them).
+_CASE_ROW_AND_MARKERS = sa_select(*CASE_COLUMNS, _RUN.stage, _RUN.output_json).select_from(
     _CASE_JOIN_MARKERS).where(_CASE.id == bindparam("case_id"))
-_ROW_ENTRY_SQL = (f"SELECT {', '.join(c.name for c in _CASE_COLUMNS)}, stage, output_json"
-                  "{extra} FROM investigation_case_row_and_markers(:case_id, :revision, "
-                  ":step_seq)")
-_ROW_ENTRY_FUNCTION = sa_text(_ROW_ENTRY_SQL.format(extra="")).columns(
-    *_CASE_COLUMNS, _RUN.stage, _RUN.output_json)
-#: The same, in a transaction that commits without waiting for the disk (decision 126).
-_ROW_ENTRY_FUNCTION_ASYNC = sa_text(_ROW_ENTRY_SQL.format(
-    extra=f", {ASYNC_COMMIT_SQL} AS async_commit")).columns(
-    *_CASE_COLUMNS, _RUN.stage, _RUN.output_json, sa_column("async_commit", String()))
+
+
+class _Entry(NamedTuple):
+    """The statement of a stage's entry on each database: PostgreSQL's in a transaction
+    that waits for the disk, in one that does not (decision 126: ``set_config`` in the
+    same statement, after the function has taken the lock), and SQLite's."""
+
+    postgres: Any
+    postgres_async: Any
+    sqlite: Any
+
+
+def _entry_function(name: str, columns: Any, sqlite: Any) -> _Entry:
+    """The entry that calls the PL/pgSQL function ``name`` on PostgreSQL (it locks the case
+    row, then reads the step's markers in a statement of its own, so after the lock was
+    granted) and returns ``columns`` (the same names and types as the SQLite statement's).
+    A SELECT of a table-valued function, so that it runs on the driver's cursor from its
+    second execution (decision 134) with the columns' result types."""
+    called = getattr(func, name)(
+        bindparam("case_id", type_=String()), bindparam("revision", type_=Integer()),
+        bindparam("step_seq", type_=Integer())).table_valued(
+        *(sa_column(c.name, c.type) for c in columns))
+    selected = [called.c[c.name] for c in columns]
+    return _Entry(sa_select(*selected), sa_select(*selected, ASYNC_COMMIT), sqlite)
+
+
+#: The columns the entry checks and the markers: on PostgreSQL the function of migration
+#: ``0010_entry_function`` (decision 125).
+_CHECK_ENTRY = _entry_function("investigation_case_and_markers",
+                               _CASE_AND_MARKERS.selected_columns, _CASE_AND_MARKERS)
+#: The whole case row and the markers: on PostgreSQL the function of migration
+#: ``0011_case_entry_function`` (decision 141).
+_ROW_ENTRY = _entry_function("investigation_case_row_and_markers",
+                             _CASE_ROW_AND_MARKERS.selected_columns, _CASE_ROW_AND_MARKERS)
 #: ``Session.info`` key: this transaction commits asynchronously on PostgreSQL.
 _ASYNC = "investigation_async_commit"
 # A revision's budget accounts, read on the driver's cursor and taken into the session as
@@ -467,7 +477,8 @@ class StageFramework:
 
     # -- inside a stage ----------------------------------------------------------------
 
-    def _lock_case_and_markers(self, s: Session,
+    @staticmethod
+    def _lock_case_and_markers(s: Session,
                                key: StepKey) -> tuple[_CaseCheck, list[tuple[str, str]]]:
         """Lock the case row and read the columns the entry checks (no ORM object) and
         the step's recorded stage outputs (as stored, not yet taken in), in one round trip:
@@ -477,18 +488,26 @@ class StageFramework:
         reads the markers in a second statement after the row lock is granted (a
         statement's snapshot is taken when it starts, so markers read by the locking
         statement itself could predate a runner that held the lock while it waited)."""
-        conn = core(s)
-        entry: Any
-        if conn.dialect.name == "postgresql":
-            entry = _ENTRY_FUNCTION_ASYNC if s.info.get(_ASYNC) else _ENTRY_FUNCTION
-        else:
-            entry = _CASE_AND_MARKERS
-        rows = conn.execute(entry, key.to_dict()).all()
-        if not rows:
-            raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
+        rows = StageFramework._entry_rows(s, key, _CHECK_ENTRY)
         first = rows[0]
         return (_CaseCheck(int(first[0]), int(first[1]), str(first[2]), str(first[3])),
                 [(str(r[4]), r[5]) for r in rows if r[4] is not None])
+
+    @staticmethod
+    def _entry_rows(s: Session, key: StepKey, entry: _Entry) -> list[Any]:
+        """The rows of ``entry`` for the step, the statement chosen by database and by
+        whether this transaction commits asynchronously.
+
+        Raises:
+            InvestigationError: ``CASE_NOT_FOUND`` (no row).
+        """
+        conn = core(s)
+        statement = entry.sqlite if conn.dialect.name != "postgresql" else \
+            entry.postgres_async if s.info.get(_ASYNC) else entry.postgres
+        rows = list(conn.execute(statement, key.to_dict()).all())
+        if not rows:
+            raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
+        return rows
 
     @staticmethod
     def _lock_case_row_and_markers(s: Session, key: StepKey
@@ -502,17 +521,9 @@ class StageFramework:
         Raises:
             InvestigationError: ``CASE_NOT_FOUND``.
         """
-        conn = core(s)
-        entry: Any
-        if conn.dialect.name == "postgresql":
-            entry = _ROW_ENTRY_FUNCTION_ASYNC if s.info.get(_ASYNC) else _ROW_ENTRY_FUNCTION
-        else:
-            entry = _CASE_ROW_AND_MARKERS
-        rows = conn.execute(entry, key.to_dict()).all()
-        if not rows:
-            raise InvestigationError("CASE_NOT_FOUND", f"no case {key.case_id}")
-        stage_at = len(_CASE_COLUMNS)
-        case = cast(CaseRecord, direct.loaded(s, _CASE_LOADED, rows[:1], refresh=True)[0])
+        rows = StageFramework._entry_rows(s, key, _ROW_ENTRY)
+        stage_at = len(CASE_COLUMNS)
+        case = cast(CaseRecord, direct.loaded(s, CASE_LOADED, rows[:1], refresh=True)[0])
         return case, [(str(r[stage_at]), r[stage_at + 1]) for r in rows
                       if r[stage_at] is not None]
 

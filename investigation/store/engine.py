@@ -19,7 +19,6 @@ from typing import Any, NamedTuple, cast
 
 from sqlalchemy import String, Table, bindparam, event, exists, func
 from sqlalchemy import select as sa_select
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
@@ -84,20 +83,17 @@ _ARTIFACT_INSERTS = {
         index_elements=["case_id", "path"]).returning(_ART.id, *blobs.LINEAGE_HEAD_RETURNING),
     "sqlite": sqlite_insert(table_of(Artifact)).on_conflict_do_nothing(
         index_elements=["case_id", "path"]).returning(_ART.id)}
-# The case row's columns, as ``Session.get(CaseRecord, id, populate_existing=True)`` reads
-# them, built once and run on the driver's cursor (decision 139).
-_CASE_LOADED, _CASE_COLUMNS = direct.loaded_rows(CaseRecord)
-_CASE_ROW = sa_select(*_CASE_COLUMNS).where(table_of(CaseRecord).c.id == bindparam("id"))
+#: The case row's columns, as ``Session.get(CaseRecord, id, populate_existing=True)`` reads
+#: them, and how ``direct.loaded`` makes them its ORM object (decision 139); a statement
+#: that selects them first may select more after them (``loop.stagebase``'s entries).
+CASE_LOADED, CASE_COLUMNS = direct.loaded_rows(CaseRecord)
+_CASE_ROW = sa_select(*CASE_COLUMNS).where(table_of(CaseRecord).c.id == bindparam("id"))
 _CASE_ROW_FOR_UPDATE = _CASE_ROW.with_for_update()
 #: PostgreSQL: this transaction's commit does not wait for its WAL to reach the disk
 #: (``SET LOCAL synchronous_commit = off`` as an expression, so that it rides on a
 #: statement the transaction runs anyway; decision 126).
 ASYNC_COMMIT = func.set_config("synchronous_commit", "off", True)
-#: The same expression as SQL text, for statements written as text.
-ASYNC_COMMIT_SQL = str(ASYNC_COMMIT.compile(
-    dialect=postgresql.dialect(),  # type: ignore[no-untyped-call]
-    compile_kwargs={"literal_binds": True}))
-_CASE_ROW_FOR_UPDATE_ASYNC = sa_select(*_CASE_COLUMNS, ASYNC_COMMIT).where(
+_CASE_ROW_FOR_UPDATE_ASYNC = sa_select(*CASE_COLUMNS, ASYNC_COMMIT).where(
     table_of(CaseRecord).c.id == bindparam("id")).with_for_update(of=table_of(CaseRecord))
 _REVISION_ROW = select(RevisionRecord).where(
     col(RevisionRecord.case_id) == bindparam("case_id"),
@@ -800,7 +796,7 @@ class Store:
             stmt = _CASE_ROW
         else:
             stmt = _CASE_ROW_FOR_UPDATE_ASYNC if async_commit else _CASE_ROW_FOR_UPDATE
-        rows = direct.loaded(session, _CASE_LOADED, core(session).execute(stmt, {"id": case_id}),
+        rows = direct.loaded(session, CASE_LOADED, core(session).execute(stmt, {"id": case_id}),
                              refresh=True)
         return cast(CaseRecord, rows[0]) if rows else None
 

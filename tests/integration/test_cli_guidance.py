@@ -161,17 +161,23 @@ def test_live_progress_on_a_terminal_and_plain_lines_elsewhere(cli: Case) -> Non
                      "step   5 H2: COMPLETED"]
 
 
-def test_repeated_case_add_says_what_it_did(tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def _case_add_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``case add`` of the tiny package, interpretation and hypotheses (written under
+    ``tmp_path``) into a store of its own."""
     monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
     package = casekit.build_tiny_package(tmp_path)
     (tmp_path / "i.json").write_text(json.dumps(casekit.INTERPRETATION))
-    (tmp_path / "i2.json").write_text(json.dumps({"summary": "another reading"}))
     (tmp_path / "h.json").write_text(json.dumps(casekit.HYPOTHESES))
-    (tmp_path / "limits.toml").write_text("[package]\nmax_entries = 500\n")
-    args = ["case", "add", str(package), "--interpretation", str(tmp_path / "i.json"),
+    return ["case", "add", str(package), "--interpretation", str(tmp_path / "i.json"),
             "--hypotheses", str(tmp_path / "h.json")]
+
+
+def test_repeated_case_add_says_what_it_did(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    args = _case_add_args(tmp_path, monkeypatch)
+    (tmp_path / "i2.json").write_text(json.dumps({"summary": "another reading"}))
+    (tmp_path / "limits.toml").write_text("[package]\nmax_entries = 500\n")
     first = invoke(*args)
     assert first.exit_code == 0, first.output
     case_id = first.stdout.strip()
@@ -188,8 +194,7 @@ def test_repeated_case_add_says_what_it_did(tmp_path: Path,
     old = invoke(*args, "--config", str(tmp_path / "limits.toml"), "--json")
     assert old.exit_code == 0 and "deprecated" in old.stderr
     assert json.loads(old.stdout)["limit_changes"] == ["max_entries: 20000 -> 500"]
-    other = invoke("case", "add", str(package), "--interpretation", str(tmp_path / "i2.json"),
-                   "--hypotheses", str(tmp_path / "h.json"))
+    other = invoke(*args[:4], str(tmp_path / "i2.json"), *args[5:])
     assert other.exit_code == 0 and other.stdout.strip() != case_id
     assert f"also registered as {case_id}" in other.stderr
 
@@ -198,19 +203,13 @@ def test_case_add_names_the_providers_file_in_use(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """With INVESTIGATE_PROVIDERS set, ``case add``'s next steps name that file, and its
     scripted reply file (no reply-file check when it has no scripted provider)."""
-    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
+    args = _case_add_args(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
-    package = casekit.build_tiny_package(tmp_path)
-    (tmp_path / "i.json").write_text(json.dumps(casekit.INTERPRETATION))
-    (tmp_path / "h.json").write_text(json.dumps(casekit.HYPOTHESES))
     http = tmp_path / "http.toml"
     http.write_text('[[providers]]\nname = "web"\nkind = "openai"\n'
                     'base_url = "http://127.0.0.1:9/v1"\nmodel = "m"\n')
     scripted = tmp_path / "scripted.toml"
     scripted.write_text('[[providers]]\nname = "s"\nkind = "scripted"\npath = "r.jsonl"\n')
-    args = ["case", "add", str(package), "--interpretation", str(tmp_path / "i.json"),
-            "--hypotheses", str(tmp_path / "h.json")]
     monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(http))
     first = invoke(*args)
     assert first.exit_code == 0, first.output

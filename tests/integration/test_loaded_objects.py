@@ -95,14 +95,19 @@ def test_a_case_stage_entry_loads_the_row_and_the_steps_markers_in_one_statement
         case: Any) -> None:
     """Decision 141: ``build_context`` and ``publish`` lock and load the whole case row
     with the step's markers by one statement (SQLite's joined query, PostgreSQL's
-    function of migration 0011), with the values an ORM query loads."""
+    function of migration 0011), with the values an ORM query loads; it and the other
+    stages' entry (the checked columns) run on the driver's cursor from their second
+    execution."""
     key = StepKey(case.case_id, 1, 1)
     with Session(case.store.engine) as s:
         reference = _values(s.get(CaseRecord, case.case_id))
     statements: list[str] = []
+    on_driver: list[bool] = []
 
-    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+    def seen(_conn: Any, _cursor: Any, statement: str, _params: Any, context: Any,
+             *_: Any) -> None:
         statements.append(statement)
+        on_driver.append(context is None)  # run on the driver's cursor (decision 134)
 
     event.listen(case.store.engine, "before_cursor_execute", seen)
     try:
@@ -111,6 +116,10 @@ def test_a_case_stage_entry_loads_the_row_and_the_steps_markers_in_one_statement
                 before = len(statements)
                 row, markers = StageFramework._lock_case_row_and_markers(s, key)
                 assert len(statements) - before == 1
+                assert on_driver[-1] == bool(marked)  # from its second execution on
+                checked, same = StageFramework._lock_case_and_markers(s, key)
+                assert same == markers and checked.head_seq == row.head_seq
+                assert len(statements) - before == 2 and on_driver[-1] == bool(marked)
                 assert _values(row) == reference and inspect(row).persistent
                 assert sorted(name for name, _ in markers) == marked
                 assert all(text == '{"finalize": false}' for _, text in markers)
