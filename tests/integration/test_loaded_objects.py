@@ -116,10 +116,12 @@ def test_a_case_stage_entry_loads_the_row_and_the_steps_markers_in_one_statement
                 before = len(statements)
                 row, markers = StageFramework._lock_case_row_and_markers(s, key)
                 assert len(statements) - before == 1
-                assert on_driver[-1] == bool(marked)  # from its second execution on
+                # From its second execution in the process on (an earlier test may have
+                # run it already), on the driver's cursor.
+                assert on_driver[-1] or not marked
                 checked, same = StageFramework._lock_case_and_markers(s, key)
                 assert same == markers and checked.head_seq == row.head_seq
-                assert len(statements) - before == 2 and on_driver[-1] == bool(marked)
+                assert len(statements) - before == 2 and (on_driver[-1] or not marked)
                 assert _values(row) == reference and inspect(row).persistent
                 assert sorted(name for name, _ in markers) == marked
                 assert all(text == '{"finalize": false}' for _, text in markers)
