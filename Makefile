@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test install install-test services lint typecheck bench bench-env bench-report clean test-models test-dist
+.PHONY: demo test install install-test services chromium lint typecheck bench bench-env bench-report clean test-models test-dist
 
 # The real-model target (`make test-models`): its own venv with llama-cpp-python built
 # from PyPI for the CPU (a native build can die on an illegal instruction on some of
@@ -39,7 +39,11 @@ demo: install
 services:
 	bash scripts/ensure-services.sh
 
-test: install-test services
+# Debian's Chromium for the report's browser test (installed when missing, as root).
+chromium:
+	bash scripts/ensure-chromium.sh
+
+test: install-test services chromium
 	$(PY) -m pytest -q
 
 # The distributed path on a runtime-only install: a fresh venv with `pip install .` (no
@@ -93,7 +97,7 @@ bench: install-test services bench-env
 	$(PY) bench/search.py
 	uptime
 
-bench-report: install-test services
+bench-report: install-test services chromium
 	$(PY) bench/report_render.py
 
 clean:

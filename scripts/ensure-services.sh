@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Start the services the test-suite needs (Redis, PostgreSQL) when they are not running.
-# The commands are this machine kind's own (see docs/operations.md).
+# Start Redis and PostgreSQL when they are not running (the test-suite, `deploy/cluster.sh`).
+# The commands are this machine kind's own (see docs/operations.md). It installs nothing;
+# the browser the report test needs is `scripts/ensure-chromium.sh`'s (`make test` runs both).
 set -u
 if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   echo "starting redis-server"
@@ -11,16 +12,6 @@ fi
 if ! pg_isready -h 127.0.0.1 -p 5432 >/dev/null 2>&1; then
   echo "starting postgresql"
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
-fi
-# Headless Chromium for the HTML report test (Debian's package; never a downloaded build).
-if [ ! -x /usr/bin/chromium ]; then
-  echo "installing chromium (Debian package)"
-  if [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
-      >/tmp/ensure-chromium.log 2>&1 || echo "warning: chromium did not install; see /tmp/ensure-chromium.log" >&2
-  else
-    echo "warning: /usr/bin/chromium is missing; run as root: apt-get install chromium" >&2
-  fi
 fi
 for _ in $(seq 1 30); do
   redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && pg_isready -h 127.0.0.1 -p 5432 >/dev/null 2>&1 && exit 0

@@ -37,13 +37,13 @@ def need_service(name: str, host: str, port: int) -> None:
     pytest.skip(message)
 
 
-#: Debian's Chromium (``apt-get install chromium``; scripts/ensure-services.sh installs it).
+#: Debian's Chromium (``apt-get install chromium``; scripts/ensure-chromium.sh installs it).
 CHROMIUM = os.environ.get("TEST_CHROMIUM", "/usr/bin/chromium")
 
 
 def need_browser() -> str:
     """The Chromium executable and Playwright's client: skip locally, fail in CI when
-    either is missing (CI must have them: scripts/ensure-services.sh, the test extras)."""
+    either is missing (CI must have them: scripts/ensure-chromium.sh, the test extras)."""
     problem = None
     if not Path(CHROMIUM).is_file():
         problem = f"Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
@@ -55,7 +55,7 @@ def need_browser() -> str:
     if problem is None:
         return CHROMIUM
     if IN_CI:
-        pytest.fail(problem + " (CI must provide it: scripts/ensure-services.sh)")
+        pytest.fail(problem + " (CI must provide it: scripts/ensure-chromium.sh, run by make test)")
     pytest.skip(problem)
 
 

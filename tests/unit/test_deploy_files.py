@@ -165,3 +165,43 @@ def test_the_alert_rules_name_only_metrics_the_engine_exports() -> None:
     alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
     assert {"InvestigationCasesBlocked", "InvestigationDispatchStuck",
             "InvestigationProviderFailing"} <= alerts
+
+
+def _stub_bin(tmp_path: Path) -> tuple[Path, Path]:
+    """A directory of stand-ins for the package managers (each records its call) and
+    for ``id`` (root), put first on PATH; returns it and the record file."""
+    calls = tmp_path / "calls.txt"
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("apt-get", "apt", "dpkg"):
+        (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\nexit 1\n')
+        (stubs / name).chmod(0o755)
+    (stubs / "id").write_text("#!/bin/sh\necho 0\n")
+    (stubs / "id").chmod(0o755)
+    return stubs, calls
+
+
+def test_the_services_script_a_fleet_starts_with_installs_nothing(tmp_path: Path) -> None:
+    """``deploy/cluster.sh start`` runs ``scripts/ensure-services.sh``: it may start Redis
+    and PostgreSQL, never install a package (a new user's trial saw it run apt-get for
+    the report test's Chromium). The browser is ``ensure-chromium.sh``'s, which does call
+    the package manager when the browser is missing (so the stand-ins are seen)."""
+    import os
+    import subprocess
+
+    stubs, calls = _stub_bin(tmp_path)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}",
+           "CHROMIUM_PATH": str(tmp_path / "no-chromium")}
+    scripts = DEPLOY.parent / "scripts"
+    services = subprocess.run(["bash", str(scripts / "ensure-services.sh")], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+    assert services.returncode == 0, services.stderr
+    assert not calls.exists(), calls.read_text()
+    assert "ensure-services.sh" in (DEPLOY / "cluster.sh").read_text()
+    assert "ensure-chromium" not in (DEPLOY / "cluster.sh").read_text()
+
+    browser = subprocess.run(["bash", str(scripts / "ensure-chromium.sh")], env=env,
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert browser.returncode == 0
+    assert calls.read_text().startswith("apt-get update"), calls.read_text()
+    assert "chromium did not install" in browser.stderr
