@@ -377,18 +377,45 @@ def case_add(
         err.print(f"note: {note}", highlight=False, markup=False)
     out.print(case_id)
     # What to do next goes to stderr: stdout stays the bare id for `$(investigate case add ...)`.
-    # The files are INVESTIGATE_PROVIDERS and its scripted reply file when set (as
-    # `status` shows them); the reply-file check only when a scripted provider is there.
+    _case_add_next(settings, store, case_id, state)
+
+
+def _broker_configured(settings: Settings) -> bool:
+    """Whether INVESTIGATE_BROKER_URL was given (in the environment or ``.env``), rather
+    than the default broker every unconfigured command would use."""
+    return "broker_url" in settings.model_fields_set
+
+
+def _case_add_next(settings: Settings, store: Store, case_id: str, state: str) -> None:
+    """``case add``'s next steps, on stderr.
+
+    A case that can run: check its scripted reply file (when INVESTIGATE_PROVIDERS names a
+    scripted provider), resume it if added paused, run it here with INVESTIGATE_PROVIDERS
+    (a placeholder when unset); ``dispatch`` only when a broker is configured (without one
+    it would go to the default broker, where no fleet's worker may listen). A case that
+    cannot run (added again after it completed, blocked or stopped): what ``status`` says.
+    """
+    if state not in (CASE_INVESTIGATING, CASE_PAUSED):
+        print_guidance(err, guidance.for_case(
+            store, case_id, providers=_providers_shown(settings),
+            replies=guidance.scripted_file(settings.providers)))
+        return
     resume_first = f"  $ investigate resume {case_id}\n" if state == CASE_PAUSED else ""
     providers = _providers_shown(settings)
     replies = guidance.scripted_file(settings.providers) if providers else "replies.jsonl"
     check = f"  $ investigate replies check {shlex.quote(replies)} {case_id}\n" if replies else ""
+    fleet = _broker_configured(settings)
     err.print("next: " + ("check a scripted reply file against it, then " if check else "")
               + ("resume it and " if resume_first else "")
-              + f"run it here, or send it to the workers\n{check}{resume_first}"
+              + "run it here" + (", or send it to the workers" if fleet else "")
+              + f"\n{check}{resume_first}"
               f"  $ investigate run {case_id} --providers "
-              f"{shlex.quote(providers) if providers else 'providers.toml'}\n"
-              f"  $ investigate dispatch {case_id}", highlight=False, markup=False)
+              f"{shlex.quote(providers) if providers else 'providers.toml'}"
+              + (f"\n  $ investigate dispatch {case_id}" if fleet else
+                 "\n(a fleet's workers take it from `investigate dispatch` with the fleet's "
+                 "INVESTIGATE_BROKER_URL and INVESTIGATE_DATABASE_URL set; "
+                 "docs/operations.md)"),
+              highlight=False, markup=False)
 
 
 # -- investigate ---------------------------------------------------------------------------
@@ -433,6 +460,12 @@ def dispatch_cmd(
         return
     out.print(f"dispatched {case_id} (lock token {token[:8]}...)", highlight=False)
     out.print(f"watch it: investigate status {case_id} --watch", highlight=False)
+    if not _broker_configured(settings):
+        err.print(f"note: INVESTIGATE_BROKER_URL is not set, so this went to the default "
+                  f"broker {settings.broker_url} (queue {settings.queue}); only a "
+                  "worker started with the same broker, queue and store runs it "
+                  "(`investigate health` lists the workers that answer)",
+                  highlight=False, markup=False)
 
 
 @app.command("recover", epilog=example("investigate recover", "investigate recover --json"))

@@ -12,17 +12,21 @@ from __future__ import annotations
 import io
 import json
 import shlex
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
 from tests import casekit
 from tests.casekit import Case, make_case, q
+from investigation.store import Store
 from workers.cli import app
+from workers.settings import Settings
 
 BAD = json.dumps(q("source.search", {"pattern": "x"}, evidence=["E9"]))
 HAPPY = [json.dumps(r) for r in casekit.HAPPY_REPLIES]
@@ -183,10 +187,12 @@ def test_repeated_case_add_says_what_it_did(tmp_path: Path,
     case_id = first.stdout.strip()
     # stdout is the bare id (for `$(investigate case add ...)`); what to do next is on stderr.
     assert first.stdout == case_id + "\n"
-    assert first.stderr.splitlines()[1:] == [
+    # No broker configured: no `dispatch` (it would go to the default broker), a pointer.
+    assert first.stderr.splitlines()[1:3] == [
         f"  $ investigate replies check replies.jsonl {case_id}",
-        f"  $ investigate run {case_id} --providers providers.toml",
-        f"  $ investigate dispatch {case_id}"]
+        f"  $ investigate run {case_id} --providers providers.toml"]
+    assert not any(ln.startswith("  $ investigate dispatch") for ln in first.stderr.splitlines())
+    assert "INVESTIGATE_BROKER_URL" in first.stderr.splitlines()[-1]
     again = invoke(*args, "--package-limits", str(tmp_path / "limits.toml"))
     assert again.exit_code == 0 and again.stdout.strip() == case_id
     assert "already registered" in again.stderr and "nothing changed" in again.stderr
@@ -211,6 +217,7 @@ def test_case_add_names_the_providers_file_in_use(tmp_path: Path,
     scripted = tmp_path / "scripted.toml"
     scripted.write_text('[[providers]]\nname = "s"\nkind = "scripted"\npath = "r.jsonl"\n')
     monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(http))
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/9")  # a fleet's
     first = invoke(*args)
     assert first.exit_code == 0, first.output
     case_id = first.stdout.strip()
@@ -223,6 +230,66 @@ def test_case_add_names_the_providers_file_in_use(tmp_path: Path,
     assert again.exit_code == 0, again.output
     assert f"  $ investigate replies check r.jsonl {case_id}" in again.stderr.splitlines()
     assert f"  $ investigate run {case_id} --providers {scripted}" in again.stderr
+
+
+def test_case_add_of_a_completed_case_says_it_is_complete(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Adding again a case that already ran to its end prints what ``status`` says (the
+    summary and report), not how to run it (a new user's trial saw run and dispatch)."""
+    args = _case_add_args(tmp_path, monkeypatch)
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/9")
+    first = invoke(*args)
+    case_id = first.stdout.strip()
+    store = Store(f"sqlite:///{tmp_path / 'home' / 'investigation.db'}")
+    replies = tmp_path / "replies.jsonl"
+    replies.write_text("\n".join(json.dumps(r) for r in casekit.HAPPY_REPLIES) + "\n")
+    (tmp_path / "p.toml").write_text(f'[[providers]]\nname = "s"\nkind = "scripted"\n'
+                                     f'path = "{replies}"\n')
+    ran = invoke("run", case_id, "--providers", str(tmp_path / "p.toml"))
+    assert ran.exit_code == 0, ran.output
+    again = invoke(*args)
+    assert again.exit_code == 0 and again.stdout.strip() == case_id
+    assert "already registered" in again.stderr
+    assert "next: The investigation is complete" in again.stderr, again.stderr
+    assert f"investigate summary {case_id}" in again.stderr
+    assert "investigate run" not in again.stderr and "dispatch" not in again.stderr
+    store.dispose()
+
+
+def test_dispatch_without_a_broker_setting_says_where_it_went(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
+    """``dispatch`` with INVESTIGATE_BROKER_URL unset enqueues on the default broker (as
+    Celery would) and says so on stderr; with it set, no note."""
+    args = _case_add_args(tmp_path, monkeypatch)
+    monkeypatch.delenv("INVESTIGATE_BROKER_URL", raising=False)
+    monkeypatch.delenv("INVESTIGATE_REDIS_URL", raising=False)
+    queue = "note-" + uuid.uuid4().hex[:8]
+    monkeypatch.setenv("INVESTIGATE_QUEUE", queue)
+    case_id = invoke(*args).stdout.strip()
+    default = Settings().broker_url
+    if redis_url != default:  # the tests' Redis was pointed away from the default on purpose
+        pytest.skip(f"TEST_REDIS_URL is not the default broker {default}")
+    client = redis.Redis.from_url(default)
+    try:
+        sent = invoke("dispatch", case_id)
+        assert sent.exit_code == 0, sent.output
+        assert f"dispatched {case_id}" in sent.stdout
+        assert f"INVESTIGATE_BROKER_URL is not set, so this went to the default broker " \
+               f"{default} (queue {queue})" in " ".join(sent.stderr.split())
+        assert client.llen(queue) == 1
+    finally:
+        client.delete(queue, f"_kombu.binding.{queue}", f"investigation:lock:{case_id}")
+        client.close()
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", redis_url)
+    other = redis.Redis.from_url(redis_url)
+    try:
+        sent = invoke("dispatch", case_id)
+        assert sent.exit_code == 0, sent.output
+        assert "not set" not in sent.stderr
+    finally:
+        other.delete(queue, f"_kombu.binding.{queue}", f"investigation:lock:{case_id}")
+        other.close()
 
 
 def test_watch_follows_a_case_that_moves_until_it_completes(tiny_case: Case) -> None:
