@@ -22,9 +22,9 @@ import redis
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
+from investigation.store import Store
 from tests import casekit
 from tests.casekit import Case, make_case, q
-from investigation.store import Store
 from workers.cli import app
 from workers.settings import Settings
 
