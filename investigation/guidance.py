@@ -326,9 +326,8 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
              resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_CONFIGURATION:
         script = f.error_code in ("PROVIDER_SCRIPT_EXHAUSTED", "PROVIDER_SCRIPT_UNREADABLE")
-        fix = Step("add replies to the scripted file (or fix it): "
-                   f"the blocked call {f.next_call_index} reads line "
-                   f"{f.next_call_index + 1}") if script else \
+        # Which line the blocked call reads is said once, by the reply-file step below.
+        fix = Step("add replies to the scripted file (or fix it)") if script else \
             Step("fix the providers file: the model name, base_url, structured_output "
                  "dialect, or add a provider with a larger context")
         return Guidance(

@@ -95,7 +95,8 @@ def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> Non
     ran = invoke("run", cli.case_id, "--providers", providers)
     assert ran.exit_code == 1, ran.output
     assert "BLOCKED (PROVIDER_CONFIGURATION)" in ran.output
-    assert "PROVIDER_SCRIPT_EXHAUSTED" in ran.output and "reads line 3" in ran.output
+    assert "PROVIDER_SCRIPT_EXHAUSTED" in ran.output and "reads its line 3" in ran.output
+    assert ran.output.count("line 3") == 1, ran.output  # said once, not in two steps
     assert ["replies", "check", "case/replies.jsonl", cli.case_id] in commands(ran.output)
     todo = commands(ran.output)
     resume = next(c for c in todo if c[0] == "resume")
