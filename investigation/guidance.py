@@ -261,7 +261,7 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
             else ""
         return Guidance(f"The case is paused by an operator{held}.",
                         (Step("resume it where it stopped", f"investigate resume {case}"),
-                         *(_continue(f, mode, None) if not reason else []),
+                         *(_continue(f, mode, providers) if not reason else []),
                          Step("or stop it for good", f"investigate cancel {case}")))
     if f.state == CASE_BLOCKED:
         return _blocked(f, mode, providers, report, replies)

@@ -64,6 +64,11 @@ def test_states_and_outcomes() -> None:
     paused = advise(_facts(state="PAUSED", blocked_reason="PROVIDER_EXHAUSTED"))
     assert paused.steps[0].command == f"investigate resume {CASE}"
     assert "PROVIDER_EXHAUSTED" in paused.headline
+    # Paused between steps: resume, then run with the providers file in use (a new user's
+    # trial saw the placeholder though INVESTIGATE_PROVIDERS was set).
+    plain = advise(_facts(state="PAUSED", blocked_reason=None), None, "my providers.toml")
+    assert f"investigate run {CASE} --providers 'my providers.toml'" in \
+        [s.command for s in plain.steps]
     pending = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
                             retry_not_before="2030-01-01T00:00:00+00:00"))
     assert "2030-01-01T00:00:00+00:00" in pending.headline and not pending.final
