@@ -142,18 +142,34 @@ class StageTask(CheckedTask):
     Request = StageRequest
 
 
+def _is_version_1(contract: Any) -> bool:
+    """Whether ``contract`` is the integer 1 (JSON's ``true`` and ``1.0`` are not)."""
+    return type(contract) is int and contract == DISPATCH_CONTRACT_VERSION
+
+
 class DispatchTask(CheckedTask):
-    """``investigation.dispatch``: a message of another ``contract`` version is refused
-    as such (``CONTRACT_UNSUPPORTED``) before its arguments are checked; a message that
-    does not fit version 1 is ``DISPATCH_INVALID``."""
+    """``investigation.dispatch`` (``docs/message-contract.md``): a message of another
+    ``contract`` version is refused as such (``CONTRACT_UNSUPPORTED``) before its
+    arguments are checked; a version-1 message must be ``args`` ``[case_id]`` or
+    ``[case_id, max_steps]`` with no keyword but ``contract``, else it is
+    ``DISPATCH_INVALID`` (Python's binding would take a third positional as the contract
+    and ``max_steps`` or ``case_id`` as keywords, which the contract does not allow)."""
 
     refusal_code = "DISPATCH_INVALID"
 
     def refuse(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         contract = kwargs.get("contract", DISPATCH_CONTRACT_VERSION)
-        if contract != DISPATCH_CONTRACT_VERSION:
+        if not _is_version_1(contract):
             case_id = args[0] if args else kwargs.get("case_id")
             return _contract_unsupported(case_id, contract)
+        others = [str(k) for k in kwargs if k != "contract"]
+        if not 1 <= len(args) <= 2 or others:
+            names = ", ".join(escape_text(k)[:40] for k in others[:8])
+            log.error("%s refused: %s: message with %d positional argument(s) and keyword "
+                      "argument(s) [%s]; version 1 takes args [case_id] or [case_id, "
+                      "max_steps] and no keyword but contract; nothing was run", self.name,
+                      self.refusal_code, len(args), names)
+            return {"case_id": None, "outcome": "REFUSED", "code": self.refusal_code}
         return super().refuse(args, kwargs)
 
 
@@ -446,7 +462,7 @@ def dispatch(self: Any, case_id: str, max_steps: int | None = None,
     :class:`DispatchTask`, or a malformed case id or ``max_steps``) is refused before the
     lock is taken and logged; it is not retried.
     """
-    if contract != DISPATCH_CONTRACT_VERSION:
+    if not _is_version_1(contract):
         return _contract_unsupported(case_id, contract)
     try:
         start_dispatch(case_id, max_steps)

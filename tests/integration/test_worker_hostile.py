@@ -105,6 +105,11 @@ def test_a_dispatch_message_with_wrong_arguments_is_refused_without_traceback(
             ([case_id], {"contract": 1, "evil": 2}),
             ([case_id], {"contract": 1, "lock_token": "x"}),
             ([case_id, 2], {"max_steps": 3}),
+            # What Python's binding alone let through (a hostile-input trial): keywords
+            # for the positionals, and a third positional taken as the contract.
+            ([case_id], {"max_steps": 3}),
+            ([], {"case_id": case_id}),
+            ([case_id, 1, 1], {}),
         ]
         h.worker.start()
         h.worker.wait_ready()
@@ -115,15 +120,21 @@ def test_a_dispatch_message_with_wrong_arguments_is_refused_without_traceback(
         # Another contract version is refused as such, whatever its arguments.
         app.send_task("investigation.dispatch", args=[case_id, 1, 2, 3],
                       kwargs={"contract": 2, "priority": 1}, queue=h.queue)
+        # JSON's true and 1.0 are not the version 1.
+        for contract in (True, 1.0):
+            app.send_task("investigation.dispatch", args=[case_id],
+                          kwargs={"contract": contract}, queue=h.queue)
         _wait_log(h, r"investigation\.dispatch refused: DISPATCH_INVALID", len(bad))
         _wait_log(h, r"investigation\.advance refused: PAYLOAD_INVALID", 1)
         _wait_log(h, r"dispatch message of contract version 2 refused", 1)
+        _wait_log(h, r"dispatch message of contract version (True|1\.0) refused", 2)
         _wait_log(h, r"Task investigation\.(dispatch|advance)\[[0-9a-f-]+\] succeeded",
-                  len(bad) + 2)
+                  len(bad) + 4)
         worker_log = h.worker.log()
         assert "Traceback" not in worker_log and "TypeError" not in worker_log
         assert "raised unexpected" not in worker_log
-        assert "unexpected keyword argument 'evil'" in worker_log  # the reason, named
+        assert "keyword argument(s) [evil]" in worker_log  # the reason, named
+        assert "DISPATCHED" not in worker_log
         assert h.lock_holder(case_id) is None
         assert h.task_received("build_context") == 0
         with h.case.store.session() as s:
