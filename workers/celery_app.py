@@ -60,6 +60,11 @@ def transport_options(settings: Settings) -> dict[str, Any]:
     }
 
 
+def _guarded_transport(broker_url: str) -> str | None:
+    """``workers.broker:Transport`` for a ``redis://`` broker, else kombu's own (None)."""
+    return "workers.broker:Transport" if broker_url.startswith("redis://") else None
+
+
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     """The periodic recovery sweep (empty when ``sweep_interval_s`` is 0)."""
     if settings.sweep_interval_s <= 0:
@@ -96,6 +101,11 @@ def configure(settings: Settings, target: Celery | None = None) -> None:
         task_track_started=True,
         worker_send_task_events=True,
         task_send_sent_event=True,
+        # Malformed messages on the queue are dropped with one error line instead of
+        # stopping the worker (workers.broker); the guarded transport is kombu's Redis
+        # transport, so only for redis:// brokers.
+        broker_transport=_guarded_transport(settings.broker_url),
+        worker_consumer="workers.broker:Consumer",
         worker_max_memory_per_child=settings.worker_max_memory_kib,
         worker_soft_shutdown_timeout=settings.soft_shutdown_s,
         beat_schedule=beat_schedule(settings),

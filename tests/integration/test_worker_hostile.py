@@ -139,3 +139,46 @@ def test_a_dispatch_message_with_wrong_arguments_is_refused_without_traceback(
         assert h.task_received("build_context") == 0
         with h.case.store.session() as s:
             assert s.exec(select(StageRun)).all() == []
+
+
+def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw items pushed onto the case queue by someone with broker access: one that is not
+    JSON, an envelope whose body is not its declared base64, and a protocol-2 message
+    whose JSON body is not ``[args, kwargs, embed]``. Each stopped the worker ("Unrecoverable
+    error"; the last one was restored to the queue and stopped every restart). Now each is
+    refused in one line and dropped, and the worker runs the case sent after them."""
+    import base64
+    import json
+
+    from workers.celery_app import app
+    from workers.tasks import start_dispatch
+
+    with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
+        case_id = h.case.case_id
+        # A real envelope to take apart (no worker is running yet).
+        app.send_task("investigation.dispatch", args=[case_id], kwargs={"contract": 1},
+                      queue=h.queue)
+        raw = h.redis.rpop(h.queue)
+        assert raw is not None
+        envelope = json.loads(raw)
+        bad_base64 = {**envelope, "body": "!!! not base64 %%%"}
+        not_a_triple = {**envelope, "body": base64.b64encode(b'{"a": 1}').decode()}
+        items = [b"not json at all {", b"\xff\xfe not utf-8", json.dumps([1, 2]).encode(),
+                 json.dumps(bad_base64).encode(), json.dumps(not_a_triple).encode()]
+        for item in items:
+            h.redis.lpush(h.queue, item)
+        h.worker.start()
+        h.worker.wait_ready()
+        _wait_log(h, r"broker message refused: MESSAGE_INVALID", len(items))
+        start_dispatch(case_id)
+        info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+        h.wait_unlocked()
+        _assert_completed_case(h, info)
+        worker_log = h.worker.log()
+        assert "Unrecoverable error" not in worker_log
+        assert h.worker.proc is not None and h.worker.proc.poll() is None
+        h.worker.stop()
+        # Nothing was left reserved for the broker to restore to the next worker.
+        assert h.redis.llen(h.queue) == 0
+        assert not h.redis.hlen("unacked")
