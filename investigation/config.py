@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from investigation import jsonio
 from investigation.constants import OPERATIONS
 from investigation.errors import ConfigError
+from investigation.files import MAX_SETTINGS_FILE_BYTES, read_bounded
 
 #: Upper bound of any duration setting (one day): larger values are configuration mistakes.
 MAX_DURATION_S = 86_400.0
@@ -388,9 +389,8 @@ def ordered_json(value: Any) -> bytes:
 
 
 def _read_toml(path: str | Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
+    try:  # a regular file of at most 1 MiB: never a FIFO or /dev/zero (investigation.files)
+        return tomllib.loads(read_bounded(path, MAX_SETTINGS_FILE_BYTES).decode("utf-8"))
     except OSError as exc:
         raise ConfigError("CONFIG_UNREADABLE", f"cannot read {path}: {exc}", path=str(path)) from exc
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

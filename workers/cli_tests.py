@@ -6,6 +6,7 @@ Registered on the main app by ``workers.cli``; the same exit codes apply.
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,6 +17,7 @@ from rich.text import Text
 
 from investigation.errors import InvestigationError
 from investigation.external_tests import AsyncTestCoordinator
+from investigation.files import read_bounded
 from workers.cli import (
     EXAMPLE_CASE,
     CaseArg,
@@ -136,12 +138,17 @@ MAX_OBSERVATION_FILE_BYTES = 8000 * 4
 
 def _read_observation(path: Path) -> str:
     """The file's text, read boundedly (never a whole /dev/zero), as strict UTF-8."""
-    with path.open("rb") as fh:
-        data = fh.read(MAX_OBSERVATION_FILE_BYTES + 1)
-    if len(data) > MAX_OBSERVATION_FILE_BYTES:
-        raise InvestigationError("FEEDBACK_INVALID",
-                                 f"{path} is larger than an observation may be "
-                                 f"({MAX_OBSERVATION_FILE_BYTES} bytes)")
+    try:  # a regular file: never a FIFO that waits for a writer, nor a whole /dev/zero
+        data = read_bounded(path, MAX_OBSERVATION_FILE_BYTES)
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            raise InvestigationError("FEEDBACK_INVALID",
+                                     f"{path} is larger than an observation may be "
+                                     f"({MAX_OBSERVATION_FILE_BYTES} bytes)") from exc
+        if exc.errno == errno.EINVAL:
+            raise InvestigationError("FEEDBACK_INVALID",
+                                     f"{path} is not a regular file") from exc
+        raise
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

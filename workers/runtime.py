@@ -68,11 +68,12 @@ def build_env(settings: Settings, config_path: Path | None = None,
     providers_config = ProvidersConfig.load(providers_file) if providers_file else None
     if providers_config is not None:
         for p in providers_config.providers:
-            if p.kind == "scripted" and not (Path(providers_config.base_dir) / (p.path or "")
-                                              ).is_file():
+            script = Path(providers_config.base_dir) / (p.path or "")
+            if p.kind == "scripted" and not script.is_file():
+                what = "is not a regular file" if script.exists() else "does not exist"
                 raise ConfigError(
                     "CONFIG_INVALID",
-                    f"provider {p.name!r}: scripted reply file {p.path!r} does not exist "
+                    f"provider {p.name!r}: scripted reply file {p.path!r} {what} "
                     f"(paths are relative to the providers file, {providers_config.base_dir})")
         build_providers(providers_config)  # constructors validate URLs, models, dialects
     store = Store(settings.effective_database_url)

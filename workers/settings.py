@@ -39,6 +39,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from investigation.config import MAX_BYTES, MAX_COUNT, MAX_SECONDS
 from investigation.errors import ConfigError
+from investigation.files import read_bounded
+
+#: A feedback key file holds a 64-hex-digit key; anything far larger is not one.
+MAX_FEEDBACK_KEY_FILE_BYTES = 4096
 
 
 class Settings(BaseSettings):
@@ -123,7 +127,11 @@ class Settings(BaseSettings):
                     os.link(tmp, path)
             finally:
                 os.unlink(tmp)
-        key = path.read_bytes().strip()
+        try:  # a regular file of a few bytes: never a FIFO or /dev/zero
+            key = read_bounded(path, MAX_FEEDBACK_KEY_FILE_BYTES).strip()
+        except OSError as exc:
+            raise ConfigError("CONFIG_INVALID", f"feedback key file {path}: "
+                              f"{exc.strerror or exc}") from exc
         if len(key) < 32:
             raise ConfigError("CONFIG_INVALID",
                               f"feedback key file {path} holds fewer than 32 bytes")

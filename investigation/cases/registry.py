@@ -43,6 +43,7 @@ from investigation.cases.reader import PackageReader
 from investigation.cases.snapshot import Snapshot
 from investigation.config import canonical_json
 from investigation.errors import InvestigationError
+from investigation.files import read_bounded
 from investigation.store.engine import Store, is_lost_race
 from investigation.store.models import CaseRecord, HypothesisBirth, PackageRecord, RevisionRecord
 
@@ -324,15 +325,11 @@ def _check_same_case(session: Session, case: CaseRecord, package_id: str,
 
 
 def _load_json(path: str | Path, code: str, what: str) -> Any:
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_INPUT_BYTES + 1)
+    try:  # a regular file (never a FIFO that waits for a writer), at most MAX_INPUT_BYTES
+        raw = read_bounded(path, MAX_INPUT_BYTES)
     except OSError as exc:
         raise InvestigationError(code, f"cannot read the {what} file {path}: {exc.strerror}",
                                  path=str(path)) from exc
-    if len(raw) > MAX_INPUT_BYTES:
-        raise InvestigationError(code, f"the {what} file {path} exceeds {MAX_INPUT_BYTES} bytes",
-                                 path=str(path))
     try:
         return strict_json_loads(raw.decode("utf-8", "strict"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -39,6 +39,7 @@ from investigation.llm import dialects, tokens
 from investigation.llm.body import ACCEPT_ENCODING, BodyTooLarge, BodyUndecodable, read_body
 from investigation.llm.tokens import output_budget
 from investigation.llm.types import (
+    MAX_RESPONSE_BYTES,
     PROVIDER_BAD_CONFIG,
     PROVIDER_CREDENTIALS,
     PROVIDER_CREDENTIALS_MISSING,
@@ -666,10 +667,6 @@ def _count(value: Any) -> int | None:
     """A plausible token count (0 <= n < 2**31), else ``None``: usage is informative only."""
     ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
     return value if ok else None
-
-
-#: Largest response body read from a provider (bytes); a larger one is a failed attempt.
-MAX_RESPONSE_BYTES = 16 << 20
 
 
 def redact_bytes(raw: bytes, secret: str | None) -> bytes:

@@ -19,12 +19,15 @@ order. Decisions made here:
 
 from __future__ import annotations
 
+import errno
 import re
 from pathlib import Path
 
 from investigation.config import ProviderConfig, canonical_json
 from investigation.errors import ProviderConfigurationError
+from investigation.files import MAX_SCRIPT_FILE_BYTES, read_bounded
 from investigation.llm.types import (
+    MAX_RESPONSE_BYTES,
     PROVIDER_BAD_CONFIG,
     PROVIDER_SCRIPT_EXHAUSTED,
     PROVIDER_SCRIPT_UNREADABLE,
@@ -47,14 +50,23 @@ def script_path_of(message: str | None) -> str | None:
 def read_script_lines(path: Path) -> list[bytes]:
     """The reply lines of a JSON Lines file: exact bytes, terminators and blank lines dropped.
 
+    The file must be a regular file of at most :data:`MAX_SCRIPT_FILE_BYTES`, and each
+    reply at most :data:`~investigation.llm.types.MAX_RESPONSE_BYTES`, what an HTTP
+    provider's response may be.
+
     Raises:
-        OSError: the file cannot be read.
+        OSError: the file cannot be read, is not a regular file, or is too large; a reply
+            line is too large (``EFBIG``, naming its line number).
     """
-    data = path.read_bytes()
+    data = read_bounded(path, MAX_SCRIPT_FILE_BYTES)
     lines = []
-    for line in data.split(b"\n"):
+    for number, line in enumerate(data.split(b"\n"), start=1):
         if line.endswith(b"\r"):
             line = line[:-1]
+        if len(line) > MAX_RESPONSE_BYTES:
+            raise OSError(errno.EFBIG, f"reply line {number} is larger than "
+                          f"{MAX_RESPONSE_BYTES} bytes, what a model server's response "
+                          "may be", str(path))
         if line.strip():
             lines.append(line)
     return lines

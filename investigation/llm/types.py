@@ -45,6 +45,9 @@ from investigation.errors import ProviderError
 
 #: Roles accepted in :attr:`ChatRequest.messages`.
 MESSAGE_ROLES = ("system", "user", "assistant")
+#: Largest reply a provider may give (bytes): an HTTP response body beyond it is a failed
+#: attempt; a scripted reply line beyond it makes the script unreadable.
+MAX_RESPONSE_BYTES = 16 << 20
 
 # -- stable provider error codes (``ProviderError.code``) -----------------------------------
 #: A timeout (connect, read, write or pool) elapsed. Transient.

@@ -34,6 +34,7 @@ feedback, when it comes, is new information.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ from investigation.constants import (
     REJECTED,
 )
 from investigation.errors import InvestigationError, ToolError
+from investigation.files import MAX_SCRIPT_FILE_BYTES, read_bounded
+from investigation.llm.types import MAX_RESPONSE_BYTES
 from investigation.loop.contract import QueryAction, ReplyRejected, TestAction, read_reply
 from investigation.loop.scheduler import select_hypothesis
 from investigation.loop.validation import AcceptedDecision, validate_reply
@@ -440,8 +443,13 @@ def check_script(store: Store, case_id: str, path: Path,
         cannot be read.
     """
     cfg = config or InvestigationConfig()
-    try:
-        data = path.read_bytes()
+    try:  # what the scripted provider reads (read_script_lines), refused as it refuses it
+        data = read_bounded(path, MAX_SCRIPT_FILE_BYTES)
+        too_long = next((n for n, line in script_lines(data)
+                         if len(line) > MAX_RESPONSE_BYTES), None)
+        if too_long is not None:
+            raise OSError(errno.EFBIG, f"reply line {too_long} is larger than "
+                          f"{MAX_RESPONSE_BYTES} bytes, what a model server's response may be")
     except OSError as exc:
         raise InvestigationError("SCRIPT_UNREADABLE",
                                  f"cannot read {path}: {exc.strerror or exc}") from exc

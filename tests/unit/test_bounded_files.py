@@ -1,0 +1,100 @@
+"""Files an operator names are read boundedly (``investigation.files``): a FIFO, a device
+or a directory is refused without waiting, ``/dev/zero`` without reading it whole, and
+each command reports its own stable code (a hostile-input trial: ``/dev/zero`` as a
+policy filled memory until the kernel killed the process; a FIFO hung it)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from investigation.files import read_bounded
+from tests import casekit
+from workers.cli import app
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+def test_read_bounded_takes_only_a_regular_file_within_its_limit(tmp_path: Path,
+                                                                 fifo: Path) -> None:
+    exact = tmp_path / "exact"
+    exact.write_bytes(b"x" * 10)
+    assert read_bounded(exact, 10) == b"x" * 10
+    with pytest.raises(OSError) as big:
+        read_bounded(exact, 9)
+    assert big.value.errno == errno.EFBIG and "larger than 9 bytes" in str(big.value.strerror)
+    for other in (fifo, Path("/dev/zero"), tmp_path):
+        with pytest.raises(OSError) as refused:
+            read_bounded(other, 1 << 20)
+        assert refused.value.errno == errno.EINVAL, other
+        assert refused.value.strerror == "not a regular file"
+    with pytest.raises(FileNotFoundError):
+        read_bounded(tmp_path / "missing", 10)
+
+
+def _invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "FIFO"])
+def test_commands_refuse_a_special_file_with_their_own_code(
+        tmp_path: Path, fifo: Path, special: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(fifo) if special == "FIFO" else special
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
+    monkeypatch.delenv("INVESTIGATE_FEEDBACK_KEY", raising=False)
+    package = casekit.build_tiny_package(tmp_path)
+    (tmp_path / "i.json").write_text(json.dumps(casekit.INTERPRETATION))
+    (tmp_path / "h.json").write_text(json.dumps(casekit.HYPOTHESES))
+    add = ["case", "add", str(package), "--interpretation", str(tmp_path / "i.json"),
+           "--hypotheses", str(tmp_path / "h.json")]
+    code, out = _invoke(*add[:4], path, *add[5:])
+    assert code == 2 and "CASE_INTERPRETATION_INVALID" in out and "not a regular file" in out
+    code, out = _invoke(*add, "--package-limits", path)
+    assert code == 2 and "CONFIG_UNREADABLE" in out, out
+    code, out = _invoke(*add)
+    assert code == 0, out
+    case_id = out.strip().splitlines()[0]
+    code, out = _invoke("run", case_id, "--config", path)
+    assert code == 2 and "CONFIG_UNREADABLE" in out and "not a regular file" in out, out
+    code, out = _invoke("run", case_id, "--providers", path)
+    assert code == 2 and "CONFIG_UNREADABLE" in out, out
+    code, out = _invoke("replies", "check", path, case_id)
+    assert code == 2 and "SCRIPT_UNREADABLE" in out and "not a regular file" in out, out
+    scripted = tmp_path / "p.toml"
+    scripted.write_text(f'[[providers]]\nname = "s"\nkind = "scripted"\npath = "{path}"\n')
+    code, out = _invoke("run", case_id, "--providers", str(scripted))
+    assert code == 2 and "CONFIG_INVALID" in out and "is not a regular file" in out, out
+    code, out = _invoke("providers", "check", "--providers", str(scripted))
+    assert code == 1 and "PROVIDER_SCRIPT_UNREADABLE" in out and "not a regular file" in out
+    monkeypatch.setenv("INVESTIGATE_FEEDBACK_KEY_FILE", path)
+    code, out = _invoke("tests", "list", case_id)
+    assert code == 2 and "CONFIG_INVALID" in out and "not a regular file" in out, out
+
+
+def test_a_scripted_reply_larger_than_a_server_response_is_refused(tmp_path: Path) -> None:
+    """A reply line over 16 MiB (what an HTTP provider's response may be) makes the script
+    unreadable instead of being stored (a trial stored a 30 MiB reply uncompressed)."""
+    from investigation.llm.scripted import read_script_lines
+    from investigation.llm.types import MAX_RESPONSE_BYTES
+
+    path = tmp_path / "replies.jsonl"
+    path.write_bytes(b'{"ok": 1}\n' + b"x" * (MAX_RESPONSE_BYTES + 1) + b"\n")
+    with pytest.raises(OSError) as err:
+        read_script_lines(path)
+    assert err.value.errno == errno.EFBIG and "reply line 2" in str(err.value.strerror)
+    path.write_bytes(b'{"ok": 1}\n' + b"x" * MAX_RESPONSE_BYTES + b"\n")
+    assert len(read_script_lines(path)) == 2
