@@ -128,15 +128,29 @@ def compress(data: bytes, base: bytes | None = None) -> bytes:
     return zstandard.ZstdCompressor(level=LEVEL, dict_data=_dictionary(base)).compress(data)
 
 
-def decompress(frame: bytes, base: bytes | None = None) -> bytes:
+def decompress(frame: bytes, base: bytes | None = None, size: int | None = None) -> bytes:
     """The bytes of one frame written by :func:`compress` (same ``base``).
 
+    Args:
+        size: the blob's recorded size; a frame that declares more, or decodes to more,
+            is damaged. zstandard allocates what a frame header declares before it
+            decodes (``max_output_size`` bounds only frames without a declared size), so a
+            forged header of a few bytes could ask for gigabytes: it is read first.
+
     Raises:
-        zstandard.ZstdError: the frame is damaged.
+        zstandard.ZstdError: the frame is damaged, or larger than ``size``.
     """
+    limit = 0
+    if size is not None:
+        declared = zstandard.frame_content_size(frame)
+        if declared > size:
+            raise zstandard.ZstdError(f"the frame declares {declared} bytes, the blob "
+                                      f"records {size}")
+        limit = max(size, 1)
     if base is None:
-        return zstandard.ZstdDecompressor().decompress(frame)
-    return zstandard.ZstdDecompressor(dict_data=_dictionary(base)).decompress(frame)
+        return zstandard.ZstdDecompressor().decompress(frame, max_output_size=limit)
+    return zstandard.ZstdDecompressor(dict_data=_dictionary(base)).decompress(
+        frame, max_output_size=limit)
 
 
 def _corrupt(sha: str, why: str) -> StoreError:
@@ -150,7 +164,8 @@ def _corrupt(sha: str, why: str) -> StoreError:
 # are read and written on the session's connection (no ORM result or bulk-insert work).
 _B = Blob.__table__.c  # type: ignore[attr-defined]
 _A = Artifact.__table__.c  # type: ignore[attr-defined]
-_BLOB = select(_B.encoding, _B.base_sha256, _B.data).where(_B.sha256 == bindparam("sha"))
+_BLOB = select(_B.encoding, _B.base_sha256, _B.data, _B.size_bytes).where(
+    _B.sha256 == bindparam("sha"))
 
 
 def _lineage_head(case_id: str, kind: str) -> Any:
@@ -277,7 +292,7 @@ def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes
     cached = cache.get(sha)
     if cached is not None:
         return cached
-    chain: list[tuple[str, str, bytes]] = []  # (sha, encoding, frame), newest first
+    chain: list[tuple[str, str, bytes, int]] = []  # (sha, encoding, frame, size), newest first
     known: bytes | None = None
     current: str | None = sha
     while current is not None:
@@ -288,8 +303,8 @@ def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes
         row = direct.session_connection(session).execute(_BLOB, {"sha": current}).first()
         if row is None:
             raise _corrupt(current, "are missing")
-        encoding, base_sha, frame = row
-        chain.append((current, str(encoding), bytes(frame)))
+        encoding, base_sha, frame, size = row
+        chain.append((current, str(encoding), bytes(frame), int(size)))
         if len(chain) > MAX_DELTA_DEPTH + 1 or encoding == ENCODING_WHOLE:
             current = None
         elif encoding == ENCODING_DELTA and base_sha:
@@ -297,11 +312,11 @@ def load(session: Session, sha: str, *, cache: ByteCache | None = None) -> bytes
         else:
             raise _corrupt(current, f"have an unknown encoding {encoding!r}")
     data = known
-    for blob_sha, encoding, frame in reversed(chain):
+    for blob_sha, encoding, frame, size in reversed(chain):
         if encoding == ENCODING_DELTA and data is None:
             raise _corrupt(blob_sha, "form a delta chain longer than the engine writes")
         try:
-            data = decompress(frame, data if encoding == ENCODING_DELTA else None)
+            data = decompress(frame, data if encoding == ENCODING_DELTA else None, size)
         except zstandard.ZstdError as exc:
             raise _corrupt(blob_sha, f"do not decode ({exc})") from exc
         if sha256_hex(data) != blob_sha:

@@ -444,3 +444,40 @@ def test_downgrade_puts_the_bytes_back_inline_and_upgrading_again_changes_nothin
     again = Store(case.store.url)
     again.create_schema()
     assert _tree(again, case.case_id, tmp_path / "after") == before
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_a_frame_that_declares_more_than_its_blob_is_refused_before_it_is_decoded(
+        backend: str) -> None:
+    """A blob's frame replaced by one whose header declares 3 GiB (about 100 KB of zeros
+    compressed): zstandard would allocate the declared size before decoding (a MemoryError
+    in a hostile-input trial's verify and export); the frame is refused as corrupt by the
+    size the blob row records, and nothing that size is allocated."""
+    import io
+
+    import zstandard
+
+    store = Store(backend)
+    store.create_schema()
+    with store.session() as s:
+        sha = Store.put_artifact(s, "c", "analysis/investigation/0001/result.json", b"{}" * 50)
+    forged = io.BytesIO()
+    with zstandard.ZstdCompressor().stream_writer(forged, size=3 << 30, closefd=False) as w:
+        for _ in range(3 << 10):
+            w.write(bytes(1 << 20))
+    with store.engine.begin() as conn:
+        guards.drop_guards(conn)
+        conn.execute(update(Blob).where(col(Blob.sha256) == sha)
+                     .values(data=forged.getvalue(), encoding=blobs.ENCODING_WHOLE,
+                             base_sha256=None))
+    with pytest.raises(StoreError) as err, store.session() as s:
+        Store.get_artifact(s, "c", "analysis/investigation/0001/result.json",
+                           cache=blobs.ByteCache())
+    assert err.value.code == "STORE_ARTIFACT_CORRUPT"
+    assert f"declares {3 << 30} bytes, the blob records 100" in err.value.message
+    # A frame without a declared size is bounded by the record as well.
+    with pytest.raises(zstandard.ZstdError):
+        blobs.decompress(zstandard.ZstdCompressor(write_content_size=False).compress(
+            b"x" * 1000), None, 999)
+    assert blobs.decompress(zstandard.ZstdCompressor(write_content_size=False).compress(
+        b"x" * 1000), None, 1000) == b"x" * 1000
