@@ -137,9 +137,49 @@ class StageRequest(Request):  # type: ignore[misc]
 
 class StageTask(CheckedTask):
     """A stage of a step's chain, or ``advance``: a :class:`CheckedTask` whose worker
-    request hands a hard time limit on (:class:`StageRequest`)."""
+    request hands a hard time limit on (:class:`StageRequest`), and whose message must
+    carry a payload of the step's ids and a lock token (:func:`payload_problem`), else it
+    is refused with ``PAYLOAD_INVALID`` in one line."""
 
     Request = StageRequest
+
+    def refuse(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        refused = super().refuse(args, kwargs)
+        if refused is not None:
+            return refused
+        payload = args[0] if args else kwargs.get("payload")
+        problem = payload_problem(payload, kwargs.get("token"))
+        if problem is None:
+            return None
+        log.error("%s refused: %s: %s; nothing was run", self.name, self.refusal_code,
+                  problem)
+        return {"case_id": None, "outcome": "REFUSED", "code": self.refusal_code}
+
+
+#: The ids every stage payload carries, and their JSON types (``bool`` is not an ``int``).
+_PAYLOAD_IDS: tuple[tuple[str, type], ...] = (("case_id", str), ("revision", int),
+                                              ("step_seq", int))
+
+
+def payload_problem(payload: Any, token: Any) -> str | None:
+    """What makes a stage task's message unusable, or ``None``: the payload must be an
+    object with ``case_id`` (a case id), ``revision`` and ``step_seq`` (integers) and
+    ``halt`` null or an object, and a lock token must come with it (the ``token``
+    keyword, or an older payload's ``token``)."""
+    if not isinstance(payload, dict):
+        return f"the payload is {type(payload).__name__}, not an object of the step's ids"
+    for name, kind in _PAYLOAD_IDS:
+        value = payload.get(name)
+        if type(value) is not kind:
+            return f"payload {name} is {escape_text(repr(value))[:60]}, not a {kind.__name__}"
+    if not _CASE_ID.fullmatch(payload["case_id"]):
+        return f"payload case_id {escape_text(repr(payload['case_id']))[:80]} is not a case id"
+    if payload.get("halt") is not None and not isinstance(payload.get("halt"), dict):
+        return "payload halt is neither null nor an object"
+    if not (isinstance(token, str) and token) and \
+            not (isinstance(payload.get("token"), str) and payload["token"]):
+        return "no lock token"
+    return None
 
 
 def _is_version_1(contract: Any) -> bool:

@@ -117,6 +117,20 @@ def test_a_dispatch_message_with_wrong_arguments_is_refused_without_traceback(
             app.send_task("investigation.dispatch", args=args, kwargs=kwargs, queue=h.queue)
         # An internal task sent by name with wrong arguments is refused the same way.
         app.send_task("investigation.advance", args=[], kwargs={"evil": 1}, queue=h.queue)
+        # ... and one whose payload is not the step's ids, or that comes without a token
+        # (these logged a KeyError or AttributeError traceback, a hostile-input trial).
+        ids = {"case_id": case_id, "revision": 1, "step_seq": 1, "halt": None}
+        forged: list[tuple[str, list[Any], dict[str, Any]]] = [
+            ("advance", [{}], {"token": "t"}),
+            ("build_context", ["str"], {"token": "t"}),
+            ("publish", [{**ids, "revision": True}], {"token": "t"}),
+            ("validate", [{**ids, "case_id": "../x"}], {"token": "t"}),
+            ("llm_call", [{**ids, "halt": "no"}], {"token": "t"}),
+            ("execute_tool", [ids], {}),
+        ]
+        for stage, f_args, f_kwargs in forged:
+            app.send_task(f"investigation.{stage}", args=f_args, kwargs=f_kwargs,
+                          queue=h.queue)
         # Another contract version is refused as such, whatever its arguments.
         app.send_task("investigation.dispatch", args=[case_id, 1, 2, 3],
                       kwargs={"contract": 2, "priority": 1}, queue=h.queue)
@@ -125,18 +139,19 @@ def test_a_dispatch_message_with_wrong_arguments_is_refused_without_traceback(
             app.send_task("investigation.dispatch", args=[case_id],
                           kwargs={"contract": contract}, queue=h.queue)
         _wait_log(h, r"investigation\.dispatch refused: DISPATCH_INVALID", len(bad))
-        _wait_log(h, r"investigation\.advance refused: PAYLOAD_INVALID", 1)
+        _wait_log(h, r"investigation\.advance refused: PAYLOAD_INVALID", 2)
+        _wait_log(h, r"investigation\.\w+ refused: PAYLOAD_INVALID", 1 + len(forged))
         _wait_log(h, r"dispatch message of contract version 2 refused", 1)
         _wait_log(h, r"dispatch message of contract version (True|1\.0) refused", 2)
-        _wait_log(h, r"Task investigation\.(dispatch|advance)\[[0-9a-f-]+\] succeeded",
-                  len(bad) + 4)
+        _wait_log(h, r"Task investigation\.\w+\[[0-9a-f-]+\] succeeded",
+                  len(bad) + 4 + len(forged))
         worker_log = h.worker.log()
         assert "Traceback" not in worker_log and "TypeError" not in worker_log
         assert "raised unexpected" not in worker_log
         assert "keyword argument(s) [evil]" in worker_log  # the reason, named
         assert "DISPATCHED" not in worker_log
         assert h.lock_holder(case_id) is None
-        assert h.task_received("build_context") == 0
+        assert h.task_received("build_context") == 1  # the forged one, refused
         with h.case.store.session() as s:
             assert s.exec(select(StageRun)).all() == []
 
