@@ -33,12 +33,16 @@ from investigation.loop import checkpoints, deliveries, lifecycle, live
 from investigation.loop.checkpoints import verify_chain
 from investigation.store.engine import Store
 from investigation.store.models import (
+    Artifact,
     BudgetAccount,
     CaseRecord,
+    Checkpoint,
     Evidence,
     HypothesisBirth,
+    LLMAttempt,
     LLMOperation,
     ManifestPointer,
+    Plan,
     Question,
     RevisionRecord,
     StageRun,
@@ -308,8 +312,9 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
 
     Raises:
         InvestigationError: ``EXPORT_TARGET_NOT_EMPTY``, ``EXPORT_UNSAFE_PATH``; the
-        replay's ``CHECKPOINT_INVALID``/``POLICY_CHANGED`` or the ledger's
-        ``BUDGET_ORIGIN_MISMATCH`` (nothing is written);
+        replay's ``CHECKPOINT_INVALID``/``POLICY_CHANGED``, the ledger's
+        ``BUDGET_ORIGIN_MISMATCH`` or a binding's ``STATE_TAMPERED``
+        (:func:`verify_bindings`; nothing is written);
         ``STORE_ARTIFACT_CORRUPT`` for bytes that fail their sha256.
     """
     _case(store, case_id)
@@ -320,6 +325,7 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
     with store.session() as s:
         verify_chain(s, case_id)
         verify_budget_origins(s, case_id)
+        verify_bindings(s, case_id)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     files = []
@@ -374,6 +380,70 @@ def verify_budget_origins(session: Session, case_id: str) -> int:
     return len(accounts)
 
 
+def verify_bindings(session: Session, case_id: str) -> int:
+    """Check what binds each artifact the chain does not hash to the rows that name it
+    (seed 000, "Persistence and recovery": an accepted plan is bound to its successful
+    model call, operation, saved request, context and exact output document).
+
+    Every model attempt's request and response artifact holds the sha256 the attempt
+    recorded; every plan names an attempt of its operation whose request and response
+    are the plan's, the context its step's checkpoint binds, and its own artifact; every
+    query result holds the sha256 its ``execute_tool`` recorded. The checkpoint chain
+    hashes states and contexts; with these, a request, response, plan or result
+    artifact swapped for other stored bytes (what someone who can drop the store's guards
+    could do) is found although each artifact's bytes still match its own sha256.
+
+    Returns the number of bindings checked.
+
+    Raises:
+        InvestigationError: ``STATE_TAMPERED`` naming the first binding that differs.
+    """
+    def tampered(what: str) -> InvestigationError:
+        return InvestigationError("STATE_TAMPERED", f"case {case_id}: {what}; the store was "
+                                  "changed outside the engine")
+
+    stored = dict(session.exec(select(Artifact.path, Artifact.sha256)
+                               .where(Artifact.case_id == case_id)).all())
+    checked = 0
+
+    def holds(path: str | None, sha: str | None, what: str) -> None:
+        nonlocal checked
+        if path is None or sha is None:
+            return
+        if stored.get(path) != sha:
+            raise tampered(f"{what} {path} does not hold the bytes (sha256 {sha[:12]}...) "
+                           "recorded for it")
+        checked += 1
+
+    attempts = {(a.operation_id, a.attempt): a for a in session.exec(
+        select(LLMAttempt).join(LLMOperation, col(LLMOperation.id) == LLMAttempt.operation_id)
+        .where(LLMOperation.case_id == case_id)).all()}
+    for a in attempts.values():
+        holds(a.request_path, a.request_sha256, "the model request")
+        holds(a.response_path, a.response_sha256, "the model response")
+    contexts = {(c.revision, c.seq): c.context_sha256 for c in session.exec(
+        select(Checkpoint).where(Checkpoint.case_id == case_id)).all()}
+    for plan in session.exec(select(Plan).where(Plan.case_id == case_id)
+                             .order_by(col(Plan.revision), col(Plan.step_seq))).all():
+        step = f"the plan of step {plan.step_seq} (revision {plan.revision})"
+        attempt = attempts.get((plan.llm_operation_id, plan.llm_attempt))
+        if attempt is None or attempt.request_sha256 != plan.request_sha256 \
+                or attempt.response_sha256 != plan.output_sha256:
+            raise tampered(f"{step} is not bound to the model call it names (operation "
+                           f"{plan.llm_operation_id}, attempt {plan.llm_attempt})")
+        context = contexts.get((plan.revision, plan.step_seq))
+        if context is not None and context != plan.context_sha256:
+            raise tampered(f"{step} names another context than checkpoint "
+                           f"{plan.step_seq} binds")
+        holds(plan.plan_path, plan.plan_sha256, "the plan")
+    for run in session.exec(select(StageRun).where(StageRun.case_id == case_id,
+                                                   StageRun.stage == "execute_tool")).all():
+        output = jsonio.loads(run.output_json)
+        if isinstance(output, dict) and output.get("result_path"):
+            holds(output["result_path"], output.get("result_sha256"), "the query result")
+    return checked
+
+
 def verify(store: Store, case_id: str) -> dict[str, Any]:
     """Check a whole case from the store's bytes (``investigate verify``).
 
@@ -382,11 +452,12 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
     head state at full depth (every evidence fingerprint recomputed, its artifact re-read)
     and every budget account against its whole ledger (:func:`verify_budget_origins`)
     unless a step is in progress, and every artifact of the case is decoded and checked
-    against its sha256.
+    against its sha256, and the records that name the artifacts the chain does not hash
+    (:func:`verify_bindings`).
 
     Returns:
         ``{"case_id", "checkpoints", "artifacts", "artifact_bytes", "live_rows",
-        "budget_accounts"}`` where ``live_rows`` is ``"checked"`` or ``"step N in
+        "budget_accounts", "bindings"}`` where ``live_rows`` is ``"checked"`` or ``"step N in
         progress"`` and ``budget_accounts`` the number of accounts whose ledger was read
         (0 while a step is in progress).
 
@@ -409,11 +480,12 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
             accounts = verify_budget_origins(s, case_id)
         else:
             accounts = 0
+        bindings = verify_bindings(s, case_id)
         count = total = 0
         for art in Store.artifacts(s, case_id):
             count += 1
             total += len(art.data)
     return {"case_id": case_id, "checkpoints": head.head_seq, "artifacts": count,
-            "artifact_bytes": total, "budget_accounts": accounts,
+            "artifact_bytes": total, "budget_accounts": accounts, "bindings": bindings,
             "live_rows": "checked" if running is None
             else f"step {case.head_seq + 1} in progress"}

@@ -653,14 +653,16 @@ def export_cmd(
 @_controlled
 def verify_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Check the whole case from the store's bytes: full checkpoint replay, live rows,
-    every artifact against its sha256 (exit 0 intact, 2 with the first difference)."""
+    every artifact against its sha256 and the records that name it (exit 0 intact, 2 with
+    the first difference)."""
     report = verify(_store(_settings(), existing=True), case_id)
     if as_json:
         out.print_json(json.dumps(report))
         return
     out.print(f"{case_id}: intact: {report['checkpoints']} checkpoints replayed from their "
               f"bytes, {report['artifacts']} artifacts ({report['artifact_bytes']} bytes) "
-              f"match their sha256, live rows {report['live_rows']}", highlight=False)
+              f"match their sha256 and the {report['bindings']} records that name them, "
+              f"live rows {report['live_rows']}", highlight=False)
 
 
 from workers import (  # noqa: E402  (they use the helpers above)
