@@ -20,6 +20,7 @@ from investigation import jsonio
 from investigation.constants import OPERATIONS
 from investigation.errors import ConfigError
 from investigation.files import MAX_SETTINGS_FILE_BYTES, read_bounded
+from investigation.text_safety import first_unsafe
 
 #: Upper bound of any duration setting (one day): larger values are configuration mistakes.
 MAX_DURATION_S = 86_400.0
@@ -209,6 +210,10 @@ class ToolLimits(_Strict):
     max_pattern_bytes: int = Field(1000, ge=1, le=MAX_BYTES)
 
 
+#: Longest provider name (characters): it is a column, a log field and a metric label.
+MAX_PROVIDER_NAME_CHARS = 100
+
+
 class ProviderConfig(_Strict):
     """One entry of the ordered failover list (``[[providers]]``).
 
@@ -264,6 +269,13 @@ class ProviderConfig(_Strict):
     def _name(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("provider name must not be empty")
+        bad = first_unsafe(value)
+        if bad is not None:  # the name is shown in tables, logs and metric labels
+            raise ValueError(f"provider name holds the character U+{ord(bad):04X} (a control, "
+                             "format or separator character)")
+        if len(value) > MAX_PROVIDER_NAME_CHARS:
+            raise ValueError(f"provider name is longer than {MAX_PROVIDER_NAME_CHARS} "
+                             "characters")
         return value
 
     @model_validator(mode="after")
@@ -322,6 +334,17 @@ class ProvidersConfig(_Strict):
                               path=str(path))
         data.setdefault("base_dir", str(Path(path).resolve().parent))
         return _validate(cls, data, path)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ProvidersConfig:
+        """A provider's name identifies it in the stored attempts, the logs and the
+        metrics: two entries may not share one."""
+        seen: set[str] = set()
+        for p in self.providers:
+            if p.name in seen:
+                raise ValueError(f"two providers are named {p.name!r}; give each its own name")
+            seen.add(p.name)
+        return self
 
     def identity(self) -> dict[str, Any]:
         """A secret-free description of the providers (for records and logs)."""

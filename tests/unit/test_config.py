@@ -145,6 +145,16 @@ def test_a_file_that_is_not_utf8_is_invalid(tmp_path: Path) -> None:
      "gateway.attempts: Input should be a valid integer"),
     ('[[providers]]\nname = "m"\nkind = "openai"\nmodel = "x"\n', "'m' of kind 'openai' needs base_url"),
     ('[[providers]]\nname = "m"\nkind = "openai"\n', "needs base_url and model"),
+    # A name is shown in tables, logs and metric labels: no terminal escapes, no twins
+    # (a hostile-input trial saw ESC printed raw by `providers check`).
+    ('[[providers]]\nname = "a\\u001b[31mred"\nkind = "scripted"\npath = "r"\n',
+     "provider name holds the character U+001B"),
+    ('[[providers]]\nname = "a\\u202eb"\nkind = "scripted"\npath = "r"\n', "U+202E"),
+    ('[[providers]]\nname = "' + "n" * 101 + '"\nkind = "scripted"\npath = "r"\n',
+     "longer than 100 characters"),
+    ('[[providers]]\nname = "s"\nkind = "scripted"\npath = "r"\n'
+     '[[providers]]\nname = "s"\nkind = "scripted"\npath = "q"\n',
+     "two providers are named 's'"),
 ])
 def test_providers_file_mistakes_are_named(tmp_path: Path, entry: str, expected: str) -> None:
     file = tmp_path / "providers.toml"

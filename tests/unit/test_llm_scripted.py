@@ -94,9 +94,13 @@ def test_build_providers_in_order(tmp_path: Path) -> None:
 
 
 def test_build_providers_rejects_duplicate_names() -> None:
-    config = ProvidersConfig(providers=[
-        ProviderConfig(name="x", kind="scripted", path="a"),
-        ProviderConfig(name="x", kind="scripted", path="b"),
-    ])
+    from pydantic import ValidationError
+
+    entries = [ProviderConfig(name="x", kind="scripted", path="a"),
+               ProviderConfig(name="x", kind="scripted", path="b")]
+    with pytest.raises(ValidationError):  # the providers file itself is refused
+        ProvidersConfig(providers=entries)
+    # A config built around the validation still never yields two providers of one name.
+    config = ProvidersConfig.model_construct(providers=entries)
     with pytest.raises(ProviderConfigurationError):
         build_providers(config)
