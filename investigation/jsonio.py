@@ -216,3 +216,21 @@ def loads_shared(data: bytes, sha256: str) -> Any:
         value = loads(data)
         _SHARED.put(sha256, value)
     return value
+
+
+#: Most digits of a JSON integer: Python's own bound on converting text to ``int``.
+MAX_INT_DIGITS = 4300
+
+
+def parse_json_int(token: str) -> int:
+    """``int(token)`` for a JSON number token, refusing one longer than
+    :data:`MAX_INT_DIGITS` with a message that names the number (Python's own says to call
+    ``sys.set_int_max_str_digits()``, advice for a programmer, not for a file's author).
+
+    Raises:
+        ValueError: the integer has more than :data:`MAX_INT_DIGITS` digits.
+    """
+    digits = len(token) - token.startswith("-")
+    if digits > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {digits} digits (at most {MAX_INT_DIGITS})")
+    return int(token)

@@ -29,6 +29,7 @@ from typing import Any
 
 from investigation.config import PackageLimits
 from investigation.errors import PackageError
+from investigation.jsonio import parse_json_int
 from investigation.text_safety import escape_text, first_unsafe
 
 #: Name of the manifest entry.
@@ -253,7 +254,9 @@ def strict_json_loads(text: str) -> Any:
         ValueError: duplicate keys, non-finite numbers or invalid JSON.
         RecursionError: nesting too deep for the parser.
     """
-    return json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant)
+    return json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant,
+                      parse_int=parse_json_int)
+
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from investigation.constants import CONFIDENCE_ORDER
+from investigation.jsonio import parse_json_int
 from investigation.tools.models import ARGUMENT_MODELS
 
 Confidence = Literal["unassessed", "weak", "plausible", "supported", "strongly_supported",
@@ -310,7 +311,7 @@ def parse_reply(text: str) -> Reply:
 def _load(text: str) -> dict[str, Any]:
     try:
         data = json.loads(text.strip(), object_pairs_hook=_no_duplicate_keys,
-                          parse_constant=_reject_constant)
+                          parse_constant=_reject_constant, parse_int=parse_json_int)
     except ReplyRejected:
         raise
     except RecursionError as exc:

@@ -98,3 +98,20 @@ def test_a_scripted_reply_larger_than_a_server_response_is_refused(tmp_path: Pat
     assert err.value.errno == errno.EFBIG and "reply line 2" in str(err.value.strerror)
     path.write_bytes(b'{"ok": 1}\n' + b"x" * MAX_RESPONSE_BYTES + b"\n")
     assert len(read_script_lines(path)) == 2
+
+
+@pytest.mark.parametrize("digits", [4301, 5000])
+def test_a_huge_integer_is_named_not_explained_in_python_terms(digits: int) -> None:
+    """A reply or manifest number of more than 4,300 digits: the message names it (Python's
+    own told the reader to call ``sys.set_int_max_str_digits()``, a hostile-input trial)."""
+    from investigation.cases.layout import strict_json_loads
+    from investigation.loop.contract import ReplyRejected, parse_reply
+
+    with pytest.raises(ReplyRejected) as err:
+        parse_reply('{"a": -' + "9" * digits + "}")
+    assert err.value.code == "REPLY_NOT_JSON"
+    assert f"an integer of {digits} digits (at most 4300)" in err.value.detail
+    assert "sys." not in err.value.detail
+    with pytest.raises(ValueError, match=f"an integer of {digits} digits"):
+        strict_json_loads("[" + "9" * digits + "]")
+    assert strict_json_loads("[" + "9" * 4300 + "]")[0] == int("9" * 4300)
