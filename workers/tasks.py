@@ -476,6 +476,7 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
     rt = runtime.current()
     check_dispatch(case_id, max_steps, rt.env.config.limits.max_checkpoints)
     token = rt.lock.acquire(case_id)
+    sending = False
     try:
         steps = max_steps or rt.env.config.loop.max_steps_per_dispatch
         payload = new_payload(case_id, steps, "distributed", max_steps)
@@ -484,9 +485,12 @@ def start_dispatch(case_id: str, max_steps: int | None = None) -> str | Outcome:
             outcome = Investigator(rt.env).next_step(case_id)
             assert isinstance(outcome, Outcome)
             return outcome
+        sending = True
         step_chain(payload, token).apply_async()
     except BaseException:
-        rt.lock.release(case_id, token)
+        # A tombstone only where a message with the token may have gone out (a failed
+        # publish may still have reached the broker); an unknown case leaves none.
+        rt.lock.release(case_id, token, tombstone=sending)
         raise
     return token
 

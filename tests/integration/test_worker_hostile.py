@@ -197,3 +197,19 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
         # Nothing was left reserved for the broker to restore to the next worker.
         assert h.redis.llen(h.queue) == 0
         assert not h.redis.hlen("unacked")
+
+
+def test_a_dispatch_of_an_unknown_case_leaves_no_lock_key(tmp_path: Path, redis_url: str,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The lock taken for a case that is not in the store is released without a tombstone:
+    no message carried its token (a hostile-input trial found ``released`` keys, kept for
+    about an hour, of refused dispatches)."""
+    from workers.tasks import start_dispatch
+
+    with running_harness(tmp_path, redis_url, monkeypatch) as h:
+        unknown = "case-00000000000000ff"
+        with pytest.raises(InvestigationError) as err:
+            start_dispatch(unknown)
+        assert err.value.code == "CASE_NOT_FOUND"
+        assert h.redis.keys(f"*{unknown}*") == []
