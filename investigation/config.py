@@ -121,7 +121,9 @@ class LimitsConfig(_Strict):
     max_context_bytes: int = Field(1 << 20, ge=4096, le=MAX_BYTES)
     """Bound of one serialized context. Default 1 MiB."""
     max_artifact_bytes: int = Field(4 << 20, ge=4096, le=MAX_BYTES)
-    """Bound of one JSON artifact. Default 4 MiB."""
+    """Bound of one JSON artifact. Default 4 MiB. A model reply over it is a failed attempt
+    (``PROVIDER_MALFORMED_RESPONSE``) and is not stored; the other artifacts are bounded
+    below it by ``max_context_bytes`` and the tools' output bounds."""
     max_checkpoints: int = Field(10_000, ge=1, le=MAX_COUNT)
     """Bound of state checkpoints per case. Default 10,000."""
     max_execution_seconds: int = Field(7 * 24 * 3600, ge=1, le=MAX_SECONDS)

@@ -95,6 +95,7 @@ from investigation.llm.types import (
     PROVIDER_CREDENTIALS,
     PROVIDER_CREDENTIALS_MISSING,
     PROVIDER_INTERRUPTED,
+    PROVIDER_MALFORMED_RESPONSE,
     PROVIDER_REQUEST_REJECTED,
     PROVIDER_REQUEST_TOO_LARGE,
     PROVIDER_UNEXPECTED,
@@ -615,6 +616,13 @@ class LLMGateway:
             failure: Failure | None = None
             try:
                 reply = provider.send(request_bytes, request)  # outside any transaction
+                limit = request.max_response_bytes
+                if limit is not None and len(reply.raw) > limit:
+                    reply = None  # never stored: an artifact is bounded (seed 000)
+                    raise TransientProviderError(
+                        PROVIDER_MALFORMED_RESPONSE,
+                        f"provider {provider.name!r}: the response is larger than "
+                        f"limits.max_artifact_bytes ({limit} bytes)", provider=provider.name)
             except Exception as exc:
                 failure = reclassify(
                     classify(provider.name, exc),

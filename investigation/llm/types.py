@@ -112,6 +112,10 @@ class ChatRequest:
         money_cap_micros: the case's cap on model spending (micros of ``currency``), or
             ``None`` (no cap; see :mod:`investigation.llm.spend`).
         currency: the label of prices and the cap (``limits.currency``), for messages.
+        max_response_bytes: the largest reply stored as an artifact
+            (``limits.max_artifact_bytes``, seed 000's "4 MiB JSON artifact"); a longer one
+            is a failed attempt (``PROVIDER_MALFORMED_RESPONSE``) whose bytes are not
+            stored. ``None``: only :data:`MAX_RESPONSE_BYTES` bounds it.
 
     Raises:
         ValueError: a message lacks a known role or string content, or ``call_index < 0``.
@@ -126,6 +130,7 @@ class ChatRequest:
     max_tokens: int | None = None
     money_cap_micros: int | None = None
     currency: str = "USD"
+    max_response_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.call_index < 0:

@@ -255,7 +255,8 @@ class Stages(StageFramework):
                 metadata={"case_id": key.case_id, "step_seq": str(key.step_seq),
                           "hypothesis_id": str(built["hypothesis_id"]),
                           "prompt_version": PROMPT_VERSION},
-                money_cap_micros=cap, currency=limits.currency)
+                money_cap_micros=cap, currency=limits.currency,
+                max_response_bytes=limits.max_artifact_bytes)
             # The model operation is looked up or created in this fenced transaction (the
             # case row serialises its creators); the call itself runs after the commit.
             opened = self.env.gateway.open_operation(s, key.case_id, key.revision,

@@ -115,3 +115,27 @@ def test_a_huge_integer_is_named_not_explained_in_python_terms(digits: int) -> N
     with pytest.raises(ValueError, match=f"an integer of {digits} digits"):
         strict_json_loads("[" + "9" * digits + "]")
     assert strict_json_loads("[" + "9" * 4300 + "]")[0] == int("9" * 4300)
+
+
+def test_a_reply_larger_than_an_artifact_may_be_is_a_failed_attempt(tmp_path: Path) -> None:
+    """Seed 000 bounds a JSON artifact (``limits.max_artifact_bytes``, 4 MiB): a model reply
+    over it is a failed attempt (PROVIDER_MALFORMED_RESPONSE) whose bytes are not stored;
+    a trial stored a 30 MiB reply whole, in the artifact and in the stage record."""
+    from sqlmodel import select
+
+    from investigation.store.models import Artifact, LLMAttempt, StageRun
+
+    huge = json.dumps({"note": "x" * (5 << 20)})
+    case = casekit.make_case(tmp_path / "case", replies=[huge, huge],
+                             gateway_toml="[gateway]\nattempts = 2\ndelay_s = 0\n")
+    outcome = case.investigator().step(case.case_id)
+    assert outcome.outcome in ("BLOCKED", "RETRY_PENDING"), outcome
+    with case.store.session() as s:
+        attempts = s.exec(select(LLMAttempt)).all()
+        sizes = [a.size_bytes for a in s.exec(select(Artifact)).all()]
+        records = [len(r.output_json) for r in s.exec(select(StageRun)).all()]
+    assert attempts and all(a.error_code == "PROVIDER_MALFORMED_RESPONSE" for a in attempts)
+    assert all(a.response_path is None for a in attempts)
+    assert max(sizes) < 4 << 20 and max(records, default=0) < 4 << 20
+    assert "limits.max_artifact_bytes (4194304 bytes)" in (attempts[0].error_message or "")
+    case.store.dispose()
