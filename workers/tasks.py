@@ -176,8 +176,7 @@ def payload_problem(payload: Any, token: Any) -> str | None:
         return f"payload case_id {escape_text(repr(payload['case_id']))[:80]} is not a case id"
     if payload.get("halt") is not None and not isinstance(payload.get("halt"), dict):
         return "payload halt is neither null nor an object"
-    if not (isinstance(token, str) and token) and \
-            not (isinstance(payload.get("token"), str) and payload["token"]):
+    if not _token_given(payload, token):
         return "no lock token"
     return None
 
@@ -237,9 +236,19 @@ def _halt(payload: dict[str, Any], outcome: str, reason: str | None,
     return payload
 
 
+def _token_given(payload: dict[str, Any], token: Any) -> Any:
+    """The chain's lock token as the message carries it: the keyword argument, or an older
+    payload's ``token`` (an older chain passes it on in the payload); falsy if neither."""
+    return token or payload.get("token")
+
+
 def _token(payload: dict[str, Any], token: str | None) -> str:
-    """The chain's lock token: the keyword argument, or an older payload's ``token``."""
-    value = token or payload.get("token")  # an older chain passes it on in the payload
+    """The chain's lock token (:func:`_token_given`).
+
+    Raises:
+        InvestigationError: ``PAYLOAD_INVALID`` when the message carries none.
+    """
+    value = _token_given(payload, token)
     if not value:
         raise InvestigationError("PAYLOAD_INVALID", "a stage task came without a lock token")
     return str(value)

@@ -258,7 +258,6 @@ def strict_json_loads(text: str) -> Any:
                       parse_int=parse_json_int)
 
 
-
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:

@@ -47,18 +47,16 @@ def script_path_of(message: str | None) -> str | None:
     return found.group(1) if found else None
 
 
-def read_script_lines(path: Path) -> list[bytes]:
-    """The reply lines of a JSON Lines file: exact bytes, terminators and blank lines dropped.
-
-    The file must be a regular file of at most :data:`MAX_SCRIPT_FILE_BYTES`, and each
-    reply at most :data:`~investigation.llm.types.MAX_RESPONSE_BYTES`, what an HTTP
-    provider's response may be.
+def script_lines(data: bytes, path: str | Path = "") -> list[tuple[int, bytes]]:
+    """``(physical line number, bytes)`` of each reply line of a JSON Lines script: exact
+    bytes, terminators and blank lines dropped. What the scripted provider serves and
+    ``investigate replies check`` judges.
 
     Raises:
-        OSError: the file cannot be read, is not a regular file, or is too large; a reply
-            line is too large (``EFBIG``, naming its line number).
+        OSError: ``EFBIG`` for a reply line larger than
+            :data:`~investigation.llm.types.MAX_RESPONSE_BYTES`, what an HTTP provider's
+            response may be (naming its line number).
     """
-    data = read_bounded(path, MAX_SCRIPT_FILE_BYTES)
     lines = []
     for number, line in enumerate(data.split(b"\n"), start=1):
         if line.endswith(b"\r"):
@@ -68,8 +66,19 @@ def read_script_lines(path: Path) -> list[bytes]:
                           f"{MAX_RESPONSE_BYTES} bytes, what a model server's response "
                           "may be", str(path))
         if line.strip():
-            lines.append(line)
+            lines.append((number, line))
     return lines
+
+
+def read_script_lines(path: Path) -> list[bytes]:
+    """The reply lines of the script at ``path`` (:func:`script_lines`), a regular file of
+    at most :data:`~investigation.files.MAX_SCRIPT_FILE_BYTES`.
+
+    Raises:
+        OSError: the file cannot be read, is not a regular file, or is too large; a reply
+            line is too large.
+    """
+    return [line for _, line in script_lines(read_bounded(path, MAX_SCRIPT_FILE_BYTES), path)]
 
 
 class ScriptedProvider:

@@ -34,7 +34,6 @@ feedback, when it comes, is new information.
 
 from __future__ import annotations
 
-import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,7 +63,7 @@ from investigation.constants import (
 )
 from investigation.errors import InvestigationError, ToolError
 from investigation.files import MAX_SCRIPT_FILE_BYTES, read_bounded
-from investigation.llm.types import MAX_RESPONSE_BYTES
+from investigation.llm.scripted import script_lines
 from investigation.loop.contract import QueryAction, ReplyRejected, TestAction, read_reply
 from investigation.loop.scheduler import select_hypothesis
 from investigation.loop.validation import AcceptedDecision, validate_reply
@@ -157,18 +156,6 @@ class ScriptCheck:
                 "first_call": self.first_call, "policy": self.policy, "end": self.end,
                 "counts": self.counts, "ok": self.ok,
                 "lines": [line.to_dict() for line in self.lines]}
-
-
-def script_lines(data: bytes) -> list[tuple[int, bytes]]:
-    """``(physical line number, bytes)`` of each reply line, exactly as the scripted
-    provider counts them (``investigation.llm.scripted.read_script_lines``)."""
-    out = []
-    for number, line in enumerate(data.split(b"\n"), start=1):
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        if line.strip():
-            out.append((number, line))
-    return out
 
 
 @dataclass
@@ -443,13 +430,8 @@ def check_script(store: Store, case_id: str, path: Path,
         cannot be read.
     """
     cfg = config or InvestigationConfig()
-    try:  # what the scripted provider reads (read_script_lines), refused as it refuses it
-        data = read_bounded(path, MAX_SCRIPT_FILE_BYTES)
-        too_long = next((n for n, line in script_lines(data)
-                         if len(line) > MAX_RESPONSE_BYTES), None)
-        if too_long is not None:
-            raise OSError(errno.EFBIG, f"reply line {too_long} is larger than "
-                          f"{MAX_RESPONSE_BYTES} bytes, what a model server's response may be")
+    try:  # what the scripted provider reads, refused as it refuses it
+        lines = script_lines(read_bounded(path, MAX_SCRIPT_FILE_BYTES), path)
     except OSError as exc:
         raise InvestigationError("SCRIPT_UNREADABLE",
                                  f"cannot read {path}: {exc.strerror or exc}") from exc
@@ -507,7 +489,7 @@ def check_script(store: Store, case_id: str, path: Path,
     with _router(store, case_id, cfg, reader) as router:
         world = _World("find", True, accounts, evidence, questions, question_count,
                        evidence_count, cfg, router, head)
-        verdicts, end = _walk(script_lines(data), calls, world,
+        verdicts, end = _walk(lines, calls, world,
                               state in (CASE_BUILDING_DIAGNOSIS, CASE_CANCELLED, CASE_STOPPED))
     return ScriptCheck(case_id=case_id, path=str(path), start=start, first_call=calls,
                        lines=verdicts, end=end, policy=policy)
