@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import sqlite3
 import threading
 import time
@@ -93,6 +94,14 @@ ALLOWED_FUNCTIONS = frozenset({
     "power", "radians", "sin", "sinh", "sqrt", "tan", "tanh", "trunc",
     *DATE_FUNCTIONS,
 })
+
+#: The one denial a table-valued function or virtual table (``json_each``, ``pragma_*``,
+#: ``dbstat``) causes: SQLite registers it with a schema change on first use.
+_SCHEMA_CHANGE = "SQLITE_UPDATE(sqlite_master)"
+#: Table-valued functions and virtual-table modules SQLite may offer, as a query names them.
+_TABLE_VALUED = re.compile(
+    r"\b(json_each|json_tree|jsonb_each|jsonb_tree|pragma_\w+|dbstat|sqlite_dbpage|"
+    r"sqlite_stmt|generate_series|carray|fts[345]\w*|rtree\w*)\b", re.IGNORECASE)
 
 _ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ,
                               sqlite3.SQLITE_RECURSIVE})
@@ -385,9 +394,20 @@ class ReadOnlyDatabase:
                 if self._server.pid is not None:
                     _used(self)
 
-    def _translate(self, exc: sqlite3.Error) -> ToolError:
+    def _translate(self, exc: sqlite3.Error, sql: str = "") -> ToolError:
         if self._denials:
             denied = ", ".join(sorted(set(self._denials)))
+            table_valued = sorted({m.lower() for m in _TABLE_VALUED.findall(sql)})
+            if set(self._denials) == {_SCHEMA_CHANGE} and table_valued:
+                # SQLite registers an eponymous virtual table (json_each, pragma_*) on
+                # first use by changing the schema: the only denial is that change.
+                return ToolError(
+                    "TOOL_SQL_NOT_READ_ONLY",
+                    f"table-valued functions and virtual tables are not allowed "
+                    f"({', '.join(table_valued)}); use one SELECT over the snapshot's "
+                    f"tables (json_extract and the other json_* scalar functions are "
+                    f"allowed)", database=self.name, denied=sorted(set(self._denials)),
+                    table_valued=table_valued)
             return ToolError("TOOL_SQL_NOT_READ_ONLY",
                              f"not a read-only query (allowed: one SELECT using pure builtin "
                              f"functions); denied: {denied}",
@@ -459,15 +479,15 @@ class ReadOnlyDatabase:
                 return  # an EXPLAIN listing: it ran to its first row, nothing else
             except sqlite3.OperationalError as exc:
                 if not stopped[0] or self._denials:
-                    raise self._translate(exc) from exc
+                    raise self._translate(exc, sql) from exc
             except sqlite3.Error as exc:
-                raise self._translate(exc) from exc
+                raise self._translate(exc, sql) from exc
             finally:
                 cursor.close()
             try:
                 program = self._conn.execute("EXPLAIN " + sql, list(params)).fetchall()
             except sqlite3.Error as exc:
-                raise self._translate(exc) from exc
+                raise self._translate(exc, sql) from exc
         opcodes = {str(row[1]) for row in program}
         writes = sorted(opcodes & _WRITE_OPCODES)
         if any(row[1] == "Transaction" and row[3] for row in program):
@@ -545,7 +565,7 @@ class ReadOnlyDatabase:
                     rows.append(tuple(row))
             except sqlite3.OperationalError as exc:
                 if not hit[0] or self._denials:
-                    raise self._translate(exc) from exc
+                    raise self._translate(exc, sql) from exc
                 if not rows:
                     raise ToolError(
                         "TOOL_SQL_TIMEOUT",
@@ -553,7 +573,7 @@ class ReadOnlyDatabase:
                         "narrow it (WHERE, LIMIT, fewer joins)",
                         database=self.name, timeout_s=timeout_s) from exc
             except sqlite3.Error as exc:
-                raise self._translate(exc) from exc
+                raise self._translate(exc, sql) from exc
             finally:
                 cursor.close()
         return columns, rows, truncated, hit[0]

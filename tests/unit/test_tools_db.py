@@ -426,3 +426,28 @@ def test_a_table_name_that_is_not_utf8_is_listed_the_same_every_time() -> None:
     texts = json.dumps(listed[0])
     assert "object at 0x" not in texts and "InvalidText" not in texts
     assert "tabl\\\\xff" in texts and "plain" in texts
+
+
+@pytest.mark.parametrize(("sql", "named"), [
+    ("SELECT value FROM json_each('[1, 2]')", "json_each"),
+    ("SELECT u.id, j.key FROM users u, json_tree('{\"a\": 1}') j", "json_tree"),
+    ("SELECT name FROM pragma_table_info('users')", "pragma_table_info"),
+    ("SELECT * FROM dbstat", "dbstat"),
+])
+def test_a_table_valued_function_is_refused_by_its_name(sql: str, named: str) -> None:
+    """json_each, pragma_* and dbstat are refused as what they are: SQLite registers them
+    with a schema change, and "denied: SQLITE_UPDATE(sqlite_master)" sent the model
+    looking for a write it never made."""
+    error = refusal(make_router(), "db.query", {"sql": sql})
+    assert error.code == "TOOL_SQL_NOT_READ_ONLY"
+    assert f"table-valued functions and virtual tables are not allowed ({named})" in str(error)
+    assert error.details["table_valued"] == [named]
+    assert "sqlite_master" not in str(error)
+
+
+def test_a_schema_write_is_not_called_a_table_valued_function() -> None:
+    """A statement that writes gets the write refusal, even when it names json_each."""
+    error = refusal(make_router(), "db.query",
+                    {"sql": "DELETE FROM users WHERE id IN (SELECT value FROM json_each('[1]'))"})
+    assert error.code == "TOOL_SQL_NOT_READ_ONLY"
+    assert "table-valued" not in str(error) and "SQLITE_DELETE(users)" in str(error)
