@@ -81,7 +81,7 @@ def decode_entry_name(raw: bytes, max_name_bytes: int, *, max_depth: int | None 
     if len(raw) > max_name_bytes:
         raise PackageError(
             "PKG_NAME_TOO_LONG",
-            f"entry name {shown!r} is {len(raw)} bytes, over the limit of {max_name_bytes}; "
+            f"entry name '{shown}' is {len(raw)} bytes, over the limit of {max_name_bytes}; "
             "shorten the path or raise package.max_name_bytes",
             name=shown,
         )
@@ -89,7 +89,7 @@ def decode_entry_name(raw: bytes, max_name_bytes: int, *, max_depth: int | None 
         name = raw.decode("utf-8", "strict")
     except UnicodeDecodeError as exc:
         raise PackageError(
-            "PKG_BAD_NAME", f"entry name {shown!r} is not valid UTF-8", name=shown
+            "PKG_BAD_NAME", f"entry name '{shown}' is not valid UTF-8", name=shown
         ) from exc
     return check_relative_path(name, max_depth=max_depth, max_segment_bytes=max_segment_bytes)
 
@@ -117,7 +117,7 @@ def check_relative_path(name: str, *, max_depth: int | None = None,
         name.encode("utf-8", "strict")
     except UnicodeEncodeError as exc:
         raise PackageError(
-            "PKG_BAD_NAME", f"path {_shown(name)!r} is not valid UTF-8; rename the file",
+            "PKG_BAD_NAME", f"path '{_shown(name)}' is not valid UTF-8; rename the file",
             name=_shown(name),
         ) from exc
     unsafe = first_unsafe(name)
@@ -126,18 +126,18 @@ def check_relative_path(name: str, *, max_depth: int | None = None,
             "an invisible or bidirectional formatting character"
         raise PackageError(
             "PKG_BAD_NAME",
-            f"path {_shown(name)!r} contains {kind} (U+{ord(unsafe):04X}); rename the file",
+            f"path '{_shown(name)}' contains {kind} (U+{ord(unsafe):04X}); rename the file",
             name=_shown(name),
         )
     if name.startswith("/") or _DRIVE.match(name):
         raise PackageError(
             "PKG_ABSOLUTE_PATH",
-            f"path {_shown(name)!r} is absolute; package paths are relative", name=_shown(name),
+            f"path '{_shown(name)}' is absolute; package paths are relative", name=_shown(name),
         )
     if "\\" in name:
         raise PackageError(
             "PKG_BAD_NAME",
-            f"path {_shown(name)!r} contains a backslash; package paths use '/' only",
+            f"path '{_shown(name)}' contains a backslash; package paths use '/' only",
             name=_shown(name),
         )
     body = name[:-1] if name.endswith("/") else name
@@ -145,17 +145,17 @@ def check_relative_path(name: str, *, max_depth: int | None = None,
     if max_depth is not None and len(segments) > max_depth:
         raise PackageError(
             "PKG_PATH_TOO_DEEP",
-            f"path {_shown(name)!r} has {len(segments)} segments, over "
+            f"path '{_shown(name)}' has {len(segments)} segments, over "
             f"package.max_path_depth={max_depth}; pack a shallower tree or raise the limit",
             name=_shown(name),
         )
     if ".." in segments:
         raise PackageError(
-            "PKG_PATH_TRAVERSAL", f"path {_shown(name)!r} has a '..' segment", name=_shown(name)
+            "PKG_PATH_TRAVERSAL", f"path '{_shown(name)}' has a '..' segment", name=_shown(name)
         )
     if "" in segments or "." in segments:
         raise PackageError(
-            "PKG_BAD_NAME", f"path {_shown(name)!r} has an empty or '.' segment",
+            "PKG_BAD_NAME", f"path '{_shown(name)}' has an empty or '.' segment",
             name=_shown(name),
         )
     # A segment of n characters has at most 4n UTF-8 bytes: encode only the long ones.
@@ -165,7 +165,7 @@ def check_relative_path(name: str, *, max_depth: int | None = None,
             if size > max_segment_bytes:
                 raise PackageError(
                     "PKG_NAME_TOO_LONG",
-                    f"path {_shown(name)!r} has a segment of {size} bytes, over "
+                    f"path '{_shown(name)}' has a segment of {size} bytes, over "
                     f"package.max_segment_bytes={max_segment_bytes}; rename it or raise "
                     "the limit",
                     name=_shown(name),

@@ -230,6 +230,9 @@ def test_a_refused_name_is_shown_escaped() -> None:
     assert err.value.code == "PKG_BAD_NAME"
     assert "\x1b" not in err.value.message and "\u202e" not in err.value.message
     assert "\\x1b]0;pwned" in err.value.message and "U+001B" in err.value.message
+    # escaped once: one backslash per escape, as the name is shown in details too
+    assert "'source/\\x1b]0;pwned\\x07\\u202e.py'" in err.value.message, err.value.message
+    assert "\\\\" not in err.value.message
 
 
 def _prefix_conflicts(files: list[str], directories: list[str]) -> bool:
