@@ -257,6 +257,10 @@ def _read_plan(plan: Mapping[str, Path], report: Path, db: Path | None) -> dict[
     except UnicodeDecodeError as exc:
         raise PackageError("PKG_REPORT_INVALID", f"report {report} is not UTF-8 text",
                            path=str(report)) from exc
+    if not files[REPORT_NAME].decode("utf-8").strip():
+        raise PackageError("PKG_REPORT_INVALID",
+                           f"report {report} is empty; write the bug report to investigate",
+                           path=str(report))
     for name, content in files.items():
         if name.startswith(DB_ROOT) and not content.startswith(SQLITE_HEADER):
             raise PackageError(

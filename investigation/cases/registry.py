@@ -42,7 +42,7 @@ from investigation.cases.layout import strict_json_loads
 from investigation.cases.reader import PackageReader
 from investigation.cases.snapshot import Snapshot
 from investigation.config import canonical_json
-from investigation.errors import InvestigationError
+from investigation.errors import InvestigationError, PackageError
 from investigation.files import read_bounded
 from investigation.store.engine import Store, is_lost_race
 from investigation.store.models import CaseRecord, HypothesisBirth, PackageRecord, RevisionRecord
@@ -190,6 +190,21 @@ def case_id_for(package_id: str, interpretation: dict[str, Any],
 # -- registration ----------------------------------------------------------------------------
 
 
+def _check_report(text: str) -> None:
+    """Refuse a bug report without text: a case is investigated from its report.
+
+    Checked when a case is registered, not by the package reader, so that a case stored
+    before this rule still opens.
+
+    Raises:
+        PackageError: ``PKG_REPORT_INVALID`` (empty or only whitespace).
+    """
+    if not text.strip():
+        raise PackageError("PKG_REPORT_INVALID",
+                           "the package's bug report is empty; a case needs the report it "
+                           "investigates (rebuild with `investigate case build --report`)")
+
+
 def register_case(
     store: Store,
     package: bytes,
@@ -210,7 +225,8 @@ def register_case(
         The case id. Registering the same inputs again returns it and writes nothing.
 
     Raises:
-        PackageError: the package fails validation (nothing is stored).
+        PackageError: the package fails validation, or ``PKG_REPORT_INVALID`` for a new
+            case whose bug report is empty or only whitespace (nothing is stored).
         InvestigationError: ``CASE_INTERPRETATION_INVALID``, ``CASE_HYPOTHESES_INVALID``,
             ``CASE_ID_CONFLICT``. On any error nothing is stored.
     """
@@ -229,6 +245,7 @@ def register_case(
                 _check_same_case(session, existing, package_id, interpretation_json,
                                  hypotheses_sha256)
                 return case_id
+            _check_report(snapshot.report_text())
             if session.get(PackageRecord, package_id) is None:
                 session.add(PackageRecord(
                     id=package_id, size_bytes=len(data),

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import sqlite3
 import threading
 import time
@@ -43,6 +42,8 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
+
+import re2
 
 from investigation.errors import ToolError
 from investigation.tools.isolation import IsolatedServer
@@ -99,9 +100,9 @@ ALLOWED_FUNCTIONS = frozenset({
 #: ``dbstat``) causes: SQLite registers it with a schema change on first use.
 _SCHEMA_CHANGE = "SQLITE_UPDATE(sqlite_master)"
 #: Table-valued functions and virtual-table modules SQLite may offer, as a query names them.
-_TABLE_VALUED = re.compile(
-    r"\b(json_each|json_tree|jsonb_each|jsonb_tree|pragma_\w+|dbstat|sqlite_dbpage|"
-    r"sqlite_stmt|generate_series|carray|fts[345]\w*|rtree\w*)\b", re.IGNORECASE)
+_TABLE_VALUED = re2.compile(
+    r"(?i)\b(json_each|json_tree|jsonb_each|jsonb_tree|pragma_\w+|dbstat|sqlite_dbpage|"
+    r"sqlite_stmt|generate_series|carray|fts[345]\w*|rtree\w*)\b")
 
 _ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ,
                               sqlite3.SQLITE_RECURSIVE})

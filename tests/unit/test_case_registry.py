@@ -195,3 +195,29 @@ def test_load_snapshot_unknown_case(store: Store, reader: PackageReader) -> None
     with pytest.raises(InvestigationError) as err:
         load_snapshot(store, "case-0000000000000000", reader)
     assert err.value.code == "CASE_NOT_FOUND"
+
+
+@pytest.mark.parametrize("report", [b"", b"  \n\t\n"])
+def test_a_package_without_a_bug_report_is_refused(
+        store: Store, reader: PackageReader, tmp_path: Path, report: bytes) -> None:
+    """A case is investigated from its report: an empty one is refused by `case build` and,
+    for a package made elsewhere, by registration, which stores nothing. The reader itself
+    still opens it, so a case stored before the rule keeps working."""
+    from tests.unit.test_package_reader import BASE
+    from tests.unit.test_package_reader import package as crafted
+
+    data = crafted(files={**BASE, "report.md": report})
+    assert reader.read(data).report_text() == report.decode()
+    with pytest.raises(PackageError) as err:
+        register_case(store, data, INTERPRETATION, HYPOTHESES, reader)
+    assert err.value.code == "PKG_REPORT_INVALID" and "empty" in err.value.message
+    assert _counts(store) == dict.fromkeys(("package", "case", "revision", "hypothesis_birth"), 0)
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_bytes(b"x = 1\n")
+    (tmp_path / "report.md").write_bytes(report)
+    with pytest.raises(PackageError) as err:
+        build_package(src, tmp_path / "report.md", tmp_path / "case.zip")
+    assert err.value.code == "PKG_REPORT_INVALID" and "empty" in err.value.message
+    assert not (tmp_path / "case.zip").exists()
