@@ -194,13 +194,22 @@ class AsyncTestCoordinator:
         """The request's feedback secret, derived from the feedback key.
 
         Raises:
-            InvestigationError: ``FEEDBACK_KEY_MISSING``, ``TEST_REQUEST_NOT_FOUND``.
+            InvestigationError: ``FEEDBACK_KEY_MISSING``, ``TEST_REQUEST_NOT_FOUND``,
+                ``FEEDBACK_KEY_MISMATCH`` (this key is not the one the request was handed
+                out with: the secret it derives would be refused, so none is given).
         """
         if self.key is None:
             raise InvestigationError("FEEDBACK_KEY_MISSING", "no feedback key is configured")
         with self.store.session() as s:
-            self._request(s, case_id, request_id)
-        return derive_secret(self.key, case_id, request_id)
+            row = self._request(s, case_id, request_id)
+        secret = derive_secret(self.key, case_id, request_id)
+        if not hmac.compare_digest(_secret_hash(secret).encode(), row.secret_sha256.encode()):
+            raise InvestigationError(
+                "FEEDBACK_KEY_MISMATCH",
+                f"the feedback key here is not the one {request_id} of {case_id} was handed "
+                f"out with, so its secret would be refused; use the workers' key: the same "
+                f"INVESTIGATE_HOME (its feedback.key) or INVESTIGATE_FEEDBACK_KEY")
+        return secret
 
     @staticmethod
     def _describe(s: Session, r: TestRequest) -> dict[str, Any]:
@@ -227,9 +236,20 @@ class AsyncTestCoordinator:
 
     def _authenticate(self, r: TestRequest, secret: str) -> None:
         if not hmac.compare_digest(_secret_hash(secret).encode(), r.secret_sha256.encode()):
+            hint = ""
+            if self.key is not None and not hmac.compare_digest(
+                    _secret_hash(derive_secret(self.key, r.case_id, r.request_id)).encode(),
+                    r.secret_sha256.encode()):
+                # The operator's own key would not have handed this request out either: a
+                # secret shown by a CLI with another INVESTIGATE_HOME than the workers'.
+                hint = ("; the feedback key here is not the one the request was handed out "
+                        "with either: a secret from `tests show --secret` is only right with "
+                        "the workers' INVESTIGATE_HOME (its feedback.key) or "
+                        "INVESTIGATE_FEEDBACK_KEY")
             raise InvestigationError(
                 "FEEDBACK_FORGED",
-                f"the secret does not authenticate feedback for {r.request_id} of {r.case_id}")
+                f"the secret does not authenticate feedback for {r.request_id} of "
+                f"{r.case_id}{hint}")
 
     def _before_deadline(self, r: TestRequest) -> None:
         if self.clock() >= _aware(r.deadline_at):

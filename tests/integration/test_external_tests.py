@@ -324,3 +324,27 @@ def test_secrets_in_feedback_are_masked_before_a_model_sees_them(
         stored = [bytes(a.data) for a in Store.artifacts(s, case.case_id)]
     assert stored and not any(key.encode() in d or token.encode() in d for d in stored)
     assert key not in operations.summary_bytes(case.store, case.case_id).decode()
+
+
+def test_a_secret_from_another_feedback_key_is_not_shown_and_its_refusal_says_why(
+        blocked: tuple[Case, AsyncTestCoordinator, Clock]) -> None:
+    """An operator's CLI with another INVESTIGATE_HOME than the workers' has another
+    feedback key: `tests show --secret` printed a secret that `feedback submit` then
+    refused as forged. Now the secret is not shown (FEEDBACK_KEY_MISMATCH), and a refused
+    submit from such a CLI says that its key differs; nothing is stored either way."""
+    case, coord, _clock = blocked
+    cid = case.case_id
+    other = AsyncTestCoordinator(case.store, b"o" * 40)
+    before = snapshot(case)
+    assert _code(other.secret, cid, "T1") == "FEEDBACK_KEY_MISMATCH"
+    wrong = derive_secret(b"o" * 40, cid, "T1")
+    with pytest.raises(InvestigationError) as info:
+        other.submit(cid, "T1", wrong, {"outcome": "as_expected", "observation": "90"})
+    assert info.value.code == "FEEDBACK_FORGED"
+    assert "feedback key here is not the one the request was handed out with" in str(info.value)
+    # The workers' key: the secret is shown, and a wrong secret is refused without the hint.
+    assert coord.secret(cid, "T1") == derive_secret(KEY, cid, "T1")
+    with pytest.raises(InvestigationError) as info:
+        coord.submit(cid, "T1", wrong, {"outcome": "as_expected", "observation": "90"})
+    assert info.value.code == "FEEDBACK_FORGED" and "feedback key here" not in str(info.value)
+    assert snapshot(case) == before
