@@ -482,6 +482,10 @@ def check_script(store: Store, case_id: str, path: Path,
         evidence_count += 1
         evidence.append(_Evidence(f"E{evidence_count}", t.hypothesis_id, t.cost_units, 1, 1,
                                   False, False))
+        # ... and, once confirmed, the pending result its hypothesis's next turn assesses
+        for account in accounts:
+            if account.hypothesis_id == t.hypothesis_id:
+                account.pending_evidence_id = f"E{evidence_count}"
     questions = [{"question_id": q.question_id, "hypothesis_id": q.hypothesis_id,
                   "text": q.text, "status": q.status} for q in question_rows]
     start = _start(state, reason, head, calls)

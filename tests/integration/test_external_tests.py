@@ -348,3 +348,29 @@ def test_a_secret_from_another_feedback_key_is_not_shown_and_its_refusal_says_wh
         coord.submit(cid, "T1", wrong, {"outcome": "as_expected", "observation": "90"})
     assert info.value.code == "FEEDBACK_FORGED" and "feedback key here" not in str(info.value)
     assert snapshot(case) == before
+
+
+def test_replies_check_while_a_test_is_out_expects_its_feedback_to_be_assessed(
+        blocked: tuple[Case, AsyncTestCoordinator, Clock]) -> None:
+    """`replies check` on a case waiting for test feedback: the feedback becomes the next
+    evidence id and the pending result its hypothesis's next turn assesses, so the line
+    that assesses it is accepted (it was refused as ASSESSMENT_UNEXPECTED, and accepted
+    only after the confirmation), and the check agrees with the run that follows."""
+    from investigation.loop.script_check import ACCEPTED, SERVED, check_script
+
+    case, coord, _ = blocked
+    secret = derive_secret(KEY, case.case_id, "T1")
+
+    def verdicts() -> list[tuple[str, str | None]]:
+        result = check_script(case.store, case.case_id, case.replies_path, CFG)
+        return [(v.verdict, v.code) for v in result.lines]
+
+    expected = [(SERVED, None)] * 3 + [(ACCEPTED, None), (ACCEPTED, None)]
+    assert verdicts() == expected
+    sub = coord.submit(case.case_id, "T1", secret,
+                       {"outcome": "as_expected", "observation": "The total is 90."})
+    assert verdicts() == expected
+    coord.confirm(case.case_id, "T1", secret, sub["feedback_sha256"])
+    assert verdicts() == expected
+    inv = case.investigator(CFG, feedback_key=KEY)
+    assert [inv.step(case.case_id).outcome for _ in range(2)] == [PROGRESSED, COMPLETED]
