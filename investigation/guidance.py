@@ -166,20 +166,23 @@ def _q(value: str) -> str:
     return shlex.quote(value)
 
 
-def _continue(f: CaseFacts, mode: Mode, providers: str | None) -> list[Step]:
-    """How to make the case run again on the runtime in use."""
+def _continue(f: CaseFacts, mode: Mode, providers: str | None,
+              first: bool = False) -> list[Step]:
+    """How to make the case run (``first``: no step ran yet) or run again on the runtime in
+    use."""
     case = _q(f.case_id)
     run = f"investigate run {case} --providers " + (_q(providers) if providers
                                                       else "PROVIDERS.toml")
     dispatch = f"investigate dispatch {case}"
+    again = "run it" if first else "run it again"
     if mode == "embedded":
-        return [Step("run it again" + ("" if providers else
-                                        " (with the providers file you use)"), run)]
+        return [Step(again + ("" if providers else " (with the providers file you use)"),
+                     run)]
     if mode == "distributed":
         return [Step("dispatch it to the workers (or let the recovery sweep do it)",
                      dispatch)]
-    return [Step("embedded runtime: run it again" + ("" if providers else
-                                                     " with your providers file"), run),
+    return [Step(f"embedded runtime: {again}" + ("" if providers else
+                                                 " with your providers file"), run),
             Step("distributed runtime: dispatch it to the workers", dispatch)]
 
 
@@ -288,7 +291,8 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
                  Step("distributed: the workers come back by themselves; watch it",
                       f"investigate status {case} --watch")))
         if f.steps == 0 and f.last_outcome is None:
-            return Guidance("No step has run yet.", tuple(_continue(f, mode, providers)))
+            return Guidance("No step has run yet.",
+                            tuple(_continue(f, mode, providers, first=True)))
         if f.last_outcome == "RESUMED":
             return Guidance(f"The case was resumed (it was {f.last_reason}); it goes on when "
                             "it runs again.",

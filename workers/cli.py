@@ -537,7 +537,8 @@ def status_cmd(
             watch_case(out, store, case_id, interval)
         return
     info = status(store, case_id)
-    g = guidance.for_case(store, case_id, providers=_providers_shown(settings),
+    g = guidance.for_case(store, case_id, _guidance_mode(settings),
+                          providers=_providers_shown(settings),
                           replies=guidance.scripted_file(settings.providers))
     if as_json:  # model costs are in micros of limits.currency
         _print_json({**info, "next": g.to_dict()})
@@ -545,6 +546,13 @@ def status_cmd(
     currency = (InvestigationConfig.load(settings.config) if settings.config
                 else InvestigationConfig()).limits.currency
     out.print(status_view(info, g, currency))
+
+
+def _guidance_mode(settings: Settings) -> guidance.Mode:
+    """The runtimes ``status`` and ``resume`` advise: both where a broker is configured,
+    else only the embedded one (as ``case add``: without INVESTIGATE_BROKER_URL a
+    ``dispatch`` goes to the default broker, where no fleet's worker may listen)."""
+    return None if _broker_configured(settings) else "embedded"
 
 
 def _providers_shown(settings: Settings) -> str | None:
@@ -578,7 +586,8 @@ def resume_cmd(
             err.print(f"try: investigate resume {case_id} --retry-id {fresh}",
                       highlight=False, markup=False)
         raise
-    g = guidance.for_case(store, case_id, providers=_providers_shown(settings),
+    g = guidance.for_case(store, case_id, _guidance_mode(settings),
+                          providers=_providers_shown(settings),
                           replies=guidance.scripted_file(settings.providers))
     if as_json:
         _print_json({**info, "next": g.to_dict()})

@@ -23,7 +23,18 @@ from rich.table import Table
 from investigation import guidance
 from investigation.errors import InvestigationError
 from investigation.overview import CaseRow, list_cases
-from workers.cli import JsonOpt, _controlled, _settings, _store, _term, err, example, out
+from workers.cli import (
+    JsonOpt,
+    _controlled,
+    _guidance_mode,
+    _providers_shown,
+    _settings,
+    _store,
+    _term,
+    err,
+    example,
+    out,
+)
 from workers.settings import Settings
 from workers.views import last_outcome_text
 
@@ -275,13 +286,16 @@ def metrics_cmd(
 # -- looking at the fleet -----------------------------------------------------------------
 
 
-def next_step_hint(store: Any, row: CaseRow) -> str | None:
+def next_step_hint(store: Any, row: CaseRow, settings: Settings) -> str | None:
     """What to do next for a case (the ``next`` column and field): the first command of
-    the guidance ``investigate status`` prints (``investigation.guidance``), so both
-    commands say the same thing; ``None`` for a case that needs nothing."""
+    the guidance ``investigate status`` prints (``investigation.guidance``) with the same
+    ``settings`` (runtime, providers file, scripted reply file), so both commands say the
+    same thing; ``None`` for a case that needs nothing."""
     if row.state not in ("BLOCKED", "PAUSED"):
         return None
-    return guidance.for_case(store, row.case_id).first_command
+    return guidance.for_case(store, row.case_id, _guidance_mode(settings),
+                             providers=_providers_shown(settings),
+                             replies=guidance.scripted_file(settings.providers)).first_command
 
 
 @_controlled
@@ -294,10 +308,11 @@ def cases(
 ) -> None:
     """List cases: state, blocked reason, retry time, last step, balances, and for a
     blocked or paused case the command that continues it."""
-    store = _store(_settings(), existing=True)
+    settings = _settings()
+    store = _store(settings, existing=True)
     rows = list_cases(store, state, limit)
     for row in rows:
-        row.next = next_step_hint(store, row)
+        row.next = next_step_hint(store, row, settings)
     if as_json:
         sys.stdout.write(json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
         return

@@ -404,3 +404,31 @@ def test_a_wait_for_another_workers_request_is_named_from_the_cases_reason(
     # retry time's microseconds)
     assert "pause" not in headline
     assert "429 earlier" not in headline and PROVIDER_RATE_LIMITED not in headline, headline
+
+
+def test_status_and_cases_offer_what_this_shell_can_run(
+        cli: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A case that never ran is to be run, not run "again"; `status` offers `dispatch`
+    only where a broker is configured (as `case add` does); `cases` names the scripted
+    reply file `status` names, not a placeholder (a new user's trial)."""
+    monkeypatch.delenv("INVESTIGATE_BROKER_URL", raising=False)
+    local = invoke("status", cli.case_id)
+    assert local.exit_code == 0, local.output
+    assert "No step has run yet" in local.output and "run it (with" in local.output
+    assert "again" not in local.output and "dispatch" not in local.output
+    assert [c[0] for c in commands(local.output)] == ["run"]
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/12")
+    fleet = invoke("status", cli.case_id)
+    assert "embedded runtime: run it with your providers file" in fleet.output, fleet.output
+    assert [c[0] for c in commands(fleet.output)] == ["run", "dispatch"]
+    monkeypatch.delenv("INVESTIGATE_BROKER_URL")
+
+    ran = invoke("run", cli.case_id, "--providers", str(cli.providers_path))
+    assert "BLOCKED (INVALID_LLM_RESPONSES)" in ran.output, ran.output
+    monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(cli.providers_path))
+    status = invoke("status", cli.case_id, "--json")
+    first = next(step["command"] for step in json.loads(status.output)["next"]["steps"]
+                 if step["command"])
+    assert first == f"investigate replies check case/replies.jsonl {cli.case_id}"
+    listed = invoke("cases", "--json")
+    assert [row["next"] for row in json.loads(listed.output)] == [first]
