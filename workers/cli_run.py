@@ -148,7 +148,8 @@ def demo(as_json: JsonOpt = False) -> None:
     """The real demo case (sqlite-utils 3.35, a real bug), end to end, embedded runtime.
 
     Its store is $INVESTIGATE_HOME/demo/ (.investigate/demo/ by default; started afresh
-    each time, so it is always migrated, whatever INVESTIGATE_AUTO_MIGRATE says);
+    each time, with the export its printed command wrote there, so it is always
+    migrated, whatever INVESTIGATE_AUTO_MIGRATE says);
     afterwards open its report with the `investigate report` command it prints.
     """
     from workers import demo as demo_mod
@@ -163,6 +164,8 @@ def demo(as_json: JsonOpt = False) -> None:
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("investigation.db", "investigation.db-wal", "investigation.db-shm"):
         (work / stale).unlink(missing_ok=True)
+    # The export its printed command wrote last time: that command must work again.
+    shutil.rmtree(work / "export", ignore_errors=True)
     console = err if as_json else out
 
     def say(text: str) -> None:

@@ -57,3 +57,14 @@ def test_demo_runs_and_its_printed_commands_reach_its_store(tmp_path: Path) -> N
         assert done.returncode == 0, line + done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
     assert list((tmp_path / "home").rglob("export/analysis/investigation/summary.md"))
+    # Run again: a fresh store, and the same printed export command works again (it
+    # refused the export directory the first run had filled).
+    again = subprocess.run([INVESTIGATE, "demo"], env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    (line,) = [ln.strip()[2:] for ln in again.stdout.splitlines()
+               if ln.strip().startswith("$ ") and " export " in ln]
+    done = subprocess.run(["bash", "-c", line.replace("investigate ", f"{INVESTIGATE} ", 1)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, line + done.stdout + done.stderr
