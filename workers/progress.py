@@ -21,13 +21,16 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from investigation.constants import CASE_INVESTIGATING
+from investigation.constants import BLOCKED, CASE_INVESTIGATING, COMPLETED, YIELDED
 from investigation.guidance import for_case
 from investigation.loop.outcome import Outcome
 from investigation.operations import status
 from investigation.report.history import usage_totals
 from investigation.store import Store
 from workers.views import last_outcome_text, outcome_line, status_view, term
+
+#: Outcomes after which ``run`` takes no further step (the panel stops saying it works).
+_ENDS_RUN = frozenset({COMPLETED, BLOCKED, YIELDED})
 
 
 def _seconds(ms: int | None) -> str:
@@ -58,8 +61,10 @@ def progress_view(info: dict[str, Any], usage: dict[str, Any], last: Outcome | N
                       f"{a['balance_units']}/{a['credit_units']}",
                       ProgressBar(total=credit, completed=max(0, a["balance_units"]), width=24),
                       str(a["iterations"]))
-    waiting = Spinner("dots", text=Text(" working on the next step", style="dim"))
-    return Panel(Group(head, table, waiting), title=f"investigate run {info['case_id']}",
+    parts: list[RenderableType] = [head, table]
+    if info["state"] == CASE_INVESTIGATING and (last is None or last.outcome not in _ENDS_RUN):
+        parts.append(Spinner("dots", text=Text(" working on the next step", style="dim")))
+    return Panel(Group(*parts), title=f"investigate run {info['case_id']}",
                  title_align="left")
 
 

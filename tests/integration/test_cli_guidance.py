@@ -432,3 +432,27 @@ def test_status_and_cases_offer_what_this_shell_can_run(
     assert first == f"investigate replies check case/replies.jsonl {cli.case_id}"
     listed = invoke("cases", "--json")
     assert [row["next"] for row in json.loads(listed.output)] == [first]
+
+
+def test_the_live_panel_stops_saying_it_works_once_the_run_ends(cli: Case) -> None:
+    """The panel drawn after a run's last step (COMPLETED) said "working on the next
+    step" under it."""
+    from workers import runtime
+    from workers.embedded import run_case
+    from workers.progress import RunProgress
+    from workers.settings import load_settings
+
+    def drawn(progress: RunProgress) -> str:
+        screen = io.StringIO()
+        Console(file=screen, force_terminal=True, width=120).print(progress._view())
+        return screen.getvalue()
+
+    cli.replies_path.write_text("\n".join(HAPPY) + "\n")
+    rt = runtime.embedded(load_settings(), None, cli.providers_path)
+    with RunProgress(Console(file=io.StringIO(), width=120), cli.store, cli.case_id) as run:
+        assert "working on the next step" in drawn(run)  # before the first step
+        assert run_case(rt, cli.case_id, max_steps=2, on_step=run).outcome == "YIELDED"
+        assert "working on the next step" in drawn(run)  # a step that goes on
+        assert run_case(rt, cli.case_id, on_step=run).outcome == "COMPLETED"
+        last = drawn(run)
+    assert "COMPLETED" in last and "working on the next step" not in last
