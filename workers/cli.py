@@ -263,7 +263,7 @@ def case_build(
     db: Annotated[Path | None, typer.Option(
         "--db", help="a SQLite database snapshot to pack (queried read-only)")] = None,
     logs: Annotated[Path | None, typer.Option(
-        "--logs", help="a directory of log files to pack")] = None,
+        "--logs", help="a directory of log files to pack (or one log file)")] = None,
     allow_secrets: Annotated[bool, typer.Option(
         "--allow-secrets", help="pack files in which the secret scan found secrets "
         "(tool results still mask them)")] = False,
@@ -668,7 +668,8 @@ def verify_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     if as_json:
         out.print_json(json.dumps(report))
         return
-    out.print(f"{case_id}: intact: {report['checkpoints']} checkpoints replayed from their "
+    plural = "" if report["checkpoints"] == 1 else "s"
+    out.print(f"{case_id}: intact: {report['checkpoints']} checkpoint{plural} replayed from their "
               f"bytes, {report['artifacts']} artifacts ({report['artifact_bytes']} bytes) "
               f"match their sha256 and the {report['bindings']} records that name them, "
               f"live rows {report['live_rows']}", highlight=False)
