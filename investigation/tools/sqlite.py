@@ -93,16 +93,22 @@ ALLOWED_FUNCTIONS = frozenset({
     "acos", "acosh", "asin", "asinh", "atan", "atan2", "atanh", "ceil", "ceiling", "cos",
     "cosh", "degrees", "exp", "floor", "ln", "log", "log10", "log2", "mod", "pi", "pow",
     "power", "radians", "sin", "sinh", "sqrt", "tan", "tanh", "trunc",
+    # full-text search over the snapshot's FTS3/4/5 tables (read-only, deterministic)
+    "match", "bm25", "highlight", "snippet", "offsets", "matchinfo",
     *DATE_FUNCTIONS,
 })
+#: The one pragma a query may cause: FTS5 reads ``PRAGMA data_version`` (a counter that
+#: never moves on this private, read-only copy) at every query of its tables.
+ALLOWED_PRAGMAS = frozenset({"data_version"})
 
-#: The one denial a table-valued function or virtual table (``json_each``, ``pragma_*``,
-#: ``dbstat``) causes: SQLite registers it with a schema change on first use.
+#: The one denial a table-valued function (``json_each``, ``pragma_*``, ``dbstat``)
+#: causes: SQLite connects it with a schema change on first use (the snapshot's own
+#: virtual tables are connected beforehand, :meth:`ReadOnlyDatabase._connect_virtual_tables`).
 _SCHEMA_CHANGE = "SQLITE_UPDATE(sqlite_master)"
-#: Table-valued functions and virtual-table modules SQLite may offer, as a query names them.
+#: Table-valued functions SQLite may offer, as a query names them.
 _TABLE_VALUED = re2.compile(
     r"(?i)\b(json_each|json_tree|jsonb_each|jsonb_tree|pragma_\w+|dbstat|sqlite_dbpage|"
-    r"sqlite_stmt|generate_series|carray|fts[345]\w*|rtree\w*)\b")
+    r"sqlite_stmt|generate_series|carray)\b")
 
 _ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ,
                               sqlite3.SQLITE_RECURSIVE})
@@ -167,6 +173,16 @@ def name_text(value: Any) -> str:
     return str(value)
 
 
+def _as_sqlite_text(value: Any) -> Any:
+    """A date/time function's argument as SQLite's date code reads it: text and blobs as
+    NUL-terminated text (a blob's bytes decoded as UTF-8), numbers and NULL unchanged."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        return value.split("\x00", 1)[0]
+    return value
+
+
 def _date_function(fn: str, errors: list[str],
                    clock: sqlite3.Connection) -> Callable[..., Any]:
     """The deterministic wrapper of one date/time function. It holds the database's error
@@ -175,7 +191,11 @@ def _date_function(fn: str, errors: list[str],
     isolated server) alive forever once dropped without ``close``."""
     min_args = 2 if fn == "strftime" else 1
 
-    def wrapper(*args: Any) -> Any:
+    def wrapper(*raw: Any) -> Any:
+        # SQLite reads a time value or modifier as C text: a blob as its bytes, text up
+        # to its first NUL ('now' || char(0) and x'6e6f77' are 'now' to it). Judge, and
+        # pass on, what SQLite would read.
+        args = tuple(_as_sqlite_text(a) for a in raw)
         bad = [a for a in args if isinstance(a, str)
                and a.strip().lower() in _NONDETERMINISTIC_ARGS]
         if len(args) < min_args or bad:
@@ -252,6 +272,7 @@ class ReadOnlyDatabase:
         self._passed_lock = threading.Lock()
         self._denials: list[str] = []
         self._function_errors: list[str] = []
+        self._virtual_connected = False
         if len(data) >= 20 and data[18:20] == b"\x02\x02":
             data = data[:18] + b"\x01\x01" + data[20:]
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
@@ -352,6 +373,9 @@ class ReadOnlyDatabase:
             return sqlite3.SQLITE_OK
         if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in ALLOWED_FUNCTIONS:
             return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_PRAGMA and (arg1 or "").lower() in ALLOWED_PRAGMAS \
+                and arg2 is None:
+            return sqlite3.SQLITE_OK
         what = action_name(action)
         target = arg2 if action == sqlite3.SQLITE_FUNCTION else arg1
         self._denials.append(f"{what}({target})" if target else what)
@@ -365,6 +389,7 @@ class ReadOnlyDatabase:
         # authorizer and progress handler are removed at its end.
         self._denials.clear()
         self._function_errors.clear()
+        self._connect_virtual_tables()
         self._conn.set_authorizer(self._authorize)
         self._conn.set_progress_handler(progress, every_ops)
         try:
@@ -372,6 +397,32 @@ class ReadOnlyDatabase:
         finally:
             self._conn.set_progress_handler(None, 0)
             self._conn.set_authorizer(None)
+
+    def _connect_virtual_tables(self) -> None:
+        """Connect the snapshot's virtual tables (FTS3/4/5, R*Tree, ...) once per process,
+        before any authorizer is installed.
+
+        SQLite connects a virtual table at its first use: it changes the schema and
+        prepares the module's own statements (an R*Tree's writes to its shadow tables),
+        which the allow-list authorizer denies (``SQLITE_UPDATE(sqlite_master)``), so a
+        query of the snapshot's own full-text index was refused as a write. Connected here
+        by our own fixed SQL, a query of such a table needs only reads, functions of
+        :data:`ALLOWED_FUNCTIONS` and :data:`ALLOWED_PRAGMAS`; ``query_only`` still refuses
+        any write. A table whose module this SQLite lacks, or whose data is corrupt, stays
+        unconnected: its query fails with SQLite's own error. Table-valued functions
+        (``json_each``, ``pragma_*``) are not tables of the snapshot and stay refused.
+        Runs in the isolated server (the first bounded request) like any untrusted work.
+        """
+        if self._virtual_connected:
+            return
+        self._virtual_connected = True
+        names = [name_text(name) for (name,) in self._conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND rootpage = 0 "
+            "AND sql IS NOT NULL")]
+        for name in names:
+            quoted = '"' + name.replace('"', '""') + '"'
+            with contextlib.suppress(sqlite3.Error, UnicodeDecodeError):
+                self._conn.execute(f"SELECT 1 FROM {quoted} LIMIT 0").fetchall()
 
     def _probe(self) -> None:
         """A trivial statement: allocates, prepares and steps like any query."""
@@ -400,15 +451,14 @@ class ReadOnlyDatabase:
             denied = ", ".join(sorted(set(self._denials)))
             table_valued = sorted({m.lower() for m in _TABLE_VALUED.findall(sql)})
             if set(self._denials) == {_SCHEMA_CHANGE} and table_valued:
-                # SQLite registers an eponymous virtual table (json_each, pragma_*) on
+                # SQLite connects an eponymous virtual table (json_each, pragma_*) on
                 # first use by changing the schema: the only denial is that change.
                 return ToolError(
                     "TOOL_SQL_NOT_READ_ONLY",
-                    f"table-valued functions and virtual tables are not allowed "
-                    f"({', '.join(table_valued)}); use one SELECT over the snapshot's "
-                    f"tables (json_extract and the other json_* scalar functions are "
-                    f"allowed)", database=self.name, denied=sorted(set(self._denials)),
-                    table_valued=table_valued)
+                    f"table-valued functions are not allowed ({', '.join(table_valued)}); "
+                    f"use one SELECT over the snapshot's tables (json_extract and the "
+                    f"other json_* scalar functions are allowed)", database=self.name,
+                    denied=sorted(set(self._denials)), table_valued=table_valued)
             return ToolError("TOOL_SQL_NOT_READ_ONLY",
                              f"not a read-only query (allowed: one SELECT using pure builtin "
                              f"functions); denied: {denied}",

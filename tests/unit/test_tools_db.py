@@ -205,11 +205,19 @@ def test_db_query_dates_are_deterministic_only() -> None:
     router = make_router()
     result = router.execute("db.query", {"sql": "SELECT date('2024-02-28', '+1 day') AS d"})
     assert result.items[0]["row"] == {"d": "2024-02-29"}
-    for sql in ["SELECT date('now')", "SELECT datetime()", "SELECT time(0, 'localtime')"]:
+    # ... also as SQLite reads them: a blob's bytes, text up to its first NUL (a hostile
+    # trial put the wall clock into evidence with these)
+    for sql in ["SELECT date('now')", "SELECT datetime()", "SELECT time(0, 'localtime')",
+                "SELECT date(x'6e6f77')", "SELECT datetime(CAST('now' AS BLOB))",
+                "SELECT datetime('now' || char(0))", "SELECT julianday('now' || char(0))",
+                "SELECT date('2024-02-28', 'localtime' || char(0) || 'x')",
+                "SELECT unixepoch(CAST('utc' AS BLOB))"]:
         with pytest.raises(ToolError) as info:
             router.execute("db.query", {"sql": sql})
-        assert info.value.code == "TOOL_SQL_ERROR"
+        assert info.value.code == "TOOL_SQL_ERROR", sql
         assert "'now'" in info.value.message
+    blob_date = router.execute("db.query", {"sql": "SELECT date(x'323032342d30322d3238') AS d"})
+    assert blob_date.items[0]["row"] == {"d": "2024-02-28"}
 
 
 WRITES_AND_ESCAPES = [
@@ -440,7 +448,7 @@ def test_a_table_valued_function_is_refused_by_its_name(sql: str, named: str) ->
     looking for a write it never made."""
     error = refusal(make_router(), "db.query", {"sql": sql})
     assert error.code == "TOOL_SQL_NOT_READ_ONLY"
-    assert f"table-valued functions and virtual tables are not allowed ({named})" in str(error)
+    assert f"table-valued functions are not allowed ({named})" in str(error)
     assert error.details["table_valued"] == [named]
     assert "sqlite_master" not in str(error)
 
@@ -451,3 +459,50 @@ def test_a_schema_write_is_not_called_a_table_valued_function() -> None:
                     {"sql": "DELETE FROM users WHERE id IN (SELECT value FROM json_each('[1]'))"})
     assert error.code == "TOOL_SQL_NOT_READ_ONLY"
     assert "table-valued" not in str(error) and "SQLITE_DELETE(users)" in str(error)
+
+
+SEARCH_DB = build_db(
+    "CREATE TABLE articles (id INTEGER PRIMARY KEY, title TEXT)",
+    "INSERT INTO articles VALUES (1, 'refund the order'), (2, 'ship the parcel')",
+    "CREATE VIRTUAL TABLE articles_fts USING fts5(title, content='articles', "
+    "content_rowid='id')",
+    "INSERT INTO articles_fts(articles_fts) VALUES ('rebuild')",
+    "CREATE VIRTUAL TABLE notes USING fts4(body)",
+    "INSERT INTO notes VALUES ('refund requested twice')",
+    "CREATE VIRTUAL TABLE boxes USING rtree(id, x0, x1)",
+    "INSERT INTO boxes VALUES (7, 0, 5)",
+)
+
+
+@pytest.mark.parametrize(("sql", "row"), [
+    ("SELECT rowid AS id, title FROM articles_fts WHERE articles_fts MATCH 'refund'",
+     {"id": 1, "title": "refund the order"}),
+    ("SELECT highlight(articles_fts, 0, '[', ']') AS h FROM articles_fts "
+     "WHERE articles_fts MATCH 'parcel' ORDER BY rank", {"h": "ship the [parcel]"}),
+    ("SELECT count(*) AS n FROM articles_fts", {"n": 2}),
+    ("SELECT snippet(notes) AS s FROM notes WHERE notes MATCH 'twice'",
+     {"s": "refund requested <b>twice</b>"}),
+    ("SELECT id FROM boxes WHERE x0 < 3", {"id": 7}),
+])
+def test_the_snapshots_virtual_tables_can_be_read(sql: str, row: dict[str, object]) -> None:
+    """FTS3/4/5 and R*Tree tables of the snapshot are read like any table (the demo's own
+    articles_fts was refused as SQLITE_UPDATE(sqlite_master): SQLite connects a virtual
+    table by changing the schema); in process and in the isolated server alike."""
+    for isolate in (True, False):
+        router = make_router({"search.sqlite": SEARCH_DB}, isolate_sql=isolate)
+        result = router.execute("db.query", {"sql": sql})
+        assert result.items[0]["row"] == row, isolate
+
+
+@pytest.mark.parametrize("sql", [
+    "INSERT INTO articles_fts(articles_fts) VALUES ('rebuild')",
+    "INSERT INTO notes VALUES ('x')",
+    "DELETE FROM boxes",
+    "UPDATE articles_fts SET title = 'x'",
+])
+def test_the_snapshots_virtual_tables_stay_read_only(sql: str) -> None:
+    router = make_router({"search.sqlite": SEARCH_DB})
+    error = refusal(router, "db.query", {"sql": sql})
+    assert error.code == "TOOL_SQL_NOT_READ_ONLY", error
+    after = router.execute("db.query", {"sql": "SELECT count(*) AS n FROM boxes"})
+    assert after.items[0]["row"] == {"n": 1}
