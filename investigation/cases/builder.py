@@ -12,7 +12,9 @@ Layout (see :mod:`investigation.cases.layout`)::
                      "logs_root", "files": [{"path", "sha256", "size"}, ...]}
     report.md        the report's bytes (any input file name; must be UTF-8)
     source/<rel>     every file of the source tree
-    db/<stem>.sqlite the optional database (``app.db`` is packed as ``db/app.sqlite``)
+    db/<stem>.sqlite the optional database (``app.db`` is packed as ``db/app.sqlite``), as
+                     SQLite reads it: changes still in a ``-wal`` file are applied and a
+                     hot ``-journal`` rolled back, in a private copy
     logs/<rel>       the optional logs directory (a single log file is packed as
                      ``logs/<file name>``)
 
@@ -57,8 +59,10 @@ import hashlib
 import io
 import os
 import shutil
+import sqlite3
 import stat
 import subprocess
+import tempfile
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -269,7 +273,58 @@ def _read_plan(plan: Mapping[str, Path], report: Path, db: Path | None) -> dict[
                 "database file",
                 path=str(db),
             )
+        if name.startswith(DB_ROOT):
+            files[name] = _database_bytes(plan[name], content)
     return files
+
+
+#: Files beside a SQLite database that hold committed (``-wal``) or half-written
+#: (``-journal``) changes its main file lacks.
+_DB_SIDECARS = ("-wal", "-journal")
+
+
+def _database_bytes(db: Path, content: bytes) -> bytes:
+    """The database as SQLite reads it: ``content`` (the main file's bytes) unless a
+    non-empty ``-wal`` or ``-journal`` file lies beside it.
+
+    A database in WAL mode keeps committed transactions in its ``-wal`` file until a
+    checkpoint; its main file alone lacks them (a snapshot of a running application's
+    database packed stale, with no error). A hot ``-journal`` means an interrupted
+    transaction SQLite rolls back on the next open. Either way the main file and its
+    sidecars are copied to a private directory, SQLite opens the copy and switches it to
+    ``journal_mode=DELETE`` (applying the log, or rolling the journal back), and the
+    packed bytes are that standalone file; the user's files are never written.
+
+    Raises:
+        PackageError: ``PKG_BUILD_INPUT`` when SQLite cannot apply the sidecar (copy the
+            database with ``sqlite3 DB '.backup copy.sqlite'`` and pack the copy).
+    """
+    sidecars = [(suffix, Path(f"{db}{suffix}")) for suffix in _DB_SIDECARS]
+    present = [(suffix, path) for suffix, path in sidecars
+               if path.is_file() and path.stat().st_size > 0]
+    if not present:
+        return content
+    with tempfile.TemporaryDirectory(prefix="investigate-db-") as tmp:
+        copy = Path(tmp) / "db.sqlite"
+        copy.write_bytes(content)
+        for suffix, path in present:
+            Path(f"{copy}{suffix}").write_bytes(_read(path))
+        conn = None
+        try:
+            conn = sqlite3.connect(copy, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=DELETE").fetchall()
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        except sqlite3.Error as exc:
+            names = " and ".join(f"{db}{suffix}" for suffix, _ in present)
+            raise PackageError(
+                "PKG_BUILD_INPUT",
+                f"database {db} has changes in {names} that SQLite cannot apply ({exc}); "
+                f"pack a copy taken with `sqlite3 {db} '.backup copy.sqlite'`",
+                path=str(db)) from exc
+        finally:
+            if conn is not None:
+                conn.close()
+        return copy.read_bytes()
 
 
 def package_bytes(

@@ -9,6 +9,7 @@ import os
 import shutil
 import sqlite3
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -276,3 +277,44 @@ def test_builder_applies_the_name_limits(inputs: dict[str, Path], tmp_path: Path
         build_package(inputs["source"], inputs["report"], tmp_path / "p.zip")
     assert err.value.code == "PKG_BAD_NAME" and "\u202e" not in err.value.message
     assert not (tmp_path / "p.zip").exists()
+
+
+def _wal_database(path: Path) -> None:
+    """A WAL-mode database whose last transactions are only in its -wal file, as a
+    running application leaves it (a process that never checkpoints, then exits)."""
+    script = (
+        "import os, sqlite3, sys\n"
+        "c = sqlite3.connect(sys.argv[1])\n"
+        "c.execute('PRAGMA journal_mode=WAL'); c.execute('PRAGMA wal_autocheckpoint=0')\n"
+        "c.execute('CREATE TABLE orders (id INTEGER PRIMARY KEY, total INTEGER)')\n"
+        "c.commit(); c.execute('INSERT INTO orders VALUES (1, 42)'); c.commit()\n"
+        "os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True)
+
+
+def test_a_database_with_a_write_ahead_log_is_packed_with_its_committed_rows(
+        inputs: dict[str, Path], tmp_path: Path) -> None:
+    """The main file of a WAL-mode database lacks what is still in its -wal file: it was
+    packed alone, so the snapshot had no `orders` table at all (a hostile-input trial).
+    The packed database is the one SQLite reads, standalone, and the user's files are
+    not touched; the build stays deterministic."""
+    db = tmp_path / "live.db"
+    _wal_database(db)
+    wal = Path(f"{db}-wal")
+    assert wal.stat().st_size > 0
+    with sqlite3.connect(":memory:") as alone:
+        main = db.read_bytes()
+        alone.deserialize(main[:18] + b"\x01\x01" + main[20:])  # as the tools open it
+        assert alone.execute("SELECT name FROM sqlite_master").fetchall() == []
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("live.db*")}
+    build_package(inputs["source"], inputs["report"], tmp_path / "a.zip", db=db)
+    data = (tmp_path / "a.zip").read_bytes()
+    packed = PackageReader().read(data).db_bytes("live.sqlite")
+    assert packed[18:20] == b"\x01\x01"  # rollback mode: no -wal needed to read it
+    conn = sqlite3.connect(":memory:")
+    conn.deserialize(packed)
+    assert conn.execute("SELECT id, total FROM orders").fetchall() == [(1, 42)]
+    conn.close()
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("live.db*")} == before
+    build_package(inputs["source"], inputs["report"], tmp_path / "b.zip", db=db)
+    assert (tmp_path / "b.zip").read_bytes() == data
