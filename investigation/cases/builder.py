@@ -45,7 +45,7 @@ not (they are masked in every tool result instead, like everything else).
 
 Errors (:class:`~investigation.errors.PackageError`): ``PKG_BUILD_INPUT`` (an input is
 missing, of the wrong kind or unreadable, or the output cannot be written),
-``PKG_SYMLINK``, ``PKG_UNSUPPORTED_ENTRY_TYPE``, ``PKG_DB_NOT_SQLITE``,
+``PKG_SYMLINK``, ``PKG_UNSUPPORTED_ENTRY_TYPE``, ``PKG_DB_NOT_SQLITE``, ``PKG_DB_CORRUPT``,
 ``PKG_REPORT_INVALID``, ``PKG_SECRETS_FOUND``, the name codes of :func:`~investigation.cases.layout.check_relative_path`
 (``PKG_BAD_NAME``, ...), ``PKG_DUPLICATE_ENTRY``, and the limit codes
 (``PKG_ENTRY_TOO_LARGE``, ``PKG_TOO_LARGE``, ``PKG_TOO_MANY_ENTRIES``). The finished
@@ -87,7 +87,7 @@ from investigation.cases.reader import PackageReader
 from investigation.cases.zipscan import RATIO_MIN_BYTES
 from investigation.config import PackageLimits, canonical_json
 from investigation.constants import PACKAGE_FORMAT
-from investigation.errors import PackageError
+from investigation.errors import PackageError, ToolError
 from investigation.secrets import (
     SecretFinding,
     default_masker,
@@ -275,7 +275,22 @@ def _read_plan(plan: Mapping[str, Path], report: Path, db: Path | None) -> dict[
             )
         if name.startswith(DB_ROOT):
             files[name] = _database_bytes(plan[name], content)
+            _check_opens(plan[name], name[len(DB_ROOT):], files[name])
     return files
+
+
+def _check_opens(db: Path, name: str, data: bytes) -> None:
+    """``PKG_DB_CORRUPT`` when SQLite cannot open the database as the tools will (every
+    query of it would fail, charged to the model)."""
+    from investigation.tools.sqlite import check_opens
+
+    try:
+        check_opens(name, data)
+    except ToolError as exc:
+        raise PackageError("PKG_DB_CORRUPT",
+                           f"database {db} cannot be opened by SQLite ({exc.message}); "
+                           f"`sqlite3 {db} 'PRAGMA integrity_check'` tells what is wrong",
+                           path=str(db)) from exc
 
 
 #: Files beside a SQLite database that hold committed (``-wal``) or half-written

@@ -46,7 +46,9 @@ Refusals raise :class:`~investigation.errors.PackageError` with one of these cod
 ``PKG_REPORT_INVALID``        the report is not UTF-8 text
 ============================  ===========================================================
 
-``investigate case build`` (:mod:`investigation.cases.builder`) also refuses with
+``investigate case build`` and ``case add`` (registration) also refuse a database SQLite
+cannot open with ``PKG_DB_CORRUPT`` (the reader does not: a case stored before that rule
+still opens). ``investigate case build`` (:mod:`investigation.cases.builder`) also refuses with
 ``PKG_BUILD_INPUT`` (a missing or unreadable input), ``PKG_SYMLINK`` (a link leaving the
 tree, to a directory, or a linked parent directory of a packed path) and
 ``PKG_SECRETS_FOUND`` (the secret scan found secrets, :mod:`investigation.secrets`;

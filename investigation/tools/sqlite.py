@@ -250,6 +250,16 @@ def _used(db: ReadOnlyDatabase) -> None:
                 del _serving[key]
 
 
+def check_opens(name: str, data: bytes) -> None:
+    """Open ``data`` as :class:`ReadOnlyDatabase` does (its schema parsed) and close it.
+
+    Raises:
+        ToolError: ``TOOL_SQL_ERROR``, "database NAME cannot be opened: WHY" (not a
+            database, a malformed image or schema).
+    """
+    ReadOnlyDatabase(name, data).close()
+
+
 class ReadOnlyDatabase:
     """One packed database opened as a private, read-only, in-memory copy.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -220,4 +221,48 @@ def test_a_package_without_a_bug_report_is_refused(
     with pytest.raises(PackageError) as err:
         build_package(src, tmp_path / "report.md", tmp_path / "case.zip")
     assert err.value.code == "PKG_REPORT_INVALID" and "empty" in err.value.message
+    assert not (tmp_path / "case.zip").exists()
+
+
+def _malformed_schema() -> bytes:
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("PRAGMA writable_schema = ON")
+    conn.execute("UPDATE sqlite_master SET sql = 'create table t(x' WHERE name = 't'")
+    conn.commit()
+    data = conn.serialize()
+    conn.close()
+    return data
+
+
+@pytest.mark.parametrize("db", [
+    b"SQLite format 3\x00" + bytes(range(256)) * 16,   # the header, then noise
+    "schema",                                           # a schema SQLite cannot parse
+])
+def test_a_database_sqlite_cannot_open_is_refused(
+        store: Store, reader: PackageReader, tmp_path: Path, db: bytes | str) -> None:
+    """A package whose database has the SQLite header but cannot be opened was accepted;
+    every db operation then failed and the case blocked as if the model had replied
+    badly (INVALID_LLM_RESPONSES). `case build` and registration refuse it (nothing is
+    stored); the reader still opens the package, for cases stored before the rule."""
+    from tests.unit.test_package_reader import BASE
+    from tests.unit.test_package_reader import package as crafted
+
+    data_db = _malformed_schema() if db == "schema" else db
+    assert isinstance(data_db, bytes)
+    data = crafted(files={**BASE, "db/app.sqlite": data_db})
+    assert reader.read(data).db_names() == ["app.sqlite"]
+    with pytest.raises(PackageError) as err:
+        register_case(store, data, INTERPRETATION, HYPOTHESES, reader)
+    assert err.value.code == "PKG_DB_CORRUPT" and "app.sqlite" in err.value.message
+    assert _counts(store) == dict.fromkeys(("package", "case", "revision", "hypothesis_birth"), 0)
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_bytes(b"x = 1\n")
+    (tmp_path / "report.md").write_text("It breaks.\n")
+    (tmp_path / "app.db").write_bytes(data_db)
+    with pytest.raises(PackageError) as err:
+        build_package(src, tmp_path / "report.md", tmp_path / "case.zip", db=tmp_path / "app.db")
+    assert err.value.code == "PKG_DB_CORRUPT" and "integrity_check" in err.value.message
     assert not (tmp_path / "case.zip").exists()
