@@ -420,6 +420,9 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("CONFIG_UNREADABLE", f"cannot read {path}: {exc}", path=str(path)) from exc
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError("CONFIG_INVALID", f"{path} is not valid TOML: {exc}", path=str(path)) from exc
+    except RecursionError as exc:  # tomllib parses nested arrays and tables recursively
+        raise ConfigError("CONFIG_INVALID", f"{path} nests arrays or tables too deeply",
+                          path=str(path)) from exc
 
 
 _M = TypeVar("_M", bound=BaseModel)

@@ -272,3 +272,31 @@ def test_huge_environment_settings_are_refused(variable: str,
         load_settings()
     assert info.value.code == "CONFIG_INVALID"
     assert variable in info.value.message
+
+
+@pytest.mark.parametrize("text", [
+    "[loop]\nx = " + "[" * 3000 + "]" * 3000 + "\n",
+    "[loop]\nx = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n",
+])
+def test_a_file_nested_too_deeply_is_invalid_not_a_crash(tmp_path: Path, text: str) -> None:
+    """tomllib parses nesting recursively: 500 nested arrays raised RecursionError, a
+    traceback and exit code 1 (which `run` documents as a blocked case)."""
+    path = tmp_path / "deep.toml"
+    path.write_text(text)
+    for load in (InvestigationConfig.load, ProvidersConfig.load):
+        with pytest.raises(ConfigError) as err:
+            load(path)
+        assert err.value.code == "CONFIG_INVALID"
+        assert "nests arrays or tables too deeply" in err.value.message
+
+
+def test_the_cli_refuses_a_deeply_nested_file_with_its_code(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    path = tmp_path / "deep.toml"
+    path.write_text("[[providers]]\nname = " + "[" * 3000 + "]" * 3000 + "\n")
+    result = CliRunner().invoke(app, ["providers", "check", "--providers", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "CONFIG_INVALID" in result.output and "Traceback" not in result.output
