@@ -391,6 +391,9 @@ def _schema_store(settings: Settings) -> Any:
 @_controlled
 def db_upgrade(
     revision: Annotated[str, typer.Option("--revision", help="target revision")] = "head",
+    allow_other_tables: Annotated[bool, typer.Option(
+        "--allow-other-tables", help="create the engine's tables in a database that holds "
+        "other tables and none of the engine's (refused otherwise: STORE_FOREIGN)")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Bring the store to the newest migration (or --revision); safe to run any time and
@@ -399,7 +402,7 @@ def db_upgrade(
 
     store = _schema_store(_settings())
     before = current_revisions(store.engine)
-    upgrade(store.engine, revision)
+    upgrade(store.engine, revision, allow_other_tables=allow_other_tables)
     after = current_revisions(store.engine)
     if as_json:
         sys.stdout.write(json.dumps({"before": before, "after": after}) + "\n")

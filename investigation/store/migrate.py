@@ -21,24 +21,47 @@ from investigation.errors import StoreError
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
+#: Tables every store of this engine has (from the first migration on).
+ENGINE_TABLES = frozenset({"case", "checkpoint", "stage_run"})
+
+
+def upgrade(engine: Engine, revision: str = "head", *, allow_other_tables: bool = False
+            ) -> None:
     """Bring the database behind ``engine`` to ``revision`` (idempotent, serialised).
+
+    Args:
+        allow_other_tables: create the engine's tables in a database that holds other
+            tables and none of the engine's (``investigate db upgrade
+            --allow-other-tables``); refused otherwise, since a mistyped
+            ``INVESTIGATE_DATABASE_URL`` would put them into an application's database.
 
     Raises:
         StoreError: ``STORE_UNVERSIONED`` when the database holds engine tables but no
-        migration version (created outside the migrations): nothing is changed.
+        migration version (created outside the migrations); ``STORE_FOREIGN`` when it
+        holds only other tables and ``allow_other_tables`` is false. Nothing is changed.
     """
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
+    url = engine.url.render_as_string(hide_password=True)
     with engine.connect() as conn:
         tables = set(inspect(conn).get_table_names())
-        if "alembic_version" not in tables and tables & {"case", "checkpoint", "stage_run"}:
+        if "alembic_version" not in tables and tables & ENGINE_TABLES:
             raise StoreError(
                 "STORE_UNVERSIONED",
-                f"the store at {engine.url.render_as_string(hide_password=True)} has engine "
+                f"the store at {url} has engine "
                 "tables but no migration version; it was not created by this engine's "
                 "migrations. Use a new store, or stamp it after checking its schema "
                 "(alembic stamp 0001_initial)")
+        if tables and not tables & (ENGINE_TABLES | {"alembic_version"}) \
+                and not allow_other_tables:
+            shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+            raise StoreError(
+                "STORE_FOREIGN",
+                f"the database at {url} holds {len(tables)} table(s) that are not this "
+                f"engine's ({shown}) and none of its own; nothing was created. Point "
+                "INVESTIGATE_DATABASE_URL at an empty database (or a PostgreSQL schema of "
+                "its own), or create the engine's tables beside them on purpose with "
+                "`investigate db upgrade --allow-other-tables`", tables=len(tables))
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
         conn.commit()

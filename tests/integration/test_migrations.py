@@ -30,3 +30,63 @@ def test_postgres_migrations_match_models(postgres_url: str) -> None:
     store.create_schema()
     store.create_schema()
     assert _diff(store) == []
+
+
+def _foreign_sqlite(path: Path) -> None:
+    import sqlite3
+
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, email TEXT)")
+        conn.execute("INSERT INTO users VALUES (1, 'a@example.org')")
+    conn.close()
+
+
+def test_an_applications_database_is_not_turned_into_a_store(tmp_path: Path) -> None:
+    """A database URL pointing at another application's database (a typo, the wrong
+    variable): the engine's tables were created beside the application's, silently
+    (a hostile-input trial). Now STORE_FOREIGN, nothing created; `db upgrade
+    --allow-other-tables` does it on purpose."""
+    import sqlite3
+
+    from typer.testing import CliRunner
+
+    from investigation.errors import StoreError
+    from workers.cli import app
+
+    path = tmp_path / "app.db"
+    _foreign_sqlite(path)
+    store = Store(f"sqlite:///{path}")
+    with pytest.raises(StoreError) as err:
+        store.create_schema()
+    assert err.value.code == "STORE_FOREIGN" and "users" in err.value.message
+    store.dispose()
+    with sqlite3.connect(path) as conn:
+        assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["users"]
+    conn.close()
+    env = {"INVESTIGATE_DATABASE_URL": f"sqlite:///{path}",
+           "INVESTIGATE_HOME": str(tmp_path / "home")}
+    refused = CliRunner().invoke(app, ["db", "upgrade"], env=env)
+    assert refused.exit_code == 2 and "STORE_FOREIGN" in refused.output, refused.output
+    done = CliRunner().invoke(app, ["db", "upgrade", "--allow-other-tables"], env=env)
+    assert done.exit_code == 0, done.output
+    again = Store(f"sqlite:///{path}")
+    again.create_schema()  # the engine's tables are there now: an ordinary store
+    assert [d[0] for d in _diff(again)] == ["remove_table"]  # only the application's
+    again.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_application_tables_are_not_a_store(postgres_url: str) -> None:
+    import sqlalchemy
+
+    from investigation.errors import StoreError
+
+    engine = sqlalchemy.create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE customers (id int primary key)")
+    engine.dispose()
+    store = Store(postgres_url)
+    with pytest.raises(StoreError) as err:
+        store.create_schema()
+    assert err.value.code == "STORE_FOREIGN" and "customers" in err.value.message
+    store.dispose()
