@@ -180,7 +180,9 @@ def load_settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
+        # A rule across several variables has no location: its message names them.
         problems = "; ".join(
-            f"INVESTIGATE_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']}"
+            (f"INVESTIGATE_{'_'.join(str(p) for p in e['loc']).upper()}: " if e["loc"]
+             else "") + e["msg"].removeprefix("Value error, ")
             for e in exc.errors(include_input=False, include_url=False))
         raise ConfigError("CONFIG_INVALID", f"bad setting: {problems}") from None

@@ -300,3 +300,18 @@ def test_the_cli_refuses_a_deeply_nested_file_with_its_code(tmp_path: Path) -> N
     result = CliRunner().invoke(app, ["providers", "check", "--providers", str(path)])
     assert result.exit_code == 2, result.output
     assert "CONFIG_INVALID" in result.output and "Traceback" not in result.output
+
+
+def test_a_rule_across_settings_is_reported_without_an_empty_variable_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule over several variables has no location: it read "INVESTIGATE_: Value
+    error, ..."."""
+    from workers.settings import load_settings
+
+    monkeypatch.setenv("INVESTIGATE_VISIBILITY_TIMEOUT_S", "3600")
+    monkeypatch.setenv("INVESTIGATE_MAX_COUNTDOWN_S", "99999")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert info.value.message.startswith(
+        "bad setting: INVESTIGATE_MAX_COUNTDOWN_S (99999) must be below "
+        "INVESTIGATE_VISIBILITY_TIMEOUT_S (3600)"), info.value.message
