@@ -7,6 +7,7 @@ provider backoff (``RETRY_PENDING``: run again after the printed time).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import shlex
@@ -692,6 +693,30 @@ cli_report.register(app)
 cli_ops.register(app)
 
 
+def reflowed(text: str | None) -> str | None:
+    """A command's help with each prose paragraph on one line, for Rich to wrap at the
+    terminal's width (Typer keeps a docstring's line breaks, so an 80-column terminal
+    broke every line of them in two). A paragraph holding an indented line, a list item
+    (``-``, ``*``), a command (``$``) or a table row (``|``) keeps its breaks."""
+    if not text:
+        return text
+    paragraphs = []
+    for paragraph in inspect.cleandoc(text).split("\n\n"):
+        lines = paragraph.split("\n")
+        if not any(line[:1].isspace() or line.lstrip().startswith(("-", "*", "$", "|", "\b"))
+                   for line in lines):
+            paragraph = " ".join(line.strip() for line in lines)
+        paragraphs.append(paragraph)
+    return "\n\n".join(paragraphs)
+
+
+def _reflow_help(command: Any) -> None:
+    """:func:`reflowed` on ``command`` and every subcommand (Typer's click commands)."""
+    command.help = reflowed(command.help)
+    for sub in getattr(command, "commands", {}).values():
+        _reflow_help(sub)
+
+
 def main() -> None:
     """Console entry point."""
     from workers import logs
@@ -701,7 +726,9 @@ def main() -> None:
     except Exception:  # reported as one line by the command that needs the settings
         fmt = "text"
     logs.setup(fmt, logging.WARNING)
-    app()
+    command = typer.main.get_command(app)
+    _reflow_help(command)
+    command()
 
 
 if __name__ == "__main__":

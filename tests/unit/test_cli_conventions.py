@@ -137,3 +137,32 @@ def test_last_outcome_names_the_state_a_pause_or_cancel_left() -> None:
     assert last_outcome_text("BLOCKED", "PROVIDER_EXHAUSTED") == "BLOCKED (PROVIDER_EXHAUSTED)"
     assert last_outcome_text("PROGRESSED", None) == "PROGRESSED"
     assert last_outcome_text(None, None) == "none (no step has run)"
+
+
+def test_help_prose_is_reflowed_and_lists_keep_their_lines() -> None:
+    """Typer keeps a docstring's line breaks, so an 80-column terminal broke every line of
+    a help text in two ("a finding" / "refuses the build"); the entry point joins prose
+    paragraphs and leaves lists, commands and indented lines alone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from workers.cli import reflowed
+
+    text = """Summary line.
+
+    First prose line
+    goes on here.
+
+    - an item
+    - another item
+
+      $ investigate demo
+    """
+    assert reflowed(text) == ("Summary line.\n\nFirst prose line goes on here.\n\n"
+                              "- an item\n- another item\n\n  $ investigate demo")
+    exe = str(Path(sys.executable).with_name("investigate"))
+    shown = subprocess.run([exe, "case", "build", "--help"], capture_output=True, text=True,
+                           env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"}, check=True).stdout
+    assert not [line for line in shown.splitlines() if line.strip() == "finding"], shown
+    assert "a finding refuses the build" in " ".join(shown.split())
