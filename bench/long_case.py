@@ -313,6 +313,23 @@ def stored_by_kind(store: Any, case_id: str) -> dict[str, int]:
     return out
 
 
+def request_bytes(store: Any, case_id: str) -> dict[int, int]:
+    """Bytes of each step's first model request (the context and prompt the model reads,
+    so its prompt tokens), by step."""
+    from sqlmodel import col, select
+
+    from investigation.store.models import Artifact
+
+    out: dict[int, int] = {}
+    with store.session() as s:
+        rows = s.exec(select(Artifact.path, Artifact.size_bytes).where(
+            Artifact.case_id == case_id, col(Artifact.path).like("%.request.json"))).all()
+    for path, size in sorted(rows):
+        seq = int(path.split("/")[2])
+        out.setdefault(seq, size)
+    return out
+
+
 def window(times: dict[int, float], step: int) -> float:
     last = max(times)
     lo, hi = max(1, step - WINDOW), min(last, step + WINDOW)
@@ -418,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                     (young_wall if which == young else old_wall).append(wall)
                     (young_cpu if which == young else old_cpu).append(used)
         kinds = stored_by_kind(store, case_id)
+        requests = request_bytes(store, case_id)
         store.dispose()
     finally:
         if not args.keep:
@@ -468,6 +486,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     print(f"    whole store after {n} steps: {sizes[n] / 1e6:.1f} MB   "
           f"(target < {LANGGRAPH_STORE_MB} MB, LangGraph SqliteSaver after 500 eight-node "
           "steps)")
+    if 100 in requests:
+        # From about step 100 the context's evidence windows are full (as for the time).
+        at_end = requests[max(requests)]
+        figures["request_ratio"] = at_end / requests[100]
+        print(f"model request per step (the context the model reads): step 5 "
+              f"{requests[min(requests, key=lambda k: abs(k - 5))] / 1000:.1f} KB, step 100 "
+              f"{requests[100] / 1000:.1f} KB, step {max(requests)} {at_end / 1000:.1f} KB; "
+              f"step {max(requests)} / step 100 {figures['request_ratio']:.2f}x   (flat: a "
+              "step's prompt tokens stop growing once the windows are full)")
     print("artifact bytes as read back, by kind (MB):  " + "  ".join(
         f"{k} {v / 1e6:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
     if rss:

@@ -27,7 +27,8 @@ the same bytes. Its shape (keys in canonical order when serialised):
                       are compact references (id, operation, arguments, counts, warnings)
 ``evidence_omitted``  present only when records are not listed: how many (older records
                       beyond the windows, and any that :func:`fit` drops)
-``questions``         every question with its status
+``questions``         the selected hypothesis's questions with their status, and the
+                      other hypotheses' open ones
 ``last_rejection``    the code, detail and step of this hypothesis's last rejected reply
                       and the rejected text (``reply``, bounded), or null
 ``operations``        the snapshot operations with their argument schemas
@@ -429,10 +430,14 @@ def build(s: Session, *, key: StepKey, case: CaseRecord, config: InvestigationCo
         # The previous result's findings travel once, in previous_result.
         "evidence": [_evidence_entry(e, None if pending is not None and e is pending
                                      else findings.get(e.evidence_id)) for e in evidence],
+        # The selected hypothesis's questions, and the others' still open ones: another
+        # hypothesis's resolved question is nothing this turn can act on (a reply may
+        # resolve only its own), and listing them grew every context until each
+        # hypothesis had its max_questions_per_hypothesis.
         "questions": [
             {"question_id": q.question_id, "hypothesis_id": q.hypothesis_id, "text": q.text,
              "status": q.status}
-            for q in questions
+            for q in questions if q.hypothesis_id == selected or q.status == "open"
         ],
         "last_rejection": _last_rejection(s, key, account),
         "operations": router.describe(),

@@ -272,7 +272,9 @@ class _World:
             "evidence": [{"evidence_id": e.evidence_id, "hypothesis_id": e.hypothesis_id,
                           "item_count": e.item_count, "new_item_count": e.new_item_count,
                           "duplicate": e.duplicate} for e in self._listed(hid, pending)],
-            "questions": self.questions,
+            # As loop.context: this hypothesis's questions and the others' open ones.
+            "questions": [q for q in self.questions
+                          if q["hypothesis_id"] == hid or q["status"] == "open"],
         }
 
     def _listed(self, hid: int, pending: Any) -> list[Any]:

@@ -21,6 +21,7 @@ from investigation.constants import (
     ARTIFACT_CONTEXT,
     ARTIFACT_STATE,
     ARTIFACT_SUMMARY,
+    COMPLETED,
     PROGRESSED,
     REJECTED,
 )
@@ -395,3 +396,38 @@ def test_replies_check_predicts_the_rejection_of_an_unlisted_citation(tmp_path: 
     case = make_case(tmp_path / "c", replies=replies)
     last = check_script(case.store, case.case_id, case.replies_path, config).lines[-1]
     assert (last.line, last.verdict, last.code) == (7, "rejected", "UNKNOWN_EVIDENCE_ID")
+
+
+def test_a_context_lists_its_own_questions_and_only_the_others_open_ones(
+        tmp_path: Path) -> None:
+    """Every question of every hypothesis was listed, so the context (and a step's prompt
+    tokens) grew with each resolved question until each hypothesis had its
+    max_questions_per_hypothesis: 20 KB at step 50, 32 KB at step 415 in a reader's
+    trial. Another hypothesis's resolved question is nothing a turn can act on (a reply
+    resolves only its own): it is no longer listed."""
+    from tests.longcase import long_config, make_long_case
+
+    case = make_long_case(tmp_path / "long", hypotheses=3, research_per_hypothesis=24)
+    assert case.investigator(long_config(24)).run(case.case_id, max_steps=1000).outcome \
+        == COMPLETED
+    with case.store.session() as s:
+        row = s.get(CaseRecord, case.case_id)
+        assert row is not None
+        last = row.head_seq
+    resolved: dict[str, int] = {}  # question -> its hypothesis, once seen resolved
+    left_out = 0
+    for seq in range(1, last + 1):
+        with case.store.session() as s:
+            art = Store.get_artifact(s, case.case_id, ARTIFACT_CONTEXT.format(seq=seq))
+        if art is None:  # a step without a model call
+            continue
+        doc = json.loads(art.data)
+        selected = doc["hypothesis"]["id"]
+        listed = {q["question_id"] for q in doc["questions"]}
+        others = [q for q in doc["questions"] if q["hypothesis_id"] != selected]
+        assert all(q["status"] == "open" for q in others), (seq, others)
+        left_out += sum(1 for qid, hid in resolved.items()
+                        if hid != selected and qid not in listed)
+        resolved.update({q["question_id"]: q["hypothesis_id"] for q in doc["questions"]
+                         if q["status"] == "resolved"})
+    assert left_out > 0  # other hypotheses' resolved questions existed and were left out

@@ -3,7 +3,9 @@ embedded default, a fresh home; the commands it prints work when pasted into a s
 
 The summary's sha256 is pinned: the demo is deterministic and issue 13 requires that the
 performance work leave it unchanged (README, "Performance"). A change that alters it on
-purpose updates the pin and the README's table together.
+purpose updates the pin and the README's table together (decision 152 did: contexts no
+longer list other hypotheses' resolved questions, so the replay server counts fewer
+prompt tokens for two of the demo's model calls; nothing else in the summary moved).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 
 INVESTIGATE = str(Path(sys.executable).with_name("investigate"))
-DEMO_SUMMARY_SHA256 = "8807be8b216eb0ac31252ef6a80b87871028138232295a12a968b941127babdf"
+DEMO_SUMMARY_SHA256 = "727247027c8d1c5c94bbf77d1bd70b5ce8b0a121e319d8cd4a744af20b184935"
 
 
 def test_demo_runs_and_its_printed_commands_reach_its_store(tmp_path: Path) -> None:
