@@ -21,7 +21,7 @@ from investigation.cases.reader import PackageReader
 from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
 from investigation.loop.outcome import Outcome
-from investigation.operations import export
+from investigation.operations import summary_bytes
 from workers.cli import (
     EXAMPLE_CASE,
     CaseArg,
@@ -58,10 +58,11 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
             out_dir: Path | None = None) -> None:
     summary_path = None
     if outcome.outcome == COMPLETED:
-        target = settings.home / "exports" / case_id
-        shutil.rmtree(target, ignore_errors=True)
-        export(_store(settings), case_id, target)
-        summary_path = (target / "analysis" / "investigation" / "summary.md").resolve()
+        # The summary's exact bytes, where the command can point at them; the whole
+        # artifact tree (tens of MB for a long case) only when asked (`export`).
+        summary_path = (settings.home / "summaries" / case_id / "summary.md").resolve()
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        summary_path.write_bytes(summary_bytes(_store(settings), case_id))
     g = guidance.for_case(_store(settings, existing=True), case_id, "embedded",
                           str(providers) if providers else None, env,
                           _scripted_file(providers or settings.providers),

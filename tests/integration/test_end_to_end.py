@@ -60,6 +60,9 @@ def test_user_flow_through_the_cli(tmp_path: Path, cli_env: Path) -> None:
     summary_path = Path(summary_line.split(":", 1)[1].strip())
     text = summary_path.read_text()
     assert "return total - total * percent / 10" in text  # the snapshot's real line
+    # run writes the summary, not the whole artifact tree (46 MB for a 415-step case)
+    assert summary_path == (cli_env / "summaries" / case_id / "summary.md").resolve()
+    assert not (cli_env / "exports").exists()
     st = runner.invoke(app, ["status", case_id, "--json"])
     info = json.loads(st.output)
     assert info["state"] == "BUILDING_DIAGNOSIS"
