@@ -121,7 +121,8 @@ def _quote(item: dict[str, Any]) -> str:
 
 
 def _rejections(s: Session, case_id: str, revision: int) -> dict[int, list[str]]:
-    """Rejection codes of each hypothesis's refused replies, in step order."""
+    """Each hypothesis's refused replies, in step order: ``"step N CODE"`` (the step
+    finds the reply in the report and the export)."""
     runs = core(s).execute(_VERDICTS, {"case_id": case_id, "revision": revision}).all()
     selected = {r.step_seq: jsonio.loads(r.output_json).get("hypothesis_id")
                 for r in runs if r.stage == "build_context"}
@@ -129,7 +130,8 @@ def _rejections(s: Session, case_id: str, revision: int) -> dict[int, list[str]]
     for r in runs:
         verdict = jsonio.loads(r.output_json)
         if r.stage == "validate" and verdict.get("accepted") is False:
-            found.setdefault(int(selected[r.step_seq]), []).append(str(verdict["code"]))
+            found.setdefault(int(selected[r.step_seq]), []).append(
+                f"step {r.step_seq} {verdict['code']}")
     return found
 
 

@@ -275,7 +275,7 @@ def test_rejections_are_reported_in_the_summary_and_status(tmp_path: Path) -> No
         "UNKNOWN_OPERATION"
     assert case.investigator().run(case.case_id, max_steps=20).outcome == COMPLETED
     summary = summary_bytes(case.store, case.case_id).decode()
-    assert "- Rejected replies: 1 (UNKNOWN_OPERATION)" in summary
+    assert "- Rejected replies: 1 (step 1 UNKNOWN_OPERATION)" in summary  # the step finds it
 
 
 def test_dispatch_of_a_finished_case_enqueues_nothing(tmp_path: Path, cli_env: Path,
