@@ -220,9 +220,13 @@ def _charts(h: CaseHistory) -> list[str]:
     if not h.steps:
         out.append('<p class="muted">No step has run yet.</p></section>')
         return out
+    # The legend names the colours this timeline uses, no others.
+    seen = {s.outcome for s in h.steps if s.published}
     legend = "".join(f'<span><i style="background:{c}"></i>{_e(o)}</span>'
-                     for o, c in svg.OUTCOME_COLOURS.items()) + \
-        f'<span><i style="background:{svg.UNPUBLISHED_COLOUR}"></i>not published</span>'
+                     for o, c in svg.OUTCOME_COLOURS.items() if o in seen)
+    if any(not s.published or s.outcome not in svg.OUTCOME_COLOURS for s in h.steps):
+        legend += (f'<span><i style="background:{svg.UNPUBLISHED_COLOUR}"></i>'
+                   "not published</span>")
     out.append(f'<h3>Timeline</h3><div class="chart"><div class="legend">{legend}</div>'
                f"{svg.timeline(h.steps, ids)}</div>")
     out.append('<h3>Confidence over the steps</h3><div class="chart">'

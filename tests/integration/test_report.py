@@ -89,6 +89,11 @@ def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path])
     assert {f"ev-{e}" for e in evidence} <= ids
     text = "".join(parsed.text)
     assert "UNKNOWN_EVIDENCE_ID" in text  # the rejected replies, with their code
+    # The timeline's legend names the outcomes this case had, not every possible one.
+    legend = html.split('<div class="legend">', 1)[1].split("</div>", 1)[0]
+    assert "PROGRESSED" in legend and "REJECTED" in legend and "COMPLETED" in legend
+    assert "RETRY_PENDING" not in legend and "YIELDED" not in legend
+    assert "not published" not in legend
     history = case_history(case.store, case.case_id)
     for e in history.evidence:
         assert e["artifact_path"] in text
