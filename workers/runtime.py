@@ -52,11 +52,19 @@ class Runtime:
 
 
 def build_env(settings: Settings, config_path: Path | None = None,
-              providers_path: Path | None = None) -> StageEnv:
+              providers_path: Path | None = None, *,
+              adopt_frozen: bool = False) -> StageEnv:
     """Build the stage environment from files and settings.
 
     Both files are checked here, before any step: a broken providers file fails at once
     instead of blocking a case at its first model call.
+
+    Args:
+        adopt_frozen: a revision whose policy is frozen keeps it, whatever the policy file
+            says (the file applies to revisions not yet frozen): the workers' way, so that
+            rolling a new policy file out to a fleet does not stop every case under way
+            (decision 153). Otherwise a given policy file that differs from a frozen one
+            is ``POLICY_CHANGED`` (``run --config``: the operator asked for that policy).
 
     Raises:
         ConfigError: a broken config or providers file (``CONFIG_*``).
@@ -92,7 +100,7 @@ def build_env(settings: Settings, config_path: Path | None = None,
     return StageEnv(store=store, config=config, gateway_factory=factory,
                     reader=PackageReader(config.package,
                                          text_index_dir=settings.home.resolve() / "text-index"),
-                    explicit_config=config_file is not None,
+                    explicit_config=config_file is not None and not adopt_frozen,
                     feedback_key=settings.feedback_key_bytes(),
                     async_commit=settings.pg_async_commit)
 
@@ -121,7 +129,7 @@ def distributed(settings: Settings) -> Runtime:
     from workers.celery_app import configure as configure_app
 
     configure_app(settings)
-    runtime = Runtime("distributed", settings, build_env(settings),
+    runtime = Runtime("distributed", settings, build_env(settings, adopt_frozen=True),
                       RedisCaseLock.from_url(settings.effective_redis_url, settings.lock_ttl_s,
                                              released_lease_s(settings)))
     log.info("distributed runtime ready (store %s)",

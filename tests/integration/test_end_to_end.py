@@ -365,3 +365,38 @@ def test_worker_and_flower_report_broken_settings_without_the_value(
     res = CliRunner().invoke(app, command)
     assert res.exit_code == 2, res.output
     assert "CONFIG_INVALID" in res.output and "SECRET" not in res.output
+
+
+def test_workers_keep_a_cases_frozen_policy_when_their_policy_file_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet whose INVESTIGATE_CONFIG is rolled out anew: a case whose revision froze the
+    old policy goes on under it (the file is for revisions not yet frozen). A worker
+    refused it as POLICY_CHANGED at every dispatch, after its model call, and the case
+    stayed INVESTIGATING with nothing to show why (a fleet trial). `run --config` still
+    refuses a different policy: there the operator asked for it."""
+    from investigation.loop.investigator import Investigator
+    from workers import runtime
+    from workers.settings import Settings
+
+    case = make_case(tmp_path / "c")
+    case.investigator().step(case.case_id)  # freezes the default policy
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[budget]\ncredit_units = 7\n")
+    settings = Settings(home=tmp_path / "home", database_url=case.store.url, config=policy,
+                        broker_url="redis://127.0.0.1:6379/13")
+    worker_env = runtime.build_env(settings, providers_path=case.providers_path,
+                                   adopt_frozen=True)
+    assert worker_env.explicit_config is False
+    assert Investigator(worker_env).run(case.case_id, max_steps=50).outcome == COMPLETED
+    from investigation.operations import status as case_status
+
+    info = case_status(case.store, case.case_id)
+    assert all(a["credit_units"] == 60 for a in info["accounts"])  # the frozen credit
+    cli_env = runtime.build_env(settings, policy, case.providers_path)
+    assert cli_env.explicit_config is True
+    monkeypatch.setenv("INVESTIGATE_CONFIG", str(policy))
+    from unittest import mock
+
+    with mock.patch("workers.runtime.RedisCaseLock.from_url"), \
+            mock.patch("workers.celery_app.configure"):
+        assert runtime.distributed(settings).env.explicit_config is False
