@@ -122,6 +122,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: New connections tried to store a received response after the database dropped the
+#: one in use (``_finish_success``).
+STORE_RETRIES_ON_DISCONNECT = 2
+
 #: ``LLMOperation.status`` values.
 OP_PENDING = "pending"
 OP_RETRY_PENDING = "retry_pending"
@@ -833,22 +837,37 @@ class LLMGateway:
         now: datetime,
         cost_micros: int | None = None,
     ) -> Succeeded:
-        with self.store.session() as session:
-            path, digest = self._store_response(
-                session, case_id, step_seq, state.id, attempt_no, reply.raw
-            )
-            self._close_attempt(session, state.id, attempt_no, {
-                "status": ATTEMPT_SUCCEEDED, "response_path": path, "response_sha256": digest,
-                "http_status": reply.http_status, "prompt_tokens": reply.prompt_tokens,
-                "completion_tokens": reply.completion_tokens,
-                "finish_reason": reply.finish_reason, "cost_micros": cost_micros,
-                "finished_at": now,
-            })
-            self._update_operation(session, state.id, attempt_no, {
-                "status": OP_SUCCEEDED, "succeeded_attempt": attempt_no,
-                "response_sha256": digest, "retry_not_before": None,
-                "error_code": None, "error_message": None,
-            })
+        # A paid reply is stored on a new connection when the database dropped the one in
+        # use (a restart, a killed backend): given up, the attempt would stay "sent" until
+        # its grace ran out and the same request would be paid for again. A commit whose
+        # answer was lost may have landed: the retry then finds the attempt closed
+        # (``_stale``) and the stage's own retry reads the stored success.
+        for retry in range(STORE_RETRIES_ON_DISCONNECT + 1):
+            try:
+                with self.store.session() as session:
+                    path, digest = self._store_response(
+                        session, case_id, step_seq, state.id, attempt_no, reply.raw
+                    )
+                    self._close_attempt(session, state.id, attempt_no, {
+                        "status": ATTEMPT_SUCCEEDED, "response_path": path,
+                        "response_sha256": digest, "http_status": reply.http_status,
+                        "prompt_tokens": reply.prompt_tokens,
+                        "completion_tokens": reply.completion_tokens,
+                        "finish_reason": reply.finish_reason, "cost_micros": cost_micros,
+                        "finished_at": now,
+                    })
+                    self._update_operation(session, state.id, attempt_no, {
+                        "status": OP_SUCCEEDED, "succeeded_attempt": attempt_no,
+                        "response_sha256": digest, "retry_not_before": None,
+                        "error_code": None, "error_message": None,
+                    })
+                break
+            except DBAPIError as exc:
+                if not exc.connection_invalidated or retry == STORE_RETRIES_ON_DISCONNECT:
+                    raise
+                log.warning("llm operation %s attempt %s: the database connection was lost "
+                            "while the response was stored; storing it on a new one",
+                            state.id, attempt_no)
         assert digest is not None
         return Succeeded(state.id, attempt_no, provider, reply.content, digest, request_sha,
                          reply.finish_reason, reply.completion_tokens)

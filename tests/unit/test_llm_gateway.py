@@ -469,3 +469,37 @@ def test_clock_must_be_aware(store: Store) -> None:
 def test_gateway_rejects_duplicate_provider_names(store: Store) -> None:
     with pytest.raises(ValueError):
         LLMGateway(store, [FakeProvider("a"), FakeProvider("a")], GatewayConfig())
+
+
+def test_a_reply_is_stored_on_a_new_connection_when_the_database_dropped_the_old_one(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PostgreSQL backend killed right after the model answered: the reply was given
+    up, the attempt stayed "sent" until its grace ran out and the same request was paid
+    for again (a fleet trial). It is stored on a new connection instead; a failure that is
+    not a lost connection is raised as before."""
+    from sqlalchemy.exc import OperationalError
+
+    real = LLMGateway._store_response
+    drops = [OperationalError("INSERT", {}, Exception("server closed the connection"),
+                              connection_invalidated=True)]
+
+    def flaky(self: LLMGateway, *args: object) -> tuple[str | None, str | None]:
+        if drops:
+            raise drops.pop()
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LLMGateway, "_store_response", flaky)
+    p = FakeProvider("a", [ok()])
+    result = gateway(store, [p], Clock()).call(CASE, 1, 3, request())
+    assert isinstance(result, Succeeded) and len(p.sent) == 1 and not drops
+    (att,) = attempts(store)
+    assert att.status == "succeeded"
+
+    other = [OperationalError("INSERT", {}, Exception("disk full"))]
+
+    def failing(self: LLMGateway, *args: object) -> tuple[str | None, str | None]:
+        raise other[0]
+
+    monkeypatch.setattr(LLMGateway, "_store_response", failing)
+    with pytest.raises(OperationalError):
+        gateway(store, [FakeProvider("a", [ok()])], Clock()).call(CASE, 1, 4, request())
