@@ -51,6 +51,7 @@ from investigation.constants import (
     YIELDED,
 )
 from investigation.errors import InvestigationError, LockBusy, StaleStateError
+from investigation.llm import gateway as llm_gateway
 from investigation.llm.types import PROVIDER_CALL_IN_FLIGHT
 from investigation.loop import deliveries
 from investigation.loop.deliveries import Delivery
@@ -63,6 +64,9 @@ from workers import metrics as engine_metrics
 from workers.celery_app import app
 
 log = logging.getLogger(__name__)
+# A soft time limit inside a model call stops the stage (STAGE_TIME_LIMIT); the gateway
+# would otherwise take it for the provider adapter failing.
+llm_gateway.pass_through(SoftTimeLimitExceeded)
 
 #: What a case id may look like on the broker (ids are ``case-`` + 16 hex digits).
 _CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")

@@ -126,6 +126,18 @@ log = logging.getLogger(__name__)
 #: one in use (``_finish_success``).
 STORE_RETRIES_ON_DISCONNECT = 2
 
+#: Exceptions a runtime raises inside a provider call to stop the stage (Celery's
+#: ``SoftTimeLimitExceeded``): passed through, never taken for a provider's failure.
+_interruptions: tuple[type[Exception], ...] = ()
+
+
+def pass_through(*kinds: type[Exception]) -> None:
+    """Let ``kinds`` raised during a provider call reach the caller instead of being
+    classified as a provider failure (a worker's soft time limit is the runtime stopping
+    the stage, recorded as ``STAGE_TIME_LIMIT``, not a bug in the provider adapter)."""
+    global _interruptions
+    _interruptions = tuple(dict.fromkeys((*_interruptions, *kinds)))
+
 #: ``LLMOperation.status`` values.
 OP_PENDING = "pending"
 OP_RETRY_PENDING = "retry_pending"
@@ -628,6 +640,8 @@ class LLMGateway:
                         f"provider {provider.name!r}: the response is larger than "
                         f"limits.max_artifact_bytes ({limit} bytes)", provider=provider.name)
             except Exception as exc:
+                if isinstance(exc, _interruptions):
+                    raise  # the runtime stops this stage (a worker's soft time limit)
                 failure = reclassify(
                     classify(provider.name, exc),
                     self._earlier_attempts(op_id, provider.name, request_sha, attempt_no),

@@ -503,3 +503,23 @@ def test_a_reply_is_stored_on_a_new_connection_when_the_database_dropped_the_old
     monkeypatch.setattr(LLMGateway, "_store_response", failing)
     with pytest.raises(OperationalError):
         gateway(store, [FakeProvider("a", [ok()])], Clock()).call(CASE, 1, 4, request())
+
+
+def test_a_runtime_interruption_in_a_provider_call_is_not_a_provider_failure(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's soft time limit raised inside a model call was classified as
+    PROVIDER_UNEXPECTED ("a bug in the provider adapter") and blocked the case as
+    PROVIDER_CONFIGURATION (a fleet trial); it reaches the stage, which records
+    STAGE_TIME_LIMIT. The worker registers Celery's exception."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    import workers.tasks  # noqa: F401  (registers the soft time limit)
+    from investigation.llm import gateway as gw_module
+
+    assert SoftTimeLimitExceeded in gw_module._interruptions
+    p = FakeProvider("a", [SoftTimeLimitExceeded()])
+    with pytest.raises(SoftTimeLimitExceeded):
+        gateway(store, [p], Clock()).call(CASE, 1, 3, request())
+    (att,) = attempts(store)
+    assert att.status == "sent"  # as after a crash: the next call counts it interrupted
+    assert [op.error_code for op in operations(store)] == [None]
