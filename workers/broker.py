@@ -27,7 +27,9 @@ itself still propagate, so the worker reconnects as before.
 from __future__ import annotations
 
 import binascii
+import functools
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 from celery.worker.consumer.consumer import Consumer as CeleryConsumer
@@ -69,6 +71,40 @@ class Transport(kombu_redis.Transport):
     Channel = Channel
 
 
+#: Clock skew between the host that sent a message and the worker, allowed beyond the
+#: longest countdown (seconds).
+ETA_SKEW_S = 60.0
+
+
+def _eta_beyond_countdown(headers: Any) -> str | None:
+    """The ``eta`` of a protocol-2 message when it lies further ahead than any task of
+    the engine schedules (``INVESTIGATE_MAX_COUNTDOWN_S`` plus :data:`ETA_SKEW_S`), or
+    when it is not a time at all; ``None`` for a message to run now or soon.
+
+    A worker keeps a message with an ``eta`` in memory, unacknowledged, until then; past
+    the visibility timeout the broker delivers it again, so a few far-future dispatches
+    pile up without bound (a fleet trial: 40 messages with a countdown of 10^8 s)."""
+    eta = headers.get("eta") if isinstance(headers, dict) else None
+    if eta is None:
+        return None
+    try:
+        when = datetime.fromisoformat(str(eta))
+    except ValueError:
+        return str(eta)
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    ahead = (when - datetime.now(UTC)).total_seconds()
+    return str(eta) if ahead > max_countdown_s() + ETA_SKEW_S else None
+
+
+@functools.lru_cache(maxsize=1)
+def max_countdown_s() -> float:
+    """``INVESTIGATE_MAX_COUNTDOWN_S`` of this worker (read once)."""
+    from workers.settings import load_settings
+
+    return float(load_settings().max_countdown_s)
+
+
 class Consumer(CeleryConsumer):  # type: ignore[misc]
     """Celery's consumer whose task handler rejects, without requeueing, a message that
     its strategy cannot turn into a request (a protocol-2 body that is not ``[args,
@@ -79,6 +115,18 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         passed = tuple(self.connection_errors or ()) + tuple(self.channel_errors or ())
 
         def on_task_received(message: Any) -> Any:
+            headers = getattr(message, "headers", None) or {}
+            too_late = _eta_beyond_countdown(headers)
+            if too_late is not None:
+                task = headers.get("task") if isinstance(headers, dict) else None
+                log.error("broker message refused: MESSAGE_INVALID: task message %s is to "
+                          "run at %s, beyond INVESTIGATE_MAX_COUNTDOWN_S from now; it was "
+                          "dropped and nothing ran (a worker would hold it in memory, and "
+                          "the broker deliver it again, every visibility timeout)",
+                          escape_text(repr(task))[:80], escape_text(str(too_late))[:40])
+                if not message.acknowledged:
+                    message.reject_log_error(log, self.connection_errors, requeue=False)
+                return None
             try:
                 return handle(message)
             except passed:

@@ -162,7 +162,8 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
     JSON, an envelope whose body is not its declared base64, and a protocol-2 message
     whose JSON body is not ``[args, kwargs, embed]``. Each stopped the worker ("Unrecoverable
     error"; the last one was restored to the queue and stopped every restart). Now each is
-    refused in one line and dropped, and the worker runs the case sent after them."""
+    refused in one line and dropped, and the worker runs the case sent after them. So is a
+    message whose eta lies beyond INVESTIGATE_MAX_COUNTDOWN_S."""
     import base64
     import json
 
@@ -183,9 +184,14 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
                  json.dumps(bad_base64).encode(), json.dumps(not_a_triple).encode()]
         for item in items:
             h.redis.lpush(h.queue, item)
+        # A contract-valid dispatch to run in three years: the worker held it in memory,
+        # unacknowledged, and the broker handed it out again every visibility timeout.
+        app.send_task("investigation.dispatch", args=[case_id], kwargs={"contract": 1},
+                      queue=h.queue, countdown=10**8)
         h.worker.start()
         h.worker.wait_ready()
-        _wait_log(h, r"broker message refused: MESSAGE_INVALID", len(items))
+        _wait_log(h, r"broker message refused: MESSAGE_INVALID", len(items) + 1)
+        assert "beyond INVESTIGATE_MAX_COUNTDOWN_S" in h.worker.log()
         start_dispatch(case_id)
         info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
         h.wait_unlocked()
