@@ -134,6 +134,9 @@ def serve_worker(port: int, address: str = "127.0.0.1") -> int:
 
     In multiprocess mode the registry is a fresh one holding ``MultiProcessCollector``
     (the documented set-up); otherwise the process's default registry.
+
+    Raises:
+        OSError: the address and port cannot be served (named in the message).
     """
     global _server
     registry: CollectorRegistry = REGISTRY
@@ -142,7 +145,11 @@ def serve_worker(port: int, address: str = "127.0.0.1") -> int:
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-    _server, _thread = start_wsgi_server(port, address, registry)
+    try:
+        _server, _thread = start_wsgi_server(port, address, registry)
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        raise OSError(exc.errno, f"cannot serve metrics on {address}:{port}: "
+                                 f"{exc.strerror or exc}") from exc
     return int(_server.server_port)
 
 
