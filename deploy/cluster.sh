@@ -76,8 +76,21 @@ start() {
   echo $! >"$run/metrics.pid"
   nohup "$bin" flower --port "${FLOWER_PORT:-5555}" >"$run/flower.log" 2>&1 &
   echo $! >"$run/flower.pid"
-  local waited=0   # ready when every worker answers ping
+  local waited=0 dead name   # ready when every worker answers ping
   until "$bin" health --check workers --min-workers "$n" --timeout 1 >/dev/null 2>&1; do
+    dead=""   # a process that exited at start (a taken port, a broken setting)
+    for pidfile in "$run"/*.pid; do
+      alive "$pidfile" || dead="$dead $(basename "$pidfile" .pid)"
+    done
+    if [ -n "$dead" ]; then
+      echo "error: exited at start:$dead" >&2
+      for name in $dead; do
+        echo "--- $run/$name.log (last lines):" >&2
+        tail -n 5 "$run/$name.log" >&2
+      done
+      echo "run '$0 stop' for the others, fix the cause, then start again" >&2
+      exit 1
+    fi
     if [ "$waited" -ge "$start_timeout" ]; then
       echo "warning: not every worker answers ping after ${start_timeout}s; see $run/worker-*.log" >&2
       break
