@@ -493,8 +493,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         print(f"model request per step (the context the model reads): step 5 "
               f"{requests[min(requests, key=lambda k: abs(k - 5))] / 1000:.1f} KB, step 100 "
               f"{requests[100] / 1000:.1f} KB, step {max(requests)} {at_end / 1000:.1f} KB; "
-              f"step {max(requests)} / step 100 {figures['request_ratio']:.2f}x   (flat: a "
-              "step's prompt tokens stop growing once the windows are full)")
+              f"step {max(requests)} / step 100 {figures['request_ratio']:.2f}x   (no target; "
+              "the evidence windows are full from about step 100, the questions listed grow "
+              "until each hypothesis holds the stub's 25)")
     print("artifact bytes as read back, by kind (MB):  " + "  ".join(
         f"{k} {v / 1e6:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
     if rss:
