@@ -76,7 +76,7 @@ class Transport(kombu_redis.Transport):
 ETA_SKEW_S = 60.0
 
 
-def _eta_beyond_countdown(headers: Any) -> str | None:
+def _eta_beyond_countdown(headers: dict[str, Any]) -> str | None:
     """The ``eta`` of a protocol-2 message when it lies further ahead than any task of
     the engine schedules (``INVESTIGATE_MAX_COUNTDOWN_S`` plus :data:`ETA_SKEW_S`), or
     when it is not a time at all; ``None`` for a message to run now or soon.
@@ -84,7 +84,7 @@ def _eta_beyond_countdown(headers: Any) -> str | None:
     A worker keeps a message with an ``eta`` in memory, unacknowledged, until then; past
     the visibility timeout the broker delivers it again, so a few far-future dispatches
     pile up without bound (a fleet trial: 40 messages with a countdown of 10^8 s)."""
-    eta = headers.get("eta") if isinstance(headers, dict) else None
+    eta = headers.get("eta")
     if eta is None:
         return None
     try:
@@ -115,10 +115,11 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         passed = tuple(self.connection_errors or ()) + tuple(self.channel_errors or ())
 
         def on_task_received(message: Any) -> Any:
-            headers = getattr(message, "headers", None) or {}
+            headers = getattr(message, "headers", None)
+            headers = headers if isinstance(headers, dict) else {}
+            task = headers.get("task")
             too_late = _eta_beyond_countdown(headers)
             if too_late is not None:
-                task = headers.get("task") if isinstance(headers, dict) else None
                 log.error("broker message refused: MESSAGE_INVALID: task message %s is to "
                           "run at %s, beyond INVESTIGATE_MAX_COUNTDOWN_S from now; it was "
                           "dropped and nothing ran (a worker would hold it in memory, and "
@@ -132,8 +133,6 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             except passed:
                 raise
             except Exception as exc:
-                headers = getattr(message, "headers", None) or {}
-                task = headers.get("task") if isinstance(headers, dict) else None
                 _refused(f"task message {escape_text(repr(task))[:80]} whose body is not "
                          "[args, kwargs, embed]", exc)
                 if not message.acknowledged:

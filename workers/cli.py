@@ -397,9 +397,7 @@ def _case_add_next(settings: Settings, store: Store, case_id: str, state: str) -
     cannot run (added again after it completed, blocked or stopped): what ``status`` says.
     """
     if state not in (CASE_INVESTIGATING, CASE_PAUSED):
-        print_guidance(err, guidance.for_case(
-            store, case_id, providers=_providers_shown(settings),
-            replies=guidance.scripted_file(settings.providers)))
+        print_guidance(err, case_guidance(settings, store, case_id))
         return
     resume_first = f"  $ investigate resume {case_id}\n" if state == CASE_PAUSED else ""
     providers = _providers_shown(settings)
@@ -538,9 +536,7 @@ def status_cmd(
             watch_case(out, store, case_id, interval)
         return
     info = status(store, case_id)
-    g = guidance.for_case(store, case_id, _guidance_mode(settings),
-                          providers=_providers_shown(settings),
-                          replies=guidance.scripted_file(settings.providers))
+    g = case_guidance(settings, store, case_id)
     if as_json:  # model costs are in micros of limits.currency
         _print_json({**info, "next": g.to_dict()})
         return
@@ -549,11 +545,16 @@ def status_cmd(
     out.print(status_view(info, g, currency))
 
 
-def _guidance_mode(settings: Settings) -> guidance.Mode:
-    """The runtimes ``status`` and ``resume`` advise: both where a broker is configured,
-    else only the embedded one (as ``case add``: without INVESTIGATE_BROKER_URL a
-    ``dispatch`` goes to the default broker, where no fleet's worker may listen)."""
-    return None if _broker_configured(settings) else "embedded"
+def case_guidance(settings: Settings, store: Store, case_id: str) -> guidance.Guidance:
+    """What to do next for a case, as ``status``, ``resume``, ``cases`` and ``case add``
+    advise it: the runtimes this shell can use (both where a broker is configured, else
+    only the embedded one: without INVESTIGATE_BROKER_URL a ``dispatch`` goes to the
+    default broker, where no fleet's worker may listen), with INVESTIGATE_PROVIDERS and
+    its scripted reply file in the commands."""
+    return guidance.for_case(store, case_id,
+                             None if _broker_configured(settings) else "embedded",
+                             providers=_providers_shown(settings),
+                             replies=guidance.scripted_file(settings.providers))
 
 
 def _providers_shown(settings: Settings) -> str | None:
@@ -587,9 +588,7 @@ def resume_cmd(
             err.print(f"try: investigate resume {case_id} --retry-id {fresh}",
                       highlight=False, markup=False)
         raise
-    g = guidance.for_case(store, case_id, _guidance_mode(settings),
-                          providers=_providers_shown(settings),
-                          replies=guidance.scripted_file(settings.providers))
+    g = case_guidance(settings, store, case_id)
     if as_json:
         _print_json({**info, "next": g.to_dict()})
         return

@@ -20,17 +20,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from investigation import guidance
 from investigation.errors import InvestigationError
 from investigation.overview import CaseRow, list_cases
 from workers.cli import (
     JsonOpt,
     _controlled,
-    _guidance_mode,
-    _providers_shown,
     _settings,
     _store,
     _term,
+    case_guidance,
     err,
     example,
     out,
@@ -293,9 +291,7 @@ def next_step_hint(store: Any, row: CaseRow, settings: Settings) -> str | None:
     same thing; ``None`` for a case that needs nothing."""
     if row.state not in ("BLOCKED", "PAUSED"):
         return None
-    return guidance.for_case(store, row.case_id, _guidance_mode(settings),
-                             providers=_providers_shown(settings),
-                             replies=guidance.scripted_file(settings.providers)).first_command
+    return case_guidance(settings, store, row.case_id).first_command
 
 
 @_controlled

@@ -83,11 +83,11 @@ from investigation.cases.layout import (
     check_entry_name,
     check_no_conflicts,
 )
-from investigation.cases.reader import PackageReader
+from investigation.cases.reader import PackageReader, check_database_opens
 from investigation.cases.zipscan import RATIO_MIN_BYTES
 from investigation.config import PackageLimits, canonical_json
 from investigation.constants import PACKAGE_FORMAT
-from investigation.errors import PackageError, ToolError
+from investigation.errors import PackageError
 from investigation.secrets import (
     SecretFinding,
     default_masker,
@@ -257,40 +257,27 @@ def _plan(source: Path, report: Path, db: Path | None, logs: Path | None,
 def _read_plan(plan: Mapping[str, Path], report: Path, db: Path | None) -> dict[str, bytes]:
     files = {name: _read(path) for name, path in plan.items()}
     try:
-        files[REPORT_NAME].decode("utf-8", "strict")
+        text = files[REPORT_NAME].decode("utf-8", "strict")
     except UnicodeDecodeError as exc:
         raise PackageError("PKG_REPORT_INVALID", f"report {report} is not UTF-8 text",
                            path=str(report)) from exc
-    if not files[REPORT_NAME].decode("utf-8").strip():
+    if not text.strip():
         raise PackageError("PKG_REPORT_INVALID",
                            f"report {report} is empty; write the bug report to investigate",
                            path=str(report))
     for name, content in files.items():
-        if name.startswith(DB_ROOT) and not content.startswith(SQLITE_HEADER):
+        if not name.startswith(DB_ROOT):
+            continue
+        if not content.startswith(SQLITE_HEADER):
             raise PackageError(
                 "PKG_DB_NOT_SQLITE",
                 f"database {db} does not start with the SQLite 3 header; pass an SQLite "
                 "database file",
                 path=str(db),
             )
-        if name.startswith(DB_ROOT):
-            files[name] = _database_bytes(plan[name], content)
-            _check_opens(plan[name], name[len(DB_ROOT):], files[name])
+        files[name] = _database_bytes(plan[name], content)
+        check_database_opens(name[len(DB_ROOT):], files[name], str(plan[name]))
     return files
-
-
-def _check_opens(db: Path, name: str, data: bytes) -> None:
-    """``PKG_DB_CORRUPT`` when SQLite cannot open the database as the tools will (every
-    query of it would fail, charged to the model)."""
-    from investigation.tools.sqlite import check_opens
-
-    try:
-        check_opens(name, data)
-    except ToolError as exc:
-        raise PackageError("PKG_DB_CORRUPT",
-                           f"database {db} cannot be opened by SQLite ({exc.message}); "
-                           f"`sqlite3 {db} 'PRAGMA integrity_check'` tells what is wrong",
-                           path=str(db)) from exc
 
 
 #: Files beside a SQLite database that hold committed (``-wal``) or half-written

@@ -329,6 +329,32 @@ class PackageSnapshot:
 # -- validation ------------------------------------------------------------------------------
 
 
+def check_database_opens(name: str, data: bytes, where: str) -> None:
+    """Refuse a packed database SQLite cannot open as the tools will (not a database, a
+    malformed image or schema): every query of it would fail, and the failures would be
+    charged to the model as invalid replies. Checked by ``case build`` and when a case is
+    registered, not by :class:`PackageReader` (a case stored before the rule still opens;
+    its queries fail with ``TOOL_SQL_ERROR`` as before).
+
+    Args:
+        where: the database as the operator knows it (a file path, or its package name).
+
+    Raises:
+        PackageError: ``PKG_DB_CORRUPT`` with SQLite's reason and the command that says
+            more.
+    """
+    from investigation.errors import ToolError
+    from investigation.tools.sqlite import check_opens
+
+    try:
+        check_opens(name, data)
+    except ToolError as exc:
+        raise PackageError("PKG_DB_CORRUPT",
+                           f"{exc.message}; pack a database SQLite can open (`sqlite3 "
+                           f"{where} 'PRAGMA integrity_check'` tells what is wrong)",
+                           name=name) from exc
+
+
 def _invalid(message: str) -> PackageError:
     return PackageError("PKG_MANIFEST_INVALID", f"manifest.json: {message}")
 

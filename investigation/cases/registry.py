@@ -39,10 +39,10 @@ from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, select
 
 from investigation.cases.layout import strict_json_loads
-from investigation.cases.reader import PackageReader
+from investigation.cases.reader import PackageReader, check_database_opens
 from investigation.cases.snapshot import Snapshot
 from investigation.config import canonical_json
-from investigation.errors import InvestigationError, PackageError, ToolError
+from investigation.errors import InvestigationError, PackageError
 from investigation.files import read_bounded
 from investigation.store.engine import Store, is_lost_race
 from investigation.store.models import CaseRecord, HypothesisBirth, PackageRecord, RevisionRecord
@@ -205,28 +205,6 @@ def _check_report(text: str) -> None:
                            "investigates (rebuild with `investigate case build --report`)")
 
 
-def check_databases(snapshot: Snapshot) -> None:
-    """Refuse a package whose database SQLite cannot open: every query of it would fail,
-    and the failures would be charged to the model as invalid replies.
-
-    Checked when a case is built and registered, not by the package reader (a case stored
-    before the rule still opens; its queries fail with ``TOOL_SQL_ERROR`` as before).
-
-    Raises:
-        PackageError: ``PKG_DB_CORRUPT`` naming the database and SQLite's reason.
-    """
-    from investigation.tools.sqlite import check_opens
-
-    for name in snapshot.db_names():
-        try:
-            check_opens(name, snapshot.db_bytes(name))
-        except ToolError as exc:
-            raise PackageError(
-                "PKG_DB_CORRUPT",
-                f"{exc.message}; pack a database SQLite can open (`sqlite3 DB "
-                f"'PRAGMA integrity_check'` tells what is wrong)", name=name) from exc
-
-
 def register_case(
     store: Store,
     package: bytes,
@@ -270,7 +248,8 @@ def register_case(
                                  hypotheses_sha256)
                 return case_id
             _check_report(snapshot.report_text())
-            check_databases(snapshot)
+            for name in snapshot.db_names():
+                check_database_opens(name, snapshot.db_bytes(name), "DB")
             if session.get(PackageRecord, package_id) is None:
                 session.add(PackageRecord(
                     id=package_id, size_bytes=len(data),

@@ -108,6 +108,11 @@ def _secret_hash(secret: str) -> str:
     return sha256_hex(secret.encode("utf-8", "surrogatepass"))
 
 
+def _authenticates(secret: str, r: TestRequest) -> bool:
+    """Whether ``secret`` is ``r``'s (constant-time comparison of the hashes)."""
+    return hmac.compare_digest(_secret_hash(secret).encode(), r.secret_sha256.encode())
+
+
 class AsyncTestCoordinator:
     """Hands tests out and takes their feedback back (see the module docstring).
 
@@ -202,14 +207,18 @@ class AsyncTestCoordinator:
             raise InvestigationError("FEEDBACK_KEY_MISSING", "no feedback key is configured")
         with self.store.session() as s:
             row = self._request(s, case_id, request_id)
-        secret = derive_secret(self.key, case_id, request_id)
-        if not hmac.compare_digest(_secret_hash(secret).encode(), row.secret_sha256.encode()):
+        if not self._handed_out_with_this_key(row):
             raise InvestigationError(
                 "FEEDBACK_KEY_MISMATCH",
                 f"the feedback key here is not the one {request_id} of {case_id} was handed "
                 f"out with, so its secret would be refused; use the workers' key: the same "
                 f"INVESTIGATE_HOME (its feedback.key) or INVESTIGATE_FEEDBACK_KEY")
-        return secret
+        return derive_secret(self.key, case_id, request_id)
+
+    def _handed_out_with_this_key(self, r: TestRequest) -> bool:
+        """Whether this coordinator's key derives the secret ``r`` stores the hash of."""
+        return self.key is not None and _authenticates(
+            derive_secret(self.key, r.case_id, r.request_id), r)
 
     @staticmethod
     def _describe(s: Session, r: TestRequest) -> dict[str, Any]:
@@ -235,11 +244,9 @@ class AsyncTestCoordinator:
         return row
 
     def _authenticate(self, r: TestRequest, secret: str) -> None:
-        if not hmac.compare_digest(_secret_hash(secret).encode(), r.secret_sha256.encode()):
+        if not _authenticates(secret, r):
             hint = ""
-            if self.key is not None and not hmac.compare_digest(
-                    _secret_hash(derive_secret(self.key, r.case_id, r.request_id)).encode(),
-                    r.secret_sha256.encode()):
+            if self.key is not None and not self._handed_out_with_this_key(r):
                 # The operator's own key would not have handed this request out either: a
                 # secret shown by a CLI with another INVESTIGATE_HOME than the workers'.
                 hint = ("; the feedback key here is not the one the request was handed out "

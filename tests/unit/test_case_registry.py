@@ -198,30 +198,41 @@ def test_load_snapshot_unknown_case(store: Store, reader: PackageReader) -> None
     assert err.value.code == "CASE_NOT_FOUND"
 
 
-@pytest.mark.parametrize("report", [b"", b"  \n\t\n"])
-def test_a_package_without_a_bug_report_is_refused(
-        store: Store, reader: PackageReader, tmp_path: Path, report: bytes) -> None:
-    """A case is investigated from its report: an empty one is refused by `case build` and,
-    for a package made elsewhere, by registration, which stores nothing. The reader itself
-    still opens it, so a case stored before the rule keeps working."""
+def _refusals(store: Store, reader: PackageReader, tmp_path: Path, report: bytes,
+              db: bytes | None = None) -> tuple[PackageError, PackageError]:
+    """The refusal of a crafted package with ``report`` (and ``db/app.sqlite``) at
+    registration, which must store nothing, and of ``case build`` of the same inputs,
+    which must write nothing. The reader itself opens the package (a case stored before
+    these rules keeps working)."""
     from tests.unit.test_package_reader import BASE
     from tests.unit.test_package_reader import package as crafted
 
-    data = crafted(files={**BASE, "report.md": report})
-    assert reader.read(data).report_text() == report.decode()
-    with pytest.raises(PackageError) as err:
+    files = {**BASE, "report.md": report} | ({"db/app.sqlite": db} if db is not None else {})
+    data = crafted(files=files)
+    reader.read(data)
+    with pytest.raises(PackageError) as registered:
         register_case(store, data, INTERPRETATION, HYPOTHESES, reader)
-    assert err.value.code == "PKG_REPORT_INVALID" and "empty" in err.value.message
     assert _counts(store) == dict.fromkeys(("package", "case", "revision", "hypothesis_birth"), 0)
-
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.py").write_bytes(b"x = 1\n")
     (tmp_path / "report.md").write_bytes(report)
-    with pytest.raises(PackageError) as err:
-        build_package(src, tmp_path / "report.md", tmp_path / "case.zip")
-    assert err.value.code == "PKG_REPORT_INVALID" and "empty" in err.value.message
+    if db is not None:
+        (tmp_path / "app.db").write_bytes(db)
+    with pytest.raises(PackageError) as built:
+        build_package(src, tmp_path / "report.md", tmp_path / "case.zip",
+                      db=tmp_path / "app.db" if db is not None else None)
     assert not (tmp_path / "case.zip").exists()
+    return registered.value, built.value
+
+
+@pytest.mark.parametrize("report", [b"", b"  \n\t\n"])
+def test_a_package_without_a_bug_report_is_refused(
+        store: Store, reader: PackageReader, tmp_path: Path, report: bytes) -> None:
+    """A case is investigated from its report: an empty one is refused by `case build` and,
+    for a package made elsewhere, by registration."""
+    for err in _refusals(store, reader, tmp_path, report):
+        assert err.code == "PKG_REPORT_INVALID" and "empty" in err.message
 
 
 def _malformed_schema() -> bytes:
@@ -243,26 +254,10 @@ def test_a_database_sqlite_cannot_open_is_refused(
         store: Store, reader: PackageReader, tmp_path: Path, db: bytes | str) -> None:
     """A package whose database has the SQLite header but cannot be opened was accepted;
     every db operation then failed and the case blocked as if the model had replied
-    badly (INVALID_LLM_RESPONSES). `case build` and registration refuse it (nothing is
-    stored); the reader still opens the package, for cases stored before the rule."""
-    from tests.unit.test_package_reader import BASE
-    from tests.unit.test_package_reader import package as crafted
-
+    badly (INVALID_LLM_RESPONSES). `case build` and registration refuse it."""
     data_db = _malformed_schema() if db == "schema" else db
     assert isinstance(data_db, bytes)
-    data = crafted(files={**BASE, "db/app.sqlite": data_db})
-    assert reader.read(data).db_names() == ["app.sqlite"]
-    with pytest.raises(PackageError) as err:
-        register_case(store, data, INTERPRETATION, HYPOTHESES, reader)
-    assert err.value.code == "PKG_DB_CORRUPT" and "app.sqlite" in err.value.message
-    assert _counts(store) == dict.fromkeys(("package", "case", "revision", "hypothesis_birth"), 0)
-
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "a.py").write_bytes(b"x = 1\n")
-    (tmp_path / "report.md").write_text("It breaks.\n")
-    (tmp_path / "app.db").write_bytes(data_db)
-    with pytest.raises(PackageError) as err:
-        build_package(src, tmp_path / "report.md", tmp_path / "case.zip", db=tmp_path / "app.db")
-    assert err.value.code == "PKG_DB_CORRUPT" and "integrity_check" in err.value.message
-    assert not (tmp_path / "case.zip").exists()
+    registered, built = _refusals(store, reader, tmp_path, b"It breaks.\n", data_db)
+    for err in (registered, built):
+        assert err.code == "PKG_DB_CORRUPT" and "app.sqlite" in err.message
+        assert "integrity_check" in err.message
