@@ -64,6 +64,9 @@ OUTCOMES = (PROGRESSED, REJECTED, YIELDED, RETRY_PENDING, DEFERRED, BLOCKED, COM
 #: Outcomes after which a dispatch goes on with the next step (``DEFERRED``: a step whose
 #: accepted early-diagnosis review deferred alternatives to assessment-only).
 CONTINUING = (PROGRESSED, REJECTED, DEFERRED)
+#: Not a step outcome: the last outcome a case row shows when a worker's stage stopped its
+#: step with a controlled error (reason: the error code); nothing of the step was published.
+STEP_ERROR = "ERROR"
 
 #: Case states.
 CASE_INVESTIGATING = "INVESTIGATING"

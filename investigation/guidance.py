@@ -26,6 +26,7 @@ state / reason                  advice
 ``AWAITING_TEST_FEEDBACK``      ``tests show``, ``feedback submit`` / ``confirm``
 ``STAGE_POISONED``              read the worker logs, ``resume``, ``dispatch``
 ``STAGE_TIME_LIMIT``            raise the worker's time limit, ``resume``, ``dispatch``
+``INVESTIGATING`` ``ERROR``     a worker's stage failed: its log, ``verify``, ``dispatch``
 ``MODEL_COST_CAP``              raise ``limits.max_model_cost``, ``resume --retry-id``
 ``PAUSED``                      ``resume`` (or ``cancel``)
 ``CANCELLED``                   final: keep the record (``report``, ``export``)
@@ -62,6 +63,7 @@ from investigation.constants import (
     CASE_PAUSED,
     CASE_STOPPED,
     RETRY_PENDING,
+    STEP_ERROR,
 )
 from investigation.errors import InvestigationError
 from investigation.llm.scripted import script_path_of
@@ -290,6 +292,8 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
                       + (_q(providers) if providers else "PROVIDERS.toml")),
                  Step("distributed: the workers come back by themselves; watch it",
                       f"investigate status {case} --watch")))
+        if f.last_outcome == STEP_ERROR:
+            return _step_error(f, mode, providers)
         if f.steps == 0 and f.last_outcome is None:
             return Guidance("No step has run yet.",
                             tuple(_continue(f, mode, providers, first=True)))
@@ -302,6 +306,38 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
                         (*_continue(f, mode, providers), *_watch(f, mode)))
     return Guidance(f"The case is {f.state}" + (f" ({reason})" if reason else "") + ".",
                     (Step("see its state", f"investigate status {case}"), report))
+
+
+#: Controlled errors that mean the stored record does not replay (seed 000, "Persistence
+#: and recovery"): ``verify`` names the generation and what differs.
+_RECORD_ERRORS = frozenset({"CHECKPOINT_INVALID", "CONTEXT_IDENTITY", "RESULT_IDENTITY",
+                            "STATE_TAMPERED", "SETTLEMENT_MISMATCH", "POLICY_CHANGED"})
+#: Controlled errors that are a policy bound the step would cross.
+_LIMIT_ERRORS = frozenset({"CONTEXT_TOO_LARGE", "CHECKPOINT_LIMIT"})
+
+
+def _step_error(f: CaseFacts, mode: Mode, providers: str | None) -> Guidance:
+    """A worker's stage stopped the case's next step with a controlled error (the case row's
+    last outcome ``ERROR``, reason its code): nothing of the step was published, and the
+    recovery sweep tries it again."""
+    case, step = _q(f.case_id), f.steps + 1
+    cause: list[Step] = [Step(f"read the worker log's line for it: `case {f.case_id} step "
+                              f"{step} STAGE failed: {f.last_reason}: ...` (the message "
+                              "names the cause)")]
+    if f.last_reason in _RECORD_ERRORS:
+        cause.append(Step("the stored record does not replay: check which generation and "
+                          "what differs", f"investigate verify {case}"))
+    elif f.last_reason in _LIMIT_ERRORS:
+        cause.append(Step("the step would cross a limit of the revision's frozen policy, "
+                          "which no worker's policy file changes: cancel the case and "
+                          "register it again (a new case) with a larger limit"))
+    return Guidance(
+        f"Step {step} failed on a worker with {f.last_reason}; nothing of it was published, "
+        "and the recovery sweep dispatches the case again (every INVESTIGATE_SWEEP_INTERVAL_S), "
+        "so the error repeats until its cause is fixed.",
+        (*cause, Step("after fixing the cause, dispatch it (or let the sweep)",
+                      f"investigate dispatch {case}"),
+         Step("or stop it for good", f"investigate cancel {case}")))
 
 
 def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,

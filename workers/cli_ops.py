@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from investigation.constants import STEP_ERROR
 from investigation.errors import InvestigationError
 from investigation.overview import CaseRow, list_cases
 from workers.cli import (
@@ -288,8 +289,9 @@ def next_step_hint(store: Any, row: CaseRow, settings: Settings) -> str | None:
     """What to do next for a case (the ``next`` column and field): the first command of
     the guidance ``investigate status`` prints (``investigation.guidance``) with the same
     ``settings`` (runtime, providers file, scripted reply file), so both commands say the
-    same thing; ``None`` for a case that needs nothing."""
-    if row.state not in ("BLOCKED", "PAUSED"):
+    same thing; ``None`` for a case that needs nothing (a case investigating needs
+    something only when a worker's stage stopped its next step: last outcome ``ERROR``)."""
+    if row.state not in ("BLOCKED", "PAUSED") and row.last_outcome != STEP_ERROR:
         return None
     return case_guidance(settings, store, row.case_id).first_command
 
@@ -303,7 +305,8 @@ def cases(
     as_json: JsonOpt = False,
 ) -> None:
     """List cases: state, blocked reason, retry time, last step, balances, and for a
-    blocked or paused case the command that continues it."""
+    blocked or paused case, or one whose next step failed on a worker (last outcome
+    ERROR), the command that continues it."""
     settings = _settings()
     store = _store(settings, existing=True)
     rows = list_cases(store, state, limit)

@@ -47,6 +47,7 @@ from investigation.constants import (
     DISPATCH_TASK,
     RETRY_PENDING,
     STAGES,
+    STEP_ERROR,
     TASK_PREFIX,
     YIELDED,
 )
@@ -322,7 +323,7 @@ def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
         # The embedded CLI reports the error itself; a worker's log is the operator's view.
         log.log(logging.DEBUG if payload.get("mode") == "embedded" else logging.ERROR,
                 "case %s step %s %s failed: %s", case_id, key.step_seq, stage, exc)
-        return _halt(payload, "ERROR", exc.code, message=exc.message), "error"
+        return _halt(payload, "ERROR", exc.code, message=exc.message, stage=stage), "error"
     except OperationalError as exc:
         # The store is unreachable or busy: retry this stage later (countdown, no sleep).
         if task.request.retries >= STORE_MAX_RETRIES:
@@ -574,6 +575,8 @@ def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
         dispatch.apply_async((case_id, payload.get("max_steps")))  # behind other cases
         payload["halt"]["outcome"] = YIELDED if steps_left <= 0 else outcome
         return payload
+    if outcome == STEP_ERROR:
+        _note_step_error(rt, payload, halt)
     rt.lock.release(case_id, token, tombstone=not _another_chain_at_work(halt))
     if outcome == RETRY_PENDING and halt.get("retry_not_before"):
         due = datetime.fromisoformat(halt["retry_not_before"])
@@ -588,6 +591,20 @@ def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
     elif outcome not in (BLOCKED, COMPLETED):
         log.warning("case %s: dispatch ended with %s", case_id, halt)
     return payload
+
+
+def _note_step_error(rt: runtime.Runtime, payload: dict[str, Any],
+                     halt: dict[str, Any]) -> None:
+    """Show a step's controlled error on the case row (``deliveries.note_step_error``),
+    while this chain still holds the case's lock; a store that cannot take the write (the
+    error may be its own) leaves the worker log's line as the only record."""
+    try:
+        deliveries.note_step_error(
+            rt.env.store, StepKey(payload["case_id"], payload["revision"], payload["step_seq"]),
+            str(halt.get("reason") or "NO_OUTCOME"))
+    except Exception as exc:  # best effort: the log line says why
+        log.warning("case %s: step %s's error %s not recorded on the case: %s",
+                    payload["case_id"], payload["step_seq"], halt.get("reason"), exc)
 
 
 def _another_chain_at_work(halt: dict[str, Any]) -> bool:

@@ -33,6 +33,11 @@ A worker time limit that stops a stage is not a crash: the runtime reports it on
 (:func:`delivery_returned`, so it never counts towards ``STAGE_POISONED``), and a stage
 that cannot be recorded as a failed query result parks the case ``BLOCKED`` with
 ``STAGE_TIME_LIMIT`` (:func:`block_for_time_limit`).
+
+A stage that stops its step with a controlled error (an ``InvestigationError``: a
+checkpoint that fails replay, a context over its bound) returns normally and is not
+counted either; the runtime records the error's code as the case's last outcome
+(:func:`note_step_error`), so ``status`` and ``cases`` show it where a worker ran it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from investigation.constants import (
     BLOCKED,
     CASE_BLOCKED,
     CASE_INVESTIGATING,
+    STEP_ERROR,
 )
 from investigation.loop.outcome import Outcome, StepKey
 from investigation.store.engine import Store, core, is_unique_violation, table_of
@@ -266,6 +272,28 @@ def block_for_time_limit(store: Store, key: StepKey, stage: str) -> Outcome | No
         s.add(case)
     return Outcome(BLOCKED, key.case_id, key.step_seq, BLOCK_STAGE_TIME_LIMIT,
                    details={"stage": stage})
+
+
+def note_step_error(store: Store, key: StepKey, code: str) -> bool:
+    """Record that step ``key`` stopped with the controlled error ``code``: the case's last
+    outcome becomes ``ERROR`` with ``code`` as its reason (``status``, ``cases``, the
+    report's step in progress). The case stays ``INVESTIGATING``; the recovery sweep
+    dispatches it again, and the step's next publication replaces the outcome.
+
+    Returns:
+        Whether the row changed: ``False`` when the step is no longer the case's next one,
+        the case is not investigating, or the same error is already recorded.
+    """
+    with store.session() as s:
+        case = Store.lock_case(s, key.case_id)
+        if (case.state != CASE_INVESTIGATING or case.current_revision != key.revision
+                or case.head_seq != key.step_seq - 1
+                or (case.last_outcome, case.last_reason) == (STEP_ERROR, code)):
+            return False
+        case.last_outcome, case.last_reason = STEP_ERROR, code[:64]
+        case.updated_at = utcnow()
+        s.add(case)
+    return True
 
 
 def last_delivered(s: Session, case_id: str) -> StageDelivery | None:

@@ -314,3 +314,66 @@ def test_max_steps_dispatch_yields_reenqueues_and_completes(harness: Harness) ->
         assert log.index("Task investigation.dispatch[") < log.index("step 3: PROGRESSED")
         second = log.index("Task investigation.dispatch[", log.index("step 3: PROGRESSED"))
         assert log.index("step 4: PROGRESSED") < second < log.index("step 5: COMPLETED")
+
+
+def test_a_step_a_worker_stops_with_a_controlled_error_is_shown_on_the_case(
+        harness: Harness) -> None:
+    """A worker's stage that stops a step with a controlled error (here the replay of a
+    case whose state pointer was deleted: CHECKPOINT_INVALID) records it as the case's
+    last outcome, so `status` names the step, the code and what to do; before, the case
+    showed its previous outcome and only the worker log had the error, while the sweep
+    dispatched it again and again. Once the cause is gone, the next dispatch goes on and
+    the step's outcome replaces the error."""
+    from sqlalchemy import delete
+    from typer.testing import CliRunner
+
+    from investigation.store.models import CaseRecord, ManifestPointer
+    from workers.cli import app
+    from workers.tasks import start_dispatch
+
+    h = harness
+    case_id, store = h.case.case_id, h.case.store
+    for _ in range(2):
+        h.case.investigator().step(case_id)
+    with store.session() as s:
+        pointers = [ManifestPointer(**p.model_dump(exclude={"id"})) for p in s.exec(
+            select(ManifestPointer).where(ManifestPointer.case_id == case_id)).all()]
+        s.execute(delete(ManifestPointer).where(col(ManifestPointer.case_id) == case_id))
+
+    def row() -> CaseRecord:
+        with store.session() as s:
+            case = s.get(CaseRecord, case_id)
+            assert case is not None
+            s.expunge(case)
+            return case
+
+    with h.dump_on_failure():
+        h.worker.start()
+        start_dispatch(case_id)
+        deadline = time.monotonic() + CASE_TIMEOUT_S
+        while row().last_outcome != "ERROR":
+            assert time.monotonic() < deadline, "the error never reached the case row"
+            time.sleep(0.1)
+        h.wait_unlocked()
+        case = row()
+        assert (case.state, case.head_seq, case.last_reason) == \
+            ("INVESTIGATING", 2, "CHECKPOINT_INVALID")
+        assert f"case {case_id} step 3 build_context failed: CHECKPOINT_INVALID" \
+            in h.worker.log()
+        res = CliRunner().invoke(app, ["status", case_id])
+        assert res.exit_code == 0, res.output
+        flat = " ".join(res.output.split())
+        assert "last outcome ERROR (CHECKPOINT_INVALID)" in flat
+        assert "Step 3 failed on a worker with CHECKPOINT_INVALID" in flat
+        assert f"investigate verify {case_id}" in flat
+        listed = CliRunner().invoke(app, ["cases"])
+        assert listed.exit_code == 0, listed.output
+        assert "ERROR (CHECKPOINT_INVALID)" in " ".join(listed.output.split())
+        assert f"next for {case_id}: investigate verify {case_id}" in listed.output
+
+        with store.session() as s:  # the cause removed
+            s.add_all(pointers)
+        start_dispatch(case_id)
+        info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+        h.wait_unlocked()
+        _assert_completed_case(h, info)

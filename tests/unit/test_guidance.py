@@ -121,3 +121,27 @@ def test_the_script_hint_names_the_file_once() -> None:
     g = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES", error_code="REPLY_NOT_JSON"))
     text = "\n".join(g.lines())
     assert "file: the file" not in text and "JSON Lines file: the next model call" in text
+
+
+@pytest.mark.parametrize(("code", "says", "command"), [
+    ("CHECKPOINT_INVALID", "does not replay", f"investigate verify {CASE}"),
+    ("CONTEXT_TOO_LARGE", "register it again", None),
+    ("SOMETHING_ELSE", None, None),
+])
+def test_a_workers_step_error_is_named_with_its_step_and_what_to_do(
+        code: str, says: str | None, command: str | None) -> None:
+    """A case whose next step a worker's stage stopped with a controlled error (last
+    outcome ERROR): the headline names the step and the code, the worker log's line to
+    look for, and how the case goes on; before, status said only 'investigating'."""
+    g = advise(_facts(state="INVESTIGATING", last_outcome="ERROR", last_reason=code))
+    assert g.headline.startswith(f"Step 5 failed on a worker with {code};")
+    text = "\n".join(g.lines())
+    assert f"`case {CASE} step 5 STAGE failed: {code}: ...`" in text
+    commands = [s.command for s in g.steps if s.command]
+    assert commands[-2:] == [f"investigate dispatch {CASE}", f"investigate cancel {CASE}"]
+    if says:
+        assert says in text
+    if command:
+        assert command in commands
+    assert ("investigate verify" in text) == (command is not None)
+    assert not g.final
