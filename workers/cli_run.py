@@ -20,6 +20,7 @@ from investigation import guidance
 from investigation.cases.reader import PackageReader
 from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
+from investigation.files import write_atomic
 from investigation.loop.outcome import Outcome
 from investigation.operations import summary_bytes
 from workers.cli import (
@@ -62,7 +63,7 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
         # artifact tree (tens of MB for a long case) only when asked (`export`).
         summary_path = (settings.home / "summaries" / case_id / "summary.md").resolve()
         summary_path.parent.mkdir(parents=True, exist_ok=True)
-        summary_path.write_bytes(summary_bytes(_store(settings), case_id))
+        write_atomic(summary_path, summary_bytes(_store(settings), case_id))
     g = guidance.for_case(_store(settings, existing=True), case_id, "embedded",
                           str(providers) if providers else None, env,
                           _scripted_file(providers or settings.providers),

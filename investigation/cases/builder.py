@@ -88,6 +88,7 @@ from investigation.cases.zipscan import RATIO_MIN_BYTES
 from investigation.config import PackageLimits, canonical_json
 from investigation.constants import PACKAGE_FORMAT
 from investigation.errors import PackageError
+from investigation.files import write_atomic
 from investigation.secrets import (
     SecretFinding,
     default_masker,
@@ -566,15 +567,9 @@ def _read(path: Path) -> bytes:
 
 
 def _write_atomic(output: Path, data: bytes) -> None:
-    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, output)
+        write_atomic(output, data)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise PackageError("PKG_BUILD_INPUT", f"cannot write {output}: {exc.strerror}",
                            path=str(output)) from exc

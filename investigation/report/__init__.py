@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from investigation.files import write_atomic
 from investigation.report.history import CaseHistory, StepRow, case_history
 from investigation.report.html import render
 from investigation.store.engine import Store
@@ -27,14 +28,14 @@ def render_report(store: Store, case_id: str, env: str | None = None) -> str:
 
 
 def write_report(store: Store, case_id: str, path: Path, env: str | None = None) -> int:
-    """Write the report to ``path`` (UTF-8; replaced atomically). Returns its size in bytes.
+    """Write the report to ``path`` (UTF-8; replaced atomically, ``files.write_atomic``).
+    Returns its size in bytes.
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``.
-        OSError: the file cannot be written.
+        OSError: the file cannot be written, or ``path`` names something other than a
+            regular file (a device, a FIFO, a directory).
     """
     data = render_report(store, case_id, env).encode("utf-8", "backslashreplace")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    write_atomic(path, data)
     return len(data)

@@ -139,3 +139,68 @@ def test_a_reply_larger_than_an_artifact_may_be_is_a_failed_attempt(tmp_path: Pa
     assert max(sizes) < 4 << 20 and max(records, default=0) < 4 << 20
     assert "limits.max_artifact_bytes (4194304 bytes)" in (attempts[0].error_message or "")
     case.store.dispose()
+
+
+def test_write_atomic_replaces_only_a_regular_file_and_leaves_nothing_behind(
+        tmp_path: Path, fifo: Path) -> None:
+    """An output path may name anything too (a hostile-input trial: `report -o /dev/full`
+    as root replaced the device node with a regular file; a symlink planted at the report's
+    fixed temporary name made it overwrite the file the link named)."""
+    from investigation.files import write_atomic
+
+    out = tmp_path / "out.html"
+    write_atomic(out, b"one")
+    assert out.read_bytes() == b"one" and out.stat().st_mode & 0o777 == 0o666 & ~_umask()
+    out.chmod(0o600)
+    write_atomic(out, b"two")  # replaced, with the permission bits it had
+    assert out.read_bytes() == b"two" and out.stat().st_mode & 0o777 == 0o600
+    for other, code in ((fifo, errno.EINVAL), (tmp_path, errno.EISDIR)):
+        with pytest.raises(OSError) as refused:
+            write_atomic(other, b"x")
+        assert refused.value.errno == code and refused.value.filename == str(other)
+    assert fifo.is_fifo()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    (tmp_path / "out.html.tmp").symlink_to(victim)  # the old fixed temporary name
+    link = tmp_path / "link.html"
+    link.symlink_to(victim)
+    write_atomic(out, b"three")
+    write_atomic(link, b"four")  # the link itself is replaced, not the file it names
+    assert victim.read_bytes() == b"precious"
+    assert not link.is_symlink() and link.read_bytes() == b"four"
+    with pytest.raises(OSError):
+        write_atomic(tmp_path / "missing-dir" / "x.html", b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["fifo", "link.html", "out.html", "out.html.tmp", "victim.txt"]
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_report_and_build_refuse_an_output_that_is_not_a_regular_file(
+        tmp_path: Path, fifo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
+    package = casekit.build_tiny_package(tmp_path)
+    (tmp_path / "i.json").write_text(json.dumps(casekit.INTERPRETATION))
+    (tmp_path / "h.json").write_text(json.dumps(casekit.HYPOTHESES))
+    code, out = _invoke("case", "add", str(package), "--interpretation",
+                        str(tmp_path / "i.json"), "--hypotheses", str(tmp_path / "h.json"))
+    assert code == 0, out
+    case_id = out.strip().splitlines()[0]
+    for target in (fifo, tmp_path):
+        code, out = _invoke("report", case_id, "-o", str(target))
+        assert code == 2 and "IO_ERROR" in out, out
+        assert str(target) in " ".join(out.split()), out
+    assert fifo.is_fifo() and not list(tmp_path.glob("*.tmp")) + list(tmp_path.glob(".*tmp"))
+    source = tmp_path / "own-src"
+    source.mkdir()
+    (source / "app.py").write_text("print(1)\n")
+    (tmp_path / "report.md").write_text("# A bug\n\nIt breaks.\n")
+    code, out = _invoke("case", "build", "--source", str(source), "--report",
+                        str(tmp_path / "report.md"), "-o", str(fifo))
+    assert code == 2 and "not a regular file" in out, out
+    assert fifo.is_fifo()
