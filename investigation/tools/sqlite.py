@@ -22,6 +22,8 @@ Read-only by construction, in layers:
 Determinism: ``random()``, ``changes()`` etc. are not on the allow-list, and the date and
 time functions are replaced by wrappers that refuse ``'now'``, ``'localtime'``, ``'utc'``
 and the zero-argument forms, so a statement's rows depend only on the snapshot bytes.
+``EXPLAIN QUERY PLAN`` is allowed; a plain ``EXPLAIN`` is refused, since its program's
+operands hold the process's heap addresses (a virtual table's ``vtab:55FDCE3658B8``).
 
 Preflight ("prepare, do not step"): :meth:`ReadOnlyDatabase.preflight` compiles the
 statement under the same authorizer with a progress handler that interrupts the virtual
@@ -147,6 +149,9 @@ _WRITE_OPCODES = frozenset({
     "Destroy", "Clear", "CreateBtree", "ParseSchema", "SqlExec", "DropTable", "DropIndex",
     "DropTrigger", "Expire", "LoadAnalysis", "ResetCount",
 })
+
+#: The columns of an ``EXPLAIN QUERY PLAN`` listing (a plain ``EXPLAIN`` has eight).
+_QUERY_PLAN_COLUMNS = ("id", "parent", "notused", "detail")
 
 
 class InvalidText:
@@ -537,7 +542,15 @@ class ReadOnlyDatabase:
                 if cursor.description is None:
                     raise ToolError("TOOL_INVALID_ARGUMENTS", "sql holds no statement",
                                     argument="sql")
-                return  # an EXPLAIN listing: it ran to its first row, nothing else
+                # An EXPLAIN listing: it ran to its first row, nothing else. Only the
+                # query plan's: the program's operands hold this process's heap
+                # addresses (``vtab:55FDCE3658B8``), which would reach the evidence.
+                if len(cursor.description) != len(_QUERY_PLAN_COLUMNS):
+                    raise ToolError(
+                        "TOOL_INVALID_ARGUMENTS", "EXPLAIN lists the compiled program, "
+                        "whose operands hold this process's memory addresses; use EXPLAIN "
+                        "QUERY PLAN", argument="sql")
+                return
             except sqlite3.OperationalError as exc:
                 if not stopped[0] or self._denials:
                     raise self._translate(exc, sql) from exc

@@ -506,3 +506,22 @@ def test_the_snapshots_virtual_tables_stay_read_only(sql: str) -> None:
     assert error.code == "TOOL_SQL_NOT_READ_ONLY", error
     after = router.execute("db.query", {"sql": "SELECT count(*) AS n FROM boxes"})
     assert after.items[0]["row"] == {"n": 1}
+
+
+@pytest.mark.parametrize("sql", [
+    "EXPLAIN SELECT * FROM articles_fts WHERE articles_fts MATCH 'refund'",
+    "EXPLAIN SELECT id FROM boxes WHERE x0 < 3",
+    "/* a plan */ explain SELECT * FROM articles",
+])
+def test_explain_listings_are_refused_for_the_addresses_they_hold(sql: str) -> None:
+    """A plain EXPLAIN lists the program, whose operands hold the process's heap addresses
+    (a virtual table's ``vtab:55FDCE3658B8``): the evidence of the same query differed
+    between two runs and leaked the memory layout (a hostile-input trial). The query
+    plan stays available."""
+    for isolate in (True, False):
+        router = make_router({"search.sqlite": SEARCH_DB}, isolate_sql=isolate)
+        error = refusal(router, "db.query", {"sql": sql})
+        assert error.code == "TOOL_INVALID_ARGUMENTS" and "EXPLAIN QUERY PLAN" in str(error)
+        plan = router.execute("db.query", {"sql": "EXPLAIN QUERY PLAN " + sql.split(
+            "EXPLAIN ", 1)[-1].split("explain ", 1)[-1]})
+        assert plan.items and "vtab:" not in json.dumps([i["row"] for i in plan.items])
