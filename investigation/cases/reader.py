@@ -39,7 +39,8 @@ Refusals raise :class:`~investigation.errors.PackageError` with one of these cod
 ``PKG_CRC_MISMATCH``          decoded bytes fail the CRC-32
 ``PKG_MANIFEST_MISSING``      no ``manifest.json`` entry
 ``PKG_MANIFEST_INVALID``      manifest not a JSON object of the expected shape, wrong
-                              ``format``, or an entry outside the package layout
+                              ``format``, more JSON values than its entries need (five
+                              per entry), or an entry outside the package layout
 ``PKG_MANIFEST_MISMATCH``     a listed file is absent, an entry is unlisted, or a size or
                               sha256 differs
 ``PKG_DB_NOT_SQLITE``         a ``db/`` entry does not start with the SQLite header
@@ -96,6 +97,12 @@ from investigation.errors import PackageError
 __all__ = ["PackageReader", "PackageSnapshot", "ValidatedPackage"]
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+#: A JSON string token (unrolled: linear on any input).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+#: JSON values a manifest may hold per archive entry: a listed file is an object of three
+#: values (path, sha256, size), a database adds one name; the rest is the fixed keys.
+_MANIFEST_VALUES_PER_ENTRY = 5
+_MANIFEST_VALUES_FIXED = 16
 #: Default bound of decoded entry bytes a snapshot keeps in memory.
 DEFAULT_ENTRY_CACHE_BYTES = 32 << 20
 #: Default bound of decoded entries a snapshot keeps in memory.
@@ -370,7 +377,7 @@ def _validate(data: bytes, package_id: str, limits: PackageLimits) -> ValidatedP
             "PKG_MANIFEST_MISSING",
             "the package has no manifest.json; build it with `investigate case build`",
         )
-    manifest = _parse_manifest(read_entry(data, entries[MANIFEST_NAME]))
+    manifest = _parse_manifest(read_entry(data, entries[MANIFEST_NAME]), len(entries))
     files = _check_manifest_shape(manifest)
     report_name, source, dbs, logs = _check_layout(manifest, files, entries)
     for path, (_digest, size) in files.items():
@@ -406,7 +413,17 @@ def _validate(data: bytes, package_id: str, limits: PackageLimits) -> ValidatedP
     )
 
 
-def _parse_manifest(raw: bytes) -> dict[str, Any]:
+def _parse_manifest(raw: bytes, entries: int) -> dict[str, Any]:
+    # Bounded before parsing: parsed JSON takes tens of bytes per value, so a 25 MB
+    # manifest of six million empty lists took 1 GB in every process that opened the
+    # package (a hostile-input trial). Every value but a container's first follows a
+    # comma, so commas and openings outside strings bound the count.
+    skeleton = _JSON_STRING.sub(b"", raw)
+    values = 1 + skeleton.count(b",") + skeleton.count(b"[") + skeleton.count(b"{")
+    most = _MANIFEST_VALUES_FIXED + _MANIFEST_VALUES_PER_ENTRY * entries
+    if values > most:
+        raise _invalid(f"holds about {values} JSON values, more than the {most} that "
+                       f"{entries} archive entries need")
     try:
         value = strict_json_loads(raw.decode("utf-8", "strict"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -426,6 +426,21 @@ def test_manifest_invalid(overrides: dict[str, Any]) -> None:
     assert code_of(package(overrides=overrides)) == "PKG_MANIFEST_INVALID"
 
 
+def test_a_manifest_is_bounded_by_its_entries_before_it_is_parsed() -> None:
+    """Values beyond what the archive's entries need are refused before parsing: a 25 MB
+    manifest of six million empty lists took 1 GB in every process that opened the
+    package (a hostile-input trial). Strings do not count, whatever they hold."""
+    padded = package(overrides={"pad": [[]] * 200})
+    with pytest.raises(PackageError) as err:
+        PackageReader(PackageLimits()).read(padded)
+    assert err.value.code == "PKG_MANIFEST_INVALID"
+    assert "JSON values, more than the 31 that 3 archive entries need" in err.value.message
+    many = {f"source/m{i}.py": b"x" for i in range(300)}
+    assert PackageReader(PackageLimits()).read(package(files={**BASE, **many}))
+    quoted = {"source/a.py": b"x", "report.md": b"# Bug\n", "source/a[{,,,,,,,,,b.py": b"y"}
+    assert PackageReader(PackageLimits()).read(package(files=quoted))
+
+
 def test_manifest_not_json() -> None:
     data = craft([Entry(b"manifest.json", b"{not json"),
                   *[Entry(n.encode(), d) for n, d in sorted(BASE.items())]])
