@@ -9,6 +9,7 @@ investigation budget units).
 from __future__ import annotations
 
 import hashlib
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -36,6 +37,8 @@ MAX_BYTES = 1 << 40
 MAX_SECONDS = 10 * 365 * 86_400
 #: A cost in investigation units: a positive integer up to :data:`MAX_UNITS`.
 Units = Annotated[int, Field(le=MAX_UNITS)]
+#: A currency label (``limits.currency``).
+_CURRENCY = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,7}")
 #: Output tokens kept free in a provider's context window when it sets no ``max_tokens``.
 DEFAULT_OUTPUT_RESERVE_TOKENS = 1024
 
@@ -159,7 +162,18 @@ class LimitsConfig(_Strict):
     first (``llm.spend``); a provider without prices is not used while a cap is set.
     Reached: the case blocks ``MODEL_COST_CAP``; raise it and resume. Default: no cap."""
     currency: str = Field("USD", min_length=1, max_length=8)
-    """Label of the currency prices and the cap are in. Default ``USD``."""
+    """Label of the currency prices and the cap are in: 1 to 8 ASCII letters, digits,
+    ``_``, ``.`` or ``-``, starting with a letter (``USD``, ``EUR``, ``credits``). Default
+    ``USD``."""
+
+    @field_validator("currency")
+    @classmethod
+    def _currency_is_a_label(cls, value: str) -> str:
+        # It is printed in summary.md, the report and messages: no markup, no controls.
+        if not _CURRENCY.fullmatch(value):
+            raise ValueError("limits.currency must be 1 to 8 ASCII letters, digits, '_', "
+                             "'.' or '-', starting with a letter (such as USD)")
+        return value
 
 
 class PackageLimits(_Strict):

@@ -167,8 +167,8 @@ def _model_usage(s: Session, case_id: str, hypotheses: list[int], currency: str)
     for hid in keys:
         u = usage.get(hid, {"calls": 0, "attempts": 0, "prompt_tokens": 0,
                             "completion_tokens": 0, "cost_micros": -1})
-        cost = "not priced" if u["cost_micros"] < 0 else spend.format_money(
-            u["cost_micros"], currency)
+        cost = "not priced" if u["cost_micros"] < 0 else plain(spend.format_money(
+            u["cost_micros"], currency))
         out.append(f"| {'unrecorded' if hid is None else hid} | {u['calls']} | "
                    f"{u['attempts']} | {u['prompt_tokens']} | {u['completion_tokens']} | "
                    f"{cost} |")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typing
+import json
 from pathlib import Path
 from typing import Any
 
@@ -315,3 +316,19 @@ def test_a_rule_across_settings_is_reported_without_an_empty_variable_name(
     assert info.value.message.startswith(
         "bad setting: INVESTIGATE_MAX_COUNTDOWN_S (99999) must be below "
         "INVESTIGATE_VISIBILITY_TIMEOUT_S (3600)"), info.value.message
+
+
+@pytest.mark.parametrize("currency", ["<b>", "U\u202eSD", "a|b", "US\nD", "€", "1USD", "$"])
+def test_a_currency_label_with_markup_or_controls_is_refused(tmp_path: Path,
+                                                             currency: str) -> None:
+    """limits.currency is printed in summary.md, the report and messages: '<b>\\u202e|\\n#'
+    put raw HTML, a right-to-left override, a table cell and a heading into summary.md (a
+    hostile-input trial)."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"[limits]\ncurrency = {json.dumps(currency)}\n")
+    with pytest.raises(ConfigError) as err:
+        InvestigationConfig.load(path)
+    assert err.value.code == "CONFIG_INVALID" and "limits.currency" in err.value.message
+    for fine in ("USD", "EUR", "credits", "x.y-z_1"):
+        path.write_text(f'[limits]\ncurrency = "{fine}"\n')
+        assert InvestigationConfig.load(path).limits.currency == fine
