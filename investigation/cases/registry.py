@@ -359,12 +359,22 @@ def _load_json(path: str | Path, code: str, what: str) -> Any:
 
 
 def _check_canonical(value: Any, code: str, what: str) -> None:
-    """Refuse values that are not plain JSON (non-string keys, NaN, tuples, sets, ...)."""
+    """Refuse values that are not plain JSON (non-string keys, NaN, tuples, sets, ...) or
+    whose strings are not text (a lone UTF-16 surrogate such as ``"\\ud800"``, which JSON
+    can spell but UTF-8 cannot hold)."""
     if not _plain_json(value):
         raise InvestigationError(
             code, f"{what} must hold plain JSON values only (objects with string keys, "
             "arrays, strings, finite numbers, booleans, null)"
         )
+    try:
+        canonical_json(value)
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end] if isinstance(exc.object, str) else ""
+        raise InvestigationError(
+            code, f"{what}: a string is not text: it holds a lone UTF-16 surrogate "
+            f"({ascii(bad)[1:-1] or 'escape'}), which UTF-8 cannot encode"
+        ) from exc
 
 
 def _plain_json(value: Any, depth: int = 0) -> bool:

@@ -99,6 +99,22 @@ def test_bad_hypotheses(tmp_path: Path, value: Any) -> None:
     assert err.value.code == "CASE_HYPOTHESES_INVALID"
 
 
+def test_a_lone_surrogate_is_refused_with_the_inputs_own_code(tmp_path: Path) -> None:
+    """JSON can spell a lone UTF-16 surrogate (\\ud800), which UTF-8 cannot hold: it was
+    INPUT_INVALID, 'position 107' of no file (a hostile-input trial)."""
+    for name, text, load, code in (
+            ("h.json", '[{"id": 1, "statement": "\\ud800"}]', load_hypotheses,
+             "CASE_HYPOTHESES_INVALID"),
+            ("i.json", '{"summary": "ok", "note": {"\\udfff": 1}}', load_interpretation,
+             "CASE_INTERPRETATION_INVALID")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(InvestigationError) as err:
+            load(tmp_path / name)  # type: ignore[operator]
+        assert err.value.code == code
+        assert "lone UTF-16 surrogate" in err.value.message and "position" not in \
+            err.value.message
+
+
 def test_unreadable_input_files(tmp_path: Path) -> None:
     with pytest.raises(InvestigationError) as err:
         load_interpretation(tmp_path / "missing.json")
