@@ -710,8 +710,22 @@ def reflowed(text: str | None) -> str | None:
 
 
 def _reflow_help(command: Any) -> None:
-    """:func:`reflowed` on ``command`` and every subcommand (Typer's click commands)."""
+    """:func:`reflowed` on ``command`` and every subcommand (Typer's click commands), whose
+    flags show no value type: Typer shows ``--json <bool>``, and ``--json true`` is then
+    refused as an extra argument (a new user's trial)."""
     command.help = reflowed(command.help)
+    for param in getattr(command, "params", []):
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    help_option = command.get_help_option
+
+    def flag_help_option(ctx: Any) -> Any:
+        option = help_option(ctx)
+        if option is not None and option.metavar is None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = flag_help_option
     for sub in getattr(command, "commands", {}).values():
         _reflow_help(sub)
 

@@ -76,7 +76,7 @@ def check(
     if path is None:
         raise InvestigationError(
             "PROVIDERS_NOT_GIVEN", "no providers file: give --providers FILE or set "
-            "INVESTIGATE_PROVIDERS (config/providers.example.toml is an example)")
+            "INVESTIGATE_PROVIDERS (providers.example.toml in config/ is an example)")
     loaded = ProvidersConfig.load(path)
     policy = InvestigationConfig.load(config) if config else InvestigationConfig()
     results = [probe_provider(entry, policy=policy, base_dir=loaded.base_dir)

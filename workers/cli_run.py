@@ -101,10 +101,10 @@ def run(
     config: Annotated[Path | None, typer.Option(
         "--config", help="the investigation policy TOML (loop, budget, limits, tools); "
         "frozen by the case's first step. Default: INVESTIGATE_CONFIG or the built-in "
-        "defaults (config/investigation.example.toml lists every key)")] = None,
+        "defaults (investigation.example.toml in config/ lists every key)")] = None,
     providers: Annotated[Path | None, typer.Option(
         "--providers", help="the providers TOML: model servers or scripted replies, tried "
-        "in order (config/providers.example.toml). Default: INVESTIGATE_PROVIDERS")] = None,
+        "in order (providers.example.toml in config/). Default: INVESTIGATE_PROVIDERS")] = None,
     max_steps: Annotated[int | None, typer.Option(
         "--max-steps", min=1, help="stop after this many steps (default: until the case is "
         "complete or blocked)")] = None,

@@ -166,3 +166,18 @@ def test_help_prose_is_reflowed_and_lists_keep_their_lines() -> None:
                            env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"}, check=True).stdout
     assert not [line for line in shown.splitlines() if line.strip() == "finding"], shown
     assert "a finding refuses the build" in " ".join(shown.split())
+
+
+def test_flags_show_no_value_type_and_option_paths_are_not_cut() -> None:
+    """Typer showed `--json <bool>`, and `--json true` was then refused as an extra
+    argument; `run --help` cut `config/investigation.examp…` at 80 columns (a new user's
+    trial)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).with_name("investigate"))
+    shown = subprocess.run([exe, "run", "--help"], capture_output=True, text=True,
+                           env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"}, check=True).stdout
+    assert "<bool>" not in shown and "…" not in shown, shown
+    assert "<path>" in shown and "--json" in shown and "--no-wait" in shown
