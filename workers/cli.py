@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import shlex
 import sqlite3
 import sys
@@ -126,7 +127,8 @@ def _controlled(fn: F) -> F:
             err.print(_term(exc), markup=False, highlight=False)
             raise typer.Exit(3) from None
         except InvestigationError as exc:
-            _fail(exc.code, exc.message)
+            _fail(exc.code, exc.message + (_where_cases_are() if exc.code == "CASE_NOT_FOUND"
+                                           else ""))
         except SQLAlchemyError as exc:
             _fail("STORE_UNAVAILABLE", f"the store cannot be used: {_first_line(exc)}; check "
                   "INVESTIGATE_DATABASE_URL / INVESTIGATE_HOME")
@@ -187,6 +189,31 @@ def _settings() -> Settings:
                                  f"bad INVESTIGATE_* setting: {_first_line(exc)}") from None
 
 
+def _where_cases_are() -> str:
+    """What a ``CASE_NOT_FOUND`` adds: the store looked in, and how to see or choose one (a
+    new user's trial ran a help example's case id against the default store)."""
+    try:
+        settings = load_settings()
+    except Exception:  # the command reported its settings already, or needs none
+        return ""
+    where = settings.effective_database_url.split("@")[-1]
+    return (f" in {where}; `investigate cases` lists the cases there, and INVESTIGATE_HOME or "
+            f"INVESTIGATE_DATABASE_URL chooses another store{_demo_store_hint(settings)}")
+
+
+def _demo_store_hint(settings: Settings) -> str:
+    """A hint to the demo's own store, when it exists and is not the store in use."""
+    demo = settings.home / "demo"
+    if not (demo / "investigation.db").is_file() or os.environ.get("INVESTIGATE_DATABASE_URL"):
+        return ""
+    try:
+        shown = str(demo.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(demo.resolve())
+    return (f" (`investigate demo` keeps its case in its own store: prefix the command with "
+            f"INVESTIGATE_HOME={shlex.quote(shown)})")
+
+
 def _store(settings: Settings, existing: bool = False) -> Store:
     """Open the store. With ``existing`` (commands that read or act on registered cases)
     the database must already be an investigation store at this engine's migration head:
@@ -196,7 +223,7 @@ def _store(settings: Settings, existing: bool = False) -> Store:
         "STORE_NOT_FOUND",
         f"{url.split('@')[-1]} is not an investigation store (no case was ever added "
         "there); nothing was changed. Run where the case was added, or set "
-        "INVESTIGATE_HOME or INVESTIGATE_DATABASE_URL")
+        f"INVESTIGATE_HOME or INVESTIGATE_DATABASE_URL{_demo_store_hint(settings)}")
     is_sqlite = make_url(url).get_backend_name() == "sqlite"
     if existing and is_sqlite:
         path = Path(make_url(url).database or "")

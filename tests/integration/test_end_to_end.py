@@ -326,6 +326,30 @@ def test_read_only_commands_leave_foreign_databases_alone(tmp_path: Path, cli_en
         assert foreign.read_bytes() == before, name
 
 
+def test_a_case_or_store_not_found_says_where_it_looked_and_where_the_demo_is(
+        tmp_path: Path, cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The help examples name the demo's case; after `investigate demo` a new user ran one
+    against the default store and got STORE_NOT_FOUND naming only that store, and a case
+    id unknown to a store got 'no case X' alone (a new user's trial)."""
+    from investigation.store.engine import Store
+
+    demo_store = cli_env / "demo" / "investigation.db"
+    demo_store.parent.mkdir(parents=True)
+    store = Store(f"sqlite:///{demo_store}")
+    store.create_schema()
+    store.dispose()
+    res = CliRunner().invoke(app, ["status", "case-30bce92d9fa25a72"])
+    flat = " ".join(res.output.split())
+    assert res.exit_code == 2 and "STORE_NOT_FOUND" in flat, flat
+    assert "prefix the command with INVESTIGATE_HOME=home/demo" in flat
+    monkeypatch.setenv("INVESTIGATE_HOME", str(cli_env / "demo"))
+    res = CliRunner().invoke(app, ["summary", "case-nope"])
+    flat = " ".join(res.output.split())
+    assert res.exit_code == 2 and "CASE_NOT_FOUND: no case case-nope in sqlite:///" in flat
+    assert "`investigate cases` lists the cases there" in flat and "demo" in flat
+    assert "prefix the command" not in flat  # this is the demo's store
+
+
 def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
     from investigation.errors import InvestigationError
     from investigation.operations import export
