@@ -282,10 +282,16 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
                 headline = f"The provider asked for a pause{_why(f)}"
             else:
                 headline = f"The model call failed for now and is retried{_why(f)}"
+            when = {"distributed": f": the workers take the case up again by themselves "
+                                   f"after {f.retry_not_before} (no worker waits meanwhile).",
+                    "embedded": f": the model call is tried again after "
+                                f"{f.retry_not_before}, when the case runs (`run` waits for "
+                                "it unless --no-wait)."}.get(
+                mode or "", f": the model call is tried again after {f.retry_not_before} "
+                "(no worker waits meanwhile): workers take the case up by themselves, an "
+                "embedded case when it runs again.")
             return Guidance(
-                headline
-                + f": the case continues by itself after {f.retry_not_before} "
-                "(no worker waits meanwhile).",
+                headline + when,
                 (Step("embedded: `run` waits in the command (or exits 4 with --no-wait); "
                       "run it again after that time",
                       f"investigate run {case} --providers "

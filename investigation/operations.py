@@ -25,6 +25,7 @@ from investigation.constants import (
     CASE_CANCELLED,
     CASE_INVESTIGATING,
     CASE_PAUSED,
+    CASE_STOPPED,
 )
 from investigation.errors import InvestigationError
 from investigation.lifecycle import InvestigationSession, SessionState, TerminationReason
@@ -292,10 +293,16 @@ def summary_bytes(store: Store, case_id: str) -> bytes:
     Raises:
         InvestigationError: ``SUMMARY_NOT_READY`` before the case is complete.
     """
-    _case(store, case_id)
+    case = _case(store, case_id)
     with store.session() as s:
         art = Store.get_artifact(s, case_id, ARTIFACT_SUMMARY)
     if art is None:
+        if case.state in (CASE_CANCELLED, CASE_STOPPED):
+            raise InvestigationError(
+                "SUMMARY_NOT_READY",
+                f"case {case_id} is {case.state} and has no summary: it is written when "
+                "every hypothesis account is terminal, which this case never reached; "
+                "`investigate report` and `investigate export` show what was done")
         raise InvestigationError("SUMMARY_NOT_READY",
                                  f"case {case_id} has no summary yet (it is written when "
                                  "every hypothesis account is terminal)")

@@ -144,6 +144,12 @@ def test_cancel_is_final_and_keeps_what_was_done(tmp_path: Path) -> None:
     with pytest.raises(InvestigationError) as err:
         operations.resume(case.store, case.case_id)
     assert err.value.code == "CASE_NOT_BLOCKED"
+    # Never "no summary yet": a cancelled case never gets one (a new user's trial).
+    with pytest.raises(InvestigationError) as err:
+        operations.summary_bytes(case.store, case.case_id)
+    assert err.value.code == "SUMMARY_NOT_READY"
+    assert "is CANCELLED and has no summary" in err.value.message
+    assert "yet" not in err.value.message
 
 
 def test_a_case_paused_while_awaiting_feedback_takes_it_and_resumes_investigating(

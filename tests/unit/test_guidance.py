@@ -72,6 +72,16 @@ def test_states_and_outcomes() -> None:
     pending = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
                             retry_not_before="2030-01-01T00:00:00+00:00"))
     assert "2030-01-01T00:00:00+00:00" in pending.headline and not pending.final
+    # Nothing continues an embedded case by itself (a new user's trial read "the case
+    # continues by itself" above "run it again after that time").
+    for mode, says in ((None, "workers take the case up by themselves, an embedded case "
+                              "when it runs again"),
+                       ("distributed", "the workers take the case up again by themselves"),
+                       ("embedded", "when the case runs (`run` waits for it unless "
+                                    "--no-wait)")):
+        headline = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
+                                 retry_not_before="2030-01-01T00:00:00+00:00"), mode).headline
+        assert says in headline and "continues by itself" not in headline, headline
     for code, says in (("PROVIDER_RATE_LIMITED", "The provider asked for a pause"),
                        ("PROVIDER_UNREACHABLE", "The model call failed for now and is "
                                                 "retried (PROVIDER_UNREACHABLE"),
