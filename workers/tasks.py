@@ -559,8 +559,15 @@ def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
     rt = runtime.current()
     halt = payload.get("halt") or {"outcome": "ERROR", "reason": "NO_OUTCOME"}
     outcome, case_id = halt["outcome"], payload["case_id"]
-    log.info("case %s step %s: %s %s", case_id, payload["step_seq"], outcome,
-             halt.get("reason") or "")
+    details = halt.get("details") or {}
+    why = (f": {details.get('error_code') or details.get('stage') or ''} "
+           f"{details.get('message') or ''}".rstrip(" :")) if outcome == BLOCKED else ""
+    # A block is a worker's WARNING, with the provider's or the stage's message; an
+    # embedded run prints the outcome itself.
+    level = logging.WARNING if outcome == BLOCKED and payload.get("mode") != "embedded" \
+        else logging.INFO
+    log.log(level, "case %s step %s: %s %s%s", case_id, payload["step_seq"], outcome,
+            halt.get("reason") or "", why)
     engine_metrics.step_ended(outcome, halt.get("reason"))
     if payload.get("mode") == "embedded" or outcome in ("LOCK_LOST",):
         return payload

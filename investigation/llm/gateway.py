@@ -932,7 +932,9 @@ class LLMGateway:
 
     @staticmethod
     def _blocked(op_id: int, reason: str, code: str, message: str) -> Blocked:
-        log.warning("llm operation %s blocked: %s (%s): %s", op_id, reason, code, message)
+        # INFO: the step's outcome reports the block (a worker logs it as a WARNING with
+        # this message, `run` prints it); a WARNING here repeated it on run's stderr.
+        log.info("llm operation %s blocked: %s (%s): %s", op_id, reason, code, message)
         return Blocked(op_id, reason, code, message)
 
     @staticmethod

@@ -377,3 +377,23 @@ def test_a_step_a_worker_stops_with_a_controlled_error_is_shown_on_the_case(
         info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
         h.wait_unlocked()
         _assert_completed_case(h, info)
+
+
+def test_a_worker_logs_a_block_as_a_warning_with_the_providers_message(
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block is the step's outcome: `advance` logs it as a WARNING with the code and
+    message (the gateway's own line is INFO; on an embedded run it repeated the block)."""
+    from tests.casekit import HAPPY_REPLIES
+    from workers.tasks import start_dispatch
+
+    with running_harness(tmp_path, redis_url, monkeypatch,
+                         replies=HAPPY_REPLIES[:2]) as h, h.dump_on_failure():
+        h.worker.start()
+        start_dispatch(h.case.case_id)
+        info = h.wait_for_state("BLOCKED")
+        h.wait_unlocked()
+        assert info["blocked_reason"] == "PROVIDER_CONFIGURATION"
+        warning = re.search(rf"WARNING workers\.tasks .*case {h.case.case_id} step 3: "
+                            r"BLOCKED PROVIDER_CONFIGURATION: PROVIDER_SCRIPT_EXHAUSTED \S",
+                            h.worker.log())
+        assert warning, h.worker.log()[-3000:]

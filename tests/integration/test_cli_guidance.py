@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shlex
 import uuid
 from collections.abc import Iterator
@@ -121,6 +122,25 @@ def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> Non
     assert follow(resume, cli.replies_path).exit_code == 0
     done = follow(next(c for c in todo if c[0] == "run"), cli.replies_path)
     assert done.exit_code == 0 and "COMPLETED" in done.output, done.output
+
+
+def test_a_provider_block_is_said_once_on_runs_output(cli: Case, tmp_path: Path) -> None:
+    """The gateway's own WARNING repeated the block on run's stderr, after the `next:`
+    lines (a new user's and a hostile trial); a worker still logs it as a WARNING with
+    the provider's message (``workers.tasks._advance``)."""
+    import subprocess
+    import sys
+
+    cli.replies_path.write_text("\n".join(HAPPY[:2]) + "\n")
+    exe = str(Path(sys.executable).with_name("investigate"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+    env.update(INVESTIGATE_HOME=str(tmp_path / "home"),
+               INVESTIGATE_DATABASE_URL=cli.store.url)
+    ran = subprocess.run([exe, "run", cli.case_id, "--providers", str(cli.providers_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert ran.returncode == 1, ran.stderr
+    assert "BLOCKED (PROVIDER_CONFIGURATION)" in ran.stdout + ran.stderr
+    assert "WARNING" not in ran.stderr and "llm operation" not in ran.stderr, ran.stderr
 
 
 def test_status_watch_without_a_terminal_prints_changes_and_stops(cli: Case) -> None:
