@@ -360,7 +360,8 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
             (Step("fix what produced them: the model, its server's structured-output "
                   "setting, or the reply file (docs/reply-contract.md lists every rule; "
                   "`investigate status` shows the last rejection of each hypothesis)"),
-             _script_hint(f, replies),
+             # A known providers file without a scripted provider: no reply file to check.
+             *([_script_hint(f, replies)] if replies or not providers else []),
              Step("then resume the case", f"investigate resume {case}"),
              *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_EXHAUSTED:

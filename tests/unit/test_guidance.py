@@ -56,6 +56,16 @@ def test_invalid_replies_point_at_the_next_script_line() -> None:
     assert f"investigate dispatch {CASE}" in text and "investigate run" not in text
 
 
+def test_invalid_replies_from_a_model_server_name_no_reply_file() -> None:
+    """A providers file with only a model server: no scripted-file line to check (a new
+    user's trial was told what line 6 of a reply file would hold)."""
+    g = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES"), "embedded", "http.toml")
+    assert "replies check" not in "\n".join(g.lines())
+    scripted = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES"), "embedded",
+                      "p.toml", "replies.jsonl")
+    assert f"investigate replies check replies.jsonl {CASE}" in "\n".join(scripted.lines())
+
+
 def test_states_and_outcomes() -> None:
     assert advise(_facts(state="BUILDING_DIAGNOSIS")).final
     assert advise(_facts(state="CANCELLED")).final
