@@ -150,6 +150,7 @@ def worker(
                 "that", param_hint=option)
     nodename = _node_name(name or f"{settings.queue}@%h")
     _refuse_taken_name(settings, nodename)
+    _check_runtime(settings)
     if metrics_port is not None:
         from workers import metrics
 
@@ -171,6 +172,27 @@ def worker(
         settings.home.mkdir(parents=True, exist_ok=True)
         argv += ["-B", f"--schedule={settings.home / 'celerybeat-schedule'}"]
     celery_app.worker_main(argv)
+
+
+def _check_runtime(settings: Settings) -> None:
+    """Build, once in the main process, what every pool child builds at its first task
+    (``workers.runtime.build_env``): the policy and providers files, the store reachable
+    and at this engine's schema (created there when ``INVESTIGATE_AUTO_MIGRATE``). A
+    worker that cannot is refused before it joins the queue, with the error's code (a
+    fleet trial: such a worker started, answered ping, and failed the first stage of
+    every case it took while the case's lock stayed held for its whole lease).
+
+    Raises:
+        InvestigationError: ``CONFIG_*``, ``PROVIDER_BAD_CONFIG``, ``STORE_NOT_MIGRATED``
+            (reported by :func:`_controlled` as one line, exit 2);
+        sqlalchemy.exc.SQLAlchemyError: the store cannot be reached (``STORE_UNAVAILABLE``).
+    """
+    from workers.runtime import build_env
+
+    env = build_env(settings, adopt_frozen=True)
+    env.store.dispose()  # each child opens its own connections
+    err.print(f"store {settings.effective_database_url.split('@')[-1]}", highlight=False,
+              soft_wrap=True)
 
 
 @_controlled

@@ -63,6 +63,8 @@ from investigation.text_safety import escape_text
 from workers import logs, runtime
 from workers import metrics as engine_metrics
 from workers.celery_app import app
+from workers.locks import RedisCaseLock
+from workers.settings import load_settings
 
 log = logging.getLogger(__name__)
 # A soft time limit inside a model call stops the stage (STAGE_TIME_LIMIT); the gateway
@@ -294,8 +296,19 @@ def _halt_first(payload: dict[str, Any]) -> dict[str, Any]:
 def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
                  since: datetime) -> tuple[dict[str, Any], str]:
     """Run the stage; returns the payload and the metrics' result label."""
-    rt = runtime.current()
     case_id = payload["case_id"]
+    try:
+        rt = runtime.current()
+    except OperationalError as exc:
+        # This process could not reach the store to build its runtime: the stage is
+        # retried later, as when a running stage meets an unreachable store.
+        return _store_unavailable(task, payload, stage, token, exc, None), "error"
+    except Exception:
+        # A process that cannot build its runtime (a broken policy file, a store at
+        # another schema) never keeps the case locked until the lease runs out: the
+        # recovery sweep dispatches the case again, to any worker.
+        _release_without_runtime(payload, token)
+        raise
     # A stage with an external effect (a model call, a query) always asks Redis; the others
     # may rely on this process's own renewal moments ago (decision 122).
     renew = rt.lock.hold if stage in Stages.EFFECT_STAGES else rt.lock.renew
@@ -325,19 +338,7 @@ def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
                 "case %s step %s %s failed: %s", case_id, key.step_seq, stage, exc)
         return _halt(payload, "ERROR", exc.code, message=exc.message, stage=stage), "error"
     except OperationalError as exc:
-        # The store is unreachable or busy: retry this stage later (countdown, no sleep).
-        if task.request.retries >= STORE_MAX_RETRIES:
-            # Give up through ``advance`` with the lock released: no orphan lock holds the
-            # case until its lease runs out.
-            _release_distributed(rt, payload, token)
-            log.error("case %s step %s %s: store unavailable after %s retries: %s", case_id,
-                      key.step_seq, stage, STORE_MAX_RETRIES, exc)
-            return _halt(payload, "ERROR", "STORE_UNAVAILABLE",
-                         message=f"the store failed {STORE_MAX_RETRIES + 1} times in {stage}"
-                         ), "error"
-        countdown = STORE_RETRY_COUNTDOWN_S * 2 ** task.request.retries
-        raise task.retry(exc=exc, countdown=min(countdown, rt.settings.max_countdown_s),
-                         max_retries=STORE_MAX_RETRIES) from exc
+        return _store_unavailable(task, payload, stage, token, exc, rt), "error"
     except Exception:
         _release_distributed(rt, payload, token)  # a failed chain never keeps the case locked
         raise
@@ -350,6 +351,48 @@ def _timed_stage(task: Any, payload: dict[str, Any], stage: str, token: str,
         payload["halt"] = _outcome_first(result.halt.to_dict())
         return payload, "halt"
     return payload, "ok"
+
+
+def _store_unavailable(task: Any, payload: dict[str, Any], stage: str, token: str,
+                       exc: OperationalError, rt: runtime.Runtime | None) -> dict[str, Any]:
+    """The store is unreachable or busy: retry this stage later (countdown, no sleep);
+    after ``STORE_MAX_RETRIES`` the step ends ``ERROR`` / ``STORE_UNAVAILABLE`` through
+    ``advance`` with the lock released (no orphan lock holds the case until its lease
+    runs out). ``rt`` is ``None`` when this process could not build its runtime.
+
+    Raises:
+        celery.exceptions.Retry: the retry (``task.retry``).
+    """
+    if task.request.retries >= STORE_MAX_RETRIES:
+        if rt is None:
+            _release_without_runtime(payload, token)
+        else:
+            _release_distributed(rt, payload, token)
+        log.error("case %s step %s %s: store unavailable after %s retries: %s",
+                  payload["case_id"], payload["step_seq"], stage, STORE_MAX_RETRIES, exc)
+        return _halt(payload, "ERROR", "STORE_UNAVAILABLE",
+                     message=f"the store failed {STORE_MAX_RETRIES + 1} times in {stage}")
+    settings = rt.settings if rt is not None else load_settings()
+    countdown = STORE_RETRY_COUNTDOWN_S * 2 ** task.request.retries
+    raise task.retry(exc=exc, countdown=min(countdown, settings.max_countdown_s),
+                     max_retries=STORE_MAX_RETRIES) from exc
+
+
+def _release_without_runtime(payload: dict[str, Any], token: str) -> None:
+    """Release the case lock of this chain from the settings alone (Redis, no store):
+    what ``_release_distributed`` does for a process whose runtime could not be built."""
+    try:
+        settings = load_settings()
+        lock = RedisCaseLock.from_url(settings.effective_redis_url, settings.lock_ttl_s,
+                                      runtime.released_lease_s(settings))
+        lock.release(payload["case_id"], token)
+    except Exception as exc:  # the lease still runs out; say why it was not released
+        log.error("case %s: lock not released (%s); it frees itself when its lease runs "
+                  "out", payload.get("case_id"), exc)
+    else:
+        log.error("case %s step %s: this worker process cannot build its runtime; the "
+                  "case's lock was released for the recovery sweep to dispatch it again",
+                  payload.get("case_id"), payload.get("step_seq"))
 
 
 def _outcome_first(halt: dict[str, Any]) -> dict[str, Any]:

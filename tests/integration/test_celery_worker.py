@@ -397,3 +397,35 @@ def test_a_worker_logs_a_block_as_a_warning_with_the_providers_message(
                             r"BLOCKED PROVIDER_CONFIGURATION: PROVIDER_SCRIPT_EXHAUSTED \S",
                             h.worker.log())
         assert warning, h.worker.log()[-3000:]
+
+
+def test_a_worker_that_cannot_build_its_runtime_releases_the_case_lock(
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker process whose policy file is broken (started around `investigate worker`,
+    which refuses it) failed every stage it took before anything released the case's
+    lock, so the case waited the whole lease (300 s) and then came back to it (a fleet
+    trial). The lock is now released at once; a healthy worker then finishes the case."""
+    from dataclasses import replace
+
+    from workers.tasks import start_dispatch
+
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[budget.costs]\n\"db.query\" = 0\n")
+    with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
+        healthy = h.worker
+        h.worker = replace(healthy, env={**healthy.env, "INVESTIGATE_CONFIG": str(broken)},
+                           log_path=tmp_path / "broken-worker.log")
+        h.worker.start()
+        h.worker.wait_ready()
+        start_dispatch(h.case.case_id)
+        h.wait_unlocked(timeout_s=20)
+        assert "cannot build its runtime; the case's lock was released" in h.worker.log()
+        assert "CONFIG_INVALID" in h.worker.log()
+        assert status(h.case.store, h.case.case_id)["steps"] == 0
+        h.worker.stop()
+        h.worker = healthy
+        healthy.start()
+        start_dispatch(h.case.case_id)
+        info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+        h.wait_unlocked()
+        _assert_completed_case(h, info)

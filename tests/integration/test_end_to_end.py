@@ -391,6 +391,32 @@ def test_worker_and_flower_report_broken_settings_without_the_value(
     assert "CONFIG_INVALID" in res.output and "SECRET" not in res.output
 
 
+def test_a_worker_that_could_not_run_a_stage_is_refused_before_it_joins_the_queue(
+        tmp_path: Path, cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker with a broken policy file, or a store at no schema with auto-migration off,
+    started, answered ping and failed the first stage of every case it took (a fleet
+    trial): `investigate worker` now builds what its children will and refuses first."""
+    from unittest import mock
+
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/13")
+    monkeypatch.setenv("INVESTIGATE_QUEUE", "refused-worker-test")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[budget.costs]\n\"db.query\" = 0\n")
+    with mock.patch("workers.celery_app.app.worker_main") as worker_main:
+        monkeypatch.setenv("INVESTIGATE_CONFIG", str(broken))
+        res = CliRunner().invoke(app, ["worker"])
+        assert res.exit_code == 2 and "CONFIG_INVALID" in res.output, res.output
+        monkeypatch.delenv("INVESTIGATE_CONFIG")
+        monkeypatch.setenv("INVESTIGATE_AUTO_MIGRATE", "false")
+        res = CliRunner().invoke(app, ["worker"])
+        assert res.exit_code == 2 and "STORE_NOT_MIGRATED" in res.output, res.output
+        assert not worker_main.called
+        monkeypatch.delenv("INVESTIGATE_AUTO_MIGRATE")
+        res = CliRunner().invoke(app, ["worker"])
+        assert res.exit_code == 0 and worker_main.called, res.output
+        assert f"store sqlite:///{cli_env.resolve()}" in " ".join(res.output.split())
+
+
 def test_workers_keep_a_cases_frozen_policy_when_their_policy_file_changes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fleet whose INVESTIGATE_CONFIG is rolled out anew: a case whose revision froze the
