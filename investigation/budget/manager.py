@@ -7,6 +7,7 @@ so a re-run stage cannot charge or refund twice, and ``balance_units`` always eq
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import bindparam
@@ -20,6 +21,8 @@ from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig, 
 from investigation.errors import InvestigationError
 from investigation.store.engine import core, sha256_hex, table_of
 from investigation.store.models import BudgetAccount, Evidence, LedgerEntry, RevisionRecord
+
+log = logging.getLogger(__name__)
 
 # Built once (building a statement costs more than running it on SQLite).
 #: Ledger rows are append-only and never written through the ORM: one Core INSERT each
@@ -103,6 +106,15 @@ class BudgetManager:
                 "config; run without --config to adopt the stored policy",
                 stored_sha256=revision.policy_sha256,
             )
+        if sha256_hex(canonical_json(wanted)) != revision.policy_sha256:
+            # Adopted (decision 153); said once per process and revision (the caller
+            # caches the result), so a fleet whose workers read different policy files
+            # shows it in their logs.
+            log.warning("case %s revision %s keeps its frozen policy (sha256 %s), which "
+                        "differs from the policy this process was given (its policy file, "
+                        "or the defaults); that one applies to revisions not yet frozen",
+                        revision.case_id, revision.revision,
+                        (revision.policy_sha256 or "")[:12])
         effective = config.model_copy(update={
             "loop": LoopConfig.model_validate(stored["loop"]),
             "budget": BudgetConfig.model_validate(stored["budget"]),

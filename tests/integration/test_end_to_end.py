@@ -418,7 +418,8 @@ def test_a_worker_that_could_not_run_a_stage_is_refused_before_it_joins_the_queu
 
 
 def test_workers_keep_a_cases_frozen_policy_when_their_policy_file_changes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     """A fleet whose INVESTIGATE_CONFIG is rolled out anew: a case whose revision froze the
     old policy goes on under it (the file is for revisions not yet frozen). A worker
     refused it as POLICY_CHANGED at every dispatch, after its model call, and the case
@@ -438,6 +439,10 @@ def test_workers_keep_a_cases_frozen_policy_when_their_policy_file_changes(
                                    adopt_frozen=True)
     assert worker_env.explicit_config is False
     assert Investigator(worker_env).run(case.case_id, max_steps=50).outcome == COMPLETED
+    # Said in the log, once per process and revision: a fleet whose workers read different
+    # policy files shows it (a fleet trial found the frozen policy was down to chance).
+    kept = [r for r in caplog.records if "keeps its frozen policy" in r.getMessage()]
+    assert len(kept) == 1 and kept[0].levelname == "WARNING"
     from investigation.operations import status as case_status
 
     info = case_status(case.store, case.case_id)
