@@ -563,6 +563,8 @@ def status_cmd(
             watch_case(out, store, case_id, interval)
         return
     info = status(store, case_id)
+    if _broker_configured(settings) and info["state"] == "INVESTIGATING":
+        info["dispatch_lease_s"] = _dispatch_lease_s(settings, case_id)
     g = case_guidance(settings, store, case_id)
     if as_json:  # model costs are in micros of limits.currency
         _print_json({**info, "next": g.to_dict()})
@@ -570,6 +572,25 @@ def status_cmd(
     currency = (InvestigationConfig.load(settings.config) if settings.config
                 else InvestigationConfig()).limits.currency
     out.print(status_view(info, g, currency))
+
+
+def _dispatch_lease_s(settings: Settings, case_id: str) -> float | None:
+    """Seconds left of the lease of the dispatch that holds the case's lock (workers renew
+    it at every stage), ``0.0`` when none holds it, ``None`` when Redis cannot tell (a
+    fleet trial: after a worker died, status showed nothing of the lock that kept the case
+    waiting)."""
+    import redis
+
+    from investigation.constants import REDIS_LOCK_KEY
+
+    try:
+        client = redis.Redis.from_url(settings.effective_redis_url, socket_timeout=2.0,
+                                      socket_connect_timeout=2.0)
+        with closing(client):
+            left_ms = client.pttl(REDIS_LOCK_KEY.format(case_id=case_id))
+    except redis.RedisError:
+        return None
+    return round(left_ms / 1000, 1) if isinstance(left_ms, int) and left_ms > 0 else 0.0
 
 
 def case_guidance(settings: Settings, store: Store, case_id: str) -> guidance.Guidance:

@@ -110,6 +110,14 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
                 if info.get("retry_not_before") else ""))
     if info["blocked_detail"]:
         line(f"why: {info['blocked_detail']}")
+    if "dispatch_lease_s" in info:  # a shell with a broker (workers) asked Redis
+        lease = info["dispatch_lease_s"]
+        line("dispatch: " + ("Redis cannot tell whether one holds the case" if lease is None
+                             else "none holds the case (`dispatch` or the recovery sweep "
+                             "starts one)" if not lease
+                             else f"one holds the case, lease {lease:g} s left (its worker "
+                             "renews it at every stage; if the worker died, the sweep "
+                             "dispatches the case once it runs out)"))
     life = info["lifecycle"]
     line(f"lifecycle {life['state']}"
          + (f" (paused from {life['paused_from']})" if life.get("paused_from") else "")

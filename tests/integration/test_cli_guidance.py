@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shlex
 import uuid
 from collections.abc import Iterator
@@ -452,6 +453,36 @@ def test_status_and_cases_offer_what_this_shell_can_run(
     assert first == f"investigate replies check case/replies.jsonl {cli.case_id}"
     listed = invoke("cases", "--json")
     assert [row["next"] for row in json.loads(listed.output)] == [first]
+
+
+def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
+        cli: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a worker died, status showed nothing of the lock that kept the case waiting
+    for its lease, while `dispatch` answered LOCK_BUSY (a fleet trial)."""
+    from investigation.constants import REDIS_LOCK_KEY
+
+    url = "redis://127.0.0.1:6379/12"
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", url)
+    client = redis.Redis.from_url(url)
+    key = REDIS_LOCK_KEY.format(case_id=cli.case_id)
+    try:
+        client.delete(key)
+        free = invoke("status", cli.case_id)
+        assert "dispatch: none holds the case" in " ".join(free.output.split()), free.output
+        client.set(key, "someone", px=200_000)
+        held = invoke("status", cli.case_id)
+        flat = " ".join(held.output.split())
+        assert re.search(r"dispatch: one holds the case, lease (199|200)(\.\d)? s left", flat)
+        assert 190 < json.loads(invoke("status", cli.case_id, "--json").output)[
+            "dispatch_lease_s"] <= 200
+    finally:
+        client.delete(key)
+        client.close()
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:1/0")  # nothing there
+    unknown = invoke("status", cli.case_id)
+    assert unknown.exit_code == 0 and "Redis cannot tell" in unknown.output, unknown.output
+    monkeypatch.delenv("INVESTIGATE_BROKER_URL")
+    assert "dispatch:" not in invoke("status", cli.case_id).output  # embedded shell
 
 
 def test_the_live_panel_stops_saying_it_works_once_the_run_ends(cli: Case) -> None:
