@@ -137,6 +137,10 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
             else:
                 key = (info["steps"], info["state"], info["last_outcome"], info["last_reason"])
                 if key != seen:
+                    if seen is None and not settled:  # a new user's trial waited, unsure why
+                        console.print("watching: one line per change, Ctrl-C leaves; only "
+                                      "workers (`investigate dispatch`) or `investigate run` "
+                                      "move the case", highlight=False, markup=False)
                     seen = key
                     console.print(term(
                         f"{time.strftime('%H:%M:%S')} case {case_id}: state {info['state']}"

@@ -326,6 +326,10 @@ def test_watch_follows_a_case_that_moves_until_it_completes(tiny_case: Case) -> 
     assert [ln.split(", step ")[1].split(",")[0] for ln in lines] == ["0", "1", "2", "3", "4",
                                                                       "5"]
     assert "next: The investigation is complete" in buf.getvalue()
+    # Said once, before the first line: what moves a case (a new user's trial waited on a
+    # case nothing ran, unsure why).
+    assert buf.getvalue().count("watching: one line per change") == 1
+    assert buf.getvalue().index("watching:") < buf.getvalue().index(f"case {tiny_case.case_id}:")
 
 
 def test_printed_commands_carry_the_home_given_inline(tmp_path: Path) -> None:
