@@ -27,8 +27,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
+import stat
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -40,6 +42,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from investigation.config import MAX_BYTES, MAX_COUNT, MAX_SECONDS
 from investigation.errors import ConfigError
 from investigation.files import read_bounded
+
+log = logging.getLogger(__name__)
+#: Key files already warned about in this process (a world-readable key is said once).
+_WARNED_KEY_FILES: set[str] = set()
 
 #: A feedback key file holds a 64-hex-digit key; anything far larger is not one.
 MAX_FEEDBACK_KEY_FILE_BYTES = 4096
@@ -135,6 +141,7 @@ class Settings(BaseSettings):
         if len(key) < 32:
             raise ConfigError("CONFIG_INVALID",
                               f"feedback key file {path} holds fewer than 32 bytes")
+        _warn_if_others_read(path)
         return key
 
     @field_validator("broker_url", "redis_url")
@@ -186,3 +193,15 @@ def load_settings() -> Settings:
              else "") + e["msg"].removeprefix("Value error, ")
             for e in exc.errors(include_input=False, include_url=False))
         raise ConfigError("CONFIG_INVALID", f"bad setting: {problems}") from None
+
+
+def _warn_if_others_read(path: Path) -> None:
+    """Warn (once per process and file) when the feedback key file is readable or writable
+    by other users: whoever reads it can derive every test's secret and forge feedback (a
+    hostile-input trial's key file had mode 0644, accepted silently)."""
+    with contextlib.suppress(OSError):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        if mode & 0o077 and str(path) not in _WARNED_KEY_FILES:
+            _WARNED_KEY_FILES.add(str(path))
+            log.warning("feedback key file %s has mode %04o: other users can read it and "
+                        "forge test feedback; `chmod 600 %s`", path, mode, path)

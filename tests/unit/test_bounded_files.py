@@ -204,3 +204,23 @@ def test_report_and_build_refuse_an_output_that_is_not_a_regular_file(
                         str(tmp_path / "report.md"), "-o", str(fifo))
     assert code == 2 and "not a regular file" in out, out
     assert fifo.is_fifo()
+
+
+def test_a_feedback_key_file_others_can_read_is_warned_about_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Whoever reads the key derives every test's secret; a hostile-input trial's key file
+    had mode 0644 and nothing said so. The file the engine creates is 0600."""
+    from workers.settings import Settings
+
+    made = Settings(home=tmp_path / "home")
+    assert len(made.feedback_key_bytes() or b"") >= 32
+    assert (tmp_path / "home" / "feedback.key").stat().st_mode & 0o777 == 0o600
+    loose = tmp_path / "loose.key"
+    loose.write_text("k" * 40)
+    loose.chmod(0o644)
+    settings = Settings(home=tmp_path / "home", feedback_key_file=loose)
+    for _ in range(3):
+        assert settings.feedback_key_bytes() == b"k" * 40
+    said = [r.getMessage() for r in caplog.records if "feedback key file" in r.getMessage()]
+    assert said == [f"feedback key file {loose} has mode 0644: other users can read it and "
+                    f"forge test feedback; `chmod 600 {loose}`"]
