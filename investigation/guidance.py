@@ -148,6 +148,8 @@ class CaseFacts:
             serves line ``next_call_index + 1`` of its file for it).
         retry_id: a retry id this case has never used (for ``resume --retry-id``).
         awaiting_tests: request ids of external tests that wait for feedback.
+        step_started: the next step's model call was opened (the step is under way, or a
+            run or worker stopped inside it).
     """
 
     case_id: str
@@ -162,6 +164,7 @@ class CaseFacts:
     next_call_index: int = 0
     retry_id: str = "retry-1"
     awaiting_tests: tuple[str, ...] = field(default_factory=tuple)
+    step_started: bool = False
 
 
 def _q(value: str) -> str:
@@ -300,9 +303,14 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
                       f"investigate status {case} --watch")))
         if f.last_outcome == STEP_ERROR:
             return _step_error(f, mode, providers)
-        if f.steps == 0 and f.last_outcome is None:
+        if f.steps == 0 and f.last_outcome is None and not f.step_started:
             return Guidance("No step has run yet.",
                             tuple(_continue(f, mode, providers, first=True)))
+        if f.steps == 0 and f.last_outcome is None:
+            return Guidance("Step 1 was started and has not finished (a worker is at it, "
+                            "or a run or worker stopped inside it); it goes on from where "
+                            "it stopped when the case runs.",
+                            (*_continue(f, mode, providers), *_watch(f, mode)))
         if f.last_outcome == "RESUMED":
             return Guidance(f"The case was resumed (it was {f.last_reason}); it goes on when "
                             "it runs again.",
@@ -480,7 +488,9 @@ def facts_for(store: Store, case_id: str) -> CaseFacts:
             error_code=error_code,
             error_message=(error_message or "")[:300] or None,
             next_call_index=calls, retry_id=f"retry-{case.head_seq + 1}-{n}",
-            awaiting_tests=tuple(tests))
+            awaiting_tests=tuple(tests),
+            step_started=any(o.step_seq == case.head_seq + 1
+                             and o.revision == case.current_revision for o in ops))
 
 
 def scripted_file(providers: str | Path | None) -> str | None:

@@ -107,6 +107,12 @@ def test_states_and_outcomes() -> None:
     assert resumed.steps[0].command == f"investigate run {CASE} --providers p.toml"
     fresh = advise(_facts(state="INVESTIGATING", steps=0, last_outcome=None))
     assert fresh.headline == "No step has run yet."
+    # A first step cut inside its model call is under way, not "not run yet" (a hostile
+    # trial: `verify` said "step 1 in progress" beside it).
+    cut = advise(_facts(state="INVESTIGATING", steps=0, last_outcome=None,
+                        step_started=True), "embedded", "p.toml")
+    assert cut.headline.startswith("Step 1 was started and has not finished")
+    assert cut.steps[0].command == f"investigate run {CASE} --providers p.toml"
     yielded = advise(_facts(state="INVESTIGATING", last_outcome="YIELDED",
                             last_reason="MAX_STEPS"), "embedded", "p.toml")
     assert yielded.steps[0].command == f"investigate run {CASE} --providers p.toml"
