@@ -97,8 +97,10 @@ from investigation.errors import PackageError
 __all__ = ["PackageReader", "PackageSnapshot", "ValidatedPackage"]
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-#: A JSON string token (unrolled: linear on any input).
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+#: A JSON string token, or an unterminated one running to the end: every match attempt
+#: succeeds where it starts, so the scan is linear on any input (with a closing quote
+#: required, a manifest of '"' and many '\\"' made every quote scan to the end again).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:"|\Z)')
 #: JSON values a manifest may hold per archive entry: a listed file is an object of three
 #: values (path, sha256, size), a database adds one name; the rest is the fixed keys.
 _MANIFEST_VALUES_PER_ENTRY = 5
