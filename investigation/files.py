@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import stat
-import tempfile
 from pathlib import Path
 
 #: A TOML settings file (policy, providers, package limits): far above any real one.
@@ -67,43 +67,57 @@ def write_atomic(path: str | Path, data: bytes) -> None:
     planted symlink is never followed), then ``os.replace`` puts it in place. An existing
     ``path`` must be a regular file or a symlink (the link itself is replaced): a device
     (``-o /dev/null``), a FIFO, a socket or a directory is refused before anything is
-    written. The new file has the old file's permission bits, or ``0o666`` less the
-    umask. A failure leaves no temporary file behind.
+    written. The new file has the old file's permission bits (``rwx`` only, never
+    set-id), or ``0o666`` less the umask. A failure leaves no temporary file behind.
 
     Raises:
         OSError: ``EINVAL`` "not a regular file", ``EISDIR`` for a directory, or what
             creating, writing or renaming raised; ``filename`` is ``path``.
     """
     target = Path(path)
+    keep: int | None = None
     try:
         st = os.lstat(target)
     except FileNotFoundError:
-        mode = 0o666 & ~_umask()
+        pass
     else:
         if stat.S_ISDIR(st.st_mode):
             raise OSError(errno.EISDIR, "is a directory", str(target))
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
             raise OSError(errno.EINVAL, "not a regular file", str(target))
-        mode = stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                               dir=target.parent if str(target.parent) else ".")
+        if stat.S_ISREG(st.st_mode):
+            keep = stat.S_IMODE(st.st_mode) & 0o777
+    tmp: str | None = None
     try:
+        fd, tmp = _exclusive_beside(target)
         with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), mode)
+            if keep is not None:
+                os.fchmod(fh.fileno(), keep)
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if isinstance(exc, OSError) and exc.filename in (None, tmp):
             exc.filename, exc.filename2 = str(target), None
         raise
 
 
-def _umask() -> int:
-    """This process's umask (read by setting it and setting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def _exclusive_beside(target: Path) -> tuple[int, str]:
+    """A new file ``.NAME.RANDOM.tmp`` beside ``target``, opened for writing with ``O_EXCL``
+    and ``O_NOFOLLOW`` and mode ``0o666`` (the kernel applies the umask)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        name = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(name, flags, 0o666), name
+        except FileExistsError:
+            continue
+        except OSError as exc:  # name the file the caller asked for, not this one
+            exc.filename = str(target)
+            raise
+    raise OSError(errno.EEXIST, "no free temporary name", str(target))

@@ -326,7 +326,8 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
 #: and recovery"): ``verify`` names the generation and what differs.
 _RECORD_ERRORS = frozenset({"CHECKPOINT_INVALID", "CONTEXT_IDENTITY", "RESULT_IDENTITY",
                             "STATE_TAMPERED", "SETTLEMENT_MISMATCH", "POLICY_CHANGED"})
-#: Controlled errors that are a policy bound the step would cross.
+#: Controlled errors that are a limit of the process's policy the step would cross (limits
+#: are read from the workers' file, not frozen with the revision).
 _LIMIT_ERRORS = frozenset({"CONTEXT_TOO_LARGE", "CHECKPOINT_LIMIT"})
 
 
@@ -335,22 +336,23 @@ def _step_error(f: CaseFacts, mode: Mode, providers: str | None) -> Guidance:
     last outcome ``ERROR``, reason its code): nothing of the step was published, and the
     recovery sweep tries it again."""
     case, step = _q(f.case_id), f.steps + 1
-    cause: list[Step] = [Step(f"read the worker log's line for it: `case {f.case_id} step "
-                              f"{step} STAGE failed: {f.last_reason}: ...` (the message "
-                              "names the cause)")]
+    cause: list[Step] = [Step(f"read the worker log about step {step} of {f.case_id}: its "
+                              f"line `case {f.case_id} step {step} STAGE failed: "
+                              f"{f.last_reason}: ...` names the stage and the cause")]
     if f.last_reason in _RECORD_ERRORS:
         cause.append(Step("the stored record does not replay: check which generation and "
                           "what differs", f"investigate verify {case}"))
     elif f.last_reason in _LIMIT_ERRORS:
-        cause.append(Step("the step would cross a limit of the revision's frozen policy, "
-                          "which no worker's policy file changes: cancel the case and "
-                          "register it again (a new case) with a larger limit"))
+        cause.append(Step("the step would cross a limit of the policy the workers read "
+                          "([limits] max_checkpoints, max_context_bytes; limits are not "
+                          "frozen with the case): raise it in their INVESTIGATE_CONFIG file "
+                          "and restart them"))
     return Guidance(
         f"Step {step} failed on a worker with {f.last_reason}; nothing of it was published, "
         "and the recovery sweep dispatches the case again (every INVESTIGATE_SWEEP_INTERVAL_S), "
         "so the error repeats until its cause is fixed.",
-        (*cause, Step("after fixing the cause, dispatch it (or let the sweep)",
-                      f"investigate dispatch {case}"),
+        (*cause, *[Step(f"after fixing the cause, {s.text}", s.command)
+                   for s in _continue(f, mode, providers)],
          Step("or stop it for good", f"investigate cancel {case}")))
 
 

@@ -590,7 +590,9 @@ def _dispatch_lease_s(settings: Settings, case_id: str) -> float | None:
             left_ms = client.pttl(REDIS_LOCK_KEY.format(case_id=case_id))
     except redis.RedisError:
         return None
-    return round(left_ms / 1000, 1) if isinstance(left_ms, int) and left_ms > 0 else 0.0
+    if not isinstance(left_ms, int) or left_ms <= 0:  # -2: no key, -1: no expiry (none)
+        return 0.0
+    return max(0.1, round(left_ms / 1000, 1))
 
 
 def case_guidance(settings: Settings, store: Store, case_id: str) -> guidance.Guidance:

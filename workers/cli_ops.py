@@ -187,12 +187,21 @@ def _check_runtime(settings: Settings) -> None:
             (reported by :func:`_controlled` as one line, exit 2);
         sqlalchemy.exc.SQLAlchemyError: the store cannot be reached (``STORE_UNAVAILABLE``).
     """
+    from sqlalchemy.engine import make_url
+
     from workers.runtime import build_env
 
+    url = settings.effective_database_url
+    parsed = make_url(url)
+    if not settings.auto_migrate and parsed.get_backend_name() == "sqlite" \
+            and not Path(parsed.database or "").is_file():
+        # Refused without opening it (SQLite would leave an empty file behind).
+        raise InvestigationError(
+            "STORE_NOT_MIGRATED", f"{url} does not exist and INVESTIGATE_AUTO_MIGRATE is "
+            "off: create it with `investigate db upgrade` first")
     env = build_env(settings, adopt_frozen=True)
     env.store.dispose()  # each child opens its own connections
-    err.print(f"store {settings.effective_database_url.split('@')[-1]}", highlight=False,
-              soft_wrap=True)
+    err.print(f"store {url.split('@')[-1]}", highlight=False, markup=False, soft_wrap=True)
 
 
 @_controlled

@@ -594,7 +594,12 @@ def advance(self: Any, payload: dict[str, Any], token: str | None = None) -> dic
             # As the stage tasks do: a failed advance never keeps the case locked until
             # the lease runs out.
             if isinstance(payload, dict) and isinstance(payload.get("case_id"), str):
-                _release_distributed(runtime.current(), payload, token)
+                try:
+                    rt = runtime.current()
+                except Exception:  # this process cannot build its runtime (a review)
+                    _release_without_runtime(payload, token)
+                else:
+                    _release_distributed(rt, payload, token)
             raise
 
 
@@ -603,8 +608,9 @@ def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
     halt = payload.get("halt") or {"outcome": "ERROR", "reason": "NO_OUTCOME"}
     outcome, case_id = halt["outcome"], payload["case_id"]
     details = halt.get("details") or {}
-    why = (f": {details.get('error_code') or details.get('stage') or ''} "
-           f"{details.get('message') or ''}".rstrip(" :")) if outcome == BLOCKED else ""
+    said = [str(v) for v in (details.get("error_code") or details.get("stage"),
+                             details.get("message")) if v]
+    why = f": {' '.join(said)}" if outcome == BLOCKED and said else ""
     # A block is a worker's WARNING, with the provider's or the stage's message; an
     # embedded run prints the outcome itself.
     level = logging.WARNING if outcome == BLOCKED and payload.get("mode") != "embedded" \
@@ -625,7 +631,9 @@ def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
         dispatch.apply_async((case_id, payload.get("max_steps")))  # behind other cases
         payload["halt"]["outcome"] = YIELDED if steps_left <= 0 else outcome
         return payload
-    if outcome == STEP_ERROR:
+    if outcome == STEP_ERROR and rt.lock.holder(case_id) == token:
+        # Only while this chain holds the case (a chain that gave up on the store released
+        # it; another may be at work since, and its outcome is the one to show).
         _note_step_error(rt, payload, halt)
     rt.lock.release(case_id, token, tombstone=not _another_chain_at_work(halt))
     if outcome == RETRY_PENDING and halt.get("retry_not_before"):
@@ -645,9 +653,9 @@ def _advance(payload: dict[str, Any], token: str) -> dict[str, Any]:
 
 def _note_step_error(rt: runtime.Runtime, payload: dict[str, Any],
                      halt: dict[str, Any]) -> None:
-    """Show a step's controlled error on the case row (``deliveries.note_step_error``),
-    while this chain still holds the case's lock; a store that cannot take the write (the
-    error may be its own) leaves the worker log's line as the only record."""
+    """Show a step's controlled error on the case row (``deliveries.note_step_error``);
+    the caller holds the case's lock. A store that cannot take the write (the error may be
+    its own) leaves the worker log's line as the only record."""
     try:
         deliveries.note_step_error(
             rt.env.store, StepKey(payload["case_id"], payload["revision"], payload["step_seq"]),

@@ -107,14 +107,15 @@ class BudgetManager:
                 stored_sha256=revision.policy_sha256,
             )
         if sha256_hex(canonical_json(wanted)) != revision.policy_sha256:
-            # Adopted (decision 153); said once per process and revision (the caller
-            # caches the result), so a fleet whose workers read different policy files
-            # shows it in their logs.
-            log.warning("case %s revision %s keeps its frozen policy (sha256 %s), which "
-                        "differs from the policy this process was given (its policy file, "
-                        "or the defaults); that one applies to revisions not yet frozen",
-                        revision.case_id, revision.revision,
-                        (revision.policy_sha256 or "")[:12])
+            # Adopted (decision 153). Said once per process and frozen policy (the caller
+            # caches the result by its hash), at INFO: a worker's log shows it, so a fleet
+            # whose workers read different policy files shows it; an embedded `run`
+            # without --config, which adopts the frozen policy as asked, stays quiet.
+            log.info("frozen policy %s (first met in case %s revision %s) differs from the "
+                     "policy this process was given (its policy file, or the defaults) and "
+                     "is kept; the process's own applies to revisions not yet frozen",
+                     (revision.policy_sha256 or "")[:12], revision.case_id,
+                     revision.revision)
         effective = config.model_copy(update={
             "loop": LoopConfig.model_validate(stored["loop"]),
             "budget": BudgetConfig.model_validate(stored["budget"]),

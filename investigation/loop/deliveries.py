@@ -288,7 +288,7 @@ def note_step_error(store: Store, key: StepKey, code: str) -> bool:
         case = Store.lock_case(s, key.case_id)
         if (case.state != CASE_INVESTIGATING or case.current_revision != key.revision
                 or case.head_seq != key.step_seq - 1
-                or (case.last_outcome, case.last_reason) == (STEP_ERROR, code)):
+                or (case.last_outcome, case.last_reason) == (STEP_ERROR, code[:64])):
             return False
         case.last_outcome, case.last_reason = STEP_ERROR, code[:64]
         case.updated_at = utcnow()

@@ -168,8 +168,12 @@ def test_write_atomic_replaces_only_a_regular_file_and_leaves_nothing_behind(
     write_atomic(link, b"four")  # the link itself is replaced, not the file it names
     assert victim.read_bytes() == b"precious"
     assert not link.is_symlink() and link.read_bytes() == b"four"
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as missing:
         write_atomic(tmp_path / "missing-dir" / "x.html", b"x")
+    assert missing.value.filename == str(tmp_path / "missing-dir" / "x.html")  # not the tmp
+    out.chmod(0o4755)
+    write_atomic(out, b"five")  # permission bits kept, never set-id
+    assert out.stat().st_mode & 0o7777 == 0o755
     assert sorted(p.name for p in tmp_path.iterdir()) == \
         ["fifo", "link.html", "out.html", "out.html.tmp", "victim.txt"]
 

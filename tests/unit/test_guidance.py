@@ -151,7 +151,7 @@ def test_the_script_hint_names_the_file_once() -> None:
 
 @pytest.mark.parametrize(("code", "says", "command"), [
     ("CHECKPOINT_INVALID", "does not replay", f"investigate verify {CASE}"),
-    ("CONTEXT_TOO_LARGE", "register it again", None),
+    ("CONTEXT_TOO_LARGE", "raise it in their INVESTIGATE_CONFIG file", None),
     ("SOMETHING_ELSE", None, None),
 ])
 def test_a_workers_step_error_is_named_with_its_step_and_what_to_do(
