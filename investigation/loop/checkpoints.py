@@ -429,10 +429,20 @@ def state_document(s: Session, key: StepKey, case: CaseRecord, accounts: list[Bu
     if parent is None:
         if key.step_seq <= 1:
             parent = {}
-        elif facts is not None:
-            parent = _state_named(s, key.case_id, facts.pointer_path, facts.pointer_sha256)
         else:
-            parent = head_state_document(s, key.case_id)
+            if facts is not None:
+                path, sha = facts.pointer_path, facts.pointer_sha256
+            else:
+                pointer = core(s).execute(_POINTER, {"case_id": key.case_id}).first()
+                path, sha = (pointer[0], pointer[1]) if pointer is not None else (None, None)
+            if path != ARTIFACT_STATE.format(seq=key.step_seq - 1):
+                # Never a state built on nothing: a pointer deleted (or moved) after this
+                # step's replay made it fold an empty parent into a new checkpoint, which
+                # then named itself as the head (a fleet trial; only `verify` saw it).
+                raise _invalid(key.case_id, key.step_seq - 1,
+                               f"the {POINTER_STATE} pointer is missing or does not name "
+                               "the head state")
+            parent = _state_named(s, key.case_id, path, sha)
     evidence = evidence_section(s, key, parent, facts)
     questions = facts.questions if facts is not None else \
         core(s).execute(_STATE_QUESTIONS, rows).all()
@@ -481,15 +491,6 @@ def _notes_count(s: Session, key: StepKey, parent: dict[str, Any],
         return before + facts.notes_since
     return int(core(s).execute(NOTE_COUNT, {"case_id": key.case_id,
                                             "revision": key.revision}).scalar_one())
-
-
-def head_state_document(s: Session, case_id: str) -> dict[str, Any]:
-    """The state document the ``investigation_state`` pointer names (``{}`` when there is
-    none), from this process's parsed states when it has it."""
-    pointer = core(s).execute(_POINTER, {"case_id": case_id}).first()
-    if pointer is None:
-        return {}
-    return _state_named(s, case_id, pointer[0], pointer[1])
 
 
 def _state_named(s: Session, case_id: str, path: str | None,

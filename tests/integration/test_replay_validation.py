@@ -384,3 +384,26 @@ def test_a_garbled_record_of_a_step_in_progress_is_invalid(case: Case, garbage: 
         col(StageRun.case_id) == case.case_id, col(StageRun.step_seq) == 4,
         col(StageRun.stage) == "build_context").values(output_json=garbage)))
     refused(case, "CHECKPOINT_INVALID")
+
+
+def test_a_pointer_deleted_during_a_step_stops_its_publication(case: Case) -> None:
+    """The step's replay passed before the pointer was deleted: its publication folded an
+    empty parent state into a new checkpoint, which then named itself as the head, and
+    only `verify` saw the damage (a fleet trial). Publication now checks the pointer names
+    the parent checkpoint's state, and publishes nothing otherwise."""
+    from investigation.constants import STAGES
+
+    stages = Stages(case.env())
+    key = StepKey(case.case_id, 1, 4)
+    for stage in STAGES[:-1]:
+        stages.run(stage, key)
+    tamper(case, lambda s: s.execute(delete(ManifestPointer).where(
+        col(ManifestPointer.case_id) == case.case_id)))
+    before = fingerprint(case)
+    with pytest.raises(InvestigationError) as err:
+        stages.run("publish", key)
+    assert err.value.code == "CHECKPOINT_INVALID" and "pointer" in err.value.message
+    assert fingerprint(case) == before and before[0] == 3
+    with case.store.session() as s:
+        assert s.exec(select(Checkpoint).where(Checkpoint.case_id == case.case_id,
+                                               Checkpoint.seq == 4)).first() is None
