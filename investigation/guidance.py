@@ -279,8 +279,10 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
             # provider asking for a pause; a refused connection or a timeout is a failure
             # the engine backs off from; an attempt still out is another runner's.
             if f.last_reason == PROVIDER_CALL_IN_FLIGHT:
-                headline = ("Another worker's request for this model call is still out "
-                            f"({PROVIDER_CALL_IN_FLIGHT})")
+                headline = ("A request for this model call is still out, or its reply was "
+                            "never stored (a worker stopped, or the store dropped it) "
+                            f"({PROVIDER_CALL_IN_FLIGHT}); it counts as an attempt once its "
+                            "grace has passed")
             elif f.last_reason in _PAUSE_REQUESTS:
                 headline = f"The provider asked for a pause{_why(f)}"
             else:
@@ -386,7 +388,8 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
         # Which line the blocked call reads is said once, by the reply-file step below.
         fix = Step("add replies to the scripted file (or fix it)") if script else \
             Step("fix the providers file: the model name, base_url, structured_output "
-                 "dialect, or add a provider with a larger context")
+                 "dialect, or add a provider with a larger context (workers read it when "
+                 "they start: restart them after)")
         return Guidance(
             f"Blocked: the provider refused the request as configured{_why(f)}. Nothing "
             "was charged.",

@@ -130,8 +130,9 @@ def _controlled(fn: F) -> F:
             _fail(exc.code, exc.message + (_where_cases_are() if exc.code == "CASE_NOT_FOUND"
                                            else ""))
         except SQLAlchemyError as exc:
-            _fail("STORE_UNAVAILABLE", f"the store cannot be used: {_first_line(exc)}; check "
-                  "INVESTIGATE_DATABASE_URL / INVESTIGATE_HOME")
+            _fail("STORE_UNAVAILABLE", f"the store cannot be used: {_first_line(exc)}; if "
+                  "the database server is up, check INVESTIGATE_DATABASE_URL / "
+                  "INVESTIGATE_HOME")
         except RedisError as exc:
             _fail("REDIS_UNAVAILABLE", f"Redis cannot be reached for the case lock: "
                   f"{_first_line(exc)}; check INVESTIGATE_REDIS_URL / INVESTIGATE_BROKER_URL")
@@ -563,9 +564,18 @@ def status_cmd(
             watch_case(out, store, case_id, interval)
         return
     info = status(store, case_id)
+    held = False
     if _broker_configured(settings) and info["state"] == "INVESTIGATING":
         info["dispatch_lease_s"] = _dispatch_lease_s(settings, case_id)
-    g = case_guidance(settings, store, case_id)
+        held = bool(info["dispatch_lease_s"])
+    # While a dispatch holds the case its worker moves it: neither `dispatch` (LOCK_BUSY)
+    # nor a `run` beside it (a second runtime on the case, decision 21) is advice.
+    g = guidance.Guidance(
+        f"A dispatch holds the case (lease {info['dispatch_lease_s']:g} s left): its worker "
+        "moves it.",
+        (guidance.Step("watch it", f"investigate status {shlex.quote(case_id)} --watch"),
+         guidance.Step("if its worker died, the recovery sweep dispatches the case once the "
+                       "lease runs out"))) if held else case_guidance(settings, store, case_id)
     if as_json:  # model costs are in micros of limits.currency
         _print_json({**info, "next": g.to_dict()})
         return

@@ -201,7 +201,11 @@ def _check_runtime(settings: Settings) -> None:
             "off: create it with `investigate db upgrade` first")
     env = build_env(settings, adopt_frozen=True)
     env.store.dispose()  # each child opens its own connections
-    err.print(f"store {url.split('@')[-1]}", highlight=False, markup=False, soft_wrap=True)
+    # Where this worker's state and locks are: a worker pointed elsewhere than its fleet
+    # shows it here (two fleet trials: another database, another lock Redis).
+    err.print(f"store {url.split('@')[-1]}; case locks "
+              f"{settings.effective_redis_url.split('@')[-1]}", highlight=False, markup=False,
+              soft_wrap=True)
 
 
 @_controlled

@@ -807,5 +807,12 @@ def recover(self: Any) -> dict[str, Any]:
     """
     from workers.recovery import sweep
 
-    report = sweep(runtime.current())
+    try:
+        report = sweep(runtime.current())
+    except OperationalError as exc:
+        # One line per sweep while the store is down, not a traceback (a fleet trial);
+        # the next sweep tries again.
+        log.error("recovery sweep: the store cannot be reached (%s); the next sweep tries "
+                  "again", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return {"outcome": "REFUSED", "code": "STORE_UNAVAILABLE"}
     return report.to_dict()

@@ -423,8 +423,9 @@ def test_a_wait_for_another_workers_request_is_named_from_the_cases_reason(
         s.add(case)
         s.commit()
     headline = guidance.for_case(tiny_case.store, tiny_case.case_id).headline
-    assert headline.startswith("Another worker's request for this model call is still "
-                               "out (PROVIDER_CALL_IN_FLIGHT)"), headline
+    assert headline.startswith("A request for this model call is still out, or its reply "
+                               "was never stored"), headline
+    assert "(PROVIDER_CALL_IN_FLIGHT)" in headline
     # the older operation's error, by its message and code (a bare "429" can occur in the
     # retry time's microseconds)
     assert "pause" not in headline
@@ -479,6 +480,10 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
         assert re.search(r"dispatch: one holds the case, lease (199|200)(\.\d)? s left", flat)
         assert 190 < json.loads(invoke("status", cli.case_id, "--json").output)[
             "dispatch_lease_s"] <= 200
+        # While a dispatch holds it, neither `dispatch` (LOCK_BUSY) nor a `run` beside it
+        # (decision 21) is advice.
+        assert "A dispatch holds the case" in flat
+        assert commands(held.output) == [["status", cli.case_id, "--watch"]], held.output
     finally:
         client.delete(key)
         client.close()

@@ -416,7 +416,9 @@ def test_a_worker_that_could_not_run_a_stage_is_refused_before_it_joins_the_queu
         monkeypatch.delenv("INVESTIGATE_AUTO_MIGRATE")
         res = CliRunner().invoke(app, ["worker"])
         assert res.exit_code == 0 and worker_main.called, res.output
-        assert f"store sqlite:///{cli_env.resolve()}" in " ".join(res.output.split())
+        shown = " ".join(res.output.split())
+        assert f"store sqlite:///{cli_env.resolve()}" in shown
+        assert "case locks redis://127.0.0.1:6379/13" in shown  # the broker's, by default
 
 
 def test_workers_keep_a_cases_frozen_policy_when_their_policy_file_changes(

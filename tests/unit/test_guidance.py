@@ -95,7 +95,8 @@ def test_states_and_outcomes() -> None:
     for code, says in (("PROVIDER_RATE_LIMITED", "The provider asked for a pause"),
                        ("PROVIDER_UNREACHABLE", "The model call failed for now and is "
                                                 "retried (PROVIDER_UNREACHABLE"),
-                       ("PROVIDER_CALL_IN_FLIGHT", "Another worker's request")):
+                       ("PROVIDER_CALL_IN_FLIGHT", "A request for this model call is "
+                                                   "still out, or its reply was never stored")):
         waiting = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
                                 last_reason=code, error_code=code,
                                 retry_not_before="2030-01-01T00:00:00Z"))

@@ -93,3 +93,21 @@ def test_a_hand_over_that_cannot_be_published_is_logged_not_raised(
     request = tasks.StageRequest(message, app=tasks.app, task=tasks.app.tasks[name])
     request.on_timeout(False, 3.0)  # does not raise into the worker's timer
     assert any("could not be handed on" in r.getMessage() for r in caplog.records)
+
+
+def test_the_sweep_says_one_line_while_the_store_is_down(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The beat's sweep logged a whole traceback every interval while PostgreSQL refused
+    connections (a fleet trial); it now logs one line and returns, for the next sweep."""
+    from unittest import mock
+
+    from sqlalchemy.exc import OperationalError
+
+    down = OperationalError("SELECT 1", {}, Exception('database "x" is not currently '
+                                                      "accepting connections\nDETAIL"))
+    with mock.patch("workers.recovery.sweep", side_effect=down), \
+            mock.patch("workers.runtime.current"):
+        result = tasks.recover.apply().get()
+    assert result == {"outcome": "REFUSED", "code": "STORE_UNAVAILABLE"}
+    lines = [r.getMessage() for r in caplog.records if "recovery sweep" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "next sweep tries again" in lines[0]
