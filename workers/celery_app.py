@@ -32,6 +32,7 @@ from celery.signals import (
     worker_process_init,
     worker_process_shutdown,
 )
+from celery.worker.control import inspect_command
 from kombu import Queue  # type: ignore[attr-defined]
 
 from investigation.constants import TASK_PREFIX
@@ -139,6 +140,16 @@ def _preload(**_: Any) -> None:
     from workers.runtime import preload
 
     preload()
+
+
+@inspect_command()
+def investigation_identity(state: Any) -> dict[str, str]:
+    """Remote control (``inspect``): this worker's ``settings.deployment_identity`` (its
+    store, lock Redis and policy/providers digests; no credentials), which ``health``
+    compares across the workers of a queue."""
+    from workers.settings import deployment_identity
+
+    return deployment_identity(load_settings())
 
 
 @worker_process_init.connect

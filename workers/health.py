@@ -15,7 +15,7 @@ import redis
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from workers.settings import Settings
+from workers.settings import Settings, deployment_identity
 
 #: Checks in the order they run; ``investigate health --check NAME`` picks some.
 CHECKS = ("broker", "locks", "store", "migrations", "workers", "queue")
@@ -185,6 +185,9 @@ def check_workers(settings: Settings, timeout_s: float, min_workers: int = 1) ->
                      f"ping failed: {_first_line_of(exc, settings.broker_url)}", 0)
     consuming = [n for n in names if settings.queue in queues.get(n, [])]
     ok = len(consuming) >= min_workers
+    disagree = _identities_disagree(app, settings, consuming, timeout_s)
+    if disagree:
+        ok = False
     detail = f"{len(names)} answered ping" + (f": {', '.join(names)}" if names else "")
     if names:
         detail += f"; {len(consuming)} consume queue {settings.queue!r}"
@@ -192,9 +195,44 @@ def check_workers(settings: Settings, timeout_s: float, min_workers: int = 1) ->
         if not consuming:
             detail += (f" (they read {', '.join(others) or 'no queue'}: start a worker with "
                        f"INVESTIGATE_QUEUE={settings.queue} or dispatch to their queue)")
-    if not ok:
+    if len(consuming) < min_workers:
         detail += f" (at least {min_workers} needed)"
+    if disagree:
+        detail += f"; {disagree}"
     return Check("workers", ok, detail, consuming)
+
+
+def _identities_disagree(app: Any, settings: Settings, workers: list[str],
+                         timeout_s: float) -> str:
+    """What the consuming ``workers`` disagree on (``settings.deployment_identity``:
+    store, lock Redis, policy and providers files), among themselves or, for the store and
+    the locks, with this shell; ``""`` when they agree. A worker too old to answer is
+    left out."""
+    if not workers:
+        return ""
+    try:
+        replies = app.control.broadcast("investigation_identity", destination=workers,
+                                        reply=True, timeout=timeout_s) or []
+    except Exception:  # ping answered: an old or busy worker is not a disagreement
+        return ""
+    seen: dict[str, dict[str, str]] = {}
+    for reply in replies:
+        for worker, ident in (reply or {}).items():
+            if isinstance(ident, dict) and "store" in ident:
+                seen[worker] = {k: str(v) for k, v in ident.items()}
+    mine = deployment_identity(settings)
+    problems = []
+    for key in ("store", "locks", "policy", "providers"):
+        values: dict[str, list[str]] = {}
+        for worker, ident in sorted(seen.items()):
+            values.setdefault(ident.get(key, "?"), []).append(worker)
+        if len(values) > 1:
+            problems.append(f"workers disagree on their {key}: " + "; ".join(
+                f"{', '.join(ws)}: {v}" for v, ws in sorted(values.items())))
+        elif key in ("store", "locks") and values and mine[key] not in values:
+            problems.append(f"the workers' {key} is {next(iter(values))}, this shell's "
+                            f"{mine[key]}")
+    return "; ".join(problems)
 
 
 def check_queue(settings: Settings, timeout_s: float, max_queue: int | None = None) -> Check:

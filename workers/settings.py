@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import secrets
@@ -205,3 +206,23 @@ def _warn_if_others_read(path: Path) -> None:
             _WARNED_KEY_FILES.add(str(path))
             log.warning("feedback key file %s has mode %04o: other users can read it and "
                         "forge test feedback; `chmod 600 %s`", path, mode, path)
+
+
+def deployment_identity(settings: Settings) -> dict[str, str]:
+    """Where a process's state and locks are and which files steer it, for comparing the
+    workers of one queue (``health``): the store and the lock Redis without credentials,
+    and the sha256 of the policy and providers files (``"none"`` without one,
+    ``"unreadable"`` when it cannot be read). Two fleet trials ran a worker on another
+    database, another lock Redis, another policy or providers file, unnoticed."""
+    def digest(path: Path | None) -> str:
+        if path is None:
+            return "none"
+        try:
+            return hashlib.sha256(read_bounded(path, 1 << 20)).hexdigest()[:16]
+        except OSError:
+            return "unreadable"
+
+    return {"store": settings.effective_database_url.split("@")[-1],
+            "locks": settings.effective_redis_url.split("@")[-1],
+            "policy": digest(settings.config), "providers": digest(settings.providers)}
+

@@ -249,6 +249,43 @@ def test_a_second_worker_under_a_taken_node_name_is_refused(
         assert f"INVESTIGATE_QUEUE={h.queue}-nobody" in workers["detail"]
 
 
+def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two fleet trials ran a worker with another policy file, another providers file,
+    another database or another lock Redis beside its fleet, and nothing showed it
+    (`health` was green). The workers of a queue now report where their state and locks
+    are and digests of their files (`inspect`), and `health` fails naming what differs."""
+    from dataclasses import replace
+
+    policy = tmp_path / "other-policy.toml"
+    policy.write_text("[budget]\ncredit_units = 20\n")
+    with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
+        h.worker.start()
+        h.worker.wait_ready()
+        env = dict(h.worker.env)
+        checks = ("health", "--json", "--check", "workers", "--check", "broker")
+        agreed = json.loads(cli(env, *checks))
+        assert agreed["healthy"] is True, agreed
+        other = replace(h.worker, env={**env, "INVESTIGATE_CONFIG": str(policy)},
+                        log_path=tmp_path / "other-worker.log",
+                        cmd=[*h.worker.cmd[:-1], f"other-{h.queue}@%h"])
+        other.start()
+        try:
+            other.wait_ready()
+            out = json.loads(cli(env, *checks, expect=1))
+            workers = next(c for c in out["checks"] if c["name"] == "workers")
+            assert workers["ok"] is False and len(workers["value"]) == 2, workers
+            assert "workers disagree on their policy" in workers["detail"], workers
+            assert "none" in workers["detail"] and "store" not in workers["detail"]
+            shell = {**env, "INVESTIGATE_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}"}
+            out = json.loads(cli(shell, *checks, expect=1))
+            detail = next(c for c in out["checks"] if c["name"] == "workers")["detail"]
+            assert "the workers' store is" in detail and "x.db" in detail, detail
+        finally:
+            other.stop()
+
+
 UPSTREAM_VENV = REPO / "var" / "test-upstream-venv"
 UPSTREAM_SCRIPT = """
 import json, sys
