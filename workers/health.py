@@ -212,7 +212,8 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
         return ""
     try:
         replies = app.control.broadcast("investigation_identity", destination=workers,
-                                        reply=True, timeout=timeout_s) or []
+                                        reply=True, timeout=timeout_s,
+                                        limit=len(workers)) or []  # no wait once all answer
     except Exception:  # ping answered: an old or busy worker is not a disagreement
         return ""
     seen: dict[str, dict[str, str]] = {}
