@@ -358,6 +358,17 @@ def _step_error(f: CaseFacts, mode: Mode, providers: str | None) -> Guidance:
          Step("or stop it for good", f"investigate cancel {case}")))
 
 
+def dispatch_holds(case_id: str, lease_s: float) -> Guidance:
+    """The advice while a dispatch holds an investigating case's lock (``lease_s`` seconds
+    of its lease left): its worker moves it, so neither ``dispatch`` (``LOCK_BUSY``) nor a
+    ``run`` beside it (a second runtime on the case, decision 21) is advice."""
+    return Guidance(f"A dispatch holds the case (lease {lease_s:g} s left): its worker "
+                    "moves it.",
+                    (Step("watch it", f"investigate status {_q(case_id)} --watch"),
+                     Step("if its worker died, the recovery sweep dispatches the case once "
+                          "the lease runs out")))
+
+
 def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
              replies: str | None) -> Guidance:
     case = _q(f.case_id)

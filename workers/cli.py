@@ -568,14 +568,8 @@ def status_cmd(
     if _broker_configured(settings) and info["state"] == "INVESTIGATING":
         info["dispatch_lease_s"] = _dispatch_lease_s(settings, case_id)
         held = bool(info["dispatch_lease_s"])
-    # While a dispatch holds the case its worker moves it: neither `dispatch` (LOCK_BUSY)
-    # nor a `run` beside it (a second runtime on the case, decision 21) is advice.
-    g = guidance.Guidance(
-        f"A dispatch holds the case (lease {info['dispatch_lease_s']:g} s left): its worker "
-        "moves it.",
-        (guidance.Step("watch it", f"investigate status {shlex.quote(case_id)} --watch"),
-         guidance.Step("if its worker died, the recovery sweep dispatches the case once the "
-                       "lease runs out"))) if held else case_guidance(settings, store, case_id)
+    g = guidance.dispatch_holds(case_id, info["dispatch_lease_s"]) if held \
+        else case_guidance(settings, store, case_id)
     if as_json:  # model costs are in micros of limits.currency
         _print_json({**info, "next": g.to_dict()})
         return

@@ -34,7 +34,7 @@ from workers.cli import (
     example,
     out,
 )
-from workers.settings import Settings
+from workers.settings import Settings, deployment_identity
 from workers.views import last_outcome_text
 
 db_app = typer.Typer(help="The store's schema migrations (Alembic).", no_args_is_help=True,
@@ -203,9 +203,9 @@ def _check_runtime(settings: Settings) -> None:
     env.store.dispose()  # each child opens its own connections
     # Where this worker's state and locks are: a worker pointed elsewhere than its fleet
     # shows it here (two fleet trials: another database, another lock Redis).
-    err.print(f"store {url.split('@')[-1]}; case locks "
-              f"{settings.effective_redis_url.split('@')[-1]}", highlight=False, markup=False,
-              soft_wrap=True)
+    identity = deployment_identity(settings)
+    err.print(f"store {identity['store']}; case locks {identity['locks']}", highlight=False,
+              markup=False, soft_wrap=True)
 
 
 @_controlled

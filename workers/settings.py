@@ -210,7 +210,7 @@ def _warn_if_others_read(path: Path) -> None:
 
 def deployment_identity(settings: Settings) -> dict[str, str]:
     """Where a process's state and locks are and which files steer it, for comparing the
-    workers of one queue (``health``): the store and the lock Redis without credentials,
+    workers of one queue (``health``): the store and the lock Redis without passwords,
     and the sha256 of the policy and providers files (``"none"`` without one,
     ``"unreadable"`` when it cannot be read). Two fleet trials ran a worker on another
     database, another lock Redis, another policy or providers file, unnoticed."""
@@ -222,7 +222,9 @@ def deployment_identity(settings: Settings) -> dict[str, str]:
         except OSError:
             return "unreadable"
 
-    return {"store": settings.effective_database_url.split("@")[-1],
-            "locks": settings.effective_redis_url.split("@")[-1],
+    from workers.health import _where  # passwords masked as every output masks them
+
+    return {"store": _where(settings.effective_database_url),
+            "locks": _where(settings.effective_redis_url),
             "policy": digest(settings.config), "providers": digest(settings.providers)}
 

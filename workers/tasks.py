@@ -364,10 +364,7 @@ def _store_unavailable(task: Any, payload: dict[str, Any], stage: str, token: st
         celery.exceptions.Retry: the retry (``task.retry``).
     """
     if task.request.retries >= STORE_MAX_RETRIES:
-        if rt is None:
-            _release_without_runtime(payload, token)
-        else:
-            _release_distributed(rt, payload, token)
+        _release_chain_lock(payload, token, rt)
         log.error("case %s step %s %s: store unavailable after %s retries: %s",
                   payload["case_id"], payload["step_seq"], stage, STORE_MAX_RETRIES, exc)
         return _halt(payload, "ERROR", "STORE_UNAVAILABLE",
@@ -376,6 +373,19 @@ def _store_unavailable(task: Any, payload: dict[str, Any], stage: str, token: st
     countdown = STORE_RETRY_COUNTDOWN_S * 2 ** task.request.retries
     raise task.retry(exc=exc, countdown=min(countdown, settings.max_countdown_s),
                      max_retries=STORE_MAX_RETRIES) from exc
+
+
+def _release_chain_lock(payload: dict[str, Any], token: str,
+                        rt: runtime.Runtime | None = None) -> None:
+    """Release this chain's case lock through ``rt`` (default: the process runtime), or
+    from the settings alone when this process cannot build its runtime."""
+    if rt is None:
+        try:
+            rt = runtime.current()
+        except Exception:
+            _release_without_runtime(payload, token)
+            return
+    _release_distributed(rt, payload, token)
 
 
 def _release_without_runtime(payload: dict[str, Any], token: str) -> None:
@@ -594,12 +604,7 @@ def advance(self: Any, payload: dict[str, Any], token: str | None = None) -> dic
             # As the stage tasks do: a failed advance never keeps the case locked until
             # the lease runs out.
             if isinstance(payload, dict) and isinstance(payload.get("case_id"), str):
-                try:
-                    rt = runtime.current()
-                except Exception:  # this process cannot build its runtime (a review)
-                    _release_without_runtime(payload, token)
-                else:
-                    _release_distributed(rt, payload, token)
+                _release_chain_lock(payload, token)
             raise
 
 
