@@ -360,8 +360,8 @@ def _step_error(f: CaseFacts, mode: Mode, providers: str | None) -> Guidance:
 
 def dispatch_holds(case_id: str, lease_s: float) -> Guidance:
     """The advice while a dispatch holds an investigating case's lock (``lease_s`` seconds
-    of its lease left): its worker moves it, so neither ``dispatch`` (``LOCK_BUSY``) nor a
-    ``run`` beside it (a second runtime on the case, decision 21) is advice."""
+    of its lease left): its worker moves it, so neither ``dispatch`` nor ``run`` (both
+    ``LOCK_BUSY`` in a fleet's shell, decision 158) is advice."""
     return Guidance(f"A dispatch holds the case (lease {lease_s:g} s left): its worker "
                     "moves it.",
                     (Step("watch it", f"investigate status {_q(case_id)} --watch"),

@@ -41,13 +41,14 @@ from workers.views import print_guidance
 
 def _run_embedded(settings: Settings, case_id: str, config: Path | None,
                   providers: Path | None, max_steps: int | None, wait: bool,
-                  quiet: bool = False) -> tuple[Outcome, list[Outcome]]:
+                  quiet: bool = False, fleet_lock: bool = False
+                  ) -> tuple[Outcome, list[Outcome]]:
     from workers import runtime
     from workers.embedded import run_case
     from workers.progress import RunProgress
 
     store = _store(settings, existing=True)
-    rt = runtime.embedded(settings, config, providers)
+    rt = runtime.embedded(settings, config, providers, fleet_lock=fleet_lock)
     with RunProgress(out, store, case_id, quiet=quiet) as progress:
         outcome = run_case(rt, case_id, max_steps=max_steps, wait=wait, on_step=progress)
     return outcome, progress.outcomes
@@ -120,9 +121,18 @@ def run(
     blocked case ends with exit code 1 and what to do next.
     """
     settings = _settings()
+    # In a shell set up for a fleet, the fleet's case lock too: no worker dispatches the
+    # case while this runs, nor this beside a dispatch (decision 158).
     outcome, steps = _run_embedded(settings, case_id, config, providers, max_steps, wait,
-                                   quiet=as_json)
+                                   quiet=as_json, fleet_lock=_fleet_shell(settings))
     _finish(settings, case_id, outcome, providers, steps, as_json)
+
+
+def _fleet_shell(settings: Settings) -> bool:
+    """Whether this shell names a broker or a lock Redis (INVESTIGATE_BROKER_URL or
+    INVESTIGATE_REDIS_URL, in the environment or ``.env``): a fleet's workers may then
+    dispatch the cases of this store."""
+    return bool({"broker_url", "redis_url"} & settings.model_fields_set)
 
 
 def _shown(path: Path) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from investigation.constants import CONTINUING, RETRY_PENDING, YIELDED
+from investigation.errors import InvestigationError
 from investigation.loop.outcome import Outcome
 from workers.runtime import Runtime
 from workers.tasks import run_embedded_step
@@ -23,8 +24,11 @@ def run_case(rt: Runtime, case_id: str, max_steps: int | None = None, wait: bool
     CLI process (not a worker) waits until ``retry_not_before`` and continues.
 
     Raises:
-        LockBusy: another dispatch of this case is running.
-        InvestigationError: unsafe input, stale state, exceeded limits, changed policy.
+        LockBusy: another dispatch of this case is running (a ``run`` on this machine; with
+            a fleet lock also a worker's dispatch anywhere).
+        InvestigationError: unsafe input, stale state, exceeded limits, changed policy;
+            ``LOCK_LOST`` when another dispatch took the case's lease meanwhile.
+        redis.RedisError: a fleet lock whose Redis cannot be reached.
     """
     from investigation.loop.investigator import Investigator
 
@@ -48,10 +52,26 @@ def run_case(rt: Runtime, case_id: str, max_steps: int | None = None, wait: bool
             if outcome.outcome == RETRY_PENDING and wait and outcome.retry_not_before:
                 delay = (outcome.retry_not_before - datetime.now(UTC)).total_seconds()
                 log.info("case %s: provider backoff, retrying in %.1fs", case_id, delay)
-                time.sleep(max(0.0, delay))
+                _wait_out(rt, case_id, token, outcome.retry_not_before)
                 continue
             return outcome
     finally:
         rt.lock.release(case_id, token)
     assert last is not None
     return Outcome(YIELDED, case_id, last.step_seq, "MAX_STEPS", hypothesis_id=last.hypothesis_id)
+
+
+def _wait_out(rt: Runtime, case_id: str, token: str, until: datetime) -> None:
+    """Sleep in this CLI process until ``until`` (UTC), keeping the case's lock: a lock
+    with a lease (a fleet's, decision 158) is renewed at least every third of it.
+
+    Raises:
+        InvestigationError: ``LOCK_LOST`` when another dispatch took the case meanwhile.
+    """
+    ttl_s = getattr(rt.lock, "ttl_s", None)
+    while (left := (until - datetime.now(UTC)).total_seconds()) > 0:
+        time.sleep(left if ttl_s is None else min(left, max(1.0, ttl_s / 3)))
+        if not rt.lock.hold(case_id, token):
+            raise InvestigationError(
+                "LOCK_LOST", f"case {case_id}: another dispatch took the case while this run "
+                f"waited out a provider backoff; `investigate status {case_id}` shows it")

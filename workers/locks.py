@@ -266,3 +266,74 @@ class FileCaseLock:
             held[1].close()
             return True
 
+
+
+class FleetCaseLock:
+    """The embedded runtime's lock in a shell set up for a fleet: this machine's
+    :class:`FileCaseLock` and the fleet's :class:`RedisCaseLock` at once, so that ``run``
+    and a worker's dispatch never work on one case side by side (decision 158; before,
+    the locks were per runtime, decision 21, and both paid for model calls until one
+    stopped with ``STALE_STATE``).
+
+    The token is the Redis lease's; the file lock's own token stays inside. ``acquire``
+    takes the file lock first (no Redis round trip for a second ``run`` on this machine)
+    and gives it back when the fleet's lease is held (``LockBusy`` with the lease left) or
+    Redis cannot be reached (``redis.RedisError``). A ``run`` renews the lease at its
+    stages, like a worker, and while it waits out a provider backoff
+    (``workers.embedded``); a lease that ran out while nobody took it is re-taken at the
+    next renewal, one a dispatch took in the meantime stops the run (``LOCK_LOST``).
+    """
+
+    def __init__(self, files: FileCaseLock, fleet: RedisCaseLock) -> None:
+        self.files = files
+        self.fleet = fleet
+        #: case id -> (fleet token, file token)
+        self._tokens: dict[str, tuple[str, str]] = {}
+        self._mutex = threading.Lock()
+
+    @property
+    def ttl_s(self) -> float:
+        """The fleet lease's length (seconds)."""
+        return self.fleet.ttl_ms / 1000
+
+    def acquire(self, case_id: str) -> str:
+        file_token = self.files.acquire(case_id)
+        try:
+            token = self.fleet.acquire(case_id)
+        except BaseException:
+            self.files.release(case_id, file_token)
+            raise
+        with self._mutex:
+            self._tokens[case_id] = (token, file_token)
+        return token
+
+    def _file_token(self, case_id: str, token: str) -> str | None:
+        with self._mutex:
+            pair = self._tokens.get(case_id)
+        return pair[1] if pair is not None and pair[0] == token else None
+
+    def hold(self, case_id: str, token: str) -> bool:
+        file_token = self._file_token(case_id, token)
+        return (file_token is not None and self.files.hold(case_id, file_token)
+                and self.fleet.hold(case_id, token))
+
+    def renew(self, case_id: str, token: str) -> bool:
+        file_token = self._file_token(case_id, token)
+        return (file_token is not None and self.files.hold(case_id, file_token)
+                and self.fleet.renew(case_id, token))
+
+    def holder(self, case_id: str) -> str | None:
+        """The fleet lease's token (whoever holds it: this run or a dispatch)."""
+        return self.fleet.holder(case_id)
+
+    def release(self, case_id: str, token: str, *, tombstone: bool = True) -> bool:
+        """Release the fleet's lease if ``token`` holds it, then this machine's file lock;
+        True if the lease was still ``token``'s."""
+        file_token = self._file_token(case_id, token)
+        try:
+            return self.fleet.release(case_id, token, tombstone=tombstone)
+        finally:
+            if file_token is not None:
+                with self._mutex:
+                    self._tokens.pop(case_id, None)
+                self.files.release(case_id, file_token)

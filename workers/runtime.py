@@ -25,7 +25,7 @@ from investigation.llm.gateway import LLMGateway, build_providers
 from investigation.loop.env import StageEnv
 from investigation.loop.stages import Stages
 from investigation.store import Store
-from workers.locks import CaseLock, FileCaseLock, RedisCaseLock
+from workers.locks import CaseLock, FileCaseLock, FleetCaseLock, RedisCaseLock
 from workers.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -147,11 +147,21 @@ def current() -> Runtime:
 
 
 def embedded(settings: Settings, config_path: Path | None = None,
-             providers_path: Path | None = None) -> Runtime:
-    """Build and install the embedded runtime (file locks; chains run with
-    ``Signature.apply()``, Celery's local execution, so no broker is touched)."""
+             providers_path: Path | None = None, *, fleet_lock: bool = False) -> Runtime:
+    """Build and install the embedded runtime (chains run with ``Signature.apply()``,
+    Celery's local execution, so no broker is touched).
+
+    Its case lock is a file lock under ``settings.home``; with ``fleet_lock`` (``run`` in
+    a shell that names a broker or lock Redis) also the fleet's Redis lease
+    (:class:`workers.locks.FleetCaseLock`, decision 158), so no worker dispatches the case
+    while it runs. Building touches neither Redis nor the broker.
+    """
+    files = FileCaseLock(settings.home / "locks")
+    lock: CaseLock = files if not fleet_lock else FleetCaseLock(
+        files, RedisCaseLock.from_url(settings.effective_redis_url, settings.lock_ttl_s,
+                                      released_lease_s(settings)))
     runtime = Runtime("embedded", settings, build_env(settings, config_path, providers_path),
-                      FileCaseLock(settings.home / "locks"))
+                      lock)
     configure(runtime)
     tune_collector()
     return runtime

@@ -796,7 +796,11 @@ def run_embedded_step(case_id: str, token: str) -> Outcome | None:
     halt = result.get("halt")
     if halt is None:
         raise InvestigationError("STAGE_ORDER", "the step chain ended without an outcome")
-    if halt["outcome"] in ("ERROR", "STALE", "LOCK_LOST"):
+    if halt["outcome"] == "LOCK_LOST":
+        raise InvestigationError("LOCK_LOST", f"step {payload['step_seq']} stopped: the "
+                                 f"case's lock was taken by another dispatch; `investigate "
+                                 f"status {case_id}` shows who moves the case")
+    if halt["outcome"] in ("ERROR", "STALE"):
         raise InvestigationError(halt["reason"] or halt["outcome"],
                                  (halt.get("details") or {}).get("message")
                                  or f"step {payload['step_seq']} stopped: {halt['outcome']}")

@@ -480,8 +480,8 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
         assert re.search(r"dispatch: one holds the case, lease (199|200)(\.\d)? s left", flat)
         assert 190 < json.loads(invoke("status", cli.case_id, "--json").output)[
             "dispatch_lease_s"] <= 200
-        # While a dispatch holds it, neither `dispatch` (LOCK_BUSY) nor a `run` beside it
-        # (decision 21) is advice.
+        # While a dispatch holds it, neither `dispatch` nor `run` (both LOCK_BUSY,
+        # decision 158) is advice.
         assert "A dispatch holds the case" in flat
         assert commands(held.output) == [["status", cli.case_id, "--watch"]], held.output
     finally:
@@ -492,6 +492,102 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
     assert unknown.exit_code == 0 and "Redis cannot tell" in unknown.output, unknown.output
     monkeypatch.delenv("INVESTIGATE_BROKER_URL")
     assert "dispatch:" not in invoke("status", cli.case_id).output  # embedded shell
+
+
+@pytest.mark.redis
+def test_run_on_a_fleet_shell_takes_the_fleets_lock(
+        cli: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decision 158: a fleet trial ran `run` beside a live dispatch of the same case (the
+    locks were per runtime). In a shell that names a broker, `run` now refuses while a
+    dispatch holds the case, and holds the fleet's lease itself while it runs."""
+    from investigation.constants import REDIS_LOCK_KEY
+
+    url = "redis://127.0.0.1:6379/12"
+    key = REDIS_LOCK_KEY.format(case_id=cli.case_id)
+    client = redis.Redis.from_url(url)
+    cli.replies_path.write_text("\n".join(HAPPY) + "\n")
+    seen: list[bytes | None] = []
+    try:
+        client.delete(key)
+        client.set(key, "a-worker", px=200_000)
+        monkeypatch.setenv("INVESTIGATE_BROKER_URL", url)
+        busy = invoke("run", cli.case_id, "--providers", str(cli.providers_path))
+        assert busy.exit_code == 3, busy.output
+        assert "LOCK_BUSY" in busy.output and "lease runs out in" in busy.output
+        assert "published steps 0" in invoke("status", cli.case_id).output
+        assert client.get(key) == b"a-worker"
+        client.delete(key)
+
+        from workers import embedded
+
+        real_step = embedded.run_embedded_step
+
+        def step(case_id: str, token: str) -> Any:
+            seen.append(client.get(key))  # who holds the fleet's lease during the step
+            return real_step(case_id, token)
+
+        monkeypatch.setattr(embedded, "run_embedded_step", step)
+        ran = invoke("run", cli.case_id, "--providers", str(cli.providers_path))
+        assert ran.exit_code == 0 and "COMPLETED" in ran.output, ran.output
+        assert seen and len(set(seen)) == 1 and seen[0] is not None
+        assert client.get(key) is None  # released at the end
+        # Without a broker in the shell, `run` knows only its file lock (decision 158).
+        monkeypatch.delenv("INVESTIGATE_BROKER_URL")
+        client.set(key, "a-worker", px=200_000)
+        assert invoke("run", cli.case_id, "--providers", str(cli.providers_path)
+                      ).exit_code == 0
+    finally:
+        client.delete(key)
+        for tomb in client.scan_iter(match=key + ":released:*"):
+            client.delete(tomb)
+        client.close()
+
+
+def test_a_run_waiting_out_a_backoff_keeps_its_lease_and_stops_if_it_lost_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run` sleeps through a provider backoff in its own process: with a fleet's lease
+    it renews it every third of the lease, and stops with LOCK_LOST when a dispatch took
+    the case meanwhile."""
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from investigation.errors import InvestigationError
+    from workers import embedded
+
+    class Lease:
+        ttl_s = 30.0
+
+        def __init__(self, held: bool) -> None:
+            self.held, self.calls = held, 0
+
+        def hold(self, case_id: str, token: str) -> bool:
+            self.calls += 1
+            return self.held
+
+    slept: list[float] = []
+    now = [datetime(2026, 1, 1, tzinfo=UTC)]
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += timedelta(seconds=seconds)
+
+    class Clock(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> datetime:  # type: ignore[override]
+            return now[0]
+
+    monkeypatch.setattr(embedded.time, "sleep", sleep)
+    monkeypatch.setattr(embedded, "datetime", Clock)
+    lease = Lease(held=True)
+    embedded._wait_out(SimpleNamespace(lock=lease), "case-1", "t",  # type: ignore[arg-type]
+                       now[0] + timedelta(seconds=25))
+    assert slept == [10.0, 10.0, 5.0] and lease.calls == 3
+    lost = Lease(held=False)
+    with pytest.raises(InvestigationError) as stopped:
+        embedded._wait_out(SimpleNamespace(lock=lost), "case-1", "t",  # type: ignore[arg-type]
+                           now[0] + timedelta(seconds=25))
+    assert stopped.value.code == "LOCK_LOST" and lost.calls == 1
+    assert "another dispatch took the case" in stopped.value.message
 
 
 def test_the_live_panel_stops_saying_it_works_once_the_run_ends(cli: Case) -> None:

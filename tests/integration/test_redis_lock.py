@@ -422,3 +422,64 @@ def test_the_distributed_runtime_keeps_tombstones_past_every_redelivery(
     finally:
         rt.env.store.dispose()
         runtime.configure(None)
+
+
+# -- the embedded runtime's fleet lock (decision 158) ------------------------------------------
+
+
+def test_fleet_lock_holds_this_machine_and_the_fleet(backend: Backend, tmp_path: Path) -> None:
+    """`run` in a fleet's shell takes the fleet's Redis lease besides its file lock: a
+    fleet trial ran `run` beside a live dispatch of the same case, and both paid for model
+    calls until one stopped with STALE_STATE."""
+    from workers.locks import FileCaseLock, FleetCaseLock
+
+    case_id = backend.case_id()
+    run = FleetCaseLock(FileCaseLock(tmp_path), backend.lock())
+    token = run.acquire(case_id)
+    with pytest.raises(LockBusy) as busy:  # a worker's dispatch anywhere
+        backend.lock().acquire(case_id)
+    assert busy.value.expires_in_s is not None
+    with pytest.raises(LockBusy):  # a second run on this machine, whatever its Redis
+        FileCaseLock(tmp_path).acquire(case_id)
+    assert run.holder(case_id) == token
+    assert run.hold(case_id, token) and run.renew(case_id, token)
+    assert not run.hold(case_id, "another token")
+    assert run.release(case_id, token) is True
+    assert run.holder(case_id) is None
+    other = FileCaseLock(tmp_path)  # both are free again
+    other.release(case_id, other.acquire(case_id))
+    backend.lock().release(case_id, backend.lock().acquire(case_id))
+
+
+def test_fleet_lock_refuses_beside_a_dispatch_and_gives_the_file_lock_back(
+        backend: Backend, tmp_path: Path) -> None:
+    from workers.locks import FileCaseLock, FleetCaseLock
+
+    case_id = backend.case_id()
+    dispatch = backend.lock()
+    held = dispatch.acquire(case_id)
+    run = FleetCaseLock(FileCaseLock(tmp_path), backend.lock())
+    with pytest.raises(LockBusy) as busy:
+        run.acquire(case_id)
+    assert busy.value.expires_in_s is not None and 0 < busy.value.expires_in_s <= TTL_S
+    assert dispatch.holder(case_id) == held  # the dispatch's lease is untouched
+    files = FileCaseLock(tmp_path)  # the refused run left no file lock behind
+    files.release(case_id, files.acquire(case_id))
+
+
+def test_fleet_lock_sees_a_dispatch_that_took_the_lapsed_lease(
+        backend: Backend, tmp_path: Path) -> None:
+    """A run that waited out a backoff longer than its lease: the lease is re-taken if
+    nobody took it, and the run stops if a dispatch did."""
+    from workers.locks import FileCaseLock, FleetCaseLock
+
+    case_id = backend.case_id()
+    run = FleetCaseLock(FileCaseLock(tmp_path), backend.lock())
+    token = run.acquire(case_id)
+    expire_now(backend.client(), case_id)
+    assert run.hold(case_id, token)  # lapsed, nobody took it: re-taken
+    expire_now(backend.client(), case_id)
+    backend.lock().acquire(case_id)  # a dispatch took it
+    assert not run.hold(case_id, token)
+    assert run.release(case_id, token) is False  # never deletes the dispatch's lease
+    assert backend.lock().holder(case_id) not in (None, token)
