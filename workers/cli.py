@@ -16,6 +16,7 @@ import sqlite3
 import sys
 from collections.abc import Callable
 from contextlib import closing, suppress
+from contextvars import ContextVar
 from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -115,42 +116,56 @@ def _print_json(data: Any) -> None:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+#: Whether the running command was given ``--json``: its controlled errors are then also
+#: one JSON object on stdout (:func:`_fail`).
+_JSON_ERRORS: ContextVar[bool] = ContextVar("json_errors", default=False)
+
+
 def _controlled(fn: F) -> F:
-    """Turn controlled errors into one stderr line and a stable exit code."""
+    """Turn controlled errors into one stderr line and a stable exit code; with ``--json``
+    also ``{"error": {"code": ..., "message": ...}}`` on stdout (:func:`_fail`)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        reset = _JSON_ERRORS.set(bool(kwargs.get("as_json")))
         try:
-            return fn(*args, **kwargs)
-        except LockBusy as exc:
-            err.print("[bold red]error[/] ", end="", markup=True)
-            err.print(_term(exc), markup=False, highlight=False)
-            raise typer.Exit(3) from None
-        except InvestigationError as exc:
-            _fail(exc.code, exc.message + (_where_cases_are() if exc.code == "CASE_NOT_FOUND"
-                                           else ""))
-        except SQLAlchemyError as exc:
-            _fail("STORE_UNAVAILABLE", f"the store cannot be used: {_first_line(exc)}; if "
-                  "the database server is up, check INVESTIGATE_DATABASE_URL / "
-                  "INVESTIGATE_HOME")
-        except RedisError as exc:
-            _fail("REDIS_UNAVAILABLE", f"Redis cannot be reached for the case lock: "
-                  f"{_first_line(exc)}; check INVESTIGATE_REDIS_URL / INVESTIGATE_BROKER_URL")
-        except KombuOperationalError as exc:
-            _fail("BROKER_UNAVAILABLE", f"the broker cannot be reached: {_first_line(exc)}; "
-                  "check INVESTIGATE_BROKER_URL")
-        except OSError as exc:
-            _fail("IO_ERROR", f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
-        except UnicodeError as exc:  # an argument or file that is not text
-            _fail("INPUT_INVALID", f"an argument or input file is not valid text: "
-                  f"{_first_line(exc)}")
-        except ImportError as exc:  # an install without a module a dependency needs
-            _fail("DEPENDENCY_MISSING", _missing_module(exc))
-        except ValueError as exc:  # a URL or setting nothing can use
-            _fail("CONFIG_INVALID", f"{type(exc).__name__}: {_first_line(exc)}; check the "
-                  "INVESTIGATE_* settings")
+            return _run_controlled(fn, args, kwargs)
+        finally:
+            _JSON_ERRORS.reset(reset)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _run_controlled(fn: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except LockBusy as exc:
+        _fail(LockBusy.code, str(exc).removeprefix(f"{LockBusy.code}: "), exit_code=3,
+              extra={"lease_s": exc.expires_in_s})
+    except InvestigationError as exc:
+        _fail(exc.code, exc.message + (_where_cases_are() if exc.code == "CASE_NOT_FOUND"
+                                       else ""))
+    except SQLAlchemyError as exc:
+        _fail("STORE_UNAVAILABLE", f"the store cannot be used: {_first_line(exc)}; if "
+              "the database server is up, check INVESTIGATE_DATABASE_URL / "
+              "INVESTIGATE_HOME")
+    except RedisError as exc:
+        _fail("REDIS_UNAVAILABLE", f"Redis cannot be reached for the case lock: "
+              f"{_first_line(exc)}; check INVESTIGATE_REDIS_URL / INVESTIGATE_BROKER_URL")
+    except KombuOperationalError as exc:
+        _fail("BROKER_UNAVAILABLE", f"the broker cannot be reached: {_first_line(exc)}; "
+              "check INVESTIGATE_BROKER_URL")
+    except OSError as exc:
+        _fail("IO_ERROR", f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+    except UnicodeError as exc:  # an argument or file that is not text
+        _fail("INPUT_INVALID", f"an argument or input file is not valid text: "
+              f"{_first_line(exc)}")
+    except ImportError as exc:  # an install without a module a dependency needs
+        _fail("DEPENDENCY_MISSING", _missing_module(exc))
+    except ValueError as exc:  # a URL or setting nothing can use
+        _fail("CONFIG_INVALID", f"{type(exc).__name__}: {_first_line(exc)}; check the "
+              "INVESTIGATE_* settings")
 
 
 def _missing_module(exc: ImportError) -> str:
@@ -174,10 +189,17 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
 
 
-def _fail(code: str, message: str) -> NoReturn:
+def _fail(code: str, message: str, exit_code: int = 2,
+          extra: dict[str, Any] | None = None) -> NoReturn:
+    """Print ``error CODE: message`` on stderr and exit with ``exit_code``; a command given
+    ``--json`` also prints ``{"error": {"code", "message", "exit_code", **extra}}`` on
+    stdout, so a caller that parses stdout gets the code without reading stderr."""
     err.print("[bold red]error[/] ", end="", markup=True)
     err.print(_term(f"{code}: {message}"), markup=False, highlight=False)
-    raise typer.Exit(2)
+    if _JSON_ERRORS.get():
+        _print_json({"error": {"code": code, "message": message, "exit_code": exit_code,
+                               **(extra or {})}})
+    raise typer.Exit(exit_code)
 
 
 def _settings() -> Settings:

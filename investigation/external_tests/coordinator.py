@@ -179,10 +179,17 @@ class AsyncTestCoordinator:
     # -- reading -------------------------------------------------------------------------
 
     def list_requests(self, case_id: str) -> list[dict[str, Any]]:
-        """Every test request of a case, oldest first (see :meth:`show` for the shape)."""
+        """Every test request of a case, oldest first (see :meth:`show` for the shape).
+
+        Raises:
+            InvestigationError: ``CASE_NOT_FOUND`` (an unknown case listed as one that
+                handed out no test hid a mistyped id).
+        """
         with self.store.session() as s:
             rows = s.exec(select(TestRequest).where(TestRequest.case_id == case_id)
                           .order_by(col(TestRequest.id))).all()
+            if not rows and s.get(CaseRecord, case_id) is None:
+                raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
             return [self._describe(s, r) for r in rows]
 
     def show(self, case_id: str, request_id: str) -> dict[str, Any]:

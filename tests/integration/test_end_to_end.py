@@ -351,6 +351,30 @@ def test_a_case_or_store_not_found_says_where_it_looked_and_where_the_demo_is(
     assert "prefix the command" not in flat  # this is the demo's store
 
 
+def test_json_commands_print_their_errors_as_json_on_stdout(
+        tmp_path: Path, cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that parses `--json` output got nothing on stdout and the code only in a
+    text line on stderr; the text line stays for people."""
+    import json
+
+    from investigation.store.engine import Store
+
+    store = Store(f"sqlite:///{cli_env / 'investigation.db'}")
+    store.create_schema()
+    store.dispose()
+    for args in (["status", "case-nope", "--json"], ["cases", "--json", "--state", "nope"],
+                 ["run", "case-nope", "--json"], ["tests", "list", "case-nope", "--json"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        body = json.loads(res.stdout)["error"]
+        assert body["exit_code"] == 2 and body["code"] in res.stderr, (args, res.stderr)
+        assert body["message"] and body["code"].isupper(), body
+    assert json.loads(CliRunner().invoke(app, ["status", "case-nope", "--json"]).stdout)[
+        "error"]["code"] == "CASE_NOT_FOUND"
+    plain = CliRunner().invoke(app, ["status", "case-nope"])
+    assert plain.exit_code == 2 and plain.stdout == "" and "CASE_NOT_FOUND" in plain.stderr
+
+
 def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
     from investigation.errors import InvestigationError
     from investigation.operations import export
