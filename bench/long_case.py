@@ -34,7 +34,7 @@ saving no real short case has.
 Asserts nothing. Usage (repository root)::
 
     .venv/bin/python bench/long_case.py [--steps 500] [--database-url URL] [--profile-at N]
-        [--side-by-side ROUNDS]
+        [--side-by-side ROUNDS] [--keep]
 """
 
 from __future__ import annotations
@@ -203,7 +203,10 @@ class StubModel:
             "usage": {"prompt_tokens": len(text) // 4, "completion_tokens": len(content) // 4},
         }).encode()
         self.seconds += time.perf_counter() - started
-        return ProviderReply(content=content, raw=raw, http_status=200)
+        # The counts its `usage` reports, as the OpenAI provider passes them on.
+        return ProviderReply(content=content, raw=raw, http_status=200,
+                             prompt_tokens=len(text) // 4,
+                             completion_tokens=len(content) // 4, finish_reason="stop")
 
     @staticmethod
     def reply(ctx: dict[str, Any], call: int) -> dict[str, Any]:
@@ -440,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept: {work} (store {url.split('@')[-1]})")
 
     n = args.steps
     figures: dict[str, float] = {}

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from investigation.constants import STEP_ERROR
 from investigation.errors import InvestigationError
+from investigation.loop.outcome import last_outcome_text
 from investigation.overview import CaseRow, list_cases
 from workers.cli import (
     JsonOpt,
@@ -35,7 +36,6 @@ from workers.cli import (
     out,
 )
 from workers.settings import Settings, deployment_identity
-from workers.views import last_outcome_text
 
 db_app = typer.Typer(help="The store's schema migrations (Alembic).", no_args_is_help=True,
                      epilog=example("investigate db current", "investigate db upgrade"))

@@ -23,11 +23,11 @@ from rich.text import Text
 
 from investigation.constants import BLOCKED, CASE_INVESTIGATING, COMPLETED, YIELDED
 from investigation.guidance import for_case
-from investigation.loop.outcome import Outcome
+from investigation.loop.outcome import Outcome, last_outcome_text
 from investigation.operations import status
 from investigation.report.history import usage_totals
 from investigation.store import Store
-from workers.views import last_outcome_text, outcome_line, status_view, term
+from workers.views import outcome_line, status_view, term
 
 #: Outcomes after which ``run`` takes no further step (the panel stops saying it works).
 _ENDS_RUN = frozenset({COMPLETED, BLOCKED, YIELDED})

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from investigation.guidance import Guidance
 from investigation.llm.spend import format_money
-from investigation.loop.outcome import Outcome
+from investigation.loop.outcome import Outcome, last_outcome_text
 from investigation.text_safety import escape_text
 
 
@@ -23,23 +23,6 @@ def term(text: object) -> str:
     """Data for the terminal: control, bidirectional and zero-width characters (ANSI/OSC
     escapes included) as visible escapes (``investigation.text_safety.escape_text``)."""
     return escape_text(str(text))
-
-
-#: Outcomes whose reason is the state the case left (an operator's pause or cancel).
-_FROM_STATE = ("PAUSED", "CANCELLED", "RESUMED")
-
-
-def last_outcome_text(outcome: str | None, reason: str | None,
-                      none: str = "none (no step has run)") -> str:
-    """``PROGRESSED``, ``BLOCKED (PROVIDER_EXHAUSTED)``, ``PAUSED (was INVESTIGATING)``."""
-    if not outcome:
-        return none
-    if not reason:
-        return outcome
-    if outcome in _FROM_STATE and reason.isupper() and reason in (
-            "INVESTIGATING", "BLOCKED", "PAUSED"):
-        return f"{outcome} (was {reason})"
-    return f"{outcome} ({reason})"
 
 
 def outcome_line(o: Outcome) -> list[str]:
@@ -83,9 +66,13 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
                   "completion tokens", "cost",
                   title="model usage (separate from investigation units)")
     for u in usage:
+        # No server reported a count (a scripted provider, a server without `usage`): a
+        # 0 there read as a free model (a reader's trial).
+        reported = u.get("tokens_reported", 1)
         table.add_row("unrecorded" if u["hypothesis_id"] is None else str(u["hypothesis_id"]),
-                      str(u["calls"]), str(u["attempts"]), str(u["prompt_tokens"]),
-                      str(u["completion_tokens"]),
+                      str(u["calls"]), str(u["attempts"]),
+                      str(u["prompt_tokens"]) if reported else "not reported",
+                      str(u["completion_tokens"]) if reported else "not reported",
                       "not priced" if u["cost_micros"] < 0
                       else format_money(u["cost_micros"], currency))
     return table

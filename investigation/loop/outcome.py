@@ -68,3 +68,20 @@ class StageResult:
     output: dict[str, Any]
     halt: Outcome | None = None
     fresh: bool = False
+
+
+#: Outcomes whose reason is the state the case left (an operator's pause or cancel).
+_FROM_STATE = ("PAUSED", "CANCELLED", "RESUMED")
+
+
+def last_outcome_text(outcome: str | None, reason: str | None,
+                      none: str = "none (no step has run)") -> str:
+    """``PROGRESSED``, ``BLOCKED (PROVIDER_EXHAUSTED)``, ``PAUSED (was INVESTIGATING)``."""
+    if not outcome:
+        return none
+    if not reason:
+        return outcome
+    if outcome in _FROM_STATE and reason.isupper() and reason in (
+            "INVESTIGATING", "BLOCKED", "PAUSED"):
+        return f"{outcome} (was {reason})"
+    return f"{outcome} ({reason})"

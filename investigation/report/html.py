@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from investigation.loop.outcome import last_outcome_text
 from investigation.report import svg
 from investigation.report.escape import html_attr, html_text
 from investigation.report.history import CaseHistory, StepRow
@@ -85,6 +86,24 @@ ol.quotes .q{white-space:pre-wrap;background:#f7f7f7}
 footer{color:var(--muted);font-size:12px;padding:20px 28px}
 #timeline,#evidence,#questions,#tests,#lifecycle{content-visibility:auto;
 contain-intrinsic-size:auto 900px}
+section[id],h2{scroll-margin-top:40px}
+tr[id]{scroll-margin-top:64px}
+.ev-body{scroll-margin-top:96px}
+@media print{
+@page{size:A4 landscape;margin:10mm}
+body{background:#fff;font-size:11px}
+nav{position:static}
+main{max-width:none;padding:0}
+#timeline,#evidence,#questions,#tests,#lifecycle{content-visibility:visible}
+.scroll,.scroll.tall{max-height:none;overflow:visible;border:0}
+.scroll.tall thead th{position:static}
+.nw{white-space:normal}
+td.wide{min-width:0}
+th,td{padding:2px 4px}
+details.ev::details-content{content-visibility:visible;display:block}
+details.ev{break-inside:avoid-page}
+tr{break-inside:avoid}
+}
 """
 
 _STATE_COLOURS = {"BUILDING_DIAGNOSIS": "#1e5bb8", "INVESTIGATING": "#3a8d3f",
@@ -110,6 +129,13 @@ def _tokens(step: StepRow) -> str:
     if step.prompt_tokens is None and step.completion_tokens is None:
         return ""
     return f"{step.prompt_tokens or 0} + {step.completion_tokens or 0}"
+
+
+def _step_link(seq: object, word: str = "step ") -> str:
+    """``step N`` linking to the step's row in the timeline (a plain number: no link)."""
+    if not isinstance(seq, int) or isinstance(seq, bool):
+        return _e(seq)
+    return f'<a href="#step-{seq}">{word}{seq}</a>'
 
 
 def _outcome(outcome: str | None, reason: str | None, published: bool = True) -> str:
@@ -148,8 +174,8 @@ def _overview(h: CaseHistory) -> list[str]:
     facts = [
         ("state", st["state"] + (f" ({st['blocked_reason']})" if st.get("blocked_reason")
                                  else "")),
-        ("last outcome", (st.get("last_outcome") or "none")
-         + (f" ({st['last_reason']})" if st.get("last_reason") else "")),
+        ("last outcome", last_outcome_text(st.get("last_outcome"), st.get("last_reason"),
+                                           none="none")),
         ("published steps", st["steps"]),
         ("rejected replies", rejected),
         ("evidence records", st["evidence_count"]),
@@ -330,13 +356,16 @@ def _evidence(h: CaseHistory) -> list[str]:
         flags = ", duplicate" if e["duplicate"] else ""
         warnings = f"; warnings: {_e(', '.join(e['warnings']))}" if e["warnings"] else ""
         out.append(
-            f'<details class="ev" id="ev-{html_attr(e["evidence_id"])}"><summary>'
-            f'<b class="evid">{_e(e["evidence_id"])}</b> step {e["step_seq"]}, '
+            f'<details class="ev" id="record-{html_attr(e["evidence_id"])}"><summary>'
+            f'<b class="evid">{_e(e["evidence_id"])}</b> {_step_link(e["step_seq"])}, '
             f"H{e['hypothesis_id']}: <code>{_e(e['operation'])}</code> "
             f'<code class="muted">{_e(_json(e["arguments"]))}</code> - {e["item_count"]} '
             f"item(s), {e['new_item_count']} new{flags}; cost {e['cost_units']}; "
             f"{assessed}{warnings}</summary>")
-        out.append(f'<p class="mono muted">artifact: {_e(e["artifact_path"])} '
+        # The link target sits inside the record: a browser opens a closed <details> to
+        # show a fragment's target within it (HTML's ancestor revealing algorithm).
+        out.append(f'<p class="mono muted ev-body" id="ev-{html_attr(e["evidence_id"])}">'
+                   f'artifact: {_e(e["artifact_path"])} '
                    f"(sha256 {_e(e['artifact_sha256'])})"
                    + (f"<br>raw result: {_e(e['result_path'])}" if e.get("result_path") else "")
                    + "</p>")
@@ -371,10 +400,10 @@ def _questions(h: CaseHistory) -> list[str]:
         if q["status"] == "resolved":
             links = ", ".join(f'<a href="#ev-{html_attr(e)}">{_e(e)}</a>'
                               for e in q["resolution_evidence"])
-            resolution = f"step {q['resolved_step']} with {links or 'no new evidence'}"
+            resolution = f"{_step_link(q['resolved_step'])} with {links or 'no new evidence'}"
         out.append(f"<tr><td>{_e(q['question_id'])}</td><td>H{q['hypothesis_id']}</td>"
                    f"<td>{_e(q['text'])}</td><td>{_e(q['status'])}</td>"
-                   f"<td>{q['created_step']}</td><td>{resolution}</td></tr>")
+                   f"<td>{_step_link(q['created_step'], '')}</td><td>{resolution}</td></tr>")
     out.append("</tbody></table></div></section>")
     return out
 
@@ -388,7 +417,7 @@ def _tests_and_reviews(h: CaseHistory) -> list[str]:
                    "<th>hyp.</th><th>kind</th><th>status</th><th>deadline (UTC)</th>"
                    "<th>evidence</th><th>artifact</th></tr></thead><tbody>")
         for t in h.tests:
-            out.append(f"<tr><td>{_e(t['request_id'])}</td><td>{t['step_seq']}</td>"
+            out.append(f"<tr><td>{_e(t['request_id'])}</td><td>{_step_link(t['step_seq'], '')}</td>"
                        f"<td>H{t['hypothesis_id']}</td><td>{_e(t['kind'])}</td>"
                        f"<td>{_e(t['status'])}</td><td>{_e(t['deadline_at'])}</td>"
                        f"<td>{_e(t['evidence_id'] or '')}</td>"
@@ -430,6 +459,12 @@ def _lifecycle(h: CaseHistory) -> list[str]:
                        f'<rect width="{1.6 * share:.1f}" height="10" fill="#5b7db1"/></svg>'
                        "</td></tr>")
         out.append("</tbody></table></div>")
+        out.append('<p class="muted">The session\'s bounds (seed 001, docs/lifecycle.md) '
+                   "mirror the engine's own rules, so the hypotheses' accounts stop a case "
+                   "first: <code>cost_units</code> adds up every charge, refunds not "
+                   "subtracted, against the hypotheses' iterations times the largest action "
+                   "cost; an account's balance (Overview) is its credit less its charges "
+                   "plus its refunds.</p>")
     out.append("</section>")
     return out
 

@@ -53,6 +53,18 @@ def nice_step(span: float, target: int = 10) -> int:
     return int(10 * base)
 
 
+def compact(units: int) -> str:
+    """An axis label that fits the burn-down's margin (five characters at most):
+    ``950``, ``12k``, ``2.5k``, ``10M`` (a credit of seven digits was cut to ``)00000``)."""
+    if abs(units) < 10_000:
+        return str(units)
+    scale, suffix = next((scale, suffix) for scale, suffix in (
+        (1_000_000_000, "G"), (1_000_000, "M"), (1_000, "k")) if abs(units) >= scale)
+    value = units / scale
+    return (f"{value:.1f}".rstrip("0").rstrip(".") if abs(value) < 10
+            else f"{value:.0f}") + suffix
+
+
 def _f(x: float) -> str:
     return f"{x:.1f}".rstrip("0").rstrip(".")
 
@@ -126,9 +138,12 @@ def timeline(steps: Sequence[Any], hypothesis_ids: Sequence[int]) -> str:
                + f": {what} -> {s.outcome or 'in progress'}"
                + (f" ({s.reason})" if s.reason else "")
                + ("" if s.published else " [not published]"))
-        body.append(f'<rect class="step" data-seq="{s.seq}" x="{_f(x(s.seq - 1))}" '
-                    f'y="{_f(y)}" width="{_f(max(1.0, cell - gap))}" height="{_f(row_h - 6)}" '
-                    f'fill="{fill}"><title>{svg_text(tip)}</title></rect>')
+        # A cell links to its row of the step table (a reader's trial: step 250 was only
+        # reachable by scrolling 55 screens of table).
+        body.append(f'<a href="#step-{s.seq}"><rect class="step" data-seq="{s.seq}" '
+                    f'x="{_f(x(s.seq - 1))}" y="{_f(y)}" width="{_f(max(1.0, cell - gap))}" '
+                    f'height="{_f(row_h - 6)}" fill="{fill}"><title>{svg_text(tip)}</title>'
+                    "</rect></a>")
     body += _x_axis(x, top + row_h * len(rows) + 2, cells=True)
     return _svg("chart-timeline", x(max_seq) + 14, height,
                 f"Timeline of {len(steps)} steps by hypothesis, coloured by outcome", body)
@@ -210,7 +225,7 @@ def burndown(hypothesis_id: int, index: int, entries: list[dict[str, Any]],
     for v in range(0, top_value + 1, tick):
         body.append(f'<line x1="{_f(left)}" y1="{_f(y(v))}" x2="{_f(left + plot_w)}" '
                     f'y2="{_f(y(v))}" stroke="#eee"/><text x="{_f(left - 4)}" '
-                    f'y="{_f(y(v) + 4)}" text-anchor="end" fill="#555">{v}</text>')
+                    f'y="{_f(y(v) + 4)}" text-anchor="end" fill="#555">{compact(v)}</text>')
     charged = refunded = 0
     if entries:
         balance = entries[0]["balance_after_units"] if entries[0]["kind"] == "credit" else 0

@@ -277,3 +277,24 @@ def test_plan_call_lowers_max_tokens_to_what_the_cap_leaves() -> None:
     assert spend.plan_call(config, prompt, None) == spend.CallBudget(112 + 10_000, 1000)
     assert spend.plan_call(config, prompt, 112 + 5000) == spend.CallBudget(5112, 500)
     assert spend.plan_call(config, prompt, 112 + 10 * 63) is None  # below 64 tokens
+
+
+def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> None:
+    """A scripted provider reports no token counts; status and summary.md showed 0, the
+    report "not reported" (a reader's trial)."""
+    from rich.console import Console
+
+    from tests.casekit import make_case
+    from workers.views import model_usage_table
+
+    case = make_case(tmp_path / "scripted")
+    assert case.investigator().run(case.case_id, max_steps=20).outcome == COMPLETED
+    usage = operations.status(case.store, case.case_id)["model_usage"]["hypotheses"]
+    assert usage and all(u["tokens_reported"] == 0 and u["attempts"] > 0 for u in usage)
+    summary = operations.summary_bytes(case.store, case.case_id).decode()
+    assert "| not reported | not reported |" in summary
+    screen = Console(width=160, record=True)
+    table = model_usage_table({"model_usage": {"hypotheses": usage}}, "USD")
+    assert table is not None
+    screen.print(table)
+    assert "not reported" in screen.export_text()

@@ -87,6 +87,11 @@ def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path])
     assert sum(1 for t in parsed.tags if t[0] == "line" and "refund" in _classes(t)) == refunds
     ids = {t[1].get("id") for t in parsed.tags}
     assert {f"ev-{e}" for e in evidence} <= ids
+    # Every internal link lands somewhere: timeline cells, evidence and question steps.
+    links = [t[1]["href"] for t in parsed.tags if t[0] == "a" and t[1].get("href")]
+    assert {f"#step-{n}" for n in range(1, steps + 1)} <= set(links)
+    assert all(href[1:] in ids for href in links if href.startswith("#")), \
+        sorted(href for href in links if href.startswith("#") and href[1:] not in ids)
     text = "".join(parsed.text)
     assert "UNKNOWN_EVIDENCE_ID" in text  # the rejected replies, with their code
     # The timeline's legend names the outcomes this case had, not every possible one.
@@ -199,9 +204,41 @@ def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) 
                 };
             }""")
             page.screenshot(path=str(tmp_path / "report.png"), full_page=False)
-            page.click("#ev-E1 summary")
-            opened = page.inner_text("#ev-E1")
+            page.click("#record-E1 summary")
+            opened = page.inner_text("#record-E1")
             page.locator("#charts").screenshot(path=str(tmp_path / "charts.png"))
+            # A link to a record or a step lands clear of the sticky bars, the record
+            # open (a reader's trial: E250 landed closed under the nav, #step-250 showed
+            # row 251 first).
+            last = evidence[-1]
+            page.click(f'#timeline a[href="#ev-{last}"]')
+            page.wait_for_timeout(300)
+            landed: dict[str, Any] = page.evaluate("""(id) => {
+                const nav = document.querySelector('nav').getBoundingClientRect().bottom;
+                const rec = document.getElementById('record-' + id);
+                return {open: rec.open, nav: nav,
+                        summary: rec.querySelector('summary').getBoundingClientRect().top};
+            }""", last)
+            page.goto(target.as_uri() + f"#step-{steps // 2}")
+            page.wait_for_timeout(300)
+            row: dict[str, Any] = page.evaluate("""(seq) => {
+                const r = document.getElementById('step-' + seq).getBoundingClientRect();
+                const head = document.querySelector('#timeline thead')
+                                     .getBoundingClientRect().bottom;
+                const nav = document.querySelector('nav').getBoundingClientRect().bottom;
+                return {top: r.top, head: head, nav: nav};
+            }""", steps // 2)
+            # Printed, nothing is cut off: every step row and every record's findings.
+            page.emulate_media(media="print")
+            printed: dict[str, Any] = page.evaluate("""() => {
+                const box = document.querySelector('#timeline .scroll');
+                const quotes = Array.from(document.querySelectorAll('details.ev ol.quotes'));
+                return {clipped: box.scrollHeight - box.clientHeight,
+                        rows: document.querySelectorAll('#timeline tbody tr').length,
+                        hidden: quotes.filter(q => q.getBoundingClientRect().height == 0)
+                                      .length,
+                        quotes: quotes.length};
+            }""")
         finally:
             browser.close()
     assert requests == [target.as_uri()]  # nothing but the file itself
@@ -212,4 +249,8 @@ def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) 
     assert drawn["points"] > 0 and drawn["bars"] > 0 and drawn["scripts"] == 0
     assert drawn["evidence"] == evidence
     assert "<script>alert(1)</script>" in opened and "U+202E" in opened
+    assert landed["open"] and landed["summary"] >= landed["nav"] - 1, landed
+    assert row["top"] >= max(row["head"], row["nav"]) - 1, row
+    assert printed["clipped"] <= 1 and printed["rows"] == steps, printed
+    assert printed["quotes"] > 0 and printed["hidden"] == 0, printed
     assert (tmp_path / "report.png").stat().st_size > 10_000

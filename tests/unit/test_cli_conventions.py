@@ -130,7 +130,7 @@ def test_deprecated_case_add_config_is_hidden_but_works() -> None:
 
 
 def test_last_outcome_names_the_state_a_pause_or_cancel_left() -> None:
-    from workers.views import last_outcome_text
+    from investigation.loop.outcome import last_outcome_text
 
     assert last_outcome_text("PAUSED", "INVESTIGATING") == "PAUSED (was INVESTIGATING)"
     assert last_outcome_text("CANCELLED", "PAUSED") == "CANCELLED (was PAUSED)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from investigation.report.escape import html_attr, html_text, svg_text
@@ -27,3 +29,20 @@ def test_invisible_characters_are_shown(ch: str) -> None:
 def test_tab_newline_and_ordinary_text_pass() -> None:
     text = "päth\tline\nnext — 数据 ✓"
     assert html_text(text) == text and svg_text(text) == text
+
+
+def test_burn_down_axis_labels_fit_their_margin() -> None:
+    """A credit of seven digits was drawn as ``)00000`` (a reader's trial)."""
+    from investigation.report.svg import burndown, compact
+
+    assert [compact(v) for v in (0, 60, 9999, 10_000, 12_500, 2_500_000, 10_000_000,
+                                 7_500_000_000)] == \
+        ["0", "60", "9999", "10k", "12k", "2.5M", "10M", "7.5G"]
+    entries = [{"step_seq": 0, "kind": "credit", "amount_units": 10_000_000,
+                "balance_after_units": 10_000_000},
+               {"step_seq": 1, "kind": "reserve", "amount_units": -2,
+                "balance_after_units": 9_999_998}]
+    drawn = burndown(1, 0, entries, 1)
+    labels = re.findall(r'text-anchor="end" fill="#555">([^<]*)</text>', drawn)
+    assert labels and all(len(label) <= 5 for label in labels), labels
+    assert "10M" in labels
