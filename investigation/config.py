@@ -21,7 +21,7 @@ from investigation import jsonio
 from investigation.constants import OPERATIONS
 from investigation.errors import ConfigError
 from investigation.files import MAX_SETTINGS_FILE_BYTES, read_bounded
-from investigation.text_safety import first_unsafe
+from investigation.text_safety import first_unsafe, url_for_display
 
 #: Upper bound of any duration setting (one day): larger values are configuration mistakes.
 MAX_DURATION_S = 86_400.0
@@ -306,12 +306,13 @@ class ProviderConfig(_Strict):
                 parts = urlsplit(self.base_url)
                 parts.port  # noqa: B018  (raises on a port outside 0..65535)
             except ValueError as exc:
-                raise ValueError(f"provider {self.name!r}: base_url {self.base_url!r} is "
-                                 f"not a URL ({exc})") from exc
+                raise ValueError(f"provider {self.name!r}: base_url "
+                                 f"{url_for_display(self.base_url)!r} is not a URL "
+                                 f"({str(exc).replace(self.base_url, '...')})") from None
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"provider {self.name!r}: base_url must be an http:// or "
                                  f"https:// URL with a host (e.g. http://127.0.0.1:8000/v1), "
-                                 f"got {self.base_url!r}")
+                                 f"got {url_for_display(self.base_url)!r}")
         return self
 
 
@@ -367,7 +368,8 @@ class ProvidersConfig(_Strict):
         return {
             "gateway": self.gateway.model_dump(),
             "providers": [
-                {"name": p.name, "kind": p.kind, "model": p.model, "base_url": p.base_url}
+                {"name": p.name, "kind": p.kind, "model": p.model,
+                 "base_url": None if p.base_url is None else url_for_display(p.base_url)}
                 for p in self.providers
             ],
         }

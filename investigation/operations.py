@@ -325,7 +325,11 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
         ``STORE_ARTIFACT_CORRUPT`` for bytes that fail their sha256.
     """
     _case(store, case_id)
-    if directory.is_symlink() or (directory.exists() and any(directory.iterdir())):
+    if directory.is_symlink():  # the export would follow it to wherever it points
+        raise InvestigationError(
+            "EXPORT_TARGET_NOT_EMPTY",
+            f"{directory} is a symbolic link; export into a new directory (not a link)")
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise InvestigationError(
             "EXPORT_TARGET_NOT_EMPTY",
             f"{directory} exists and is not an empty directory; export into a new one")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import re
+from urllib.parse import urlsplit
 
 __all__ = ["UNSAFE_RANGES", "EscapingLogFilter", "escape_text", "first_unsafe", "is_unsafe",
            "unsafe_characters"]
@@ -141,3 +142,23 @@ class EscapingLogFilter(logging.Filter):
             record.exc_text = escape_text(
                 logging.Formatter().formatException(record.exc_info), newlines=True)
         return True
+
+
+def url_for_display(url: str) -> str:
+    """A URL without its password, for output: the user information is read as the
+    clients read it (``urlsplit``: the part of the authority before its last ``@``), so a
+    password holding ``@`` is masked whole; a URL with an ``@`` past its authority (a
+    password holding ``/``, say) is shown as its scheme alone."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(a URL that cannot be parsed)"
+    prefix = f"{parts.scheme}://{parts.netloc}"
+    if not url.startswith(prefix) or "@" in url[len(prefix):]:
+        return f"{parts.scheme}://***" if "@" in url else url
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at:
+        return url
+    user, colon, _password = userinfo.partition(":")
+    shown = f"{user}:***@{host}" if colon else f"{user}@{host}"
+    return f"{parts.scheme}://{shown}{url[len(prefix):]}"

@@ -17,10 +17,16 @@ every restart:
 
 :class:`Transport` (the worker's ``broker_transport`` for ``redis://`` brokers, set by
 ``workers.celery_app.configure``) drops the first two with one error line; the item was
-already taken off the queue, and nothing was reserved. :class:`Consumer` (the worker's
-``worker_consumer``) rejects the third without requeueing it, with one error line. Both
-log ``broker message refused: MESSAGE_INVALID: ...`` with the reason (escaped, bounded)
-and never the message's bytes beyond a short, escaped excerpt. Errors of the connection
+already taken off the queue, and nothing was reserved. Its :class:`Message` also drops an
+envelope without ``properties`` (kombu's ``KeyError`` for it counts among the Redis
+transport's connection errors: the worker reconnected for each such item) and a
+compressed one, before kombu inflates it without a bound (decision 159).
+:class:`Consumer` (the worker's ``worker_consumer``) rejects the third without
+requeueing it, with one error line, and so logs what Celery's own handlers logged with
+tracebacks: an unknown task name, a content type the worker does not accept, invalid
+headers (an ``expires`` that is no time), a body that cannot be decoded. All log
+``broker message refused: MESSAGE_INVALID: ...`` with the reason (escaped, bounded) and
+never the message's bytes beyond a short, escaped excerpt. Errors of the connection
 itself still propagate, so the worker reconnects as before.
 """
 
@@ -32,8 +38,10 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
+from celery import signals
 from celery.worker.consumer.consumer import Consumer as CeleryConsumer
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual as kombu_virtual
 from vine import promise
 
 from investigation.text_safety import escape_text
@@ -52,12 +60,45 @@ def _refused(where: str, exc: BaseException) -> None:
               "nothing ran", where, type(exc).__name__, escape_text(str(exc))[:REASON_CHARS])
 
 
+class EnvelopeInvalid(ValueError):
+    """A queue item that is JSON but not a message envelope the engine takes (kombu's
+    own ``KeyError`` for a missing key counts among its Redis *connection* errors, so
+    the worker reconnected for every such item: a hostile-input trial)."""
+
+
+class Message(kombu_virtual.Message):
+    """kombu's transport message, refusing what it cannot take before decoding anything:
+    an envelope without ``properties`` or ``delivery_tag``, and a compressed body
+    (``headers.compression``: the engine never compresses, and kombu would inflate it
+    without a bound, 272 KB into 400 MB in the trial)."""
+
+    def __init__(self, payload: Any, channel: Any = None, **kwargs: Any) -> None:
+        if not isinstance(payload, dict):
+            raise EnvelopeInvalid(f"a JSON {type(payload).__name__}, not an object")
+        properties = payload.get("properties")
+        if not isinstance(properties, dict) or "delivery_tag" not in properties:
+            raise EnvelopeInvalid("no properties with a delivery_tag")
+        headers = payload.get("headers")
+        if headers is not None and not isinstance(headers, dict):
+            raise EnvelopeInvalid("headers that are not an object")
+        compression = (headers or {}).get("compression")
+        if compression is not None:
+            raise EnvelopeInvalid(f"a compressed body (compression {str(compression)[:40]!r});"
+                                  " the engine takes plain JSON bodies only")
+        super().__init__(payload, channel=channel, **kwargs)  # type: ignore[no-untyped-call]
+
+
 class Channel(kombu_redis.Channel):
     """kombu's Redis channel whose ``BRPOP`` reader drops an item it cannot decode."""
+
+    Message = Message
 
     def _brpop_read(self, **options: Any) -> Any:
         try:
             return super()._brpop_read(**options)  # type: ignore[no-untyped-call]
+        except EnvelopeInvalid as exc:  # before connection_errors, which hold KeyError
+            _refused("a queue item that is not a kombu message envelope", exc)
+            return True
         except self.connection_errors:
             raise
         except MALFORMED as exc:
@@ -97,6 +138,15 @@ def _eta_beyond_countdown(headers: dict[str, Any]) -> str | None:
     return str(eta) if ahead > max_countdown_s() + ETA_SKEW_S else None
 
 
+def _is_time(value: str) -> bool:
+    """Whether an ``eta`` header reads as an ISO 8601 time."""
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def max_countdown_s() -> float:
     """``INVESTIGATE_MAX_COUNTDOWN_S`` of this worker (read once)."""
@@ -120,11 +170,13 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             task = headers.get("task")
             too_late = _eta_beyond_countdown(headers)
             if too_late is not None:
+                when = escape_text(str(too_late))[:40]
                 log.error("broker message refused: MESSAGE_INVALID: task message %s is to "
-                          "run at %s, beyond INVESTIGATE_MAX_COUNTDOWN_S from now; it was "
-                          "dropped and nothing ran (a worker would hold it in memory, and "
-                          "the broker deliver it again, every visibility timeout)",
-                          escape_text(repr(task))[:80], escape_text(str(too_late))[:40])
+                          "run at %s; it was dropped and nothing ran (a worker would hold "
+                          "it in memory, and the broker deliver it again, every visibility "
+                          "timeout)", escape_text(repr(task))[:80],
+                          f"{when}, beyond INVESTIGATE_MAX_COUNTDOWN_S from now"
+                          if _is_time(too_late) else f"{when!r}, which is no time")
                 if not message.acknowledged:
                     message.reject_log_error(log, self.connection_errors, requeue=False)
                 return None
@@ -140,3 +192,42 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
                 return None
 
         return on_task_received
+
+    # Celery's own handlers of the messages below log several lines with a traceback
+    # each (a hostile-input trial); one line with the stable code says the same.
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        _refused("a message that is not a task message (no task header)",
+                 EnvelopeInvalid("no task"))
+        message.reject_log_error(log, self.connection_errors)
+        signals.task_rejected.send(sender=self, message=message, exc=None)
+
+    def on_unknown_task(self, body: Any, message: Any, exc: BaseException) -> None:
+        task = _task_of(message)
+        log.error("broker message refused: MESSAGE_INVALID: task message %s names no task "
+                  "of this worker; it was dropped and nothing ran",
+                  escape_text(repr(task))[:80])
+        message.reject_log_error(log, self.connection_errors)
+        signals.task_rejected.send(sender=self, message=message, exc=exc)
+        task_id = (message.headers or {}).get("id") if isinstance(
+            getattr(message, "headers", None), dict) else None
+        if self.event_dispatcher and isinstance(task_id, str):  # Flower lists it failed
+            self.event_dispatcher.send("task-failed", uuid=task_id[:64],
+                                       exception=f"NotRegistered({escape_text(repr(task))[:80]})")
+
+    def on_invalid_task(self, body: Any, message: Any, exc: BaseException) -> None:
+        _refused(f"task message {escape_text(repr(_task_of(message)))[:80]} that is not "
+                 "a valid task message (headers or content type)", exc)
+        message.reject_log_error(log, self.connection_errors)
+        signals.task_rejected.send(sender=self, message=message, exc=exc)
+
+    def on_decode_error(self, message: Any, exc: BaseException) -> None:
+        _refused(f"task message {escape_text(repr(_task_of(message)))[:80]} whose body "
+                 "cannot be decoded", exc)
+        message.ack()
+
+
+def _task_of(message: Any) -> object:
+    """The ``task`` header of a message, if it has one (for the log line)."""
+    headers = getattr(message, "headers", None)
+    return headers.get("task") if isinstance(headers, dict) else None

@@ -15,6 +15,7 @@ import redis
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
+from investigation.text_safety import url_for_display
 from workers.settings import Settings, deployment_identity
 
 #: Checks in the order they run; ``investigate health --check NAME`` picks some.
@@ -44,23 +45,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _where(url: str) -> str:
-    """A URL without its password, for output: the user information is read as the
-    clients read it (``urlsplit``: the part of the authority before its last ``@``), so a
-    password holding ``@`` is masked whole; a URL with an ``@`` past its authority (a
-    password holding ``/``, say) is shown as its scheme alone."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "(a URL that cannot be parsed)"
-    prefix = f"{parts.scheme}://{parts.netloc}"
-    if not url.startswith(prefix) or "@" in url[len(prefix):]:
-        return f"{parts.scheme}://***" if "@" in url else url
-    userinfo, at, host = parts.netloc.rpartition("@")
-    if not at:
-        return url
-    user, colon, _password = userinfo.partition(":")
-    shown = f"{user}:***@{host}" if colon else f"{user}@{host}"
-    return f"{parts.scheme}://{shown}{url[len(prefix):]}"
+    """:func:`investigation.text_safety.url_for_display` (the name every caller here
+    uses)."""
+    return url_for_display(url)
 
 
 def _first_line_of(exc: BaseException, url: str) -> str:

@@ -363,6 +363,9 @@ def _check_canonical(value: Any, code: str, what: str) -> None:
     whose strings are not text (a lone UTF-16 surrogate such as ``"\\ud800"``, which JSON
     can spell but UTF-8 cannot hold)."""
     if not _plain_json(value):
+        if _depth(value) > _MAX_DEPTH:
+            raise InvestigationError(
+                code, f"{what} nests deeper than {_MAX_DEPTH} levels of arrays and objects")
         raise InvestigationError(
             code, f"{what} must hold plain JSON values only (objects with string keys, "
             "arrays, strings, finite numbers, booleans, null)"
@@ -375,6 +378,19 @@ def _check_canonical(value: Any, code: str, what: str) -> None:
             code, f"{what}: a string is not text: it holds a lone UTF-16 surrogate "
             f"({ascii(bad)[1:-1] or 'escape'}), which UTF-8 cannot encode"
         ) from exc
+
+
+def _depth(value: Any, limit: int = _MAX_DEPTH + 1) -> int:
+    """How many levels of arrays and objects nest in ``value`` (0 for a scalar, 1 for
+    ``[1]``), counted no further than ``limit``; level by level, without recursion."""
+    depth, level = 0, [value]
+    while depth < limit:
+        containers = [x for x in level if isinstance(x, (list, dict))]
+        if not containers:
+            break
+        depth += 1
+        level = [v for x in containers for v in (x.values() if isinstance(x, dict) else x)]
+    return depth
 
 
 def _plain_json(value: Any, depth: int = 0) -> bool:

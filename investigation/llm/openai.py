@@ -59,6 +59,7 @@ from investigation.llm.types import (
     attach_response,
     redact,
 )
+from investigation.text_safety import url_for_display
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ class OpenAIProvider:
             raise ProviderConfigurationError(
                 PROVIDER_BAD_CONFIG,
                 f"provider {config.name!r}: base_url must be an http:// or https:// URL "
-                f"(e.g. http://127.0.0.1:8000/v1), got {config.base_url!r}",
+                f"(e.g. http://127.0.0.1:8000/v1), got "
+                f"{url_for_display(config.base_url or '')!r}",
                 provider=config.name,
             )
         if not config.model:

@@ -39,6 +39,7 @@ from investigation.loop.contract import ReplyRejected, read_reply
 from investigation.loop.prompt import build_messages
 from investigation.loop.reply_schema import turn_schema
 from investigation.loop.validation import validate_reply
+from investigation.text_safety import url_for_display
 from investigation.tools import ToolRouter
 
 PROBE_REPORT = ("Orders with a discount are charged far too little: a 10% discount gives "
@@ -123,7 +124,8 @@ class ProbeResult:
         prompt_tokens, completion_tokens: usage the server reported.
         tokens_per_s: completion tokens per second of wall time, when reported.
         action: the reply's ``next.action`` when it parsed.
-        base_url: the address probed (``None`` for a scripted provider).
+        base_url: the address probed, a password in it masked (``None`` for a scripted
+            provider).
     """
 
     provider: str
@@ -150,6 +152,11 @@ _NOT_SENT = frozenset({PROVIDER_CREDENTIALS_MISSING})
 #: Provider errors where no HTTP answer came back: the address is the suspect.
 _NO_ANSWER = frozenset({"PROVIDER_UNREACHABLE", "PROVIDER_TIMEOUT", "PROVIDER_NETWORK_ERROR",
                         "PROVIDER_REQUEST_DROPPED"})
+
+
+def _shown(base_url: str | None) -> str | None:
+    """``base_url`` as output may show it: a password in it masked."""
+    return None if base_url is None else url_for_display(base_url)
 
 
 def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
@@ -192,14 +199,14 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
             verdict = "unreachable" if exc.code in _NO_ANSWER else "refused"
             return ProbeResult(config.name, config.kind, dialect, verdict, exc.code,
                                exc.message, round(time.monotonic() - started, 3),
-                               base_url=config.base_url)
+                               base_url=_shown(config.base_url))
         except ProviderError as exc:
             # A key that is not set stops the request before any connection: the server
             # was never asked (neither reachable nor refusing).
             verdict = "not_sent" if exc.code in _NOT_SENT else "refused"
             return ProbeResult(config.name, config.kind, dialect, verdict, exc.code,
                                exc.message, round(time.monotonic() - started, 3),
-                               base_url=config.base_url)
+                               base_url=_shown(config.base_url))
         seconds = round(time.monotonic() - started, 3)
         rate = (round(reply.completion_tokens / seconds, 1)
                 if reply.completion_tokens and seconds > 0 else None)
@@ -208,7 +215,7 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                    action: str | None = None) -> ProbeResult:
             return ProbeResult(config.name, config.kind, dialect, verdict, code, detail,
                                seconds, reply.prompt_tokens, reply.completion_tokens, rate,
-                               action, config.base_url)
+                               action, _shown(config.base_url))
 
         try:
             parsed, _ = read_reply(reply.content)

@@ -388,6 +388,14 @@ def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
         export(case.store, case.case_id, target)
     assert err.value.code == "EXPORT_TARGET_NOT_EMPTY"
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    (tmp_path / "file").write_text("x")
+    for name, said in (("link", "is a symbolic link"), ("file", "is not an empty directory")):
+        with pytest.raises(InvestigationError) as err:
+            export(case.store, case.case_id, tmp_path / name)
+        assert err.value.code == "EXPORT_TARGET_NOT_EMPTY" and said in err.value.message
+    assert list((tmp_path / "empty").iterdir()) == []
     assert len(export(case.store, case.case_id, tmp_path / "fresh")) > 10
 
 

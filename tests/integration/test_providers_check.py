@@ -156,3 +156,19 @@ def test_a_key_that_is_not_set_is_not_sent_and_claims_no_reachability(
     assert "yes" not in row and "?" not in row and "NO" not in row, res.output
     assert "not sent, PROVIDER_CREDENTIALS_MISSING" in res.output
     assert "is it an OpenAI-compatible" not in res.output and "base_url" not in res.output
+
+
+def test_a_password_in_base_url_is_never_printed(tmp_path: Path) -> None:
+    """`providers check` printed `base_url http://user:s3cretpw@...` in its hint and its
+    JSON (a hostile-input trial); store and Redis URLs were already masked."""
+    entries = tmp_path / "p.toml"
+    entries.write_text(_entry("down", "http://user:s3cretpw@127.0.0.1:1/v1"))
+    for args in (["--json"], []):
+        res = CliRunner().invoke(app, ["providers", "check", "--providers", str(entries),
+                                       *args], terminal_width=200)
+        assert res.exit_code == 1, res.output
+        assert "s3cretpw" not in res.output and "user:***@127.0.0.1:1/v1" in res.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text(_entry("bad", "ftp://user:s3cretpw@127.0.0.1:1/v1"))
+    res = CliRunner().invoke(app, ["providers", "check", "--providers", str(bad)])
+    assert "s3cretpw" not in res.output, res.output

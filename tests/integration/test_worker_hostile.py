@@ -166,6 +166,7 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
     message whose eta lies beyond INVESTIGATE_MAX_COUNTDOWN_S."""
     import base64
     import json
+    import zlib
 
     from workers.celery_app import app
     from workers.tasks import start_dispatch
@@ -180,8 +181,25 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
         envelope = json.loads(raw)
         bad_base64 = {**envelope, "body": "!!! not base64 %%%"}
         not_a_triple = {**envelope, "body": base64.b64encode(b'{"a": 1}').decode()}
+        # A hostile-input trial: kombu inflated a compressed body without a bound (272 KB
+        # to 400 MB); an envelope without properties made the worker reconnect (kombu's
+        # KeyError counts as a connection error); the rest were logged with tracebacks.
+        bomb = {**envelope, "headers": {**envelope["headers"], "compression":
+                                        "application/x-gzip"},
+                "body": base64.b64encode(zlib.compress(b"[" + b" " * (8 << 20) + b"]", 9)
+                                         ).decode()}
+        pickled = {**envelope, "content-type": "application/x-python-serialize"}
+        bad_expiry = {**envelope, "headers": {**envelope["headers"], "expires": "zzz"}}
+        nested = {**envelope, "body": base64.b64encode(b"[" * 100_000).decode()}
+        no_time = {**envelope, "headers": {**envelope["headers"], "eta": "not-a-date"}}
+        unknown = {**envelope, "headers": {**envelope["headers"],
+                                           "task": "investigation.evil\x1b[2J"}}
         items = [b"not json at all {", b"\xff\xfe not utf-8", json.dumps([1, 2]).encode(),
-                 json.dumps(bad_base64).encode(), json.dumps(not_a_triple).encode()]
+                 json.dumps(bad_base64).encode(), json.dumps(not_a_triple).encode(),
+                 json.dumps({"headers": {}}).encode(), json.dumps(bomb).encode(),
+                 json.dumps(pickled).encode(), json.dumps(bad_expiry).encode(),
+                 json.dumps(nested).encode(), json.dumps(unknown).encode(),
+                 json.dumps(no_time).encode()]
         for item in items:
             h.redis.lpush(h.queue, item)
         # A contract-valid dispatch to run in three years: the worker held it in memory,
@@ -192,12 +210,16 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
         h.worker.wait_ready()
         _wait_log(h, r"broker message refused: MESSAGE_INVALID", len(items) + 1)
         assert "beyond INVESTIGATE_MAX_COUNTDOWN_S" in h.worker.log()
+        assert "a compressed body" in h.worker.log()  # refused before it was inflated
+        assert "'not-a-date', which is no time" in h.worker.log()
         start_dispatch(case_id)
         info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
         h.wait_unlocked()
         _assert_completed_case(h, info)
         worker_log = h.worker.log()
         assert "Unrecoverable error" not in worker_log
+        assert "Traceback" not in worker_log and "Connection to broker lost" not in worker_log
+        assert "\x1b" not in worker_log  # the hostile task name is escaped
         assert h.worker.proc is not None and h.worker.proc.poll() is None
         h.worker.stop()
         # Nothing was left reserved for the broker to restore to the next worker.

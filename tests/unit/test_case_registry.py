@@ -115,6 +115,20 @@ def test_a_lone_surrogate_is_refused_with_the_inputs_own_code(tmp_path: Path) ->
             err.value.message
 
 
+def test_nesting_too_deep_says_so(tmp_path: Path) -> None:
+    """500 nested arrays were refused as 'plain JSON values only' (a hostile-input
+    trial); 60 still pass."""
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"summary": "s", "x": ' + "[" * 500 + "]" * 500 + "}")
+    with pytest.raises(InvestigationError) as err:
+        load_interpretation(deep)
+    assert err.value.code == "CASE_INTERPRETATION_INVALID"
+    assert "nests deeper than 64 levels" in err.value.message
+    fine = tmp_path / "fine.json"
+    fine.write_text('{"summary": "s", "x": ' + "[" * 60 + "]" * 60 + "}")
+    assert load_interpretation(fine)["summary"] == "s"
+
+
 def test_unreadable_input_files(tmp_path: Path) -> None:
     with pytest.raises(InvestigationError) as err:
         load_interpretation(tmp_path / "missing.json")
