@@ -2,9 +2,10 @@
 # Run the distributed set on one machine: PostgreSQL store, Redis broker and locks,
 # N Celery workers on the case queue, beat (the recovery sweep), the metrics exporter
 # and Flower.  Usage:
-#   deploy/cluster.sh start [WORKERS]   # default 2 workers of WORKER_CONCURRENCY processes
+#   deploy/cluster.sh start [WORKERS]   # default 2 workers of WORKER_CONCURRENCY processes;
+#                                       # starts only what is not running (a dead beat, say)
 #   deploy/cluster.sh stop              # warm shutdown; waits until every process exited
-#   deploy/cluster.sh status
+#   deploy/cluster.sh status            # its processes, and the workers and beat health sees
 # Settings come from the environment, then from deploy/cluster.env (copy
 # cluster.env.example; CLUSTER_ENV names another file): a variable the caller set keeps
 # its value, the file fills in the others. Those read:
@@ -40,7 +41,13 @@ metrics_base="${WORKER_METRICS_BASE_PORT:-9810}"
 stop_timeout="${STOP_TIMEOUT_S:-120}"
 start_timeout="${START_TIMEOUT_S:-90}"
 
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+alive() {
+  # The pid file's process runs (an exited one its parent has not reaped yet does not).
+  [ -f "$1" ] || return 1
+  local pid; pid="$(cat "$1")"
+  kill -0 "$pid" 2>/dev/null || return 1
+  case "$(ps -o stat= -p "$pid" 2>/dev/null)" in Z*) return 1 ;; esac
+}
 
 ensure_database() {
   # A local PostgreSQL database named in the URL is created when missing.
@@ -52,30 +59,37 @@ ensure_database() {
   esac
 }
 
+start_one() {
+  # Start one process unless its pid file names a live one; its log is appended to.
+  local name="$1"; shift
+  if alive "$run/$name.pid"; then kept="$kept $name"; return; fi
+  echo "--- $(date -u +%Y-%m-%dT%H:%M:%SZ) $(basename "$0") start" >>"$run/$name.log"
+  nohup "$@" >>"$run/$name.log" 2>&1 &
+  echo $! >"$run/$name.pid"
+  started="$started $name"
+}
+
 start() {
-  local n="${1:-2}" pidfile
-  for pidfile in "$run"/*.pid; do
-    if alive "$pidfile"; then
-      echo "already running: $(basename "$pidfile" .pid) (pid $(cat "$pidfile")); run '$0 stop' first" >&2
-      exit 1
-    fi
-  done
-  rm -f "$run"/*.pid
+  # Starts what is not running (a dead beat, a dead worker) and leaves the rest alone.
+  local n="${1:-2}" pidfile kept="" started=""
   bash "$root/scripts/ensure-services.sh"
   ensure_database
   mkdir -p "$run" "$INVESTIGATE_HOME"
+  for pidfile in "$run"/*.pid; do   # forget the processes that died
+    if [ -e "$pidfile" ] && ! alive "$pidfile"; then rm -f "$pidfile"; fi
+  done
   "$bin" db upgrade
   for i in $(seq 1 "$n"); do
-    nohup "$bin" worker --name "worker$i@%h" --concurrency "$concurrency" \
-      --metrics-port "$((metrics_base + i))" >"$run/worker-$i.log" 2>&1 &
-    echo $! >"$run/worker-$i.pid"
+    start_one "worker-$i" "$bin" worker --name "worker$i@%h" --concurrency "$concurrency" \
+      --metrics-port "$((metrics_base + i))"
   done
-  nohup "$bin" beat --schedule "$INVESTIGATE_HOME/celerybeat-schedule" >"$run/beat.log" 2>&1 &
-  echo $! >"$run/beat.pid"
-  nohup "$bin" metrics --port "${METRICS_PORT:-9808}" >"$run/metrics.log" 2>&1 &
-  echo $! >"$run/metrics.pid"
-  nohup "$bin" flower --port "${FLOWER_PORT:-5555}" >"$run/flower.log" 2>&1 &
-  echo $! >"$run/flower.pid"
+  start_one beat "$bin" beat --schedule "$INVESTIGATE_HOME/celerybeat-schedule"
+  start_one metrics "$bin" metrics --port "${METRICS_PORT:-9808}"
+  start_one flower "$bin" flower --port "${FLOWER_PORT:-5555}"
+  if [ -z "$started" ]; then
+    echo "already running:$kept; nothing to start ('$0 stop' stops them)"
+    return 0
+  fi
   local waited=0 dead name   # ready when every worker answers ping
   until "$bin" health --check workers --min-workers "$n" --timeout 1 >/dev/null 2>&1; do
     dead=""   # a process that exited at start (a taken port, a broken setting)
@@ -88,7 +102,7 @@ start() {
         echo "--- $run/$name.log (last lines):" >&2
         tail -n 5 "$run/$name.log" >&2
       done
-      echo "run '$0 stop' for the others, fix the cause, then start again" >&2
+      echo "fix the cause, then '$0 start $n' again (it starts only what is not running)" >&2
       exit 1
     fi
     if [ "$waited" -ge "$start_timeout" ]; then
@@ -97,9 +111,10 @@ start() {
     fi
     sleep 1; waited=$((waited + 1))
   done
-  echo "started $n worker(s) of $concurrency processes (worker1@$(hostname) ...), beat,"
+  echo "started:$started${kept:+ (already running:$kept)}"
+  echo "$n worker(s) of $concurrency processes (worker1@$(hostname) ...),"
   echo "metrics on http://127.0.0.1:${METRICS_PORT:-9808}/metrics (workers: $((metrics_base + 1))..$((metrics_base + n))),"
-  echo "Flower on http://127.0.0.1:${FLOWER_PORT:-5555} (logs in $run)"
+  echo "Flower on http://127.0.0.1:${FLOWER_PORT:-5555} (logs, appended to, in $run)"
 }
 
 stop() {
@@ -124,6 +139,10 @@ stop() {
     sleep 1; waited=$((waited + 1))
   done
   echo "stopped (every running stage finished: warm shutdown)"
+  local others   # a worker started by hand on this queue is not this script's to stop
+  if others="$("$bin" health --check workers --timeout 1 2>/dev/null | grep '^ok')"; then
+    echo "note: workers not started by '$0' still consume the queue: ${others#ok}" >&2
+  fi
 }
 
 status() {
@@ -135,6 +154,8 @@ status() {
     if alive "$pidfile"; then echo "$name running (pid $(cat "$pidfile"))"; else echo "$name dead"; fi
   done
   [ -n "$any" ] || echo "nothing running (no pid files in $run)"
+  # What the deployment sees, whoever started it (a worker started by hand included).
+  "$bin" health --check workers --check beat --timeout 1 2>/dev/null | grep -E '^(ok|FAIL)' || true
 }
 
 case "${1:-}" in

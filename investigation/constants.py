@@ -44,6 +44,8 @@ STAGES = (
 
 #: Redis key patterns and Celery names.
 REDIS_LOCK_KEY = "investigation:lock:{case_id}"
+#: Celery beat's heartbeat for a queue (``workers.beat``), read by ``investigate health``.
+REDIS_BEAT_KEY = "investigation:beat:{queue}"
 CELERY_QUEUE = "cases"
 TASK_PREFIX = "investigation."
 #: The upstream message contract (``docs/message-contract.md``): task

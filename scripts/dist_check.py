@@ -8,11 +8,14 @@ installed package and its declared dependencies. It does what an operator does:
    3.35, its real bug) into a fresh PostgreSQL database, with
    ``INVESTIGATE_AUTO_MIGRATE=false`` so only the explicit upgrade migrates;
 2. serves the demo's model replies on a loopback OpenAI-compatible server;
-3. starts ``investigate worker -n dist-<id>@%h --metrics-port 0`` on Redis;
-4. waits for ``investigate health`` to pass, ``investigate dispatch``es the case and
-   polls ``investigate status --json`` until the case is ``BUILDING_DIAGNOSIS``;
+3. starts ``investigate worker -n dist-<id>@%h --metrics-port 0`` on Redis and
+   ``investigate beat``;
+4. waits for ``investigate health`` to pass (beat's heartbeat included),
+   ``investigate dispatch``es the case and polls ``investigate status --json`` until
+   the case is ``BUILDING_DIAGNOSIS``;
 5. checks ``investigate summary`` (the defect line), ``investigate cases --json``, the
-   worker's metrics (a COMPLETED step) and that a warm shutdown (SIGTERM) exits 0.
+   worker's metrics (a COMPLETED step), that a warm shutdown (SIGTERM) exits 0, and
+   that ``health`` reports no beat once beat stopped.
 
 Settings: ``DIST_POSTGRES_URL`` (the server, default
 ``postgresql://postgres@127.0.0.1:5432/postgres``), ``DIST_BROKER_URL`` (default
@@ -76,6 +79,7 @@ class DistCheck:
         self.server_url = os.environ.get("DIST_POSTGRES_URL",
                                          "postgresql://postgres@127.0.0.1:5432/postgres")
         self.worker: subprocess.Popen[bytes] | None = None
+        self.beat: subprocess.Popen[bytes] | None = None
         self.replies = None
         work.mkdir(parents=True, exist_ok=True)
         self.log_path = work / "worker.log"
@@ -177,6 +181,11 @@ class DistCheck:
                 [str(self.bin), "worker", "-n", node, "-c", "2", "--metrics-port", "0"],
                 env=self.env, cwd=self.work, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
+        with (self.work / "beat.log").open("wb") as log:
+            self.beat = subprocess.Popen(
+                [str(self.bin), "beat", "--schedule", str(self.work / "beat-schedule")],
+                env=self.env, cwd=self.work, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
         deadline = time.monotonic() + 90
         while True:
             proc = subprocess.run([str(self.bin), "health", "--timeout", "1"], env=self.env,
@@ -186,7 +195,7 @@ class DistCheck:
             if self.worker.poll() is not None or time.monotonic() > deadline:
                 raise CheckFailed(f"the worker never became healthy:\n{proc.stdout}")
             time.sleep(1)
-        self.ok("worker started, investigate health passes")
+        self.ok("worker and beat started, investigate health passes")
         port = self._metrics_port()
 
         self.cli("dispatch", case_id)
@@ -230,6 +239,17 @@ class DistCheck:
         if code != 0:
             raise CheckFailed(f"the worker exited {code} after SIGTERM")
         self.ok("warm shutdown (SIGTERM) exits 0")
+        self.beat.send_signal(signal.SIGTERM)
+        try:
+            self.beat.wait(timeout=30)
+        except subprocess.TimeoutExpired as exc:
+            raise CheckFailed("beat did not stop within 30 s of SIGTERM") from exc
+        proc = subprocess.run([str(self.bin), "health", "--json", "--check", "beat"],
+                              env=self.env, capture_output=True, text=True, check=False)
+        beat = json.loads(proc.stdout)["checks"][0] if proc.stdout.startswith("{") else {}
+        if proc.returncode != 1 or "run `investigate beat`" not in beat.get("detail", ""):
+            raise CheckFailed(f"health did not report the stopped beat:\n{proc.stdout}")
+        self.ok("health reports a stopped beat")
 
     def _metrics_port(self) -> int:
         deadline = time.monotonic() + 30
@@ -242,9 +262,10 @@ class DistCheck:
         raise CheckFailed("the worker never printed its metrics address")
 
     def cleanup(self) -> None:
-        if self.worker is not None and self.worker.poll() is None:
-            os.killpg(self.worker.pid, signal.SIGKILL)
-            self.worker.wait()
+        for proc in (self.worker, self.beat):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         if self.replies is not None:
             self.replies.stop()
         import redis

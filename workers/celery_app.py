@@ -22,6 +22,7 @@ The beat schedule holds one periodic task, ``investigation.recover`` (the recove
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 from typing import Any
 
 from celery import Celery
@@ -134,22 +135,37 @@ def _worker_name(sender: Any = None, **_: Any) -> None:
     logs.set_worker_name(str(sender) if sender else None)
 
 
+#: ``settings.deployment_identity`` as this worker read it at start (its main process,
+#: before the pool forked the children that loaded the same files).
+_started_identity: dict[str, str] | None = None
+
+
 @worker_init.connect
 def _preload(**_: Any) -> None:
-    """The worker's main process, before its pool forks (``workers.runtime.preload``)."""
+    """The worker's main process, before its pool forks (``workers.runtime.preload``);
+    it also notes the files' digests its children are about to load."""
+    global _started_identity
     from workers.runtime import preload
+    from workers.settings import deployment_identity
 
+    with suppress(Exception):  # broken settings were refused by `investigate worker`
+        _started_identity = deployment_identity(load_settings())
     preload()
 
 
 @inspect_command()
 def investigation_identity(state: Any) -> dict[str, str]:
-    """Remote control (``inspect``): this worker's ``settings.deployment_identity`` (its
-    store, lock Redis and policy/providers digests; no credentials), which ``health``
-    compares across the workers of a queue."""
+    """Remote control (``inspect``): this worker's ``settings.deployment_identity`` as it
+    read it at start (its store, lock Redis and policy/providers digests; no credentials),
+    plus ``policy_now``/``providers_now``, the digests of those files on disk now, which
+    ``health`` compares across the workers of a queue. A fleet trial edited the providers
+    file and restarted one worker: every worker hashed the same file at the check, so
+    ``health`` stayed green while two of them still used the old content."""
     from workers.settings import deployment_identity
 
-    return deployment_identity(load_settings())
+    now = deployment_identity(load_settings())
+    started = _started_identity or now
+    return {**started, "policy_now": now["policy"], "providers_now": now["providers"]}
 
 
 @worker_process_init.connect

@@ -583,7 +583,8 @@ def status_cmd(
         from workers.progress import watch as watch_case
 
         with suppress(KeyboardInterrupt):
-            watch_case(out, store, case_id, interval)
+            watch_case(out, store, case_id, interval,
+                       guide=lambda: case_guidance(settings, store, case_id))
         return
     info = status(store, case_id)
     held = False

@@ -225,7 +225,9 @@ def beat(
     configure(settings)
     path = schedule or settings.home / "celerybeat-schedule"
     path.parent.mkdir(parents=True, exist_ok=True)
-    celery_app.start(["beat", f"--loglevel={loglevel}", f"--schedule={path}"])
+    # The scheduler leaves a heartbeat in the lock Redis for `health` (decision 160).
+    celery_app.start(["beat", f"--loglevel={loglevel}", f"--schedule={path}",
+                      "--scheduler=workers.beat:Scheduler"])
 
 
 def _loopback(address: str) -> bool:
@@ -376,7 +378,7 @@ def cases(
 def health(
     check: Annotated[list[str] | None, typer.Option(
         "--check", help="run only these checks (repeatable): broker, locks, store, "
-        "migrations, workers, queue")] = None,
+        "migrations, workers, queue, beat")] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=0.1,
                                            help="seconds per check")] = 2.0,
     min_workers: Annotated[int, typer.Option(
@@ -385,7 +387,8 @@ def health(
         "--max-queue", min=0, help="fail when more messages wait in the case queue")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Check broker, lock Redis, store, migrations, workers answering ping and queue depth.
+    """Check broker, lock Redis, store, migrations, workers answering ping, queue depth and
+    beat's heartbeat.
 
     Exit 0 when every check passed, 1 when one failed (for liveness/readiness probes),
     2 for a broken setting.

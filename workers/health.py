@@ -1,4 +1,5 @@
-"""Health checks of a deployment: broker, lock Redis, store, migrations, workers, queue.
+"""Health checks of a deployment: broker, lock Redis, store, migrations, workers, queue,
+beat.
 
 ``investigate health`` runs them (``docs/operations.md`` "Health"); each check is one
 :class:`Check` with ``ok`` and a one-line ``detail``. Nothing is created or migrated.
@@ -19,7 +20,7 @@ from investigation.text_safety import url_for_display
 from workers.settings import Settings, deployment_identity
 
 #: Checks in the order they run; ``investigate health --check NAME`` picks some.
-CHECKS = ("broker", "locks", "store", "migrations", "workers", "queue")
+CHECKS = ("broker", "locks", "store", "migrations", "workers", "queue", "beat")
 #: kombu's Redis transport keeps priority messages in extra lists named
 #: ``queue + "\\x06\\x16" + priority`` (``kombu.transport.redis``, ``priority_steps``).
 _PRIORITY_SEP = "\x06\x16"
@@ -192,9 +193,10 @@ def check_workers(settings: Settings, timeout_s: float, min_workers: int = 1) ->
 def _identities_disagree(app: Any, settings: Settings, workers: list[str],
                          timeout_s: float) -> str:
     """What the consuming ``workers`` disagree on (``settings.deployment_identity``:
-    store, lock Redis, policy and providers files), among themselves or, for the store and
-    the locks, with this shell; ``""`` when they agree. A worker too old to answer is
-    left out."""
+    store, lock Redis, policy and providers files as each read them at start), among
+    themselves or, for the store and the locks, with this shell, and which workers' policy
+    or providers file changed on disk since they started; ``""`` when all agree. A worker
+    too old to answer is left out."""
     if not workers:
         return ""
     try:
@@ -210,6 +212,12 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
                 seen[worker] = {k: str(v) for k, v in ident.items()}
     mine = deployment_identity(settings)
     problems = []
+    for key in ("policy", "providers"):  # edited on disk since the worker read it
+        changed = sorted(w for w, ident in seen.items()
+                         if ident.get(f"{key}_now", ident.get(key)) != ident.get(key))
+        if changed:
+            problems.append(f"the {key} file changed on disk since {', '.join(changed)} "
+                            "started (restart them to load it)")
     for key in ("store", "locks", "policy", "providers"):
         values: dict[str, list[str]] = {}
         for worker, ident in sorted(seen.items()):
@@ -234,6 +242,41 @@ def check_queue(settings: Settings, timeout_s: float, max_queue: int | None = No
                  + ("" if ok else f" (more than {max_queue})"), depth)
 
 
+def check_beat(settings: Settings, timeout_s: float) -> Check:
+    """Whether a beat sends this queue's recovery sweeps: its heartbeat
+    (``workers.beat``, at most a minute old) in the lock Redis. Without sweeps
+    (``INVESTIGATE_SWEEP_INTERVAL_S=0``) there is nothing to check."""
+    import json
+
+    from investigation.constants import REDIS_BEAT_KEY
+    from workers.beat import HEARTBEAT_TTL_S
+
+    if settings.sweep_interval_s <= 0:
+        return Check("beat", True, "recovery sweeps are off (INVESTIGATE_SWEEP_INTERVAL_S=0)")
+    url = settings.effective_redis_url
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                      socket_connect_timeout=timeout_s)
+        try:
+            raw = client.get(REDIS_BEAT_KEY.format(queue=settings.queue))
+        finally:
+            client.close()
+    except redis.exceptions.RedisError as exc:
+        return Check("beat", False, f"{_where(url)}: {_first_line_of(exc, url)}")
+    if raw is None:
+        return Check("beat", False, f"no beat has sent queue {settings.queue!r} its recovery "
+                     f"sweep in the last {HEARTBEAT_TTL_S} s: run `investigate beat` (one "
+                     "per deployment); without it no added case starts by itself and none "
+                     "is taken up again after its worker died")
+    try:
+        beat = json.loads(raw)
+        where = f"{beat['host']} (pid {beat['pid']}), last seen {beat['at']}"
+    except (ValueError, TypeError, KeyError):
+        where = "a beat of another version"
+    return Check("beat", True, f"beat on {where}; sweep every {settings.sweep_interval_s} s",
+                 where)
+
+
 def run_checks(settings: Settings, names: list[str] | None = None, timeout_s: float = 2.0,
                min_workers: int = 1, max_queue: int | None = None) -> list[Check]:
     """Run the named checks (all of :data:`CHECKS` by default), in that order."""
@@ -244,6 +287,7 @@ def run_checks(settings: Settings, names: list[str] | None = None, timeout_s: fl
         "migrations": lambda: check_migrations(settings, timeout_s),
         "workers": lambda: check_workers(settings, timeout_s, min_workers),
         "queue": lambda: check_queue(settings, timeout_s, max_queue),
+        "beat": lambda: check_beat(settings, timeout_s),
     }
     wanted = [n for n in CHECKS if names is None or n in names]
     results: list[Check] = []
@@ -254,6 +298,9 @@ def run_checks(settings: Settings, names: list[str] | None = None, timeout_s: fl
         if name in ("workers", "queue") and any(c.name == "broker" and not c.ok
                                                  for c in results):
             results.append(Check(name, False, "skipped: the broker is unavailable"))
+            continue
+        if name == "beat" and any(c.name == "locks" and not c.ok for c in results):
+            results.append(Check(name, False, "skipped: the lock Redis is unavailable"))
             continue
         results.append(runners[name]())
     return results

@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from investigation.constants import BLOCKED, CASE_INVESTIGATING, COMPLETED, YIELDED
-from investigation.guidance import for_case
+from investigation.guidance import Guidance, for_case
 from investigation.loop.outcome import Outcome, last_outcome_text
 from investigation.operations import status
 from investigation.report.history import usage_totals
@@ -116,11 +116,16 @@ class RunProgress:
 
 def watch(console: Console, store: Store, case_id: str, interval_s: float,
           stop_after_s: float | None = None,
-          sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+          sleep: Callable[[float], None] = time.sleep,
+          guide: Callable[[], Guidance] | None = None) -> dict[str, Any]:
     """``status --watch``: redraw the status (and what to do next) every ``interval_s``
     until the case stops moving (complete, blocked, paused, cancelled, stopped) or
     ``stop_after_s`` passes. On a terminal the screen is redrawn in place; elsewhere a line
     is printed whenever the published step or the state changes. Returns the last status.
+
+    ``guide`` gives the advice as ``status`` would in this shell (its runtimes and its
+    INVESTIGATE_PROVIDERS); default: ``guidance.for_case`` with both runtimes and a
+    placeholder providers file.
     """
     started = time.monotonic()
     seen: tuple[Any, ...] | None = None
@@ -130,7 +135,7 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
     try:
         while True:
             info = status(store, case_id)
-            g = for_case(store, case_id)
+            g = guide() if guide is not None else for_case(store, case_id)
             settled = info["state"] != CASE_INVESTIGATING
             if live is not None:
                 live.update(status_view(info, g if settled else None))

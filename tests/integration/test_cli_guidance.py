@@ -144,12 +144,20 @@ def test_a_provider_block_is_said_once_on_runs_output(cli: Case, tmp_path: Path)
     assert "WARNING" not in ran.stderr and "llm operation" not in ran.stderr, ran.stderr
 
 
-def test_status_watch_without_a_terminal_prints_changes_and_stops(cli: Case) -> None:
+def test_status_watch_without_a_terminal_prints_changes_and_stops(
+        cli: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     assert invoke("run", cli.case_id, "--providers", str(cli.providers_path)).exit_code == 1
     res = invoke("status", cli.case_id, "--watch", "--interval", "0.2")
     assert res.exit_code == 0, res.output
     assert f"case {cli.case_id}: state BLOCKED (INVALID_LLM_RESPONSES), step 3" in res.output
     assert f"$ investigate resume {cli.case_id}" in res.output
+    # The advice is the shell's, as `status` gives it: its providers file, not a
+    # placeholder (a fleet trial), and only the runtime this shell can use.
+    monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(cli.providers_path))
+    watched = invoke("status", cli.case_id, "--watch", "--interval", "0.2")
+    assert commands(watched.output) == commands(invoke("status", cli.case_id).output)
+    assert f"--providers {cli.providers_path}" in watched.output, watched.output
+    assert "PROVIDERS.toml" not in watched.output
 
 
 def test_run_json_and_quiet_output(cli: Case) -> None:

@@ -74,12 +74,14 @@ def test_health_fails_with_exit_1_and_says_which_check(env: dict[str, str]) -> N
     report = json.loads(result.stdout)
     checks = {c["name"]: c for c in report["checks"]}
     assert report["healthy"] is False
-    assert list(checks) == ["broker", "locks", "store", "migrations", "workers", "queue"]
+    assert list(checks) == ["broker", "locks", "store", "migrations", "workers", "queue",
+                            "beat"]
     assert not checks["broker"]["ok"] and not checks["locks"]["ok"]
     assert checks["store"]["ok"]  # PostgreSQL answers
     assert not checks["migrations"]["ok"] and "investigate db upgrade" in \
         checks["migrations"]["detail"]
     assert checks["workers"]["detail"].startswith("skipped")
+    assert checks["beat"]["detail"].startswith("skipped")  # beat's key is in the lock Redis
     # Only the store's checks: after the upgrade they pass (exit 0), as a probe would use.
     assert run(env, "db", "upgrade").returncode == 0
     ok = run(env, "health", "--check", "store", "--check", "migrations")

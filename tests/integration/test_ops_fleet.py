@@ -278,6 +278,13 @@ def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store
             assert workers["ok"] is False and len(workers["value"]) == 2, workers
             assert "workers disagree on their policy" in workers["detail"], workers
             assert "none" in workers["detail"] and "store" not in workers["detail"]
+            assert "changed on disk" not in workers["detail"]
+            # Edited after the worker read it (a fleet trial edited the providers file and
+            # restarted one worker: every worker hashed the file as it was at the check).
+            policy.write_text("[budget]\ncredit_units = 30\n")
+            out = json.loads(cli(env, *checks, expect=1))
+            detail = next(c for c in out["checks"] if c["name"] == "workers")["detail"]
+            assert f"the policy file changed on disk since other-{h.queue}@" in detail, detail
             shell = {**env, "INVESTIGATE_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}"}
             out = json.loads(cli(shell, *checks, expect=1))
             detail = next(c for c in out["checks"] if c["name"] == "workers")["detail"]
@@ -340,7 +347,7 @@ def test_a_dispatch_sent_by_a_process_with_only_celery_runs_the_case(
             "outcome": "CONTRACT_UNSUPPORTED", "case_id": h.case.case_id, "contract": 2}
 
 
-def test_cluster_sh_refuses_a_second_start_and_waits_for_its_workers_on_stop(
+def test_cluster_sh_starts_only_what_is_dead_and_waits_for_its_workers_on_stop(
     tmp_path: Path, redis_url: str, postgres_url: str
 ) -> None:
     from tests.integration.test_celery_worker import _broker_url
@@ -372,13 +379,33 @@ def test_cluster_sh_refuses_a_second_start_and_waits_for_its_workers_on_stop(
         assert set(pids) == {"worker-1", "beat", "metrics", "flower"}
         again = subprocess.run([*script, "start", "1"], env=env, capture_output=True,
                                text=True, timeout=60, check=False)
-        assert again.returncode == 1 and "already running" in again.stderr
+        assert again.returncode == 0 and "nothing to start" in again.stdout, again
         assert {p.stem: int(p.read_text()) for p in run_dir.glob("*.pid")} == pids
         deadline = time.monotonic() + 60
         while " ready." not in (run_dir / "worker-1.log").read_text(errors="replace"):
             assert time.monotonic() < deadline, (run_dir / "worker-1.log").read_text()
             time.sleep(0.3)
         assert "worker1@" in (run_dir / "worker-1.log").read_text()
+        # A fleet trial's beat died: `start` refused while the rest ran, and every start
+        # emptied the logs the operator needed.
+        os.kill(pids["beat"], 15)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pids['beat']}").exists() and \
+                Path(f"/proc/{pids['beat']}/stat").read_text().split()[2] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert "beat dead" in subprocess.run([*script, "status"], env=env,
+                                              capture_output=True, text=True,
+                                              timeout=60, check=False).stdout
+        revived = subprocess.run([*script, "start", "1"], env=env, capture_output=True,
+                                 text=True, timeout=120, check=False)
+        assert revived.returncode == 0, revived.stdout + revived.stderr
+        assert "started: beat (already running: worker-1 metrics flower)" in revived.stdout
+        now = {p.stem: int(p.read_text()) for p in run_dir.glob("*.pid")}
+        assert now["beat"] != pids["beat"] and {k: v for k, v in now.items() if k != "beat"} \
+            == {k: v for k, v in pids.items() if k != "beat"}
+        assert (run_dir / "beat.log").read_text().count("cluster.sh start") == 2
+        pids = now
         stopped = subprocess.run([*script, "stop"], env=env, capture_output=True, text=True,
                                  timeout=120, check=False)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
@@ -462,3 +489,43 @@ def test_a_missing_module_is_reported_as_a_missing_module(tmp_path: Path) -> Non
     assert proc.returncode == 2, proc.stderr
     assert "DEPENDENCY_MISSING" in proc.stderr and "'packaging'" in proc.stderr
     assert "kombu" in proc.stderr and "CONFIG_INVALID" not in proc.stderr
+
+
+def test_health_sees_whether_a_beat_runs(tmp_path: Path, redis_url: str) -> None:
+    """A fleet trial killed beat and `health` stayed green, while no added case started by
+    itself and no case was taken up after its worker died. Beat now leaves a heartbeat in
+    the lock Redis; `health` fails without one (decision 160)."""
+    import redis
+
+    queue = f"beat-{os.getpid()}-{time.monotonic_ns()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+    env.update({"INVESTIGATE_HOME": str(tmp_path / "home"), "INVESTIGATE_BROKER_URL": redis_url,
+                "INVESTIGATE_QUEUE": queue,
+                "INVESTIGATE_DATABASE_URL": f"sqlite:///{tmp_path / 'store.db'}"})
+    key = f"investigation:beat:{queue}"
+    client = redis.Redis.from_url(redis_url)
+    checks = ("health", "--json", "--check", "locks", "--check", "beat")
+    try:
+        none = json.loads(cli(env, *checks, expect=1))["checks"][1]
+        assert none["ok"] is False and "run `investigate beat`" in none["detail"], none
+        off = json.loads(cli({**env, "INVESTIGATE_SWEEP_INTERVAL_S": "0"}, *checks))
+        assert "recovery sweeps are off" in off["checks"][1]["detail"]
+        beat = Server(["beat", "--schedule", str(tmp_path / "schedule")], env,
+                      tmp_path / "beat.log")
+        try:
+            deadline = time.monotonic() + 30
+            while client.get(key) is None:
+                assert beat.proc.poll() is None, beat.log_path.read_text()
+                assert time.monotonic() < deadline, beat.log_path.read_text()
+                time.sleep(0.1)
+            seen = json.loads(cli(env, *checks))["checks"][1]
+            assert seen["ok"] and f"(pid {beat.proc.pid})" in seen["detail"], seen
+            assert 0 < (client.ttl(key) or 0) <= 60
+        finally:
+            beat.stop()
+        assert beat.proc.returncode == 0
+        assert client.get(key) is None  # a clean stop takes the heartbeat away
+        cli(env, *checks, expect=1)
+    finally:
+        client.delete(key)
+        client.close()
