@@ -30,6 +30,8 @@ from pythonjsonlogger.json import JsonFormatter
 
 from investigation.text_safety import EscapingLogFilter
 
+#: The logger billiard's process pool writes to (``billiard.util.LOGGER_NAME``).
+MULTIPROCESSING_LOGGER = "multiprocessing"
 #: Fields a line about a step carries.
 CONTEXT_FIELDS = ("worker", "case_id", "step", "stage", "task_id")
 #: ``argsrepr`` of a stage task (``workers.tasks.describe``): ``case=C rev=R step=N stage=S``.
@@ -65,6 +67,33 @@ def step_context(**fields: Any) -> Iterator[None]:
         _context.reset(reset)
 
 
+def context_of(argsrepr: object, task_name: object = None, task_id: object = None
+               ) -> dict[str, Any]:
+    """``case_id``, ``step``, ``stage`` and ``task_id`` from a stage task's ``argsrepr``
+    (``case=C rev=R step=N stage=S``); ``{}`` for any other task."""
+    match = _ARGSREPR.search(str(argsrepr or ""))
+    if not match:
+        return {}
+    ctx: dict[str, Any] = {k: v for k, v in match.groupdict().items() if v}
+    ctx["step"] = int(ctx["step"])
+    ctx.setdefault("stage", str(task_name or "").rpartition(".")[2] or None)
+    if task_id:
+        ctx["task_id"] = task_id
+    return ctx
+
+
+def _current_task_context() -> dict[str, Any]:
+    """The context of the Celery task this process is running, if any (Celery's own lines
+    inside a task, such as ``Retry in 4s``, carry only its id and name)."""
+    from celery import current_task
+
+    request = getattr(current_task, "request", None) if current_task else None
+    if request is None or getattr(request, "called_directly", True):
+        return {}
+    return context_of(getattr(request, "argsrepr", None), getattr(current_task, "name", None),
+                      getattr(request, "id", None))
+
+
 class ContextFilter(logging.Filter):
     """Puts the step context on each record (attributes named as :data:`CONTEXT_FIELDS`)."""
 
@@ -73,12 +102,10 @@ class ContextFilter(logging.Filter):
         args = record.args
         if not ctx.get("case_id") and isinstance(args, Mapping):
             # Celery's own task lines: ``{"name", "id", "args": argsrepr, ...}``.
-            match = _ARGSREPR.search(str(args.get("args") or ""))
-            if match:
-                ctx.update({k: v for k, v in match.groupdict().items() if v})
-                ctx["step"] = int(ctx["step"])
-                ctx.setdefault("stage", str(args.get("name", "")).rpartition(".")[2] or None)
-                ctx.setdefault("task_id", args.get("id"))
+            found = context_of(args.get("args"), args.get("name"), args.get("id"))
+            if not found and "id" in args:  # a retry line: the running task's request
+                found = _current_task_context()
+            ctx.update(found)
         if _worker_name and "worker" not in ctx:
             ctx["worker"] = _worker_name
         for name in CONTEXT_FIELDS:
@@ -149,10 +176,13 @@ def setup(fmt: str = "text", level: str | int = "WARNING", stream: Any = None) -
     handler.addFilter(ContextFilter())
     # Log lines quote snapshot and model text: no terminal escapes, no forged lines.
     handler.addFilter(EscapingLogFilter())
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        if getattr(old, "_investigation", False):
-            root.removeHandler(old)
     handler._investigation = True  # type: ignore[attr-defined]
-    root.addHandler(handler)
+    root = logging.getLogger()
+    # billiard's pool logs on "multiprocessing", which does not propagate: its lines (a
+    # child killed by a signal) reached stderr bare, without a time (a fleet trial).
+    for logger in (root, logging.getLogger(MULTIPROCESSING_LOGGER)):
+        for old in list(logger.handlers):
+            if getattr(old, "_investigation", False):
+                logger.removeHandler(old)
+        logger.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)

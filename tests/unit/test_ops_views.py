@@ -64,6 +64,52 @@ def test_json_lines_carry_the_context_and_celerys_task_lines_are_recognised(
     assert "worker" not in inside  # absent fields are left out, not null
 
 
+def test_retry_pool_and_worker_lost_lines_carry_a_time_and_the_step(
+        stream: io.StringIO) -> None:
+    """A fleet trial grepped a case id and missed Celery's retry lines (``Task
+    investigation.llm_call[id] retry: Retry in 4s``) and the lost-worker lines; billiard's
+    lines about a killed pool child had no time at all."""
+    import billiard.util
+    from celery import Celery
+    from celery._state import _task_stack
+
+    logs.setup("text", "INFO", stream)
+    billiard.util.get_logger().error("Process %r pid:%r exited with %r",
+                                     "ForkPoolWorker-2", 19579, "signal 9 (SIGKILL)")
+    app = Celery("t", set_as_current=False)
+
+    @app.task(name="investigation.llm_call")
+    def llm_call() -> None:
+        """A stand-in with the stage's name."""
+
+    llm_call.push_request(id="t-9", argsrepr="case=case-4 rev=1 step=8 stage=llm_call",
+                          called_directly=False)
+    _task_stack.push(llm_call)
+    try:
+        logging.getLogger("celery.app.trace").info(
+            "Task %(name)s[%(id)s] retry: %(exc)s",
+            {"name": "investigation.llm_call", "id": "t-9", "exc": "Retry in 4s"})
+    finally:
+        _task_stack.pop()
+        llm_call.pop_request()
+    from workers.tasks import StageRequest
+
+    class Lost:  # the fields of a worker request that StageRequest reads for its context
+        argsrepr = "case=case-5 rev=1 step=2 stage=execute_tool"
+        id = "t-10"
+        task = llm_call
+
+    with StageRequest._context(Lost()):  # type: ignore[arg-type]
+        logging.getLogger("celery.worker.request").error("Task handler raised error: %r",
+                                                         "WorkerLostError()")
+    pool, retry, lost = stream.getvalue().splitlines()
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00 "
+    assert re.match(stamp + "ERROR multiprocessing ", pool), pool
+    assert "[case=case-4 step=8 stage=llm_call] Task investigation.llm_call[t-9] retry" \
+        in retry, retry
+    assert "[case=case-5 step=2 stage=execute_tool] Task handler raised error" in lost, lost
+
+
 def test_short_token() -> None:
     assert logs.short_token("0123456789abcdef0123456789abcdef") == "01234567…"
     assert logs.short_token(None) == "-"
