@@ -362,8 +362,8 @@ def dispatch_holds(case_id: str, lease_s: float) -> Guidance:
     """The advice while a dispatch holds an investigating case's lock (``lease_s`` seconds
     of its lease left): its worker moves it, so neither ``dispatch`` nor ``run`` (both
     ``LOCK_BUSY`` in a fleet's shell, decision 158) is advice."""
-    return Guidance(f"A dispatch holds the case (lease {lease_s:g} s left): its worker "
-                    "moves it.",
+    return Guidance(f"A dispatch holds the case (lease {lease_s:g} s left): a worker, or a "
+                    "`run` in a fleet's shell, moves it.",
                     (Step("watch it", f"investigate status {_q(case_id)} --watch"),
                      Step("if its worker died, the recovery sweep dispatches the case once "
                           "the lease runs out")))

@@ -192,6 +192,9 @@ class DistCheck:
                                   capture_output=True, text=True, check=False)
             if proc.returncode == 0:
                 break
+            if self.beat.poll() is not None:
+                raise CheckFailed("beat exited at start:\n"
+                                  + (self.work / "beat.log").read_text(errors="replace"))
             if self.worker.poll() is not None or time.monotonic() > deadline:
                 raise CheckFailed(f"the worker never became healthy:\n{proc.stdout}")
             time.sleep(1)

@@ -106,6 +106,27 @@ class Channel(kombu_redis.Channel):
             return True
 
 
+    def _deliver_fanout_message(self, message: Any, exchange: str) -> bool:
+        """A broadcast (remote control, events) takes :class:`Message` as well: one that
+        it refuses is dropped here, never the end of the worker (kombu only catches a
+        body that is not JSON on this path; a code review made one PUBLISH stop every
+        worker of a fleet)."""
+        try:
+            deliver: Any = super()._deliver_fanout_message  # kombu's, untyped
+            return bool(deliver(message, exchange))
+        except EnvelopeInvalid as exc:  # before connection_errors, which hold KeyError
+            _refused(f"a broadcast message on {escape_text(exchange)[:60]!r} that is not a "
+                     "kombu message envelope", exc)
+        except self.connection_errors:
+            raise
+        except MALFORMED as exc:
+            _refused(f"a broadcast message on {escape_text(exchange)[:60]!r} that is not a "
+                     "kombu message envelope", exc)
+        # Nothing delivered; not kombu's Empty, which would leave the messages read with
+        # this one waiting in the client's buffer until the next broadcast arrives.
+        return False
+
+
 class Transport(kombu_redis.Transport):
     """kombu's Redis transport with :class:`Channel` (``redis://`` URLs)."""
 
@@ -208,9 +229,10 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
                   "of this worker; it was dropped and nothing ran",
                   escape_text(repr(task))[:80])
         message.reject_log_error(log, self.connection_errors)
-        signals.task_rejected.send(sender=self, message=message, exc=exc)
         task_id = (message.headers or {}).get("id") if isinstance(
             getattr(message, "headers", None), dict) else None
+        signals.task_unknown.send(sender=self, message=message, exc=exc, name=task,
+                                  id=task_id)  # as Celery's own handler
         if self.event_dispatcher and isinstance(task_id, str):  # Flower lists it failed
             self.event_dispatcher.send("task-failed", uuid=task_id[:64],
                                        exception=f"NotRegistered({escape_text(repr(task))[:80]})")
@@ -222,8 +244,11 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         signals.task_rejected.send(sender=self, message=message, exc=exc)
 
     def on_decode_error(self, message: Any, exc: BaseException) -> None:
-        _refused(f"task message {escape_text(repr(_task_of(message)))[:80]} whose body "
-                 "cannot be decoded", exc)
+        # Also the remote-control consumer's handler (celery.worker.pidbox).
+        task = _task_of(message)
+        _refused(("a message" if task is None else
+                  f"task message {escape_text(repr(task))[:80]}")
+                 + " whose body cannot be decoded", exc)
         message.ack()
 
 

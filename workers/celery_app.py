@@ -111,6 +111,8 @@ def configure(settings: Settings, target: Celery | None = None) -> None:
         worker_max_memory_per_child=settings.worker_max_memory_kib,
         worker_soft_shutdown_timeout=settings.soft_shutdown_s,
         beat_schedule=beat_schedule(settings),
+        # `investigate beat` and a worker's --beat alike leave a heartbeat for `health`.
+        beat_scheduler="workers.beat:Scheduler",
     )
     # Drop cached producer state; kombu keeps pools in a process-wide registry, so the
     # old pool is left alone rather than closed.
@@ -135,15 +137,18 @@ def _worker_name(sender: Any = None, **_: Any) -> None:
     logs.set_worker_name(str(sender) if sender else None)
 
 
-#: ``settings.deployment_identity`` as this worker read it at start (its main process,
-#: before the pool forked the children that loaded the same files).
+#: ``settings.deployment_identity`` as this worker's main process read it at start. Its
+#: pool children read the same paths when they build their runtime (at their first task;
+#: a child replaced under ``worker_max_memory_per_child`` at its own), so a file edited
+#: since this moment is reported as changed (``policy_now``/``providers_now``) until the
+#: worker restarts.
 _started_identity: dict[str, str] | None = None
 
 
 @worker_init.connect
 def _preload(**_: Any) -> None:
     """The worker's main process, before its pool forks (``workers.runtime.preload``);
-    it also notes the files' digests its children are about to load."""
+    it also notes the digests of the files the worker starts with."""
     global _started_identity
     from workers.runtime import preload
     from workers.settings import deployment_identity

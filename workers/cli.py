@@ -432,9 +432,16 @@ def case_add(
 
 
 def _broker_configured(settings: Settings) -> bool:
-    """Whether INVESTIGATE_BROKER_URL was given (in the environment or ``.env``), rather
-    than the default broker every unconfigured command would use."""
+    """Whether INVESTIGATE_BROKER_URL was given (in the environment), rather than the
+    default broker every unconfigured command would use."""
     return "broker_url" in settings.model_fields_set
+
+
+def _fleet_shell(settings: Settings) -> bool:
+    """Whether this shell names a broker or a lock Redis (INVESTIGATE_BROKER_URL or
+    INVESTIGATE_REDIS_URL in the environment): a fleet's dispatches may then hold the
+    cases of this store, and ``run`` takes their lock too (decision 158)."""
+    return bool({"broker_url", "redis_url"} & settings.model_fields_set)
 
 
 def _case_add_next(settings: Settings, store: Store, case_id: str, state: str) -> None:
@@ -588,7 +595,7 @@ def status_cmd(
         return
     info = status(store, case_id)
     held = False
-    if _broker_configured(settings) and info["state"] == "INVESTIGATING":
+    if _fleet_shell(settings) and info["state"] == "INVESTIGATING":
         info["dispatch_lease_s"] = _dispatch_lease_s(settings, case_id)
         held = bool(info["dispatch_lease_s"])
     g = guidance.dispatch_holds(case_id, info["dispatch_lease_s"]) if held \

@@ -225,9 +225,9 @@ def beat(
     configure(settings)
     path = schedule or settings.home / "celerybeat-schedule"
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The scheduler leaves a heartbeat in the lock Redis for `health` (decision 160).
-    celery_app.start(["beat", f"--loglevel={loglevel}", f"--schedule={path}",
-                      "--scheduler=workers.beat:Scheduler"])
+    # Its scheduler (the app's beat_scheduler) leaves a heartbeat in the lock Redis for
+    # `health` (decision 160).
+    celery_app.start(["beat", f"--loglevel={loglevel}", f"--schedule={path}"])
 
 
 def _loopback(address: str) -> bool:

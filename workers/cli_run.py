@@ -28,6 +28,7 @@ from workers.cli import (
     CaseArg,
     JsonOpt,
     _controlled,
+    _fleet_shell,
     _print_json,
     _settings,
     _store,
@@ -126,13 +127,6 @@ def run(
     outcome, steps = _run_embedded(settings, case_id, config, providers, max_steps, wait,
                                    quiet=as_json, fleet_lock=_fleet_shell(settings))
     _finish(settings, case_id, outcome, providers, steps, as_json)
-
-
-def _fleet_shell(settings: Settings) -> bool:
-    """Whether this shell names a broker or a lock Redis (INVESTIGATE_BROKER_URL or
-    INVESTIGATE_REDIS_URL, in the environment or ``.env``): a fleet's workers may then
-    dispatch the cases of this store."""
-    return bool({"broker_url", "redis_url"} & settings.model_fields_set)
 
 
 def _shown(path: Path) -> str:

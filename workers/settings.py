@@ -222,9 +222,9 @@ def deployment_identity(settings: Settings) -> dict[str, str]:
         except OSError:
             return "unreadable"
 
-    from workers.health import _where  # passwords masked as every output masks them
+    from investigation.text_safety import url_for_display  # passwords masked
 
-    return {"store": _where(settings.effective_database_url),
-            "locks": _where(settings.effective_redis_url),
+    return {"store": url_for_display(settings.effective_database_url),
+            "locks": url_for_display(settings.effective_redis_url),
             "policy": digest(settings.config), "providers": digest(settings.providers)}
 

@@ -130,20 +130,21 @@ class StageRequest(Request):  # type: ignore[misc]
     (decision 133).
     """
 
-    def _context(self) -> Any:
+    def _log_context(self) -> Any:
         """The step's log context for Celery's own lines about this request in the
         worker's main process (a child killed under it, a time limit): they named only
-        the task id (a fleet trial grepped a case id and missed them)."""
+        the task id (a fleet trial grepped a case id and missed them). Not ``_context``:
+        Celery's ``Request`` has a property of that name, which its handlers use."""
         return logs.step_context(**logs.context_of(self.argsrepr, self.task.name, self.id))
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> None:
-        with self._context():
+        with self._log_context():
             super().on_failure(exc_info, send_failed_event=send_failed_event,
                                return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        with self._context():
+        with self._log_context():
             self._on_timeout(soft, timeout)
 
     def _on_timeout(self, soft: bool, timeout: float) -> None:

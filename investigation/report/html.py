@@ -86,9 +86,10 @@ ol.quotes .q{white-space:pre-wrap;background:#f7f7f7}
 footer{color:var(--muted);font-size:12px;padding:20px 28px}
 #timeline,#evidence,#questions,#tests,#lifecycle{content-visibility:auto;
 contain-intrinsic-size:auto 900px}
-section[id],h2{scroll-margin-top:40px}
+section[id],h2,details.ev{scroll-margin-top:40px}
 tr[id]{scroll-margin-top:64px}
-.ev-body{scroll-margin-top:96px}
+details.ev:target{outline:2px solid var(--accent)}
+details.ev:target::details-content{content-visibility:visible;display:block}
 @media print{
 @page{size:A4 landscape;margin:10mm}
 body{background:#fff;font-size:11px}
@@ -356,16 +357,13 @@ def _evidence(h: CaseHistory) -> list[str]:
         flags = ", duplicate" if e["duplicate"] else ""
         warnings = f"; warnings: {_e(', '.join(e['warnings']))}" if e["warnings"] else ""
         out.append(
-            f'<details class="ev" id="record-{html_attr(e["evidence_id"])}"><summary>'
+            f'<details class="ev" id="ev-{html_attr(e["evidence_id"])}"><summary>'
             f'<b class="evid">{_e(e["evidence_id"])}</b> {_step_link(e["step_seq"])}, '
             f"H{e['hypothesis_id']}: <code>{_e(e['operation'])}</code> "
             f'<code class="muted">{_e(_json(e["arguments"]))}</code> - {e["item_count"]} '
             f"item(s), {e['new_item_count']} new{flags}; cost {e['cost_units']}; "
             f"{assessed}{warnings}</summary>")
-        # The link target sits inside the record: a browser opens a closed <details> to
-        # show a fragment's target within it (HTML's ancestor revealing algorithm).
-        out.append(f'<p class="mono muted ev-body" id="ev-{html_attr(e["evidence_id"])}">'
-                   f'artifact: {_e(e["artifact_path"])} '
+        out.append(f'<p class="mono muted">artifact: {_e(e["artifact_path"])} '
                    f"(sha256 {_e(e['artifact_sha256'])})"
                    + (f"<br>raw result: {_e(e['result_path'])}" if e.get("result_path") else "")
                    + "</p>")

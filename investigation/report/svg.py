@@ -54,8 +54,9 @@ def nice_step(span: float, target: int = 10) -> int:
 
 
 def compact(units: int) -> str:
-    """An axis label that fits the burn-down's margin (five characters at most):
-    ``950``, ``12k``, ``2.5k``, ``10M`` (a credit of seven digits was cut to ``)00000``)."""
+    """An axis label that fits the burn-down's margin (five characters at most): below
+    10,000 the number itself (``9999``), then ``12k``, ``2.5M``, ``10M`` (a credit of
+    seven digits was cut to ``)00000``)."""
     if abs(units) < 10_000:
         return str(units)
     scale, suffix = next((scale, suffix) for scale, suffix in (

@@ -469,12 +469,12 @@ def test_status_and_cases_offer_what_this_shell_can_run(
 
 
 def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
-        cli: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+        cli: Case, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
     """After a worker died, status showed nothing of the lock that kept the case waiting
     for its lease, while `dispatch` answered LOCK_BUSY (a fleet trial)."""
     from investigation.constants import REDIS_LOCK_KEY
 
-    url = "redis://127.0.0.1:6379/12"
+    url = redis_url
     monkeypatch.setenv("INVESTIGATE_BROKER_URL", url)
     client = redis.Redis.from_url(url)
     key = REDIS_LOCK_KEY.format(case_id=cli.case_id)
@@ -504,13 +504,13 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
 
 @pytest.mark.redis
 def test_run_on_a_fleet_shell_takes_the_fleets_lock(
-        cli: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+        cli: Case, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
     """Decision 158: a fleet trial ran `run` beside a live dispatch of the same case (the
     locks were per runtime). In a shell that names a broker, `run` now refuses while a
     dispatch holds the case, and holds the fleet's lease itself while it runs."""
     from investigation.constants import REDIS_LOCK_KEY
 
-    url = "redis://127.0.0.1:6379/12"
+    url = redis_url
     key = REDIS_LOCK_KEY.format(case_id=cli.case_id)
     client = redis.Redis.from_url(url)
     cli.replies_path.write_text("\n".join(HAPPY) + "\n")
@@ -589,13 +589,36 @@ def test_a_run_waiting_out_a_backoff_keeps_its_lease_and_stops_if_it_lost_it(
     lease = Lease(held=True)
     embedded._wait_out(SimpleNamespace(lock=lease), "case-1", "t",  # type: ignore[arg-type]
                        now[0] + timedelta(seconds=25))
-    assert slept == [10.0, 10.0, 5.0] and lease.calls == 3
+    assert slept == [10.0, 10.0, 5.0] and lease.calls == 4  # at once, then every third
     lost = Lease(held=False)
     with pytest.raises(InvestigationError) as stopped:
         embedded._wait_out(SimpleNamespace(lock=lost), "case-1", "t",  # type: ignore[arg-type]
                            now[0] + timedelta(seconds=25))
-    assert stopped.value.code == "LOCK_LOST" and lost.calls == 1
+    assert stopped.value.code == "LOCK_LOST" and lost.calls == 1 and len(slept) == 3
     assert "another dispatch took the case" in stopped.value.message
+
+    # The error that stopped a run is the one shown, not a release that failed after it.
+    import redis as redis_mod
+
+    from investigation.loop import investigator
+
+    class Broken:
+        def acquire(self, case_id: str) -> str:
+            return "t"
+
+        def release(self, case_id: str, token: str) -> bool:
+            raise redis_mod.ConnectionError("Redis is down too")
+
+    def stop(*_: Any) -> None:
+        raise InvestigationError("LOCK_LOST", "taken")
+
+    monkeypatch.setattr(investigator, "Investigator",
+                        lambda env: SimpleNamespace(next_step=lambda case_id: None))
+    monkeypatch.setattr(embedded, "_run_steps", stop)
+    with pytest.raises(InvestigationError) as shown:
+        embedded.run_case(SimpleNamespace(env=None, lock=Broken()),  # type: ignore[arg-type]
+                          "case-1")
+    assert shown.value.code == "LOCK_LOST"
 
 
 def test_the_live_panel_stops_saying_it_works_once_the_run_ends(cli: Case) -> None:

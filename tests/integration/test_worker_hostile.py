@@ -208,7 +208,19 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
                       queue=h.queue, countdown=10**8)
         h.worker.start()
         h.worker.wait_ready()
-        _wait_log(h, r"broker message refused: MESSAGE_INVALID", len(items) + 1)
+        # The same kinds on the remote-control broadcast, which every worker reads: one
+        # PUBLISH made the whole fleet exit (a code review).
+        from tests.integration.test_celery_worker import BROKER_DB
+
+        pidbox = f"/{BROKER_DB}.celery.pidbox"
+        broadcasts = [{"headers": {}}, {**envelope, "headers": {"compression": "x"}},
+                      {**envelope, "body": "!!! not base64 %%%"}]
+        for item in broadcasts:
+            assert h.redis.publish(pidbox, json.dumps(item)) >= 1
+        _wait_log(h, r"broker message refused: MESSAGE_INVALID",
+                  len(items) + 1 + len(broadcasts))
+        assert "a broadcast message on 'celery.pidbox'" in h.worker.log()
+        assert app.control.ping(timeout=2.0), "the worker no longer answers remote control"
         assert "beyond INVESTIGATE_MAX_COUNTDOWN_S" in h.worker.log()
         assert "a compressed body" in h.worker.log()  # refused before it was inflated
         assert "'not-a-date', which is no time" in h.worker.log()

@@ -81,6 +81,10 @@ def test_a_time_limit_in_a_query_is_recorded_once_and_the_case_goes_on(
         assert len(re.findall(rf"step 2 execute_tool: stopped by the worker's {kind} time "
                               "limit", log)) == 1
         assert "STAGE_POISONED" not in log
+        assert "Pool callback raised exception" not in log  # Celery's own handlers ran
+        if kind == "hard":  # Celery's line about it names the step (a fleet trial)
+            assert re.search(r"\[worker=\S+ case=case-\w+ step=2 stage=execute_tool\] "
+                             r"Hard time limit", log), log
 
 
 def _result(h: Harness, seq: int) -> bytes:

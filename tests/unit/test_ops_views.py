@@ -99,7 +99,7 @@ def test_retry_pool_and_worker_lost_lines_carry_a_time_and_the_step(
         id = "t-10"
         task = llm_call
 
-    with StageRequest._context(Lost()):  # type: ignore[arg-type]
+    with StageRequest._log_context(Lost()):  # type: ignore[arg-type]
         logging.getLogger("celery.worker.request").error("Task handler raised error: %r",
                                                          "WorkerLostError()")
     pool, retry, lost = stream.getvalue().splitlines()
