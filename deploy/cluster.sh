@@ -42,11 +42,14 @@ stop_timeout="${STOP_TIMEOUT_S:-120}"
 start_timeout="${START_TIMEOUT_S:-90}"
 
 alive() {
-  # The pid file's process runs (an exited one its parent has not reaped yet does not).
+  # The pid file's process runs and is one of ours: an exited one its parent has not
+  # reaped yet does not count, nor another program that got the pid later.
   [ -f "$1" ] || return 1
   local pid; pid="$(cat "$1")"
   kill -0 "$pid" 2>/dev/null || return 1
   case "$(ps -o stat= -p "$pid" 2>/dev/null)" in Z*) return 1 ;; esac
+  case "$(ps -o args= -p "$pid" 2>/dev/null)" in *investigate*|*celery*) return 0 ;; esac
+  return 1
 }
 
 ensure_database() {
@@ -83,14 +86,21 @@ start() {
     start_one "worker-$i" "$bin" worker --name "worker$i@%h" --concurrency "$concurrency" \
       --metrics-port "$((metrics_base + i))"
   done
-  start_one beat "$bin" beat --schedule "$INVESTIGATE_HOME/celerybeat-schedule"
+  if ! alive "$run/beat.pid" && "$bin" health --check beat --timeout 1 >/dev/null 2>&1; then
+    # One per deployment: a beat started elsewhere (by hand, another host) already sends
+    # this queue's sweeps to this broker.
+    echo "beat: one already runs, not started by '$0' ($("$bin" health --check beat \
+      --timeout 1 2>/dev/null | grep -o 'beat on [^;,]*')); not starting another" >&2
+  else
+    start_one beat "$bin" beat --schedule "$INVESTIGATE_HOME/celerybeat-schedule"
+  fi
   start_one metrics "$bin" metrics --port "${METRICS_PORT:-9808}"
   start_one flower "$bin" flower --port "${FLOWER_PORT:-5555}"
   if [ -z "$started" ]; then
     echo "already running:$kept; nothing to start ('$0 stop' stops them)"
     return 0
   fi
-  local waited=0 dead name   # ready when every worker answers ping
+  local deadline=$((SECONDS + start_timeout)) dead name   # ready when every worker answers
   until "$bin" health --check workers --min-workers "$n" --timeout 1 >/dev/null 2>&1; do
     dead=""   # a process that exited at start (a taken port, a broken setting)
     for pidfile in "$run"/*.pid; do
@@ -105,11 +115,14 @@ start() {
       echo "fix the cause, then '$0 start $n' again (it starts only what is not running)" >&2
       exit 1
     fi
-    if [ "$waited" -ge "$start_timeout" ]; then
-      echo "warning: not every worker answers ping after ${start_timeout}s; see $run/worker-*.log" >&2
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "warning: the workers are not healthy after ${start_timeout}s:" >&2
+      "$bin" health --check workers --min-workers "$n" --timeout 1 2>/dev/null \
+        | grep -E '^(ok|FAIL)' >&2 || true
+      echo "(see $run/worker-*.log)" >&2
       break
     fi
-    sleep 1; waited=$((waited + 1))
+    sleep 1
   done
   echo "started:$started${kept:+ (already running:$kept)}"
   echo "$n worker(s) of $concurrency processes (worker1@$(hostname) ...),"
@@ -140,8 +153,10 @@ stop() {
   done
   echo "stopped (every running stage finished: warm shutdown)"
   local others   # a worker started by hand on this queue is not this script's to stop
-  if others="$("$bin" health --check workers --timeout 1 2>/dev/null | grep '^ok')"; then
-    echo "note: workers not started by '$0' still consume the queue: ${others#ok}" >&2
+  others="$("$bin" health --check workers --timeout 1 2>/dev/null \
+    | grep -o 'answered ping: [^;]*' || true)"
+  if [ -n "$others" ]; then
+    echo "note: workers not started by '$0' still answer: ${others#answered ping: }" >&2
   fi
 }
 

@@ -7,6 +7,7 @@ beat.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -223,8 +224,12 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
         for worker, ident in sorted(seen.items()):
             values.setdefault(ident.get(key, "?"), []).append(worker)
         if len(values) > 1:
+            def who(worker: str, key: str = key) -> str:
+                path = seen[worker].get(f"{key}_path")  # which file, for the operator
+                return f"{worker} ({path})" if path else worker
+
             problems.append(f"workers disagree on their {key}: " + "; ".join(
-                f"{', '.join(ws)}: {v}" for v, ws in sorted(values.items())))
+                f"{', '.join(who(w) for w in ws)}: {v}" for v, ws in sorted(values.items())))
         elif key in ("store", "locks") and values and mine[key] not in values:
             problems.append(f"the workers' {key} is {next(iter(values))}, this shell's "
                             f"{mine[key]}")
@@ -243,13 +248,16 @@ def check_queue(settings: Settings, timeout_s: float, max_queue: int | None = No
 
 
 def check_beat(settings: Settings, timeout_s: float) -> Check:
-    """Whether a beat sends this queue's recovery sweeps: its heartbeat
-    (``workers.beat``, at most a minute old) in the lock Redis. Without sweeps
+    """Whether exactly one beat sends this queue's recovery sweeps to this shell's broker:
+    the beats' heartbeats (``workers.beat``, at most a minute old; on this host only those
+    whose process still runs) in the lock Redis. Without sweeps
     (``INVESTIGATE_SWEEP_INTERVAL_S=0``) there is nothing to check."""
     import json
+    import socket
+    import time
 
     from investigation.constants import REDIS_BEAT_KEY
-    from workers.beat import HEARTBEAT_TTL_S
+    from workers.beat import HEARTBEAT_TTL_S, heartbeat_age_s
 
     if settings.sweep_interval_s <= 0:
         return Check("beat", True, "recovery sweeps are off (INVESTIGATE_SWEEP_INTERVAL_S=0)")
@@ -258,23 +266,63 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
         client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                       socket_connect_timeout=timeout_s)
         try:
-            raw = client.get(REDIS_BEAT_KEY.format(queue=settings.queue))
+            fields = client.hgetall(REDIS_BEAT_KEY.format(queue=settings.queue))
         finally:
             client.close()
+    except redis.exceptions.ResponseError:  # not a hash: a heartbeat of an older version
+        fields = {}
     except redis.exceptions.RedisError as exc:
         return Check("beat", False, f"{_where(url)}: {_first_line_of(exc, url)}")
-    if raw is None:
-        return Check("beat", False, f"no beat has sent queue {settings.queue!r} its recovery "
-                     f"sweep in the last {HEARTBEAT_TTL_S} s: run `investigate beat` (one "
-                     "per deployment); without it no added case starts by itself and none "
-                     "is taken up again after its worker died")
-    try:
+    now, here = time.time(), socket.gethostname()
+    beats = []
+    for raw in fields.values():
+        if heartbeat_age_s(raw, now) > HEARTBEAT_TTL_S:
+            continue
         beat = json.loads(raw)
-        where = f"{beat['host']} (pid {beat['pid']}), last seen {beat['at']}"
-    except (ValueError, TypeError, KeyError):
-        where = "a beat of another version"
-    return Check("beat", True, f"beat on {where}; sweep every {settings.sweep_interval_s} s",
-                 where)
+        if beat.get("host") == here and not _process_runs(beat.get("pid")):
+            continue  # killed on this host: no need to wait for its heartbeat to age out
+        beats.append(beat)
+    if not beats:
+        return Check("beat", False, f"no beat has left its heartbeat for queue "
+                     f"{settings.queue!r} in {_where(url)} in the last {HEARTBEAT_TTL_S} s: "
+                     "run `investigate beat` (one per deployment, with this shell's "
+                     "INVESTIGATE_BROKER_URL and INVESTIGATE_REDIS_URL); without it no added "
+                     "case starts by itself and none is taken up again after its worker died")
+    named = [f"{b.get('host')} (pid {b.get('pid')})" for b in beats]
+    broker = url_for_display(settings.broker_url)
+    problems = []
+    if len(beats) > 1:
+        problems.append(f"{len(beats)} beats run ({', '.join(named)}): run exactly one per "
+                        f"deployment, or each sweep goes out {len(beats)} times")
+    for name, beat in zip(named, beats, strict=True):
+        if beat.get("broker") != broker:
+            problems.append(f"the beat on {name} sends its sweeps to {beat.get('broker')}, "
+                            f"not to this shell's broker {broker}")
+        if not beat.get("sweep_interval_s"):
+            problems.append(f"the beat on {name} runs with INVESTIGATE_SWEEP_INTERVAL_S=0: "
+                            "it sends no sweep")
+    if problems:
+        return Check("beat", False, "; ".join(problems), named)
+    beat = beats[0]
+    return Check("beat", True, f"beat on {named[0]}, last seen {beat.get('at')}; sweep every "
+                 f"{beat.get('sweep_interval_s')} s", named)
+
+
+def _process_runs(pid: object) -> bool:
+    """Whether a process of this host with ``pid`` runs (a zombie counts as gone)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc: kill(0) said it runs
 
 
 def run_checks(settings: Settings, names: list[str] | None = None, timeout_s: float = 2.0,

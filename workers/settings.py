@@ -211,9 +211,10 @@ def _warn_if_others_read(path: Path) -> None:
 def deployment_identity(settings: Settings) -> dict[str, str]:
     """Where a process's state and locks are and which files steer it, for comparing the
     workers of one queue (``health``): the store and the lock Redis without passwords,
-    and the sha256 of the policy and providers files (``"none"`` without one,
-    ``"unreadable"`` when it cannot be read). Two fleet trials ran a worker on another
-    database, another lock Redis, another policy or providers file, unnoticed."""
+    the sha256 of the policy and providers files (``"none"`` without one,
+    ``"unreadable"`` when it cannot be read) and their paths (shown, never compared).
+    Two fleet trials ran a worker on another database, another lock Redis, another policy
+    or providers file, unnoticed."""
     def digest(path: Path | None) -> str:
         if path is None:
             return "none"
@@ -226,5 +227,7 @@ def deployment_identity(settings: Settings) -> dict[str, str]:
 
     return {"store": url_for_display(settings.effective_database_url),
             "locks": url_for_display(settings.effective_redis_url),
-            "policy": digest(settings.config), "providers": digest(settings.providers)}
+            "policy": digest(settings.config), "providers": digest(settings.providers),
+            "policy_path": str(settings.config or ""),
+            "providers_path": str(settings.providers or "")}
 

@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -277,6 +278,7 @@ def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store
             workers = next(c for c in out["checks"] if c["name"] == "workers")
             assert workers["ok"] is False and len(workers["value"]) == 2, workers
             assert "workers disagree on their policy" in workers["detail"], workers
+            assert f"({policy})" in workers["detail"], workers  # which file, not only a digest
             assert "none" in workers["detail"] and "store" not in workers["detail"]
             assert "changed on disk" not in workers["detail"]
             # Edited after the worker read it (a fleet trial edited the providers file and
@@ -494,7 +496,8 @@ def test_a_missing_module_is_reported_as_a_missing_module(tmp_path: Path) -> Non
 def test_health_sees_whether_a_beat_runs(tmp_path: Path, redis_url: str) -> None:
     """A fleet trial killed beat and `health` stayed green, while no added case started by
     itself and no case was taken up after its worker died. Beat now leaves a heartbeat in
-    the lock Redis; `health` fails without one (decision 160)."""
+    the lock Redis; `health` fails without one, with two, and with one that sends to
+    another broker (decision 160)."""
     import redis
 
     queue = f"beat-{os.getpid()}-{time.monotonic_ns()}"
@@ -505,27 +508,52 @@ def test_health_sees_whether_a_beat_runs(tmp_path: Path, redis_url: str) -> None
     key = f"investigation:beat:{queue}"
     client = redis.Redis.from_url(redis_url)
     checks = ("health", "--json", "--check", "locks", "--check", "beat")
+
+    def beat_check(shell: dict[str, str] = env, expect: int = 0) -> dict[str, Any]:
+        return json.loads(cli(shell, *checks, expect=expect))["checks"][1]
+
+    def start_beat(name: str, extra: dict[str, str] | None = None) -> Server:
+        beat = Server(["beat", "--schedule", str(tmp_path / f"{name}-schedule")],
+                      {**env, **(extra or {})}, tmp_path / f"{name}.log")
+        deadline = time.monotonic() + 30
+        while not any(f.endswith(f":{beat.proc.pid}".encode()) for f in client.hkeys(key)):
+            assert beat.proc.poll() is None, beat.log_path.read_text()
+            assert time.monotonic() < deadline, beat.log_path.read_text()
+            time.sleep(0.1)
+        return beat
+
     try:
-        none = json.loads(cli(env, *checks, expect=1))["checks"][1]
+        none = beat_check(expect=1)
         assert none["ok"] is False and "run `investigate beat`" in none["detail"], none
         off = json.loads(cli({**env, "INVESTIGATE_SWEEP_INTERVAL_S": "0"}, *checks))
         assert "recovery sweeps are off" in off["checks"][1]["detail"]
-        beat = Server(["beat", "--schedule", str(tmp_path / "schedule")], env,
-                      tmp_path / "beat.log")
+        first = start_beat("first")
         try:
-            deadline = time.monotonic() + 30
-            while client.get(key) is None:
-                assert beat.proc.poll() is None, beat.log_path.read_text()
-                assert time.monotonic() < deadline, beat.log_path.read_text()
-                time.sleep(0.1)
-            seen = json.loads(cli(env, *checks))["checks"][1]
-            assert seen["ok"] and f"(pid {beat.proc.pid})" in seen["detail"], seen
+            seen = beat_check()
+            assert seen["ok"] and f"(pid {first.proc.pid})" in seen["detail"], seen
             assert 0 < (client.ttl(key) or 0) <= 60
+            # A fleet re-trial: a second beat, one sending elsewhere, one with sweeps off.
+            elsewhere = redis_url.rsplit("/", 1)[0] + "/7"  # sweeps off: nothing sent there
+            second = start_beat("second", {"INVESTIGATE_SWEEP_INTERVAL_S": "0",
+                                           "INVESTIGATE_BROKER_URL": elsewhere,
+                                           "INVESTIGATE_REDIS_URL": redis_url})
+            try:
+                two = beat_check(expect=1)["detail"]
+                assert "2 beats run" in two and "sends its sweeps to" in two, two
+                assert "runs with INVESTIGATE_SWEEP_INTERVAL_S=0" in two, two
+            finally:
+                second.stop()
+            assert beat_check()["ok"]  # the second one's stop took only its heartbeat
         finally:
-            beat.stop()
-        assert beat.proc.returncode == 0
-        assert client.get(key) is None  # a clean stop takes the heartbeat away
-        cli(env, *checks, expect=1)
+            first.proc.kill()  # no clean stop: its heartbeat stays in Redis
+            first.proc.wait()
+        assert client.hlen(key) == 1
+        gone = beat_check(expect=1)  # this host sees its process is gone
+        assert "run `investigate beat`" in gone["detail"], gone
+        clean = start_beat("clean")
+        clean.stop()
+        assert clean.proc.returncode == 0
+        assert f":{clean.proc.pid}".encode() not in b" ".join(client.hkeys(key))
     finally:
         client.delete(key)
         client.close()
