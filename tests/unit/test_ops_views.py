@@ -78,9 +78,9 @@ def test_retry_pool_and_worker_lost_lines_carry_a_time_and_the_step(
                                      "ForkPoolWorker-2", 19579, "signal 9 (SIGKILL)")
     app = Celery("t", set_as_current=False)
 
-    @app.task(name="investigation.llm_call")
+    @app.task(name="tests.stand_in")  # not a registered name: no clash with the engine's
     def llm_call() -> None:
-        """A stand-in with the stage's name."""
+        """A stand-in for a stage task."""
 
     llm_call.push_request(id="t-9", argsrepr="case=case-4 rev=1 step=8 stage=llm_call",
                           called_directly=False)
