@@ -369,6 +369,16 @@ def dispatch_holds(case_id: str, lease_s: float) -> Guidance:
                           "the lease runs out")))
 
 
+def run_holds(case_id: str) -> Guidance:
+    """The advice while a ``run`` of this machine holds an investigating case: that run
+    moves it, so another ``run`` is ``LOCK_BUSY``."""
+    return Guidance("A `run` on this machine is at work on the case: it moves it (another "
+                    "`run` would be refused, LOCK_BUSY).",
+                    (Step("watch it", f"investigate status {_q(case_id)} --watch"),
+                     Step("to stop it: Ctrl-C in its terminal; a later `run` takes the case "
+                          "up from the store")))
+
+
 def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
              replies: str | None) -> Guidance:
     case = _q(f.case_id)
@@ -377,10 +387,16 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
                         "retry id each time; it keeps every iteration, credit and evidence)",
                         f"investigate resume {case} --retry-id {_q(f.retry_id)}")
     if reason == BLOCK_INVALID_LLM_RESPONSES:
+        # Cut replies are the provider's max_tokens, not the model's manners (a user of a
+        # real model was told to fix the model and its server).
+        truncated = [Step("raise max_tokens of the provider in the providers file: the "
+                          "replies were cut there before their JSON ended")] \
+            if f.error_code == "REPLY_TRUNCATED" else []
         return Guidance(
             f"Blocked: the model's replies broke the reply contract several times in a "
             f"row{_why(f)}. Budgets, evidence and the pending work are kept.",
-            (Step("fix what produced them: the model, its server's structured-output "
+            (*truncated,
+             Step("fix what produced them: the model, its server's structured-output "
                   "setting, or the reply file (docs/reply-contract.md lists every rule; "
                   "`investigate status` shows the last rejection of each hypothesis)"),
              # A known providers file without a scripted provider: no reply file to check.

@@ -461,7 +461,11 @@ def _case_add_next(settings: Settings, store: Store, case_id: str, state: str) -
     replies = guidance.scripted_file(settings.providers) if providers else "replies.jsonl"
     check = f"  $ investigate replies check {shlex.quote(replies)} {case_id}\n" if replies else ""
     fleet = _broker_configured(settings)
-    err.print("next: " + ("check a scripted reply file against it, then " if check else "")
+    # Without INVESTIGATE_PROVIDERS the replies may come from a model server (a user of a
+    # real model read the reply-file check as a step of theirs).
+    err.print("next: " + ("check a scripted reply file against it (if the replies come from "
+                          "one), then " if check and not providers else
+                          "check a scripted reply file against it, then " if check else "")
               + ("resume it and " if resume_first else "")
               + "run it here" + (", or send it to the workers" if fleet else "")
               + f"\n{check}{resume_first}"
@@ -598,14 +602,41 @@ def status_cmd(
     if _fleet_shell(settings) and info["state"] == "INVESTIGATING":
         info["dispatch_lease_s"] = _dispatch_lease_s(settings, case_id)
         held = bool(info["dispatch_lease_s"])
-    g = guidance.dispatch_holds(case_id, info["dispatch_lease_s"]) if held \
-        else case_guidance(settings, store, case_id)
+    if info["state"] == "INVESTIGATING":
+        # A `run` in another shell of this machine: "run it again" would be LOCK_BUSY (a
+        # user of a real model, whose steps take half a minute each).
+        info["run_holds"] = _run_holds(settings, case_id)
+    if held:
+        g = guidance.dispatch_holds(case_id, info["dispatch_lease_s"])
+    elif info.get("run_holds"):
+        g = guidance.run_holds(case_id)
+    else:
+        g = case_guidance(settings, store, case_id)
     if as_json:  # model costs are in micros of limits.currency
         _print_json({**info, "next": g.to_dict()})
         return
     currency = (InvestigationConfig.load(settings.config) if settings.config
                 else InvestigationConfig()).limits.currency
     out.print(status_view(info, g, currency))
+
+
+def _run_holds(settings: Settings, case_id: str) -> bool:
+    """Whether a ``run`` of this machine holds the case's file lock now (tried without
+    blocking and let go at once; never creates the lock file)."""
+    import fcntl
+
+    from workers.locks import lock_file
+
+    path = lock_file(settings.home / "locks", case_id)
+    if path is None or not path.is_file():
+        return False
+    with path.open("rb") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    return False
 
 
 def _dispatch_lease_s(settings: Settings, case_id: str) -> float | None:
@@ -668,9 +699,10 @@ def resume_cmd(
         info = resume(store, case_id, retry_id)
     except InvestigationError as exc:
         if exc.code in ("RETRY_ID_REQUIRED", "RETRY_ID_REUSED"):
+            # The suggestion goes with the error, after it (it was printed before it).
             fresh = guidance.facts_for(store, case_id).retry_id
-            err.print(f"try: investigate resume {case_id} --retry-id {fresh}",
-                      highlight=False, markup=False)
+            raise InvestigationError(exc.code, f"{exc.message}; try: investigate resume "
+                                     f"{case_id} --retry-id {fresh}") from None
         raise
     g = case_guidance(settings, store, case_id)
     if as_json:

@@ -40,11 +40,15 @@ def _marks(result: ProbeResult) -> list[str]:
 
 
 def _address_hint(result: ProbeResult) -> str:
-    """Where the probe went, when the address is the likely cause."""
+    """Where the probe went, when the address is the likely cause; what to raise when the
+    reply was cut at ``max_tokens``."""
+    if result.code == "REPLY_TRUNCATED":
+        return "; raise max_tokens of this provider in the providers file"
     if result.base_url is None:
         return ""
     if result.verdict == "unreachable":
-        return f" (base_url {result.base_url})"
+        return "" if result.base_url in (result.detail or "") else \
+            f" (base_url {result.base_url})"
     if result.verdict == "refused" and result.code != "PROVIDER_SCHEMA_REFUSED":
         return (f" (base_url {result.base_url}: is it an OpenAI-compatible /v1 address "
                 "that serves chat completions?)")

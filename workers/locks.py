@@ -212,6 +212,12 @@ class RedisCaseLock:
         return value.decode() if isinstance(value, bytes) else value
 
 
+def lock_file(directory: Path, case_id: str) -> Path | None:
+    """The file :class:`FileCaseLock` locks for ``case_id`` (``None`` for a string that is
+    no case id and so has no lock file)."""
+    return directory / f"{case_id}.lock" if _SAFE_ID.fullmatch(case_id) else None
+
+
 class FileCaseLock:
     """``flock`` on ``<dir>/<case>.lock``: one embedded dispatch per case per machine.
 
@@ -231,7 +237,7 @@ class FileCaseLock:
         with self._mutex:
             if case_id in self._held:
                 raise LockBusy(case_id)
-            fh = open(self.directory / f"{case_id}.lock", "ab")  # noqa: SIM115
+            fh = open(self.directory / f"{case_id}.lock", "ab")  # noqa: SIM115 (lock_file)
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -78,6 +78,12 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
     return table
 
 
+#: What a session's termination reason means for the case, where its name could be read
+#: as a finding (a user of a real model read OBJECTIVE_MET as "bug found").
+_TERMINATION_GLOSS = {"OBJECTIVE_MET": ": every hypothesis account is terminal; an "
+                                       "investigation, not a diagnosis"}
+
+
 def status_view(info: dict[str, Any], g: Guidance | None = None,
                 currency: str = "USD") -> RenderableType:
     """The ``status`` screen: state line, last outcome, why, lifecycle, the accounts
@@ -105,11 +111,14 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
                              else f"one holds the case, lease {lease:g} s left (its worker "
                              "renews it at every stage; if the worker died, the sweep "
                              "dispatches the case once it runs out)"))
+    if info.get("run_holds"):
+        line("run: a `run` on this machine holds the case (its file lock)")
     life = info["lifecycle"]
+    reason = life.get("termination_reason")
     line(f"lifecycle {life['state']}"
          + (f" (paused from {life['paused_from']})" if life.get("paused_from") else "")
-         + (f" ({life['termination_reason']})" if life.get("termination_reason") else "")
-         + (f"  iterations {life['iterations']}" if life.get("started") else
+         + (f" ({reason}{_TERMINATION_GLOSS.get(reason, '')})" if reason else "")
+         + (f"  session iterations {life['iterations']}" if life.get("started") else
             "  (the session starts with the first step)"))
     if not info["accounts"]:
         count = info["hypotheses"]

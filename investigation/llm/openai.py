@@ -265,7 +265,9 @@ class OpenAIProvider:
                             f"provider {self.name!r}: {exc}", provider=self.name) from exc
                     raw = redact_bytes(body, key)
         except HTTPX_ERRORS as exc:
-            raise classify_httpx_error(exc, self.name, secrets) from exc
+            raise classify_httpx_error(exc, self.name, secrets,
+                                       where=url_for_display(self.config.base_url or "")
+                                       ) from exc
         return response.status_code, response.headers, raw
 
     def content_from_raw(self, raw: bytes) -> str:
@@ -378,7 +380,8 @@ class OpenAIProvider:
 
 
 def classify_httpx_error(
-    exc: Exception, provider: str, secrets: list[str | None] | None = None
+    exc: Exception, provider: str, secrets: list[str | None] | None = None,
+    where: str | None = None,
 ) -> ProviderError:
     """Map an httpx exception to the provider error tree (no response was received).
 
@@ -399,21 +402,24 @@ def classify_httpx_error(
         exc: the exception httpx raised.
         provider: provider name for the message.
         secrets: values to redact from the message.
+        where: the address called (a password masked), named where no answer came back
+            (a user's `run` said "unreachable" without saying where).
 
     Returns:
         The classified error (the caller raises it ``from exc``).
     """
     text = redact(f"{type(exc).__name__}: {exc}", secrets or [])
     name = type(exc).__name__
+    at = f" at {redact(where, secrets or [])}" if where else ""
     if isinstance(exc, httpx.TimeoutException):
         return TransientProviderError(
-            PROVIDER_TIMEOUT, f"provider {provider!r} timed out ({text})",
+            PROVIDER_TIMEOUT, f"provider {provider!r}{at} timed out ({text})",
             provider=provider, exception=name,
         )
     if isinstance(exc, httpx.ConnectError | httpx.ProxyError):
         return TransientProviderError(
             PROVIDER_UNREACHABLE,
-            f"provider {provider!r} is unreachable ({text}); check that the server runs",
+            f"provider {provider!r}{at} is unreachable ({text}); check that the server runs",
             provider=provider, exception=name,
         )
     if isinstance(

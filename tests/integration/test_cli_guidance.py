@@ -118,7 +118,9 @@ def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> Non
     assert ["run", cli.case_id, "--providers", providers] in shown, shown
     plain = invoke("resume", cli.case_id)
     assert plain.exit_code == 2 and "RETRY_ID_REQUIRED" in plain.output
-    assert f"try: investigate resume {cli.case_id} --retry-id retry-3-1" in plain.output
+    flat = " ".join(plain.output.split())
+    assert f"try: investigate resume {cli.case_id} --retry-id retry-3-1" in flat
+    assert flat.index("RETRY_ID_REQUIRED") < flat.index("try:")  # the error, then the fix
     cli.replies_path.write_text("\n".join(HAPPY) + "\n")
     assert follow(resume, cli.replies_path).exit_code == 0
     done = follow(next(c for c in todo if c[0] == "run"), cli.replies_path)
@@ -619,6 +621,26 @@ def test_a_run_waiting_out_a_backoff_keeps_its_lease_and_stops_if_it_lost_it(
         embedded.run_case(SimpleNamespace(env=None, lock=Broken()),  # type: ignore[arg-type]
                           "case-1")
     assert shown.value.code == "LOCK_LOST"
+
+
+def test_status_while_a_run_of_this_machine_holds_the_case(cli: Case, tmp_path: Path) -> None:
+    """A user of a real model asked `status` while `run` worked in another shell: it said
+    "run it again", which then answered LOCK_BUSY."""
+    from workers.locks import FileCaseLock
+
+    lock = FileCaseLock(tmp_path / "home" / "locks")
+    token = lock.acquire(cli.case_id)
+    try:
+        held = invoke("status", cli.case_id)
+        flat = " ".join(held.output.split())
+        assert "run: a `run` on this machine holds the case" in flat, flat
+        assert commands(held.output) == [["status", cli.case_id, "--watch"]], held.output
+        assert json.loads(invoke("status", cli.case_id, "--json").stdout)["run_holds"] is True
+    finally:
+        lock.release(cli.case_id, token)
+    free = invoke("status", cli.case_id)
+    assert "run: a `run`" not in free.output and commands(free.output)[0][0] == "run"
+    assert json.loads(invoke("status", cli.case_id, "--json").stdout)["run_holds"] is False
 
 
 def test_the_live_panel_stops_saying_it_works_once_the_run_ends(cli: Case) -> None:

@@ -234,7 +234,8 @@ def test_operator_control_from_the_cli(tmp_path: Path, monkeypatch: pytest.Monke
     ran = runner.invoke(app, ["run", case.case_id, "--providers", str(case.providers_path)])
     assert ran.exit_code == 0 and "COMPLETED" in ran.output, ran.output
     st = runner.invoke(app, ["status", case.case_id])
-    assert "lifecycle COMPLETED (OBJECTIVE_MET)" in st.output
+    assert "lifecycle COMPLETED (OBJECTIVE_MET: every hypothesis account is terminal" \
+        in " ".join(st.output.split())
     again = runner.invoke(app, ["cancel", case.case_id])
     assert again.exit_code == 2 and "CASE_NOT_ACTIVE" in again.output
 

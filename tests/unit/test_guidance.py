@@ -172,3 +172,13 @@ def test_a_workers_step_error_is_named_with_its_step_and_what_to_do(
         assert command in commands
     assert ("investigate verify" in text) == (command is not None)
     assert not g.final
+
+
+def test_replies_cut_at_max_tokens_say_to_raise_max_tokens() -> None:
+    """A user of a real model with max_tokens = 40 was told to fix the model and its
+    server; the replies had been cut at max_tokens."""
+    cut = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES", error_code="REPLY_TRUNCATED",
+                        error_message="cut at max_tokens"))
+    assert "raise max_tokens" in cut.steps[0].text
+    other = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES", error_code="REPLY_NOT_JSON"))
+    assert not any("max_tokens" in s.text for s in other.steps)
