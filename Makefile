@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 
-.PHONY: demo test install install-test services chromium lint typecheck bench bench-env bench-report clean test-models test-dist
+.PHONY: demo test install install-test services chromium lint typecheck bench bench-env bench-report clean test-models test-dist test-fleet
 
 # The real-model target (`make test-models`): its own venv with llama-cpp-python built
 # from PyPI for the CPU (a native build can die on an illegal instruction on some of
@@ -50,6 +50,12 @@ chromium:
 
 test: install-test services chromium
 	$(PY) -m pytest -q
+
+# Long real-process runs left out of the main suite: warm, soft and cold shutdowns of a
+# worker in the middle of a stage, deploy/cluster.sh starting, restarting and stopping a
+# fleet.
+test-fleet: install-test services
+	$(PY) -m pytest -q -p no:cacheprovider -m fleet
 
 # The distributed path on a runtime-only install: a fresh venv with `pip install .` (no
 # test extras), a real worker and dispatch finishing the demo case on PostgreSQL and Redis.

@@ -349,6 +349,7 @@ def test_a_dispatch_sent_by_a_process_with_only_celery_runs_the_case(
             "outcome": "CONTRACT_UNSUPPORTED", "case_id": h.case.case_id, "contract": 2}
 
 
+@pytest.mark.fleet
 def test_cluster_sh_starts_only_what_is_dead_and_waits_for_its_workers_on_stop(
     tmp_path: Path, redis_url: str, postgres_url: str
 ) -> None:
@@ -423,6 +424,7 @@ def test_cluster_sh_starts_only_what_is_dead_and_waits_for_its_workers_on_stop(
                         "--force", db], check=False, capture_output=True)
 
 
+@pytest.mark.fleet
 def test_cluster_sh_takes_the_callers_environment_over_its_env_file(tmp_path: Path) -> None:
     """``deploy/cluster.sh`` reads ``cluster.env`` (or ``CLUSTER_ENV``) for what the
     caller did not set: a variable in the environment keeps its value."""

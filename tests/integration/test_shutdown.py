@@ -30,7 +30,7 @@ from investigation.store.models import Checkpoint, StageRun
 from tests.casekit import HAPPY_REPLIES
 from tests.integration.test_celery_worker import HAPPY_STEPS, Harness, Worker, running_harness
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.fleet]
 
 BIN = Path(sys.executable).parent / "investigate"
 # The interrupted model request stays "in flight" for the gateway's grace (twice the
