@@ -61,9 +61,10 @@ def _refused(where: str, exc: BaseException) -> None:
 
 
 class EnvelopeInvalid(ValueError):
-    """A queue item that is JSON but not a message envelope the engine takes (kombu's
-    own ``KeyError`` for a missing key counts among its Redis *connection* errors, so
-    the worker reconnected for every such item: a hostile-input trial)."""
+    """A queue item that is JSON but not a message envelope the engine takes. A
+    ``ValueError``, so the readers drop it (:data:`MALFORMED`); kombu's own ``KeyError``
+    for a missing key counts among its Redis *connection* errors, and the worker
+    reconnected for every such item (a hostile-input trial)."""
 
 
 class Message(kombu_virtual.Message):
@@ -96,15 +97,11 @@ class Channel(kombu_redis.Channel):
     def _brpop_read(self, **options: Any) -> Any:
         try:
             return super()._brpop_read(**options)  # type: ignore[no-untyped-call]
-        except EnvelopeInvalid as exc:  # before connection_errors, which hold KeyError
-            _refused("a queue item that is not a kombu message envelope", exc)
-            return True
         except self.connection_errors:
             raise
         except MALFORMED as exc:
             _refused("a queue item that is not a kombu message envelope", exc)
             return True
-
 
     def _deliver_fanout_message(self, message: Any, exchange: str) -> bool:
         """A broadcast (remote control, events) takes :class:`Message` as well: one that
@@ -114,9 +111,6 @@ class Channel(kombu_redis.Channel):
         try:
             deliver: Any = super()._deliver_fanout_message  # kombu's, untyped
             return bool(deliver(message, exchange))
-        except EnvelopeInvalid as exc:  # before connection_errors, which hold KeyError
-            _refused(f"a broadcast message on {escape_text(exchange)[:60]!r} that is not a "
-                     "kombu message envelope", exc)
         except self.connection_errors:
             raise
         except MALFORMED as exc:

@@ -46,16 +46,10 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
 
 
-def _where(url: str) -> str:
-    """:func:`investigation.text_safety.url_for_display` (the name every caller here
-    uses)."""
-    return url_for_display(url)
-
-
 def _first_line_of(exc: BaseException, url: str) -> str:
-    """:func:`_first_line` with the URL (as :func:`_where` shows it) and its password, if
+    """:func:`_first_line` with the URL (as :func:`url_for_display` shows it) and its password, if
     any, masked."""
-    line = _first_line(exc).replace(url, _where(url))
+    line = _first_line(exc).replace(url, url_for_display(url))
     try:
         password = urlsplit(url).password
     except ValueError:
@@ -99,8 +93,8 @@ def check_broker(settings: Settings, timeout_s: float) -> Check:
     except ImportError:
         raise
     except Exception as exc:
-        return Check("broker", False, f"{_where(settings.broker_url)}: {_first_line_of(exc, settings.broker_url)}")
-    return Check("broker", True, _where(settings.broker_url))
+        return Check("broker", False, f"{url_for_display(settings.broker_url)}: {_first_line_of(exc, settings.broker_url)}")
+    return Check("broker", True, url_for_display(settings.broker_url))
 
 
 def check_locks(settings: Settings, timeout_s: float) -> Check:
@@ -108,8 +102,8 @@ def check_locks(settings: Settings, timeout_s: float) -> Check:
     try:
         _redis_ping(url, timeout_s)
     except redis.exceptions.RedisError as exc:
-        return Check("locks", False, f"{_where(url)}: {_first_line_of(exc, url)}")
-    return Check("locks", True, _where(url))
+        return Check("locks", False, f"{url_for_display(url)}: {_first_line_of(exc, url)}")
+    return Check("locks", True, url_for_display(url))
 
 
 def check_store(settings: Settings, timeout_s: float) -> Check:
@@ -121,15 +115,15 @@ def check_store(settings: Settings, timeout_s: float) -> Check:
         from pathlib import Path
 
         if not Path(path).is_file():
-            return Check("store", False, f"{_where(url)}: no such file (no case was added)")
+            return Check("store", False, f"{url_for_display(url)}: no such file (no case was added)")
     try:
         store = Store(url)
         with store.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
         store.dispose()
     except Exception as exc:
-        return Check("store", False, f"{_where(url)}: {_first_line_of(exc, url)}")
-    return Check("store", True, _where(url))
+        return Check("store", False, f"{url_for_display(url)}: {_first_line_of(exc, url)}")
+    return Check("store", True, url_for_display(url))
 
 
 def check_migrations(settings: Settings, timeout_s: float) -> Check:
@@ -269,10 +263,8 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
             fields = client.hgetall(REDIS_BEAT_KEY.format(queue=settings.queue))
         finally:
             client.close()
-    except redis.exceptions.ResponseError:  # not a hash: a heartbeat of an older version
-        fields = {}
     except redis.exceptions.RedisError as exc:
-        return Check("beat", False, f"{_where(url)}: {_first_line_of(exc, url)}")
+        return Check("beat", False, f"{url_for_display(url)}: {_first_line_of(exc, url)}")
     now, here = time.time(), socket.gethostname()
     beats = []
     for raw in fields.values():
@@ -284,7 +276,7 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
         beats.append(beat)
     if not beats:
         return Check("beat", False, f"no beat has left its heartbeat for queue "
-                     f"{settings.queue!r} in {_where(url)} in the last {HEARTBEAT_TTL_S} s: "
+                     f"{settings.queue!r} in {url_for_display(url)} in the last {HEARTBEAT_TTL_S} s: "
                      "run `investigate beat` (one per deployment, with this shell's "
                      "INVESTIGATE_BROKER_URL and INVESTIGATE_REDIS_URL); without it no added "
                      "case starts by itself and none is taken up again after its worker died")

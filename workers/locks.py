@@ -230,14 +230,15 @@ class FileCaseLock:
         self._mutex = threading.Lock()
 
     def acquire(self, case_id: str) -> str:
-        if not _SAFE_ID.fullmatch(case_id):
+        path = lock_file(self.directory, case_id)
+        if path is None:
             raise InvestigationError("CASE_ID_INVALID",
                                      f"{case_id!r} is not a case id (case-<16 hex digits>)")
         self.directory.mkdir(parents=True, exist_ok=True)
         with self._mutex:
             if case_id in self._held:
                 raise LockBusy(case_id)
-            fh = open(self.directory / f"{case_id}.lock", "ab")  # noqa: SIM115 (lock_file)
+            fh = open(path, "ab")  # noqa: SIM115
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -271,7 +272,6 @@ class FileCaseLock:
             fcntl.flock(held[1].fileno(), fcntl.LOCK_UN)
             held[1].close()
             return True
-
 
 
 class FleetCaseLock:

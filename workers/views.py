@@ -68,7 +68,7 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
     for u in usage:
         # No server reported a count (a scripted provider, a server without `usage`): a
         # 0 there read as a free model (a reader's trial).
-        reported = u.get("tokens_reported", 1)
+        reported = u["tokens_reported"]
         table.add_row("unrecorded" if u["hypothesis_id"] is None else str(u["hypothesis_id"]),
                       str(u["calls"]), str(u["attempts"]),
                       str(u["prompt_tokens"]) if reported else "not reported",

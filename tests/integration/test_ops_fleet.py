@@ -474,9 +474,10 @@ def test_flower_refuses_to_listen_beyond_loopback_without_a_login(tmp_path: Path
     ("redis://h:6379/0", "redis://h:6379/0", None),
 ])
 def test_health_never_shows_a_password(url: str, shown: str, secret: str | None) -> None:
-    from workers.health import _first_line_of, _where
+    from investigation.text_safety import url_for_display
+    from workers.health import _first_line_of
 
-    assert _where(url) == shown
+    assert url_for_display(url) == shown
     line = _first_line_of(ConnectionError(f"cannot reach {url}: refused"), url)
     assert line == f"cannot reach {shown}: refused"
     if secret:
