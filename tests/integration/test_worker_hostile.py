@@ -215,8 +215,11 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
         pidbox = f"/{BROKER_DB}.celery.pidbox"
         broadcasts = [{"headers": {}}, {**envelope, "headers": {"compression": "x"}},
                       {**envelope, "body": "!!! not base64 %%%"}]
-        for item in broadcasts:
-            assert h.redis.publish(pidbox, json.dumps(item)) >= 1
+        for item in broadcasts:  # "ready" comes before the remote-control subscription
+            deadline = time.monotonic() + 20
+            while h.redis.publish(pidbox, json.dumps(item)) < 1:  # no one heard it: again
+                assert time.monotonic() < deadline, "the worker never listened to pidbox"
+                time.sleep(0.1)
         _wait_log(h, r"broker message refused: MESSAGE_INVALID",
                   len(items) + 1 + len(broadcasts))
         assert "a broadcast message on 'celery.pidbox'" in h.worker.log()
