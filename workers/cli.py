@@ -19,7 +19,7 @@ from contextlib import closing, suppress
 from contextvars import ContextVar
 from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar, cast
 
 import typer
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -857,7 +857,44 @@ def main() -> None:
     logs.setup(fmt, logging.WARNING)
     command = typer.main.get_command(app)
     _reflow_help(command)
-    command()
+    sys.exit(_invoke(command, sys.argv[1:]))
+
+
+def _invoke(command: Any, args: list[str]) -> int:
+    """Run the Click ``command`` Typer built on ``args`` and return its exit code.
+
+    A usage error (an unknown option, a bad value, a missing argument: exit code 2) is
+    printed in Typer's usage box on stderr; when ``args`` ask for ``--json`` it is also
+    ``{"error": {"code": "USAGE_INVALID", "message", "exit_code"}}`` on stdout, as a
+    controlled error is (:func:`_fail`), so a caller that parses stdout gets a code.
+    """
+    try:
+        result = command.main(args=args, prog_name="investigate", standalone_mode=False)
+    except typer.TyperException as exc:  # Click's errors: Typer vendors Click under it
+        usage = cast(Any, exc)
+        options = args[:args.index("--")] if "--" in args else args
+        if "--json" in options:
+            _print_json({"error": {"code": "USAGE_INVALID",
+                                   "message": usage.format_message(),
+                                   "exit_code": usage.exit_code}})
+        _show_usage_error(usage)
+        return int(usage.exit_code)
+    except typer.Abort:  # end of input at a prompt
+        err.print("Aborted!", markup=False, highlight=False)
+        return 1
+    # Not standalone, Click returns the code of a ``typer.Exit`` (help, --version,
+    # :func:`_fail`) and otherwise the command's return value (the commands return None).
+    return result if isinstance(result, int) else 0
+
+
+def _show_usage_error(exc: Any) -> None:
+    """Print Click's ``exc`` in Typer's usage box, as a standalone Typer app does."""
+    try:
+        from typer import rich_utils
+    except ImportError:  # a Typer without its Rich helpers: Click's own text
+        exc.show()
+    else:
+        rich_utils.rich_format_error(exc)
 
 
 if __name__ == "__main__":

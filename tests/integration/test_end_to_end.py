@@ -375,6 +375,56 @@ def test_json_commands_print_their_errors_as_json_on_stdout(
     assert plain.exit_code == 2 and plain.stdout == "" and "CASE_NOT_FOUND" in plain.stderr
 
 
+def test_a_usage_error_of_a_json_command_is_json_on_stdout_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """An unknown option or a missing value printed only Click's usage box on stderr, so
+    a caller parsing `--json` output got nothing (a trial's finding). The entry point's
+    wrapper (``workers.cli._invoke``) is run in process, then the installed command once."""
+    import subprocess
+    import sys
+
+    import typer
+
+    from workers.cli import _invoke
+
+    for key in [k for k in os.environ if k.startswith("INVESTIGATE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    command = typer.main.get_command(app)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = _invoke(command, list(args))
+        out, err = capfd.readouterr()
+        return code, out, err
+
+    for args, message in ((["status", "case-nope", "--json", "--nope"],
+                           "No such option: --nope"),
+                          (["cases", "--json", "--state"],
+                           "Option '--state' requires an argument."),
+                          (["status", "--json"], "Missing argument 'CASE'.")):
+        code, out, err = run(*args)
+        assert code == 2, (args, err)
+        assert json.loads(out) == {"error": {
+            "code": "USAGE_INVALID", "exit_code": 2, "message": message}}, out
+        assert message in err, err  # Typer's box, as without --json
+    code, out, err = run("status", "case-nope", "--nope")  # no --json: the box alone
+    assert (code, out) == (2, "") and "No such option: --nope" in err, err
+    code, out, _ = run("status", "case-nope", "--", "--json")  # an argument, not the flag
+    assert (code, out) == (2, ""), out
+    # What is not a usage error keeps its code: help, --version and a controlled error.
+    assert run("--help")[0] == 0 and run("--version")[0] == 0
+    assert run()[0] == 2  # no command: the help, as before
+    code, out, _ = run("status", "case-nope", "--json")
+    assert code == 2 and json.loads(out)["error"]["code"] == "STORE_NOT_FOUND", out
+
+    ran = subprocess.run([str(Path(sys.executable).with_name("investigate")), "cases",
+                          "--json", "--state"], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=60)
+    assert ran.returncode == 2 and json.loads(ran.stdout)["error"]["code"] == \
+        "USAGE_INVALID", (ran.stdout, ran.stderr)
+
+
 def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
     from investigation.errors import InvestigationError
     from investigation.operations import export
