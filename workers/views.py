@@ -70,12 +70,19 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
         # 0 there read as a free model (a reader's trial).
         reported = u["tokens_reported"]
         table.add_row("unrecorded" if u["hypothesis_id"] is None else str(u["hypothesis_id"]),
-                      str(u["calls"]), str(u["attempts"]),
+                      str(u["calls"]), _attempts_cell(u),
                       str(u["prompt_tokens"]) if reported else "not reported",
                       str(u["completion_tokens"]) if reported else "not reported",
                       "not priced" if u["cost_micros"] < 0
                       else format_money(u["cost_micros"], currency))
     return table
+
+
+def _attempts_cell(usage: dict[str, Any]) -> str:
+    """``attempts``, and how many of them await their answer: a call in flight read as a
+    retry (a real model's user, during a two-minute call)."""
+    waiting = usage["awaiting_answer"]
+    return str(usage["attempts"]) + (f" ({waiting} awaiting answer)" if waiting else "")
 
 
 #: What a session's termination reason means for the case, where its name could be read

@@ -201,18 +201,20 @@ _USAGE = sa_select(_OPERATIONS.hypothesis_id, _ATTEMPTS.status, _ATTEMPTS.prompt
 def usage_by_hypothesis(s: Session, case_id: str) -> dict[int | None, dict[str, int]]:
     """Per hypothesis (``None``: calls recorded before hypotheses were tracked): model
     ``calls`` (answered decisions), ``attempts`` (every request sent, failed ones too),
-    ``prompt_tokens``, ``completion_tokens`` (sums of what servers reported),
+    ``awaiting_answer`` (of those, sent and not answered yet: a call in flight, or one
+    whose process died, closed when its grace runs out), ``prompt_tokens``, ``completion_tokens`` (sums of what servers reported),
     ``tokens_reported`` (attempts whose server reported a count: 0 means the token sums
     say nothing, as with a scripted provider) and ``cost_micros`` (``-1`` when no attempt
     was priced)."""
     rows = s.connection().execute(_USAGE, {"case_id": case_id}).all()
     out: dict[int | None, dict[str, int]] = {}
     for hid, status, prompt, completion, cost in rows:
-        entry = out.setdefault(hid, {"calls": 0, "attempts": 0, "prompt_tokens": 0,
-                                     "completion_tokens": 0, "tokens_reported": 0,
-                                     "cost_micros": -1})
+        entry = out.setdefault(hid, {"calls": 0, "attempts": 0, "awaiting_answer": 0,
+                                     "prompt_tokens": 0, "completion_tokens": 0,
+                                     "tokens_reported": 0, "cost_micros": -1})
         entry["attempts"] += 1
         entry["calls"] += status == "succeeded"
+        entry["awaiting_answer"] += status == "sent"
         entry["tokens_reported"] += prompt is not None or completion is not None
         entry["prompt_tokens"] += prompt or 0
         entry["completion_tokens"] += completion or 0

@@ -298,3 +298,43 @@ def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> 
     assert table is not None
     screen.print(table)
     assert "not reported" in screen.export_text()
+
+
+def test_status_says_which_attempts_await_their_answer(rig: Rig) -> None:
+    """A call in flight was counted in `attempts` like a retry (a real model's user read
+    "attempts 2" during a two-minute call as a failure)."""
+    import threading
+    import time
+
+    from rich.console import Console
+
+    from investigation.llm.replay_server import Fault
+    from workers.views import model_usage_table
+
+    def usage() -> dict[int, dict[str, Any]]:
+        return {u["hypothesis_id"]: dict(u) for u in operations.status(
+            rig.case.store, rig.case.case_id)["model_usage"]["hypotheses"]}
+
+    assert rig.step().outcome == PROGRESSED  # hypothesis 1
+    assert usage()[1]["awaiting_answer"] == 0
+    rig.server.add_faults(Fault.delay(3.0))
+    stepped: list[Outcome] = []
+    worker = threading.Thread(target=lambda: stepped.append(rig.step()))  # hypothesis 2
+    worker.start()
+    try:
+        deadline = time.monotonic() + 2.5
+        while 2 not in (during := usage()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert during[2]["attempts"] == 1 and during[2]["awaiting_answer"] == 1, during
+        assert during[1]["awaiting_answer"] == 0, during
+        screen = Console(width=160, record=True)
+        table = model_usage_table({"model_usage": {"hypotheses": list(during.values())}},
+                                  "USD")
+        assert table is not None
+        screen.print(table)
+        assert "1 (1 awaiting answer)" in screen.export_text()
+    finally:
+        worker.join(30)
+    assert stepped and stepped[0].outcome == PROGRESSED
+    after = usage()[2]
+    assert (after["attempts"], after["awaiting_answer"], after["calls"]) == (1, 0, 1)
