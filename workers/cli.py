@@ -34,7 +34,7 @@ from investigation.cases.builder import build_package
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import load_hypotheses, load_interpretation, register_case
 from investigation.config import InvestigationConfig
-from investigation.constants import BLOCKED, CASE_INVESTIGATING, CASE_PAUSED
+from investigation.constants import BLOCKED, CASE_BLOCKED, CASE_INVESTIGATING, CASE_PAUSED
 from investigation.errors import InvestigationError, LockBusy
 from investigation.loop.outcome import Outcome
 from investigation.operations import (
@@ -692,7 +692,8 @@ def resume_cmd(
         "suggests one. It resets no iteration, credit or evidence")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Operator resume of a paused or blocked case (then `run` or `dispatch` it)."""
+    """Operator resume of a paused or blocked case (then `run` or `dispatch` it). Exit 1
+    when the case is still blocked (it was paused while blocked)."""
     settings = _settings()
     store = _store(settings, existing=True)
     try:
@@ -707,10 +708,13 @@ def resume_cmd(
     g = case_guidance(settings, store, case_id)
     if as_json:
         _print_json({**info, "next": g.to_dict()})
-        return
-    out.print(f"resumed {case_id} (was {info['resumed_from']})"
-              + (f"; now {info['state']}" if info.get("state") else ""), highlight=False)
-    print_guidance(out, g)
+    else:
+        out.print(f"resumed {case_id} (was {info['resumed_from']})"
+                  + (f"; now {info['state']}" if info.get("state") else ""),
+                  highlight=False)
+        print_guidance(out, g)
+    if info.get("state") == CASE_BLOCKED:  # a case paused while blocked is blocked again
+        raise typer.Exit(1)
 
 
 @app.command("pause", epilog=example(f"investigate pause {EXAMPLE_CASE}"))

@@ -5,6 +5,7 @@ a lifecycle round and completion is OBJECTIVE_MET."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,27 @@ def test_a_case_paused_while_awaiting_feedback_takes_it_and_resumes_investigatin
     assert operations.status(case.store, case.case_id)["state"] == "PAUSED"
     assert operations.resume(case.store, case.case_id)["state"] == "INVESTIGATING"
     assert [inv.step(case.case_id).outcome for _ in range(2)] == [PROGRESSED, COMPLETED]
+
+
+def test_resuming_a_case_paused_while_blocked_exits_1(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`resume` said "now BLOCKED" and exited 0, although the commands that advance a
+    case exit 1 on a blocked one (README; a new user's trial)."""
+    from workers.cli import app
+
+    case = make_case(tmp_path / "c", replies=REPLIES)
+    inv = case.investigator(CFG)
+    outcomes = [inv.step(case.case_id) for _ in range(3)]
+    assert (outcomes[-1].outcome, outcomes[-1].reason) == (BLOCKED, "AWAITING_TEST_FEEDBACK")
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", str(case.store.engine.url))
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    runner = CliRunner()
+    assert runner.invoke(app, ["pause", case.case_id]).exit_code == 0
+    resumed = runner.invoke(app, ["resume", case.case_id])
+    assert resumed.exit_code == 1 and "now BLOCKED" in resumed.output, resumed.output
+    assert runner.invoke(app, ["pause", case.case_id]).exit_code == 0
+    as_json = runner.invoke(app, ["resume", case.case_id, "--json"])
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["state"] == "BLOCKED"
 
 
 def test_cancelled_cases_take_no_feedback(tmp_path: Path) -> None:
