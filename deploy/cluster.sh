@@ -13,7 +13,7 @@
 #   METRICS_PORT (9808), FLOWER_PORT (5555), STOP_TIMEOUT_S (120), START_TIMEOUT_S (90:
 #   how long start waits for every worker to answer ping), INVESTIGATE_RUN_DIR (var/cluster),
 #   INVESTIGATE_BIN (the `investigate` to run: default .venv/bin/investigate of this
-#   checkout; set it for a runtime install elsewhere, e.g. /opt/investigate/bin/investigate),
+#   checkout; set it for a runtime install elsewhere, e.g. /opt/investigation/bin/investigate),
 #   INVESTIGATE_HOME (default $INVESTIGATE_RUN_DIR/home; a worker started by hand needs
 #   the same).
 set -euo pipefail

@@ -133,6 +133,21 @@ def test_every_systemd_unit_runs_a_valid_investigate_command() -> None:
     assert worker[worker.index("--queue") + 1] == "cases"
 
 
+def test_the_units_run_the_install_the_readme_makes() -> None:
+    """The README installed into /opt/investigate while every unit ran
+    /opt/investigation/bin/investigate: units that could not start (a new user's trial)."""
+    readme = (DEPLOY.parent / "README.md").read_text()
+    venvs = set(re.findall(r"python3? -m venv (\S+)", readme))
+    assert len(venvs) == 1, venvs
+    (venv,) = venvs
+    for name, commands in unit_commands().items():
+        for argv in commands:
+            assert argv[0] == f"{venv}/bin/investigate", (name, argv[0], venv)
+    for path in (DEPLOY / "cluster.env.example", DEPLOY / "cluster.sh"):
+        for install in re.findall(r"/opt/\w+", path.read_text()):
+            assert install == venv, (path.name, install)
+
+
 def test_every_variable_the_units_use_is_in_the_example_environment() -> None:
     example = (DEPLOY / "systemd" / "investigation.env.example").read_text()
     for unit in (DEPLOY / "systemd").glob("*.service"):
