@@ -344,6 +344,12 @@ class ProvidersConfig(_Strict):
         Raises:
             ConfigError: ``CONFIG_UNREADABLE`` or ``CONFIG_INVALID``.
         """
+        if not Path(path).exists():  # a hint pasted before the file was written
+            raise ConfigError(
+                "CONFIG_UNREADABLE", f"no providers file {path}: write one (every kind is "
+                "in config/providers.example.toml; a reply file alone needs one entry: "
+                '[[providers]] name = "replay", kind = "scripted", path = "replies.jsonl")',
+                path=str(path))
         data = _read_toml(path)
         if isinstance(data.get("providers"), dict):
             raise ConfigError("CONFIG_INVALID", f"{path}: providers: write each provider as "

@@ -177,7 +177,7 @@ def _continue(f: CaseFacts, mode: Mode, providers: str | None,
     use."""
     case = _q(f.case_id)
     run = f"investigate run {case} --providers " + (_q(providers) if providers
-                                                      else "PROVIDERS.toml")
+                                                      else "providers.toml")
     dispatch = f"investigate dispatch {case}"
     again = "run it" if first else "run it again"
     if mode == "embedded":
@@ -206,7 +206,7 @@ def _script_hint(f: CaseFacts, replies: str | None) -> Step:
     return Step(f"{where}: the next model call (call {f.next_call_index}) reads its line "
                 f"{f.next_call_index + 1} (lines already served stay in place); check the "
                 "file against the case before running it",
-                f"investigate replies check {_q(replies) if replies else 'REPLIES.jsonl'} "
+                f"investigate replies check {_q(replies) if replies else 'replies.jsonl'} "
                 f"{_q(f.case_id)}")
 
 
@@ -295,14 +295,16 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
                 mode or "", f": the model call is tried again after {f.retry_not_before} "
                 "(no worker waits meanwhile): workers take the case up by themselves, an "
                 "embedded case when it runs again.")
-            return Guidance(
-                headline + when,
-                (Step("embedded: `run` waits in the command (or exits 4 with --no-wait); "
-                      "run it again after that time",
-                      f"investigate run {case} --providers "
-                      + (_q(providers) if providers else "PROVIDERS.toml")),
-                 Step("distributed: the workers come back by themselves; watch it",
-                      f"investigate status {case} --watch")))
+            embedded = Step("embedded: `run` waits in the command (or exits 4 with "
+                            "--no-wait); run it again after that time",
+                            f"investigate run {case} --providers "
+                            + (_q(providers) if providers else "providers.toml"))
+            distributed = Step("distributed: the workers come back by themselves; watch it",
+                               f"investigate status {case} --watch")
+            # A shell without a broker is told of `run` only (a new user's trial).
+            return Guidance(headline + when, {"embedded": (embedded,),
+                                              "distributed": (distributed,)}.get(
+                                                  mode or "", (embedded, distributed)))
         if f.last_outcome == STEP_ERROR:
             return _step_error(f, mode, providers)
         if f.steps == 0 and f.last_outcome is None and not f.step_started:
@@ -426,8 +428,12 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
         return Guidance(
             f"Blocked: the provider refused the credentials{_why(f)}.",
             (Step("set the environment variable the providers file names in api_key_env "
-                  "(the key itself never goes into a file or the store); workers read it "
-                  "when they start, so restart them after setting it"),
+                  "(the key itself never goes into a file or the store)" + {
+                      "embedded": " in the shell that runs `investigate run`",
+                      "distributed": "; workers read it when they start, so restart them "
+                                     "after setting it"}.get(
+                      mode or "", ": in the shell of `investigate run`; workers read it "
+                      "when they start, so restart them after setting it")),
              resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_AWAITING_TEST_FEEDBACK:
         first = f.awaiting_tests[0] if f.awaiting_tests else "T1"

@@ -353,7 +353,8 @@ class OpenAIProvider:
             raise ProviderCredentialsError(
                 PROVIDER_CREDENTIALS_MISSING,
                 f"provider {self.name!r}: environment variable {var} is not set; export the "
-                f"API key in {var} for the worker (the providers file names only the variable)",
+                f"API key in {var} where the model is called (the shell of `investigate run`, or "
+                f"the workers' environment; the providers file names only the variable)",
                 provider=self.name,
                 api_key_env=var,
             )

@@ -60,7 +60,7 @@ def commands(output: str) -> list[list[str]]:
 
 
 def follow(cmd: list[str], replies: Path) -> Result:
-    args = [str(replies) if a == "REPLIES.jsonl" else a for a in cmd]
+    args = [str(replies) if a == "replies.jsonl" else a for a in cmd]
     return invoke(*args)
 
 
@@ -83,7 +83,7 @@ def test_three_invalid_replies_then_fix_and_resume(cli: Case) -> None:
     resumed = follow(todo[1], cli.replies_path)
     assert resumed.exit_code == 0, resumed.output
     assert f"resumed {cli.case_id} (was INVALID_LLM_RESPONSES)" in resumed.output
-    assert ["run", cli.case_id, "--providers", "PROVIDERS.toml"] in commands(resumed.output)
+    assert ["run", cli.case_id, "--providers", "providers.toml"] in commands(resumed.output)
     done = follow(todo[2], cli.replies_path)
     assert done.exit_code == 0, done.output
     assert f"case {cli.case_id}: COMPLETED" in done.output
@@ -111,7 +111,7 @@ def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> Non
     # failing provider read, and the providers file only from INVESTIGATE_PROVIDERS.
     shown = commands(invoke("status", cli.case_id).output)
     assert ["replies", "check", str(cli.replies_path.resolve()), cli.case_id] in shown, shown
-    assert ["run", cli.case_id, "--providers", "PROVIDERS.toml"] in shown
+    assert ["run", cli.case_id, "--providers", "providers.toml"] in shown
     with pytest.MonkeyPatch.context() as env:
         env.setenv("INVESTIGATE_PROVIDERS", providers)
         shown = commands(invoke("status", cli.case_id).output)
@@ -159,7 +159,7 @@ def test_status_watch_without_a_terminal_prints_changes_and_stops(
     watched = invoke("status", cli.case_id, "--watch", "--interval", "0.2")
     assert commands(watched.output) == commands(invoke("status", cli.case_id).output)
     assert f"--providers {cli.providers_path}" in watched.output, watched.output
-    assert "PROVIDERS.toml" not in watched.output
+    assert "--providers providers.toml" not in watched.output
 
 
 def test_run_json_and_quiet_output(cli: Case) -> None:

@@ -141,7 +141,7 @@ def test_a_blocked_case_report_says_what_to_do(tmp_path: Path) -> None:
     text = "".join(_parse(html).text)
     assert "INVALID_LLM_RESPONSES" in text
     assert f"investigate resume {case.case_id}" in text
-    assert f"investigate replies check REPLIES.jsonl {case.case_id}" in text
+    assert f"investigate replies check replies.jsonl {case.case_id}" in text
     assert text.count("UNKNOWN_EVIDENCE_ID") >= 3
 
 

@@ -89,6 +89,23 @@ def test_missing_file_is_unreadable(tmp_path: Path) -> None:
     assert err.value.code == "CONFIG_UNREADABLE"
 
 
+def test_a_missing_providers_file_says_how_to_write_one(tmp_path: Path) -> None:
+    """`case add` prints `run CASE --providers providers.toml`; pasted before the file
+    existed it said only "No such file or directory" (a new user's trial)."""
+    import tomllib
+
+    with pytest.raises(ConfigError) as err:
+        ProvidersConfig.load(tmp_path / "providers.toml")
+    assert err.value.code == "CONFIG_UNREADABLE"
+    assert "config/providers.example.toml" in err.value.message
+    entry = err.value.message.split("needs one entry: ", 1)[1].rstrip(")")
+    written = tmp_path / "providers.toml"  # the entry it shows is a working file
+    written.write_text(entry.replace(", ", "\n").replace("] ", "]\n") + "\n")
+    assert tomllib.loads(written.read_text())["providers"][0]["kind"] == "scripted"
+    (tmp_path / "replies.jsonl").write_text("")
+    assert ProvidersConfig.load(written).providers[0].name == "replay"
+
+
 def test_providers_need_at_least_one(tmp_path: Path) -> None:
     path = tmp_path / "p.toml"
     path.write_text("[gateway]\nattempts = 3\n")

@@ -52,7 +52,7 @@ def test_invalid_replies_point_at_the_next_script_line() -> None:
     assert f"$ investigate resume {CASE}\n" in text + "\n"
     assert "--retry-id" not in text  # a plain resume: the provider is not the problem
     assert "reads its line 7" in text
-    assert f"investigate replies check REPLIES.jsonl {CASE}" in text
+    assert f"investigate replies check replies.jsonl {CASE}" in text
     assert f"investigate dispatch {CASE}" in text and "investigate run" not in text
 
 
@@ -182,3 +182,18 @@ def test_replies_cut_at_max_tokens_say_to_raise_max_tokens() -> None:
     assert "raise max_tokens" in cut.steps[0].text
     other = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES", error_code="REPLY_NOT_JSON"))
     assert not any("max_tokens" in s.text for s in other.steps)
+
+
+@pytest.mark.parametrize("mode", ["embedded", "distributed", None])
+def test_waits_and_credentials_speak_of_the_runtimes_the_shell_has(mode: str | None) -> None:
+    """A shell without a broker was told that workers come back by themselves and to
+    restart them after setting a key (a new user's trial, an embedded `run`)."""
+    pending = "\n".join(advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
+                                      retry_not_before="2030-01-01T00:00:00Z"),
+                               mode, "p.toml").lines())  # type: ignore[arg-type]
+    credentials = "\n".join(advise(_facts(blocked_reason="PROVIDER_CREDENTIALS"),
+                                   mode, "p.toml").lines())  # type: ignore[arg-type]
+    assert ("investigate run " in pending) is (mode != "distributed"), pending
+    assert ("workers come back" in pending) is (mode != "embedded"), pending
+    assert ("restart them" in credentials) is (mode != "embedded"), credentials
+    assert ("investigate run`" in credentials) is (mode != "distributed"), credentials
