@@ -94,7 +94,8 @@ def replies_check(
 ) -> None:
     """Judge each line of a reply file against the case, without running anything.
 
-    Line N answers model call N-1 of the case. Each line gets a verdict from the engine's
+    Line N answers the case's model call N (blank lines are skipped; `--json` gives
+    each line's 0-based `call_index`, as the store numbers calls). Each line gets a verdict from the engine's
     own parser and validator, on a simulation of the case from its stored state:
     accepted, rejected (with the code and the rule), depends (the verdict turns on what
     earlier queries will find: both outcomes are given), served (that call was already
@@ -118,7 +119,7 @@ def replies_check(
             if v.outcome in ("BLOCKED", "COMPLETED", "DEFERRED"):
                 why += f" ({v.outcome})"
             text = "\n".join(term(part) for part in [why, *(f"- {n}" for n in v.notes)])
-            table.add_row(str(v.line), "" if v.call_index is None else str(v.call_index),
+            table.add_row(str(v.line), "" if v.call_index is None else str(v.call_index + 1),
                           "" if v.step_seq is None else str(v.step_seq),
                           "" if v.hypothesis_id is None else f"H{v.hypothesis_id}",
                           Text(v.verdict, style=_STYLE[v.verdict]), Text(text))

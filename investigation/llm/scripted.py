@@ -36,7 +36,7 @@ from investigation.llm.types import (
 )
 
 _SCRIPT_IN_MESSAGE = re.compile(r"^provider '.*?': (?:cannot read script|script) (.+?)"
-                                r"(?: has \d+ replies but call |: )")
+                                r"(?: has \d+ replies (?:but call|and the case's model call) |: )")
 
 
 def script_path_of(message: str | None) -> str | None:
@@ -142,9 +142,9 @@ class ScriptedProvider:
         if req.call_index >= len(lines):
             raise ProviderConfigurationError(
                 PROVIDER_SCRIPT_EXHAUSTED,
-                f"provider {self.name!r}: script {self.path} has {len(lines)} replies but call "
-                f"{req.call_index} (0-based) needs reply {req.call_index + 1}; add replies or "
-                "configure another provider",
+                f"provider {self.name!r}: script {self.path} has {len(lines)} replies and the "
+                f"case's model call {req.call_index + 1} needs reply {req.call_index + 1}; "
+                "append replies (served lines stay as they are) or configure another provider",
                 provider=self.name,
                 path=str(self.path),
                 call_index=req.call_index,

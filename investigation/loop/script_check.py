@@ -508,15 +508,15 @@ def _start(state: str, reason: str | None, head: int, calls: int) -> str:
     if state in (CASE_CANCELLED, CASE_STOPPED):
         return f"the case is {state} ({where}): no line will be read"
     if state == CASE_PAUSED:
-        return f"the case is paused ({where}); after `resume`, call {calls} reads line " \
+        return f"the case is paused ({where}); after `resume`, call {calls + 1} reads line " \
                f"{calls + 1}"
     if state == CASE_BLOCKED:
         if reason == BLOCK_AWAITING_TEST_FEEDBACK:
             return (f"the case waits for test feedback ({where}); once it is confirmed, call "
-                    f"{calls} reads reply line {calls + 1}")
-        return (f"the case is blocked ({reason}; {where}); after `resume`, call {calls} reads "
-                f"reply line {calls + 1}")
-    return f"{where}: the next call ({calls}) reads reply line {calls + 1}"
+                    f"{calls + 1} reads reply line {calls + 1}")
+        return (f"the case is blocked ({reason}; {where}); after `resume`, call {calls + 1} "
+                f"reads reply line {calls + 1}")
+    return f"{where}: the next call ({calls + 1}) reads reply line {calls + 1}"
 
 
 def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
@@ -525,7 +525,7 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
     for call, (number, raw) in enumerate(lines):
         if call < first_call:
             verdicts.append(LineVerdict(number, call, SERVED,
-                                        detail=f"call {call} was already made; the case "
+                                        detail=f"call {call + 1} was already made; the case "
                                                "will not read this line again"))
             continue
         if finished or main.done:
@@ -570,9 +570,16 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
     elif main.done or main.next_turn() is None:
         end = "the case completes (every hypothesis account is terminal) within the file"
     else:
-        end = (f"the file ends after {len(lines)} reply line(s): call {len(lines)} finds no "
-               "reply and blocks the case (PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); "
-               "add replies to continue")
+        # A last line that hands out a test stops the case there first (a new user's trial
+        # read only the exhausted script here, while `run` stopped awaiting feedback).
+        waits = bool(verdicts) and any(BLOCK_AWAITING_TEST_FEEDBACK in n
+                                       for n in verdicts[-1].notes)
+        end = (f"the file ends after {len(lines)} reply line(s): "
+               + (f"the case first waits for the test feedback line {verdicts[-1].line} asks "
+                  f"for ({BLOCK_AWAITING_TEST_FEEDBACK}); once it is confirmed, "
+                  if waits else "")
+               + f"call {len(lines) + 1} finds no reply and blocks the case "
+               "(PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to continue")
     return verdicts, end
 
 

@@ -74,12 +74,12 @@ def test_three_invalid_replies_then_fix_and_resume(cli: Case) -> None:
     assert todo == [["replies", "check", "case/replies.jsonl", cli.case_id],
                     ["resume", cli.case_id],
                     ["run", cli.case_id, "--providers", providers]]
-    assert "the next model call (call 3) reads its line 4" in ran.output
+    assert "the next model call (call 4) reads its line 4" in ran.output
     # The user fixes the file: the three served lines stay, the next call reads line 4.
     cli.replies_path.write_text("\n".join([BAD, BAD, BAD, *HAPPY]) + "\n")
     checked = follow(todo[0], cli.replies_path)
     assert checked.exit_code == 0, checked.output
-    assert "after `resume`, call 3 reads reply line 4" in checked.output
+    assert "after `resume`, call 4 reads reply line 4" in checked.output
     resumed = follow(todo[1], cli.replies_path)
     assert resumed.exit_code == 0, resumed.output
     assert f"resumed {cli.case_id} (was INVALID_LLM_RESPONSES)" in resumed.output

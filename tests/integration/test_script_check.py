@@ -112,9 +112,31 @@ def test_three_invalid_replies_block_and_the_check_says_where_to_go_on(tiny_case
     fixed = lines + [json.dumps(r) for r in casekit.HAPPY_REPLIES]
     tiny_case.replies_path.write_text("\n".join(fixed) + "\n")
     again = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
-    assert "after `resume`, call 3 reads reply line 4" in again.start
+    assert "after `resume`, call 4 reads reply line 4" in again.start
     assert [v.verdict for v in again.lines[:3]] == [SERVED] * 3
     assert again.ok and again.lines[-1].outcome == COMPLETED
+
+
+def test_a_file_that_ends_on_a_test_hand_out_says_the_case_waits_there(
+        tmp_path: Path) -> None:
+    """The footer said the next call finds no reply and blocks the case
+    (PROVIDER_SCRIPT_EXHAUSTED) while the run stopped at AWAITING_TEST_FEEDBACK first (a
+    new user's trial)."""
+    from tests.casekit import make_case
+    from tests.integration.test_external_tests import CFG, REPLIES
+
+    case = make_case(tmp_path / "c", replies=REPLIES[:3])
+    result = check_script(case.store, case.case_id, case.replies_path, CFG)
+    assert any("AWAITING_TEST_FEEDBACK" in n for n in result.lines[-1].notes)
+    assert result.end.startswith(
+        "the file ends after 3 reply line(s): the case first waits for the test feedback "
+        "line 3 asks for (AWAITING_TEST_FEEDBACK); once it is confirmed, call 4 finds no "
+        "reply"), result.end
+    outcome = case.investigator(CFG).run(case.case_id, max_steps=10)
+    assert (outcome.outcome, outcome.reason) == (BLOCKED, "AWAITING_TEST_FEEDBACK")
+    plain = make_case(tmp_path / "p", replies=REPLIES[:2])  # no hand-out: no wait named
+    ends = check_script(plain.store, plain.case_id, plain.replies_path, CFG).end
+    assert "waits" not in ends and "call 3 finds no reply" in ends, ends
 
 
 def test_lines_after_completion_are_unused_and_blank_lines_keep_numbers(
@@ -152,7 +174,7 @@ def test_cli_replies_check(tiny_case: Case, tmp_path: Path,
     res = CliRunner().invoke(app, ["replies", "check", str(tiny_case.replies_path),
                                    tiny_case.case_id])
     assert res.exit_code == 0, res.output
-    assert "the next call (0) reads reply line 1" in res.output
+    assert "the next call (1) reads reply line 1" in res.output
     assert "depends" in res.output and "SUPPORT_WITHOUT_FINDINGS" in res.output
     res = CliRunner().invoke(app, ["replies", "check", str(tiny_case.replies_path),
                                    tiny_case.case_id, "--json"])
