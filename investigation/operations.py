@@ -468,8 +468,9 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
 
     Returns:
         ``{"case_id", "checkpoints", "artifacts", "artifact_bytes", "live_rows",
-        "budget_accounts", "bindings"}`` where ``live_rows`` is ``"checked"`` or ``"step N in
-        progress"`` and ``budget_accounts`` the number of accounts whose ledger was read
+        "budget_accounts", "bindings"}`` where ``live_rows`` is ``"checked"``, ``"step N in
+        progress"`` or, for a cancelled or stopped case, ``"step N left unfinished when the
+        case was CANCELLED"`` (or ``STOPPED``), and ``budget_accounts`` the number of accounts whose ledger was read
         (0 while a step is in progress).
 
     Raises:
@@ -496,7 +497,12 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
         for art in Store.artifacts(s, case_id):
             count += 1
             total += len(art.data)
+    if running is None:
+        rows = "checked"
+    elif case.state in (CASE_CANCELLED, CASE_STOPPED):  # nothing will finish that step
+        rows = f"step {case.head_seq + 1} left unfinished when the case was {case.state}"
+    else:
+        rows = f"step {case.head_seq + 1} in progress"
     return {"case_id": case_id, "checkpoints": head.head_seq, "artifacts": count,
             "artifact_bytes": total, "budget_accounts": accounts, "bindings": bindings,
-            "live_rows": "checked" if running is None
-            else f"step {case.head_seq + 1} in progress"}
+            "live_rows": rows}

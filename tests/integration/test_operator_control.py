@@ -136,6 +136,7 @@ def test_cancel_is_final_and_keeps_what_was_done(tmp_path: Path) -> None:
     assert session.termination_reason.value == "USER_CANCELLED"
     o = inv.step(case.case_id)
     assert (o.outcome, o.reason) == (BLOCKED, "CANCELLED")
+    assert operations.verify(case.store, case.case_id)["live_rows"] == "checked"
     info = operations.status(case.store, case.case_id)
     assert (info["state"], info["steps"], info["evidence_count"]) == ("CANCELLED", 2, 2)
     for fn in (operations.pause, operations.cancel):
@@ -151,6 +152,19 @@ def test_cancel_is_final_and_keeps_what_was_done(tmp_path: Path) -> None:
     assert err.value.code == "SUMMARY_NOT_READY"
     assert "is CANCELLED and has no summary" in err.value.message
     assert "yet" not in err.value.message
+
+
+def test_verify_of_a_case_cancelled_mid_step_says_the_step_stays_unfinished(
+        tmp_path: Path) -> None:
+    """`verify` said "step 3 in progress" of a cancelled case, where nothing runs any more
+    (a new user's trial)."""
+    case = make_case(tmp_path / "c")
+    case.investigator().step(case.case_id)
+    assert Stages(case.env()).run("build_context", StepKey(case.case_id, 1, 2)).halt is None
+    assert operations.verify(case.store, case.case_id)["live_rows"] == "step 2 in progress"
+    operations.cancel(case.store, case.case_id)
+    assert operations.verify(case.store, case.case_id)["live_rows"] == \
+        "step 2 left unfinished when the case was CANCELLED"
 
 
 def test_a_case_paused_while_awaiting_feedback_takes_it_and_resumes_investigating(
