@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 1 the investigation ended blocked; 2 a controlled error
 (``error CODE: message`` on stderr); 3 ``LockBusy``; 4 ``run --no-wait`` stopped at a
-provider backoff (``RETRY_PENDING``: run again after the printed time).
+provider backoff (``RETRY_PENDING``: run again after the printed time); 5 an unexpected
+exception, a bug (``INTERNAL_ERROR`` after its traceback).
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ def _print_json(data: Any) -> None:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
+#: Exit code of an unexpected exception (a bug of the engine), distinct from 1 (blocked)
+#: and 2 (a controlled error).
+INTERNAL_ERROR_EXIT = 5
 
 #: Whether the running command was given ``--json``: its controlled errors are then also
 #: one JSON object on stdout (:func:`_fail`).
@@ -876,8 +881,7 @@ def _invoke(command: Any, args: list[str]) -> int:
         result = command.main(args=args, prog_name="investigate", standalone_mode=False)
     except typer.TyperException as exc:  # Click's errors: Typer vendors Click under it
         usage = cast(Any, exc)
-        options = args[:args.index("--")] if "--" in args else args
-        if "--json" in options:
+        if _asks_json(args):
             _print_json({"error": {"code": "USAGE_INVALID",
                                    "message": usage.format_message(),
                                    "exit_code": usage.exit_code}})
@@ -886,9 +890,26 @@ def _invoke(command: Any, args: list[str]) -> int:
     except typer.Abort:  # end of input at a prompt
         err.print("Aborted!", markup=False, highlight=False)
         return 1
+    except Exception as exc:  # a bug: never exit 1, which says "the case is blocked"
+        import traceback
+
+        traceback.print_exc()
+        message = (f"unexpected {type(exc).__name__}: {_first_line(exc)}; this is a bug of "
+                   "the engine (the traceback above says where)")
+        err.print("[bold red]error[/] ", end="", markup=True)
+        err.print(_term(f"INTERNAL_ERROR: {message}"), markup=False, highlight=False)
+        if _asks_json(args):
+            _print_json({"error": {"code": "INTERNAL_ERROR", "message": message,
+                                   "exit_code": INTERNAL_ERROR_EXIT}})
+        return INTERNAL_ERROR_EXIT
     # Not standalone, Click returns the code of a ``typer.Exit`` (help, --version,
     # :func:`_fail`) and otherwise the command's return value (the commands return None).
     return result if isinstance(result, int) else 0
+
+
+def _asks_json(args: list[str]) -> bool:
+    """Whether ``args`` hold the ``--json`` flag (not as an argument after ``--``)."""
+    return "--json" in (args[:args.index("--")] if "--" in args else args)
 
 
 def _show_usage_error(exc: Any) -> None:

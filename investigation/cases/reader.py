@@ -499,7 +499,7 @@ def _check_layout(
     if report not in files or report.startswith(roots):
         raise _invalid(f"'report' {report!r} must name a listed file outside {roots}")
     databases: list[str] = manifest["databases"]
-    logs_root = manifest["logs_root"]
+    logs_root = manifest.get("logs_root")  # absent: null, as the shape check allows
     source: list[str] = []
     dbs: list[str] = []
     logs: list[str] = []

@@ -418,6 +418,22 @@ def test_a_usage_error_of_a_json_command_is_json_on_stdout_too(
     code, out, _ = run("status", "case-nope", "--json")
     assert code == 2 and json.loads(out)["error"]["code"] == "STORE_NOT_FOUND", out
 
+    # An unexpected exception is a bug: exit 5 and INTERNAL_ERROR after the traceback,
+    # never exit 1, which says "blocked" (a manifest's KeyError did, a hostile trial).
+    import workers.cli
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("logs_root")
+
+    monkeypatch.setattr(workers.cli, "_store", broken)
+    code, out, err = run("status", "case-nope", "--json")
+    assert code == 5 and json.loads(out)["error"] == {
+        "code": "INTERNAL_ERROR", "exit_code": 5,
+        "message": "unexpected KeyError: 'logs_root'; this is a bug of the engine (the "
+                   "traceback above says where)"}, out
+    assert "Traceback" in err and "INTERNAL_ERROR: unexpected KeyError" in err, err
+    monkeypatch.undo()
+
     ran = subprocess.run([str(Path(sys.executable).with_name("investigate")), "cases",
                           "--json", "--state"], capture_output=True, text=True,
                          env=dict(os.environ), timeout=60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 import threading
 import zipfile
@@ -424,6 +425,23 @@ def test_manifest_missing() -> None:
 ])
 def test_manifest_invalid(overrides: dict[str, Any]) -> None:
     assert code_of(package(overrides=overrides)) == "PKG_MANIFEST_INVALID"
+
+
+def test_a_manifest_without_logs_root_reads_as_null() -> None:
+    """The shape check allowed the key to be absent and the layout check then raised a
+    bare KeyError: a traceback and exit 1 from `case add` (a hostile-input trial)."""
+    files = dict(BASE)
+    manifest = json.loads(manifest_for(files))
+    del manifest["logs_root"]
+    data = craft([Entry(b"manifest.json", canonical_json(manifest)),
+                  *[Entry(n.encode(), d, method=8) for n, d in sorted(files.items())]])
+    assert PackageReader(PackageLimits()).read(data)
+    logs = {**files, "logs/app.log": b"x\n"}  # logs without a logs root: refused, with a code
+    manifest = json.loads(manifest_for(logs))
+    del manifest["logs_root"]
+    data = craft([Entry(b"manifest.json", canonical_json(manifest)),
+                  *[Entry(n.encode(), d, method=8) for n, d in sorted(logs.items())]])
+    assert code_of(data) == "PKG_MANIFEST_INVALID"
 
 
 def test_a_manifest_is_bounded_by_its_entries_before_it_is_parsed() -> None:
