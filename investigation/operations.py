@@ -4,6 +4,7 @@ verify."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -49,6 +50,7 @@ from investigation.store.models import (
     StageRun,
     utcnow,
 )
+from investigation.text_safety import escape_text
 
 #: Blocks of a failed provider operation: resumed with a retry id (a new operation).
 _PROVIDER_BLOCKS = (BLOCK_PROVIDER_EXHAUSTED, BLOCK_PROVIDER_CONFIGURATION,
@@ -223,6 +225,11 @@ def cancel(store: Store, case_id: str) -> dict[str, Any]:
         return {"case_id": case_id, "cancelled_from": previous}
 
 
+#: What a retry id may be (``resume --retry-id``): it names a provider operation in an
+#: indexed column, in logs and in the commands guidance prints.
+RETRY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}")
+
+
 def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str, Any]:
     """Operator resume of a paused or blocked case.
 
@@ -239,9 +246,19 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
     invalid-reply counter. It is refused for other block reasons.
 
     Raises:
-        InvestigationError: ``CASE_NOT_BLOCKED``, ``RETRY_ID_NOT_APPLICABLE``,
-        ``RETRY_ID_REUSED``.
+        InvestigationError: ``RETRY_ID_INVALID`` (not 1-100 characters of letters, digits
+        and ``. _ : @ + -``, starting with a letter or digit; checked before anything is
+        read), ``CASE_NOT_BLOCKED``, ``RETRY_ID_NOT_APPLICABLE``, ``RETRY_ID_REUSED``.
     """
+    if retry_id is not None and not RETRY_ID.fullmatch(retry_id):
+        # It is stored in an indexed column and printed in commands: a 40,000-character
+        # id broke PostgreSQL's index for good and left the case unresumable, an option
+        # such as `--json` was taken as the id (a hostile-input trial).
+        shown = escape_text(retry_id[:40]) + ("..." if len(retry_id) > 40 else "")
+        raise InvestigationError(
+            "RETRY_ID_INVALID", f"retry id {shown!r} ({len(retry_id)} characters) is not "
+            "1-100 letters, digits and . _ : @ + -, starting with a letter or digit; "
+            "e.g. the one `investigate status` suggests")
     with store.session() as s:
         case = Store.lock_case(s, case_id)
         if case.state == CASE_PAUSED:

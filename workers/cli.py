@@ -704,7 +704,7 @@ def resume_cmd(
     try:
         info = resume(store, case_id, retry_id)
     except InvestigationError as exc:
-        if exc.code in ("RETRY_ID_REQUIRED", "RETRY_ID_REUSED"):
+        if exc.code in ("RETRY_ID_REQUIRED", "RETRY_ID_REUSED", "RETRY_ID_INVALID"):
             # The suggestion goes with the error, after it (it was printed before it).
             fresh = guidance.facts_for(store, case_id).retry_id
             raise InvestigationError(exc.code, f"{exc.message}; try: investigate resume "

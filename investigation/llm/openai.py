@@ -578,8 +578,15 @@ def parse_chat_completion(raw: bytes, status: int | None, provider: str) -> Prov
         http_status=status,
         prompt_tokens=_count(usage.get("prompt_tokens")),
         completion_tokens=_count(usage.get("completion_tokens")),
-        finish_reason=finish if isinstance(finish, str) and len(finish) <= 64 else None,
+        finish_reason=finish if isinstance(finish, str) and _FINISH.fullmatch(finish)
+        else None,
     )
+
+
+#: A ``finish_reason`` worth keeping (``stop``, ``length``, ``tool_calls``, ``eos``...):
+#: anything else is dropped, never stored (a NUL in it failed PostgreSQL's text column
+#: and lost the paid reply, a hostile-input trial).
+_FINISH = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 def retry_after_seconds(headers: Mapping[str, str], now: datetime) -> float | None:

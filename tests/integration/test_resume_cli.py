@@ -127,6 +127,16 @@ def test_exhausted_call_resumes_with_a_retry_id_and_keeps_every_counter(
     # A plain resume is refused for a provider block; the retry id is required.
     res = invoke("resume", cli.case_id)
     assert res.exit_code == 2 and "RETRY_ID_REQUIRED" in res.output
+    # An id no index, log or command can carry is refused before anything is read: a
+    # 40,000-character one broke PostgreSQL's index for good, `--json` was taken as an
+    # id, control characters were stored raw (a hostile-input trial).
+    for bad in ("x" * 40_000, "--json", "a\x1b]0;PWNED\x07", "", "retry id", "é"):
+        res = invoke("resume", cli.case_id, "--retry-id", bad)
+        assert res.exit_code == 2 and "RETRY_ID_INVALID" in res.output, (bad, res.output)
+        assert "\x1b" not in res.output and "try: investigate resume" in res.output
+        assert status_json(cli)["state"] == "BLOCKED"
+    assert "(40000 characters)" in invoke("resume", cli.case_id, "--retry-id",
+                                          "x" * 40_000).output
     res = invoke("resume", cli.case_id, "--retry-id", "outage-over")
     assert res.exit_code == 0, res.output
     assert f"resumed {cli.case_id} (was PROVIDER_EXHAUSTED)" in res.output

@@ -300,6 +300,16 @@ def test_a_reply_cut_at_max_tokens_is_a_reply_with_its_finish_reason() -> None:
     assert send(provider(respond(200, completion()))).finish_reason == "stop"
 
 
+@pytest.mark.parametrize(("finish", "kept"), [
+    ("eos", "eos"), ("tool_calls", "tool_calls"), ("st\x00op", None),
+    ("stop\x1b[2J", None), ("x" * 65, None), ("", None), ("stop please", None)])
+def test_a_finish_reason_is_kept_only_as_a_plain_word(finish: str, kept: str | None) -> None:
+    """A NUL in it failed PostgreSQL's text column and lost the paid reply; control
+    characters would reach the report (a hostile-input trial). The reply itself stays."""
+    reply = send(provider(respond(200, completion(finish=finish))))
+    assert reply.finish_reason == kept and reply.content == '{"x": 1}'
+
+
 def test_content_from_raw_roundtrip() -> None:
     p = provider(respond(200, completion()))
     reply = send(p)
