@@ -34,7 +34,7 @@ import secrets
 import stat
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -191,9 +191,18 @@ def load_settings() -> Settings:
         # A rule across several variables has no location: its message names them.
         problems = "; ".join(
             (f"INVESTIGATE_{'_'.join(str(p) for p in e['loc']).upper()}: " if e["loc"]
-             else "") + e["msg"].removeprefix("Value error, ")
-            for e in exc.errors(include_input=False, include_url=False))
+             else "") + _message(e) for e in exc.errors(include_input=False, include_url=False))
         raise ConfigError("CONFIG_INVALID", f"bad setting: {problems}") from None
+
+
+def _message(error: Any) -> str:
+    """Pydantic's message of one settings error; a secret's length is in characters
+    (pydantic counts a ``SecretStr``'s "items")."""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] in ("string_too_short", "string_too_long", "too_short", "too_long") \
+            and error["loc"] == ("feedback_key",):
+        message = message.replace(" items", " characters")
+    return message
 
 
 def _warn_if_others_read(path: Path) -> None:

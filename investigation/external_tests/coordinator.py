@@ -17,7 +17,8 @@ A request whose deadline passes first is expired by :meth:`AsyncTestCoordinator.
 (run by the recovery sweep): it is recorded as an empty result with the warning
 ``TEST_DEADLINE_PASSED`` and the case continues the same way.
 
-Refusals (``InvestigationError`` codes; none changes anything): ``TEST_REQUEST_NOT_FOUND``,
+Refusals (``InvestigationError`` codes; none changes anything): ``CASE_NOT_FOUND``,
+``TEST_REQUEST_NOT_FOUND``,
 ``FEEDBACK_FORGED`` (wrong secret: forged, or meant for another case or request),
 ``FEEDBACK_REPLAYED`` (already submitted, confirmed or expired), ``FEEDBACK_AFTER_DEADLINE``,
 ``FEEDBACK_NOT_SUBMITTED``, ``FEEDBACK_DIGEST_MISMATCH``, ``FEEDBACK_INVALID``,
@@ -246,6 +247,8 @@ class AsyncTestCoordinator:
         row = s.exec(select(TestRequest).where(TestRequest.case_id == case_id,
                                                TestRequest.request_id == request_id)).first()
         if row is None:
+            if s.get(CaseRecord, case_id) is None:  # not a case at all: say that
+                raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
             raise InvestigationError("TEST_REQUEST_NOT_FOUND",
                                      f"case {case_id} has no test request {request_id!r}")
         return row

@@ -466,7 +466,8 @@ def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "value", "shown"), [
-    ("INVESTIGATE_FEEDBACK_KEY", "supersecretvalue-31-chars-abcde", "FEEDBACK_KEY"),
+    ("INVESTIGATE_FEEDBACK_KEY", "supersecretvalue-31-chars-abcde",
+     "FEEDBACK_KEY: Value should have at least 32 characters"),
     ("INVESTIGATE_REDIS_URL", "redis://127.0.0.1:6379/abc", "must be a number"),
     ("INVESTIGATE_QUEUE", "", "QUEUE"),
 ])

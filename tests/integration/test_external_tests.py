@@ -174,7 +174,7 @@ def test_forged_replayed_misdirected_and_late_feedback_changes_nothing(
         "FEEDBACK_FORGED"  # another request's secret
     assert _code(coord.submit, cid, "T1", derive_secret(KEY, "case-other", "T1"), fb) == \
         "FEEDBACK_FORGED"  # another case's secret
-    assert _code(coord.submit, "case-other", "T1", secret, fb) == "TEST_REQUEST_NOT_FOUND"
+    assert _code(coord.submit, "case-other", "T1", secret, fb) == "CASE_NOT_FOUND"
     assert _code(coord.submit, cid, "T9", secret, fb) == "TEST_REQUEST_NOT_FOUND"
     assert _code(coord.submit, cid, "T1", secret, {"outcome": "fine", "observation": "x"}) \
         == "FEEDBACK_INVALID"
