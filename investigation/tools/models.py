@@ -49,8 +49,21 @@ Scalar = Annotated[int | Annotated[float, Field(allow_inf_nan=False)] | str | No
                    AfterValidator(_sqlite_scalar)]
 
 
+#: The largest line number or count an argument may hold (as the policy's counts): a
+#: 4,000-digit ``end_line`` was accepted and printed whole in summary.md (a hostile-input
+#: trial). Checked after the schema, so the per-turn reply schema stays as it is.
+MAX_ARG_INT = 10**9
+
+
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @model_validator(mode="after")
+    def _counts_are_bounded(self) -> _Args:
+        for name, value in self:
+            if type(value) is int and value > MAX_ARG_INT:
+                raise ValueError(f"{name} is larger than {MAX_ARG_INT}")
+        return self
 
 
 class SourceListArgs(_Args):

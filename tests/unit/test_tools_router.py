@@ -91,6 +91,10 @@ def test_unknown_operation() -> None:
     ("source.search", {"pattern": "x", "regex": "yes"}),
     ("source.search", {"pattern": "x", "max_results": 0}),
     ("source.list", {"limit": -1}),
+    # counts and line numbers past 10^9: a 4,000-digit end_line reached summary.md whole
+    ("source.read", {"path": "src/a.py", "start_line": 1, "end_line": 10**4000}),
+    ("source.read", {"path": "src/a.py", "start_line": 10**9 + 1, "end_line": 10**9 + 1}),
+    ("source.search", {"pattern": "x", "max_results": 10**12}),
     ("db.query", {"sql": "SELECT 1", "params": "1"}),
     ("db.query", {"sql": "SELECT ?", "params": [{"a": 1}]}),
     ("db.query", {"sql": "x" * 20_001}),
