@@ -71,29 +71,40 @@ class LoopConfig(_Strict):
     must cite. Default 2."""
 
 
+#: Default unit cost of each snapshot operation (``[budget.costs]``).
+DEFAULT_COSTS: dict[str, int] = {
+    "source.list": 2,
+    "source.search": 3,
+    "source.read": 2,
+    "symbol.occurrences": 3,
+    "db.tables": 1,
+    "db.schema": 1,
+    "db.query": 4,
+    "logs.search": 3,
+}
+
+
 class BudgetConfig(_Strict):
     """Per-hypothesis credit and per-action costs, in investigation units."""
 
     credit_units: int = Field(60, ge=1, le=MAX_UNITS)
     """Initial credit of each hypothesis account. Default 60."""
-    costs: dict[str, Units] = Field(
-        default_factory=lambda: {
-            "source.list": 2,
-            "source.search": 3,
-            "source.read": 2,
-            "symbol.occurrences": 3,
-            "db.tables": 1,
-            "db.schema": 1,
-            "db.query": 4,
-            "logs.search": 3,
-        }
-    )
-    """Cost per snapshot operation; every operation needs a positive cost."""
+    costs: dict[str, Units] = Field(default_factory=lambda: dict(DEFAULT_COSTS))
+    """Cost per snapshot operation, each positive; a table that names only some
+    operations keeps the defaults of the others (:data:`DEFAULT_COSTS`)."""
     test_costs: dict[Literal["human", "automated"], Units] = Field(default_factory=dict)
     """Cost per external test kind. Empty by default: a test action then is rejected
     (seed: test descriptors require explicitly configured costs)."""
     max_refund_percent: int = Field(80, ge=0, le=99)
     """Upper bound of a refund as a percentage of the action's cost (always < 100). Default 80."""
+
+    @field_validator("costs", mode="before")
+    @classmethod
+    def _costs_over_defaults(cls, value: Any) -> Any:
+        """``[budget.costs]`` with only ``"db.query" = 6`` meant that cost, not "every
+        other operation has none" (it was refused with the missing ones named, hiding a
+        wrong value: a hostile-input trial; the example says every key is optional)."""
+        return {**DEFAULT_COSTS, **value} if isinstance(value, dict) else value
 
     @field_validator("costs")
     @classmethod
@@ -101,9 +112,6 @@ class BudgetConfig(_Strict):
         unknown = sorted(set(value) - set(OPERATIONS))
         if unknown:
             raise ValueError(f"unknown operations in budget.costs: {unknown}")
-        missing = sorted(set(OPERATIONS) - set(value))
-        if missing:
-            raise ValueError(f"budget.costs lacks a cost for: {missing}")
         bad = sorted(k for k, v in value.items() if v <= 0)
         if bad:
             raise ValueError(f"costs must be positive integers: {bad}")

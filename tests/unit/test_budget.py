@@ -157,11 +157,18 @@ def test_budget_config_refuses_non_positive_costs_and_full_refunds() -> None:
         BudgetConfig(max_refund_percent=100)
 
 
-def test_budget_config_needs_a_cost_for_every_operation_and_no_other() -> None:
+def test_budget_config_has_a_cost_for_every_operation_and_no_other() -> None:
+    """A table naming some operations keeps the defaults of the others (it was refused
+    with the others named, which hid a wrong value: a hostile-input trial)."""
+    from investigation.config import DEFAULT_COSTS, OPERATIONS
+
     costs = BudgetConfig().costs
+    assert set(costs) == set(OPERATIONS) == set(DEFAULT_COSTS)
     for op in costs:
-        with pytest.raises(ValueError, match="lacks a cost"):
-            BudgetConfig(costs={k: v for k, v in costs.items() if k != op})
+        partial = BudgetConfig(costs={op: 7}).costs
+        assert partial == {**DEFAULT_COSTS, op: 7}
+    with pytest.raises(ValueError, match=r"costs must be positive integers: \['db.query'\]"):
+        BudgetConfig(costs={"db.query": -4})
     with pytest.raises(ValueError, match="unknown operations"):
         BudgetConfig(costs={**costs, "db.drop": 1})
 
