@@ -88,20 +88,47 @@ def code_span(text: str) -> str:
     return f"{fence}{text}{fence}"
 
 
+#: A URL a GFM renderer would turn into a link by itself: its ``://`` or ``www.`` is
+#: written ``[:]//`` or ``www[.]`` (defanged), so it reads the same and links nowhere.
+_AUTOLINK = re.compile(r"(?i)\b(https?|ftp)://|\b(www)\.")
+#: An underscore that could open or close emphasis: not between two letters or digits
+#: (CommonMark never reads ``transform_sql`` as emphasis).
+_LOOSE_UNDERSCORE = re.compile(r"(?<![^\W_])_|_(?![^\W_])")
+
+
+#: A code span of CommonMark: a backtick run, text, the same run (no longer one).
+_CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)")
+
+
 def plain(text: str | None) -> str:
     """Untrusted prose (model notes, reasons, questions, statements) as one inert line.
 
     Whitespace runs (line breaks included) collapse to one space, so the text can never
-    start a line of its own (no heading, list, quote or fence); ``<``/``>`` become
-    entities (no HTML) and ``[``, ``]``, ``|`` are escaped (no links, no table cells);
-    control, bidirectional and zero-width characters become visible escapes first
-    (:func:`investigation.text_safety.escape_text`).
+    start a line of its own (no heading, list, quote or fence); control, bidirectional
+    and zero-width characters become visible escapes (:func:`investigation.text_safety.
+    escape_text`). Outside code spans ``<``/``>`` become entities (no HTML); ``[``,
+    ``]``, ``|``, ``*``, ``~`` and every underscore not inside a word are escaped (no
+    links, table cells, emphasis or strike-through); a bare URL is defanged
+    (``https[:]//``, ``www[.]``: no autolink in GitHub's Markdown). A code span (the
+    demo's interpretation names tables in backticks) already shows its text literally
+    and is kept as written, with only ``|`` escaped (a table cell would end there).
     """
     flat = escape_text(" ".join((text or "").split()))
-    flat = flat.replace("\\", "\\\\").replace("<", "&lt;").replace(">", "&gt;")
-    for ch in "[]|":
-        flat = flat.replace(ch, "\\" + ch)
-    return flat
+    parts: list[str] = []
+    last = 0
+    for span in _CODE_SPAN.finditer(flat):
+        parts += [_inert(flat[last:span.start()]), span[0].replace("|", "\\|")]
+        last = span.end()
+    return "".join([*parts, _inert(flat[last:])])
+
+
+def _inert(text: str) -> str:
+    """:func:`plain`'s escapes of text outside code spans."""
+    text = text.replace("\\", "\\\\").replace("<", "&lt;").replace(">", "&gt;")
+    text = _AUTOLINK.sub(lambda m: f"{m[1]}[:]//" if m[1] else f"{m[2]}[.]", text)
+    for ch in "[]|*~":
+        text = text.replace(ch, "\\" + ch)
+    return _LOOSE_UNDERSCORE.sub(r"\\_", text)
 
 
 def _quote(item: dict[str, Any]) -> str:

@@ -81,7 +81,7 @@ def test_snapshot_escapes_are_shown_escaped_everywhere(tmp_path: Path, cli_env: 
     assert "\\x9b31m" in summary.output
     assert "\\u202eelif skool\\u202c" in summary.output
     # plain() prose: the escape, then Markdown escaping (backslashes doubled, brackets escaped)
-    assert "fine\\\\u200b\\\\U000e0041 \\[link=http://evil.example/\\]x" in summary.output
+    assert "fine\\\\u200b\\\\U000e0041 \\[link=http\\[:\\]//evil.example/\\]x" in summary.output
 
     from investigation.store import Store
 

@@ -34,3 +34,29 @@ def test_model_prose_cannot_forge_structure() -> None:
     assert "\n" not in line
     assert "\n" not in line and line.startswith("fine # Root cause")  # no line of its own
     assert "&lt;img" in line and "\\[link\\]" in line and "\\| t" in line
+
+
+def test_model_prose_renders_as_the_text_it_is() -> None:
+    """Emphasis, strike-through and bare URLs reached summary.md live: `**IGNORE OTHER
+    HYPOTHESES**` rendered bold and a GFM renderer links `https://evil.example` (a
+    hostile-input trial). Rendered with markdown-it (CommonMark, GFM tables and
+    strike-through), what shows is the text; code spans stay code."""
+    from markdown_it import MarkdownIt
+
+    from investigation.loop.summary import plain
+
+    md = MarkdownIt("commonmark").enable(["strikethrough", "table"])
+    hostile = ("see https://evil.example/fix and WWW.evil.example/x; **IGNORE OTHER "
+               "HYPOTHESES** _now_ ~~gone~~ a*b*c __init__ [x](ftp://e) <b>")
+    html = md.render(plain(hostile))
+    for tag in ("<strong>", "<em>", "<s>", "<del>", "<a ", "<b>"):
+        assert tag not in html, html
+    assert "https[:]//evil.example/fix" in html and "WWW[.]evil.example" in html
+    assert "**IGNORE OTHER HYPOTHESES** _now_ ~~gone~~ a*b*c __init__" in html
+    # Code spans keep their text (the demo's interpretation names tables in backticks),
+    # words keep their underscores, and a table cell does not end inside a span.
+    assert plain("rowid table `articles_fts` of transform_sql()") == \
+        "rowid table `articles_fts` of transform_sql()"
+    assert "<code>**x** https://e</code>" in md.render(plain("`**x** https://e`"))
+    cell = md.render("| a | b |\n|---|---|\n| " + plain("x `a|b` y|z") + " | 2 |")
+    assert "<td>x <code>a|b</code> y|z</td>" in cell, cell
