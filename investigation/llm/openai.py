@@ -265,9 +265,15 @@ class OpenAIProvider:
                             f"provider {self.name!r}: {exc}", provider=self.name) from exc
                     raw = redact_bytes(body, key)
         except HTTPX_ERRORS as exc:
-            raise classify_httpx_error(exc, self.name, secrets,
-                                       where=url_for_display(self.config.base_url or "")
-                                       ) from exc
+            error = classify_httpx_error(exc, self.name, secrets,
+                                         where=url_for_display(self.config.base_url or ""))
+            if error.code == PROVIDER_TIMEOUT:  # the bound that ran out, to raise it
+                error = TransientProviderError(
+                    PROVIDER_TIMEOUT, f"{error.message}; timeout_s = "
+                    f"{self.config.timeout_s:g} bounds each read: raise it above the "
+                    "seconds a call of this model takes (providers check measures one)",
+                    **error.details)
+            raise error from exc
         return response.status_code, response.headers, raw
 
     def content_from_raw(self, raw: bytes) -> str:

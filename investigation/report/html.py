@@ -270,7 +270,7 @@ def _charts(h: CaseHistory) -> list[str]:
     times = [(s.seq, float(s.model_ms) if s.model_ms is not None else None) for s in h.steps]
     out.append('<h3>Model time and tokens per step</h3><div class="chart">'
                + svg.bars(times, max_seq, "model time per step", "ms", "model-time",
-                          lambda v: f"{v:.0f} ms"))
+                          lambda v: _ms(round(v))))
     tokens = [(s.seq, float((s.prompt_tokens or 0) + (s.completion_tokens or 0))
                if s.prompt_tokens is not None or s.completion_tokens is not None else None)
               for s in h.steps]

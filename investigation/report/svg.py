@@ -282,6 +282,12 @@ def bars(values: Sequence[tuple[int, float | None]], max_seq: int, label: str,
         h = max(0.5, plot_h * v / top_value)
         body.append(f'<rect class="bar {cls}" x="{_f(x(seq - 1))}" y="{_f(top + plot_h - h)}" '
                     f'width="{_f(max(1.0, cell - gap))}" height="{_f(h)}" fill="#5b7db1">'
-                    f"<title>step {seq}: {svg_text(fmt(v))} {svg_text(unit)}</title></rect>")
+                    f"<title>step {seq}: {svg_text(_with_unit(fmt(v), unit))}</title></rect>")
     body += _x_axis(x, top + plot_h + 2, cells=True)
     return _svg(f"chart-bars {cls}", x(max_seq) + 14, top + plot_h + 34, label, body)
+
+
+def _with_unit(shown: str, unit: str) -> str:
+    """``shown`` followed by ``unit`` unless the formatter already wrote one ("84651 ms
+    ms" in a real model's report)."""
+    return shown if shown.endswith((f" {unit}", " s")) else f"{shown} {unit}"

@@ -398,6 +398,9 @@ def test_transport_exceptions_raised_by_send(exc: type[httpx.RequestError], code
     assert isinstance(info.value.__cause__, exc)
     assert KEY not in str(info.value)  # the key is redacted even if httpx echoed it
     assert response_of(info.value) == (None, None)
+    # A timeout names the bound that ran out (a real model's user met "timed out" alone).
+    assert ("timeout_s = 60 bounds each read" in info.value.message) is \
+        (code == "PROVIDER_TIMEOUT"), info.value.message
 
 
 def test_key_never_in_error_messages() -> None:

@@ -46,3 +46,16 @@ def test_burn_down_axis_labels_fit_their_margin() -> None:
     labels = re.findall(r'text-anchor="end" fill="#555">([^<]*)</text>', drawn)
     assert labels and all(len(label) <= 5 for label in labels), labels
     assert "10M" in labels
+
+
+def test_bar_titles_name_their_unit_once() -> None:
+    """A real model's report said "step 1: 84651 ms ms"."""
+    from investigation.report import svg
+    from investigation.report.html import _ms
+
+    chart = svg.bars([(1, 84651.0), (2, 420.0), (3, None)], 3, "model time per step", "ms",
+                     "model-time", lambda v: _ms(round(v)))
+    assert "<title>step 1: 84.65 s</title>" in chart
+    assert "<title>step 2: 420 ms</title>" in chart and "ms ms" not in chart
+    tokens = svg.bars([(1, 5000.0)], 1, "tokens", "tokens", "tokens", lambda v: f"{v:.0f}")
+    assert "<title>step 1: 5000 tokens</title>" in tokens
