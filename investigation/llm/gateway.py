@@ -588,9 +588,9 @@ class LLMGateway:
             if index is None:
                 return self._finish_without_attempt(
                     op_id, state, OP_FAILED, PROVIDER_REQUEST_REJECTED,
-                    "every configured provider rejected this request as too large; use a "
-                    "provider with a larger context or lower limits.max_context_bytes, then "
-                    "resume with a new retry id",
+                    "every configured provider rejected this request as too large; serve a "
+                    "model with a larger window (and set context_window_tokens to it, so the "
+                    "context is fitted to it), then resume with a new retry id",
                 )
             provider = self.providers[index]
             config = _config_of(provider)
@@ -711,8 +711,7 @@ class LLMGateway:
             first = self._next_index(0, state.rejected)
             if first is None:
                 message = (
-                    f"{failure.message} (every configured provider rejected this request; use "
-                    "a provider with a larger context or lower limits.max_context_bytes)"
+                    f"{failure.message} (every configured provider rejected this request)"
                 )
                 self._finish_failure(case_id, step_seq, state, attempt_no, failure, now, {
                     "status": OP_FAILED, "error_code": failure.code, "error_message": message,

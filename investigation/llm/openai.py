@@ -37,6 +37,7 @@ from investigation.errors import (
 )
 from investigation.llm import dialects, tokens
 from investigation.llm.body import ACCEPT_ENCODING, BodyTooLarge, BodyUndecodable, read_body
+from investigation.llm.spend import MIN_OUTPUT_TOKENS
 from investigation.llm.tokens import output_budget
 from investigation.llm.types import (
     MAX_RESPONSE_BYTES,
@@ -305,12 +306,20 @@ class OpenAIProvider:
         if count is None:
             count = tokens.estimate_tokens(req.messages, self.config.bytes_per_token)
         if count + output > window:
+            # The context was already shrunk towards this window (``fit_for_model``), so a
+            # smaller policy limit cannot help; say what can (a real model's user tried
+            # limits.max_context_bytes, which it named, to no effect).
+            fits = window - count
+            lower = (f"lower max_tokens to at most {fits} (replies longer than that would "
+                     "be cut), or " if fits >= MIN_OUTPUT_TOKENS else "")
             raise ProviderRequestRejected(
                 PROVIDER_REQUEST_TOO_LARGE,
                 f"provider {self.name!r}: the request is {count} prompt tokens ({method}) "
                 f"and {output} are kept for the reply, over the model's context window of "
-                f"{window} tokens; not sent. Use a model with a larger window, lower "
-                "max_tokens, or lower limits.max_context_bytes",
+                f"{window} tokens; not sent. The context is already as small as this step's "
+                f"allows: {lower}serve the model with a window of at least {count + output} "
+                "tokens (llama.cpp -c, llama-cpp-python --n_ctx, vLLM --max-model-len) and "
+                "set context_window_tokens to it, or use a model with a larger window",
                 provider=self.name, prompt_tokens=count, context_window_tokens=window)
 
     def _server_count(self, req: ChatRequest, headers: dict[str, str]) -> int | None:
@@ -516,7 +525,8 @@ def parse_http_response(
         error = ProviderRequestRejected(
             PROVIDER_REQUEST_TOO_LARGE,
             f"provider {provider!r} cannot accept a request this large (HTTP {status}: "
-            f"{excerpt}); use a model with a larger context or lower limits.max_context_bytes",
+            f"{excerpt}); set the provider's context_window_tokens to the server's window "
+            "(the context is then fitted to it), or serve a model with a larger one",
             **details,
         )
     elif 400 <= status < 500:

@@ -287,8 +287,8 @@ def fit(doc: dict[str, Any], limit: int) -> bytes:
     raise InvestigationError(
         "CONTEXT_TOO_LARGE",
         f"the context is {len(data)} bytes even in its smallest form, over "
-        f"limits.max_context_bytes={limit}; raise the limit and align the gateway request "
-        "and artifact limits", context_bytes=len(data))
+        f"limits.max_context_bytes={limit}; raise it to at least {len(data)} in the policy "
+        "file (limits.max_artifact_bytes must stay above it)", context_bytes=len(data))
 
 
 #: Rounds of shrinking a context towards a provider's prompt budget.

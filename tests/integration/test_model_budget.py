@@ -101,6 +101,10 @@ def test_a_request_over_the_window_is_refused_before_sending(rig: Rig) -> None:
     assert outcome.details["error_code"] == "PROVIDER_REQUEST_TOO_LARGE"
     message = outcome.details["message"]
     assert "context window of 1200 tokens" in message and "not sent" in message
+    # What can help, with the number; not the policy limit that cannot (a real model's
+    # user lowered limits.max_context_bytes to no effect).
+    needed = outcome.details["message"].split("window of at least ")[1].split(" ")[0]
+    assert int(needed) > 1200 and "max_context_bytes" not in message, message
     assert rig.chat_bodies() == []  # the server never saw it
     # the context was shrunk as far as it goes before giving up
     with rig.case.store.session() as s:
