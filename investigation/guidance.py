@@ -461,8 +461,13 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
         return Guidance(
             f"Blocked: the case's model calls reached their money cap{_why(f)}. Nothing "
             "more was sent.",
-            (Step("raise [limits] max_model_cost in the policy file the runtime reads "
-                  "(--config, or INVESTIGATE_CONFIG for workers), if the case is worth it"),
+            (Step("raise [limits] max_model_cost in the policy file the runtime reads, "
+                  "if the case is worth it: " + {
+                      "embedded": "`run --config FILE`",
+                      "distributed": "the workers' INVESTIGATE_CONFIG; they read it when "
+                                     "they start, so restart them after the edit"}.get(
+                      mode or "", "`run --config FILE`, or the workers' INVESTIGATE_CONFIG "
+                      "(they read it when they start: restart them after the edit)")),
              resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_STAGE_TIME_LIMIT:
         return Guidance(

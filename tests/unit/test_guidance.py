@@ -197,3 +197,13 @@ def test_waits_and_credentials_speak_of_the_runtimes_the_shell_has(mode: str | N
     assert ("workers come back" in pending) is (mode != "embedded"), pending
     assert ("restart them" in credentials) is (mode != "embedded"), credentials
     assert ("investigate run`" in credentials) is (mode != "distributed"), credentials
+
+
+def test_a_raised_money_cap_reaches_workers_only_after_a_restart() -> None:
+    """A fleet operator raised max_model_cost, resumed and dispatched: the workers still
+    had the old cap and the retry id was spent (a fleet trial)."""
+    for mode, restart in (("distributed", True), (None, True), ("embedded", False)):
+        text = "\n".join(advise(_facts(blocked_reason="MODEL_COST_CAP"), mode,  # type: ignore[arg-type]
+                                "p.toml").lines())
+        assert ("restart them after the edit" in text) is restart, text
+        assert "max_model_cost" in text
