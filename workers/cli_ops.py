@@ -177,7 +177,8 @@ def worker(
 def _check_runtime(settings: Settings) -> None:
     """Build, once in the main process, what every pool child builds at its first task
     (``workers.runtime.build_env``): the policy and providers files, the store reachable
-    and at this engine's schema (created there when ``INVESTIGATE_AUTO_MIGRATE``). A
+    and at this engine's schema (created there when ``INVESTIGATE_AUTO_MIGRATE``), and the
+    case locks' Redis answering. A
     worker that cannot is refused before it joins the queue, with the error's code (a
     fleet trial: such a worker started, answered ping, and failed the first stage of
     every case it took while the case's lock stayed held for its whole lease).
@@ -186,6 +187,7 @@ def _check_runtime(settings: Settings) -> None:
         InvestigationError: ``CONFIG_*``, ``PROVIDER_BAD_CONFIG``, ``STORE_NOT_MIGRATED``
             (reported by :func:`_controlled` as one line, exit 2);
         sqlalchemy.exc.SQLAlchemyError: the store cannot be reached (``STORE_UNAVAILABLE``).
+        redis.RedisError: the case locks' Redis cannot be reached (``REDIS_UNAVAILABLE``).
     """
     from sqlalchemy.engine import make_url
 
@@ -201,6 +203,12 @@ def _check_runtime(settings: Settings) -> None:
             "off: create it with `investigate db upgrade` first")
     env = build_env(settings, adopt_frozen=True)
     env.store.dispose()  # each child opens its own connections
+    # The case locks' Redis: a worker that cannot reach it failed every stage it took,
+    # while the case stayed held for the lease (a fleet trial: six minutes of a stalled
+    # fleet behind one worker with a wrong INVESTIGATE_REDIS_URL).
+    from workers.health import redis_ping
+
+    redis_ping(settings.effective_redis_url, 3.0)
     # Where this worker's state and locks are: a worker pointed elsewhere than its fleet
     # shows it here (two fleet trials: another database, another lock Redis).
     identity = deployment_identity(settings)

@@ -75,7 +75,12 @@ def queue_depth(broker_url: str, queue: str, timeout_s: float = 2.0) -> int:
         client.close()
 
 
-def _redis_ping(url: str, timeout_s: float) -> None:
+def redis_ping(url: str, timeout_s: float) -> None:
+    """PING the Redis at ``url`` within ``timeout_s`` seconds.
+
+    Raises:
+        redis.RedisError: it cannot be reached or did not answer.
+    """
     client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                   socket_connect_timeout=timeout_s)
     try:
@@ -100,7 +105,7 @@ def check_broker(settings: Settings, timeout_s: float) -> Check:
 def check_locks(settings: Settings, timeout_s: float) -> Check:
     url = settings.effective_redis_url
     try:
-        _redis_ping(url, timeout_s)
+        redis_ping(url, timeout_s)
     except redis.exceptions.RedisError as exc:
         return Check("locks", False, f"{url_for_display(url)}: {_first_line_of(exc, url)}")
     return Check("locks", True, url_for_display(url))

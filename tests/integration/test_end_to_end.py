@@ -513,6 +513,13 @@ def test_a_worker_that_could_not_run_a_stage_is_refused_before_it_joins_the_queu
         assert not worker_main.called
         assert not (cli_env / "investigation.db").exists()  # nothing left behind
         monkeypatch.delenv("INVESTIGATE_AUTO_MIGRATE")
+        # A lock Redis nothing answers at: refused (it failed every stage it took while
+        # the cases stayed held for their lease, a fleet trial).
+        monkeypatch.setenv("INVESTIGATE_REDIS_URL", "redis://127.0.0.1:1/13")
+        res = CliRunner().invoke(app, ["worker"])
+        assert res.exit_code == 2 and "REDIS_UNAVAILABLE" in res.output, res.output
+        assert not worker_main.called
+        monkeypatch.delenv("INVESTIGATE_REDIS_URL")
         res = CliRunner().invoke(app, ["worker"])
         assert res.exit_code == 0 and worker_main.called, res.output
         shown = " ".join(res.output.split())
