@@ -593,7 +593,7 @@ def dispatch(self: Any, case_id: str, max_steps: int | None = None,
     if not _is_version_1(contract):
         return _contract_unsupported(case_id, contract)
     try:
-        start_dispatch(case_id, max_steps)
+        started = start_dispatch(case_id, max_steps)
     except LockBusy:
         log.info("case %s: dispatch skipped, another dispatch holds the lock", case_id)
         return {"case_id": case_id, "outcome": "LOCK_BUSY"}
@@ -601,6 +601,10 @@ def dispatch(self: Any, case_id: str, max_steps: int | None = None,
         log.error("dispatch refused: %s: %s", exc.code, exc.message)
         return {"case_id": case_id if isinstance(case_id, str) else None,
                 "outcome": "REFUSED", "code": exc.code}
+    if isinstance(started, Outcome):  # nothing to run: say why, as `investigate dispatch`
+        # does (a completed case's result read DISPATCHED, a fleet trial).
+        return {"case_id": case_id, "outcome": "NOTHING_TO_RUN",
+                "case_outcome": started.outcome, "reason": started.reason}
     return {"case_id": case_id, "outcome": "DISPATCHED"}
 
 

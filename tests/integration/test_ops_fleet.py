@@ -347,6 +347,11 @@ def test_a_dispatch_sent_by_a_process_with_only_celery_runs_the_case(
 
         assert dispatch.apply(args=(h.case.case_id,), kwargs={"contract": 2}).get() == {
             "outcome": "CONTRACT_UNSUPPORTED", "case_id": h.case.case_id, "contract": 2}
+        # A case with nothing to run says so: a completed case's result read DISPATCHED
+        # (a fleet trial), while `investigate dispatch` said "nothing to dispatch".
+        assert dispatch.apply(args=(h.case.case_id,)).get() == {
+            "case_id": h.case.case_id, "outcome": "NOTHING_TO_RUN",
+            "case_outcome": "COMPLETED", "reason": "ALL_ACCOUNTS_TERMINAL"}
 
 
 @pytest.mark.fleet
