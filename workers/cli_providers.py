@@ -107,5 +107,8 @@ def check(
             elif r.verdict != "ok":
                 out.print(_term(f"{r.provider}: {r.verdict} {r.code}: {r.detail}"
                                 + _address_hint(r)), highlight=False, markup=False)
+            elif r.detail:  # passed, with a note (a tokenizer that failed)
+                out.print(_term(f"{r.provider}: note: {r.detail}"), highlight=False,
+                          markup=False)
     if failed:
         raise typer.Exit(1)

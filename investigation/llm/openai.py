@@ -60,7 +60,7 @@ from investigation.llm.types import (
     attach_response,
     redact,
 )
-from investigation.text_safety import url_for_display
+from investigation.text_safety import escape_text, url_for_display
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,9 @@ class OpenAIProvider:
         self._transport = transport
         self._clock = clock or (lambda: datetime.now(UTC))
         self.url = config.base_url.rstrip("/") + "/chat/completions"
+        #: Why the configured ``tokenizer`` failed on the last count (the estimate was used
+        #: instead), or ``None``; ``providers check`` reports it.
+        self.tokenizer_failure: str | None = None
 
     @property
     def name(self) -> str:
@@ -303,6 +306,8 @@ class OpenAIProvider:
             count = self._server_count(req, headers)
             if count is not None:
                 method = f"the server's {self.config.tokenizer} tokenizer"
+            else:
+                method += f"; {self.tokenizer_note()}"
         if count is None:
             count = tokens.estimate_tokens(req.messages, self.config.bytes_per_token)
         if count + output > window:
@@ -350,12 +355,30 @@ class OpenAIProvider:
                     client.close()
             log.info("provider %r: tokenize took longer than timeout_s; using the estimate",
                      self.name)
+            self.tokenizer_failure = "it took longer than timeout_s"
             return None
         if isinstance(outcome[0], BaseException):
             log.info("provider %r: tokenize failed (%s); using the estimate", self.name,
                      type(outcome[0]).__name__)
+            self.tokenizer_failure = escape_text(str(outcome[0])[:200]) or \
+                type(outcome[0]).__name__
             return None
+        self.tokenizer_failure = None
         return int(outcome[0])
+
+    def tokenizer_note(self) -> str:
+        """Why the configured tokenizer was not used, and the likely fix: a llama.cpp
+        server and llama-cpp-python count tokens at different paths (a real model's user
+        set the example's "llama.cpp" for llama-cpp-python: a 404, and the estimate,
+        counted 2929 tokens where the server counted 1980, without a word)."""
+        tokenizer = self.config.tokenizer
+        note = (f"the server's {tokenizer} tokenizer failed ({self.tokenizer_failure}), "
+                "so tokens were estimated")
+        other = {"llama.cpp": "llama-cpp-python", "llama-cpp-python": "llama.cpp"}.get(
+            tokenizer)
+        if other and "404" in (self.tokenizer_failure or ""):
+            note += f": if the server is {other}, set tokenizer = \"{other}\""
+        return note
 
     def _api_key(self) -> str | None:
         var = self.config.api_key_env

@@ -226,6 +226,8 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
             if rej.code == "REPLY_NOT_JSON" and reply.finish_reason == "length":
                 rej = ReplyRejected("REPLY_TRUNCATED", "the reply was cut at max_tokens")
             return result("invalid_reply", rej.code, rej.detail)
-        return result("ok", action=action)
+        # The configured tokenizer failed: the window was checked by the estimate.
+        note = provider.tokenizer_note() if provider.tokenizer_failure else None
+        return result("ok", detail=note, action=action)
     finally:
         router.close()

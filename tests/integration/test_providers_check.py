@@ -172,3 +172,29 @@ def test_a_password_in_base_url_is_never_printed(tmp_path: Path) -> None:
     bad.write_text(_entry("bad", "ftp://user:s3cretpw@127.0.0.1:1/v1"))
     res = CliRunner().invoke(app, ["providers", "check", "--providers", str(bad)])
     assert "s3cretpw" not in res.output, res.output
+
+
+def test_a_tokenizer_that_fails_is_named_with_its_likely_fix(tmp_path: Path) -> None:
+    """The example's tokenizer = "llama.cpp" against llama-cpp-python: the server said 404
+    and the estimate counted 2929 tokens where the server counted 1980, without a word (a
+    real model's user). The replay server serves llama-cpp-python's count only."""
+    with ReplayServer([VALID, VALID, VALID]) as server:
+        def config(tokenizer: str) -> ProviderConfig:
+            return ProviderConfig(name="a", kind="openai", base_url=server.base_url,
+                                  model="m", structured_output="llama_cpp",
+                                  context_window_tokens=32768, tokenizer=tokenizer)
+
+        wrong = probe_provider(config("llama.cpp"), env={})
+        assert wrong.verdict == "ok", wrong
+        assert wrong.detail is not None and "tokenizer failed (/tokenize answered HTTP " \
+            "404)" in wrong.detail, wrong.detail
+        assert 'set tokenizer = "llama-cpp-python"' in wrong.detail
+        right = probe_provider(config("llama-cpp-python"), env={})
+        assert (right.verdict, right.detail) == ("ok", None)
+        providers = tmp_path / "p.toml"
+        providers.write_text(_entry("a", server.base_url)
+                             + 'context_window_tokens = 32768\ntokenizer = "llama.cpp"\n')
+        res = CliRunner().invoke(app, ["providers", "check", "--providers", str(providers)])
+        assert res.exit_code == 0, res.output
+        assert "a: note: the server's llama.cpp tokenizer failed" in " ".join(
+            res.output.split())
