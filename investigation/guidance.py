@@ -214,6 +214,17 @@ def _script_hint(f: CaseFacts, replies: str | None) -> Step:
 _PAUSE_REQUESTS = frozenset({PROVIDER_RATE_LIMITED})
 
 
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a space, marked with "...": a cut
+    in a word or a path ("analysis/investigation/0004/", "every configured provider rej")
+    read as the whole message (a real model's user)."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 3]
+    head = cut.rsplit(" ", 1)[0] if " " in cut[limit // 3:] else cut
+    return head.rstrip(" ,;:(") + "..."
+
+
 def _why(f: CaseFacts) -> str:
     if f.error_code:
         return f" ({f.error_code}: {f.error_message})" if f.error_message else \
@@ -529,7 +540,7 @@ def facts_for(store: Store, case_id: str) -> CaseFacts:
             retry_not_before=case.retry_not_before.isoformat()
             if case.retry_not_before else None,
             error_code=error_code,
-            error_message=(error_message or "")[:300] or None,
+            error_message=_clip(error_message or "", 300) or None,
             next_call_index=calls, retry_id=f"retry-{case.head_seq + 1}-{n}",
             awaiting_tests=tuple(tests),
             step_started=any(o.step_seq == case.head_seq + 1

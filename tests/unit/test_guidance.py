@@ -207,3 +207,17 @@ def test_a_raised_money_cap_reaches_workers_only_after_a_restart() -> None:
                                 "p.toml").lines())
         assert ("restart them after the edit" in text) is restart, text
         assert "max_model_cost" in text
+
+
+def test_a_long_provider_message_is_cut_at_a_word_and_marked() -> None:
+    """`next:` cut a message mid-word ("every configured provider rej)") and it read as
+    the whole message (a real model's user)."""
+    from investigation.guidance import _clip
+
+    message = ("provider 'local' dropped the connection on this request (attempt 1, "
+               "analysis/investigation/0004/llm/4/attempt-03.request.json) " * 4
+               + "(every configured provider rejected this request)")
+    cut = _clip(message, 300)
+    assert len(cut) <= 300 and cut.endswith("...") and message.startswith(cut[:-3])
+    assert message[len(cut) - 3] == " "  # the cut is at a word's end
+    assert _clip("short", 300) == "short"
