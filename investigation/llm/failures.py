@@ -176,6 +176,7 @@ def reclassify(failure: Failure, earlier: list[EarlierAttempt], provider: str,
         if drop is not None:
             return replace(failure, message=short(
                 f"{failure.message}; it has been unreachable since it dropped the connection "
-                f"on this request (attempt {drop.attempt}, {request_path}): the request may "
+                f"on this request at attempt {drop.attempt} (the same bytes as "
+                f"{request_path}): the request may "
                 "have crashed the server (`investigate providers check`)"))
     return failure
