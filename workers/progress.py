@@ -8,6 +8,7 @@ animates: only the plain step lines are printed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -38,8 +39,9 @@ def _seconds(ms: int | None) -> str:
 
 
 def progress_view(info: dict[str, Any], usage: dict[str, Any], last: Outcome | None,
-                  started: float) -> RenderableType:
-    """The live panel (see the module docstring)."""
+                  started: float, finished: bool = False) -> RenderableType:
+    """The live panel (see the module docstring); ``finished``: the run takes no further
+    step (its last frame says nothing of a next one)."""
     head = Text()
     if last is None:
         head.append("starting ...")
@@ -51,8 +53,11 @@ def progress_view(info: dict[str, Any], usage: dict[str, Any], last: Outcome | N
     tokens = "not reported"
     if usage["prompt_tokens"] is not None or usage["completion_tokens"] is not None:
         tokens = f"{usage['prompt_tokens'] or 0} + {usage['completion_tokens'] or 0}"
+    # Answered calls, as `status` counts them (the panel counted operations: 17 where
+    # status said 12, a real model's user); attempts besides when some failed.
     head.append(f"   model time {_seconds(usage['model_ms'])} over {usage['calls']} call(s)"
-                f"   tokens {tokens}   wall {time.monotonic() - started:.0f} s")
+                + (f" and {usage['failed']} failed attempt(s)" if usage["failed"] else "")
+                + f"   tokens {tokens}   wall {time.monotonic() - started:.0f} s")
     table = Table("hypothesis", "status", "confidence", "balance", "", "iterations",
                   box=None, pad_edge=False)
     for a in info["accounts"]:
@@ -62,7 +67,8 @@ def progress_view(info: dict[str, Any], usage: dict[str, Any], last: Outcome | N
                       ProgressBar(total=credit, completed=max(0, a["balance_units"]), width=24),
                       str(a["iterations"]))
     parts: list[RenderableType] = [head, table]
-    if info["state"] == CASE_INVESTIGATING and (last is None or last.outcome not in _ENDS_RUN):
+    if not finished and info["state"] == CASE_INVESTIGATING and \
+            (last is None or last.outcome not in _ENDS_RUN):
         parts.append(Spinner("dots", text=Text(" working on the next step", style="dim")))
     return Panel(Group(*parts), title=f"investigate run {info['case_id']}",
                  title_align="left")
@@ -86,10 +92,11 @@ class RunProgress:
         self.started = time.monotonic()
         self._live: Live | None = None
 
-    def _view(self) -> RenderableType:
+    def _view(self, finished: bool = False) -> RenderableType:
         info = status(self.store, self.case_id)
         return progress_view(info, usage_totals(self.store, self.case_id),
-                             self.outcomes[-1] if self.outcomes else None, self.started)
+                             self.outcomes[-1] if self.outcomes else None, self.started,
+                             finished)
 
     def __enter__(self) -> RunProgress:
         if self.live_mode:
@@ -101,6 +108,9 @@ class RunProgress:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._live is not None:
+            if exc_type is None:  # the last frame: no "working on the next step" after
+                with contextlib.suppress(Exception):  # --max-steps (a real model's user)
+                    self._live.update(self._view(finished=True), refresh=True)
             self._live.__exit__(exc_type, exc, tb)
             self._live = None
 

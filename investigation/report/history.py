@@ -291,8 +291,10 @@ def usage_totals(store: Store, case_id: str) -> dict[str, int | None]:
     """Model time and tokens of every model call of the case so far.
 
     Returns:
-        ``{"calls", "attempts", "model_ms", "prompt_tokens", "completion_tokens"}``; a
-        token total is ``None`` when no provider reported one.
+        ``{"calls", "attempts", "failed", "model_ms", "prompt_tokens",
+        "completion_tokens"}``: ``calls`` the answered ones (as ``status`` counts model
+        calls), ``attempts`` every request sent, ``failed`` those that got no usable
+        answer (in flight ones are neither); a token total is ``None`` when no provider reported one.
     """
     with store.session() as s:
         op_ids = s.exec(select(LLMOperation.id).where(LLMOperation.case_id == case_id)).all()
@@ -300,7 +302,9 @@ def usage_totals(store: Store, case_id: str) -> dict[str, int | None]:
             col(LLMAttempt.operation_id).in_(list(op_ids) or [-1]))).all()
     prompt = [a.prompt_tokens for a in attempts if a.prompt_tokens is not None]
     completion = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
-    return {"calls": len(op_ids), "attempts": len(attempts),
+    answered = sum(a.status == "succeeded" for a in attempts)
+    failed = sum(a.status in ("failed", "rejected") for a in attempts)
+    return {"calls": answered, "attempts": len(attempts), "failed": failed,
             "model_ms": sum(_ms(a.started_at, a.finished_at) or 0 for a in attempts),
             "prompt_tokens": sum(prompt) if prompt else None,
             "completion_tokens": sum(completion) if completion else None}

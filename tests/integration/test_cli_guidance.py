@@ -188,6 +188,24 @@ def test_live_progress_on_a_terminal_and_plain_lines_elsewhere(cli: Case) -> Non
     screen = tty.getvalue()
     assert "investigate run " + cli.case_id in screen
     assert "model time" in screen and "H2" in screen and "57/60" in screen
+    # Answered calls, as status counts them (it counted operations: 17 beside status's 12).
+    assert "over 2 call(s)" in screen and "failed attempt" not in screen, screen
+    from investigation.report.history import usage_totals
+
+    totals = usage_totals(cli.store, cli.case_id)
+    calls = sum(u["calls"] for u in json.loads(invoke("status", cli.case_id, "--json")
+                                               .stdout)["model_usage"]["hypotheses"])
+    assert totals["calls"] == calls == 2 and totals["failed"] == 0
+    # A run that stops after a progressed step says nothing of a next one at its end.
+    from investigation.loop.outcome import Outcome
+    from workers.progress import progress_view
+
+    info = json.loads(invoke("status", cli.case_id, "--json").stdout)
+    progressed = Outcome("PROGRESSED", cli.case_id, 2, hypothesis_id=2)
+    for finished, said in ((False, True), (True, False)):
+        frame = Console(file=io.StringIO(), width=120, record=True)
+        frame.print(progress_view(info, totals, progressed, 0.0, finished=finished))
+        assert ("working on the next step" in frame.export_text()) is said
     assert "step   1 H1: PROGRESSED" in screen
     piped = io.StringIO()
     with RunProgress(Console(file=piped, width=120), cli.store, cli.case_id) as progress:
