@@ -321,8 +321,11 @@ def summary_bytes(store: Store, case_id: str) -> bytes:
                 "every hypothesis account is terminal, which this case never reached; "
                 "`investigate report` and `investigate export` show what was done")
         raise InvestigationError("SUMMARY_NOT_READY",
-                                 f"case {case_id} has no summary yet (it is written when "
-                                 "every hypothesis account is terminal)")
+                                 f"case {case_id} is {case.state} and has no summary yet "
+                                 "(it is written when every hypothesis account is "
+                                 f"terminal); `investigate status {case_id}` shows where "
+                                 "it is and what to do next, `investigate report` what was "
+                                 "done so far")
     return bytes(art.data)
 
 

@@ -154,6 +154,17 @@ def test_cancel_is_final_and_keeps_what_was_done(tmp_path: Path) -> None:
     assert "yet" not in err.value.message
 
 
+def test_a_summary_asked_for_too_early_says_where_to_look(tmp_path: Path) -> None:
+    """SUMMARY_NOT_READY gave no next step (a real model's user)."""
+    case = make_case(tmp_path / "c")
+    case.investigator().step(case.case_id)
+    with pytest.raises(InvestigationError) as err:
+        operations.summary_bytes(case.store, case.case_id)
+    assert err.value.code == "SUMMARY_NOT_READY"
+    assert "is INVESTIGATING and has no summary yet" in err.value.message
+    assert f"`investigate status {case.case_id}` shows where it is" in err.value.message
+
+
 def test_verify_of_a_case_cancelled_mid_step_says_the_step_stays_unfinished(
         tmp_path: Path) -> None:
     """`verify` said "step 3 in progress" of a cancelled case, where nothing runs any more
