@@ -34,6 +34,9 @@ def outcome_line(o: Outcome) -> list[str]:
     detail = o.details.get("rejection") or o.details.get("error_code")
     if detail:
         lines.append(term(f"         {detail}: {o.details.get('message', '')}".rstrip(": ")))
+    if detail == "REPLY_TRUNCATED":  # the message is the model's; this is the operator's
+        lines.append("         the provider's max_tokens cut the reply: raise it in the "
+                     "providers file if this repeats (each cut reply is a whole call)")
     return lines
 
 

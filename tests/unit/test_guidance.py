@@ -221,3 +221,20 @@ def test_a_long_provider_message_is_cut_at_a_word_and_marked() -> None:
     assert len(cut) <= 300 and cut.endswith("...") and message.startswith(cut[:-3])
     assert message[len(cut) - 3] == " "  # the cut is at a word's end
     assert _clip("short", 300) == "short"
+
+
+def test_runs_line_for_a_cut_reply_tells_the_operator_of_max_tokens() -> None:
+    """`run` printed the repair message meant for the model ("write shorter text
+    fields") and nothing about max_tokens until the third cut reply blocked the case,
+    each a whole model call (a real model's user)."""
+    from investigation.loop.outcome import Outcome
+    from workers.views import outcome_line
+
+    cut = Outcome("REJECTED", CASE, 5, reason="REPLY_TRUNCATED", hypothesis_id=1,
+                  details={"rejection": "REPLY_TRUNCATED", "message": "write shorter text"})
+    lines = outcome_line(cut)
+    assert lines[0] == "step   5 H1: REJECTED (REPLY_TRUNCATED)"
+    assert "max_tokens cut the reply: raise it in the providers file" in lines[-1]
+    other = Outcome("REJECTED", CASE, 5, reason="REPLY_NOT_JSON",
+                    details={"rejection": "REPLY_NOT_JSON", "message": "x"})
+    assert not any("max_tokens" in line for line in outcome_line(other))
