@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -217,7 +218,8 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
                          if ident.get(f"{key}_now", ident.get(key)) != ident.get(key))
         if changed:
             problems.append(f"the {key} file changed on disk since {', '.join(changed)} "
-                            "started (restart them to load it)")
+                            "started (" + _reload_advice(key, seen[changed[0]].get(
+                                f"{key}_path")) + ")")
     for key in ("store", "locks", "policy", "providers"):
         values: dict[str, list[str]] = {}
         for worker, ident in sorted(seen.items()):
@@ -233,6 +235,23 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
             problems.append(f"the workers' {key} is {next(iter(values))}, this shell's "
                             f"{mine[key]}")
     return "; ".join(problems)
+
+
+def _reload_advice(key: str, path: str | None) -> str:
+    """What to do about a ``key`` file ("policy" or "providers") edited under running
+    workers: restart them, unless the file no longer loads here, where a restarted worker
+    would refuse to start (a fleet trial followed "restart them" into a fleet that would
+    not start)."""
+    from investigation.config import InvestigationConfig, ProvidersConfig
+    from investigation.errors import InvestigationError
+
+    if path and Path(path).is_file():
+        try:
+            (InvestigationConfig if key == "policy" else ProvidersConfig).load(path)
+        except InvestigationError as exc:
+            return (f"and it does not load now: {exc.code}: {exc.message}; fix it first, a "
+                    "worker refuses a broken file at start, then restart them")
+    return "restart them to load it"
 
 
 def check_queue(settings: Settings, timeout_s: float, max_queue: int | None = None) -> Check:

@@ -287,6 +287,14 @@ def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store
             out = json.loads(cli(env, *checks, expect=1))
             detail = next(c for c in out["checks"] if c["name"] == "workers")["detail"]
             assert f"the policy file changed on disk since other-{h.queue}@" in detail, detail
+            assert "restart them to load it" in detail, detail
+            # Broken since: a restart would be refused, so health says to fix it first
+            # (a fleet trial restarted into a fleet that would not start).
+            policy.write_text("[budget]\ncredit_units = 30\n[budget]\n")
+            out = json.loads(cli(env, *checks, expect=1))
+            detail = next(c for c in out["checks"] if c["name"] == "workers")["detail"]
+            assert "and it does not load now: CONFIG_INVALID" in detail, detail
+            assert "fix it first" in detail and "restart them to load it" not in detail
             shell = {**env, "INVESTIGATE_DATABASE_URL": f"sqlite:///{tmp_path / 'x.db'}"}
             out = json.loads(cli(shell, *checks, expect=1))
             detail = next(c for c in out["checks"] if c["name"] == "workers")["detail"]
