@@ -183,12 +183,15 @@ def _continue(f: CaseFacts, mode: Mode, providers: str | None,
     if mode == "embedded":
         return [Step(again + ("" if providers else " (with the providers file you use)"),
                      run)]
+    # A sweep may take the case first: `dispatch` then says LOCK_BUSY (exit 3), which a
+    # fleet trial read as a failure.
+    busy = "; LOCK_BUSY (exit 3) means a worker already has it"
     if mode == "distributed":
-        return [Step("dispatch it to the workers (or let the recovery sweep do it)",
+        return [Step("dispatch it to the workers (or let the recovery sweep do it)" + busy,
                      dispatch)]
     return [Step(f"embedded runtime: {again}" + ("" if providers else
                                                  " with your providers file"), run),
-            Step("distributed runtime: dispatch it to the workers", dispatch)]
+            Step("distributed runtime: dispatch it to the workers" + busy, dispatch)]
 
 
 def _watch(f: CaseFacts, mode: Mode) -> list[Step]:

@@ -238,3 +238,15 @@ def test_runs_line_for_a_cut_reply_tells_the_operator_of_max_tokens() -> None:
     other = Outcome("REJECTED", CASE, 5, reason="REPLY_NOT_JSON",
                     details={"rejection": "REPLY_NOT_JSON", "message": "x"})
     assert not any("max_tokens" in line for line in outcome_line(other))
+
+
+def test_dispatch_advice_says_what_lock_busy_means() -> None:
+    """`dispatch` after `resume` often met the sweep's dispatch first and printed
+    LOCK_BUSY with exit 3, which a fleet trial read as a failure."""
+    for mode in ("distributed", None):
+        text = "\n".join(advise(_facts(state="PAUSED", blocked_reason=None), mode,  # type: ignore[arg-type]
+                                "p.toml").lines())
+        assert "LOCK_BUSY (exit 3) means a worker already has it" in text, text
+    embedded = "\n".join(advise(_facts(state="PAUSED", blocked_reason=None), "embedded",
+                                "p.toml").lines())
+    assert "LOCK_BUSY" not in embedded
