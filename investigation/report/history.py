@@ -68,6 +68,10 @@ class StepRow:
     arguments: Any = None
     confidence: str | None = None
     score: int | None = None
+    #: The evidence record the step's assessment scored (the previous result of the
+    #: hypothesis, not this step's own) and the model's reason for the score.
+    assessed_evidence: str | None = None
+    score_reason: str = ""
     note: str = ""
     rejection_code: str | None = None
     rejection_detail: str | None = None
@@ -224,7 +228,11 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
             planned.arguments = nxt.get("arguments") if "arguments" in nxt else (
                 nxt.get("test") or {"reason": nxt.get("reason", "")})
             planned.confidence, planned.note = upd["confidence"], upd.get("note", "")
-            planned.score = (reply.get("assessment") or {}).get("score")
+            assessment = reply.get("assessment") or {}
+            planned.score = assessment.get("score")
+            planned.score_reason = str(assessment.get("reason") or "")
+            assessed = assessment.get("evidence_ids") or []
+            planned.assessed_evidence = str(assessed[0]) if assessed else None
             planned.new_questions = list(upd.get("new_questions", []))
             planned.resolved_questions = list(upd.get("resolve_questions", []))
         review = decision.get("early_diagnosis")

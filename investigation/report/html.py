@@ -297,13 +297,24 @@ def _action_cell(s: StepRow) -> str:
     return text
 
 
+def _score_cell(s: StepRow) -> str:
+    """The assessment score with the record it scored: the hypothesis's previous result,
+    not the row's own evidence (a reader took "score 89 ... E250" for E250's score)."""
+    if s.score is None:
+        return ""
+    if not s.assessed_evidence:
+        return str(s.score)
+    ref = html_attr(s.assessed_evidence)
+    return f'{s.score} <a class=muted href="#ev-{ref}">{_e(s.assessed_evidence)}</a>'
+
+
 def _timeline(h: CaseHistory) -> list[str]:
     out = ['<section id="timeline"><h2>Step timeline</h2>']
     if not h.steps:
         return [*out, '<p class="muted">No step has run yet.</p></section>']
     out.append('<div class="scroll tall"><table><thead><tr><th>step</th><th>hyp.</th>'
                "<th>action / operation</th><th>outcome</th><th>rejection</th>"
-               "<th>confidence</th><th>score</th><th>units</th><th>evidence</th>"
+               "<th>confidence</th><th>score (of)</th><th>units</th><th>evidence</th>"
                "<th>model time</th><th>tokens</th><th>note</th></tr></thead><tbody>")
     for s in h.steps:
         units = []
@@ -324,6 +335,9 @@ def _timeline(h: CaseHistory) -> list[str]:
         if s.test_request:
             ev += f" test {_e(s.test_request)}"
         note = _e(s.note)
+        if s.score_reason:  # why the model scored the previous result as it did
+            note += (("<br>" if note else "") + "<span class=muted>assessed "
+                     f"{_e(s.assessed_evidence or '')}:</span> {_e(s.score_reason)}")
         if s.new_questions:
             note += "".join(f"<br><span class=muted>asks:</span> {_e(q)}"
                             for q in s.new_questions)
@@ -335,7 +349,7 @@ def _timeline(h: CaseHistory) -> list[str]:
             f"</td><td class=wide>{_action_cell(s)}</td>"
             f"<td class=nw>{_outcome(s.outcome, s.reason, s.published)}</td>"
             f"<td>{rejection}</td><td class=nw>{_e(s.confidence or '')}</td>"
-            f"<td class=nw>{'' if s.score is None else s.score}</td>"
+            f"<td class=nw>{_score_cell(s)}</td>"
             f"<td class=nw>{' '.join(units)}</td><td class=nw>{ev}</td>"
             f"<td class=nw>{_ms(s.model_ms)}"
             + (f" <span class=muted>({s.attempts} attempts)</span>" if s.attempts > 1 else "")

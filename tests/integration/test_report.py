@@ -107,6 +107,18 @@ def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path])
                 assert item["quote"] in text  # the exact quote, unescaped by the parser
     for qn in history.questions:
         assert qn["text"] in text
+    # A score names the record it scored, the hypothesis's previous result, and the
+    # model's reason (a 500-step reader took "score 89 ... E250" for E250's score and
+    # found no reason anywhere).
+    scored = [st for st in history.steps if st.score is not None]
+    assert scored and all(st.assessed_evidence and st.assessed_evidence != st.evidence_id
+                          for st in scored)
+    for st in scored:
+        row = html.split(f'<tr id="step-{st.seq}">', 1)[1].split("</tr>", 1)[0]
+        assert f'{st.score} <a class=muted href="#ev-{st.assessed_evidence}">' in row, row
+        if st.score_reason:
+            assert f"assessed {st.assessed_evidence}:</span> " in row, row
+    assert any(st.score_reason for st in scored)
 
 
 def test_everything_supplied_is_inert(long_run: tuple[Case, Path]) -> None:
