@@ -72,10 +72,14 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
         # No server reported a count (a scripted provider, a server without `usage`): a
         # 0 there read as a free model (a reader's trial).
         reported = u["tokens_reported"]
+        # Some servers reported counts and some did not: the sums are partial (a reader's
+        # trial added them up as the whole).
+        partial = f" ({reported} of {u['attempts']} attempts)" \
+            if 0 < reported < u["attempts"] else ""
         table.add_row("unrecorded" if u["hypothesis_id"] is None else str(u["hypothesis_id"]),
                       str(u["calls"]), _attempts_cell(u),
-                      str(u["prompt_tokens"]) if reported else "not reported",
-                      str(u["completion_tokens"]) if reported else "not reported",
+                      f"{u['prompt_tokens']}{partial}" if reported else "not reported",
+                      f"{u['completion_tokens']}{partial}" if reported else "not reported",
                       "not priced" if u["cost_micros"] < 0
                       else format_money(u["cost_micros"], currency))
     return table

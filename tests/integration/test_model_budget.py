@@ -302,6 +302,14 @@ def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> 
     assert table is not None
     screen.print(table)
     assert "not reported" in screen.export_text()
+    # Counts from some attempts only: the sums say of how many.
+    partial = [{**usage[0], "tokens_reported": 1, "attempts": 3, "prompt_tokens": 40,
+                "completion_tokens": 5}]
+    table = model_usage_table({"model_usage": {"hypotheses": partial}}, "USD")
+    assert table is not None
+    screen = Console(width=160, record=True)
+    screen.print(table)
+    assert "40 (1 of 3 attempts)" in screen.export_text()
 
 
 def test_status_says_which_attempts_await_their_answer(rig: Rig) -> None:
