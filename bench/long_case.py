@@ -444,7 +444,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         else:
-            print(f"kept: {work} (store {url.split('@')[-1]})")
+            print(f"kept: {work} (store {url.split('@')[-1]}); read it with "
+                  f"INVESTIGATE_DATABASE_URL={url.split('@')[-1]} investigate status "
+                  f"{case_id}")
 
     n = args.steps
     figures: dict[str, float] = {}
