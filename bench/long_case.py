@@ -445,8 +445,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"kept: {work} (store {url.split('@')[-1]}); read it with "
-                  f"INVESTIGATE_DATABASE_URL={url.split('@')[-1]} investigate status "
-                  f"{case_id}")
+                  "INVESTIGATE_DATABASE_URL=" + (url if url.startswith("sqlite") else
+                                                 "<the --database-url given>")
+                  + f" investigate status {case_id}")
 
     n = args.steps
     figures: dict[str, float] = {}
