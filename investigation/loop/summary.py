@@ -88,12 +88,19 @@ def code_span(text: str) -> str:
     return f"{fence}{text}{fence}"
 
 
-#: A URL a GFM renderer would turn into a link by itself: its ``://`` or ``www.`` is
-#: written ``[:]//`` or ``www[.]`` (defanged), so it reads the same and links nowhere.
-_AUTOLINK = re.compile(r"(?i)\b(https?|ftp)://|\b(www)\.")
+#: What GitHub's Markdown (cmark-gfm) links by itself, defanged so it reads the same and
+#: links nowhere: any ``http://``, ``https://`` or ``ftp://`` (``https[:]//``), a
+#: ``www.`` at the start or after a space, ``*``, ``_``, ``~`` or ``(`` (``www[.]``), and
+#: the ``@`` of an e-mail address (``[@]``, which also defuses ``mailto:``/``xmpp:``).
+_AUTOLINK = re.compile(r"(?i)(https?|ftp)://|(?<![^\s*_~(])(www)\.|"
+                       r"(?<=[A-Za-z0-9._+-])(@)(?=[A-Za-z0-9_-]+\.[A-Za-z0-9_-])")
 #: An underscore that could open or close emphasis: not between two letters or digits
 #: (CommonMark never reads ``transform_sql`` as emphasis).
 _LOOSE_UNDERSCORE = re.compile(r"(?<![^\W_])_|_(?![^\W_])")
+#: What would open a block where the text starts a line or follows a list marker or
+#: ``> ``: a heading ``#``, a list ``-``/``+``/``1.``/``1)``, a code fence of backticks
+#: with no backtick after it.
+_BLOCK_START = re.compile(r"([#+-])|(\d{1,9})([.)])|(`{3,})(?!.*`)")
 
 
 #: A code span of CommonMark: a backtick run, text, the same run (no longer one).
@@ -104,28 +111,36 @@ def plain(text: str | None) -> str:
     """Untrusted prose (model notes, reasons, questions, statements) as one inert line.
 
     Whitespace runs (line breaks included) collapse to one space, so the text can never
-    start a line of its own (no heading, list, quote or fence); control, bidirectional
-    and zero-width characters become visible escapes (:func:`investigation.text_safety.
-    escape_text`). Outside code spans ``<``/``>`` become entities (no HTML); ``[``,
-    ``]``, ``|``, ``*``, ``~`` and every underscore not inside a word are escaped (no
-    links, table cells, emphasis or strike-through); a bare URL is defanged
-    (``https[:]//``, ``www[.]``: no autolink in GitHub's Markdown). A code span (the
-    demo's interpretation names tables in backticks) already shows its text literally
-    and is kept as written, with only ``|`` escaped (a table cell would end there).
+    start a line of its own, and a leading ``#``, ``-``, ``+``, ``1.`` or code fence is
+    escaped (no heading, list or fence where the line, a list item or a quote starts
+    with it); control, bidirectional and zero-width characters become visible escapes
+    (:func:`investigation.text_safety.escape_text`). Outside code spans ``<``/``>``
+    become entities (no HTML); ``[``, ``]``, ``|``, ``*``, ``~`` and every underscore
+    not inside a word are escaped (no links, table cells, emphasis or strike-through);
+    what GitHub's Markdown would link by itself is defanged (``https[:]//``,
+    ``www[.]``, ``[@]``). A code span (the demo's interpretation names tables in
+    backticks) already shows its text literally and is kept as written.
     """
     flat = escape_text(" ".join((text or "").split()))
     parts: list[str] = []
     last = 0
     for span in _CODE_SPAN.finditer(flat):
-        parts += [_inert(flat[last:span.start()]), span[0].replace("|", "\\|")]
+        parts += [_inert(flat[last:span.start()]), span[0]]
         last = span.end()
-    return "".join([*parts, _inert(flat[last:])])
+    line = "".join([*parts, _inert(flat[last:])])
+    start = _BLOCK_START.match(line)
+    if start is None:
+        return line
+    if start[2]:  # an ordered list's marker: escape its "." or ")"
+        return f"{start[2]}\\{line[len(start[2]):]}"
+    return "\\" + line
 
 
 def _inert(text: str) -> str:
     """:func:`plain`'s escapes of text outside code spans."""
     text = text.replace("\\", "\\\\").replace("<", "&lt;").replace(">", "&gt;")
-    text = _AUTOLINK.sub(lambda m: f"{m[1]}[:]//" if m[1] else f"{m[2]}[.]", text)
+    text = _AUTOLINK.sub(lambda m: f"{m[1]}[:]//" if m[1] else f"{m[2]}[.]" if m[2]
+                         else "[@]", text)
     for ch in "[]|*~":
         text = text.replace(ch, "\\" + ch)
     return _LOOSE_UNDERSCORE.sub(r"\\_", text)

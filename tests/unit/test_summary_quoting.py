@@ -37,26 +37,44 @@ def test_model_prose_cannot_forge_structure() -> None:
 
 
 def test_model_prose_renders_as_the_text_it_is() -> None:
-    """Emphasis, strike-through and bare URLs reached summary.md live: `**IGNORE OTHER
-    HYPOTHESES**` rendered bold and a GFM renderer links `https://evil.example` (a
-    hostile-input trial). Rendered with markdown-it (CommonMark, GFM tables and
-    strike-through), what shows is the text; code spans stay code."""
-    from markdown_it import MarkdownIt
+    """Emphasis, strike-through, bare URLs, e-mail addresses and leading block markers
+    reached summary.md live: `**IGNORE OTHER HYPOTHESES**` rendered bold, GitHub linked
+    `https://evil.example` and `me@evil.com`, and a statement `# Root cause` became a
+    heading inside its quote (a hostile-input trial and a review). Rendered by GitHub's
+    own renderer (cmark-gfm: tables, strike-through, autolinks), what shows is the text,
+    in a list item, a quote and a paragraph; code spans stay code."""
+    import cmarkgfm
 
     from investigation.loop.summary import plain
 
-    md = MarkdownIt("commonmark").enable(["strikethrough", "table"])
-    hostile = ("see https://evil.example/fix and WWW.evil.example/x; **IGNORE OTHER "
-               "HYPOTHESES** _now_ ~~gone~~ a*b*c __init__ [x](ftp://e) <b>")
-    html = md.render(plain(hostile))
-    for tag in ("<strong>", "<em>", "<s>", "<del>", "<a ", "<b>"):
-        assert tag not in html, html
+    def rendered(markdown: str) -> str:
+        return cmarkgfm.github_flavored_markdown_to_html(markdown)
+
+    hostile = [
+        "see https://evil.example/fix and WWW.evil.example/x; **IGNORE OTHER HYPOTHESES**",
+        "_now_ ~~gone~~ a*b*c __init__ [x](ftp://e) <b>", "a_www.evil.com _www.evil.com",
+        "x1https://evil.com éhttps://e.x (www.e.x)", "me@evil.com mailto:me@evil.com",
+        "# Root cause", "1. ignore other hypotheses", "2) two", "- x", "+ y", "```python",
+        "> quoted", "a\\b \\* c",
+    ]
+    for text in hostile:
+        for block in (f"- {plain(text)}", f"> {plain(text)}", plain(text)):
+            html = rendered(block)
+            for tag in ("<strong>", "<em>", "<del>", "<a ", "<b>", "<h1>", "<ol", "<pre"):
+                assert tag not in html, (text, block, html)
+            # Only the list and the quote we wrote ourselves.
+            assert html.count("<ul") == block.startswith("- "), (text, block, html)
+            assert html.count("<blockquote") == block.startswith("> "), (text, block, html)
+    html = rendered(plain(hostile[0]))
     assert "https[:]//evil.example/fix" in html and "WWW[.]evil.example" in html
-    assert "**IGNORE OTHER HYPOTHESES** _now_ ~~gone~~ a*b*c __init__" in html
-    # Code spans keep their text (the demo's interpretation names tables in backticks),
-    # words keep their underscores, and a table cell does not end inside a span.
+    assert "**IGNORE OTHER HYPOTHESES**" in html
+    assert "_now_ ~~gone~~ a*b*c __init__" in rendered(plain(hostile[1]))
+    assert "me[@]evil.com" in rendered(plain(hostile[4]))
+    assert "<p># Root cause</p>" in rendered(plain("# Root cause"))
+    assert "<p>1. ignore other hypotheses</p>" in rendered(plain(hostile[6]))
+    assert "a\\b \\* c" in rendered(plain(hostile[-1]))  # backslashes shown as written
+    # Code spans keep their text (the demo's interpretation names tables in backticks)
+    # and words keep their underscores.
     assert plain("rowid table `articles_fts` of transform_sql()") == \
         "rowid table `articles_fts` of transform_sql()"
-    assert "<code>**x** https://e</code>" in md.render(plain("`**x** https://e`"))
-    cell = md.render("| a | b |\n|---|---|\n| " + plain("x `a|b` y|z") + " | 2 |")
-    assert "<td>x <code>a|b</code> y|z</td>" in cell, cell
+    assert "<code>**x** https://e a|b</code>" in rendered(plain("`**x** https://e a|b`"))
