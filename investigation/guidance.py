@@ -86,8 +86,9 @@ BLOCK_REASONS = (BLOCK_INVALID_LLM_RESPONSES, BLOCK_PROVIDER_EXHAUSTED,
                  BLOCK_PROVIDER_CONFIGURATION, BLOCK_PROVIDER_CREDENTIALS,
                  BLOCK_MODEL_COST_CAP, BLOCK_AWAITING_TEST_FEEDBACK, BLOCK_STAGE_POISONED,
                  BLOCK_STAGE_TIME_LIMIT)
-_PROVIDER_BLOCKS = (BLOCK_PROVIDER_EXHAUSTED, BLOCK_PROVIDER_CONFIGURATION,
-                    BLOCK_PROVIDER_CREDENTIALS, BLOCK_MODEL_COST_CAP)
+#: The block reasons a ``resume --retry-id`` applies to.
+PROVIDER_BLOCKS = (BLOCK_PROVIDER_EXHAUSTED, BLOCK_PROVIDER_CONFIGURATION,
+                   BLOCK_PROVIDER_CREDENTIALS, BLOCK_MODEL_COST_CAP)
 
 
 @dataclass(frozen=True)
@@ -519,7 +520,7 @@ def facts_for(store: Store, case_id: str) -> CaseFacts:
             .order_by(col(TestRequest.id))).all()
         error_code = error_message = None
         reason = case.blocked_reason
-        if reason in _PROVIDER_BLOCKS or case.last_outcome == RETRY_PENDING:
+        if reason in PROVIDER_BLOCKS or case.last_outcome == RETRY_PENDING:
             failed = [o for o in ops if o.error_code]
             if failed:
                 error_code, error_message = failed[-1].error_code, failed[-1].error_message

@@ -256,9 +256,10 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
         # such as `--json` was taken as the id (a hostile-input trial).
         shown = escape_text(retry_id[:40]) + ("..." if len(retry_id) > 40 else "")
         raise InvestigationError(
-            "RETRY_ID_INVALID", f"retry id {shown!r} ({len(retry_id)} characters) is not "
-            "1-100 letters, digits and . _ : @ + -, starting with a letter or digit; "
-            "e.g. the one `investigate status` suggests")
+            "RETRY_ID_INVALID", f"retry id '{shown}' ({len(retry_id)} character"
+            f"{'' if len(retry_id) == 1 else 's'}) is not 1-100 ASCII letters, digits and "
+            ". _ : @ + -, starting with a letter or digit; e.g. the one `investigate "
+            "status` suggests")
     with store.session() as s:
         case = Store.lock_case(s, case_id)
         if case.state == CASE_PAUSED:
@@ -285,7 +286,7 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
                     f"{case.blocked_reason}")
             used = s.exec(select(LLMOperation.id).where(
                 LLMOperation.case_id == case_id, LLMOperation.retry_id == retry_id)).first()
-            if retry_id == case.llm_retry_id or not retry_id.strip() or used is not None:
+            if retry_id == case.llm_retry_id or used is not None:
                 raise InvestigationError("RETRY_ID_REUSED",
                                          f"retry id {retry_id!r} was used before; give a new, "
                                          "non-empty retry id for the new operation")

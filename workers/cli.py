@@ -705,8 +705,16 @@ def resume_cmd(
         info = resume(store, case_id, retry_id)
     except InvestigationError as exc:
         if exc.code in ("RETRY_ID_REQUIRED", "RETRY_ID_REUSED", "RETRY_ID_INVALID"):
-            # The suggestion goes with the error, after it (it was printed before it).
-            fresh = guidance.facts_for(store, case_id).retry_id
+            # The suggestion goes with the error, after it (it was printed before it);
+            # only where a retry id applies: a case blocked by its provider or money cap.
+            try:
+                facts = guidance.facts_for(store, case_id)
+            except InvestigationError:  # no such case: the id's own error stands
+                raise exc from None
+            if facts.state != CASE_BLOCKED or facts.blocked_reason not in \
+                    guidance.PROVIDER_BLOCKS:
+                raise
+            fresh = facts.retry_id
             raise InvestigationError(exc.code, f"{exc.message}; try: investigate resume "
                                      f"{case_id} --retry-id {fresh}") from None
         raise

@@ -137,6 +137,10 @@ def test_exhausted_call_resumes_with_a_retry_id_and_keeps_every_counter(
         assert status_json(cli)["state"] == "BLOCKED"
     assert "(40000 characters)" in invoke("resume", cli.case_id, "--retry-id",
                                           "x" * 40_000).output
+    # The id's own error stands for a case that does not exist (CASE_NOT_FOUND hid it).
+    unknown = invoke("resume", "case-0000000000000000", "--retry-id", "--json")
+    assert unknown.exit_code == 2 and "RETRY_ID_INVALID" in unknown.output
+    assert "try:" not in unknown.output
     res = invoke("resume", cli.case_id, "--retry-id", "outage-over")
     assert res.exit_code == 0, res.output
     assert f"resumed {cli.case_id} (was PROVIDER_EXHAUSTED)" in res.output
