@@ -355,8 +355,9 @@ class ProvidersConfig(_Strict):
         if not Path(path).exists():  # a hint pasted before the file was written
             raise ConfigError(
                 "CONFIG_UNREADABLE", f"no providers file {path}: write one (every kind is "
-                "in config/providers.example.toml; a reply file alone needs one entry: "
-                '[[providers]] name = "replay", kind = "scripted", path = "replies.jsonl")',
+                "in config/providers.example.toml; a reply file alone needs one "
+                '[[providers]] entry with the lines name = "replay", kind = "scripted" '
+                'and path = "replies.jsonl")',
                 path=str(path))
         data = _read_toml(path)
         if isinstance(data.get("providers"), dict):

@@ -207,8 +207,9 @@ def _watch(f: CaseFacts, mode: Mode) -> list[Step]:
 def _script_hint(f: CaseFacts, replies: str | None) -> Step:
     where = "the scripted reply file" if replies else \
         "if the replies come from a scripted JSON Lines file"
-    return Step(f"{where}: the next model call (call {f.next_call_index + 1}) reads its line "
-                f"{f.next_call_index + 1} (lines already served stay in place); check the "
+    return Step(f"{where}: the next model call (call {f.next_call_index + 1}) reads its "
+                f"reply line {f.next_call_index + 1}, blank lines not counted (lines already "
+                "served stay in place); check the "
                 "file against the case before running it",
                 f"investigate replies check {_q(replies) if replies else 'replies.jsonl'} "
                 f"{_q(f.case_id)}")

@@ -889,15 +889,17 @@ def _invoke(command: Any, args: list[str]) -> int:
         result = command.main(args=args, prog_name="investigate", standalone_mode=False)
     except typer.TyperException as exc:  # Click's errors: Typer vendors Click under it
         usage = cast(Any, exc)
+        # Usage errors exit 2; another Click error (a file option it cannot open) is
+        # still an error of the input, never exit 1, which says "blocked".
+        code = max(2, int(usage.exit_code))
         if _asks_json(args):
-            _print_json({"error": {"code": "USAGE_INVALID",
-                                   "message": usage.format_message(),
-                                   "exit_code": usage.exit_code}})
+            _print_json({"error": {"code": "USAGE_INVALID" if code == 2 else "INPUT_INVALID",
+                                   "message": usage.format_message(), "exit_code": code}})
         _show_usage_error(usage)
-        return int(usage.exit_code)
-    except typer.Abort:  # end of input at a prompt
+        return code
+    except typer.Abort:  # end of input at a prompt: not exit 1, which says "blocked"
         err.print("Aborted!", markup=False, highlight=False)
-        return 1
+        return 2
     except Exception as exc:  # a bug: never exit 1, which says "the case is blocked"
         import traceback
 
@@ -912,12 +914,13 @@ def _invoke(command: Any, args: list[str]) -> int:
         return INTERNAL_ERROR_EXIT
     # Not standalone, Click returns the code of a ``typer.Exit`` (help, --version,
     # :func:`_fail`) and otherwise the command's return value (the commands return None).
-    return result if isinstance(result, int) else 0
+    return result if type(result) is int else 0
 
 
 def _asks_json(args: list[str]) -> bool:
     """Whether ``args`` hold the ``--json`` flag (not as an argument after ``--``)."""
-    return "--json" in (args[:args.index("--")] if "--" in args else args)
+    options = args[:args.index("--")] if "--" in args else args
+    return any(a == "--json" or a.startswith("--json=") for a in options)
 
 
 def _show_usage_error(exc: Any) -> None:

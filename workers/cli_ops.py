@@ -208,7 +208,12 @@ def _check_runtime(settings: Settings) -> None:
     # fleet behind one worker with a wrong INVESTIGATE_REDIS_URL).
     from workers.health import redis_ping
 
-    redis_ping(settings.effective_redis_url, 3.0)
+    try:
+        redis_ping(settings.effective_redis_url, 3.0)
+    except ValueError as exc:  # a broker URL that is not Redis's (amqp://, sentinel://)
+        raise InvestigationError(
+            "CONFIG_INVALID", f"the case locks need a Redis URL ({exc}); set "
+            "INVESTIGATE_REDIS_URL when the broker is not a redis:// one") from None
     # Where this worker's state and locks are: a worker pointed elsewhere than its fleet
     # shows it here (two fleet trials: another database, another lock Redis).
     identity = deployment_identity(settings)

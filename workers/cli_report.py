@@ -94,8 +94,9 @@ def replies_check(
 ) -> None:
     """Judge each line of a reply file against the case, without running anything.
 
-    Line N answers the case's model call N (blank lines are skipped; `--json` gives
-    each line's 0-based `call_index`, as the store numbers calls). Each line gets a verdict from the engine's
+    The N-th reply line answers the case's model call N (blank lines do not count; the
+    table shows each line's number in the file, and `--json` its 0-based `call_index`,
+    as the store numbers calls). Each line gets a verdict from the engine's
     own parser and validator, on a simulation of the case from its stored state:
     accepted, rejected (with the code and the rule), depends (the verdict turns on what
     earlier queries will find: both outcomes are given), served (that call was already

@@ -217,9 +217,10 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
         changed = sorted(w for w, ident in seen.items()
                          if ident.get(f"{key}_now", ident.get(key)) != ident.get(key))
         if changed:
+            first = seen[changed[0]]
             problems.append(f"the {key} file changed on disk since {', '.join(changed)} "
-                            "started (" + _reload_advice(key, seen[changed[0]].get(
-                                f"{key}_path")) + ")")
+                            "started (" + _reload_advice(key, first.get(f"{key}_path"),
+                                                         first.get(f"{key}_now")) + ")")
     for key in ("store", "locks", "policy", "providers"):
         values: dict[str, list[str]] = {}
         for worker, ident in sorted(seen.items()):
@@ -237,20 +238,23 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
     return "; ".join(problems)
 
 
-def _reload_advice(key: str, path: str | None) -> str:
+def _reload_advice(key: str, path: str | None, now: str | None) -> str:
     """What to do about a ``key`` file ("policy" or "providers") edited under running
-    workers: restart them, unless the file no longer loads here, where a restarted worker
+    workers: restart them, unless the file no longer loads, where a restarted worker
     would refuse to start (a fleet trial followed "restart them" into a fleet that would
-    not start)."""
-    from investigation.config import InvestigationConfig, ProvidersConfig
+    not start). ``now`` is the worker's own reading of the file (``"unreadable"``); the
+    file is loaded here, as a worker's runtime loads it, when this host has that path."""
     from investigation.errors import InvestigationError
+    from workers.runtime import load_files
 
+    fix = "; fix it first, a worker refuses a broken file at start, then restart them"
+    if now == "unreadable":
+        return f"and the worker cannot read it now{fix}"
     if path and Path(path).is_file():
         try:
-            (InvestigationConfig if key == "policy" else ProvidersConfig).load(path)
+            load_files(path, None) if key == "policy" else load_files(None, path)
         except InvestigationError as exc:
-            return (f"and it does not load now: {exc.code}: {exc.message}; fix it first, a "
-                    "worker refuses a broken file at start, then restart them")
+            return f"and it does not load now: {exc.code}: {exc.message}{fix}"
     return "restart them to load it"
 
 

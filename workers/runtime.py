@@ -51,6 +51,31 @@ class Runtime:
         self.stages = Stages(self.env)
 
 
+def load_files(config_file: str | Path | None, providers_file: str | Path | None
+               ) -> tuple[InvestigationConfig, ProvidersConfig | None]:
+    """The policy (defaults for ``None``) and the providers file (``None`` for none), as a
+    runtime needs them: each scripted reply file present and every provider buildable.
+    ``health`` runs the same checks on a file edited under running workers.
+
+    Raises:
+        ConfigError: a broken config or providers file (``CONFIG_*``).
+        ProviderConfigurationError: a provider that cannot be built (``PROVIDER_BAD_CONFIG``).
+    """
+    config = InvestigationConfig.load(config_file)
+    providers_config = ProvidersConfig.load(providers_file) if providers_file else None
+    if providers_config is not None:
+        for p in providers_config.providers:
+            script = Path(providers_config.base_dir) / (p.path or "")
+            if p.kind == "scripted" and not script.is_file():
+                what = "is not a regular file" if script.exists() else "does not exist"
+                raise ConfigError(
+                    "CONFIG_INVALID",
+                    f"provider {p.name!r}: scripted reply file {p.path!r} {what} "
+                    f"(paths are relative to the providers file, {providers_config.base_dir})")
+        build_providers(providers_config)  # constructors validate URLs, models, dialects
+    return config, providers_config
+
+
 def build_env(settings: Settings, config_path: Path | None = None,
               providers_path: Path | None = None, *,
               adopt_frozen: bool = False) -> StageEnv:
@@ -71,19 +96,7 @@ def build_env(settings: Settings, config_path: Path | None = None,
         ProviderConfigurationError: a provider that cannot be built (``PROVIDER_BAD_CONFIG``).
     """
     config_file = config_path or settings.config
-    config = InvestigationConfig.load(config_file)
-    providers_file = providers_path or settings.providers
-    providers_config = ProvidersConfig.load(providers_file) if providers_file else None
-    if providers_config is not None:
-        for p in providers_config.providers:
-            script = Path(providers_config.base_dir) / (p.path or "")
-            if p.kind == "scripted" and not script.is_file():
-                what = "is not a regular file" if script.exists() else "does not exist"
-                raise ConfigError(
-                    "CONFIG_INVALID",
-                    f"provider {p.name!r}: scripted reply file {p.path!r} {what} "
-                    f"(paths are relative to the providers file, {providers_config.base_dir})")
-        build_providers(providers_config)  # constructors validate URLs, models, dialects
+    config, providers_config = load_files(config_file, providers_path or settings.providers)
     store = Store(settings.effective_database_url)
     if settings.auto_migrate:
         store.create_schema()

@@ -271,7 +271,9 @@ class OpenAIProvider:
         except HTTPX_ERRORS as exc:
             error = classify_httpx_error(exc, self.name, secrets,
                                          where=url_for_display(self.config.base_url or ""))
-            if error.code == PROVIDER_TIMEOUT:  # the bound that ran out, to raise it
+            if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
+                # The bound that ran out, to raise it; a connect or pool timeout is an
+                # address that does not answer, which a longer bound only waits longer for.
                 error = TransientProviderError(
                     PROVIDER_TIMEOUT, f"{error.message}; timeout_s = "
                     f"{self.config.timeout_s:g} bounds each read: raise it above the "
@@ -321,7 +323,7 @@ class OpenAIProvider:
                 PROVIDER_REQUEST_TOO_LARGE,
                 f"provider {self.name!r}: the request is {count} prompt tokens ({method}) "
                 f"and {output} are kept for the reply, over the model's context window of "
-                f"{window} tokens; not sent. The context is already as small as this step's "
+                f"{window} tokens; not sent. The context is already as small as this step "
                 f"allows: {lower}serve the model with a window of at least {count + output} "
                 "tokens (llama.cpp -c, llama-cpp-python --n_ctx, vLLM --max-model-len) and "
                 "set context_window_tokens to it, or use a model with a larger window",
@@ -376,7 +378,7 @@ class OpenAIProvider:
                 "so tokens were estimated")
         other = {"llama.cpp": "llama-cpp-python", "llama-cpp-python": "llama.cpp"}.get(
             tokenizer)
-        if other and "404" in (self.tokenizer_failure or ""):
+        if other and "HTTP 404" in (self.tokenizer_failure or ""):
             note += f": if the server is {other}, set tokenizer = \"{other}\""
         return note
 

@@ -490,7 +490,7 @@ def check_script(store: Store, case_id: str, path: Path,
                 account.pending_evidence_id = f"E{evidence_count}"
     questions = [{"question_id": q.question_id, "hypothesis_id": q.hypothesis_id,
                   "text": q.text, "status": q.status} for q in question_rows]
-    start = _start(state, reason, head, calls)
+    start = _start(state, reason, head, calls, lines)
     reader = reader or PackageReader(cfg.package)
     with _router(store, case_id, cfg, reader) as router:
         world = _World("find", True, accounts, evidence, questions, question_count,
@@ -501,22 +501,27 @@ def check_script(store: Store, case_id: str, path: Path,
                        lines=verdicts, end=end, policy=policy)
 
 
-def _start(state: str, reason: str | None, head: int, calls: int) -> str:
+def _start(state: str, reason: str | None, head: int, calls: int,
+           lines: list[tuple[int, bytes]]) -> str:
     where = f"{head} published step(s), {calls} model call(s) made"
+    # The file's own line number of the reply the next call reads (blank lines are
+    # skipped, so it can be past calls + 1).
+    line = str(lines[calls][0]) if calls < len(lines) else \
+        f"{(lines[-1][0] if lines else 0) + 1} (not written yet)"
     if state == CASE_BUILDING_DIAGNOSIS:
         return f"the case is complete ({where}): no line will be read"
     if state in (CASE_CANCELLED, CASE_STOPPED):
         return f"the case is {state} ({where}): no line will be read"
     if state == CASE_PAUSED:
         return f"the case is paused ({where}); after `resume`, call {calls + 1} reads line " \
-               f"{calls + 1}"
+               f"{line}"
     if state == CASE_BLOCKED:
         if reason == BLOCK_AWAITING_TEST_FEEDBACK:
             return (f"the case waits for test feedback ({where}); once it is confirmed, call "
-                    f"{calls + 1} reads reply line {calls + 1}")
+                    f"{calls + 1} reads reply line {line}")
         return (f"the case is blocked ({reason}; {where}); after `resume`, call {calls + 1} "
-                f"reads reply line {calls + 1}")
-    return f"{where}: the next call ({calls + 1}) reads reply line {calls + 1}"
+                f"reads reply line {line}")
+    return f"{where}: the next call ({calls + 1}) reads reply line {line}"
 
 
 def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,

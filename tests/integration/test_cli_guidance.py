@@ -74,7 +74,7 @@ def test_three_invalid_replies_then_fix_and_resume(cli: Case) -> None:
     assert todo == [["replies", "check", "case/replies.jsonl", cli.case_id],
                     ["resume", cli.case_id],
                     ["run", cli.case_id, "--providers", providers]]
-    assert "the next model call (call 4) reads its line 4" in ran.output
+    assert "the next model call (call 4) reads its reply line 4" in " ".join(ran.output.split())
     # The user fixes the file: the three served lines stay, the next call reads line 4.
     cli.replies_path.write_text("\n".join([BAD, BAD, BAD, *HAPPY]) + "\n")
     checked = follow(todo[0], cli.replies_path)
@@ -97,7 +97,7 @@ def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> Non
     ran = invoke("run", cli.case_id, "--providers", providers)
     assert ran.exit_code == 1, ran.output
     assert "BLOCKED (PROVIDER_CONFIGURATION)" in ran.output
-    assert "PROVIDER_SCRIPT_EXHAUSTED" in ran.output and "reads its line 3" in ran.output
+    assert "PROVIDER_SCRIPT_EXHAUSTED" in ran.output and "reads its reply line 3" in " ".join(ran.output.split())
     assert ran.output.count("line 3") == 1, ran.output  # said once, not in two steps
     assert ["replies", "check", "case/replies.jsonl", cli.case_id] in commands(ran.output)
     todo = commands(ran.output)

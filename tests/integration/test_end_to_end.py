@@ -402,7 +402,9 @@ def test_a_usage_error_of_a_json_command_is_json_on_stdout_too(
                            "No such option: --nope"),
                           (["cases", "--json", "--state"],
                            "Option '--state' requires an argument."),
-                          (["status", "--json"], "Missing argument 'CASE'.")):
+                          (["status", "--json"], "Missing argument 'CASE'."),
+                          (["status", "case-nope", "--json=yes"],
+                           "Option '--json' does not take a value.")):
         code, out, err = run(*args)
         assert code == 2, (args, err)
         assert json.loads(out) == {"error": {
@@ -520,6 +522,14 @@ def test_a_worker_that_could_not_run_a_stage_is_refused_before_it_joins_the_queu
         assert res.exit_code == 2 and "REDIS_UNAVAILABLE" in res.output, res.output
         assert not worker_main.called
         monkeypatch.delenv("INVESTIGATE_REDIS_URL")
+        # A broker that is not Redis, and no lock Redis named: said so, by its name.
+        monkeypatch.setenv("INVESTIGATE_BROKER_URL", "amqp://127.0.0.1:5672//")
+        res = CliRunner().invoke(app, ["worker"])
+        assert res.exit_code == 2 and "the case locks need a Redis URL" in res.output, \
+            res.output
+        assert "set INVESTIGATE_REDIS_URL" in " ".join(res.output.split())
+        assert not worker_main.called
+        monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/13")
         res = CliRunner().invoke(app, ["worker"])
         assert res.exit_code == 0 and worker_main.called, res.output
         shown = " ".join(res.output.split())

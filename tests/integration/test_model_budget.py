@@ -329,14 +329,15 @@ def test_status_says_which_attempts_await_their_answer(rig: Rig) -> None:
 
     assert rig.step().outcome == PROGRESSED  # hypothesis 1
     assert usage()[1]["awaiting_answer"] == 0
-    rig.server.add_faults(Fault.delay(3.0))
+    rig.server.add_faults(Fault.delay(6.0))
     stepped: list[Outcome] = []
     worker = threading.Thread(target=lambda: stepped.append(rig.step()))  # hypothesis 2
     worker.start()
     try:
-        deadline = time.monotonic() + 2.5
+        deadline = time.monotonic() + 5.0
         while 2 not in (during := usage()) and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert 2 in during, during  # the attempt was recorded before its answer came
         assert during[2]["attempts"] == 1 and during[2]["awaiting_answer"] == 1, during
         assert during[1]["awaiting_answer"] == 0, during
         screen = Console(width=160, record=True)

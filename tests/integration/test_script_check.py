@@ -187,3 +187,18 @@ def test_cli_replies_check(tiny_case: Case, tmp_path: Path,
     res = CliRunner().invoke(app, ["replies", "check", str(tmp_path / "none.jsonl"),
                                    tiny_case.case_id])
     assert res.exit_code == 2 and "SCRIPT_UNREADABLE" in res.output
+
+
+def test_the_start_line_names_the_files_own_line_number() -> None:
+    """Blank lines do not count as replies, so the reply the next call reads can sit
+    further down than call + 1 (a review: the table showed file line numbers, the start
+    line call numbers)."""
+    from investigation.loop.script_check import _start
+
+    lines = [(1, b"a"), (2, b"b"), (4, b"c"), (7, b"d")]  # blank lines 3, 5 and 6
+    assert _start("INVESTIGATING", None, 2, 2, lines).endswith(
+        "the next call (3) reads reply line 4")
+    assert _start("BLOCKED", "INVALID_LLM_RESPONSES", 3, 3, lines).endswith(
+        "call 4 reads reply line 7")
+    assert _start("INVESTIGATING", None, 4, 4, lines).endswith(
+        "reads reply line 8 (not written yet)")

@@ -228,3 +228,27 @@ def test_a_feedback_key_file_others_can_read_is_warned_about_once(
     said = [r.getMessage() for r in caplog.records if "feedback key file" in r.getMessage()]
     assert said == [f"feedback key file {loose} has mode 0644: other users can read it and "
                     f"forge test feedback; `chmod 600 {loose}`"]
+
+
+def test_healths_advice_on_a_file_edited_under_running_workers(tmp_path: Path) -> None:
+    """'restart them' only when a restarted worker would start: a file that no longer
+    loads, or whose scripted reply file is gone, or that the worker cannot read, is to be
+    fixed first (a fleet trial restarted into workers that refused to start; a review)."""
+    from workers.health import _reload_advice
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[budget]\ncredit_units = 30\n")
+    assert _reload_advice("policy", str(policy), "abc") == "restart them to load it"
+    policy.write_text("[budget]\ncredit_units = 30\n[budget]\n")
+    assert _reload_advice("policy", str(policy), "abc").startswith(
+        "and it does not load now: CONFIG_INVALID")
+    providers = tmp_path / "providers.toml"
+    providers.write_text('[[providers]]\nname = "r"\nkind = "scripted"\npath = "gone.jsonl"\n')
+    advice = _reload_advice("providers", str(providers), "abc")
+    assert "does not load now" in advice and "gone.jsonl" in advice and "fix it first" in advice
+    (tmp_path / "gone.jsonl").write_text("")
+    assert _reload_advice("providers", str(providers), "abc") == "restart them to load it"
+    assert _reload_advice("providers", str(providers), "unreadable").startswith(
+        "and the worker cannot read it now")
+    assert _reload_advice("policy", str(tmp_path / "elsewhere.toml"), "abc") == \
+        "restart them to load it"  # not on this host: nothing to check here

@@ -98,9 +98,10 @@ def test_a_missing_providers_file_says_how_to_write_one(tmp_path: Path) -> None:
         ProvidersConfig.load(tmp_path / "providers.toml")
     assert err.value.code == "CONFIG_UNREADABLE"
     assert "config/providers.example.toml" in err.value.message
-    entry = err.value.message.split("needs one entry: ", 1)[1].rstrip(")")
-    written = tmp_path / "providers.toml"  # the entry it shows is a working file
-    written.write_text(entry.replace(", ", "\n").replace("] ", "]\n") + "\n")
+    shown = err.value.message.split("entry with the lines ", 1)[1].rstrip(")")
+    lines = shown.replace(" and ", ", ").split(", ")
+    written = tmp_path / "providers.toml"  # the lines it shows make a working file
+    written.write_text("[[providers]]\n" + "\n".join(lines) + "\n")
     assert tomllib.loads(written.read_text())["providers"][0]["kind"] == "scripted"
     (tmp_path / "replies.jsonl").write_text("")
     assert ProvidersConfig.load(written).providers[0].name == "replay"

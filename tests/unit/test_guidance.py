@@ -51,7 +51,7 @@ def test_invalid_replies_point_at_the_next_script_line() -> None:
     text = "\n".join(g.lines())
     assert f"$ investigate resume {CASE}\n" in text + "\n"
     assert "--retry-id" not in text  # a plain resume: the provider is not the problem
-    assert "reads its line 7" in text
+    assert "reads its reply line 7, blank lines not counted" in text
     assert f"investigate replies check replies.jsonl {CASE}" in text
     assert f"investigate dispatch {CASE}" in text and "investigate run" not in text
 
