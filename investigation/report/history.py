@@ -27,6 +27,7 @@ from investigation import jsonio
 from investigation.constants import ARTIFACT_RAW_RESULT
 from investigation.external_tests.coordinator import FEEDBACK_OPERATION
 from investigation.guidance import Guidance, for_case
+from investigation.llm.gateway import ATTEMPT_FAILED, ATTEMPT_REJECTED, ATTEMPT_SUCCEEDED
 from investigation.operations import status
 from investigation.secrets import default_masker
 from investigation.store.engine import Store
@@ -310,8 +311,8 @@ def usage_totals(store: Store, case_id: str) -> dict[str, int | None]:
             col(LLMAttempt.operation_id).in_(list(op_ids) or [-1]))).all()
     prompt = [a.prompt_tokens for a in attempts if a.prompt_tokens is not None]
     completion = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
-    answered = sum(a.status == "succeeded" for a in attempts)
-    failed = sum(a.status in ("failed", "rejected") for a in attempts)
+    answered = sum(a.status == ATTEMPT_SUCCEEDED for a in attempts)
+    failed = sum(a.status in (ATTEMPT_FAILED, ATTEMPT_REJECTED) for a in attempts)
     return {"calls": answered, "attempts": len(attempts), "failed": failed,
             "model_ms": sum(_ms(a.started_at, a.finished_at) or 0 for a in attempts),
             "prompt_tokens": sum(prompt) if prompt else None,
