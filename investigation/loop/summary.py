@@ -98,9 +98,10 @@ _AUTOLINK = re.compile(r"(?i)(https?|ftp)://|(?<![^\s*_~(])(www)\.|"
 #: (CommonMark never reads ``transform_sql`` as emphasis).
 _LOOSE_UNDERSCORE = re.compile(r"(?<![^\W_])_|_(?![^\W_])")
 #: What would open a block where the text starts a line or follows a list marker or
-#: ``> ``: a heading ``#``, a list ``-``/``+``/``1.``/``1)``, a code fence of backticks
-#: with no backtick after it.
-_BLOCK_START = re.compile(r"([#+-])|(\d{1,9})([.)])|(`{3,})(?!.*`)")
+#: ``> `` (CommonMark): a heading ``#``-``######``, a list marker ``-``, ``+``, ``1.`` or
+#: ``1)``, each followed by a space or the end; a line of hyphens (a thematic break); a
+#: code fence of backticks with no backtick after it. ``0.25 USD`` or ``-5`` open none.
+_BLOCK_START = re.compile(r"(?:#{1,6}|[-+])(?= |$)|(\d{1,9})[.)](?= |$)|-[- ]*$|`{3,}(?!.*`)")
 
 
 #: A code span of CommonMark: a backtick run, text, the same run (no longer one).
@@ -131,8 +132,8 @@ def plain(text: str | None) -> str:
     start = _BLOCK_START.match(line)
     if start is None:
         return line
-    if start[2]:  # an ordered list's marker: escape its "." or ")"
-        return f"{start[2]}\\{line[len(start[2]):]}"
+    if start[1]:  # an ordered list's marker: escape its "." or ")"
+        return f"{start[1]}\\{line[len(start[1]):]}"
     return "\\" + line
 
 

@@ -73,6 +73,10 @@ def test_model_prose_renders_as_the_text_it_is() -> None:
     assert "<p># Root cause</p>" in rendered(plain("# Root cause"))
     assert "<p>1. ignore other hypotheses</p>" in rendered(plain(hostile[6]))
     assert "a\\b \\* c" in rendered(plain(hostile[-1]))  # backslashes shown as written
+    # What opens no block stays as written: an amount, a number, a hashtag (the money
+    # column of the usage table read "0\\.028974 USD" for a moment).
+    for text in ("0.028974 USD", "-5 is", "12.5%", "#hashtag", "####### seven"):
+        assert plain(text) == text
     # Code spans keep their text (the demo's interpretation names tables in backticks)
     # and words keep their underscores.
     assert plain("rowid table `articles_fts` of transform_sql()") == \
