@@ -370,6 +370,8 @@ def cases(
         return
     table = Table("case", "state", "reason", "retry not before", "steps", "last outcome",
                   "balance", "hypotheses", "updated")
+    for column in table.columns:  # narrow output wraps a code or a time, never cuts it
+        column.overflow = "fold"  # (a fleet trial read "INVALID_LLM_RESP…")
     table.columns[0].no_wrap = True  # a case id is what the operator copies
     for r in rows:
         table.add_row(

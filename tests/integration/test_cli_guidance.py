@@ -486,6 +486,19 @@ def test_status_and_cases_offer_what_this_shell_can_run(
     assert first == f"investigate replies check case/replies.jsonl {cli.case_id}"
     listed = invoke("cases", "--json")
     assert [row["next"] for row in json.loads(listed.output)] == [first]
+    # Narrow output wraps the reason and the time, never cuts them (a fleet trial read
+    # "INVALID_LLM_RESP…").
+    from rich.console import Console
+
+    import workers.cli_ops
+
+    narrow = Console(file=io.StringIO(), width=80, record=True)
+    monkeypatch.setattr(workers.cli_ops, "out", narrow)
+    assert invoke("cases").exit_code == 0
+    screen = narrow.export_text()
+    assert "…" not in screen, screen
+    cells = [line.split("│") for line in screen.splitlines() if line.startswith("│")]
+    assert "".join(c[3].strip() for c in cells) == "INVALID_LLM_RESPONSES", screen
 
 
 def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
