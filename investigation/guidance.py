@@ -190,9 +190,10 @@ def _continue(f: CaseFacts, mode: Mode, providers: str | None,
     if mode == "distributed":
         return [Step("dispatch it to the workers (or let the recovery sweep do it)" + busy,
                      dispatch)]
-    return [Step(f"embedded runtime: {again}" + ("" if providers else
-                                                 " with your providers file"), run),
-            Step("distributed runtime: dispatch it to the workers" + busy, dispatch)]
+    # Both runtimes: a shell that names a broker (a fleet's), so the workers come first.
+    return [Step("distributed runtime: dispatch it to the workers" + busy, dispatch),
+            Step(f"embedded runtime: {again}" + ("" if providers else
+                                                 " with your providers file"), run)]
 
 
 def _watch(f: CaseFacts, mode: Mode) -> list[Step]:

@@ -468,17 +468,19 @@ def _case_add_next(settings: Settings, store: Store, case_id: str, state: str) -
     fleet = _broker_configured(settings)
     # Without INVESTIGATE_PROVIDERS the replies may come from a model server (a user of a
     # real model read the reply-file check as a step of theirs).
+    run = (f"  $ investigate run {case_id} --providers "
+           f"{shlex.quote(providers) if providers else 'providers.toml'}")
+    # In a fleet's shell the workers come first (a fleet trial was offered `run` first).
     err.print("next: " + ("check a scripted reply file against it (if the replies come from "
                           "one), then " if check and not providers else
                           "check a scripted reply file against it, then " if check else "")
               + ("resume it and " if resume_first else "")
-              + "run it here" + (", or send it to the workers" if fleet else "")
+              + ("send it to the workers (beat's recovery sweep also starts it), or run it "
+                 "here" if fleet else "run it here")
               + f"\n{check}{resume_first}"
-              f"  $ investigate run {case_id} --providers "
-              f"{shlex.quote(providers) if providers else 'providers.toml'}"
-              + (f"\n  $ investigate dispatch {case_id}" if fleet else
-                 "\n(a fleet's workers take it from `investigate dispatch` with the fleet's "
-                 "INVESTIGATE_BROKER_URL and INVESTIGATE_DATABASE_URL set; "
+              + (f"  $ investigate dispatch {case_id}\n{run}" if fleet else
+                 f"{run}\n(a fleet's workers take it from `investigate dispatch` with the "
+                 "fleet's INVESTIGATE_BROKER_URL and INVESTIGATE_DATABASE_URL set; "
                  "docs/operations.md)"),
               highlight=False, markup=False)
 

@@ -271,9 +271,9 @@ def test_case_add_names_the_providers_file_in_use(tmp_path: Path,
     first = invoke(*args)
     assert first.exit_code == 0, first.output
     case_id = first.stdout.strip()
-    assert first.stderr.splitlines()[-2:] == [
-        f"  $ investigate run {case_id} --providers {http}",
-        f"  $ investigate dispatch {case_id}"]
+    assert first.stderr.splitlines()[-2:] == [  # a fleet's shell: the workers first
+        f"  $ investigate dispatch {case_id}",
+        f"  $ investigate run {case_id} --providers {http}"]
     assert "replies check" not in first.stderr and "scripted reply" not in first.stderr
     monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(scripted))
     again = invoke(*args)
@@ -474,7 +474,7 @@ def test_status_and_cases_offer_what_this_shell_can_run(
     monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/12")
     fleet = invoke("status", cli.case_id)
     assert "embedded runtime: run it with your providers file" in fleet.output, fleet.output
-    assert [c[0] for c in commands(fleet.output)] == ["run", "dispatch"]
+    assert [c[0] for c in commands(fleet.output)] == ["dispatch", "run"]
     monkeypatch.delenv("INVESTIGATE_BROKER_URL")
 
     ran = invoke("run", cli.case_id, "--providers", str(cli.providers_path))

@@ -165,7 +165,9 @@ def test_a_workers_step_error_is_named_with_its_step_and_what_to_do(
     text = "\n".join(g.lines())
     assert f"`case {CASE} step 5 STAGE failed: {code}: ...`" in text
     commands = [s.command for s in g.steps if s.command]
-    assert commands[-2:] == [f"investigate dispatch {CASE}", f"investigate cancel {CASE}"]
+    assert commands[-1] == f"investigate cancel {CASE}"  # the workers' dispatch first
+    assert commands[-3:-1] == [f"investigate dispatch {CASE}",
+                               f"investigate run {CASE} --providers providers.toml"]
     if says:
         assert says in text
     if command:
