@@ -41,7 +41,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sqlmodel import col, select
 
@@ -220,6 +220,15 @@ def _script_hint(f: CaseFacts, replies: str | None) -> Step:
 _PAUSE_REQUESTS = frozenset({PROVIDER_RATE_LIMITED})
 
 
+T = TypeVar("T")
+
+
+def _by_mode(mode: Mode, embedded: T, distributed: T, both: T) -> T:
+    """What to say in a shell of the runtime ``mode`` (``None``: both runtimes)."""
+    return embedded if mode == "embedded" else distributed if mode == "distributed" \
+        else both
+
+
 def _clip(text: str, limit: int) -> str:
     """``text`` cut to at most ``limit`` characters at a space, marked with "...": a cut
     in a word or a path ("analysis/investigation/0004/", "every configured provider rej")
@@ -304,14 +313,14 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
                 headline = f"The provider asked for a pause{_why(f)}"
             else:
                 headline = f"The model call failed for now and is retried{_why(f)}"
-            when = {"distributed": f": the workers take the case up again by themselves "
-                                   f"after {f.retry_not_before} (no worker waits meanwhile).",
-                    "embedded": f": the model call is tried again after "
-                                f"{f.retry_not_before}, when the case runs (`run` waits for "
-                                "it unless --no-wait)."}.get(
-                mode or "", f": the model call is tried again after {f.retry_not_before} "
-                "(no worker waits meanwhile): workers take the case up by themselves, an "
-                "embedded case when it runs again.")
+            when = _by_mode(
+                mode, f": the model call is tried again after {f.retry_not_before}, when the "
+                "case runs (`run` waits for it unless --no-wait).",
+                f": the workers take the case up again by themselves after "
+                f"{f.retry_not_before} (no worker waits meanwhile).",
+                f": the model call is tried again after {f.retry_not_before} (no worker waits "
+                "meanwhile): workers take the case up by themselves, an embedded case when it "
+                "runs again.")
             embedded = Step("embedded: `run` waits in the command (or exits 4 with "
                             "--no-wait); run it again after that time",
                             f"investigate run {case} --providers "
@@ -319,9 +328,8 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
             distributed = Step("distributed: the workers come back by themselves; watch it",
                                f"investigate status {case} --watch")
             # A shell without a broker is told of `run` only (a new user's trial).
-            return Guidance(headline + when, {"embedded": (embedded,),
-                                              "distributed": (distributed,)}.get(
-                                                  mode or "", (embedded, distributed)))
+            return Guidance(headline + when, _by_mode(mode, (embedded,), (distributed,),
+                                                      (embedded, distributed)))
         if f.last_outcome == STEP_ERROR:
             return _step_error(f, mode, providers)
         if f.steps == 0 and f.last_outcome is None and not f.step_started:
@@ -445,12 +453,11 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
         return Guidance(
             f"Blocked: the provider refused the credentials{_why(f)}.",
             (Step("set the environment variable the providers file names in api_key_env "
-                  "(the key itself never goes into a file or the store)" + {
-                      "embedded": " in the shell that runs `investigate run`",
-                      "distributed": "; workers read it when they start, so restart them "
-                                     "after setting it"}.get(
-                      mode or "", ": in the shell of `investigate run`; workers read it "
-                      "when they start, so restart them after setting it")),
+                  "(the key itself never goes into a file or the store)" + _by_mode(
+                      mode, " in the shell that runs `investigate run`",
+                      "; workers read it when they start, so restart them after setting it",
+                      ": in the shell of `investigate run`; workers read it when they "
+                      "start, so restart them after setting it")),
              resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_AWAITING_TEST_FEEDBACK:
         first = f.awaiting_tests[0] if f.awaiting_tests else "T1"
@@ -479,12 +486,12 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
             f"Blocked: the case's model calls reached their money cap{_why(f)}. Nothing "
             "more was sent.",
             (Step("raise [limits] max_model_cost in the policy file the runtime reads, "
-                  "if the case is worth it: " + {
-                      "embedded": "`run --config FILE`",
-                      "distributed": "the workers' INVESTIGATE_CONFIG; they read it when "
-                                     "they start, so restart them after the edit"}.get(
-                      mode or "", "`run --config FILE`, or the workers' INVESTIGATE_CONFIG "
-                      "(they read it when they start: restart them after the edit)")),
+                  "if the case is worth it: " + _by_mode(
+                      mode, "`run --config FILE`",
+                      "the workers' INVESTIGATE_CONFIG; they read it when they start, so "
+                      "restart them after the edit",
+                      "`run --config FILE`, or the workers' INVESTIGATE_CONFIG (they read "
+                      "it when they start: restart them after the edit)")),
              resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_STAGE_TIME_LIMIT:
         return Guidance(

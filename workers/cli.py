@@ -196,15 +196,22 @@ def _first_line(exc: BaseException) -> str:
 
 def _fail(code: str, message: str, exit_code: int = 2,
           extra: dict[str, Any] | None = None) -> NoReturn:
-    """Print ``error CODE: message`` on stderr and exit with ``exit_code``; a command given
-    ``--json`` also prints ``{"error": {"code", "message", "exit_code", **extra}}`` on
-    stdout, so a caller that parses stdout gets the code without reading stderr."""
+    """Print the error (:func:`_print_error`, as JSON too for a command given ``--json``)
+    and exit with ``exit_code``."""
+    _print_error(code, message, exit_code, _JSON_ERRORS.get(), extra)
+    raise typer.Exit(exit_code)
+
+
+def _print_error(code: str, message: str, exit_code: int, as_json: bool,
+                 extra: dict[str, Any] | None = None) -> None:
+    """Print ``error CODE: message`` on stderr; with ``as_json`` also
+    ``{"error": {"code", "message", "exit_code", **extra}}`` on stdout, so a caller that
+    parses stdout gets the code without reading stderr."""
     err.print("[bold red]error[/] ", end="", markup=True)
     err.print(_term(f"{code}: {message}"), markup=False, highlight=False)
-    if _JSON_ERRORS.get():
+    if as_json:
         _print_json({"error": {"code": code, "message": message, "exit_code": exit_code,
                                **(extra or {})}})
-    raise typer.Exit(exit_code)
 
 
 def _settings() -> Settings:
@@ -906,13 +913,9 @@ def _invoke(command: Any, args: list[str]) -> int:
         import traceback
 
         traceback.print_exc()
-        message = (f"unexpected {type(exc).__name__}: {_first_line(exc)}; this is a bug of "
-                   "the engine (the traceback above says where)")
-        err.print("[bold red]error[/] ", end="", markup=True)
-        err.print(_term(f"INTERNAL_ERROR: {message}"), markup=False, highlight=False)
-        if _asks_json(args):
-            _print_json({"error": {"code": "INTERNAL_ERROR", "message": message,
-                                   "exit_code": INTERNAL_ERROR_EXIT}})
+        _print_error("INTERNAL_ERROR", f"unexpected {type(exc).__name__}: "
+                     f"{_first_line(exc)}; this is a bug of the engine (the traceback above "
+                     "says where)", INTERNAL_ERROR_EXIT, _asks_json(args))
         return INTERNAL_ERROR_EXIT
     # Not standalone, Click returns the code of a ``typer.Exit`` (help, --version,
     # :func:`_fail`) and otherwise the command's return value (the commands return None).

@@ -72,10 +72,9 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
         # No server reported a count (a scripted provider, a server without `usage`): a
         # 0 there read as a free model (a reader's trial).
         reported = u["tokens_reported"]
-        # Some servers reported counts and some did not: the sums are partial (a reader's
-        # trial added them up as the whole).
-        partial = f" ({reported} of {u['attempts']} attempts)" \
-            if 0 < reported < u["attempts"] else ""
+        # Some answered calls came without counts: the sums are partial (a reader's trial
+        # added them up as the whole). A failed attempt has no reply to count.
+        partial = f" ({reported} of {u['calls']} calls)" if 0 < reported < u["calls"] else ""
         table.add_row("unrecorded" if u["hypothesis_id"] is None else str(u["hypothesis_id"]),
                       str(u["calls"]), _attempts_cell(u),
                       f"{u['prompt_tokens']}{partial}" if reported else "not reported",

@@ -303,7 +303,8 @@ def usage_totals(store: Store, case_id: str) -> dict[str, int | None]:
         ``{"calls", "attempts", "failed", "model_ms", "prompt_tokens",
         "completion_tokens"}``: ``calls`` the answered ones (as ``status`` counts model
         calls), ``attempts`` every request sent, ``failed`` those that got no usable
-        answer (in flight ones are neither); a token total is ``None`` when no provider reported one.
+        answer (in flight ones are neither); a token total is ``None`` when no provider
+        reported one.
     """
     with store.session() as s:
         op_ids = s.exec(select(LLMOperation.id).where(LLMOperation.case_id == case_id)).all()

@@ -269,8 +269,8 @@ def _charts(h: CaseHistory) -> list[str]:
     out.append("</div>")
     times = [(s.seq, float(s.model_ms) if s.model_ms is not None else None) for s in h.steps]
     out.append('<h3>Model time and tokens per step</h3><div class="chart">'
-               + svg.bars(times, max_seq, "model time per step", "ms", "model-time",
-                          lambda v: _ms(round(v))))
+               + svg.bars(times, max_seq, "model time per step", "", "model-time",
+                          lambda v: _ms(round(v))))  # "420 ms", "84.65 s": its own unit
     tokens = [(s.seq, float((s.prompt_tokens or 0) + (s.completion_tokens or 0))
                if s.prompt_tokens is not None or s.completion_tokens is not None else None)
               for s in h.steps]

@@ -265,7 +265,8 @@ def burndown(hypothesis_id: int, index: int, entries: list[dict[str, Any]],
 
 def bars(values: Sequence[tuple[int, float | None]], max_seq: int, label: str,
          unit: str, cls: str, fmt: Callable[[float], str] = lambda v: f"{v:g}") -> str:
-    """A bar per step (``(step_seq, value)``; ``None`` draws nothing)."""
+    """A bar per step (``(step_seq, value)``; ``None`` draws nothing); each bar's title is
+    ``fmt(value)`` then ``unit`` (empty where ``fmt`` writes its own unit)."""
     left, top, plot_h = 56.0, 16.0, 70.0
     cell = min(48.0, max(2.0, 900.0 / max(1, max_seq)))
     x = _Scale(max_seq, left, cell * max(1, max_seq))
@@ -282,12 +283,7 @@ def bars(values: Sequence[tuple[int, float | None]], max_seq: int, label: str,
         h = max(0.5, plot_h * v / top_value)
         body.append(f'<rect class="bar {cls}" x="{_f(x(seq - 1))}" y="{_f(top + plot_h - h)}" '
                     f'width="{_f(max(1.0, cell - gap))}" height="{_f(h)}" fill="#5b7db1">'
-                    f"<title>step {seq}: {svg_text(_with_unit(fmt(v), unit))}</title></rect>")
+                    f"<title>step {seq}: {svg_text(f'{fmt(v)} {unit}'.rstrip())}</title></rect>")
     body += _x_axis(x, top + plot_h + 2, cells=True)
     return _svg(f"chart-bars {cls}", x(max_seq) + 14, top + plot_h + 34, label, body)
 
-
-def _with_unit(shown: str, unit: str) -> str:
-    """``shown`` followed by ``unit`` unless the formatter already wrote one ("84651 ms
-    ms" in a real model's report)."""
-    return shown if shown.endswith((f" {unit}", " s")) else f"{shown} {unit}"

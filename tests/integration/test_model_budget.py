@@ -302,14 +302,17 @@ def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> 
     assert table is not None
     screen.print(table)
     assert "not reported" in screen.export_text()
-    # Counts from some attempts only: the sums say of how many.
-    partial = [{**usage[0], "tokens_reported": 1, "attempts": 3, "prompt_tokens": 40,
-                "completion_tokens": 5}]
-    table = model_usage_table({"model_usage": {"hypotheses": partial}}, "USD")
-    assert table is not None
-    screen = Console(width=160, record=True)
-    screen.print(table)
-    assert "40 (1 of 3 attempts)" in screen.export_text()
+    # Counts from some answered calls only: the sums say of how many. Failed attempts
+    # (no reply to count) do not make a sum partial.
+    for calls, attempts, shown in ((3, 3, "40 (1 of 3 calls)"), (1, 3, "40 ")):
+        partial = [{**usage[0], "tokens_reported": 1, "calls": calls, "attempts": attempts,
+                    "prompt_tokens": 40, "completion_tokens": 5}]
+        table = model_usage_table({"model_usage": {"hypotheses": partial}}, "USD")
+        assert table is not None
+        screen = Console(width=160, record=True)
+        screen.print(table)
+        text = screen.export_text()
+        assert shown in text and ("of 3" in text) is (calls == 3), text
 
 
 def test_status_says_which_attempts_await_their_answer(rig: Rig) -> None:

@@ -8,6 +8,7 @@ browser); locally it skips without them, under CI it fails (``tests.conftest.nee
 from __future__ import annotations
 
 import json
+import re
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,9 @@ def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path])
         if st.score_reason:
             assert f"assessed {st.assessed_evidence}:</span> " in row, row
     assert any(st.score_reason for st in scored)
+    # Model time bars say their unit once ("84651 ms ms" in a real model's report).
+    times = re.findall(r'class="bar model-time"[^>]*><title>step \d+: ([^<]*)</title>', html)
+    assert times and all(re.fullmatch(r"\d+ ms|\d+\.\d\d s", t) for t in times), times[:5]
 
 
 def test_everything_supplied_is_inert(long_run: tuple[Case, Path]) -> None:

@@ -53,7 +53,7 @@ def test_bar_titles_name_their_unit_once() -> None:
     from investigation.report import svg
     from investigation.report.html import _ms
 
-    chart = svg.bars([(1, 84651.0), (2, 420.0), (3, None)], 3, "model time per step", "ms",
+    chart = svg.bars([(1, 84651.0), (2, 420.0), (3, None)], 3, "model time per step", "",
                      "model-time", lambda v: _ms(round(v)))
     assert "<title>step 1: 84.65 s</title>" in chart
     assert "<title>step 2: 420 ms</title>" in chart and "ms ms" not in chart
