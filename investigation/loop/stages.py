@@ -75,7 +75,7 @@ from investigation.loop.contract import (
 from investigation.loop.outcome import Outcome, StageResult, StepKey
 from investigation.loop.prompt import build_messages
 from investigation.loop.reply_schema import turn_schema
-from investigation.loop.scheduler import select_hypothesis
+from investigation.loop.scheduler import next_turn
 from investigation.loop.stagebase import SKIPPED, StageFramework, _AlreadyRecorded, _loads
 from investigation.loop.summary import write_summary
 from investigation.loop.validation import validate_reply
@@ -202,9 +202,10 @@ class Stages(StageFramework):
             for account in accounts:
                 budget.apply_automatic_disposition(account)
                 s.add(account)
-            selected = select_hypothesis(accounts)
-            if selected is None:
+            selection = next_turn(accounts)
+            if selection is None:
                 return self._complete(s, key, "build_context", {"finalize": True})
+            selected = selection.hypothesis_id
             llm_steps = births[0].llm_calls if births else \
                 s.exec(_LLM_CALLS, params={"case_id": key.case_id}).one()
             doc = context_builder.build(
@@ -230,6 +231,7 @@ class Stages(StageFramework):
                 "context_sha256": digest, "call_index": llm_steps,
                 "closing_reason": doc["closing_reason"], "policy_sha256": rev.policy_sha256,
                 "reply_schema_path": schema_path, "reply_schema_sha256": schema_digest,
+                "selection": selection.to_dict(),
             })
 
     # -- 2. llm_call ---------------------------------------------------------------------

@@ -89,6 +89,10 @@ class StepRow:
     new_questions: list[str] = field(default_factory=list)
     resolved_questions: list[str] = field(default_factory=list)
     test_request: str | None = None
+    #: Why the step went to its hypothesis: ``build_context``'s ``selection``
+    #: (``scheduler.Selection.to_dict``); ``None`` for a step recorded before decision 166
+    #: and for a closing step.
+    selection: dict[str, Any] | None = None
 
 
 @dataclass
@@ -188,7 +192,7 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
         hid = cp.hypothesis_id if cp is not None else b.get("hypothesis_id")
         row = StepRow(seq=seq, hypothesis_id=hid, published=cp is not None,
                       outcome=cp.outcome if cp else None, reason=cp.reason if cp else None,
-                      closing_step=bool(b.get("finalize")))
+                      closing_step=bool(b.get("finalize")), selection=b.get("selection"))
         v = verdicts.get(seq)
         if v is not None and v.get("accepted") is False:
             row.rejection_code, row.rejection_detail = v.get("code"), v.get("detail")

@@ -20,6 +20,7 @@ import json
 from typing import Any
 
 from investigation.loop.outcome import last_outcome_text
+from investigation.loop.scheduler import FIRST_TURN, HIGHEST_CONFIDENCE
 from investigation.report import svg
 from investigation.report.escape import html_attr, html_text
 from investigation.report.history import CaseHistory, StepRow
@@ -308,6 +309,28 @@ def _score_cell(s: StepRow) -> str:
     return f'{s.score} <a class=muted href="#ev-{ref}">{_e(s.assessed_evidence)}</a>'
 
 
+def _selection(s: StepRow) -> str:
+    """Why the scheduler gave the step to its hypothesis (seed 000, "Deterministic cycle",
+    step 1), from the rule it recorded; empty for a step recorded without one."""
+    sel = s.selection
+    if not isinstance(sel, dict):
+        return ""
+    others = ", ".join(f"H{i}" for i in sel.get("tied", []) if i != s.hypothesis_id)
+    if sel.get("rule") == FIRST_TURN:
+        text = "first turn" + (f"; {others} still wait for theirs (lowest id first)"
+                               if others else "")
+    elif sel.get("rule") == HIGHEST_CONFIDENCE:
+        if sel.get("active") == 1:
+            text = "the only active hypothesis"
+        else:
+            text = f"highest confidence of {sel.get('active')} active: {sel.get('confidence')}"
+            if others:
+                text += f", tied with {others} (lowest id goes first)"
+    else:
+        return ""
+    return f"<span class=muted>selected:</span> {_e(text)}"
+
+
 def _timeline(h: CaseHistory) -> list[str]:
     out = ['<section id="timeline"><h2>Step timeline</h2>']
     if not h.steps:
@@ -335,6 +358,8 @@ def _timeline(h: CaseHistory) -> list[str]:
         if s.test_request:
             ev += f" test {_e(s.test_request)}"
         note = _e(s.note)
+        if selected := _selection(s):
+            note = selected + ("<br>" + note if note else "")
         if s.score_reason:  # why the model scored the previous result as it did
             note += (("<br>" if note else "") + "<span class=muted>assessed "
                      f"{_e(s.assessed_evidence or '')}:</span> {_e(s.score_reason)}")

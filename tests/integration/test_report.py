@@ -272,3 +272,35 @@ def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) 
     assert printed["clipped"] <= 1 and printed["rows"] == steps, printed
     assert printed["quotes"] > 0 and printed["hidden"] == 0, printed
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_each_step_says_why_its_hypothesis_was_selected(long_run: tuple[Case, Path]) -> None:
+    """A 500-step reader could not tell why a step went to its hypothesis: the report
+    shows the scheduler's rule, recorded by ``build_context`` (decision 166)."""
+    case, target = long_run
+    html = target.read_text(encoding="utf-8")
+    steps = [st for st in case_history(case.store, case.case_id).steps
+             if not st.closing_step]
+    # The first turns go in id order, each naming the hypotheses still waiting.
+    assert [(st.hypothesis_id, st.selection) for st in steps[:HYPOTHESES]] == [
+        (i, {"rule": "first_turn", "tied": list(range(i, HYPOTHESES + 1)),
+             "active": HYPOTHESES}) for i in range(1, HYPOTHESES + 1)]
+    later = steps[HYPOTHESES:]
+    assert later and all(st.selection and st.selection["rule"] == "highest_confidence"
+                         and st.selection["tied"][0] == st.hypothesis_id for st in later)
+
+    def row(seq: int) -> str:
+        return html.split(f'<tr id="step-{seq}">', 1)[1].split("</tr>", 1)[0]
+
+    assert "<span class=muted>selected:</span> first turn; H2, H3 still wait for theirs " \
+        "(lowest id first)" in row(steps[0].seq)
+    assert "<span class=muted>selected:</span> first turn<" in row(steps[HYPOTHESES - 1].seq)
+    for st in later:
+        sel = st.selection or {}
+        text = f"highest confidence of {sel['active']} active: {sel['confidence']}" \
+            if sel["active"] > 1 else "the only active hypothesis"
+        assert f"<span class=muted>selected:</span> {text}" in row(st.seq), row(st.seq)
+        if len(sel["tied"]) > 1:
+            others = ", ".join(f"H{i}" for i in sel["tied"][1:])
+            assert f", tied with {others} (lowest id goes first)" in row(st.seq)
+    assert any(len((st.selection or {})["tied"]) > 1 for st in later)

@@ -10,7 +10,13 @@ import pytest
 
 from investigation.budget import rules
 from investigation.constants import CONFIDENCE_ORDER
-from investigation.loop.scheduler import select_hypothesis
+from investigation.loop.scheduler import (
+    FIRST_TURN,
+    HIGHEST_CONFIDENCE,
+    Selection,
+    next_turn,
+    select_hypothesis,
+)
 
 
 @dataclass
@@ -67,3 +73,22 @@ def test_none_when_every_account_is_terminal() -> None:
     assert select_hypothesis([Acc(1, status=rules.FINISHED), Acc(2, status=rules.REJECTED),
                               Acc(3, turns=0, status=rules.EXHAUSTED)]) is None
     assert select_hypothesis([]) is None
+
+
+def test_selection_names_the_first_turn_rule_and_who_still_waits_for_a_turn() -> None:
+    chosen = next_turn([Acc(4, "supported"), Acc(7, turns=0), Acc(3, turns=0),
+                     Acc(1, turns=0, status=rules.FINISHED)])
+    assert chosen == Selection(3, FIRST_TURN, (3, 7), active=3)
+    assert chosen.to_dict() == {"rule": "first_turn", "tied": [3, 7], "active": 3}
+
+
+def test_selection_names_the_confidence_and_the_accounts_tied_at_it() -> None:
+    chosen = next_turn([Acc(5, "plausible"), Acc(2, "weak"), Acc(3, "plausible"),
+                     Acc(1, "strongly_supported", status=rules.REJECTED)])
+    assert chosen == Selection(3, HIGHEST_CONFIDENCE, (3, 5), active=3,
+                               confidence="plausible")
+    assert chosen.to_dict() == {"rule": "highest_confidence", "tied": [3, 5], "active": 3,
+                                "confidence": "plausible"}
+    alone = next_turn([Acc(5, "weak"), Acc(9, "supported")])
+    assert alone is not None and alone.tied == (9,) and alone.confidence == "supported"
+    assert next_turn([Acc(1, status=rules.FINISHED)]) is None
