@@ -382,6 +382,42 @@ class OpenAIProvider:
             note += f": if the server is {other}, set tokenizer = \"{other}\""
         return note
 
+    def served_models(self, limit_s: float = 10.0) -> list[str] | None:
+        """The model ids the server lists at ``GET {base_url}/models`` (the OpenAI API's
+        list, ``{"data": [{"id": ...}, ...]}``), or ``None`` when it lists none: an error
+        status, a body that is not that list or larger than 1 MB, no answer within
+        ``min(timeout_s, limit_s)`` seconds in all. Never raises for what the server does;
+        ``providers check`` compares the list with ``model`` (a server that serves one
+        model answers a request for any name)."""
+        headers = {"Accept": "application/json", "Accept-Encoding": ACCEPT_ENCODING}
+        try:
+            key = self._api_key()
+        except ProviderCredentialsError:
+            return None
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        deadline = time.monotonic() + min(self.config.timeout_s, limit_s)
+
+        def in_time() -> None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the model list took too long")
+
+        try:
+            with self._client() as client, client.stream(
+                    "GET", self.config.base_url.rstrip("/") + "/models",  # type: ignore[union-attr]
+                    headers=headers) as response:
+                if response.status_code != 200:
+                    return None
+                listed = jsonio.loads(read_body(response, 1 << 20, in_time))
+        except (*HTTPX_ERRORS, BodyTooLarge, BodyUndecodable, TimeoutError, ValueError,
+                RecursionError):
+            return None
+        data = listed.get("data") if isinstance(listed, dict) else None
+        if not isinstance(data, list):
+            return None
+        ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        return ids or None
+
     def _api_key(self) -> str | None:
         var = self.config.api_key_env
         if not var:

@@ -39,7 +39,7 @@ from investigation.loop.contract import ReplyRejected, read_reply
 from investigation.loop.prompt import build_messages
 from investigation.loop.reply_schema import turn_schema
 from investigation.loop.validation import validate_reply
-from investigation.text_safety import url_for_display
+from investigation.text_safety import escape_text, url_for_display
 from investigation.tools import ToolRouter
 
 PROBE_REPORT = ("Orders with a discount are charged far too little: a 10% discount gives "
@@ -159,6 +159,21 @@ def _shown(base_url: str | None) -> str | None:
     return None if base_url is None else url_for_display(base_url)
 
 
+def model_note(model: str, served: list[str] | None) -> str | None:
+    """A note when the server's model list (``served``; ``None``: it lists none) does not
+    hold ``model``: a server that serves one model (llama.cpp, llama-cpp-python) answers a
+    request for any name, so a misspelt or stale ``model`` passes the probe and every
+    case's record names a model that never answered. A listed ``model:tag`` (Ollama)
+    holds ``model``."""
+    if not served or model in served or any(m.startswith(model + ":") for m in served):
+        return None
+    shown = ", ".join(repr(escape_text(m[:80])) for m in served[:5])
+    more = f" and {len(served) - 5} more" if len(served) > 5 else ""
+    return (f"the server lists {shown}{more} but not model = {escape_text(model)!r}: it "
+            "answered anyway (a server that serves one model answers to any name); set "
+            "`model` to a listed name so that each record names the model that answered")
+
+
 def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                    policy: InvestigationConfig | None = None,
                    base_dir: str | Path = ".") -> ProbeResult:
@@ -227,7 +242,9 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                 rej = ReplyRejected("REPLY_TRUNCATED", "the reply was cut at max_tokens")
             return result("invalid_reply", rej.code, rej.detail)
         # The configured tokenizer failed: the window was checked by the estimate.
-        note = provider.tokenizer_note() if provider.tokenizer_failure else None
-        return result("ok", detail=note, action=action)
+        notes = [provider.tokenizer_note()] if provider.tokenizer_failure else []
+        if (model := model_note(config.model or "", provider.served_models())) is not None:
+            notes.append(model)
+        return result("ok", detail="; ".join(notes) or None, action=action)
     finally:
         router.close()

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from investigation.config import ProviderConfig
 from investigation.llm.replay_server import Fault, ReplayServer
-from investigation.loop.probe import probe_provider
+from investigation.loop.probe import model_note, probe_provider
 from tests import casekit
 from workers.cli import app
 
@@ -37,12 +37,13 @@ def _entry(name: str, base_url: str, dialect: str = "llama_cpp") -> str:
 
 def test_probe_verdicts_over_http(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{_free_port()}/v1"
-    with ReplayServer([VALID, INVALID, VALID]) as server:
+    with ReplayServer([VALID, INVALID, VALID], model="m") as server:
         ok = probe_provider(ProviderConfig(name="a", kind="openai", base_url=server.base_url,
                                            model="m", structured_output="llama_cpp"), env={})
         assert (ok.verdict, ok.action, ok.code) == ("ok", "query", None)
         assert ok.completion_tokens and ok.tokens_per_s and ok.tokens_per_s > 0
-        (request,) = server.requests
+        (request,) = [r for r in server.requests if r.method == "POST"]
+        assert [r.path for r in server.requests if r.method == "GET"] == ["/v1/models"]
         body = json.loads(request.body)
         assert body["response_format"]["type"] == "json_object"  # the dialect's form
         assert body["messages"][1]["content"].startswith("Turn 1 of hypothesis 1 (of 2)")
@@ -67,7 +68,7 @@ def test_probe_verdicts_over_http(tmp_path: Path) -> None:
 def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
     runner = CliRunner()
     # Identical request bodies get the same line: local -> line 1, strict -> line 2.
-    with ReplayServer([VALID, INVALID]) as server:
+    with ReplayServer([VALID, INVALID], model="m") as server:
         (tmp_path / "r.jsonl").write_text(VALID + "\n")
         good = tmp_path / "good.toml"
         good.write_text(_entry("local", server.base_url)
@@ -103,7 +104,7 @@ def test_cli_points_at_the_address_not_the_dialect(tmp_path: Path) -> None:
     """A server that is no chat-completions endpoint, a connection cut mid-answer and a
     missing reply file: the table says what failed and the line names the address."""
     runner = CliRunner()
-    with ReplayServer([VALID]) as server:
+    with ReplayServer([VALID], model="m") as server:
         server.add_faults(Fault(status=501, body=b"<!DOCTYPE HTML><p>Unsupported method</p>"),
                           Fault(cut_after=3))
         entries = tmp_path / "p.toml"
@@ -178,7 +179,7 @@ def test_a_tokenizer_that_fails_is_named_with_its_likely_fix(tmp_path: Path) -> 
     """The example's tokenizer = "llama.cpp" against llama-cpp-python: the server said 404
     and the estimate counted 2929 tokens where the server counted 1980, without a word (a
     real model's user). The replay server serves llama-cpp-python's count only."""
-    with ReplayServer([VALID, VALID, VALID]) as server:
+    with ReplayServer([VALID, VALID, VALID], model="m") as server:
         def config(tokenizer: str) -> ProviderConfig:
             return ProviderConfig(name="a", kind="openai", base_url=server.base_url,
                                   model="m", structured_output="llama_cpp",
@@ -198,3 +199,39 @@ def test_a_tokenizer_that_fails_is_named_with_its_likely_fix(tmp_path: Path) -> 
         assert res.exit_code == 0, res.output
         assert "a: note: the server's llama.cpp tokenizer failed" in " ".join(
             res.output.split())
+
+
+def test_a_model_name_the_server_does_not_list_is_named(tmp_path: Path) -> None:
+    """A server that serves one model answers a request for any name: a misspelt `model`
+    passed `providers check`, and every record would name a model that never answered (a
+    real model's user). The probe compares the server's `/v1/models` with `model`."""
+    with ReplayServer([VALID, VALID, VALID, VALID], model="smollm2") as server:
+        def probe(model: str) -> str | None:
+            result = probe_provider(ProviderConfig(
+                name="a", kind="openai", base_url=server.base_url, model=model,
+                structured_output="llama_cpp"), env={})
+            assert result.verdict == "ok", result
+            return result.detail
+
+        wrong = probe("gpt-4o")
+        assert wrong == ("the server lists 'smollm2' but not model = 'gpt-4o': it answered "
+                         "anyway (a server that serves one model answers to any name); set "
+                         "`model` to a listed name so that each record names the model that "
+                         "answered")
+        assert probe("smollm2") is None
+        providers = tmp_path / "p.toml"
+        providers.write_text(_entry("a", server.base_url).replace('model = "m"',
+                                                                  'model = "smolm2"'))
+        res = CliRunner().invoke(app, ["providers", "check", "--providers", str(providers)],
+                                 terminal_width=200)
+        assert res.exit_code == 0, res.output
+        assert "a: note: the server lists 'smollm2' but not model = 'smolm2'" in res.output
+
+
+def test_model_note_reads_only_a_list_that_lacks_the_name() -> None:
+    assert model_note("llama3", ["llama3:latest", "qwen"]) is None  # Ollama's tags
+    assert model_note("m", None) is None and model_note("m", []) is None
+    many = model_note("x", [f"m{i}" for i in range(8)])
+    assert many is not None and "'m0', 'm1', 'm2', 'm3', 'm4' and 3 more" in many
+    hostile = model_note("x", ["\x1b[31mred"])
+    assert hostile is not None and "\x1b" not in hostile
