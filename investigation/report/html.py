@@ -317,7 +317,8 @@ def _selection(s: StepRow) -> str:
         return ""
     others = ", ".join(f"H{i}" for i in sel.get("tied", []) if i != s.hypothesis_id)
     if sel.get("rule") == FIRST_TURN:
-        text = "first turn" + (f"; {others} still wait for theirs (lowest id first)"
+        waiting = "has" if others.count(",") == 0 else "have"
+        text = "first turn" + (f"; {others} {waiting} not had one yet (lowest id goes first)"
                                if others else "")
     elif sel.get("rule") == HIGHEST_CONFIDENCE:
         if sel.get("active") == 1:

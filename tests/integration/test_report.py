@@ -292,8 +292,10 @@ def test_each_step_says_why_its_hypothesis_was_selected(long_run: tuple[Case, Pa
     def row(seq: int) -> str:
         return html.split(f'<tr id="step-{seq}">', 1)[1].split("</tr>", 1)[0]
 
-    assert "<span class=muted>selected:</span> first turn; H2, H3 still wait for theirs " \
-        "(lowest id first)" in row(steps[0].seq)
+    assert "<span class=muted>selected:</span> first turn; H2, H3 have not had one yet " \
+        "(lowest id goes first)" in row(steps[0].seq)
+    assert "<span class=muted>selected:</span> first turn; H3 has not had one yet " \
+        "(lowest id goes first)" in row(steps[1].seq)
     assert "<span class=muted>selected:</span> first turn<" in row(steps[HYPOTHESES - 1].seq)
     for st in later:
         sel = st.selection or {}
