@@ -23,6 +23,7 @@ from investigation.constants import (
     BLOCK_STAGE_POISONED,
     BLOCK_STAGE_TIME_LIMIT,
     CASE_BLOCKED,
+    CASE_BUILDING_DIAGNOSIS,
     CASE_CANCELLED,
     CASE_INVESTIGATING,
     CASE_PAUSED,
@@ -230,6 +231,19 @@ def cancel(store: Store, case_id: str) -> dict[str, Any]:
 RETRY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}")
 
 
+#: What to do instead of resuming a case in each state ``resume`` refuses (a new user
+#: resumed a running case and was not told that ``run`` goes on with it).
+_NOT_BLOCKED_NEXT = {
+    CASE_INVESTIGATING: ": it is not stopped; `investigate run {case}` (or `dispatch`) goes "
+                        "on with it, `investigate status {case}` says where it is",
+    CASE_BUILDING_DIAGNOSIS: ": it is complete; `investigate summary {case}` prints its "
+                             "summary",
+    CASE_CANCELLED: ": a cancelled case stays cancelled (everything done so far is kept)",
+    CASE_STOPPED: ": a stopped case (a lifecycle bound) stays stopped; `investigate status "
+                  "{case}` says which bound",
+}
+
+
 def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str, Any]:
     """Operator resume of a paused or blocked case.
 
@@ -269,9 +283,10 @@ def resume(store: Store, case_id: str, retry_id: str | None = None) -> dict[str,
                                          "provider; resume it without --retry-id")
             return _unpause(s, case)
         if case.state != CASE_BLOCKED:
+            instead = _NOT_BLOCKED_NEXT.get(case.state, "").format(case=case_id)
             raise InvestigationError("CASE_NOT_BLOCKED",
                                      f"case {case_id} is {case.state}; only a paused or blocked case "
-                                     "resumes")
+                                     f"resumes{instead}")
         if case.blocked_reason == BLOCK_AWAITING_TEST_FEEDBACK:
             raise InvestigationError(
                 "TEST_FEEDBACK_PENDING",

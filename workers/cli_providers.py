@@ -74,8 +74,8 @@ def check(
     a provider fails a check.
 
     A probe is a real chat request: a server that replays scripted replies (the demo's)
-    answers it with its next line. Scripted providers are not probed (``skipped``;
-    ``investigate replies check`` checks their file)."""
+    answers it with its next line. Scripted providers are not probed (skipped:
+    `investigate replies check` checks their file)."""
     path = providers if providers is not None else _settings().providers
     if path is None:
         raise InvestigationError(

@@ -28,8 +28,9 @@ def render_report(store: Store, case_id: str, env: str | None = None) -> str:
 
 
 def write_report(store: Store, case_id: str, path: Path, env: str | None = None) -> int:
-    """Write the report to ``path`` (UTF-8; replaced atomically, ``files.write_atomic``).
-    Returns its size in bytes.
+    """Write the report to ``path`` (UTF-8; replaced atomically, ``files.write_atomic``),
+    creating its missing parent directories (as ``case build -o`` does) once the report is
+    rendered. Returns its size in bytes.
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``.
@@ -37,5 +38,6 @@ def write_report(store: Store, case_id: str, path: Path, env: str | None = None)
             regular file (a device, a FIFO, a directory).
     """
     data = render_report(store, case_id, env).encode("utf-8", "backslashreplace")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, data)
     return len(data)

@@ -175,6 +175,14 @@ def test_report_command(long_run: tuple[Case, Path], tmp_path: Path,
     assert info["bytes"] == target.stat().st_size and info["path"] == str(target.resolve())
     res = CliRunner().invoke(app, ["report", "case-0000000000000000", "-o", str(target)])
     assert res.exit_code == 2 and "CASE_NOT_FOUND" in res.output
+    # A folder that does not exist yet is made, as `case build -o` makes one (a new user
+    # got IO_ERROR); an unknown case makes none.
+    res = CliRunner().invoke(app, ["report", "case-0000000000000000", "-o",
+                                   str(tmp_path / "none" / "r.html")])
+    assert res.exit_code == 2 and not (tmp_path / "none").exists()
+    nested = tmp_path / "out" / "x" / "report.html"
+    res = CliRunner().invoke(app, ["report", case.case_id, "-o", str(nested)])
+    assert res.exit_code == 0 and nested.stat().st_size > 0, res.output
 
 
 def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) -> None:

@@ -149,10 +149,16 @@ def test_exhausted_call_resumes_with_a_retry_id_and_keeps_every_counter(
     assert counters(resumed) == counters(blocked)  # iterations, credit, evidence, streak
     res = invoke("resume", cli.case_id, "--retry-id", "outage-over")
     assert res.exit_code == 2 and "CASE_NOT_BLOCKED" in res.output
+    # A running case is not resumed but run (a new user was not told so).
+    assert f"`investigate run {cli.case_id}` (or `dispatch`) goes on with it" in \
+        " ".join(res.output.split())
 
     res = invoke("run", cli.case_id, "--providers", str(providers))
     assert res.exit_code == 0, res.output
     assert f"case {cli.case_id}: COMPLETED" in res.output
+    res = invoke("resume", cli.case_id)
+    assert res.exit_code == 2 and f"it is complete; `investigate summary {cli.case_id}`" in \
+        " ".join(res.output.split())
     ops = operations(cli, 3)
     assert [(o.retry_id, o.status, o.attempts_made) for o in ops] == [
         ("", "exhausted", 3), ("outage-over", "succeeded", 1)]  # a new transport operation
