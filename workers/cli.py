@@ -318,9 +318,9 @@ def _print_outcome(o: Outcome) -> None:
 @_controlled
 def case_build(
     source: Annotated[Path, typer.Option(
-        "--source", help="the source tree: a directory, or a git checkout's work tree as "
-        "git lists it (tracked and untracked files; ignored ones and .git left out); "
-        "paths in queries are relative to it")],
+        "--source", help="the source tree: a directory; in a git checkout (or a folder "
+        "of one) the files git lists (tracked and untracked; ignored ones and .git left "
+        "out); paths in queries are relative to it")],
     report: Annotated[Path, typer.Option("--report", help="the bug report (a text file)")],
     output: Annotated[Path, typer.Option("-o", "--output", help="the package ZIP to write")],
     db: Annotated[Path | None, typer.Option(

@@ -98,7 +98,7 @@ def prepare_case(runtime_store: object, reader: object, work: Path,
     source_root = fetch_source(src, work / "cache", announce)
     package_path = work / "demo-case.zip"
     build_package(source_root, demo_dir / "report.md", package_path,
-                  db=demo_dir / "demo.sqlite", logs=demo_dir / "logs")
+                  db=demo_dir / "demo.sqlite", logs=demo_dir / "logs", inside_checkout=False)
     case_id = register_case(
         runtime_store,  # type: ignore[arg-type]
         package_path.read_bytes(),

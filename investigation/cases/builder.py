@@ -22,10 +22,12 @@ Source selection:
 
 * Version-control metadata is never packed: directories and files named ``.git``, ``.hg``,
   ``.svn``, ``.bzr``, ``_darcs`` or ``CVS`` are skipped at any depth.
-* When ``source`` is the root of a git checkout (it holds ``.git``) and ``git`` is on
-  ``PATH``, the file list is ``git ls-files --cached --others --exclude-standard``
-  (tracked plus untracked-but-not-ignored files, so ``.gitignore`` is honoured; tracked
-  files deleted from the work tree are left out). If git fails, a plain walk is used.
+* When ``source`` is a git checkout or a folder inside one (it or a parent holds
+  ``.git``) and ``git`` is on ``PATH``, the file list is ``git ls-files --cached --others
+  --exclude-standard`` run in ``source`` (tracked plus untracked-but-not-ignored files
+  under it, so every ``.gitignore`` of the checkout is honoured, a parent's included;
+  tracked files deleted from the work tree are left out). If git fails, or lists nothing
+  (a folder the checkout ignores as a whole), a plain walk is used.
 * The output file is never packed, even when it lies inside the source tree.
 
 Symbolic links: a link to a regular file inside the same tree (and outside VCS metadata)
@@ -139,6 +141,7 @@ def build_package(
     *,
     limits: PackageLimits | None = None,
     allow_secrets: bool = False,
+    inside_checkout: bool = True,
 ) -> PackageInfo:
     """Pack a source tree, a report and optional database and logs into a case package.
 
@@ -152,6 +155,9 @@ def build_package(
         limits: bounds the result must satisfy (default :class:`PackageLimits`()).
         allow_secrets: pack files in which the secret scan found secrets (they are listed
             in :attr:`PackageInfo.secrets`); without it such a build is refused.
+        inside_checkout: list a ``source`` that lies inside a git checkout with git, as
+            its root is (module docstring); ``False`` lists it with git only when it is a
+            checkout's root (the demo packs an unpacked release whatever folder holds it).
 
     Returns:
         :class:`PackageInfo` of the written archive.
@@ -162,7 +168,7 @@ def build_package(
     limits = limits if limits is not None else PackageLimits()
     output = Path(output)
     plan = _plan(Path(source), Path(report), db=db, logs=logs, limits=limits,
-                 exclude=(output,))
+                 exclude=(output,), inside_checkout=inside_checkout)
     files = _read_plan(plan, Path(report), db)
     findings = scan_files({n: p for n, p in plan.items() if not n.startswith(DB_ROOT)}, files)
     for name in sorted(n for n in files if n.startswith(DB_ROOT)):
@@ -221,7 +227,8 @@ def collect_files(
 
 
 def _plan(source: Path, report: Path, db: Path | None, logs: Path | None,
-          limits: PackageLimits, exclude: tuple[Path, ...]) -> dict[str, Path]:
+          limits: PackageLimits, exclude: tuple[Path, ...],
+          inside_checkout: bool = True) -> dict[str, Path]:
     """Entry name -> file to read, names and limits checked (nothing read yet)."""
     skip = {_resolve(p) for p in exclude}
     if not source.is_dir():
@@ -231,7 +238,7 @@ def _plan(source: Path, report: Path, db: Path | None, logs: Path | None,
     if not report.is_file():
         raise PackageError("PKG_BUILD_INPUT", f"report {report} is not a file", path=str(report))
     plan[REPORT_NAME] = report
-    for rel, path in _tree_files(source, skip):
+    for rel, path in _tree_files(source, skip, inside_checkout):
         plan[SOURCE_ROOT + rel] = path
     if db is not None:
         db = Path(db)
@@ -394,12 +401,20 @@ def _resolve(path: Path) -> Path:
         return Path(os.path.abspath(path))
 
 
-def _tree_files(root: Path, skip: set[Path]) -> list[tuple[str, Path]]:
-    """Files of a tree as ``(posix relpath, path to read)``, sorted, VCS metadata skipped."""
+def _tree_files(root: Path, skip: set[Path],
+                inside_checkout: bool = False) -> list[tuple[str, Path]]:
+    """Files of a tree as ``(posix relpath, path to read)``, sorted, VCS metadata skipped;
+    listed by git when ``root`` is a checkout's root or, with ``inside_checkout``, a
+    folder inside one. Logs are listed so only at a checkout's root: a log folder inside
+    a project is usually ignored by it (``*.log``) and is packed because it was given."""
     real_root = root.resolve()
-    listed = _git_files(real_root) if (real_root / ".git").exists() else None
+    # A folder inside a checkout too: `--source ~/proj/src` packed the `*.pyc` files that
+    # ~/proj/.gitignore ignores (a new user's trial; `--source ~/proj` left them out).
+    in_checkout = any((d / ".git").exists() for d in (
+        (real_root, *real_root.parents) if inside_checkout else (real_root,)))
+    listed = _git_files(real_root) if in_checkout else None
     found: dict[str, Path] = {}
-    if listed is None:
+    if not listed:
         _walk(real_root, real_root, "", skip, found)
     else:
         for rel in listed:

@@ -128,6 +128,32 @@ def test_git_checkout_honours_gitignore(inputs: dict[str, Path], tmp_path: Path)
     assert info.file_count == 7
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_a_folder_inside_a_checkout_honours_the_checkouts_gitignore(
+        inputs: dict[str, Path], tmp_path: Path) -> None:
+    """`--source proj/shop` packed `cart.pyc` that proj/.gitignore ignores, while
+    `--source proj` left it out (a new user's trial)."""
+    project = _tree(tmp_path / "proj", {".gitignore": b"*.pyc\n",
+                                        "shop/cart.py": b"TOTAL = 1\n",
+                                        "shop/cart.pyc": b"\x00compiled",
+                                        "shop/new.py": b"N = 2\n",
+                                        "other/x.py": b"X = 3\n"})
+    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tmp_path)}
+    git = ["git", "-C", str(project), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True, env=env)
+    subprocess.run([*git, "add", ".gitignore", "shop/cart.py", "other"], check=True, env=env)
+    subprocess.run([*git, "commit", "-q", "-m", "init"], check=True, env=env)
+    build_package(project / "shop", inputs["report"], tmp_path / "sub.zip")
+    names = _names((tmp_path / "sub.zip").read_bytes())
+    assert sorted(n for n in names if n.startswith("source/")) == [
+        "source/cart.py", "source/new.py"]  # tracked and untracked, not the ignored .pyc
+    # A folder the checkout ignores as a whole: git lists nothing, so it is walked.
+    ignored = _tree(project / "vendor", {"lib.py": b"L = 1\n"})
+    (project / ".gitignore").write_bytes(b"*.pyc\nvendor/\n")
+    build_package(ignored, inputs["report"], tmp_path / "vendor.zip")
+    assert "source/lib.py" in _names((tmp_path / "vendor.zip").read_bytes())
+
+
 def test_symlink_outside_tree_is_refused(inputs: dict[str, Path], tmp_path: Path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_bytes(b"secret")
