@@ -179,9 +179,9 @@ def build_package(
         raise PackageError(
             "PKG_SECRETS_FOUND",
             f"{len(findings)} secret(s) found in what would be packed: "
-            f"{format_findings(findings)}. Remove them (or leave the files out with "
-            ".gitignore), or pass --allow-secrets to pack them anyway (tool results "
-            "still mask them before a model sees them)",
+            f"{format_findings(findings)}{_where_given(findings, plan)}. "
+            f"{_secret_advice(findings)}, or pass --allow-secrets to pack them anyway (tool "
+            "results still mask them before a model sees them)",
             findings=[str(f) for f in findings[:100]],
         )
     data, manifest = package_bytes(files, databases=[n[len(DB_ROOT):] for n in files
@@ -197,6 +197,37 @@ def build_package(
         manifest=manifest,
         secrets=tuple(findings),
     )
+
+
+def _where_given(findings: list[SecretFinding], plan: Mapping[str, Path]) -> str:
+    """Where the logs, report and database named in ``findings`` are on disk (their entry
+    names are the package's: a new user's `--logs logs2` was reported as `logs/app.log`).
+    Only for secrets inside a file: a file's own name may be the secret."""
+    given = sorted({f.path: str(plan[f.path]) for f in findings
+                    if not f.path.startswith(SOURCE_ROOT) and f.line > 0
+                    and f.path in plan}.items())
+    if not given:
+        return ""
+    shown = ", ".join(f"{name} is {default_masker().mask(path)[0]}" for name, path in given[:5])
+    return f" ({shown})"
+
+
+def _secret_advice(findings: list[SecretFinding]) -> str:
+    """What to do about ``findings``: a source file can be left out with .gitignore in a
+    git checkout; a given log, report or database must be edited, or left out of
+    ``--logs``."""
+    in_source = any(f.path.startswith(SOURCE_ROOT) for f in findings)
+    given = any(not f.path.startswith(SOURCE_ROOT) for f in findings)
+    advice = []
+    if in_source:
+        advice.append("remove the secrets from the source files, or leave those files out "
+                      "(in a git checkout, with .gitignore)")
+    if given:
+        advice.append("remove or redact them in the given log, report or database files "
+                      "(.gitignore does not apply to those), or leave a log out of the "
+                      "--logs folder")
+    text = "; ".join(advice)
+    return text[:1].upper() + text[1:]
 
 
 def collect_files(

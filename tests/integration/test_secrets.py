@@ -110,6 +110,18 @@ def test_build_refuses_secrets_and_names_them_masked(tmp_path: Path) -> None:
         assert where in message, message
     assert not any(secret in message for secret in SECRETS)
     assert not (tmp_path / "p.zip").exists()
+    # A given log is named by its own path, and .gitignore is not offered for it (a new
+    # user's `--logs logs2` read `logs/app.log` and added logs2/.gitignore in vain).
+    (tmp_path / "logs").rename(tmp_path / "logs2")
+    with pytest.raises(PackageError) as err:
+        build_package(src, tmp_path / "report.md", tmp_path / "p.zip",
+                      logs=tmp_path / "logs2")
+    message = err.value.message
+    assert f"(logs/app.log is {tmp_path / 'logs2' / 'app.log'})" in message, message
+    assert "Remove the secrets from the source files, or leave those files out (in a git " \
+        "checkout, with .gitignore); remove or redact them in the given log, report or " \
+        "database files (.gitignore does not apply to those)" in message, message
+    (tmp_path / "logs2").rename(tmp_path / "logs")
 
     runner = CliRunner()
     args = ["case", "build", "--source", str(src), "--report", str(tmp_path / "report.md"),
