@@ -497,8 +497,42 @@ def check_script(store: Store, case_id: str, path: Path,
                        evidence_count, cfg, router, head)
         verdicts, end = _walk(lines, calls, world,
                               state in (CASE_BUILDING_DIAGNOSIS, CASE_CANCELLED, CASE_STOPPED))
+    _note_spread_reply(lines, verdicts)
     return ScriptCheck(case_id=case_id, path=str(path), start=start, first_call=calls,
                        lines=verdicts, end=end, policy=policy)
+
+
+#: How many lines, and how many first lines, :func:`_note_spread_reply` tries.
+_SPREAD_LINES = 200
+_SPREAD_TRIES = 5
+
+
+def _note_spread_reply(lines: list[tuple[int, bytes]], verdicts: list[LineVerdict]) -> None:
+    """Note, on its first line, a reply written over several lines: each of its lines is
+    refused as ``REPLY_NOT_JSON`` (a new user pasted reply-contract.md's pretty-printed
+    example and read five rejections without a word on why). Tries the first
+    :data:`_SPREAD_TRIES` refused lines that open an object, joining up to
+    :data:`_SPREAD_LINES` lines each."""
+    by_line = {v.line: v for v in verdicts}
+    tries = 0
+    for i, (number, raw) in enumerate(lines):
+        v = by_line.get(number)
+        if v is None or v.code != "REPLY_NOT_JSON" or not raw.lstrip().startswith(b"{"):
+            continue
+        if (tries := tries + 1) > _SPREAD_TRIES:
+            return
+        text = raw
+        for last, more in lines[i + 1:i + _SPREAD_LINES]:
+            text += b"\n" + more
+            try:
+                jsonio.loads(text)
+            except (ValueError, RecursionError):
+                continue
+            v.notes.append(f"lines {number}-{last} together are one JSON document, written "
+                           "over several lines: a reply file holds one reply per line "
+                           "(JSON Lines); write it on one line (`jq -c . reply.json` "
+                           "prints it so)")
+            return
 
 
 def _start(state: str, reason: str | None, head: int, calls: int,

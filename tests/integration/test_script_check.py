@@ -117,6 +117,23 @@ def test_three_invalid_replies_block_and_the_check_says_where_to_go_on(tiny_case
     assert again.ok and again.lines[-1].outcome == COMPLETED
 
 
+def test_a_reply_written_over_several_lines_is_named_once(tiny_case: Case) -> None:
+    """reply-contract.md's pretty-printed example pasted into a reply file was refused
+    line by line (REPLY_NOT_JSON, then "Extra data") without a word on why."""
+    pretty = json.dumps(casekit.HAPPY_REPLIES[0], indent=2).splitlines()
+    tiny_case.replies_path.write_text("\n".join(pretty) + "\n")
+    result = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
+    assert {v.code for v in result.lines[:3]} == {"REPLY_NOT_JSON"}
+    first = result.lines[0]
+    assert f"lines 1-{len(pretty)} together are one JSON document, written over several " \
+        "lines: a reply file holds one reply per line (JSON Lines)" in " ".join(first.notes)
+    assert not any("one JSON document" in n for v in result.lines[1:] for n in v.notes)
+    # Garbage that never joins into a document gets no such note.
+    tiny_case.replies_path.write_text("{ not json\n}\n{\n")
+    garbage = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
+    assert not any("one JSON document" in n for v in garbage.lines for n in v.notes)
+
+
 def test_a_file_that_ends_on_a_test_hand_out_says_the_case_waits_there(
         tmp_path: Path) -> None:
     """The footer said the next call finds no reply and blocks the case
