@@ -34,6 +34,7 @@ feedback, when it comes, is new information.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ from investigation.store.models import (
     CaseRecord,
     Evidence,
     HypothesisBirth,
+    LLMOperation,
     Question,
     RevisionRecord,
     StageRun,
@@ -471,6 +473,9 @@ def check_script(store: Store, case_id: str, path: Path,
             col(TestRequest.status).in_(("awaiting", "submitted")))
             .order_by(col(TestRequest.id))).all()
         state, reason, head = case.state, case.blocked_reason, case.head_seq
+        served = {call: digest for call, digest in s.exec(
+            select(LLMOperation.call_index, LLMOperation.response_sha256).where(
+                LLMOperation.case_id == case_id, LLMOperation.status == "succeeded"))}
     credit = cfg.budget.credit_units
     accounts = [stored_accounts.get(h) or BudgetAccount(
         case_id=case_id, revision=revision, hypothesis_id=h, credit_units=credit,
@@ -498,8 +503,31 @@ def check_script(store: Store, case_id: str, path: Path,
         verdicts, end = _walk(lines, calls, world,
                               state in (CASE_BUILDING_DIAGNOSIS, CASE_CANCELLED, CASE_STOPPED))
     _note_spread_reply(lines, verdicts)
+    _note_edited_served(lines, verdicts, served)
     return ScriptCheck(case_id=case_id, path=str(path), start=start, first_call=calls,
                        lines=verdicts, end=end, policy=policy)
+
+
+def _note_edited_served(lines: list[tuple[int, bytes]], verdicts: list[LineVerdict],
+                        served: dict[int, str | None]) -> None:
+    """Note a served line that differs from the reply its call got (``served``: call
+    index -> the stored response's sha256): a new user fixed a rejected line in place,
+    the check said ``served`` and the case, which keeps what it got, read on from the next
+    line. Only when another served line is byte for byte its stored reply, so that the
+    file is the one that served the case (an HTTP provider's stored response is a whole
+    chat completion, never a line)."""
+    digests = {v.line: hashlib.sha256(raw).hexdigest() for v, (_, raw) in
+               zip(verdicts, lines, strict=False) if v.verdict == SERVED}
+    by_call = {v.call_index: v for v in verdicts
+               if v.verdict == SERVED and v.call_index is not None}
+    same = [c for c, v in by_call.items() if served.get(c) == digests[v.line]]
+    if not same:
+        return
+    for call, v in by_call.items():
+        if served.get(call) not in (None, digests[v.line]):
+            v.notes.append(f"edited since call {call + 1} read it: the case keeps the reply "
+                           "it got, so this edit changes nothing; what comes next is read "
+                           "from the lines after the served ones")
 
 
 #: How many lines, and how many first lines, :func:`_note_spread_reply` tries.

@@ -115,6 +115,17 @@ def test_three_invalid_replies_block_and_the_check_says_where_to_go_on(tiny_case
     assert "after `resume`, call 4 reads reply line 4" in again.start
     assert [v.verdict for v in again.lines[:3]] == [SERVED] * 3
     assert again.ok and again.lines[-1].outcome == COMPLETED
+    assert not any(n.startswith("edited") for v in again.lines for n in v.notes)
+    # A served line fixed in place is named: the case keeps the reply it got (a new user
+    # fixed line 2 after the block, read "served" and ran into the exhausted file).
+    edited = [lines[0], json.dumps(casekit.HAPPY_REPLIES[0]), lines[2]]
+    tiny_case.replies_path.write_text("\n".join(edited) + "\n")
+    third = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
+    assert [v.verdict for v in third.lines] == [SERVED] * 3
+    assert third.lines[1].notes == [
+        "edited since call 2 read it: the case keeps the reply it got, so this edit changes "
+        "nothing; what comes next is read from the lines after the served ones"]
+    assert not third.lines[0].notes and not third.lines[2].notes
 
 
 def test_a_reply_written_over_several_lines_is_named_once(tiny_case: Case) -> None:
