@@ -194,8 +194,9 @@ def check_workers(settings: Settings, timeout_s: float, min_workers: int = 1) ->
 def _identities_disagree(app: Any, settings: Settings, workers: list[str],
                          timeout_s: float) -> str:
     """What the consuming ``workers`` disagree on (``settings.deployment_identity``:
-    store, lock Redis, policy and providers files as each read them at start), among
-    themselves or, for the store and the locks, with this shell, and which workers' policy
+    store, lock Redis, policy and providers files as each read them at start, feedback
+    key), among themselves or, for the store, the locks and the feedback key, with this
+    shell, and which workers' policy
     or providers file changed on disk since they started; ``""`` when all agree. A worker
     too old to answer is left out."""
     if not workers:
@@ -221,21 +222,39 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
             problems.append(f"the {key} file changed on disk since {', '.join(changed)} "
                             "started (" + _reload_advice(key, first.get(f"{key}_path"),
                                                          first.get(f"{key}_now")) + ")")
-    for key in ("store", "locks", "policy", "providers"):
+    for key in ("store", "locks", "policy", "providers", "feedback"):
         values: dict[str, list[str]] = {}
         for worker, ident in sorted(seen.items()):
-            values.setdefault(ident.get(key, "?"), []).append(worker)
+            if key in ident or key != "feedback":  # a worker before the feedback id
+                values.setdefault(ident.get(key, "?"), []).append(worker)
         if len(values) > 1:
             def who(worker: str, key: str = key) -> str:
                 path = seen[worker].get(f"{key}_path")  # which file, for the operator
                 return f"{worker} ({path})" if path else worker
 
-            problems.append(f"workers disagree on their {key}: " + "; ".join(
-                f"{', '.join(who(w) for w in ws)}: {v}" for v, ws in sorted(values.items())))
+            problems.append(f"workers disagree on their {_NAMES.get(key, key)}: " + "; ".join(
+                f"{', '.join(who(w) for w in ws)}: {v}" for v, ws in sorted(values.items()))
+                + (_FEEDBACK_ADVICE if key == "feedback" else ""))
+        elif key == "feedback" and values and mine[key] not in values:
+            theirs = next(iter(values))
+            path = seen[values[theirs][0]].get("feedback_path")
+            problems.append(
+                f"the workers' feedback key is {theirs} ({path}), this shell's "
+                + (f"{mine[key]} ({mine['feedback_path']})" if mine[key] != "none" else
+                   f"none ({mine['feedback_path']} does not exist)") + _FEEDBACK_ADVICE)
         elif key in ("store", "locks") and values and mine[key] not in values:
             problems.append(f"the workers' {key} is {next(iter(values))}, this shell's "
                             f"{mine[key]}")
     return "; ".join(problems)
+
+
+#: How a disagreement is named, where the identity's key is not the word.
+_NAMES = {"feedback": "feedback key"}
+#: Why a feedback key must be one and the same (docs/async-tests.md).
+_FEEDBACK_ADVICE = (": a test's feedback secret that `investigate tests list` shows is "
+                    "derived from the key, so the workers refuse one made with another; give "
+                    "every worker and this shell the same INVESTIGATE_FEEDBACK_KEY_FILE (or "
+                    "INVESTIGATE_HOME, or INVESTIGATE_FEEDBACK_KEY) and restart the odd one")
 
 
 def _reload_advice(key: str, path: str | None, now: str | None) -> str:

@@ -221,7 +221,8 @@ def deployment_identity(settings: Settings) -> dict[str, str]:
     """Where a process's state and locks are and which files steer it, for comparing the
     workers of one queue (``health``): the store and the lock Redis without passwords,
     the sha256 of the policy and providers files (``"none"`` without one,
-    ``"unreadable"`` when it cannot be read) and their paths (shown, never compared).
+    ``"unreadable"`` when it cannot be read), which feedback key it uses
+    (:func:`feedback_key_id`) and the paths of those three (shown, never compared).
     Two fleet trials ran a worker on another database, another lock Redis, another policy
     or providers file, unnoticed."""
     def digest(path: Path | None) -> str:
@@ -237,6 +238,26 @@ def deployment_identity(settings: Settings) -> dict[str, str]:
     return {"store": url_for_display(settings.effective_database_url),
             "locks": url_for_display(settings.effective_redis_url),
             "policy": digest(settings.config), "providers": digest(settings.providers),
+            "feedback": feedback_key_id(settings),
             "policy_path": str(settings.config or ""),
-            "providers_path": str(settings.providers or "")}
+            "providers_path": str(settings.providers or ""),
+            "feedback_path": ("INVESTIGATE_FEEDBACK_KEY" if settings.feedback_key is not None
+                              else str(settings.feedback_key_file
+                                       or settings.home / "feedback.key"))}
+
+
+def feedback_key_id(settings: Settings) -> str:
+    """Which feedback key ``settings`` find, without creating one or showing it: 16 hex
+    digits of a sha256 over a fixed label and the key (the key cannot be read back from
+    it), ``"none"`` without a key, ``"unreadable"`` for a key file that cannot be read or
+    is too short. A worker started without the fleet's ``INVESTIGATE_HOME`` made its own
+    key and refused every secret the operators' shell showed; ``health`` compares these
+    (a fleet trial)."""
+    try:
+        key = settings.feedback_key_bytes(create=False)
+    except ConfigError:
+        return "unreadable"
+    if key is None:
+        return "none"
+    return hashlib.sha256(b"investigation feedback key id\0" + key).hexdigest()[:16]
 

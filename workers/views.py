@@ -118,7 +118,12 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
         line(f"why: {info['blocked_detail']}")
     if "dispatch_lease_s" in info:  # a shell with a broker (workers) asked Redis
         lease = info["dispatch_lease_s"]
+        waits = info["last_outcome"] == "RETRY_PENDING" and info.get("retry_not_before")
         line("dispatch: " + ("Redis cannot tell whether one holds the case" if lease is None
+                             else f"none holds the case: it waits until "
+                             f"{info['retry_not_before']}, then the workers take it up "
+                             "again (a `dispatch` before then meets the same wait)"
+                             if not lease and waits
                              else "none holds the case (`dispatch` or the recovery sweep "
                              "starts one)" if not lease
                              else f"one holds the case, lease {lease:g} s left (its worker "

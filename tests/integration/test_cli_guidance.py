@@ -696,3 +696,24 @@ def test_the_live_panel_stops_saying_it_works_once_the_run_ends(cli: Case) -> No
         assert run_case(rt, cli.case_id, on_step=run).outcome == "COMPLETED"
         last = drawn(run)
     assert "COMPLETED" in last and "working on the next step" not in last
+
+
+def test_status_says_a_waiting_case_is_taken_up_after_its_wait(cli: Case) -> None:
+    """After a pool child died in a model call, status said "none holds the case
+    (`dispatch` ... starts one)" while the case waited for the call's grace: the operator
+    dispatched, and the worker met the same wait (a fleet trial)."""
+    from investigation.operations import status
+    from workers.views import status_view
+
+    info = {**status(cli.store, cli.case_id), "dispatch_lease_s": 0.0,
+            "last_outcome": "RETRY_PENDING", "last_reason": "PROVIDER_CALL_IN_FLIGHT",
+            "retry_not_before": "2026-12-07T01:30:00+00:00"}
+    screen = Console(file=io.StringIO(), width=200, record=True)
+    screen.print(status_view(info))
+    flat = " ".join(screen.export_text().split())
+    assert "dispatch: none holds the case: it waits until 2026-12-07T01:30:00+00:00, then " \
+        "the workers take it up again (a `dispatch` before then meets the same wait)" in flat
+    info["last_outcome"] = "PROGRESSED"
+    screen.print(status_view(info))
+    assert "dispatch: none holds the case (`dispatch` or the recovery sweep starts one)" in \
+        " ".join(screen.export_text().split())

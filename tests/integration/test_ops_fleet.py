@@ -268,7 +268,10 @@ def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store
         checks = ("health", "--json", "--check", "workers", "--check", "broker")
         agreed = json.loads(cli(env, *checks))
         assert agreed["healthy"] is True, agreed
-        other = replace(h.worker, env={**env, "INVESTIGATE_CONFIG": str(policy)},
+        # A worker started without the fleet's INVESTIGATE_HOME makes its own feedback
+        # key and refuses every secret the operators' shell shows (a fleet trial).
+        other = replace(h.worker, env={**env, "INVESTIGATE_CONFIG": str(policy),
+                                       "INVESTIGATE_FEEDBACK_KEY_FILE": str(tmp_path / "k2")},
                         log_path=tmp_path / "other-worker.log",
                         cmd=[*h.worker.cmd[:-1], f"other-{h.queue}@%h"])
         other.start()
@@ -280,6 +283,10 @@ def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store
             assert "workers disagree on their policy" in workers["detail"], workers
             assert f"({policy})" in workers["detail"], workers  # which file, not only a digest
             assert "none" in workers["detail"] and "store" not in workers["detail"]
+            assert "workers disagree on their feedback key" in workers["detail"], workers
+            assert f"({tmp_path / 'k2'})" in workers["detail"], workers
+            assert "give every worker and this shell the same INVESTIGATE_FEEDBACK_KEY_FILE" \
+                in workers["detail"], workers
             assert "changed on disk" not in workers["detail"]
             # Edited after the worker read it (a fleet trial edited the providers file and
             # restarted one worker: every worker hashed the file as it was at the check).
@@ -301,6 +308,13 @@ def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store
             assert "the workers' store is" in detail and "x.db" in detail, detail
         finally:
             other.stop()
+        # This shell without the workers' key: `tests list` here would make another.
+        lone = {**env, "INVESTIGATE_FEEDBACK_KEY_FILE": str(tmp_path / "missing.key")}
+        out = json.loads(cli(lone, *checks, expect=1))
+        detail = next(c for c in out["checks"] if c["name"] == "workers")["detail"]
+        assert f"this shell's none ({tmp_path / 'missing.key'} does not exist)" in detail, \
+            detail
+        assert not (tmp_path / "missing.key").exists()  # health makes no key
 
 
 UPSTREAM_VENV = REPO / "var" / "test-upstream-venv"
