@@ -127,7 +127,8 @@ class LockBusy(Exception):
         lease = "" if expires_in_s is None else (
             f"; its lease runs out in {max(1, round(expires_in_s))} s unless its holder "
             "renews it (a running stage does; if the holding worker died, the recovery "
-            "sweep dispatches the case after that)")
+            f"sweep dispatches the case after that, or `investigate dispatch {case_id} "
+            "--take-over` does now)")
         super().__init__(
             f"LOCK_BUSY: case {case_id} is already being dispatched (a worker, the recovery "
             f"sweep or another `run` holds its lock{lease}); nothing to do: `investigate "

@@ -503,11 +503,19 @@ def dispatch_cmd(
     max_steps: Annotated[int | None, typer.Option(
         "--max-steps", min=1, help="steps of this dispatch before it yields to other cases "
         "(default: the policy's max_steps_per_dispatch)")] = None,
+    take_over: Annotated[bool, typer.Option(
+        "--take-over", help="end the lease of the dispatch that holds the case first: for "
+        "a worker you know died, whose lease would otherwise keep the case waiting until it "
+        "runs out (if that dispatch still runs, it stops at its next stage with LOCK_LOST)")]
+        = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Enqueue a dispatch for the distributed workers (takes the case lock, never waits).
 
-    Watch it with `investigate status CASE --watch`.
+    Watch it with `investigate status CASE --watch`. A case whose worker was killed stays
+    held until its lease runs out (LOCK_BUSY, exit 3), then the recovery sweep dispatches
+    it; `--take-over` dispatches it now. Stages are fenced in SQL, so a holder that still
+    runs records nothing twice.
     """
     from workers import runtime
     from workers.tasks import start_dispatch
@@ -515,6 +523,7 @@ def dispatch_cmd(
     settings = _settings()
     store = _store(settings, existing=True)
     runtime.configure(runtime.distributed(settings))
+    taken = _end_lease(case_id) if take_over else None
     token = start_dispatch(case_id, max_steps)
     if isinstance(token, Outcome):
         g = guidance.for_case(store, case_id, "distributed")
@@ -530,8 +539,14 @@ def dispatch_cmd(
             raise typer.Exit(1)
         return
     if as_json:
-        _print_json({"case_id": case_id, "dispatched": True, "lock_token": token[:8]})
+        _print_json({"case_id": case_id, "dispatched": True, "lock_token": token[:8],
+                     **({"took_over": taken[:8] if taken else None} if take_over else {})})
         return
+    if taken:
+        out.print(f"ended the lease of dispatch {taken[:8]}... (it stops at its next stage "
+                  "if it still runs)", highlight=False)
+    elif take_over:
+        out.print("no dispatch held the case; nothing to take over", highlight=False)
     out.print(f"dispatched {case_id} (lock token {token[:8]}...)", highlight=False)
     out.print(f"watch it: investigate status {case_id} --watch", highlight=False)
     if not _broker_configured(settings):
@@ -540,6 +555,21 @@ def dispatch_cmd(
                   "worker started with the same broker, queue and store runs it "
                   "(`investigate health` lists the workers that answer)",
                   highlight=False, markup=False)
+
+
+def _end_lease(case_id: str) -> str | None:
+    """End the lease of the dispatch holding ``case_id`` (``dispatch --take-over``): its
+    token is released with a tombstone, so its chain cannot take the lock again and stops
+    at its next renewal (``LOCK_LOST``). Returns that token, or ``None`` when none held
+    the case. Correctness never rests on the lock (stages are fenced on the checkpoint
+    head in SQL, and a model call in flight is waited for, never sent twice)."""
+    from workers import runtime
+
+    lock = runtime.current().lock
+    token = lock.holder(case_id)
+    if token is not None and lock.release(case_id, token):
+        return token
+    return None
 
 
 @app.command("recover", epilog=example("investigate recover", "investigate recover --json"))
@@ -573,7 +603,8 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
             out.print(f"busy {case_id} (a dispatch holds its lock"
                       + ("" if lease is None else
                          f"; its lease runs out in {lease} s unless renewed: if its worker "
-                         "died, a sweep after that dispatches the case") + ")",
+                         "died, a sweep after that dispatches the case, or `investigate "
+                         f"dispatch {case_id} --take-over` now") + ")",
                       highlight=False)
         for case_id in report.idle:
             out.print(f"idle {case_id} (nothing to run)", highlight=False)

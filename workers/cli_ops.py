@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Annotated, Any
 
+import redis
 import typer
 from rich.table import Table
 
@@ -235,12 +236,46 @@ def beat(
     from workers.celery_app import app as celery_app
     from workers.celery_app import configure
 
+    _refuse_a_second_beat(settings)
     configure(settings)
     path = schedule or settings.home / "celerybeat-schedule"
     path.parent.mkdir(parents=True, exist_ok=True)
     # Its scheduler (the app's beat_scheduler) leaves a heartbeat in the lock Redis for
     # `health` (decision 160).
     celery_app.start(["beat", f"--loglevel={loglevel}", f"--schedule={path}"])
+
+
+def _refuse_a_second_beat(settings: Settings) -> None:
+    """Refuse to start beside a live beat of the same queue (its heartbeat in the lock
+    Redis, ``health.live_beats``): two beats send every sweep twice (a fleet trial started
+    one beside the cluster's; only `health` said so). Workers refuse a taken name the same
+    way (``WORKER_NAME_TAKEN``). A Redis that cannot be read is left to beat itself.
+
+    Raises:
+        InvestigationError: ``BEAT_RUNNING``.
+    """
+    from investigation.constants import REDIS_BEAT_KEY
+    from workers.beat import HEARTBEAT_TTL_S
+    from workers.health import live_beats
+
+    try:
+        client = redis.Redis.from_url(settings.effective_redis_url, socket_timeout=5,
+                                      socket_connect_timeout=5)
+        try:
+            fields = client.hgetall(REDIS_BEAT_KEY.format(queue=settings.queue))
+        finally:
+            client.close()
+    except redis.exceptions.RedisError:
+        return
+    beats = live_beats(fields.values())
+    if beats:
+        named = ", ".join(f"{b.get('host')} (pid {b.get('pid')}, last seen {b.get('at')})"
+                          for b in beats)
+        raise InvestigationError(
+            "BEAT_RUNNING", f"a beat already sends queue {settings.queue!r}'s recovery "
+            f"sweeps: {named}; run exactly one per deployment (a second sends every sweep "
+            f"twice). Stop that one first; one that died on another host is forgotten "
+            f"{HEARTBEAT_TTL_S} s after its last heartbeat")
 
 
 def _loopback(address: str) -> bool:

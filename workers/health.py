@@ -8,7 +8,7 @@ beat.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -195,8 +195,8 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
                          timeout_s: float) -> str:
     """What the consuming ``workers`` disagree on (``settings.deployment_identity``:
     store, lock Redis, policy and providers files as each read them at start, feedback
-    key), among themselves or, for the store, the locks and the feedback key, with this
-    shell, and which workers' policy
+    key), among themselves or with this shell (for the policy and providers files, when
+    this shell names one), and which workers' policy
     or providers file changed on disk since they started; ``""`` when all agree. A worker
     too old to answer is left out."""
     if not workers:
@@ -245,6 +245,15 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
         elif key in ("store", "locks") and values and mine[key] not in values:
             problems.append(f"the workers' {key} is {next(iter(values))}, this shell's "
                             f"{mine[key]}")
+        elif key in ("policy", "providers") and values and mine[key] != "none" \
+                and mine[key] not in values:
+            # This shell names a file the workers did not start with (a fleet trial pointed
+            # INVESTIGATE_PROVIDERS elsewhere; the workers ran the old file, health was ok).
+            theirs = next(iter(values))
+            path = seen[values[theirs][0]].get(f"{key}_path") or "none"
+            problems.append(f"the workers' {key} file is {path} ({theirs}), this shell's "
+                            f"{mine[f'{key}_path']} ({mine[key]}): restart the workers with "
+                            "this shell's settings, or point this shell at theirs")
     return "; ".join(problems)
 
 
@@ -293,12 +302,9 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
     the beats' heartbeats (``workers.beat``, at most a minute old; on this host only those
     whose process still runs) in the lock Redis. Without sweeps
     (``INVESTIGATE_SWEEP_INTERVAL_S=0``) there is nothing to check."""
-    import json
-    import socket
-    import time
 
     from investigation.constants import REDIS_BEAT_KEY
-    from workers.beat import HEARTBEAT_TTL_S, heartbeat_age_s
+    from workers.beat import HEARTBEAT_TTL_S
 
     if settings.sweep_interval_s <= 0:
         return Check("beat", True, "recovery sweeps are off (INVESTIGATE_SWEEP_INTERVAL_S=0)")
@@ -312,15 +318,7 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
             client.close()
     except redis.exceptions.RedisError as exc:
         return Check("beat", False, f"{url_for_display(url)}: {_first_line_of(exc, url)}")
-    now, here = time.time(), socket.gethostname()
-    beats = []
-    for raw in fields.values():
-        if heartbeat_age_s(raw, now) > HEARTBEAT_TTL_S:
-            continue
-        beat = json.loads(raw)
-        if beat.get("host") == here and not _process_runs(beat.get("pid")):
-            continue  # killed on this host: no need to wait for its heartbeat to age out
-        beats.append(beat)
+    beats = live_beats(fields.values())
     if not beats:
         return Check("beat", False, f"no beat has left its heartbeat for queue "
                      f"{settings.queue!r} in {url_for_display(url)} in the last {HEARTBEAT_TTL_S} s: "
@@ -345,6 +343,28 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
     beat = beats[0]
     return Check("beat", True, f"beat on {named[0]}, last seen {beat.get('at')}; sweep every "
                  f"{beat.get('sweep_interval_s')} s", named)
+
+
+def live_beats(heartbeats: Iterable[bytes | str]) -> list[dict[str, Any]]:
+    """The beats whose heartbeat (a field of ``REDIS_BEAT_KEY``) is at most
+    ``HEARTBEAT_TTL_S`` old, leaving out one of this host whose process no longer runs
+    (killed here: no need to wait for its heartbeat to age out)."""
+    import json
+    import socket
+    import time
+
+    from workers.beat import HEARTBEAT_TTL_S, heartbeat_age_s
+
+    now, here = time.time(), socket.gethostname()
+    beats = []
+    for raw in heartbeats:
+        if heartbeat_age_s(raw, now) > HEARTBEAT_TTL_S:
+            continue
+        beat = json.loads(raw)
+        if beat.get("host") == here and not _process_runs(beat.get("pid")):
+            continue
+        beats.append(beat)
+    return beats
 
 
 def _process_runs(pid: object) -> bool:

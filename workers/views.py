@@ -128,7 +128,8 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
                              "starts one)" if not lease
                              else f"one holds the case, lease {lease:g} s left (its worker "
                              "renews it at every stage; if the worker died, the sweep "
-                             "dispatches the case once it runs out)"))
+                             "dispatches the case once it runs out, `dispatch "
+                             f"{info['case_id']} --take-over` now)"))
     if info.get("run_holds"):
         line("run: a `run` on this machine holds the case (its file lock)")
     life = info["lifecycle"]

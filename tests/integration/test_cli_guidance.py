@@ -717,3 +717,42 @@ def test_status_says_a_waiting_case_is_taken_up_after_its_wait(cli: Case) -> Non
     screen.print(status_view(info))
     assert "dispatch: none holds the case (`dispatch` or the recovery sweep starts one)" in \
         " ".join(screen.export_text().split())
+
+
+@pytest.mark.redis
+def test_dispatch_take_over_ends_a_dead_workers_lease(
+        cli: Case, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
+    """A SIGKILLed worker's lease kept its case waiting about six minutes, and nothing an
+    operator could run shortened it (a fleet trial): `dispatch --take-over` ends it, with
+    a tombstone, so the old chain cannot take the lock again."""
+    from investigation.constants import REDIS_LOCK_KEY
+    from workers.locks import RELEASED_SUFFIX
+
+    queue = "takeover-" + uuid.uuid4().hex[:8]
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", redis_url)
+    monkeypatch.setenv("INVESTIGATE_QUEUE", queue)
+    key = REDIS_LOCK_KEY.format(case_id=cli.case_id)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(key, "dead-worker-token", px=300_000)
+        busy = invoke("dispatch", cli.case_id)
+        assert busy.exit_code == 3, busy.output
+        assert f"`investigate dispatch {cli.case_id} --take-over` does now" in \
+            " ".join(busy.output.split())
+        held = " ".join(invoke("status", cli.case_id).output.split())
+        assert f"`dispatch {cli.case_id} --take-over` now" in held, held
+        assert client.llen(queue) == 0 and client.get(key) == b"dead-worker-token"
+        taken = invoke("dispatch", cli.case_id, "--take-over")
+        assert taken.exit_code == 0, taken.output
+        assert "ended the lease of dispatch dead-wor... (it stops at its next stage" in \
+            taken.output and f"dispatched {cli.case_id}" in taken.output
+        assert client.llen(queue) == 1
+        assert client.get(key) not in (None, b"dead-worker-token")
+        assert client.exists(key + RELEASED_SUFFIX + "dead-worker-token")
+        client.delete(key)
+        free = json.loads(invoke("dispatch", cli.case_id, "--take-over", "--json").stdout)
+        assert free["dispatched"] is True and free["took_over"] is None
+    finally:
+        client.delete(queue, f"_kombu.binding.{queue}", key,
+                      key + RELEASED_SUFFIX + "dead-worker-token")
+        client.close()

@@ -315,6 +315,15 @@ def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store
         assert f"this shell's none ({tmp_path / 'missing.key'} does not exist)" in detail, \
             detail
         assert not (tmp_path / "missing.key").exists()  # health makes no key
+        # This shell names another providers file than the workers started with (a fleet
+        # trial pointed INVESTIGATE_PROVIDERS elsewhere; health said ok).
+        theirs = Path(env["INVESTIGATE_PROVIDERS"])
+        mine = tmp_path / "mine.toml"
+        mine.write_text(theirs.read_text() + "# another file\n")
+        out = json.loads(cli({**env, "INVESTIGATE_PROVIDERS": str(mine)}, *checks, expect=1))
+        detail = next(c for c in out["checks"] if c["name"] == "workers")["detail"]
+        assert f"the workers' providers file is {theirs} (" in detail, detail
+        assert f"this shell's {mine} (" in detail and "restart the workers" in detail, detail
 
 
 UPSTREAM_VENV = REPO / "var" / "test-upstream-venv"
@@ -562,18 +571,28 @@ def test_health_sees_whether_a_beat_runs(tmp_path: Path, redis_url: str) -> None
             seen = beat_check()
             assert seen["ok"] and f"(pid {first.proc.pid})" in seen["detail"], seen
             assert 0 < (client.ttl(key) or 0) <= 60
-            # A fleet re-trial: a second beat, one sending elsewhere, one with sweeps off.
+            # A second `investigate beat` is refused (a fleet trial started one beside the
+            # cluster's; only health said so).
             elsewhere = redis_url.rsplit("/", 1)[0] + "/7"  # sweeps off: nothing sent there
-            second = start_beat("second", {"INVESTIGATE_SWEEP_INTERVAL_S": "0",
-                                           "INVESTIGATE_BROKER_URL": elsewhere,
-                                           "INVESTIGATE_REDIS_URL": redis_url})
+            second = Server(["beat", "--schedule", str(tmp_path / "second-schedule")],
+                            {**env, "INVESTIGATE_BROKER_URL": elsewhere,
+                             "INVESTIGATE_REDIS_URL": redis_url},
+                            tmp_path / "second.log")
+            assert second.proc.wait(timeout=60) == 2
+            said = " ".join(second.log_path.read_text().split())
+            assert "BEAT_RUNNING" in said and f"(pid {first.proc.pid}," in said, said
+            # A fleet re-trial: a second beat (a worker's --beat, say), one sending
+            # elsewhere, one with sweeps off: its heartbeat, as a beat of this host writes it.
+            client.hset(key, f"{socket.gethostname()}:{os.getpid()}", json.dumps({
+                "host": socket.gethostname(), "pid": os.getpid(), "broker": elsewhere,
+                "sweep_interval_s": 0, "ts": time.time(), "at": "now"}))
             try:
                 two = beat_check(expect=1)["detail"]
                 assert "2 beats run" in two and "sends its sweeps to" in two, two
                 assert "runs with INVESTIGATE_SWEEP_INTERVAL_S=0" in two, two
             finally:
-                second.stop()
-            assert beat_check()["ok"]  # the second one's stop took only its heartbeat
+                client.hdel(key, f"{socket.gethostname()}:{os.getpid()}")
+            assert beat_check()["ok"]
         finally:
             first.proc.kill()  # no clean stop: its heartbeat stays in Redis
             first.proc.wait()
