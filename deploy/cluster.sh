@@ -160,17 +160,25 @@ stop() {
   fi
 }
 
+# Exit codes as LSB init scripts' status: 0 every process this script started runs, 1
+# one is dead though its pid file is there (`start N` starts only what is dead), 3 none
+# was started.
 status() {
-  local any="" pidfile name
+  local any="" dead="" pidfile name
   for pidfile in "$run"/*.pid; do
     [ -e "$pidfile" ] || continue
     name="$(basename "$pidfile" .pid)"
     any=1
-    if alive "$pidfile"; then echo "$name running (pid $(cat "$pidfile"))"; else echo "$name dead"; fi
+    if alive "$pidfile"; then echo "$name running (pid $(cat "$pidfile"))"; else echo "$name dead"; dead=1; fi
   done
   [ -n "$any" ] || echo "nothing running (no pid files in $run)"
   # What the deployment sees, whoever started it (a worker started by hand included).
   "$bin" health --check workers --check beat --timeout 1 2>/dev/null | grep -E '^(ok|FAIL)' || true
+  if [ -n "$dead" ]; then
+    echo "a process is dead: \`$0 start N\` starts only what is dead" >&2
+    return 1
+  fi
+  [ -n "$any" ] || return 3
 }
 
 case "${1:-}" in

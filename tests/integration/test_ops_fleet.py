@@ -433,9 +433,11 @@ def test_cluster_sh_starts_only_what_is_dead_and_waits_for_its_workers_on_stop(
                 Path(f"/proc/{pids['beat']}/stat").read_text().split()[2] != "Z":
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        assert "beat dead" in subprocess.run([*script, "status"], env=env,
-                                              capture_output=True, text=True,
-                                              timeout=60, check=False).stdout
+        dead = subprocess.run([*script, "status"], env=env, capture_output=True, text=True,
+                              timeout=60, check=False)
+        # A dead process fails the status (a fleet trial's dead worker exited 0).
+        assert "beat dead" in dead.stdout and dead.returncode == 1, dead
+        assert "starts only what is dead" in dead.stderr, dead
         revived = subprocess.run([*script, "start", "1"], env=env, capture_output=True,
                                  text=True, timeout=120, check=False)
         assert revived.returncode == 0, revived.stdout + revived.stderr
@@ -471,18 +473,18 @@ def test_cluster_sh_takes_the_callers_environment_over_its_env_file(tmp_path: Pa
     script = ["bash", str(REPO / "deploy" / "cluster.sh"), "status"]
     from_file = subprocess.run(script, env=env, capture_output=True, text=True, timeout=30,
                                check=False)
-    assert from_file.returncode == 0, from_file.stderr
+    assert from_file.returncode == 3, from_file.stderr  # nothing started (LSB's 3)
     assert f"no pid files in {tmp_path / 'from-file'}" in from_file.stdout
     env["INVESTIGATE_RUN_DIR"] = str(tmp_path / "from-caller")
     from_caller = subprocess.run(script, env=env, capture_output=True, text=True, timeout=30,
                                  check=False)
-    assert from_caller.returncode == 0, from_caller.stderr
+    assert from_caller.returncode == 3, from_caller.stderr
     assert f"no pid files in {tmp_path / 'from-caller'}" in from_caller.stdout
     # A caller that exports bash's read-only option variables (to pass `set -e` on).
     env["SHELLOPTS"] = "braceexpand:errexit:hashall:interactive-comments"
     readonly = subprocess.run(script, env=env, capture_output=True, text=True, timeout=30,
                               check=False)
-    assert readonly.returncode == 0, readonly.stderr
+    assert readonly.returncode == 3, readonly.stderr
     assert f"no pid files in {tmp_path / 'from-caller'}" in readonly.stdout
 
 
