@@ -444,9 +444,13 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
             Step("fix the providers file: the model name, base_url, structured_output "
                  "dialect, or add a provider with a larger context (workers read it when "
                  "they start: restart them after)")
+        # A reply file that ran out is no refusal (a fleet trial read it as one).
+        what = {"PROVIDER_SCRIPT_EXHAUSTED": "the scripted reply file has no reply for "
+                                             "this call",
+                "PROVIDER_SCRIPT_UNREADABLE": "the scripted reply file cannot be read"}.get(
+            f.error_code or "", "the provider refused the request as configured")
         return Guidance(
-            f"Blocked: the provider refused the request as configured{_why(f)}. Nothing "
-            "was charged.",
+            f"Blocked: {what}{_why(f)}. Nothing was charged.",
             (fix, *([_script_hint(f, replies)] if script else []), resume_retry,
              *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_CREDENTIALS:

@@ -99,6 +99,9 @@ def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> Non
     assert "BLOCKED (PROVIDER_CONFIGURATION)" in ran.output
     assert "PROVIDER_SCRIPT_EXHAUSTED" in ran.output and "reads its reply line 3" in " ".join(ran.output.split())
     assert ran.output.count("line 3") == 1, ran.output  # said once, not in two steps
+    # A file that ran out is no refusal (a fleet trial read "refused ... as configured").
+    assert "Blocked: the scripted reply file has no reply for this call" in \
+        " ".join(ran.output.split()) and "refused" not in ran.output, ran.output
     assert ["replies", "check", "case/replies.jsonl", cli.case_id] in commands(ran.output)
     todo = commands(ran.output)
     resume = next(c for c in todo if c[0] == "resume")
