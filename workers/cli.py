@@ -49,7 +49,7 @@ from investigation.operations import (
 )
 from investigation.store import Store
 from investigation.text_safety import escape_text
-from workers.settings import Settings, load_settings
+from workers.settings import Settings, load_settings, remembered_providers
 from workers.views import outcome_line, print_guidance, status_view, term
 
 #: A case id as the examples show it.
@@ -711,16 +711,25 @@ def case_guidance(settings: Settings, store: Store, case_id: str) -> guidance.Gu
     only the embedded one: without INVESTIGATE_BROKER_URL a ``dispatch`` goes to the
     default broker, where no fleet's worker may listen), with INVESTIGATE_PROVIDERS and
     its scripted reply file in the commands."""
+    used = settings.providers or remembered_providers(settings, case_id)
+    shown = _providers_shown(settings) or (_relative(used) if used is not None else None)
     return guidance.for_case(store, case_id,
                              None if _broker_configured(settings) else "embedded",
-                             providers=_providers_shown(settings),
-                             replies=guidance.scripted_file(settings.providers))
+                             providers=shown, replies=guidance.scripted_file(used))
 
 
 def _providers_shown(settings: Settings) -> str | None:
     """The providers file guidance repeats in ``run`` commands: ``INVESTIGATE_PROVIDERS``
     when set (else the guidance shows a placeholder)."""
     return str(settings.providers) if settings.providers else None
+
+
+def _relative(path: Path) -> str:
+    """``path`` relative to the working directory when it is below it, else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 @app.command("resume", epilog=example(

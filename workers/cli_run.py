@@ -36,7 +36,7 @@ from workers.cli import (
     example,
     out,
 )
-from workers.settings import Settings
+from workers.settings import Settings, remember_providers
 from workers.views import print_guidance
 
 
@@ -126,6 +126,9 @@ def run(
     # case while this runs, nor this beside a dispatch (decision 158).
     outcome, steps = _run_embedded(settings, case_id, config, providers, max_steps, wait,
                                    quiet=as_json, fleet_lock=_fleet_shell(settings))
+    used = providers or settings.providers
+    if used is not None:  # for the commands status and resume print later
+        remember_providers(settings, case_id, used)
     _finish(settings, case_id, outcome, providers, steps, as_json)
 
 

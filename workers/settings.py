@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import secrets
 import stat
 import tempfile
@@ -42,7 +43,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from investigation.config import MAX_BYTES, MAX_COUNT, MAX_SECONDS
 from investigation.errors import ConfigError
-from investigation.files import read_bounded
+from investigation.files import read_bounded, write_atomic
 
 log = logging.getLogger(__name__)
 #: Key files already warned about in this process (a world-readable key is said once).
@@ -261,3 +262,36 @@ def feedback_key_id(settings: Settings) -> str:
         return "none"
     return hashlib.sha256(b"investigation feedback key id\0" + key).hexdigest()[:16]
 
+
+def _run_note(settings: Settings, case_id: str) -> Path | None:
+    """Where ``run`` notes the providers file it used for ``case_id`` (``None`` for a
+    string that is no case id: it never becomes a path)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", case_id):
+        return None
+    return settings.home / "runs" / case_id / "providers"
+
+
+def remember_providers(settings: Settings, case_id: str, providers: Path) -> None:
+    """Note the providers file an embedded ``run`` of ``case_id`` used (its absolute
+    path, in ``INVESTIGATE_HOME/runs/CASE/providers``), so that the commands ``status``
+    and ``resume`` print later name it: they showed the placeholder ``providers.toml``,
+    which was another case's file in a new user's folder. Best effort: a home that
+    cannot be written keeps the placeholder."""
+    note = _run_note(settings, case_id)
+    if note is None:
+        return
+    with contextlib.suppress(OSError):
+        note.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(note, str(providers.resolve()).encode("utf-8", "surrogateescape"))
+
+
+def remembered_providers(settings: Settings, case_id: str) -> Path | None:
+    """The providers file the last embedded ``run`` of ``case_id`` on this home used, if
+    noted and still a file (:func:`remember_providers`)."""
+    note = _run_note(settings, case_id)
+    try:
+        path = Path(read_bounded(note, 4096).decode("utf-8", "surrogateescape")) \
+            if note is not None else None
+    except OSError:
+        return None
+    return path if path is not None and path.is_file() else None

@@ -83,7 +83,10 @@ def test_three_invalid_replies_then_fix_and_resume(cli: Case) -> None:
     resumed = follow(todo[1], cli.replies_path)
     assert resumed.exit_code == 0, resumed.output
     assert f"resumed {cli.case_id} (was INVALID_LLM_RESPONSES)" in resumed.output
-    assert ["run", cli.case_id, "--providers", "providers.toml"] in commands(resumed.output)
+    # The file the case ran with, not a placeholder (a new user's folder had another
+    # case's providers.toml: copying the command would have fed it that case's replies).
+    assert ["run", cli.case_id, "--providers", "case/providers.toml"] in \
+        commands(resumed.output)
     done = follow(todo[2], cli.replies_path)
     assert done.exit_code == 0, done.output
     assert f"case {cli.case_id}: COMPLETED" in done.output
@@ -110,8 +113,13 @@ def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> Non
     info = json.loads(st.stdout)
     assert info["next"]["steps"][2]["command"] == f"investigate resume {cli.case_id} " \
         "--retry-id retry-3-1"
-    # `status` knows neither file from its own arguments: it names the reply file the
-    # failing provider read, and the providers file only from INVESTIGATE_PROVIDERS.
+    # `status` knows neither file from its own arguments: it names the providers file the
+    # case's last `run` on this home used (and its reply file), relative to here ...
+    shown = commands(invoke("status", cli.case_id).output)
+    assert ["replies", "check", "case/replies.jsonl", cli.case_id] in shown, shown
+    assert ["run", cli.case_id, "--providers", "case/providers.toml"] in shown, shown
+    # ... else the reply file the failing provider read, and a placeholder.
+    (Settings().home / "runs" / cli.case_id / "providers").unlink()
     shown = commands(invoke("status", cli.case_id).output)
     assert ["replies", "check", str(cli.replies_path.resolve()), cli.case_id] in shown, shown
     assert ["run", cli.case_id, "--providers", "providers.toml"] in shown
