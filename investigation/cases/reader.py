@@ -432,6 +432,11 @@ def _parse_manifest(raw: bytes, entries: int) -> dict[str, Any]:
         raise _invalid(f"not valid UTF-8 JSON ({exc})") from exc
     if not isinstance(value, dict):
         raise _invalid("must be a JSON object")
+    try:  # JSON can spell a lone UTF-16 surrogate ("\ud800"); UTF-8 cannot hold it
+        canonical_json(value)
+    except UnicodeEncodeError as exc:
+        raise _invalid("a string is not text: it holds a lone UTF-16 surrogate, which "
+                       "UTF-8 cannot encode") from exc
     if value.get("format") != PACKAGE_FORMAT:
         raise _invalid(
             f"format is {value.get('format')!r}, this engine reads {PACKAGE_FORMAT!r}; "

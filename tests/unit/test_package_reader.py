@@ -469,6 +469,19 @@ def test_a_manifest_of_unterminated_strings_is_refused_in_linear_time() -> None:
     assert code_of(data) == "PKG_MANIFEST_INVALID"
 
 
+def test_a_lone_surrogate_in_the_manifest_is_a_manifest_error() -> None:
+    """`"extra_key": "\\ud800"` in manifest.json escaped the reader as a raw
+    UnicodeEncodeError (INPUT_INVALID from `case add`, blaming the command line; a
+    hostile-input trial)."""
+    manifest = manifest_for(dict(BASE)).replace(b"{", b'{"extra_key": "\\ud800", ', 1)
+    data = craft([Entry(b"manifest.json", manifest),
+                  *[Entry(n.encode(), d) for n, d in sorted(BASE.items())]])
+    with pytest.raises(PackageError) as err:
+        PackageReader(PackageLimits()).read(data)
+    assert err.value.code == "PKG_MANIFEST_INVALID"
+    assert "lone UTF-16 surrogate" in err.value.message
+
+
 def test_manifest_not_json() -> None:
     data = craft([Entry(b"manifest.json", b"{not json"),
                   *[Entry(n.encode(), d) for n, d in sorted(BASE.items())]])
