@@ -127,6 +127,13 @@ def first_unsafe(text: str) -> str | None:
     return None if match is None else match.group()
 
 
+def visible(text: str) -> bool:
+    """Whether ``text`` shows anything: a character that is neither whitespace nor
+    invisible (a control, format, separator or surrogate character: U+200B passed
+    ``str.strip`` as a report, a statement and a summary; a hostile-input trial)."""
+    return any(ch.isprintable() and not ch.isspace() for ch in text)
+
+
 class EscapingLogFilter(logging.Filter):
     """A logging filter (attach it to a handler) that shows every record's message and
     traceback through :func:`escape_text`: a log line can neither carry terminal escapes

@@ -98,6 +98,7 @@ from investigation.secrets import (
     scan_database_schema,
     scan_files,
 )
+from investigation.text_safety import visible
 
 __all__ = ["PackageInfo", "build_package", "package_bytes"]
 
@@ -300,7 +301,7 @@ def _read_plan(plan: Mapping[str, Path], report: Path, db: Path | None) -> dict[
     except UnicodeDecodeError as exc:
         raise PackageError("PKG_REPORT_INVALID", f"report {report} is not UTF-8 text",
                            path=str(report)) from exc
-    if not text.strip():
+    if not visible(text):
         raise PackageError("PKG_REPORT_INVALID",
                            f"report {report} is empty; write the bug report to investigate",
                            path=str(report))

@@ -7,6 +7,8 @@ Inputs (DESIGN.md "Fixed interfaces"):
 * the hypotheses: a non-empty JSON array of ``{"id": int, "statement": str, ...}`` objects,
   ids positive and unique (``true``/``false`` are not integers), statements non-empty;
   other keys are kept, and the order given is the batch order.
+* in both, every string (keys too) is text: no control or format character but TAB and
+  LF, and the summary and each statement show a visible character.
 
 JSON with duplicate object keys or non-finite numbers (``NaN``, ``Infinity``) is refused,
 so every accepted input has exactly one canonical JSON form.
@@ -46,6 +48,7 @@ from investigation.errors import InvestigationError, PackageError
 from investigation.files import read_bounded
 from investigation.store.engine import Store, is_lost_race
 from investigation.store.models import CaseRecord, HypothesisBirth, PackageRecord, RevisionRecord
+from investigation.text_safety import first_unsafe, visible
 
 __all__ = [
     "case_id_for",
@@ -119,12 +122,15 @@ def validate_interpretation(value: Any) -> dict[str, Any]:
     """
     if not isinstance(value, dict):
         raise InvestigationError(_INTERPRETATION, "the interpretation must be a JSON object")
+    _check_canonical(value, _INTERPRETATION, "the interpretation")
     summary = value.get("summary")
-    if not isinstance(summary, str) or not summary.strip():
+    if not isinstance(summary, str) or not visible(summary):
         raise InvestigationError(
             _INTERPRETATION, 'the interpretation needs "summary": a non-empty string'
+            + (" (it holds only invisible characters)" if isinstance(summary, str)
+               and summary.strip() else "")
         )
-    _check_canonical(value, _INTERPRETATION, "the interpretation")
+    _check_text(value, _INTERPRETATION, "the interpretation")
     size = len(canonical_json(value))
     if size > MAX_INTERPRETATION_BYTES:
         raise InvestigationError(_INTERPRETATION, f"the interpretation is {size} bytes; at "
@@ -146,6 +152,7 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
     if len(value) > MAX_HYPOTHESES:
         raise InvestigationError(_HYPOTHESES, f"at most {MAX_HYPOTHESES} hypotheses per batch "
                                  f"(got {len(value)})")
+    _check_canonical(value, _HYPOTHESES, "the hypotheses")
     seen: set[int] = set()
     for index, item in enumerate(value):
         where = f"hypothesis #{index + 1}"
@@ -162,9 +169,11 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
                                      hypothesis_id=ident)
         seen.add(ident)
         statement = item.get("statement")
-        if not isinstance(statement, str) or not statement.strip():
+        if not isinstance(statement, str) or not visible(statement):
             raise InvestigationError(
-                _HYPOTHESES, f'hypothesis {ident} needs "statement": a non-empty string',
+                _HYPOTHESES, f'hypothesis {ident} needs "statement": a non-empty string'
+                + (" (it holds only invisible characters)" if isinstance(statement, str)
+                   and statement.strip() else ""),
                 hypothesis_id=ident,
             )
         if len(statement) > MAX_STATEMENT_CHARS:
@@ -176,7 +185,7 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
                 _HYPOTHESES, f"hypothesis {ident}: the statement holds a NUL character",
                 hypothesis_id=ident,
             )
-    _check_canonical(value, _HYPOTHESES, "the hypotheses")
+    _check_text(value, _HYPOTHESES, "the hypotheses")
     return value
 
 
@@ -199,7 +208,7 @@ def _check_report(text: str) -> None:
     Raises:
         PackageError: ``PKG_REPORT_INVALID`` (empty or only whitespace).
     """
-    if not text.strip():
+    if not visible(text):
         raise PackageError("PKG_REPORT_INVALID",
                            "the package's bug report is empty; a case needs the report it "
                            "investigates (rebuild with `investigate case build --report`)")
@@ -378,6 +387,31 @@ def _check_canonical(value: Any, code: str, what: str) -> None:
             code, f"{what}: a string is not text: it holds a lone UTF-16 surrogate "
             f"({ascii(bad)[1:-1] or 'escape'}), which UTF-8 cannot encode"
         ) from exc
+
+
+def _check_text(value: Any, code: str, what: str) -> None:
+    """Refuse a string (key or value, at any depth) of ``value`` that holds a control or
+    format character other than TAB and LF (terminal escapes, bidirectional overrides,
+    zero-width characters): the interpretation and the statements go into every model
+    prompt as written, and every other text input (replies, feedback, entry names,
+    provider names) refuses them (a hostile-input trial). Iterative: ``value`` is plain
+    JSON already (:func:`_check_canonical`)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            bad = first_unsafe(item.replace("\t", "").replace("\n", ""))
+            if bad is not None:
+                raise InvestigationError(
+                    code, f"{what}: a string holds a control or format character "
+                    f"(U+{ord(bad):04X}); "
+                    "only printable text, TAB and line breaks (LF) are taken: they go into "
+                    "every model prompt as written")
 
 
 def _depth(value: Any, limit: int = _MAX_DEPTH + 1) -> int:

@@ -79,6 +79,10 @@ def test_load_inputs_keep_extra_keys(tmp_path: Path) -> None:
 @pytest.mark.parametrize("value", [
     [], "text", {}, {"summary": ""}, {"summary": "   "}, {"summary": 3},
     '{"summary": "a", "summary": "b"}', '{"summary": "a", "x": NaN}', "{broken",
+    # invisible, or holding terminal escapes or bidirectional overrides (a hostile-input
+    # trial: they went into every model prompt as written)
+    {"summary": "\u200b\u200b"}, {"summary": "sum\x1b[31mRED"},
+    {"summary": "ok", "notes": ["fine", {"deep": "a\u202eb"}]}, {"summary": "ok", "\x07": 1},
 ])
 def test_bad_interpretation(tmp_path: Path, value: Any) -> None:
     with pytest.raises(InvestigationError) as err:
@@ -92,11 +96,24 @@ def test_bad_interpretation(tmp_path: Path, value: Any) -> None:
     [{"id": 1.0, "statement": "s"}], [{"id": "1", "statement": "s"}],
     [{"id": 1, "statement": ""}], [{"id": 1}],
     [{"id": 1, "statement": "a"}, {"id": 1, "statement": "b"}], "[1,",
+    [{"id": 1, "statement": "\u200b"}], [{"id": 1, "statement": "ESC\x1b]0;PWNED\x07"}],
+    [{"id": 1, "statement": "\u202eevil\r\nfake line"}],
+    [{"id": 1, "statement": "s", "tags": ["\u2066x"]}],
 ])
 def test_bad_hypotheses(tmp_path: Path, value: Any) -> None:
     with pytest.raises(InvestigationError) as err:
         load_hypotheses(_write(tmp_path, "h.json", value))
     assert err.value.code == "CASE_HYPOTHESES_INVALID"
+
+
+def test_text_with_tabs_line_breaks_and_any_script_is_taken(tmp_path: Path) -> None:
+    """Only controls and format characters are refused: TAB, LF, right-to-left letters,
+    CJK and emoji are text."""
+    hypotheses = [{"id": 1, "statement": "line one\n\tline two: \u05e9\u05dc\u05d5\u05dd "
+                   "\u6570\u636e \u2713"}]
+    assert load_hypotheses(_write(tmp_path, "h.json", hypotheses)) == hypotheses
+    interpretation = {"summary": "r\u00e9sum\u00e9\n\tdetail", "extra": {"k": "\u0645\u0631\u062d\u0628\u0627"}}
+    assert load_interpretation(_write(tmp_path, "i.json", interpretation)) == interpretation
 
 
 def test_a_lone_surrogate_is_refused_with_the_inputs_own_code(tmp_path: Path) -> None:
@@ -256,7 +273,7 @@ def _refusals(store: Store, reader: PackageReader, tmp_path: Path, report: bytes
     return registered.value, built.value
 
 
-@pytest.mark.parametrize("report", [b"", b"  \n\t\n"])
+@pytest.mark.parametrize("report", [b"", b"  \n\t\n", "\u200b\u200b\n".encode()])
 def test_a_package_without_a_bug_report_is_refused(
         store: Store, reader: PackageReader, tmp_path: Path, report: bytes) -> None:
     """A case is investigated from its report: an empty one is refused by `case build` and,
