@@ -145,6 +145,21 @@ def test_a_reply_written_over_several_lines_is_named_once(tiny_case: Case) -> No
     assert not any("one JSON document" in n for v in garbage.lines for n in v.notes)
 
 
+def test_the_check_judges_a_bounded_number_of_lines(tiny_case: Case,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """200,000 lines ran past two minutes and 271 MB (a hostile-input trial): lines past
+    MAX_JUDGED_LINES are named in the end, not judged."""
+    from investigation.loop import script_check
+
+    monkeypatch.setattr(script_check, "MAX_JUDGED_LINES", 3)
+    tiny_case.replies_path.write_text("\n".join(["not json"] * 7) + "\n")
+    result = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path)
+    assert [v.line for v in result.lines] == [1, 2, 3]
+    assert result.end == ("the check stopped after judging 3 lines: lines 4-7 (4 reply "
+                          "line(s)) were not judged; check them once the case has read the "
+                          "lines before them")
+
+
 def test_a_file_that_ends_on_a_test_hand_out_says_the_case_waits_there(
         tmp_path: Path) -> None:
     """The footer said the next call finds no reply and blocks the case
