@@ -420,6 +420,21 @@ class InvestigationConfig(_Strict):
             return cls()
         return _validate(cls, _read_toml(path), path)
 
+    @classmethod
+    def load_package_limits(cls, path: str | Path | None) -> PackageLimits:
+        """Only the ``[package]`` table of the policy file ``path`` (``case add
+        --package-limits``): a file whose other tables are wrong still sets the package
+        limits, as the README says (a hostile-input trial had `[budget] credit_units = -1`
+        refuse `case add`); ``None`` gives the defaults.
+
+        Raises:
+            ConfigError: ``CONFIG_UNREADABLE`` or ``CONFIG_INVALID`` (the table itself).
+        """
+        if path is None:
+            return PackageLimits()
+        table = _read_toml(path).get("package", {})
+        return _validate(cls, {"package": table}, path).package
+
     def policy(self) -> dict[str, Any]:
         """The part frozen per analysis revision: loop bounds and budget rules."""
         return {"loop": self.loop.model_dump(), "budget": self.budget.model_dump()}

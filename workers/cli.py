@@ -394,13 +394,13 @@ def case_add(
                                      "give --package-limits only (--config is its old name)")
         package_limits = config
     settings = _settings()
-    cfg = InvestigationConfig.load(package_limits)
+    limits = InvestigationConfig.load_package_limits(package_limits)
     try:
         size = package.stat().st_size
-        if not package.is_file() or size > cfg.package.max_total_bytes:
+        if not package.is_file() or size > limits.max_total_bytes:
             raise InvestigationError(
                 "PKG_TOO_LARGE" if package.is_file() else "PKG_UNREADABLE",
-                f"{package} is not a regular file of at most {cfg.package.max_total_bytes} "
+                f"{package} is not a regular file of at most {limits.max_total_bytes} "
                 "bytes (package.max_total_bytes)")
         data = package.read_bytes()
     except OSError as exc:
@@ -408,10 +408,10 @@ def case_add(
     store = _store(settings)
     interp, hyps = load_interpretation(interpretation), load_hypotheses(hypotheses)
     before = registration.look_up(store, data, interp, hyps)
-    case_id = register_case(store, data, interp, hyps, PackageReader(cfg.package))
-    registration.record_limits(store, case_id, cfg.package)
+    case_id = register_case(store, data, interp, hyps, PackageReader(limits))
+    registration.record_limits(store, case_id, limits)
     notes: list[str] = []
-    changes = before.limit_changes(cfg.package)
+    changes = before.limit_changes(limits)
     if before.existed:
         notes.append(f"case {case_id} was already registered with this package, "
                      "interpretation and hypotheses; nothing changed")

@@ -242,7 +242,10 @@ def test_repeated_case_add_says_what_it_did(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     args = _case_add_args(tmp_path, monkeypatch)
     (tmp_path / "i2.json").write_text(json.dumps({"summary": "another reading"}))
-    (tmp_path / "limits.toml").write_text("[package]\nmax_entries = 500\n")
+    # Only the [package] table is read: a wrong budget beside it does not matter (a
+    # hostile-input trial; the README says so).
+    (tmp_path / "limits.toml").write_text("[package]\nmax_entries = 500\n\n"
+                                          "[budget]\ncredit_units = -1\n")
     first = invoke(*args)
     assert first.exit_code == 0, first.output
     case_id = first.stdout.strip()
