@@ -89,6 +89,12 @@ class StepRow:
     new_questions: list[str] = field(default_factory=list)
     resolved_questions: list[str] = field(default_factory=list)
     test_request: str | None = None
+    #: The hypothesis's confidence before this step's decision (its previous decision's,
+    #: or ``unassessed``); ``confidence`` is after it.
+    confidence_before: str | None = None
+    #: What the step's own query found, for its evidence cell: ``"N items, K new"``, then
+    #: ``"duplicate"`` and the result's warnings when there are any.
+    found: list[str] = field(default_factory=list)
     #: Why the step went to its hypothesis: ``build_context``'s ``selection``
     #: (``scheduler.Selection.to_dict``); ``None`` for a step recorded before decision 166
     #: and for a closing step.
@@ -225,10 +231,12 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
         decision = jsonio.loads(p.decision_json)
         reply = decision["reply"]
         upd, nxt = reply["update"], reply["next"]
-        confidence.setdefault(p.hypothesis_id, [(0, "unassessed")]).append(
-            (p.step_seq, upd["confidence"]))
+        series = confidence.setdefault(p.hypothesis_id, [(0, "unassessed")])
+        before = series[-1][1]
+        series.append((p.step_seq, upd["confidence"]))
         planned = steps.get(p.step_seq)
         if planned is not None:
+            planned.confidence_before = before
             planned.action, planned.operation = nxt["action"], nxt.get("operation")
             planned.arguments = nxt.get("arguments") if "arguments" in nxt else (
                 nxt.get("test") or {"reason": nxt.get("reason", "")})
@@ -262,8 +270,16 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
 
     evidence = []
     for e in evidence_rows:
-        if e.step_seq in steps:
-            steps[e.step_seq].evidence_id = steps[e.step_seq].evidence_id or e.evidence_id
+        if e.step_seq in steps and steps[e.step_seq].evidence_id is None:
+            own = steps[e.step_seq]
+            own.evidence_id = e.evidence_id
+            own.found = [f"{e.item_count} item{'' if e.item_count == 1 else 's'}, "
+                         f"{e.new_item_count} new"]
+            if e.duplicate:
+                own.found.append("duplicate")
+            warned = jsonio.loads(e.warnings_json)
+            if isinstance(warned, list) and warned:
+                own.found.append("warnings: " + ", ".join(str(w) for w in warned))
         evidence.append({
             "evidence_id": e.evidence_id, "step_seq": e.step_seq,
             "hypothesis_id": e.hypothesis_id, "operation": e.operation,

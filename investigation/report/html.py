@@ -38,7 +38,7 @@ background:var(--bg)}
 header{background:#fff;border-bottom:1px solid var(--line);padding:18px 28px 10px}
 h1{font-size:20px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 10px}
 h3{font-size:14px;margin:16px 0 6px}
-main{padding:0 28px 40px;max-width:1400px}
+main{padding:0 28px 40px;max-width:1800px}
 nav{position:sticky;top:0;z-index:3;background:#fff;border-bottom:1px solid var(--line);
 padding:6px 28px;font-size:13px}
 nav a{margin-right:14px;color:var(--accent);text-decoration:none}
@@ -61,7 +61,7 @@ th,td{border-bottom:1px solid var(--line);padding:4px 8px;text-align:left;vertic
 overflow-wrap:break-word}
 td code{overflow-wrap:anywhere}
 .nw{white-space:nowrap}
-td.wide{min-width:280px}
+td.wide{min-width:220px}
 th{background:#f3f3f3;font-weight:600;font-size:12px}
 .scroll{overflow:auto;border:1px solid var(--line);border-radius:6px;background:#fff}
 .scroll.tall{max-height:70vh}
@@ -309,6 +309,16 @@ def _score_cell(s: StepRow) -> str:
     return f'{s.score} <a class=muted href="#ev-{ref}">{_e(s.assessed_evidence)}</a>'
 
 
+def _confidence(s: StepRow) -> str:
+    """The confidence after the step and, when the step changed it, what it was."""
+    if not s.confidence:
+        return ""
+    if s.confidence_before and s.confidence_before != s.confidence:
+        return (f"<b>{_e(s.confidence)}</b><br><span class=muted>was "
+                f"{_e(s.confidence_before)}</span>")
+    return _e(s.confidence)
+
+
 def _selection(s: StepRow) -> str:
     """Why the scheduler gave the step to its hypothesis (seed 000, "Deterministic cycle",
     step 1), from the rule it recorded; empty for a step recorded without one."""
@@ -356,6 +366,8 @@ def _timeline(h: CaseHistory) -> list[str]:
                 f'<span class="muted">provider: {_e(", ".join(s.provider_errors))}</span>'
         ev = f'<a href="#ev-{html_attr(s.evidence_id)}">{_e(s.evidence_id)}</a>' \
             if s.evidence_id else ""
+        if s.found:  # what the query found, beside its record (a reader saw none of it)
+            ev += "".join(f"<br><span class=muted>{_e(f)}</span>" for f in s.found)
         if s.test_request:
             ev += f" test {_e(s.test_request)}"
         note = _e(s.note)
@@ -374,7 +386,7 @@ def _timeline(h: CaseHistory) -> list[str]:
             f"<td class=nw>{'H' + str(s.hypothesis_id) if s.hypothesis_id is not None else ''}"
             f"</td><td class=wide>{_action_cell(s)}</td>"
             f"<td class=nw>{_outcome(s.outcome, s.reason, s.published)}</td>"
-            f"<td>{rejection}</td><td class=nw>{_e(s.confidence or '')}</td>"
+            f"<td>{rejection}</td><td class=nw>{_confidence(s)}</td>"
             f"<td class=nw>{_score_cell(s)}</td>"
             f"<td class=nw>{' '.join(units)}</td><td class=nw>{ev}</td>"
             f"<td class=nw>{_ms(s.model_ms)}"

@@ -282,6 +282,40 @@ def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) 
     assert (tmp_path / "report.png").stat().st_size > 10_000
 
 
+def test_a_step_row_says_what_its_query_found_and_how_confidence_moved(
+        long_run: tuple[Case, Path]) -> None:
+    """A 500-step reader found a step's item counts, duplicate flag and warnings only in
+    its evidence record, and had to work out confidence moves by hand."""
+    case, target = long_run
+    html = target.read_text(encoding="utf-8")
+    history = case_history(case.store, case.case_id)
+    by_id = {e["evidence_id"]: e for e in history.evidence}
+
+    def row(seq: int) -> str:
+        return html.split(f'<tr id="step-{seq}">', 1)[1].split("</tr>", 1)[0]
+
+    found = [st for st in history.steps if st.evidence_id]
+    assert found
+    for st in found:
+        e = by_id[st.evidence_id or ""]
+        words = "item" if e["item_count"] == 1 else "items"
+        expected = f"{e['item_count']} {words}, {e['new_item_count']} new"
+        assert st.found[0] == expected and f"<span class=muted>{expected}</span>" in row(st.seq)
+        assert ("duplicate" in st.found) == bool(e["duplicate"])
+    last: dict[int, str] = {}
+    moved = 0
+    for st in history.steps:
+        if st.confidence is None or st.hypothesis_id is None:
+            continue
+        assert st.confidence_before == last.get(st.hypothesis_id, "unassessed")
+        if st.confidence_before != st.confidence:
+            moved += 1
+            assert f"<b>{st.confidence}</b><br><span class=muted>was " \
+                f"{st.confidence_before}</span>" in row(st.seq)
+        last[st.hypothesis_id] = st.confidence
+    assert moved
+
+
 def test_each_step_says_why_its_hypothesis_was_selected(long_run: tuple[Case, Path]) -> None:
     """A 500-step reader could not tell why a step went to its hypothesis: the report
     shows the scheduler's rule, recorded by ``build_context`` (decision 166)."""
