@@ -215,18 +215,27 @@ def burndown(hypothesis_id: int, index: int, entries: list[dict[str, Any]],
     x = _Scale(max_seq, left, plot_w)
     top_value = max([1] + [abs(int(e["balance_after_units"])) for e in entries]
                     + [int(e["amount_units"]) for e in entries if e["kind"] == "credit"])
+    # A spend small beside its credit (278 of 10M units) drew a flat line at the top (a
+    # 500-step reader): the axis then shows only the units below the credit that were
+    # spent, labelled as amounts below it.
+    lowest = min([top_value] + [int(e["balance_after_units"]) for e in entries])
+    spent = top_value - lowest
+    zoomed = spent > 0 and lowest > top_value / 2
+    tick = nice_step(spent * 1.1 if zoomed else top_value, 4)
+    bottom = top_value - tick * math.ceil(spent * 1.1 / tick) if zoomed else 0
 
     def y(v: float) -> float:
-        return top + plot_h - plot_h * v / top_value
+        return top + plot_h - plot_h * (v - bottom) / (top_value - bottom)
 
     body: list[str] = [
         f'<text x="{_f(left)}" y="14" fill="{colour(index)}" font-weight="bold">'
         f'H{hypothesis_id}</text>']
-    tick = nice_step(top_value, 4)
-    for v in range(0, top_value + 1, tick):
+    for v in (range(top_value, bottom - 1, -tick) if zoomed else
+              range(0, top_value + 1, tick)):
+        label = compact(v) if not zoomed or v == top_value else f"-{compact(top_value - v)}"
         body.append(f'<line x1="{_f(left)}" y1="{_f(y(v))}" x2="{_f(left + plot_w)}" '
                     f'y2="{_f(y(v))}" stroke="#eee"/><text x="{_f(left - 4)}" '
-                    f'y="{_f(y(v) + 4)}" text-anchor="end" fill="#555">{compact(v)}</text>')
+                    f'y="{_f(y(v) + 4)}" text-anchor="end" fill="#555">{label}</text>')
     charged = refunded = 0
     if entries:
         balance = entries[0]["balance_after_units"] if entries[0]["kind"] == "credit" else 0

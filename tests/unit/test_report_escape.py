@@ -48,6 +48,34 @@ def test_burn_down_axis_labels_fit_their_margin() -> None:
     assert "10M" in labels
 
 
+def test_a_small_spend_of_a_large_credit_is_drawn_below_the_credit() -> None:
+    """278 units of a 10M credit drew a flat line at the top (a 500-step reader): the axis
+    then spans the units spent below the credit, labelled as amounts below it."""
+    import re
+
+    from investigation.report.svg import burndown
+
+    entries = [{"step_seq": 0, "kind": "credit", "amount_units": 10_000_000,
+                "balance_after_units": 10_000_000},
+               {"step_seq": 1, "kind": "reserve", "amount_units": -200,
+                "balance_after_units": 9_999_800},
+               {"step_seq": 2, "kind": "refund", "amount_units": 50,
+                "balance_after_units": 9_999_850}]
+    drawn = burndown(1, 0, entries, 2)
+    labels = re.findall(r'text-anchor="end" fill="#555">([^<]*)</text>', drawn)
+    assert labels == ["10M", "-100", "-200", "-300", "step"], labels  # then the x axis's
+    charge = re.search(r'<line class="charge" x1="[^"]*" y1="([^"]*)" x2="[^"]*" '
+                       r'y2="([^"]*)"', drawn)
+    assert charge is not None
+    assert float(charge.group(2)) - float(charge.group(1)) > 60  # most of the 110 px plot
+    # A spend of more than half the credit keeps the axis from 0.
+    half = [entries[0], {**entries[1], "amount_units": -6_000_000,
+                         "balance_after_units": 4_000_000}]
+    labels = re.findall(r'text-anchor="end" fill="#555">([^<]*)</text>',
+                        burndown(1, 0, half, 1))
+    assert labels[0] == "0" and labels[-2:] == ["10M", "step"], labels
+
+
 def test_bar_titles_name_their_unit_once() -> None:
     """A real model's report said "step 1: 84651 ms ms"."""
     from investigation.report import svg
