@@ -79,7 +79,7 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
                       str(u["calls"]), _attempts_cell(u),
                       f"{u['prompt_tokens']}{partial}" if reported else "not reported",
                       f"{u['completion_tokens']}{partial}" if reported else "not reported",
-                      "not priced" if u["cost_micros"] < 0
+                      "not priced" if u["cost_micros"] is None
                       else format_money(u["cost_micros"], currency))
     return table
 

@@ -198,20 +198,20 @@ _USAGE = sa_select(_OPERATIONS.hypothesis_id, _ATTEMPTS.status, _ATTEMPTS.prompt
     _OPERATIONS.case_id == bindparam("case_id"))
 
 
-def usage_by_hypothesis(s: Session, case_id: str) -> dict[int | None, dict[str, int]]:
+def usage_by_hypothesis(s: Session, case_id: str) -> dict[int | None, dict[str, Any]]:
     """Per hypothesis (``None``: calls recorded before hypotheses were tracked): model
     ``calls`` (answered decisions), ``attempts`` (every request sent, failed ones too),
     ``awaiting_answer`` (of those, sent and not answered yet: a call in flight, or one
     whose process died, closed when its grace runs out), ``prompt_tokens``, ``completion_tokens`` (sums of what servers reported),
     ``tokens_reported`` (attempts whose server reported a count: 0 means the token sums
-    say nothing, as with a scripted provider) and ``cost_micros`` (``-1`` when no attempt
-    was priced)."""
+    say nothing, as with a scripted provider) and ``cost_micros`` (``None`` when no
+    attempt was priced: null in ``status --json``, where a reader took -1 for an amount)."""
     rows = s.connection().execute(_USAGE, {"case_id": case_id}).all()
-    out: dict[int | None, dict[str, int]] = {}
+    out: dict[int | None, dict[str, Any]] = {}
     for hid, status, prompt, completion, cost in rows:
         entry = out.setdefault(hid, {"calls": 0, "attempts": 0, "awaiting_answer": 0,
                                      "prompt_tokens": 0, "completion_tokens": 0,
-                                     "tokens_reported": 0, "cost_micros": -1})
+                                     "tokens_reported": 0, "cost_micros": None})
         entry["attempts"] += 1
         entry["calls"] += status == "succeeded"
         entry["awaiting_answer"] += status == "sent"
@@ -219,7 +219,7 @@ def usage_by_hypothesis(s: Session, case_id: str) -> dict[int | None, dict[str, 
         entry["prompt_tokens"] += prompt or 0
         entry["completion_tokens"] += completion or 0
         if cost is not None:
-            entry["cost_micros"] = max(entry["cost_micros"], 0) + cost
+            entry["cost_micros"] = (entry["cost_micros"] or 0) + cost
     return out
 
 
