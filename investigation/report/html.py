@@ -379,8 +379,9 @@ def _timeline(h: CaseHistory) -> list[str]:
         if s.new_questions:
             note += "".join(f"<br><span class=muted>asks:</span> {_e(q)}"
                             for q in s.new_questions)
-        if s.resolved_questions:
-            note += f"<br><span class=muted>resolves:</span> {_e(', '.join(s.resolved_questions))}"
+        if s.resolved_questions:  # each a link to its row of the questions table
+            note += "<br><span class=muted>resolves:</span> " + ", ".join(
+                f'<a href="#q-{html_attr(q)}">{_e(q)}</a>' for q in s.resolved_questions)
         out.append(
             f'<tr id="step-{s.seq}"><td class=nw>{s.seq}</td>'
             f"<td class=nw>{'H' + str(s.hypothesis_id) if s.hypothesis_id is not None else ''}"
@@ -451,7 +452,8 @@ def _questions(h: CaseHistory) -> list[str]:
             links = ", ".join(f'<a href="#ev-{html_attr(e)}">{_e(e)}</a>'
                               for e in q["resolution_evidence"])
             resolution = f"{_step_link(q['resolved_step'])} with {links or 'no new evidence'}"
-        out.append(f"<tr><td>{_e(q['question_id'])}</td><td>H{q['hypothesis_id']}</td>"
+        out.append(f'<tr id="q-{html_attr(q["question_id"])}"><td>{_e(q["question_id"])}</td>'
+                   f"<td>H{q['hypothesis_id']}</td>"
                    f"<td>{_e(q['text'])}</td><td>{_e(q['status'])}</td>"
                    f"<td>{_step_link(q['created_step'], '')}</td><td>{resolution}</td></tr>")
     out.append("</tbody></table></div></section>")

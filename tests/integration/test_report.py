@@ -108,6 +108,9 @@ def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path])
                 assert item["quote"] in text  # the exact quote, unescaped by the parser
     for qn in history.questions:
         assert qn["text"] in text
+    # A resolved question in a step's note links to its row (checked to land above).
+    resolved = {q for st in history.steps for q in st.resolved_questions}
+    assert resolved and {f"#q-{q}" for q in resolved} <= set(links)
     # A score names the record it scored, the hypothesis's previous result, and the
     # model's reason (a 500-step reader took "score 89 ... E250" for E250's score and
     # found no reason anywhere).
