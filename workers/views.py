@@ -144,7 +144,7 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
         line(f"{count} {'hypothesis' if count == 1 else 'hypotheses'}; no step has run yet")
     else:
         table = Table("hypothesis", "status", "confidence", "balance", "iterations",
-                      "pending", "last rejection")
+                      "pending result", "last rejection")
         for a in info["accounts"]:
             rej = a["last_rejection"]
             label = a["status"]
