@@ -235,13 +235,13 @@ def _identities_disagree(app: Any, settings: Settings, workers: list[str],
             problems.append(f"workers disagree on their {_NAMES.get(key, key)}: " + "; ".join(
                 f"{', '.join(who(w) for w in ws)}: {v}" for v, ws in sorted(values.items()))
                 + (_FEEDBACK_ADVICE if key == "feedback" else ""))
-        elif key == "feedback" and values and mine[key] not in values:
+        elif key == "feedback" and values and mine[key] != "none" \
+                and mine[key] not in values:
+            # A shell without a key (a monitoring host, say) shows no secret: no failure.
             theirs = next(iter(values))
             path = seen[values[theirs][0]].get("feedback_path")
-            problems.append(
-                f"the workers' feedback key is {theirs} ({path}), this shell's "
-                + (f"{mine[key]} ({mine['feedback_path']})" if mine[key] != "none" else
-                   f"none ({mine['feedback_path']} does not exist)") + _FEEDBACK_ADVICE)
+            problems.append(f"the workers' feedback key is {theirs} ({path}), this shell's "
+                            f"{mine[key]} ({mine['feedback_path']}){_FEEDBACK_ADVICE}")
         elif key in ("store", "locks") and values and mine[key] not in values:
             problems.append(f"the workers' {key} is {next(iter(values))}, this shell's "
                             f"{mine[key]}")

@@ -308,13 +308,18 @@ def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store
             assert "the workers' store is" in detail and "x.db" in detail, detail
         finally:
             other.stop()
-        # This shell without the workers' key: `tests list` here would make another.
-        lone = {**env, "INVESTIGATE_FEEDBACK_KEY_FILE": str(tmp_path / "missing.key")}
+        # This shell with another key: a secret `tests list` shows here is refused there.
+        (tmp_path / "other.key").write_text("0" * 64 + "\n")
+        (tmp_path / "other.key").chmod(0o600)
+        lone = {**env, "INVESTIGATE_FEEDBACK_KEY_FILE": str(tmp_path / "other.key")}
         out = json.loads(cli(lone, *checks, expect=1))
         detail = next(c for c in out["checks"] if c["name"] == "workers")["detail"]
-        assert f"this shell's none ({tmp_path / 'missing.key'} does not exist)" in detail, \
-            detail
-        assert not (tmp_path / "missing.key").exists()  # health makes no key
+        assert "the workers' feedback key is " in detail and "this shell's " in detail \
+            and f"({tmp_path / 'other.key'})" in detail, detail
+        # A shell without any key shows no secret: not a failure, and health makes none.
+        keyless = {**env, "INVESTIGATE_FEEDBACK_KEY_FILE": str(tmp_path / "missing.key")}
+        assert json.loads(cli(keyless, *checks))["healthy"] is True
+        assert not (tmp_path / "missing.key").exists()
         # This shell names another providers file than the workers started with (a fleet
         # trial pointed INVESTIGATE_PROVIDERS elsewhere; health said ok).
         theirs = Path(env["INVESTIGATE_PROVIDERS"])
