@@ -371,8 +371,8 @@ def _timeline(h: CaseHistory) -> list[str]:
         if s.test_request:
             ev += f" test {_e(s.test_request)}"
         note = _e(s.note)
-        if selected := _selection(s):
-            note = selected + ("<br>" + note if note else "")
+        if selected := _selection(s):  # the model's own note labelled below it
+            note = selected + ("<br><span class=muted>note:</span> " + note if note else "")
         if s.score_reason:  # why the model scored the previous result as it did
             note += (("<br>" if note else "") + "<span class=muted>assessed "
                      f"{_e(s.assessed_evidence or '')}:</span> {_e(s.score_reason)}")

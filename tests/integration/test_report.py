@@ -351,3 +351,10 @@ def test_each_step_says_why_its_hypothesis_was_selected(long_run: tuple[Case, Pa
             others = ", ".join(f"H{i}" for i in sel["tied"][1:])
             assert f", tied with {others} (lowest id goes first)" in row(st.seq)
     assert any(len((st.selection or {})["tied"]) > 1 for st in later)
+    # The model's own note follows the selection line, labelled (a real model's user read
+    # an unlabelled note as stray output).
+    from investigation.report.escape import html_text
+
+    noted = [st for st in steps if st.note]
+    assert noted and all(f"<span class=muted>note:</span> {html_text(st.note)}" in row(st.seq)
+                         for st in noted)
