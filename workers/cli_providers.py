@@ -39,17 +39,24 @@ def _marks(result: ProbeResult) -> list[str]:
             for i in range(len(CHECKS))]
 
 
+#: Refusals that only a chat-completions endpoint gives.
+_ANSWERED_BY_AN_ENDPOINT = frozenset({
+    "PROVIDER_SCHEMA_REFUSED", "PROVIDER_REQUEST_TOO_LARGE", "PROVIDER_REQUEST_REJECTED",
+    "PROVIDER_CREDENTIALS", "PROVIDER_RATE_LIMITED"})
+
+
 def _address_hint(result: ProbeResult) -> str:
-    """Where the probe went, when the address is the likely cause; what to raise when the
-    reply was cut at ``max_tokens``."""
-    if result.code == "REPLY_TRUNCATED":
-        return "; raise max_tokens of this provider in the providers file"
+    """Where the probe went, when the address is the likely cause (a cut reply's detail
+    says itself what cut it: ``probe.truncation_advice``)."""
     if result.base_url is None:
         return ""
     if result.verdict == "unreachable":
         return "" if result.base_url in (result.detail or "") else \
             f" (base_url {result.base_url})"
-    if result.verdict == "refused" and result.code != "PROVIDER_SCHEMA_REFUSED":
+    # The address is a likely cause only of an answer no chat endpoint gives: a schema
+    # refused, a window too small or credentials refused came from the right place (a
+    # real model's user read "is it an OpenAI-compatible /v1 address?" after a window).
+    if result.verdict == "refused" and result.code not in _ANSWERED_BY_AN_ENDPOINT:
         return (f" (base_url {result.base_url}: is it an OpenAI-compatible /v1 address "
                 "that serves chat completions?)")
     return ""

@@ -564,8 +564,9 @@ def parse_http_response(
         error = ProviderConfigurationError(
             PROVIDER_SCHEMA_REFUSED,
             f"provider {provider!r} refused the structured-output request (HTTP {status}: "
-            f"{excerpt}); set structured_output to the dialect this server takes "
-            "(docs/reply-contract.md) and check it with `investigate providers check`",
+            f"{excerpt}); set structured_output to the dialect this server takes"
+            f"{_dialect_hint(excerpt)} (docs/reply-contract.md) and check it with "
+            "`investigate providers check`",
             **details,
         )
     elif status in RETRYABLE_STATUSES or 500 <= status < 600:
@@ -751,9 +752,31 @@ def _error_excerpt(raw: bytes) -> str:
         else:
             text = raw[: ERROR_EXCERPT_CHARS * 4].decode("utf-8", "replace")
     text = " ".join(text.split())
+    # A server's own traceback is noise to the reader (a real model's user read
+    # 'File "/.../app.py", lin...' in a dialect refusal): the message ends before it.
+    for marker in ("Traceback (most recent call last)", 'File "'):
+        at = text.find(marker)
+        if at > 0:
+            text = text[:at].rstrip(" ,:;") + " ..."
     if len(text) > ERROR_EXCERPT_CHARS:
         text = text[:ERROR_EXCERPT_CHARS] + "..."
     return text or "(empty body)"
+
+
+#: What a server's refusal of a structured-output request says, and the dialect that server
+#: takes (docs/reply-contract.md).
+_DIALECT_SIGNATURES = (
+    ("'text' or 'json_object'", "llama-cpp-python takes structured_output = \"llama_cpp\""),
+)
+
+
+def _dialect_hint(excerpt: str) -> str:
+    """The dialect to set when a refusal reads as a known server's (a real model's user
+    was told to set 'the dialect this server takes' without a name)."""
+    for signature, hint in _DIALECT_SIGNATURES:
+        if signature in excerpt:
+            return f" ({hint})"
+    return ""
 
 
 def _count(value: Any) -> int | None:

@@ -174,6 +174,29 @@ def model_note(model: str, served: list[str] | None) -> str | None:
             "`model` to a listed name so that each record names the model that answered")
 
 
+def truncation_advice(config: ProviderConfig, prompt_tokens: int | None,
+                      completion_tokens: int | None) -> str:
+    """Why a probe reply was cut (``finish_reason`` ``length``) and what to change. A
+    reply shorter than ``max_tokens`` was cut by the server's context window, not by
+    ``max_tokens``: a llama-cpp-python server started without ``--n_ctx`` (a 2048-token
+    window) cut the probe at prompt 1974 + reply 74 tokens, and "raise max_tokens" sent
+    a real model's user round in circles."""
+    used = (f" (prompt {prompt_tokens} + reply {completion_tokens} = "
+            f"{prompt_tokens + completion_tokens} tokens)"
+            if prompt_tokens is not None and completion_tokens is not None else "")
+    window = ("start the server with a larger window (llama.cpp and llama-cpp-python: "
+              "--n_ctx; a case's prompts grow to several thousand tokens) and set "
+              "context_window_tokens to it")
+    if config.max_tokens is None:
+        return (f"the reply was cut{used}, and max_tokens is not set: the server's own "
+                f"default or its context window ended it; set max_tokens, and if that "
+                f"does not help, {window}")
+    if completion_tokens is not None and completion_tokens < config.max_tokens:
+        return (f"the reply was cut after {completion_tokens} tokens, before max_tokens = "
+                f"{config.max_tokens}{used}: the server's context window ended it; {window}")
+    return f"the reply was cut at max_tokens = {config.max_tokens}{used}; raise max_tokens"
+
+
 def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                    policy: InvestigationConfig | None = None,
                    base_dir: str | Path = ".") -> ProbeResult:
@@ -239,7 +262,8 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                            policy.loop.max_questions_per_hypothesis)
         except ReplyRejected as rej:
             if rej.code == "REPLY_NOT_JSON" and reply.finish_reason == "length":
-                rej = ReplyRejected("REPLY_TRUNCATED", "the reply was cut at max_tokens")
+                rej = ReplyRejected("REPLY_TRUNCATED", truncation_advice(
+                    config, reply.prompt_tokens, reply.completion_tokens))
             return result("invalid_reply", rej.code, rej.detail)
         # The configured tokenizer failed: the window was checked by the estimate.
         notes = [provider.tokenizer_note()] if provider.tokenizer_failure else []

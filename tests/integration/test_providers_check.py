@@ -56,6 +56,16 @@ def test_probe_verdicts_over_http(tmp_path: Path) -> None:
         refused = probe_provider(ProviderConfig(name="c", kind="openai",
                                                 base_url=server.base_url, model="m"), env={})
         assert (refused.verdict, refused.code) == ("refused", "PROVIDER_SCHEMA_REFUSED")
+        # llama-cpp-python's refusal names the dialect to set (a real model's user was
+        # told "the dialect this server takes"), and a server traceback is cut off.
+        assert 'llama-cpp-python takes structured_output = "llama_cpp"' in (refused.detail or "")
+        server.add_faults(Fault(status=500, body=json.dumps({"error": {
+            "message": "Input should be 'text' or 'json_object' Traceback (most recent call "
+                       'last): File "/srv/app.py", line 12, in handler'}}).encode()))
+        noisy = probe_provider(ProviderConfig(name="c", kind="openai",
+                                              base_url=server.base_url, model="m"), env={})
+        assert "Input should be 'text' or 'json_object' ..." in (noisy.detail or "")
+        assert "app.py" not in (noisy.detail or ""), noisy.detail
     gone = probe_provider(ProviderConfig(name="d", kind="openai", base_url=dead, model="m",
                                          timeout_s=2), env={})
     assert (gone.verdict, gone.code) == ("unreachable", "PROVIDER_UNREACHABLE")
@@ -235,3 +245,43 @@ def test_model_note_reads_only_a_list_that_lacks_the_name() -> None:
     assert many is not None and "'m0', 'm1', 'm2', 'm3', 'm4' and 3 more" in many
     hostile = model_note("x", ["\x1b[31mred"])
     assert hostile is not None and "\x1b" not in hostile
+
+
+def test_a_cut_reply_names_what_cut_it() -> None:
+    """A llama-cpp-python server without --n_ctx (2048 tokens) cut the probe at prompt
+    1974 + reply 74, and the check said "raise max_tokens": the user raised it and went
+    round in circles (a real model's user). A reply shorter than max_tokens was cut by the
+    server's window."""
+    from investigation.llm.replay_server import Fault
+
+    cut = VALID[:60]  # what a cut reply looks like: JSON that never ends
+    with ReplayServer([cut] * 3, model="m") as server:
+        def probe(max_tokens: int | None) -> str:
+            server.add_faults(Fault(finish_reason="length"))
+            result = probe_provider(ProviderConfig(
+                name="a", kind="openai", base_url=server.base_url, model="m",
+                structured_output="llama_cpp", max_tokens=max_tokens), env={})
+            assert (result.verdict, result.code) == ("invalid_reply", "REPLY_TRUNCATED")
+            assert result.completion_tokens is not None and result.prompt_tokens is not None
+            return result.detail or ""
+
+        window = probe(10_000)
+        assert "before max_tokens = 10000" in window and "context window ended it" in window
+        assert "--n_ctx" in window and "context_window_tokens" in window
+        assert "raise max_tokens" not in window
+        at_cap = probe(1)
+        assert at_cap.startswith("the reply was cut at max_tokens = 1 (prompt ")
+        assert at_cap.endswith("; raise max_tokens")
+        assert "max_tokens is not set" in probe(None)
+
+
+def test_a_window_too_small_is_not_blamed_on_the_address(tmp_path: Path) -> None:
+    """After "the request needs N tokens, more than the window", the line asked "is it an
+    OpenAI-compatible /v1 address that serves chat completions?" (a real model's user)."""
+    with ReplayServer([VALID], model="m") as server:
+        providers = tmp_path / "p.toml"
+        providers.write_text(_entry("a", server.base_url) + "context_window_tokens = 300\n")
+        res = CliRunner().invoke(app, ["providers", "check", "--providers", str(providers)],
+                                 terminal_width=200)
+    assert res.exit_code == 1 and "PROVIDER_REQUEST_TOO_LARGE" in res.output, res.output
+    assert "OpenAI-compatible" not in res.output
