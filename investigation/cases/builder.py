@@ -27,7 +27,8 @@ Source selection:
   --exclude-standard`` run in ``source`` (tracked plus untracked-but-not-ignored files
   under it, so every ``.gitignore`` of the checkout is honoured, a parent's included;
   tracked files deleted from the work tree are left out). If git fails, or lists nothing
-  (a folder the checkout ignores as a whole), a plain walk is used.
+  in a folder the checkout ignores as a whole, a plain walk is used; a folder it does not
+  ignore whose every file is ignored packs nothing.
 * The output file is never packed, even when it lies inside the source tree.
 
 Symbolic links: a link to a regular file inside the same tree (and outside VCS metadata)
@@ -445,6 +446,11 @@ def _tree_files(root: Path, skip: set[Path],
     in_checkout = any((d / ".git").exists() for d in (
         (real_root, *real_root.parents) if inside_checkout else (real_root,)))
     listed = _git_files(real_root) if in_checkout else None
+    if listed == [] and not _ignored_whole(real_root):
+        # Git lists nothing in a folder it does not ignore: every file in it is ignored
+        # (a trial's conf/ held only secret.env and trace.log, both in .gitignore, and
+        # the walk below packed them). Nothing is packed from it.
+        return []
     found: dict[str, Path] = {}
     if not listed:
         _walk(real_root, real_root, "", skip, found)
@@ -480,6 +486,23 @@ def _git_files(root: Path) -> list[str] | None:
         return None
     names = {os.fsdecode(raw) for raw in done.stdout.split(b"\0") if raw}
     return sorted(names)
+
+
+def _ignored_whole(folder: Path) -> bool:
+    """Whether the checkout holding ``folder`` ignores the folder itself (``git
+    check-ignore``); ``False`` when git cannot tell, so that only a folder git names as
+    ignored is walked in spite of its checkout (decision 169)."""
+    git = shutil.which("git")
+    if git is None:
+        return False
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    try:
+        done = subprocess.run([git, "-C", str(folder), "check-ignore", "-q", "."],
+                              capture_output=True, env=env, timeout=GIT_TIMEOUT_S,
+                              check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def _walk(root: Path, top: Path, prefix: str, skip: set[Path], found: dict[str, Path]) -> None:

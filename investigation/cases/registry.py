@@ -7,8 +7,9 @@ Inputs (DESIGN.md "Fixed interfaces"):
 * the hypotheses: a non-empty JSON array of ``{"id": int, "statement": str, ...}`` objects,
   ids positive and unique (``true``/``false`` are not integers), statements non-empty;
   other keys are kept, and the order given is the batch order.
-* in both, every string (keys too) is text: no control or format character but TAB and
-  LF, and the summary and each statement show a visible character.
+* in both, every string (keys too) is text: no control character but TAB, LF and CRLF,
+  no bidirectional embedding, override or isolate (:data:`_NOT_TEXT`), and the summary
+  and each statement show a visible character.
 
 JSON with duplicate object keys or non-finite numbers (``NaN``, ``Infinity``) is refused,
 so every accepted input has exactly one canonical JSON form.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ from investigation.errors import InvestigationError, PackageError
 from investigation.files import read_bounded
 from investigation.store.engine import Store, is_lost_race
 from investigation.store.models import CaseRecord, HypothesisBirth, PackageRecord, RevisionRecord
-from investigation.text_safety import first_unsafe, visible
+from investigation.text_safety import escape_text, visible
 
 __all__ = [
     "case_id_for",
@@ -185,7 +187,8 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
                 _HYPOTHESES, f"hypothesis {ident}: the statement holds a NUL character",
                 hypothesis_id=ident,
             )
-    _check_text(value, _HYPOTHESES, "the hypotheses")
+    for item in value:
+        _check_text(item, _HYPOTHESES, f"hypothesis {item['id']}")
     return value
 
 
@@ -389,29 +392,36 @@ def _check_canonical(value: Any, code: str, what: str) -> None:
         ) from exc
 
 
+#: What an interpretation or hypothesis string may not hold: C0 controls but TAB, LF and
+#: the CR of a CRLF, DEL, C1 controls, the line and paragraph separators, and the
+#: bidirectional embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069) that
+#: reorder what a reader sees. Joiners, direction marks and other format characters that
+#: scripts and emoji need (U+200C, U+200D, U+200E, U+200F, U+FE0F) are text.
+_NOT_TEXT = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029"
+                       "\u202a-\u202e\u2066-\u2069]|\r(?!\n)")
+
+
 def _check_text(value: Any, code: str, what: str) -> None:
-    """Refuse a string (key or value, at any depth) of ``value`` that holds a control or
-    format character other than TAB and LF (terminal escapes, bidirectional overrides,
-    zero-width characters): the interpretation and the statements go into every model
-    prompt as written, and every other text input (replies, feedback, entry names,
-    provider names) refuses them (a hostile-input trial). Iterative: ``value`` is plain
-    JSON already (:func:`_check_canonical`)."""
-    stack = [value]
+    """Refuse a string (key or value, at any depth) of ``value`` that holds what
+    :data:`_NOT_TEXT` matches (terminal escapes, bidirectional overrides): the
+    interpretation and the statements go into every model prompt as written (a
+    hostile-input trial); the message names where, as ``what`` at its key path.
+    Iterative: ``value`` is plain JSON already (:func:`_check_canonical`)."""
+    stack: list[tuple[str, Any]] = [("", value)]
     while stack:
-        item = stack.pop()
+        where, item = stack.pop()
         if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+            for key, inner in item.items():
+                stack.append((f"{where} key {key!r}", key))
+                stack.append((f"{where}.{key}" if where else str(key), inner))
         elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, str):
-            bad = first_unsafe(item.replace("\t", "").replace("\n", ""))
-            if bad is not None:
-                raise InvestigationError(
-                    code, f"{what}: a string holds a control or format character "
-                    f"(U+{ord(bad):04X}); "
-                    "only printable text, TAB and line breaks (LF) are taken: they go into "
-                    "every model prompt as written")
+            stack.extend((f"{where}[{i}]", inner) for i, inner in enumerate(item))
+        elif isinstance(item, str) and (bad := _NOT_TEXT.search(item)) is not None:
+            at = f" at {escape_text(where.strip())}" if where.strip() else ""
+            raise InvestigationError(
+                code, f"{what}{at}: a string holds a control character or a bidirectional "
+                f"override (U+{ord(bad.group()[0]):04X}); printable text of any script, TAB "
+                "and line breaks are taken: the text goes into every model prompt as written")
 
 
 def _depth(value: Any, limit: int = _MAX_DEPTH + 1) -> int:

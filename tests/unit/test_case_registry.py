@@ -83,6 +83,7 @@ def test_load_inputs_keep_extra_keys(tmp_path: Path) -> None:
     # trial: they went into every model prompt as written)
     {"summary": "\u200b\u200b"}, {"summary": "sum\x1b[31mRED"},
     {"summary": "ok", "notes": ["fine", {"deep": "a\u202eb"}]}, {"summary": "ok", "\x07": 1},
+    {"summary": "lone CR\rover"}, {"summary": "a\u2066b"}, {"summary": "a\x85b"},
 ])
 def test_bad_interpretation(tmp_path: Path, value: Any) -> None:
     with pytest.raises(InvestigationError) as err:
@@ -107,13 +108,31 @@ def test_bad_hypotheses(tmp_path: Path, value: Any) -> None:
 
 
 def test_text_with_tabs_line_breaks_and_any_script_is_taken(tmp_path: Path) -> None:
-    """Only controls and format characters are refused: TAB, LF, right-to-left letters,
-    CJK and emoji are text."""
+    """Only controls and bidirectional overrides are refused: TAB, LF, CRLF, any script,
+    the joiners and direction marks scripts and emoji need (Persian's U+200C, emoji's
+    U+200D, a Hebrew U+200F: a trial's pasted text was refused) are text."""
     hypotheses = [{"id": 1, "statement": "line one\n\tline two: \u05e9\u05dc\u05d5\u05dd "
-                   "\u6570\u636e \u2713"}]
+                   "\u6570\u636e \u2713"},
+                  {"id": 2, "statement": "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645 "
+                   "\U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f3f3\ufe0f\u200d"
+                   "\U0001f308 \u05e9\u05dc\u05d5\u05dd\u200f windows\r\nline"}]
     assert load_hypotheses(_write(tmp_path, "h.json", hypotheses)) == hypotheses
     interpretation = {"summary": "r\u00e9sum\u00e9\n\tdetail", "extra": {"k": "\u0645\u0631\u062d\u0628\u0627"}}
     assert load_interpretation(_write(tmp_path, "i.json", interpretation)) == interpretation
+
+
+def test_a_refused_character_is_named_with_its_hypothesis_and_key(tmp_path: Path) -> None:
+    """With six hypotheses and an escape in the sixth, the message named none (a trial)."""
+    hypotheses = [{"id": i, "statement": f"s{i}"} for i in range(1, 6)] + [
+        {"id": 6, "statement": "ok", "tags": ["fine", "bad\x1b[2J"]}]
+    with pytest.raises(InvestigationError) as err:
+        load_hypotheses(_write(tmp_path, "h.json", hypotheses))
+    assert err.value.message.startswith("hypothesis 6 at tags[1]: a string holds a control "
+                                        "character or a bidirectional override (U+001B)")
+    with pytest.raises(InvestigationError) as err:
+        load_interpretation(_write(tmp_path, "i.json", {"summary": "ok",
+                                                         "extra": {"k\u202e": 1}}))
+    assert err.value.message.startswith("the interpretation at extra key 'k\\u202e': ")
 
 
 def test_a_lone_surrogate_is_refused_with_the_inputs_own_code(tmp_path: Path) -> None:

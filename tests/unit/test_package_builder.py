@@ -149,9 +149,15 @@ def test_a_folder_inside_a_checkout_honours_the_checkouts_gitignore(
         "source/cart.py", "source/new.py"]  # tracked and untracked, not the ignored .pyc
     # A folder the checkout ignores as a whole: git lists nothing, so it is walked.
     ignored = _tree(project / "vendor", {"lib.py": b"L = 1\n"})
-    (project / ".gitignore").write_bytes(b"*.pyc\nvendor/\n")
+    (project / ".gitignore").write_bytes(b"*.pyc\nvendor/\nsecret.env\n")
     build_package(ignored, inputs["report"], tmp_path / "vendor.zip")
     assert "source/lib.py" in _names((tmp_path / "vendor.zip").read_bytes())
+    # A folder it does not ignore whose every file is ignored packs none of them (a
+    # trial's conf/ held only secret.env and a .pyc: the walk packed both).
+    conf = _tree(project / "conf", {"secret.env": b"TOKEN=x\n", "cache.pyc": b"\x00"})
+    build_package(conf, inputs["report"], tmp_path / "conf.zip")
+    assert not [n for n in _names((tmp_path / "conf.zip").read_bytes())
+                if n.startswith("source/")]
 
 
 def test_symlink_outside_tree_is_refused(inputs: dict[str, Path], tmp_path: Path) -> None:
