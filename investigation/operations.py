@@ -234,8 +234,9 @@ RETRY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}")
 #: What to do instead of resuming a case in each state ``resume`` refuses (a new user
 #: resumed a running case and was not told that ``run`` goes on with it).
 _NOT_BLOCKED_NEXT = {
-    CASE_INVESTIGATING: ": it is not stopped; `investigate run {case}` (or `dispatch`) goes "
-                        "on with it, `investigate status {case}` says where it is",
+    CASE_INVESTIGATING: ": it is not stopped; `investigate status {case}` says whether a "
+                        "`run` or a worker has it now, and if none does, `investigate run "
+                        "{case}` (or `dispatch`) goes on with it",
     CASE_BUILDING_DIAGNOSIS: ": it is complete; `investigate summary {case}` prints its "
                              "summary",
     CASE_CANCELLED: ": a cancelled case stays cancelled (everything done so far is kept)",

@@ -226,8 +226,8 @@ def _secret_advice(findings: list[SecretFinding]) -> str:
                       "(in a git checkout, with .gitignore)")
     if given:
         advice.append("remove or redact them in the given log, report or database files "
-                      "(.gitignore does not apply to those), or leave a log out of the "
-                      "--logs folder")
+                      "(.gitignore does not apply to those), or leave that log out of "
+                      "--logs")
     text = "; ".join(advice)
     return text[:1].upper() + text[1:]
 

@@ -62,6 +62,7 @@ overflow-wrap:break-word}
 td code{overflow-wrap:anywhere}
 .nw{white-space:nowrap}
 td.wide{min-width:220px}
+.text{white-space:pre-wrap}
 th{background:#f3f3f3;font-weight:600;font-size:12px}
 .scroll{overflow:auto;border:1px solid var(--line);border-radius:6px;background:#fff}
 .scroll.tall{max-height:70vh}
@@ -158,7 +159,7 @@ def _header(h: CaseHistory) -> list[str]:
              f"{_e(state)}</span>")
     blocked = f" <b>{_e(st['blocked_reason'])}</b>" if st.get("blocked_reason") else ""
     return [f"<header><h1>Investigation report: {_e(h.case_id)} {badge}{blocked}</h1>",
-            f'<p class="sub">{_e(h.interpretation.get("summary", ""))}</p></header>',
+            f'<p class="sub text">{_e(h.interpretation.get("summary", ""))}</p></header>',
             '<nav><a href="#overview">Overview</a><a href="#next">Next steps</a>'
             '<a href="#charts">Charts</a><a href="#timeline">Timeline</a>'
             '<a href="#evidence">Evidence</a><a href="#questions">Questions</a>'
@@ -207,7 +208,7 @@ def _overview(h: CaseHistory) -> list[str]:
         colour = svg.colour(i)
         if a is None:
             out.append(f'<tr><td><b style="color:{colour}">H{hid}</b></td>'
-                       f"<td>{_e(statement)}</td><td colspan=6 class=muted>no step yet</td></tr>")
+                       f"<td class=text>{_e(statement)}</td><td colspan=6 class=muted>no step yet</td></tr>")
             continue
         disposition = _e(a["status"])
         if a.get("disposition_reason"):
@@ -217,7 +218,7 @@ def _overview(h: CaseHistory) -> list[str]:
         rej = a.get("last_rejection")
         out.append(
             f'<tr><td class=nw><b style="color:{colour}">H{hid}</b></td>'
-            f"<td class=wide>{_e(statement)}</td>"
+            f"<td class='wide text'>{_e(statement)}</td>"
             f"<td class=wide>{disposition}</td><td class=nw>{_e(a['confidence'])}</td>"
             f"<td class=nw>{_e(a['balance_units'])} / {_e(a['credit_units'])}</td>"
             f"<td class=nw>{_e(a['iterations'])}</td><td class=nw>{evidence_count.get(hid, 0)}</td>"

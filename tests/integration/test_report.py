@@ -108,6 +108,10 @@ def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path])
                 assert item["quote"] in text  # the exact quote, unescaped by the parser
     for qn in history.questions:
         assert qn["text"] in text
+    # Statements and the interpretation keep their line breaks (a re-trial's multi-line
+    # hypothesis showed as one line).
+    assert ".text{white-space:pre-wrap}" in html and '<p class="sub text">' in html
+    assert html.count("<td class='wide text'>") == HYPOTHESES
     # A resolved question in a step's note links to its row (checked to land above).
     resolved = {q for st in history.steps for q in st.resolved_questions}
     assert resolved and {f"#q-{q}" for q in resolved} <= set(links)

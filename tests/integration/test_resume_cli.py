@@ -150,8 +150,10 @@ def test_exhausted_call_resumes_with_a_retry_id_and_keeps_every_counter(
     res = invoke("resume", cli.case_id, "--retry-id", "outage-over")
     assert res.exit_code == 2 and "CASE_NOT_BLOCKED" in res.output
     # A running case is not resumed but run (a new user was not told so).
-    assert f"`investigate run {cli.case_id}` (or `dispatch`) goes on with it" in \
-        " ".join(res.output.split())
+    flat = " ".join(res.output.split())
+    assert f"`investigate status {cli.case_id}` says whether a `run` or a worker has it " \
+        f"now, and if none does, `investigate run {cli.case_id}` (or `dispatch`) goes on " \
+        "with it" in flat, flat
 
     res = invoke("run", cli.case_id, "--providers", str(providers))
     assert res.exit_code == 0, res.output
