@@ -378,6 +378,9 @@ def test_a_dispatch_sent_by_a_process_with_only_celery_runs_the_case(
         assert sent.returncode == 0, sent.stderr
         info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
         assert info["steps"] == 5
+        # The last step's `advance` releases the lock just after the state is published:
+        # a dispatch before that is LOCK_BUSY (a clean-clone CI under load met it).
+        h.wait_unlocked()
         # A message of an unknown contract version is refused, visibly, and runs nothing.
         from workers.tasks import dispatch
 
