@@ -789,7 +789,9 @@ def pause_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
         return
     out.print(f"paused {case_id} (was {info['paused_from']}); a running stage finishes, "
               "no new one starts", highlight=False)
-    out.print(f"continue later with: investigate resume {case_id}", highlight=False)
+    # The same prefix as every other printed command (a re-trial's home was lost here).
+    out.print(f"continue later with: {guidance.shell_env()}investigate resume {case_id}",
+              highlight=False)
 
 
 @app.command("cancel", epilog=example(f"investigate cancel {EXAMPLE_CASE}"))

@@ -128,5 +128,11 @@ def replies_check(
         counts = ", ".join(f"{n} {k}" for k, n in result.counts.items() if n)
         out.print(term(f"{counts or 'no reply lines'}; after the last line: {result.end}"),
                   highlight=False, markup=False)
+        spread = next((v.line for v in result.lines
+                       if any("one JSON document" in n for n in v.notes)), None)
+        if spread is not None:  # said again last: the table may be long (a re-trial)
+            out.print(term(f"note: a reply is written over several lines from line {spread} "
+                           "on: a reply file holds one reply per line"),
+                      highlight=False, markup=False)
     if not result.ok:
         raise typer.Exit(1)

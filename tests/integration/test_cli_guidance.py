@@ -770,3 +770,19 @@ def test_dispatch_take_over_ends_a_dead_workers_lease(
         client.delete(queue, f"_kombu.binding.{queue}", key,
                       key + RELEASED_SUFFIX + "dead-worker-token")
         client.close()
+
+
+def test_pause_prints_resume_with_the_home_it_used(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pause` printed `investigate resume CASE` without the INVESTIGATE_HOME= prefix every
+    other printed command carries (a re-trial)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    case = make_case(tmp_path / "case", database_url=f"sqlite:///{home / 'investigation.db'}")
+    monkeypatch.setenv("INVESTIGATE_HOME", str(home))
+    monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
+    paused = invoke("pause", case.case_id)
+    assert paused.exit_code == 0, paused.output
+    assert f"continue later with: INVESTIGATE_HOME={home} investigate resume {case.case_id}" \
+        in " ".join(paused.output.split()), paused.output
+    case.store.dispose()

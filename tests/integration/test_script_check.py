@@ -230,6 +230,16 @@ def test_cli_replies_check(tiny_case: Case, tmp_path: Path,
     res = CliRunner().invoke(app, ["replies", "check", str(tmp_path / "none.jsonl"),
                                    tiny_case.case_id])
     assert res.exit_code == 2 and "SCRIPT_UNREADABLE" in res.output
+    # A reply written over several lines is said again after the table (a re-trial read
+    # only the counts line at the end of a long table).
+    pretty = tmp_path / "pretty.jsonl"
+    pretty.write_text(json.dumps(casekit.HAPPY_REPLIES[0], indent=2) + "\n")
+    res = CliRunner().invoke(app, ["replies", "check", str(pretty), tiny_case.case_id],
+                             terminal_width=200)
+    assert res.exit_code == 1
+    assert res.output.rstrip().splitlines()[-1] == (
+        "note: a reply is written over several lines from line 1 on: a reply file holds "
+        "one reply per line")
 
 
 def test_the_start_line_names_the_files_own_line_number() -> None:
