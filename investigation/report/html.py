@@ -166,6 +166,27 @@ def _header(h: CaseHistory) -> list[str]:
             '<a href="#tests">Tests</a><a href="#lifecycle">Lifecycle</a></nav>']
 
 
+def _evidence_fact(evidence: list[dict[str, Any]]) -> str:
+    """How many records, and how many found nothing new: a real model's run of nine
+    duplicate listings read as a success (a trial); the figures let a reader see it."""
+    if not evidence:
+        return "0"
+    duplicates = sum(1 for e in evidence if e["duplicate"])
+    nothing_new = sum(1 for e in evidence if not e["new_item_count"])
+    return f"{len(evidence)} ({duplicates} duplicate, {nothing_new} with no new item)"
+
+
+def _scores_fact(evidence: list[dict[str, Any]]) -> str:
+    """The assessment scores the model gave the records (seed 000's 0-100 score of a
+    result): count, lowest, median and highest, or that none was assessed yet."""
+    scores = sorted(int(e["assessment_score"]) for e in evidence
+                    if e["assessed"] and e["assessment_score"] is not None)
+    if not scores:
+        return "none assessed yet"
+    return (f"{len(scores)} assessed: lowest {scores[0]}, median "
+            f"{scores[len(scores) // 2]}, highest {scores[-1]}")
+
+
 def _overview(h: CaseHistory) -> list[str]:
     st = h.status
     total_ms = sum(s.model_ms or 0 for s in h.steps)
@@ -181,7 +202,8 @@ def _overview(h: CaseHistory) -> list[str]:
                                            none="none")),
         ("published steps", st["steps"]),
         ("rejected replies", rejected),
-        ("evidence records", st["evidence_count"]),
+        ("evidence records", _evidence_fact(h.evidence)),
+        ("assessment scores", _scores_fact(h.evidence)),
         ("open questions", st["open_questions"]),
         ("model time", _ms(total_ms) or "0 ms"),
         ("tokens (prompt + completion)",

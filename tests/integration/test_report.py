@@ -108,6 +108,15 @@ def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path])
                 assert item["quote"] in text  # the exact quote, unescaped by the parser
     for qn in history.questions:
         assert qn["text"] in text
+    # The overview counts duplicate and empty results and gives the scores' spread (a
+    # real model's run of nine duplicate listings, each scored 0, read as a success).
+    dup = sum(1 for e in history.evidence if e["duplicate"])
+    empty = sum(1 for e in history.evidence if not e["new_item_count"])
+    assert f"<b>evidence records</b>{len(history.evidence)} ({dup} duplicate, {empty} with " \
+        "no new item)</div>" in html
+    scores = sorted(e["assessment_score"] for e in history.evidence if e["assessed"])
+    assert scores and f"<b>assessment scores</b>{len(scores)} assessed: lowest {scores[0]}, " \
+        f"median {scores[len(scores) // 2]}, highest {scores[-1]}</div>" in html
     # Statements and the interpretation keep their line breaks (a re-trial's multi-line
     # hypothesis showed as one line).
     assert ".text{white-space:pre-wrap}" in html and '<p class="sub text">' in html
