@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 #: Prompt/contract version written into every context and plan. ``investigation-v1``
 #: (before early diagnosis) and ``investigation-v2`` (before the per-turn reply schema,
 #: the turn header and rejected replies sent back as turns) stay the names of
@@ -41,6 +43,10 @@ STAGES = (
     "record_evidence",
     "publish",
 )
+
+#: What a case id may look like where it names a file, a Redis key or a broker message's
+#: case (registered ids are ``case-`` + 16 hex digits; anything else never becomes a path).
+SAFE_CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 #: Redis key patterns and Celery names.
 REDIS_LOCK_KEY = "investigation:lock:{case_id}"

@@ -254,20 +254,13 @@ def _refuse_a_second_beat(settings: Settings) -> None:
     Raises:
         InvestigationError: ``BEAT_RUNNING``.
     """
-    from investigation.constants import REDIS_BEAT_KEY
     from workers.beat import HEARTBEAT_TTL_S
     from workers.health import live_beats
 
     try:
-        client = redis.Redis.from_url(settings.effective_redis_url, socket_timeout=5,
-                                      socket_connect_timeout=5)
-        try:
-            fields = client.hgetall(REDIS_BEAT_KEY.format(queue=settings.queue))
-        finally:
-            client.close()
+        beats = live_beats(settings, 5.0)
     except redis.exceptions.RedisError:
         return
-    beats = live_beats(fields.values())
     if beats:
         named = ", ".join(f"{b.get('host')} (pid {b.get('pid')}, last seen {b.get('at')})"
                           for b in beats)

@@ -8,7 +8,7 @@ beat.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -303,22 +303,15 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
     whose process still runs) in the lock Redis. Without sweeps
     (``INVESTIGATE_SWEEP_INTERVAL_S=0``) there is nothing to check."""
 
-    from investigation.constants import REDIS_BEAT_KEY
     from workers.beat import HEARTBEAT_TTL_S
 
     if settings.sweep_interval_s <= 0:
         return Check("beat", True, "recovery sweeps are off (INVESTIGATE_SWEEP_INTERVAL_S=0)")
     url = settings.effective_redis_url
     try:
-        client = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                      socket_connect_timeout=timeout_s)
-        try:
-            fields = client.hgetall(REDIS_BEAT_KEY.format(queue=settings.queue))
-        finally:
-            client.close()
+        beats = live_beats(settings, timeout_s)
     except redis.exceptions.RedisError as exc:
         return Check("beat", False, f"{url_for_display(url)}: {_first_line_of(exc, url)}")
-    beats = live_beats(fields.values())
     if not beats:
         return Check("beat", False, f"no beat has left its heartbeat for queue "
                      f"{settings.queue!r} in {url_for_display(url)} in the last {HEARTBEAT_TTL_S} s: "
@@ -345,16 +338,27 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
                  f"{beat.get('sweep_interval_s')} s", named)
 
 
-def live_beats(heartbeats: Iterable[bytes | str]) -> list[dict[str, Any]]:
-    """The beats whose heartbeat (a field of ``REDIS_BEAT_KEY``) is at most
-    ``HEARTBEAT_TTL_S`` old, leaving out one of this host whose process no longer runs
-    (killed here: no need to wait for its heartbeat to age out)."""
+def live_beats(settings: Settings, timeout_s: float) -> list[dict[str, Any]]:
+    """The beats of ``settings.queue`` whose heartbeat (a field of ``REDIS_BEAT_KEY`` in
+    the lock Redis) is at most ``HEARTBEAT_TTL_S`` old, leaving out one of this host whose
+    process no longer runs (killed here: no need to wait for its heartbeat to age out).
+
+    Raises:
+        redis.exceptions.RedisError: the lock Redis does not answer within ``timeout_s``.
+    """
     import json
     import socket
     import time
 
+    from investigation.constants import REDIS_BEAT_KEY
     from workers.beat import HEARTBEAT_TTL_S, heartbeat_age_s
 
+    client = redis.Redis.from_url(settings.effective_redis_url, socket_timeout=timeout_s,
+                                  socket_connect_timeout=timeout_s)
+    try:
+        heartbeats = client.hgetall(REDIS_BEAT_KEY.format(queue=settings.queue)).values()
+    finally:
+        client.close()
     now, here = time.time(), socket.gethostname()
     beats = []
     for raw in heartbeats:

@@ -42,7 +42,6 @@ fencing, on which correctness rests, keeps two chains from recording anything tw
 from __future__ import annotations
 
 import fcntl
-import re
 import secrets
 import threading
 import time
@@ -52,11 +51,8 @@ from typing import IO, Protocol
 
 import redis
 
-from investigation.constants import REDIS_LOCK_KEY
+from investigation.constants import REDIS_LOCK_KEY, SAFE_CASE_ID
 from investigation.errors import InvestigationError, LockBusy
-
-#: What a case id may look like where it becomes a file name.
-_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 #: KEYS: the lock, the token's tombstone; ARGV: the token, the lease (ms).
 _RENEW = """
@@ -215,7 +211,7 @@ class RedisCaseLock:
 def lock_file(directory: Path, case_id: str) -> Path | None:
     """The file :class:`FileCaseLock` locks for ``case_id`` (``None`` for a string that is
     no case id and so has no lock file)."""
-    return directory / f"{case_id}.lock" if _SAFE_ID.fullmatch(case_id) else None
+    return directory / f"{case_id}.lock" if SAFE_CASE_ID.fullmatch(case_id) else None
 
 
 class FileCaseLock:

@@ -30,7 +30,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import secrets
 import stat
 import tempfile
@@ -42,6 +41,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from investigation.config import MAX_BYTES, MAX_COUNT, MAX_SECONDS
+from investigation.constants import SAFE_CASE_ID
 from investigation.errors import ConfigError
 from investigation.files import read_bounded, write_atomic
 
@@ -266,7 +266,7 @@ def feedback_key_id(settings: Settings) -> str:
 def _run_note(settings: Settings, case_id: str) -> Path | None:
     """Where ``run`` notes the providers file it used for ``case_id`` (``None`` for a
     string that is no case id: it never becomes a path)."""
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", case_id):
+    if not SAFE_CASE_ID.fullmatch(case_id):
         return None
     return settings.home / "runs" / case_id / "providers"
 

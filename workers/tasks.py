@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 import time
 from collections import OrderedDict
 from datetime import UTC, datetime
@@ -46,6 +45,7 @@ from investigation.constants import (
     DISPATCH_CONTRACT_VERSION,
     DISPATCH_TASK,
     RETRY_PENDING,
+    SAFE_CASE_ID,
     STAGES,
     STEP_ERROR,
     TASK_PREFIX,
@@ -71,8 +71,6 @@ log = logging.getLogger(__name__)
 # would otherwise take it for the provider adapter failing.
 llm_gateway.pass_through(SoftTimeLimitExceeded)
 
-#: What a case id may look like on the broker (ids are ``case-`` + 16 hex digits).
-_CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 #: Countdown for transient store failures inside a stage (seconds, doubled per retry).
 STORE_RETRY_COUNTDOWN_S = 2
@@ -196,7 +194,7 @@ def payload_problem(payload: Any, token: Any) -> str | None:
         value = payload.get(name)
         if type(value) is not kind:
             return f"payload {name} is {escape_text(repr(value))[:60]}, not a {kind.__name__}"
-    if not _CASE_ID.fullmatch(payload["case_id"]):
+    if not SAFE_CASE_ID.fullmatch(payload["case_id"]):
         return f"payload case_id {escape_text(repr(payload['case_id']))[:80]} is not a case id"
     if payload.get("halt") is not None and not isinstance(payload.get("halt"), dict):
         return "payload halt is neither null nor an object"
@@ -531,7 +529,7 @@ def check_dispatch(case_id: Any, max_steps: Any, max_allowed: int) -> None:
         InvestigationError: ``DISPATCH_INVALID``: ``case_id`` is not a case id, or
             ``max_steps`` is neither null nor an integer from 1 to ``max_allowed``.
     """
-    if not isinstance(case_id, str) or not _CASE_ID.fullmatch(case_id):
+    if not isinstance(case_id, str) or not SAFE_CASE_ID.fullmatch(case_id):
         raise InvestigationError(
             "DISPATCH_INVALID",
             f"dispatch case id {escape_text(repr(case_id))[:100]} is not a case id "

@@ -270,17 +270,7 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
 
     evidence = []
     for e in evidence_rows:
-        if e.step_seq in steps and steps[e.step_seq].evidence_id is None:
-            own = steps[e.step_seq]
-            own.evidence_id = e.evidence_id
-            own.found = [f"{e.item_count} item{'' if e.item_count == 1 else 's'}, "
-                         f"{e.new_item_count} new"]
-            if e.duplicate:
-                own.found.append("duplicate")
-            warned = jsonio.loads(e.warnings_json)
-            if isinstance(warned, list) and warned:
-                own.found.append("warnings: " + ", ".join(str(w) for w in warned))
-        evidence.append({
+        record = {
             "evidence_id": e.evidence_id, "step_seq": e.step_seq,
             "hypothesis_id": e.hypothesis_id, "operation": e.operation,
             "arguments": jsonio.loads(e.arguments_json), "item_count": e.item_count,
@@ -291,7 +281,17 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
             "artifact_sha256": e.artifact_sha256,
             "result_path": ARTIFACT_RAW_RESULT.format(seq=e.step_seq)
             if e.operation != FEEDBACK_OPERATION else None,
-            "items": _items(e.findings_json)})
+            "items": _items(e.findings_json)}
+        evidence.append(record)
+        own = steps.get(e.step_seq)
+        if own is not None and own.evidence_id is None:  # the step's own result
+            own.evidence_id = e.evidence_id
+            own.found = [f"{e.item_count} item{'' if e.item_count == 1 else 's'}, "
+                         f"{e.new_item_count} new"]
+            if e.duplicate:
+                own.found.append("duplicate")
+            if record["warnings"]:
+                own.found.append("warnings: " + ", ".join(map(str, record["warnings"])))
     tests = []
     for t in test_rows:
         if t.step_seq in steps:

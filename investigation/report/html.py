@@ -348,11 +348,12 @@ def _selection(s: StepRow) -> str:
     sel = s.selection
     if not isinstance(sel, dict):
         return ""
-    others = ", ".join(f"H{i}" for i in sel.get("tied", []) if i != s.hypothesis_id)
+    tied = [f"H{i}" for i in sel.get("tied", []) if i != s.hypothesis_id]
+    others = ", ".join(tied)
     if sel.get("rule") == FIRST_TURN:
-        waiting = "has" if others.count(",") == 0 else "have"
+        waiting = "has" if len(tied) == 1 else "have"
         text = "first turn" + (f"; {others} {waiting} not had one yet (lowest id goes first)"
-                               if others else "")
+                               if tied else "")
     elif sel.get("rule") == HIGHEST_CONFIDENCE:
         if sel.get("active") == 1:
             text = "the only active hypothesis"
