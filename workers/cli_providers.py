@@ -26,7 +26,18 @@ providers_app: typer.Typer = typer.Typer(
 
 #: What each verdict says about the checks, in the order they happen.
 CHECKS = ("reachable", "dialect accepted", "reply valid")
-_PASSED = {"ok": 3, "invalid_reply": 2, "refused": 1, "unreachable": 0}
+_PASSED = {"ok": 3, "window_mismatch": 3, "invalid_reply": 2, "refused": 1, "unreachable": 0}
+
+
+def _window_mark(result: ProbeResult) -> str:
+    """The ``window`` column: ``NO`` the claimed window is larger than the server's,
+    ``yes`` the server's holds it, ``?`` the server does not say, ``-`` nothing claimed
+    or the probe stopped before asking."""
+    if result.verdict == "window_mismatch":
+        return "NO"
+    if result.verdict != "ok" or result.context_window_tokens is None:
+        return "-"
+    return "?" if result.served_window_tokens is None else "yes"
 
 
 def _marks(result: ProbeResult) -> list[str]:
@@ -34,6 +45,8 @@ def _marks(result: ProbeResult) -> list[str]:
         return ["-", "-", "-"]
     if result.verdict == "refused" and result.code != "PROVIDER_SCHEMA_REFUSED":
         return ["yes", "?", "-"]  # an error answer that does not say the dialect is wrong
+    if result.verdict == "timed_out":
+        return ["yes", "?", "NO"]  # connected; no reply within timeout_s
     passed = _PASSED[result.verdict]
     return ["yes" if i < passed else ("NO" if i == passed else "-")
             for i in range(len(CHECKS))]
@@ -77,8 +90,9 @@ def check(
         = False,
 ) -> None:
     """Send every provider one probe turn, as a case's first turn, and judge the reply:
-    reachable, dialect accepted, reply valid, seconds and tokens per second. Exit 1 when
-    a provider fails a check.
+    reachable, dialect accepted, reply valid, whether the server's context window holds
+    context_window_tokens (where the server says its window: vLLM, llama.cpp), seconds
+    and tokens per second. Exit 1 when a provider fails a check.
 
     A probe is a real chat request: a server that replays scripted replies (the demo's)
     answers it with its next line. Scripted providers are not probed (skipped:
@@ -96,9 +110,10 @@ def check(
     if as_json:
         sys.stdout.write(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
     else:
-        table = Table("provider", "dialect", *CHECKS, "seconds", "tokens/s", "reply")
+        table = Table("provider", "dialect", *CHECKS, "window", "seconds", "tokens/s",
+                      "reply")
         for r in results:
-            table.add_row(r.provider, r.dialect or r.kind, *_marks(r),
+            table.add_row(r.provider, r.dialect or r.kind, *_marks(r), _window_mark(r),
                           "" if r.seconds is None else f"{r.seconds:.1f}",
                           "" if r.tokens_per_s is None else f"{r.tokens_per_s:g}",
                           r.action or "")
@@ -114,7 +129,7 @@ def check(
             elif r.verdict != "ok":
                 out.print(_term(f"{r.provider}: {r.verdict} {r.code}: {r.detail}"
                                 + _address_hint(r)), highlight=False, markup=False)
-            elif r.detail:  # passed, with a note (a tokenizer that failed)
+            elif r.detail:  # passed, with a note (a tokenizer that failed, a window)
                 out.print(_term(f"{r.provider}: note: {r.detail}"), highlight=False,
                           markup=False)
     if failed:

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from investigation import jsonio
-from investigation.config import ProviderConfig, ordered_json
+from investigation.config import MAX_COUNT, ProviderConfig, ordered_json
 from investigation.errors import (
     ProviderConfigurationError,
     ProviderCredentialsError,
@@ -84,6 +84,15 @@ _CONTEXT_LENGTH_MESSAGE = re.compile(
 )
 #: Characters of a server's error message quoted in our error messages.
 ERROR_EXCERPT_CHARS = 300
+#: ``OpenAIProvider._model_listing`` before its one read.
+_UNREAD: Any = object()
+
+
+def _plausible_window(size: Any) -> int | None:
+    """A server's stated window when it is a token count the config could hold."""
+    if isinstance(size, int) and not isinstance(size, bool) and 256 <= size <= MAX_COUNT:
+        return size
+    return None
 
 
 class OpenAIProvider:
@@ -135,6 +144,7 @@ class OpenAIProvider:
         #: Why the configured ``tokenizer`` failed on the last count (the estimate was used
         #: instead), or ``None``; ``providers check`` reports it.
         self.tokenizer_failure: str | None = None
+        self._listing: list[dict[str, Any]] | None = _UNREAD
 
     @property
     def name(self) -> str:
@@ -382,13 +392,11 @@ class OpenAIProvider:
             note += f": if the server is {other}, set tokenizer = \"{other}\""
         return note
 
-    def served_models(self, limit_s: float = 10.0) -> list[str] | None:
-        """The model ids the server lists at ``GET {base_url}/models`` (the OpenAI API's
-        list, ``{"data": [{"id": ...}, ...]}``), or ``None`` when it lists none: an error
-        status, a body that is not that list or larger than 1 MB, no answer within
-        ``min(timeout_s, limit_s)`` seconds in all. Never raises for what the server does;
-        ``providers check`` compares the list with ``model`` (a server that serves one
-        model answers a request for any name)."""
+    def _get_json(self, url: str, limit_s: float) -> Any:
+        """The JSON document the server answers to ``GET url`` (with the API key when one
+        is set), or ``None``: an error status, a body that is not JSON or larger than
+        1 MB, no answer within ``min(timeout_s, limit_s)`` seconds in all. Never raises
+        for what the server does."""
         headers = {"Accept": "application/json", "Accept-Encoding": ACCEPT_ENCODING}
         try:
             key = self._api_key()
@@ -400,23 +408,67 @@ class OpenAIProvider:
 
         def in_time() -> None:
             if time.monotonic() > deadline:
-                raise TimeoutError("the model list took too long")
+                raise TimeoutError("the server took too long")
 
         try:
-            with self._client() as client, client.stream(
-                    "GET", self.config.base_url.rstrip("/") + "/models",  # type: ignore[union-attr]
-                    headers=headers) as response:
+            with self._client() as client, client.stream("GET", url,
+                                                         headers=headers) as response:
                 if response.status_code != 200:
                     return None
-                listed = jsonio.loads(read_body(response, 1 << 20, in_time))
+                return jsonio.loads(read_body(response, 1 << 20, in_time))
         except (*HTTPX_ERRORS, BodyTooLarge, BodyUndecodable, TimeoutError, ValueError,
                 RecursionError):
             return None
-        data = listed.get("data") if isinstance(listed, dict) else None
-        if not isinstance(data, list):
-            return None
-        ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        return ids or None
+
+    def _model_listing(self, limit_s: float) -> list[dict[str, Any]] | None:
+        """The entries of ``GET {base_url}/models`` (the OpenAI API's list,
+        ``{"data": [{"id": ...}, ...]}``) that have a string ``id``, read once per
+        provider object; ``None`` when the server lists none."""
+        if self._listing is _UNREAD:
+            listed = self._get_json(self.config.base_url.rstrip("/") + "/models",  # type: ignore[union-attr]
+                                    limit_s)
+            data = listed.get("data") if isinstance(listed, dict) else None
+            entries = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] \
+                if isinstance(data, list) else []
+            self._listing = entries or None
+        return self._listing
+
+    def served_models(self, limit_s: float = 10.0) -> list[str] | None:
+        """The model ids the server lists at ``GET {base_url}/models``, or ``None`` when it
+        lists none (see :meth:`_get_json` for what counts as none). ``providers check``
+        compares the list with ``model`` (a server that serves one model answers a
+        request for any name)."""
+        listing = self._model_listing(limit_s)
+        return [m["id"] for m in listing] if listing else None
+
+    def served_window(self, limit_s: float = 10.0) -> tuple[int, str] | None:
+        """The context window the server says one request has, in tokens, and where it
+        said so, or ``None`` when it does not say:
+
+        * vLLM: ``max_model_len`` of the listed model (``GET {base_url}/models``; the
+          entry named ``model``, or the only one);
+        * llama.cpp's ``llama-server``: ``default_generation_settings.n_ctx`` of
+          ``GET {server}/props``, the window of one slot (``-c`` divided among
+          ``--parallel`` slots).
+
+        llama-cpp-python and Ollama do not say. ``providers check`` compares it with
+        ``context_window_tokens``: a claim larger than the server's window passed the
+        probe's small prompt and was refused by the server in the middle of a case."""
+        listing = self._model_listing(limit_s) or []
+        named = [m for m in listing if m["id"] == self.config.model] or \
+            (listing if len(listing) == 1 else [])
+        size = _plausible_window(named[0].get("max_model_len") if named else None)
+        if size is not None:
+            return size, "vLLM's max_model_len at /v1/models"
+        props = self._get_json(tokens.server_root(self.config.base_url or "") + "/props",
+                               limit_s)
+        settings = props.get("default_generation_settings") if isinstance(props, dict) \
+            else None
+        size = _plausible_window(settings.get("n_ctx") if isinstance(settings, dict)
+                                 else None)
+        if size is not None:
+            return size, "llama.cpp's n_ctx per slot at /props"
+        return None
 
     def _api_key(self) -> str | None:
         var = self.config.api_key_env

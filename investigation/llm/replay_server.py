@@ -7,7 +7,8 @@ tests, reproducing a recorded investigation through the network path.
   content is the next unused reply line. Keyed by the sha256 of the request body: an
   identical body (a resend after a crash or a retry) gets the same reply again, a new
   body gets the next line. Past the last line: HTTP 400 with an OpenAI-style error.
-* ``GET /v1/models`` lists one model.
+* ``GET /v1/models`` lists one model; with ``window``, the server states its context
+  window as vLLM (``max_model_len`` in that list) or llama.cpp (``GET /props``) do.
 * ``POST /extras/tokenize/count`` (llama-cpp-python's) counts a token per 4 bytes.
 * Binding is refused for anything but a loopback address.
 * ``faults`` inject failures (status, headers, body, delay, truncation) into the next
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 32 << 20
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
+#: llama.cpp's server properties (its window per slot).
+PROPS_PATH = "/props"
 TOKENIZE_COUNT_PATH = "/extras/tokenize/count"
 #: Internal marker from ``handle`` to the handler: cut the body after N bytes (never sent).
 _CUT_AFTER_HEADER = "x-replay-cut-after"
@@ -126,6 +129,10 @@ class ReplayServer:
         port: TCP port; 0 picks a free one (see :attr:`base_url`).
         faults: failures to inject, consumed in order (see :class:`Fault`).
         model: the model id reported by ``/v1/models`` and in answers.
+        window: a context window the server states, as ``(tokens, server)``: ``"vllm"``
+            lists it as ``max_model_len`` at ``/v1/models``, ``"llama.cpp"`` answers
+            ``GET /props`` with ``default_generation_settings.n_ctx``; default none (as
+            llama-cpp-python: ``/props`` is not found).
 
     Raises:
         ValueError: ``host`` is not a loopback address.
@@ -138,6 +145,7 @@ class ReplayServer:
         port: int = 0,
         faults: Sequence[Fault] = (),
         model: str = "replay",
+        window: tuple[int, str] | None = None,
     ) -> None:
         bind_host = "127.0.0.1" if host == "localhost" else host
         try:
@@ -148,6 +156,7 @@ class ReplayServer:
             raise ValueError(f"ReplayServer binds only to loopback addresses, got {host!r}")
         self.replies = list(replies)
         self.model = model
+        self.window = window
         self._host = bind_host
         self._ipv6 = address.version == 6
         self._port = port
@@ -281,10 +290,11 @@ class ReplayServer:
         return 200, {}, json.dumps(answer, ensure_ascii=False).encode("utf-8")
 
     def _models(self) -> bytes:
-        return json.dumps(
-            {"object": "list",
-             "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "replay"}]}
-        ).encode("utf-8")
+        entry: dict[str, Any] = {"id": self.model, "object": "model", "created": 0,
+                                 "owned_by": "replay"}
+        if self.window is not None and self.window[1] == "vllm":
+            entry["max_model_len"] = self.window[0]
+        return json.dumps({"object": "list", "data": [entry]}).encode("utf-8")
 
     def handle(
         self, method: str, path: str, headers: dict[str, str], body: bytes
@@ -312,6 +322,10 @@ class ReplayServer:
             return status, {**hdrs, **extra}, payload
         if method == "GET" and path == MODELS_PATH:
             return 200, extra, self._models()
+        if method == "GET" and path == PROPS_PATH and self.window is not None \
+                and self.window[1] == "llama.cpp":
+            return 200, extra, json.dumps({"default_generation_settings": {
+                "n_ctx": self.window[0]}, "total_slots": 1}).encode("utf-8")
         if method == "POST" and path == TOKENIZE_COUNT_PATH:
             return self._tokenize_count(body)
         return 404, {}, _error_body(f"no route {method} {path}", "not_found")

@@ -87,7 +87,8 @@ MAX_TOKENIZE_RESPONSE_BYTES = 4 << 20
 MAX_TOKENS_PER_BYTE = 1
 
 
-def _server_root(base_url: str) -> str:
+def server_root(base_url: str) -> str:
+    """``base_url`` without its ``/v1``: where a server's own endpoints are."""
     root = base_url.rstrip("/")
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
@@ -112,7 +113,7 @@ def server_count(config: ProviderConfig, messages: list[dict[str, Any]],
             (the caller falls back to the estimate), and any httpx error.
     """
     assert config.base_url is not None
-    root = _server_root(config.base_url)
+    root = server_root(config.base_url)
     sent = {**headers, "Accept-Encoding": "identity"}
 
     def post(path: str, body: dict[str, Any]) -> dict[str, Any]:

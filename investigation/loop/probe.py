@@ -9,8 +9,12 @@ validated by the real contract and validator against it. Nothing is stored.
 Verdicts (:class:`ProbeResult`): ``ok`` (a valid reply), ``invalid_reply`` (the server took
 the request; the reply breaks the contract), ``refused`` (the server answered with an
 error: a dialect or schema it cannot take (``PROVIDER_SCHEMA_REFUSED``), a context too
-large, credentials, an address that is no chat-completions endpoint), ``unreachable`` (no
-HTTP answer: nothing listening, a timeout, a connection reset), ``not_sent`` (the request
+large, credentials, an address that is no chat-completions endpoint), ``timed_out`` (the
+server took the connection but no complete reply came within ``timeout_s``: a model slower
+than the bound, not a wrong address), ``unreachable`` (no HTTP answer: nothing listening, a
+connect timeout, a connection reset), ``window_mismatch`` (a valid reply, but
+``context_window_tokens`` is larger than the window the server says one request has:
+vLLM's ``max_model_len``, llama.cpp's ``n_ctx`` per slot), ``not_sent`` (the request
 never left: the API key's environment variable is not set, or holds whitespace inside the
 key), ``skipped`` (a scripted
 provider).
@@ -116,8 +120,8 @@ class ProbeResult:
 
     Attributes:
         provider: its name; kind: ``openai`` or ``scripted``; dialect: canonical dialect.
-        verdict: ``ok``, ``invalid_reply``, ``refused``, ``unreachable``, ``not_sent`` or
-            ``skipped``.
+        verdict: ``ok``, ``invalid_reply``, ``refused``, ``timed_out``, ``unreachable``,
+            ``window_mismatch``, ``not_sent`` or ``skipped``.
         code: the rejection or provider error code (``None`` when ok).
         detail: the rejection detail or the provider's message (never secrets).
         seconds: wall time of the call.
@@ -126,6 +130,10 @@ class ProbeResult:
         action: the reply's ``next.action`` when it parsed.
         base_url: the address probed, a password in it masked (``None`` for a scripted
             provider).
+        context_window_tokens: the window the providers file claims (``None``: none).
+        served_window_tokens: the window the server says one request has, in tokens
+            (``None``: it does not say, or the probe did not get that far).
+        served_window_source: where the server said it.
     """
 
     provider: str
@@ -140,6 +148,9 @@ class ProbeResult:
     tokens_per_s: float | None = None
     action: str | None = None
     base_url: str | None = None
+    context_window_tokens: int | None = None
+    served_window_tokens: int | None = None
+    served_window_source: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -152,6 +163,19 @@ _NOT_SENT = frozenset({PROVIDER_CREDENTIALS_MISSING})
 #: Provider errors where no HTTP answer came back: the address is the suspect.
 _NO_ANSWER = frozenset({"PROVIDER_UNREACHABLE", "PROVIDER_TIMEOUT", "PROVIDER_NETWORK_ERROR",
                         "PROVIDER_REQUEST_DROPPED"})
+#: httpx timeouts that happen before a connection is made: the address does not answer.
+_BEFORE_CONNECTING = frozenset({"ConnectTimeout", "PoolTimeout"})
+
+
+def _no_answer_verdict(exc: TransientProviderError) -> str:
+    """``timed_out`` for a timeout after the connection was made (a read or write bound,
+    or the total bound, which runs out after the connect bound of the same length could
+    have), else ``unreachable``: a real model's user read "reachable NO" for a model that
+    took longer than ``timeout_s`` on a CPU, and went looking for a wrong address."""
+    if exc.code == "PROVIDER_TIMEOUT" and \
+            exc.details.get("exception") not in _BEFORE_CONNECTING:
+        return "timed_out"
+    return "unreachable"
 
 
 def _shown(base_url: str | None) -> str | None:
@@ -197,6 +221,34 @@ def truncation_advice(config: ProviderConfig, prompt_tokens: int | None,
     return f"the reply was cut at max_tokens = {config.max_tokens}{used}; raise max_tokens"
 
 
+def window_finding(claimed: int | None,
+                   served: tuple[int, str] | None) -> tuple[bool, str | None]:
+    """Whether the claimed window (``context_window_tokens``) contradicts the one the
+    server says a request has (``(tokens, where)``), and what to say: a claim larger
+    than the server's window fails (the probe's prompt of about 2,000 tokens passed, and
+    the server refused a case's longer requests in the middle of the case); no claim
+    where the server says its window is a note (the engine cannot fit requests to a
+    window it is not told); a claim the server does not confirm is a note."""
+    if served is None:
+        if claimed is None:
+            return False, None
+        return False, (f"the server does not say its context window, so "
+                       f"context_window_tokens = {claimed} is not checked (llama-cpp-python: "
+                       "--n_ctx; Ollama: num_ctx)")
+    size, where = served
+    if claimed is None:
+        return False, (f"the server's context window is {size} tokens ({where}); set "
+                       f"context_window_tokens = {size} so that each request is fitted "
+                       "within it before it is sent")
+    if claimed > size:
+        return True, (f"context_window_tokens = {claimed}, but the server's window is "
+                      f"{size} tokens ({where}): a case's requests grow past this probe's, "
+                      f"and the server would refuse those over {size} tokens in the middle "
+                      f"of the case; set context_window_tokens = {size}, or serve the "
+                      "model with a larger window")
+    return False, None
+
+
 def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                    policy: InvestigationConfig | None = None,
                    base_dir: str | Path = ".") -> ProbeResult:
@@ -234,7 +286,7 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
         try:
             reply = provider.send(provider.build_request_bytes(request), request)
         except TransientProviderError as exc:
-            verdict = "unreachable" if exc.code in _NO_ANSWER else "refused"
+            verdict = _no_answer_verdict(exc) if exc.code in _NO_ANSWER else "refused"
             return ProbeResult(config.name, config.kind, dialect, verdict, exc.code,
                                exc.message, round(time.monotonic() - started, 3),
                                base_url=_shown(config.base_url))
@@ -253,7 +305,10 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                    action: str | None = None) -> ProbeResult:
             return ProbeResult(config.name, config.kind, dialect, verdict, code, detail,
                                seconds, reply.prompt_tokens, reply.completion_tokens, rate,
-                               action, _shown(config.base_url))
+                               action, _shown(config.base_url), config.context_window_tokens,
+                               *(served or (None, None)))
+
+        served: tuple[int, str] | None = None
 
         try:
             parsed, _ = read_reply(reply.content)
@@ -269,6 +324,12 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
         notes = [provider.tokenizer_note()] if provider.tokenizer_failure else []
         if (model := model_note(config.model or "", provider.served_models())) is not None:
             notes.append(model)
+        served = provider.served_window()
+        mismatch, window = window_finding(config.context_window_tokens, served)
+        if mismatch:
+            return result("window_mismatch", "PROVIDER_WINDOW_MISMATCH", window, action)
+        if window is not None:
+            notes.append(window)
         return result("ok", detail="; ".join(notes) or None, action=action)
     finally:
         router.close()

@@ -43,7 +43,9 @@ def test_probe_verdicts_over_http(tmp_path: Path) -> None:
         assert (ok.verdict, ok.action, ok.code) == ("ok", "query", None)
         assert ok.completion_tokens and ok.tokens_per_s and ok.tokens_per_s > 0
         (request,) = [r for r in server.requests if r.method == "POST"]
-        assert [r.path for r in server.requests if r.method == "GET"] == ["/v1/models"]
+        # The model list, and llama.cpp's properties for a window (this server has none).
+        assert [r.path for r in server.requests if r.method == "GET"] == ["/v1/models",
+                                                                          "/props"]
         body = json.loads(request.body)
         assert body["response_format"]["type"] == "json_object"  # the dialect's form
         assert body["messages"][1]["content"].startswith("Turn 1 of hypothesis 1 (of 2)")
@@ -201,7 +203,9 @@ def test_a_tokenizer_that_fails_is_named_with_its_likely_fix(tmp_path: Path) -> 
             "404)" in wrong.detail, wrong.detail
         assert 'set tokenizer = "llama-cpp-python"' in wrong.detail
         right = probe_provider(config("llama-cpp-python"), env={})
-        assert (right.verdict, right.detail) == ("ok", None)
+        assert right.verdict == "ok" and "tokenizer" not in (right.detail or ""), right
+        # The only note left: this server (as llama-cpp-python) does not say its window.
+        assert (right.detail or "").startswith("the server does not say its context window")
         providers = tmp_path / "p.toml"
         providers.write_text(_entry("a", server.base_url)
                              + 'context_window_tokens = 32768\ntokenizer = "llama.cpp"\n')
@@ -285,3 +289,105 @@ def test_a_window_too_small_is_not_blamed_on_the_address(tmp_path: Path) -> None
                                  terminal_width=200)
     assert res.exit_code == 1 and "PROVIDER_REQUEST_TOO_LARGE" in res.output, res.output
     assert "OpenAI-compatible" not in res.output
+
+
+def test_a_read_timeout_is_a_reachable_server_that_took_too_long(tmp_path: Path) -> None:
+    """A model slower than `timeout_s` showed "reachable NO", and a real model's user
+    looked for a wrong address: a bound that ran out after connecting is `timed_out`."""
+    with ReplayServer([VALID], model="m") as server:
+        server.add_faults(Fault(delay_s=3.0))
+        slow = probe_provider(ProviderConfig(name="slow", kind="openai",
+                                             base_url=server.base_url, model="m",
+                                             structured_output="llama_cpp", timeout_s=1),
+                              env={})
+        assert (slow.verdict, slow.code) == ("timed_out", "PROVIDER_TIMEOUT"), slow
+        assert "timeout_s = 1 bounds each read: raise it" in (slow.detail or "")
+        server.add_faults(Fault(delay_s=3.0))
+        providers = tmp_path / "p.toml"
+        providers.write_text(_entry("slow", server.base_url).replace("timeout_s = 5",
+                                                                     "timeout_s = 1"))
+        res = CliRunner().invoke(app, ["providers", "check", "--providers", str(providers)],
+                                 terminal_width=200)
+    assert res.exit_code == 1, res.output
+    row = next(line for line in res.output.splitlines() if line.strip("│ ").startswith("slow"))
+    assert row.split("│")[3:6] == [" yes ", " ?  ", " NO "] or \
+        [c.strip() for c in row.split("│")[3:6]] == ["yes", "?", "NO"], res.output
+    assert "slow: timed_out PROVIDER_TIMEOUT" in res.output
+    assert "base_url" not in res.output.split("slow: timed_out", 1)[1]  # not the address
+    # Nothing listening is still unreachable.
+    dead = probe_provider(ProviderConfig(name="d", kind="openai", model="m", timeout_s=1,
+                                         base_url=f"http://127.0.0.1:{_free_port()}/v1"),
+                          env={})
+    assert dead.verdict == "unreachable"
+
+
+@pytest.mark.parametrize("server_kind", ["vllm", "llama.cpp"])
+def test_a_claimed_window_larger_than_the_servers_fails(tmp_path: Path,
+                                                         server_kind: str) -> None:
+    """The probe's prompt (~2,000 tokens) fit a server window smaller than
+    `context_window_tokens`, and the server refused a case's longer requests mid-case.
+    Where the server says its window (vLLM's `max_model_len`, llama.cpp's `/props`), the
+    check compares it with the claim."""
+    def check(text: str) -> tuple[int, str, dict[str, object]]:
+        providers = tmp_path / "p.toml"
+        providers.write_text(text)
+        res = CliRunner().invoke(app, ["providers", "check", "--providers", str(providers)],
+                                 terminal_width=220)
+        as_json = CliRunner().invoke(app, ["providers", "check", "--providers",
+                                           str(providers), "--json"])
+        return res.exit_code, res.output, json.loads(as_json.output)[0]
+
+    where = {"vllm": "vLLM's max_model_len at /v1/models",
+             "llama.cpp": "llama.cpp's n_ctx per slot at /props"}[server_kind]
+    with ReplayServer([VALID], model="m", window=(4096, server_kind)) as server:
+        entry = _entry("a", server.base_url)
+        code, text, doc = check(entry + "context_window_tokens = 8192\n")
+        assert code == 1, text
+        assert (doc["verdict"], doc["code"]) == ("window_mismatch", "PROVIDER_WINDOW_MISMATCH")
+        assert (doc["context_window_tokens"], doc["served_window_tokens"],
+                doc["served_window_source"]) == (8192, 4096, where)
+        flat = " ".join(text.split())
+        assert (f"a: window_mismatch PROVIDER_WINDOW_MISMATCH: context_window_tokens = 8192, "
+                f"but the server's window is 4096 tokens ({where})") in flat, text
+        assert "set context_window_tokens = 4096" in flat
+        row = next(line for line in text.splitlines() if line.strip("│ ").startswith("a "))
+        assert [c.strip() for c in row.split("│")[3:7]] == ["yes", "yes", "yes", "NO"], text
+
+        code, text, doc = check(entry + "context_window_tokens = 4096\n")
+        assert code == 0 and doc["verdict"] == "ok" and doc["detail"] is None, text
+        row = next(line for line in text.splitlines() if line.strip("│ ").startswith("a "))
+        assert [c.strip() for c in row.split("│")[3:7]] == ["yes", "yes", "yes", "yes"], text
+
+        code, text, doc = check(entry)  # no claim: a note names the window to set
+        assert code == 0 and doc["verdict"] == "ok", text
+        assert doc["detail"] == (f"the server's context window is 4096 tokens ({where}); "
+                                 "set context_window_tokens = 4096 so that each request is "
+                                 "fitted within it before it is sent")
+
+
+def test_a_claim_the_server_does_not_confirm_is_a_note(tmp_path: Path) -> None:
+    """llama-cpp-python does not say its window: the claim passes with a note that it
+    was not checked, and the window column shows `?`."""
+    with ReplayServer([VALID], model="m") as server:
+        result = probe_provider(ProviderConfig(name="a", kind="openai", model="m",
+                                               base_url=server.base_url,
+                                               structured_output="llama_cpp",
+                                               context_window_tokens=8192), env={})
+        assert [r.path for r in server.requests if r.method == "GET"] == ["/v1/models",
+                                                                          "/props"]
+    assert result.verdict == "ok" and result.served_window_tokens is None
+    assert result.detail == ("the server does not say its context window, so "
+                             "context_window_tokens = 8192 is not checked "
+                             "(llama-cpp-python: --n_ctx; Ollama: num_ctx)")
+
+
+@pytest.mark.parametrize("stated", [100, 10**12])
+def test_an_implausible_stated_window_is_not_believed(stated: int) -> None:
+    """A window no `context_window_tokens` could hold (below 256 or past 10^9) is read as
+    no statement: the claim is neither failed nor confirmed by it."""
+    with ReplayServer([VALID], model="m", window=(stated, "llama.cpp")) as server:
+        result = probe_provider(ProviderConfig(name="a", kind="openai", model="m",
+                                               base_url=server.base_url,
+                                               structured_output="llama_cpp",
+                                               context_window_tokens=4096), env={})
+    assert (result.verdict, result.served_window_tokens) == ("ok", None), result
