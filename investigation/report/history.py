@@ -86,6 +86,9 @@ class StepRow:
     attempts: int = 0
     providers: list[str] = field(default_factory=list)
     provider_errors: list[str] = field(default_factory=list)
+    #: Whether one of the step's model attempts succeeded: its provider errors were then
+    #: retried past, not what stopped it.
+    model_answered: bool = False
     new_questions: list[str] = field(default_factory=list)
     resolved_questions: list[str] = field(default_factory=list)
     test_request: str | None = None
@@ -216,6 +219,8 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
             at.providers.append(a.provider)
         if a.error_code:
             at.provider_errors.append(a.error_code)
+        if a.status == ATTEMPT_SUCCEEDED:
+            at.model_answered = True
         ms = _ms(a.started_at, a.finished_at)
         if ms is not None:
             at.model_ms = (at.model_ms or 0) + ms

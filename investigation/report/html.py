@@ -385,9 +385,10 @@ def _timeline(h: CaseHistory) -> list[str]:
         rejection = ""
         if s.rejection_code:
             rejection = f"<b>{_e(s.rejection_code)}</b>: {_e(s.rejection_detail or '')}"
-        if s.provider_errors:
+        if s.provider_errors:  # retried past, or what the step stopped at
+            label = "retried after" if s.model_answered else "provider"
             rejection += (" " if rejection else "") + \
-                f'<span class="muted">provider: {_e(", ".join(s.provider_errors))}</span>'
+                f'<span class="muted">{label}: {_e(", ".join(s.provider_errors))}</span>'
         ev = f'<a href="#ev-{html_attr(s.evidence_id)}">{_e(s.evidence_id)}</a>' \
             if s.evidence_id else ""
         if s.found:  # what the query found, beside its record (a reader saw none of it)

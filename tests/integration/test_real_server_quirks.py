@@ -196,3 +196,19 @@ def test_a_connection_dropped_again_and_again_names_the_request(rig: Rig) -> Non
         third.details["message"]
     assert "analysis/investigation/0001/llm/1/attempt-03.request.json" in \
         third.details["message"]
+
+
+@pytest.mark.parametrize("rig", [([json.dumps(FIRST)], "llama_cpp")], indirect=True)
+def test_the_report_says_a_step_retried_past_a_provider_error(rig: Rig) -> None:
+    """A 503 then a reply: the step progressed, and its row showed "provider: 503's code"
+    in the rejection column as if that had stopped it (a 300-step case's reader)."""
+    from investigation.report import render_report
+
+    rig.server.add_faults(Fault(status=503))
+    assert rig.step().outcome == RETRY_PENDING
+    waiting = render_report(rig.case.store, rig.case.case_id)
+    assert '<span class="muted">provider: PROVIDER_SERVER_ERROR</span>' in waiting
+    assert rig.step().outcome == PROGRESSED
+    html = render_report(rig.case.store, rig.case.case_id)
+    assert '<span class="muted">retried after: PROVIDER_SERVER_ERROR</span>' in html
+    assert "provider: PROVIDER_SERVER_ERROR" not in html
