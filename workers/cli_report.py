@@ -6,6 +6,7 @@ Registered on the main app by ``workers.cli``; the same exit codes apply.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +23,7 @@ from investigation.loop.script_check import (
     SERVED,
     UNREADABLE,
     UNUSED,
+    LineVerdict,
     check_script,
 )
 from investigation.report import write_report
@@ -78,6 +80,21 @@ def register(app: typer.Typer) -> None:
         f"investigate report {EXAMPLE_CASE} -o report.html --json"))(report_cmd)
 
 
+def _runs(lines: list[LineVerdict]) -> Iterator[tuple[LineVerdict, LineVerdict | None]]:
+    """The verdicts in order, each run of two or more consecutive ``served`` or
+    ``unused`` lines as ``(first, last)`` (a 15,000-line reply file against a finished
+    case printed a 20,000-line table of the same sentence), any other as ``(v, None)``.
+    ``--json`` keeps every line."""
+    i = 0
+    while i < len(lines):
+        j = i
+        if lines[i].verdict in (SERVED, UNUSED):
+            while j + 1 < len(lines) and lines[j + 1].verdict == lines[i].verdict:
+                j += 1
+        yield (lines[i], lines[j] if j > i else None)
+        i = j + 1
+
+
 @replies_app.command("check", epilog=example(
     f"investigate replies check replies.jsonl {EXAMPLE_CASE}",
     f"investigate replies check replies.jsonl {EXAMPLE_CASE} --config policy.toml --json"))
@@ -115,7 +132,15 @@ def replies_check(
         out.print(term(f"{file} against {case_id} ({result.policy}): {result.start}"),
                   highlight=False, markup=False)
         table = Table("line", "call", "step", "hyp.", "verdict", "what / why")
-        for v in result.lines:
+        for v, last in _runs(result.lines):
+            if last is not None:  # a run of served or unused lines: one row
+                calls = ("" if v.call_index is None or last.call_index is None
+                         else f"{v.call_index + 1}-{last.call_index + 1}")
+                why = (f"calls {calls} were already made; the case will not read these "
+                       "lines again" if v.verdict == SERVED else v.detail)
+                table.add_row(f"{v.line}-{last.line}", calls, "", "",
+                              Text(v.verdict, style=_STYLE[v.verdict]), Text(term(why)))
+                continue
             why = v.detail if v.code is None else f"{v.code}: {v.detail}"
             if v.outcome in ("BLOCKED", "COMPLETED", "DEFERRED"):
                 why += f" ({v.outcome})"

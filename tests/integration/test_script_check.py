@@ -30,7 +30,7 @@ from investigation.loop.script_check import (
 )
 from investigation.store.models import StageRun
 from tests import casekit
-from tests.casekit import Case, q
+from tests.casekit import Case, make_case, q
 from tests.longcase import long_config, make_long_case
 
 
@@ -165,7 +165,6 @@ def test_a_file_that_ends_on_a_test_hand_out_says_the_case_waits_there(
     """The footer said the next call finds no reply and blocks the case
     (PROVIDER_SCRIPT_EXHAUSTED) while the run stopped at AWAITING_TEST_FEEDBACK first (a
     new user's trial)."""
-    from tests.casekit import make_case
     from tests.integration.test_external_tests import CFG, REPLIES
 
     case = make_case(tmp_path / "c", replies=REPLIES[:3])
@@ -255,3 +254,35 @@ def test_the_start_line_names_the_files_own_line_number() -> None:
         "call 4 reads reply line 7")
     assert _start("INVESTIGATING", None, 4, 4, lines).endswith(
         "reads reply line 8 (not written yet)")
+
+
+def test_cli_gathers_runs_of_served_and_unused_lines(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply file of many lines against a case that has read some and completes before
+    the rest printed one row per line (15,000 lines: a 20,000-line table of the same
+    sentence); runs of served and of unused lines are one row each, `--json` keeps all."""
+    from workers.cli import app
+
+    case = make_case(tmp_path / "case")
+    assert case.investigator().run(case.case_id).outcome == "COMPLETED"
+    served = len([line for line in case.replies_path.read_text().splitlines() if line])
+    extra = json.dumps(casekit.HAPPY_REPLIES[0])
+    with case.replies_path.open("a") as f:
+        f.write((extra + "\n") * 500)
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("INVESTIGATE_CONFIG", raising=False)
+    res = CliRunner().invoke(app, ["replies", "check", str(case.replies_path),
+                                   case.case_id], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    rows = [line for line in res.output.splitlines() if line.startswith("│")]
+    assert len(rows) < 10, res.output
+    cells = [[c.strip() for c in r.split("│")[1:-1]] for r in rows]
+    assert cells[0][:2] == [f"1-{served}", f"1-{served}"] and cells[0][4] == "served"
+    assert cells[0][5] == (f"calls 1-{served} were already made; the case will not read "
+                           "these lines again")
+    assert cells[1][0] == f"{served + 1}-{served + 500}" and cells[1][4] == "unused"
+    assert "never read: the case is complete before" in cells[1][5]
+    as_json = CliRunner().invoke(app, ["replies", "check", str(case.replies_path),
+                                       case.case_id, "--json"])
+    assert len(json.loads(as_json.stdout)["lines"]) == served + 500
