@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -58,6 +59,45 @@ _PROVIDER_BLOCKS = (BLOCK_PROVIDER_EXHAUSTED, BLOCK_PROVIDER_CONFIGURATION,
                     BLOCK_PROVIDER_CREDENTIALS, BLOCK_MODEL_COST_CAP)
 
 
+def evidence_figures(records: Iterable[Mapping[str, Any]]) -> dict[str, int | None]:
+    """What the evidence records of a revision amount to: a real model's run of
+    duplicate listings, each scored 0, ended COMPLETED and read as a success (a trial).
+
+    Args:
+        records: each with ``duplicate`` (bool), ``new_item_count`` (int), ``assessed``
+            (bool) and ``assessment_score`` (0-100 or ``None``).
+
+    Returns:
+        ``{"records", "duplicate", "no_new_item", "assessed", "score_lowest",
+        "score_median", "score_highest"}``: counts, and the assessment scores (seed 000's
+        0-100 score of a result) of the assessed records (``None`` when none is)."""
+    records = list(records)
+    scores = sorted(int(r["assessment_score"]) for r in records
+                    if r["assessed"] and r["assessment_score"] is not None)
+    return {"records": len(records),
+            "duplicate": sum(1 for r in records if r["duplicate"]),
+            "no_new_item": sum(1 for r in records if not r["new_item_count"]),
+            "assessed": len(scores),
+            "score_lowest": scores[0] if scores else None,
+            "score_median": scores[len(scores) // 2] if scores else None,
+            "score_highest": scores[-1] if scores else None}
+
+
+def records_text(fig: Mapping[str, int | None]) -> str:
+    """``"8 (1 duplicate, 2 with no new item)"``, or ``"0"``."""
+    if not fig["records"]:
+        return "0"
+    return f"{fig['records']} ({fig['duplicate']} duplicate, {fig['no_new_item']} with no new item)"
+
+
+def scores_text(fig: Mapping[str, int | None]) -> str:
+    """``"8 assessed: lowest 40, median 85, highest 95"``, or ``"none assessed yet"``."""
+    if not fig["assessed"]:
+        return "none assessed yet"
+    return (f"{fig['assessed']} assessed: lowest {fig['score_lowest']}, median "
+            f"{fig['score_median']}, highest {fig['score_highest']}")
+
+
 def _case(store: Store, case_id: str) -> CaseRecord:
     with store.session() as s:
         case = s.get(CaseRecord, case_id)
@@ -67,7 +107,8 @@ def _case(store: Store, case_id: str) -> CaseRecord:
 
 
 def status(store: Store, case_id: str) -> dict[str, Any]:
-    """State, last outcome, blocked reason, balances, evidence count and model usage
+    """State, last outcome, blocked reason, balances, evidence count (every revision),
+    the current revision's evidence figures (:func:`evidence_figures`) and model usage
     (calls, tokens and cost in micros per hypothesis, ``llm.spend``) of a case."""
     case = _case(store, case_id)
     with store.session() as s:
@@ -77,6 +118,9 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
             BudgetAccount.case_id == case_id, BudgetAccount.revision == case.current_revision)
             .order_by(col(BudgetAccount.hypothesis_id))).all()
         evidence = s.exec(select(Evidence.id).where(Evidence.case_id == case_id)).all()
+        current = s.exec(select(Evidence.duplicate, Evidence.new_item_count,
+                                Evidence.assessed, Evidence.assessment_score).where(
+            Evidence.case_id == case_id, Evidence.revision == case.current_revision)).all()
         questions = s.exec(select(Question).where(
             Question.case_id == case_id, Question.revision == case.current_revision)).all()
         pointers = {p.name: p.path for p in s.exec(
@@ -116,6 +160,9 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         else None,
         "steps": case.head_seq, "head_hash": case.head_hash,
         "evidence_count": len(evidence),
+        "evidence": evidence_figures(
+            {"duplicate": d, "new_item_count": n, "assessed": a, "assessment_score": score}
+            for d, n, a, score in current),
         "open_questions": sum(1 for q in questions if q.status == "open"),
         "accounts": [
             {"hypothesis_id": a.hypothesis_id, "status": a.status, "confidence": a.confidence,

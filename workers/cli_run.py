@@ -16,13 +16,13 @@ from typing import Annotated
 
 import typer
 
-from investigation import guidance
+from investigation import guidance, operations
 from investigation.cases.reader import PackageReader
 from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
 from investigation.files import write_atomic
 from investigation.loop.outcome import Outcome
-from investigation.operations import summary_bytes
+from investigation.operations import records_text, scores_text, summary_bytes
 from workers.cli import (
     EXAMPLE_CASE,
     CaseArg,
@@ -70,8 +70,12 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
                           str(providers) if providers else None, env,
                           _scripted_file(providers or settings.providers),
                           _shown(out_dir) if out_dir else None)
+    # What the evidence amounts to, beside the outcome: a real model's run of duplicate
+    # listings, each scored 0, ended COMPLETED and its user read it as a success.
+    figures = operations.status(_store(settings, existing=True), case_id)["evidence"]
     if as_json:
         _print_json({"case_id": case_id, "outcome": outcome.to_dict(),
+                     "evidence": figures,
                      "steps": [o.to_dict() for o in steps or []],
                      "summary_path": str(summary_path) if summary_path else None,
                      "report_path": str(report.resolve()) if report else None,
@@ -79,6 +83,9 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
     else:
         out.print(f"case {case_id}: {outcome.outcome}"
                   + (f" ({outcome.reason})" if outcome.reason else ""), highlight=False)
+        if figures["records"]:
+            out.print(f"evidence records {records_text(figures)}; assessment scores "
+                      f"{scores_text(figures)}", highlight=False)
         if summary_path is not None:
             out.print(f"summary: {summary_path}", highlight=False, soft_wrap=True)
         if report is not None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from investigation.loop.outcome import last_outcome_text
 from investigation.loop.scheduler import FIRST_TURN, HIGHEST_CONFIDENCE
+from investigation.operations import evidence_figures, records_text, scores_text
 from investigation.report import svg
 from investigation.report.escape import html_attr, html_text
 from investigation.report.history import CaseHistory, StepRow
@@ -166,27 +167,6 @@ def _header(h: CaseHistory) -> list[str]:
             '<a href="#tests">Tests</a><a href="#lifecycle">Lifecycle</a></nav>']
 
 
-def _evidence_fact(evidence: list[dict[str, Any]]) -> str:
-    """How many records, and how many found nothing new: a real model's run of nine
-    duplicate listings read as a success (a trial); the figures let a reader see it."""
-    if not evidence:
-        return "0"
-    duplicates = sum(1 for e in evidence if e["duplicate"])
-    nothing_new = sum(1 for e in evidence if not e["new_item_count"])
-    return f"{len(evidence)} ({duplicates} duplicate, {nothing_new} with no new item)"
-
-
-def _scores_fact(evidence: list[dict[str, Any]]) -> str:
-    """The assessment scores the model gave the records (seed 000's 0-100 score of a
-    result): count, lowest, median and highest, or that none was assessed yet."""
-    scores = sorted(int(e["assessment_score"]) for e in evidence
-                    if e["assessed"] and e["assessment_score"] is not None)
-    if not scores:
-        return "none assessed yet"
-    return (f"{len(scores)} assessed: lowest {scores[0]}, median "
-            f"{scores[len(scores) // 2]}, highest {scores[-1]}")
-
-
 def _overview(h: CaseHistory) -> list[str]:
     st = h.status
     total_ms = sum(s.model_ms or 0 for s in h.steps)
@@ -195,6 +175,7 @@ def _overview(h: CaseHistory) -> list[str]:
     any_tokens = any(s.prompt_tokens is not None or s.completion_tokens is not None
                      for s in h.steps)
     rejected = sum(1 for s in h.steps if s.rejection_code)
+    figures = evidence_figures(h.evidence)
     facts = [
         ("state", st["state"] + (f" ({st['blocked_reason']})" if st.get("blocked_reason")
                                  else "")),
@@ -202,8 +183,10 @@ def _overview(h: CaseHistory) -> list[str]:
                                            none="none")),
         ("published steps", st["steps"]),
         ("rejected replies", rejected),
-        ("evidence records", _evidence_fact(h.evidence)),
-        ("assessment scores", _scores_fact(h.evidence)),
+        # What the records amount to: a real model's run of nine duplicate listings,
+        # each scored 0, read as a success (a trial).
+        ("evidence records", records_text(figures)),
+        ("assessment scores", scores_text(figures)),
         ("open questions", st["open_questions"]),
         ("model time", _ms(total_ms) or "0 ms"),
         ("tokens (prompt + completion)",

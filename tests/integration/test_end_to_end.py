@@ -68,6 +68,18 @@ def test_user_flow_through_the_cli(tmp_path: Path, cli_env: Path) -> None:
     info = json.loads(st.output)
     assert info["state"] == "BUILDING_DIAGNOSIS"
     assert info["evidence_count"] == 3
+    # What the records amount to, in status and in run's last lines (a real model's run
+    # of duplicate listings, each scored 0, ended COMPLETED and read as a success).
+    figures = info["evidence"]
+    assert (figures["records"], figures["duplicate"]) == (3, 0)
+    assert figures["assessed"] >= 1 and figures["score_lowest"] is not None
+    line = next(x for x in ran.output.splitlines() if x.startswith("evidence records "))
+    assert line == (f"evidence records 3 (0 duplicate, {figures['no_new_item']} with no new "
+                    f"item); assessment scores {figures['assessed']} assessed: lowest "
+                    f"{figures['score_lowest']}, median {figures['score_median']}, highest "
+                    f"{figures['score_highest']}")
+    shown = runner.invoke(app, ["status", case_id], terminal_width=250)
+    assert line in shown.output
     assert [a["status"] for a in info["accounts"]] == ["investigation_finished", "rejected"]
     printed = runner.invoke(app, ["summary", case_id])
     assert printed.output == text
