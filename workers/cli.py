@@ -628,14 +628,26 @@ def status_cmd(
     as_json: JsonOpt = False,
     watch: Annotated[bool, typer.Option(
         "--watch", help="redraw every --interval seconds until the case completes, blocks "
-        "or stops (for dispatched cases); Ctrl-C leaves")] = False,
+        "or stops (for dispatched cases); with --json, one JSON object per line at each "
+        "change, the last one settled; Ctrl-C leaves")] = False,
     interval: Annotated[float, typer.Option(
         "--interval", min=0.2, help="seconds between redraws with --watch")] = 2.0,
 ) -> None:
     """State, outcome, blocked reason, balances, evidence count, and what to do next."""
     settings = _settings()
     store = _store(settings, existing=True)
-    if watch and not as_json:
+    if watch and as_json:  # JSON Lines until the case stops moving
+        from workers.progress import watch_json
+
+        def write(line: str) -> None:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+        with suppress(KeyboardInterrupt):
+            watch_json(write, store, case_id, interval,
+                       guide=lambda: case_guidance(settings, store, case_id))
+        return
+    if watch:
         from workers.progress import watch as watch_case
 
         with suppress(KeyboardInterrupt):

@@ -7,6 +7,7 @@ beat.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -22,6 +23,8 @@ from investigation.text_safety import url_for_display
 from workers.settings import Settings, deployment_identity
 
 #: Checks in the order they run; ``investigate health --check NAME`` picks some.
+#: The queue Celery sends a task to when the sender names none.
+CELERY_DEFAULT_QUEUE = "celery"
 CHECKS = ("broker", "locks", "store", "migrations", "workers", "queue", "beat")
 #: kombu's Redis transport keeps priority messages in extra lists named
 #: ``queue + "\\x06\\x16" + priority`` (``kombu.transport.redis``, ``priority_steps``).
@@ -293,8 +296,18 @@ def check_queue(settings: Settings, timeout_s: float, max_queue: int | None = No
         return Check("queue", False,
                      f"{settings.queue}: {_first_line_of(exc, settings.broker_url)}")
     ok = max_queue is None or depth <= max_queue
-    return Check("queue", ok, f"{settings.queue}: {depth} message(s) waiting"
-                 + ("" if ok else f" (more than {max_queue})"), depth)
+    detail = f"{settings.queue}: {depth} message(s) waiting" + \
+        ("" if ok else f" (more than {max_queue})")
+    if settings.queue != CELERY_DEFAULT_QUEUE:
+        # A dispatch sent by name without queue= lands in Celery's default queue, which no
+        # worker here reads: it waits there without a word (an integrator's trial).
+        with contextlib.suppress(redis.exceptions.RedisError):
+            stray = queue_depth(settings.broker_url, CELERY_DEFAULT_QUEUE, timeout_s)
+            if stray:
+                detail += (f"; {stray} message(s) wait in Celery's default queue "
+                           f"{CELERY_DEFAULT_QUEUE!r}, which these workers do not read "
+                           f"(a dispatch sent without queue={settings.queue!r}?)")
+    return Check("queue", ok, detail, depth)
 
 
 def check_beat(settings: Settings, timeout_s: float) -> Check:

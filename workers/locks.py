@@ -229,7 +229,8 @@ class FileCaseLock:
         path = lock_file(self.directory, case_id)
         if path is None:
             raise InvestigationError("CASE_ID_INVALID",
-                                     f"{case_id!r} is not a case id (case-<16 hex digits>)")
+                                     f"{case_id!r} is not a case id (1-64 letters, digits, "
+                                     "'-' and '_', starting with a letter or digit)")
         self.directory.mkdir(parents=True, exist_ok=True)
         with self._mutex:
             if case_id in self._held:

@@ -9,6 +9,7 @@ animates: only the plain step lines are printed.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -176,4 +177,28 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
             live.__exit__(None, None, None)
 
 
-__all__ = ["RunProgress", "progress_view", "watch"]
+def watch_json(write: Callable[[str], None], store: Store, case_id: str, interval_s: float,
+               guide: Callable[[], Guidance], stop_after_s: float | None = None,
+               sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """``status --watch --json``: JSON Lines, one object (``status --json``'s, with
+    ``next``) at the start and whenever the published step, the state or the last outcome
+    changes, until the case stops moving (the last line is its settled status) or
+    ``stop_after_s`` passes. ``write`` takes each line with its newline. Returns the last
+    status. What an upstream system follows a case with (it printed one object and
+    exited while the case still ran, an integrator's trial)."""
+    started = time.monotonic()
+    seen: tuple[Any, ...] | None = None
+    while True:
+        info = status(store, case_id)
+        settled = info["state"] != CASE_INVESTIGATING
+        key = (info["steps"], info["state"], info["last_outcome"], info["last_reason"])
+        if key != seen or settled:
+            seen = key
+            write(json.dumps({**info, "next": guide().to_dict()}, sort_keys=True) + "\n")
+        if settled or (stop_after_s is not None
+                       and time.monotonic() - started >= stop_after_s):
+            return info
+        sleep(interval_s)
+
+
+__all__ = ["RunProgress", "progress_view", "watch", "watch_json"]

@@ -230,7 +230,14 @@ class DispatchTask(CheckedTask):
                       "argument(s) [%s]; version 1 takes args [case_id] or [case_id, "
                       "max_steps] and no keyword but contract; nothing was run", self.name,
                       self.refusal_code, len(args), names)
-            return {"case_id": None, "outcome": "REFUSED", "code": self.refusal_code}
+            first = args[0] if args else None
+            return {"case_id": first if isinstance(first, str) and
+                    SAFE_CASE_ID.fullmatch(first) else None,
+                    "outcome": "REFUSED", "code": self.refusal_code,
+                    "message": f"a message with {len(args)} positional argument(s) and "
+                               f"keyword argument(s) [{names}]; version 1 takes args "
+                               "[case_id] or [case_id, max_steps] and no keyword but "
+                               "contract"}
         return super().refuse(args, kwargs)
 
 
@@ -532,8 +539,9 @@ def check_dispatch(case_id: Any, max_steps: Any, max_allowed: int) -> None:
     if not isinstance(case_id, str) or not SAFE_CASE_ID.fullmatch(case_id):
         raise InvestigationError(
             "DISPATCH_INVALID",
-            f"dispatch case id {escape_text(repr(case_id))[:100]} is not a case id "
-            "(case-<16 hex digits>); send the id `investigate case add` printed")
+            f"dispatch case id {escape_text(repr(case_id))[:100]} is not a case id (1-64 "
+            "letters, digits, '-' and '_', starting with a letter or digit); send the id "
+            "`investigate case add` or `workers.upstream.register` gave")
     if max_steps is not None and (type(max_steps) is not int
                                   or not 1 <= max_steps <= max_allowed):
         raise InvestigationError(
@@ -598,7 +606,7 @@ def dispatch(self: Any, case_id: str, max_steps: int | None = None,
     except InvestigationError as exc:
         log.error("dispatch refused: %s: %s", exc.code, exc.message)
         return {"case_id": case_id if isinstance(case_id, str) else None,
-                "outcome": "REFUSED", "code": exc.code}
+                "outcome": "REFUSED", "code": exc.code, "message": exc.message[:500]}
     if isinstance(started, Outcome):  # nothing to run: say why, as `investigate dispatch`
         # does (a completed case's result read DISPATCHED, a fleet trial).
         return {"case_id": case_id, "outcome": "NOTHING_TO_RUN",

@@ -8,6 +8,7 @@ Upstream code that has this package installed::
                        {"summary": "What the bug report says"},
                        [{"id": 1, "statement": "..."}, {"id": 2, "statement": "..."}])
     send_dispatch(case_id)          # the message of docs/message-contract.md
+    status(case_id)["state"]        # what `investigate status CASE --json` prints
 
 Both read the ``INVESTIGATE_*`` settings (store, broker, queue) unless given. A system
 without this package sends the same message with Celery alone
@@ -16,47 +17,103 @@ without this package sends the same message with Celery alone
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from sqlalchemy.engine import make_url
 
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import register_case
 from investigation.config import InvestigationConfig
 from investigation.constants import DISPATCH_CONTRACT_VERSION, DISPATCH_TASK
+from investigation.errors import InvestigationError, PackageError
 from investigation.store import Store
+from investigation.store.models import CaseRecord
 from workers.settings import Settings, load_settings
 
 
-def register(package: bytes, interpretation: dict[str, Any], hypotheses: list[dict[str, Any]],
-             *, settings: Settings | None = None,
-             config: InvestigationConfig | None = None) -> str:
-    """Validate and register a case in the store; returns its id (``case-<16 hex>``).
-
-    Idempotent: the same inputs return the same id and write nothing.
-
-    Args:
-        package: the case package ZIP (``investigate case build`` or
-            ``investigation.build_package`` makes one).
-        interpretation: ``{"summary": str, ...}``, the accepted interpretation.
-        hypotheses: ``[{"id": int, "statement": str, ...}, ...]``, ids unique, positive.
-        settings: the store to use (default: the ``INVESTIGATE_*`` environment).
-        config: package limits (default: the engine's defaults).
-
-    Raises:
-        PackageError: ``PKG_*``, the package fails validation (nothing is stored).
-        InvestigationError: ``CASE_INTERPRETATION_INVALID``, ``CASE_HYPOTHESES_INVALID``,
-            ``CASE_ID_CONFLICT``, ``STORE_NOT_MIGRATED``.
-    """
-    settings = settings or load_settings()
-    store = Store(settings.effective_database_url)
+def _store(settings: Settings, create: bool) -> Store:
+    """The deployment's store. Unless ``create``, an embedded SQLite store must exist
+    already: an upstream process started without ``INVESTIGATE_DATABASE_URL`` (or another
+    working directory than the workers') made a store of its own in ``./.investigate``,
+    and the fleet never saw its cases (an integrator's trial)."""
+    url = settings.effective_database_url
+    parsed = make_url(url)
+    if not create and parsed.get_backend_name() == "sqlite" and \
+            not Path(parsed.database or "").is_file():
+        raise InvestigationError(
+            "STORE_NOT_FOUND",
+            f"no investigation store at {parsed.database}; nothing was changed. Set "
+            "INVESTIGATE_DATABASE_URL (or INVESTIGATE_HOME) to the store the workers use, "
+            "or pass create_store=True to make a new one there")
+    store = Store(url)
     if settings.auto_migrate:
         store.create_schema()
     else:
         from investigation.store.migrate import require_head
 
         require_head(store.engine)
+    return store
+
+
+def register(package: bytes, interpretation: dict[str, Any], hypotheses: list[dict[str, Any]],
+             *, settings: Settings | None = None,
+             config: InvestigationConfig | None = None, create_store: bool = False) -> str:
+    """Validate and register a case in the store; returns its id (``case-<16 hex>``).
+
+    Idempotent: the same inputs return the same id and write nothing.
+
+    Args:
+        package: the case package ZIP's bytes (``investigate case build`` or
+            ``investigation.build_package`` makes one).
+        interpretation: ``{"summary": str, ...}``, the accepted interpretation.
+        hypotheses: ``[{"id": int, "statement": str, ...}, ...]``, ids unique, positive.
+        settings: the store to use (default: the ``INVESTIGATE_*`` environment).
+        config: package limits (default: the engine's defaults).
+        create_store: make the embedded SQLite store when it does not exist yet (default:
+            refuse, see ``STORE_NOT_FOUND``); a PostgreSQL database must exist either way.
+
+    Raises:
+        PackageError: ``PKG_*``, the package fails validation, or is not bytes
+            (``PKG_NOT_ZIP``); nothing is stored.
+        InvestigationError: ``CASE_INTERPRETATION_INVALID``, ``CASE_HYPOTHESES_INVALID``,
+            ``CASE_ID_CONFLICT``, ``STORE_NOT_MIGRATED``, ``STORE_NOT_FOUND`` (the settings
+            name an embedded store that does not exist, and ``create_store`` is false).
+    """
+    if not isinstance(package, bytes | bytearray | memoryview):
+        raise PackageError("PKG_NOT_ZIP", f"the package is a {type(package).__name__}, not "
+                                          "bytes; pass the ZIP file's bytes "
+                                          "(Path(...).read_bytes())")
+    settings = settings or load_settings()
+    store = _store(settings, create_store)
     try:
-        return register_case(store, package, interpretation, hypotheses,
+        return register_case(store, bytes(package), interpretation, hypotheses,
                              PackageReader((config or InvestigationConfig()).package))
+    finally:
+        store.dispose()
+
+
+def status(case_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
+    """What ``investigate status CASE --json`` prints, read in this process (a CLI call
+    costs seconds of start-up; an upstream system polls): ``state`` (``INVESTIGATING``,
+    ``BLOCKED``, ``PAUSED``, ``BUILDING_DIAGNOSIS`` once every hypothesis account is
+    terminal, ``CANCELLED``, ``STOPPED``), ``blocked_reason`` and ``blocked_detail``,
+    ``last_outcome``, ``steps``, ``evidence`` (what the records amount to), the accounts,
+    ``model_usage``, and ``next``: what an operator does next, ``final`` true when
+    nothing more will happen without one.
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``; ``STORE_NOT_FOUND`` (no store where the
+            settings point).
+    """
+    from investigation import guidance
+    from investigation.operations import status as case_status
+
+    settings = settings or load_settings()
+    store = _store(settings, create=False)
+    try:
+        info = case_status(store, case_id)
+        return {**info, "next": guidance.for_case(store, case_id, "distributed").to_dict()}
     finally:
         store.dispose()
 
@@ -74,12 +131,35 @@ def send_dispatch(case_id: str, max_steps: int | None = None, *,
     Celery task id. A worker takes the case lock and runs its steps; a case whose
     dispatch is already running is skipped by the worker (``LOCK_BUSY`` in the result).
 
+    The request is checked here first, as ``investigate dispatch`` checks it: a worker
+    refuses a bad one only in its log, and the message's result is not stored (no result
+    backend), so a sender would never learn of the refusal (an integrator's trial).
+    The task id names the message in Flower and the worker log; follow the case with
+    :func:`status`.
+
     Raises:
+        InvestigationError: ``DISPATCH_INVALID`` (``case_id`` is not a case id, or
+            ``max_steps`` is not null or an integer from 1 to ``limits.max_checkpoints``
+            of the policy this process reads, ``INVESTIGATE_CONFIG``); ``CASE_NOT_FOUND``
+            (no such case in the store); ``STORE_NOT_FOUND``. Nothing was sent.
         kombu.exceptions.OperationalError: the broker cannot be reached.
     """
     from workers.celery_app import app, configure
+    from workers.tasks import check_dispatch
 
     settings = settings or load_settings()
+    policy = InvestigationConfig.load(settings.config) if settings.config \
+        else InvestigationConfig()
+    check_dispatch(case_id, max_steps, policy.limits.max_checkpoints)
+    store = _store(settings, create=False)
+    try:
+        with store.session() as s:
+            if s.get(CaseRecord, case_id) is None:
+                raise InvestigationError(
+                    "CASE_NOT_FOUND", f"no case {case_id} in {make_url(store.url).database}; "
+                    "register it first (workers.upstream.register); nothing was sent")
+    finally:
+        store.dispose()
     configure(settings)
     message = dispatch_message(case_id, max_steps)
     result = app.send_task(message["task"], args=message["args"], kwargs=message["kwargs"],

@@ -173,6 +173,17 @@ def test_status_watch_without_a_terminal_prints_changes_and_stops(
     assert "--providers providers.toml" not in watched.output
 
 
+def test_status_watch_json_is_json_lines(cli: Case) -> None:
+    """`--watch --json` was `--json` alone: one object, whatever the case did next."""
+    assert invoke("run", cli.case_id, "--providers", str(cli.providers_path)).exit_code == 1
+    res = invoke("status", cli.case_id, "--watch", "--json", "--interval", "0.2")
+    assert res.exit_code == 0, res.output
+    (line,) = res.stdout.splitlines()  # settled at once: one line
+    doc = json.loads(line)
+    assert (doc["state"], doc["blocked_reason"]) == ("BLOCKED", "INVALID_LLM_RESPONSES")
+    assert doc["next"]["final"] is False and doc["next"]["steps"]
+
+
 def test_run_json_and_quiet_output(cli: Case) -> None:
     cli.replies_path.write_text("\n".join(HAPPY) + "\n")
     res = invoke("run", cli.case_id, "--providers", str(cli.providers_path), "--json")

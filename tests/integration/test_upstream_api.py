@@ -1,0 +1,130 @@
+"""``workers.upstream``: what an upstream system's Python code meets (an integrator's
+trial): a bad dispatch is refused in the sender's process, a store that is not the
+deployment's is not made silently, the case is followed without the CLI, and a dispatch
+sent to Celery's default queue shows in ``health``."""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from investigation.errors import InvestigationError
+from tests import casekit
+from tests.casekit import make_case
+from workers.settings import Settings
+
+
+def _closed_broker() -> str:
+    """A broker address nothing listens on: a message sent there raises at once, so a
+    refusal before it proves nothing was sent."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+
+
+def _settings(tmp_path: Path, **kw: Any) -> Settings:
+    return Settings(home=tmp_path / "home", broker_url=_closed_broker(), **kw)
+
+
+def test_register_does_not_make_a_store_of_its_own(tmp_path: Path) -> None:
+    """Without INVESTIGATE_DATABASE_URL an upstream process registered into a new
+    ./.investigate store the fleet never read."""
+    from workers.upstream import register
+
+    package = casekit.build_tiny_package(tmp_path / "pkg").read_bytes()
+    settings = _settings(tmp_path)
+    with pytest.raises(InvestigationError) as err:
+        register(package, casekit.INTERPRETATION, casekit.HYPOTHESES, settings=settings)
+    assert err.value.code == "STORE_NOT_FOUND"
+    assert "INVESTIGATE_DATABASE_URL" in err.value.message
+    assert not (tmp_path / "home").exists()  # nothing was made
+    case_id = register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
+                       settings=settings, create_store=True)
+    assert case_id == register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
+                               settings=settings)  # the store exists now; idempotent
+    with pytest.raises(InvestigationError) as err:
+        register(package.decode("latin-1"), casekit.INTERPRETATION,  # type: ignore[arg-type]
+                 casekit.HYPOTHESES, settings=settings)
+    assert err.value.code == "PKG_NOT_ZIP" and "Path(...).read_bytes()" in err.value.message
+
+
+def test_send_dispatch_refuses_what_a_worker_would_refuse(tmp_path: Path) -> None:
+    """A worker refused these only in its log, and no result backend carries its
+    result: the sender's own call refuses them now, before anything is sent."""
+    from workers.upstream import send_dispatch
+
+    case = make_case(tmp_path / "case")
+    settings = _settings(tmp_path, database_url=case.store.url)
+    for case_id, max_steps in [("../x", None), (None, None), ("x" * 100, None),
+                               (case.case_id, 0), (case.case_id, "5"), (case.case_id, True),
+                               (case.case_id, 10**9)]:
+        with pytest.raises(InvestigationError) as err:
+            send_dispatch(case_id, max_steps, settings=settings)  # type: ignore[arg-type]
+        assert err.value.code == "DISPATCH_INVALID", (case_id, max_steps)
+    with pytest.raises(InvestigationError) as err:
+        send_dispatch("case-0000000000000000", settings=settings)
+    assert err.value.code == "CASE_NOT_FOUND" and "nothing was sent" in err.value.message
+    from kombu.exceptions import OperationalError
+
+    with pytest.raises(OperationalError):  # a good request reaches the (closed) broker
+        send_dispatch(case.case_id, 2, settings=settings)
+
+
+def test_status_follows_a_case_in_process(tmp_path: Path) -> None:
+    from workers.upstream import status
+
+    case = make_case(tmp_path / "case")
+    settings = _settings(tmp_path, database_url=case.store.url)
+    before = status(case.case_id, settings=settings)
+    assert (before["state"], before["steps"], before["next"]["final"]) == (
+        "INVESTIGATING", 0, False)
+    assert case.investigator().run(case.case_id).outcome == "COMPLETED"
+    after = status(case.case_id, settings=settings)
+    assert after["state"] == "BUILDING_DIAGNOSIS" and after["next"]["final"] is True
+    assert after["evidence"]["records"] == after["evidence_count"] > 0
+    with pytest.raises(InvestigationError) as err:
+        status("case-0000000000000000", settings=settings)
+    assert err.value.code == "CASE_NOT_FOUND"
+
+
+def test_status_watch_json_writes_a_line_per_change_until_settled(tmp_path: Path) -> None:
+    """`status --watch --json` printed one object and exited while the case still ran."""
+    from investigation.guidance import for_case
+    from workers.progress import watch_json
+
+    case = make_case(tmp_path / "case")
+    investigator = case.investigator()
+    lines: list[str] = []
+    last = watch_json(lines.append, case.store, case.case_id, 0.0,
+                      guide=lambda: for_case(case.store, case.case_id),
+                      sleep=lambda _s: investigator.step(case.case_id))
+    docs = [json.loads(line) for line in lines]
+    assert all(line.endswith("\n") and line.count("\n") == 1 for line in lines)
+    assert [d["steps"] for d in docs] == list(range(len(docs)))  # one per published step
+    assert docs[0]["state"] == "INVESTIGATING" and docs[-1]["state"] == "BUILDING_DIAGNOSIS"
+    assert docs[-1]["next"]["final"] is True and last["state"] == "BUILDING_DIAGNOSIS"
+
+
+def test_health_names_dispatches_waiting_in_celerys_default_queue(redis_url: str) -> None:
+    from workers.health import CELERY_DEFAULT_QUEUE, check_queue
+
+    client = redis.Redis.from_url(redis_url)
+    queue = "q-" + uuid.uuid4().hex[:8]
+    settings = Settings(broker_url=redis_url, queue=queue)
+    client.delete(CELERY_DEFAULT_QUEUE)
+    try:
+        assert "default queue" not in check_queue(settings, 2.0).detail
+        client.lpush(CELERY_DEFAULT_QUEUE, b"{}")
+        check = check_queue(settings, 2.0)
+        assert check.ok and check.detail == (
+            f"{queue}: 0 message(s) waiting; 1 message(s) wait in Celery's default queue "
+            f"'celery', which these workers do not read (a dispatch sent without "
+            f"queue={queue!r}?)")
+    finally:
+        client.delete(CELERY_DEFAULT_QUEUE)
