@@ -67,7 +67,8 @@ def register(package: bytes, interpretation: dict[str, Any], hypotheses: list[di
         package: the case package ZIP's bytes (``investigate case build`` or
             ``investigation.build_package`` makes one).
         interpretation: ``{"summary": str, ...}``, the accepted interpretation.
-        hypotheses: ``[{"id": int, "statement": str, ...}, ...]``, ids unique, positive.
+        hypotheses: ``[{"id": int, "statement": str, ...}, ...]``, ids unique, positive,
+            statements distinct.
         settings: the store to use (default: the ``INVESTIGATE_*`` environment).
         config: package limits (default: the engine's defaults).
         create_store: make the embedded SQLite store when it does not exist yet (default:

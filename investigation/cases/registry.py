@@ -5,7 +5,8 @@ Inputs (DESIGN.md "Fixed interfaces"):
 * the interpretation: a JSON object with at least ``"summary"``, a non-empty string;
   other keys are kept exactly as given;
 * the hypotheses: a non-empty JSON array of ``{"id": int, "statement": str, ...}`` objects,
-  ids positive and unique (``true``/``false`` are not integers), statements non-empty;
+  ids positive and unique (``true``/``false`` are not integers), statements non-empty and
+  distinct (ignoring case and runs of white space);
   other keys are kept, and the order given is the batch order.
 * in both, every string (keys too) is text: no control character but TAB, LF and CRLF,
   no bidirectional embedding, override or isolate (:data:`_NOT_TEXT`), and the summary
@@ -156,6 +157,7 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
                                  f"(got {len(value)})")
     _check_canonical(value, _HYPOTHESES, "the hypotheses")
     seen: set[int] = set()
+    statements: dict[str, int] = {}  # a statement as compared -> the first id that holds it
     for index, item in enumerate(value):
         where = f"hypothesis #{index + 1}"
         if not isinstance(item, dict):
@@ -187,6 +189,15 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
                 _HYPOTHESES, f"hypothesis {ident}: the statement holds a NUL character",
                 hypothesis_id=ident,
             )
+        # Two accounts of one claim spend the budget twice on it (an integrator's trial
+        # registered a batch with the same statement twice); compared as a reader would,
+        # ignoring case and runs of white space.
+        same = " ".join(statement.split()).casefold()
+        if same in statements:
+            raise InvestigationError(
+                _HYPOTHESES, f"hypotheses {statements[same]} and {ident} have the same "
+                "statement; give each hypothesis its own claim", hypothesis_id=ident)
+        statements[same] = ident
     for item in value:
         _check_text(item, _HYPOTHESES, f"hypothesis {item['id']}")
     return value

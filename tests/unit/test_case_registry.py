@@ -107,6 +107,22 @@ def test_bad_hypotheses(tmp_path: Path, value: Any) -> None:
     assert err.value.code == "CASE_HYPOTHESES_INVALID"
 
 
+def test_two_hypotheses_of_one_statement_are_refused(tmp_path: Path) -> None:
+    """Two accounts of one claim would spend the budget twice on it (an integrator's
+    trial); the statements are compared ignoring case and runs of white space."""
+    with pytest.raises(InvestigationError) as err:
+        load_hypotheses(_write(tmp_path, "h.json", [
+            {"id": 1, "statement": "The discount is divided by 10."},
+            {"id": 2, "statement": "Another claim."},
+            {"id": 3, "statement": "the discount  is divided\nby 10."}]))
+    assert err.value.code == "CASE_HYPOTHESES_INVALID"
+    assert err.value.message == ("hypotheses 1 and 3 have the same statement; give each "
+                                 "hypothesis its own claim")
+    taken = load_hypotheses(_write(tmp_path, "ok.json", [
+        {"id": 1, "statement": "divided by 10"}, {"id": 2, "statement": "divided by 100"}]))
+    assert len(taken) == 2
+
+
 def test_text_with_tabs_line_breaks_and_any_script_is_taken(tmp_path: Path) -> None:
     """Only controls and bidirectional overrides are refused: TAB, LF, CRLF, any script,
     the joiners and direction marks scripts and emoji need (Persian's U+200C, emoji's
