@@ -25,8 +25,10 @@ from sqlalchemy.engine import make_url
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import register_case
 from investigation.config import InvestigationConfig
-from investigation.constants import DISPATCH_CONTRACT_VERSION, DISPATCH_TASK
+from investigation.constants import CASE_INVESTIGATING, DISPATCH_CONTRACT_VERSION, DISPATCH_TASK
 from investigation.errors import InvestigationError, PackageError
+from investigation.operations import pause
+from investigation.operations import status as case_status
 from investigation.store import Store
 from investigation.store.models import CaseRecord
 from workers.settings import Settings, load_settings
@@ -58,7 +60,8 @@ def _store(settings: Settings, create: bool) -> Store:
 
 def register(package: bytes, interpretation: dict[str, Any], hypotheses: list[dict[str, Any]],
              *, settings: Settings | None = None,
-             config: InvestigationConfig | None = None, create_store: bool = False) -> str:
+             config: InvestigationConfig | None = None, create_store: bool = False,
+             paused: bool = False) -> str:
     """Validate and register a case in the store; returns its id (``case-<16 hex>``).
 
     Idempotent: the same inputs return the same id and write nothing.
@@ -73,6 +76,10 @@ def register(package: bytes, interpretation: dict[str, Any], hypotheses: list[di
         config: package limits (default: the engine's defaults).
         create_store: make the embedded SQLite store when it does not exist yet (default:
             refuse, see ``STORE_NOT_FOUND``); a PostgreSQL database must exist either way.
+        paused: register it paused, as ``investigate case add --paused``: on a fleet's
+            store the recovery sweep (beat) dispatches every investigating case by
+            itself; a paused one waits for ``investigate resume``. A case that was
+            registered before and is no longer investigating is left as it is.
 
     Raises:
         PackageError: ``PKG_*``, the package fails validation, or is not bytes
@@ -88,8 +95,11 @@ def register(package: bytes, interpretation: dict[str, Any], hypotheses: list[di
     settings = settings or load_settings()
     store = _store(settings, create_store)
     try:
-        return register_case(store, bytes(package), interpretation, hypotheses,
-                             PackageReader((config or InvestigationConfig()).package))
+        case_id = register_case(store, bytes(package), interpretation, hypotheses,
+                                PackageReader((config or InvestigationConfig()).package))
+        if paused and case_status(store, case_id)["state"] == CASE_INVESTIGATING:
+            pause(store, case_id)
+        return case_id
     finally:
         store.dispose()
 
@@ -108,7 +118,6 @@ def status(case_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
             settings point).
     """
     from investigation import guidance
-    from investigation.operations import status as case_status
 
     settings = settings or load_settings()
     store = _store(settings, create=False)

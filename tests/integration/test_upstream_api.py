@@ -48,6 +48,11 @@ def test_register_does_not_make_a_store_of_its_own(tmp_path: Path) -> None:
                        settings=settings, create_store=True)
     assert case_id == register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
                                settings=settings)  # the store exists now; idempotent
+    other = [{"id": 1, "statement": "Another claim."}]
+    paused = register(package, casekit.INTERPRETATION, other, settings=settings, paused=True)
+    from workers.upstream import status
+
+    assert status(paused, settings=settings)["state"] == "PAUSED"
     with pytest.raises(InvestigationError) as err:
         register(package.decode("latin-1"), casekit.INTERPRETATION,  # type: ignore[arg-type]
                  casekit.HYPOTHESES, settings=settings)
