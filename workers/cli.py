@@ -659,6 +659,18 @@ def status_cmd(
     if _fleet_shell(settings) and info["state"] == "INVESTIGATING":
         info["dispatch_lease_s"] = _dispatch_lease_s(settings, case_id)
         held = bool(info["dispatch_lease_s"])
+        if info["dispatch_lease_s"] == 0.0:
+            # Messages no worker took: a dispatch sent while none ran waits there, and
+            # "dispatch again" would only queue another (an integrator's trial).
+            import redis
+
+            from workers.health import queue_depth
+
+            info["queue"] = settings.queue
+            try:
+                info["queue_waiting"] = queue_depth(settings.broker_url, settings.queue)
+            except redis.RedisError:  # a status read never fails on the broker
+                info["queue_waiting"] = None
     if info["state"] == "INVESTIGATING":
         # A `run` in another shell of this machine: "run it again" would be LOCK_BUSY (a
         # user of a real model, whose steps take half a minute each).

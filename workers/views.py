@@ -129,6 +129,10 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
                              f"{info['retry_not_before']}, then the workers take it up "
                              "again (a `dispatch` before then meets the same wait)"
                              if not lease and waits
+                             else f"none holds the case, and {info['queue_waiting']} "
+                             f"message(s) wait in queue {info['queue']!r} that "
+                             "no worker has taken: is one running? (`investigate health`)"
+                             if not lease and info.get("queue_waiting")
                              else "none holds the case (`dispatch` or the recovery sweep "
                              "starts one)" if not lease
                              else f"one holds the case, lease {lease:g} s left (its worker "

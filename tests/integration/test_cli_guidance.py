@@ -550,6 +550,20 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
         # decision 158) is advice.
         assert "A dispatch holds the case" in flat
         assert commands(held.output) == [["status", cli.case_id, "--watch"]], held.output
+        # A dispatch sent while no worker ran waits in the queue: said, not "dispatch
+        # again" alone (an integrator's trial).
+        client.delete(key)
+        queue = "q-" + uuid.uuid4().hex[:8]
+        monkeypatch.setenv("INVESTIGATE_QUEUE", queue)
+        client.lpush(queue, b"{}")
+        waiting = " ".join(invoke("status", cli.case_id).output.split())
+        assert (f"dispatch: none holds the case, and 1 message(s) wait in queue {queue!r} "
+                "that no worker has taken: is one running? (`investigate health`)"
+                ) in waiting, waiting
+        assert json.loads(invoke("status", cli.case_id, "--json").output)[
+            "queue_waiting"] == 1
+        client.delete(queue)
+        monkeypatch.delenv("INVESTIGATE_QUEUE")
     finally:
         client.delete(key)
         client.close()
