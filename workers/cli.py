@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shlex
-import sqlite3
 import sys
 from collections.abc import Callable
 from contextlib import closing, suppress
@@ -26,7 +25,6 @@ import typer
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import RedisError
 from rich.console import Console
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from investigation import guidance
@@ -50,6 +48,7 @@ from investigation.operations import (
 from investigation.store import Store
 from investigation.text_safety import escape_text
 from workers.settings import Settings, load_settings, remembered_providers
+from workers.stores import open_store
 from workers.views import outcome_line, print_guidance, status_view, term
 
 #: A case id as the examples show it.
@@ -250,50 +249,9 @@ def _demo_store_hint(settings: Settings) -> str:
 
 
 def _store(settings: Settings, existing: bool = False) -> Store:
-    """Open the store. With ``existing`` (commands that read or act on registered cases)
-    the database must already be an investigation store at this engine's migration head:
-    nothing is created or migrated, and a foreign database is never written."""
-    url = settings.effective_database_url
-    not_a_store = InvestigationError(
-        "STORE_NOT_FOUND",
-        f"{url.split('@')[-1]} is not an investigation store (no case was ever added "
-        "there); nothing was changed. Run where the case was added, or set "
-        f"INVESTIGATE_HOME or INVESTIGATE_DATABASE_URL{_demo_store_hint(settings)}")
-    is_sqlite = make_url(url).get_backend_name() == "sqlite"
-    if existing and is_sqlite:
-        path = Path(make_url(url).database or "")
-        if not path.is_file():
-            raise not_a_store
-        try:  # a plain read-only look (the store engine would switch the file to WAL); a
-            # WAL database may get SQLite's -shm index beside it, its content is untouched
-            with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as look:
-                versions = [r[0] for r in look.execute("SELECT version_num FROM alembic_version")]
-        except sqlite3.Error:
-            raise not_a_store from None
-    store = Store(url)
-    if existing and not is_sqlite:
-        from sqlalchemy import text
-        from sqlalchemy.exc import ProgrammingError
-
-        try:
-            with store.engine.connect() as conn:
-                versions = [r[0] for r in conn.execute(
-                    text("SELECT version_num FROM alembic_version"))]
-        except ProgrammingError:
-            raise not_a_store from None
-    if existing:
-        from investigation.store.migrate import head_revision
-
-        if versions != [head_revision()]:
-            raise not_a_store
-        return store
-    if settings.auto_migrate:
-        store.create_schema()
-    else:
-        from investigation.store.migrate import require_head
-
-        require_head(store.engine)
-    return store
+    """Open the store (``workers.stores.open_store``), its ``STORE_NOT_FOUND`` naming the
+    demo's own store where there is one."""
+    return open_store(settings, existing, _demo_store_hint(settings))
 
 
 def _term(text: object) -> str:

@@ -32,15 +32,16 @@ from investigation.operations import status as case_status
 from investigation.store import Store
 from investigation.store.models import CaseRecord
 from workers.settings import Settings, load_settings
+from workers.stores import open_store
 
 
 def _store(settings: Settings, create: bool) -> Store:
-    """The deployment's store. Unless ``create``, an embedded SQLite store must exist
-    already: an upstream process started without ``INVESTIGATE_DATABASE_URL`` (or another
-    working directory than the workers') made a store of its own in ``./.investigate``,
-    and the fleet never saw its cases (an integrator's trial)."""
-    url = settings.effective_database_url
-    parsed = make_url(url)
+    """The deployment's store, to register into. Unless ``create``, an embedded SQLite
+    store must exist already: an upstream process started without
+    ``INVESTIGATE_DATABASE_URL`` (or another working directory than the workers') made a
+    store of its own in ``./.investigate``, and the fleet never saw its cases (an
+    integrator's trial)."""
+    parsed = make_url(settings.effective_database_url)
     if not create and parsed.get_backend_name() == "sqlite" and \
             not Path(parsed.database or "").is_file():
         raise InvestigationError(
@@ -48,14 +49,7 @@ def _store(settings: Settings, create: bool) -> Store:
             f"no investigation store at {parsed.database}; nothing was changed. Set "
             "INVESTIGATE_DATABASE_URL (or INVESTIGATE_HOME) to the store the workers use, "
             "or pass create_store=True to make a new one there")
-    store = Store(url)
-    if settings.auto_migrate:
-        store.create_schema()
-    else:
-        from investigation.store.migrate import require_head
-
-        require_head(store.engine)
-    return store
+    return open_store(settings)
 
 
 def register(package: bytes, interpretation: dict[str, Any], hypotheses: list[dict[str, Any]],
@@ -120,7 +114,7 @@ def status(case_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
     from investigation import guidance
 
     settings = settings or load_settings()
-    store = _store(settings, create=False)
+    store = open_store(settings, existing=True)
     try:
         info = case_status(store, case_id)
         return {**info, "next": guidance.for_case(store, case_id, "distributed").to_dict()}
@@ -161,7 +155,7 @@ def send_dispatch(case_id: str, max_steps: int | None = None, *,
     policy = InvestigationConfig.load(settings.config) if settings.config \
         else InvestigationConfig()
     check_dispatch(case_id, max_steps, policy.limits.max_checkpoints)
-    store = _store(settings, create=False)
+    store = open_store(settings, existing=True)
     try:
         with store.session() as s:
             if s.get(CaseRecord, case_id) is None:

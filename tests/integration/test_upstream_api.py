@@ -133,3 +133,24 @@ def test_health_names_dispatches_waiting_in_celerys_default_queue(redis_url: str
             f"queue={queue!r}?)")
     finally:
         client.delete(CELERY_DEFAULT_QUEUE)
+
+
+@pytest.mark.postgres
+def test_reading_calls_never_write_a_foreign_database(tmp_path: Path, postgres_url: str) -> None:
+    """`status` and `send_dispatch` open the store as the CLI's reading commands do: a
+    database that is no investigation store is refused, never given the schema."""
+    import sqlalchemy
+
+    from workers.upstream import send_dispatch, status
+
+    settings = _settings(tmp_path, database_url=postgres_url)
+    for call in (lambda: status("case-0000000000000000", settings=settings),
+                 lambda: send_dispatch("case-0000000000000000", settings=settings)):
+        with pytest.raises(InvestigationError) as err:
+            call()
+        assert err.value.code == "STORE_NOT_FOUND"
+    engine = sqlalchemy.create_engine(postgres_url)
+    try:
+        assert sqlalchemy.inspect(engine).get_table_names() == []  # nothing was created
+    finally:
+        engine.dispose()

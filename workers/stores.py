@@ -1,0 +1,81 @@
+"""Opening the store a process's settings name, for the CLI and the upstream API.
+
+A command or call that reads or acts on registered cases opens it ``existing``: the
+database must already be an investigation store at this engine's migration head; nothing
+is created or migrated, and a foreign database is never written (``STORE_NOT_FOUND``).
+Registration opens it to write, creating or migrating it where ``INVESTIGATE_AUTO_MIGRATE``
+allows.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+from investigation.errors import InvestigationError
+from investigation.store import Store
+from workers.settings import Settings
+
+
+def open_store(settings: Settings, existing: bool = False, hint: str = "") -> Store:
+    """Open the store at ``settings.effective_database_url``.
+
+    Args:
+        settings: the process's settings.
+        existing: the database must already be an investigation store at this engine's
+            migration head (nothing is created or migrated); else the store is created or
+            migrated when ``settings.auto_migrate``, or must be at the head.
+        hint: words added to the ``STORE_NOT_FOUND`` message (the CLI's demo-store hint).
+
+    Raises:
+        InvestigationError: ``STORE_NOT_FOUND`` (``existing``, and the database is no
+            investigation store at the head); ``STORE_NOT_MIGRATED`` (not ``existing``,
+            automatic migration off, and the store is behind).
+    """
+    url = settings.effective_database_url
+    not_a_store = InvestigationError(
+        "STORE_NOT_FOUND",
+        f"{url.split('@')[-1]} is not an investigation store (no case was ever added "
+        "there); nothing was changed. Run where the case was added, or set "
+        f"INVESTIGATE_HOME or INVESTIGATE_DATABASE_URL{hint}")
+    is_sqlite = make_url(url).get_backend_name() == "sqlite"
+    versions: list[str] = []
+    if existing and is_sqlite:
+        path = Path(make_url(url).database or "")
+        if not path.is_file():
+            raise not_a_store
+        try:  # a plain read-only look (the store engine would switch the file to WAL); a
+            # WAL database may get SQLite's -shm index beside it, its content is untouched
+            with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as look:
+                versions = [r[0] for r in look.execute("SELECT version_num FROM alembic_version")]
+        except sqlite3.Error:
+            raise not_a_store from None
+    store = Store(url)
+    if existing and not is_sqlite:
+        from sqlalchemy import text
+        from sqlalchemy.exc import ProgrammingError
+
+        try:
+            with store.engine.connect() as conn:
+                versions = [r[0] for r in conn.execute(
+                    text("SELECT version_num FROM alembic_version"))]
+        except ProgrammingError:
+            store.dispose()
+            raise not_a_store from None
+    if existing:
+        from investigation.store.migrate import head_revision
+
+        if versions != [head_revision()]:
+            store.dispose()
+            raise not_a_store
+        return store
+    if settings.auto_migrate:
+        store.create_schema()
+    else:
+        from investigation.store.migrate import require_head
+
+        require_head(store.engine)
+    return store
