@@ -84,10 +84,15 @@ def evidence_figures(records: Iterable[Mapping[str, Any]]) -> dict[str, int | No
 
 
 def records_text(fig: Mapping[str, int | None]) -> str:
-    """``"8 (1 duplicate, 2 with no new item)"``, or ``"0"``."""
-    if not fig["records"]:
+    """``"6: 3 found new items, 3 found none (2 duplicates of earlier records)"``, or
+    ``"0"``. (A duplicate finds nothing new; "3 duplicate, 3 with no new item" read as
+    six useless records out of six, a real model's user.)"""
+    records, none, dup = fig["records"] or 0, fig["no_new_item"] or 0, fig["duplicate"] or 0
+    if not records:
         return "0"
-    return f"{fig['records']} ({fig['duplicate']} duplicate, {fig['no_new_item']} with no new item)"
+    text = f"{records}: {records - none} found new items, {none} found none"
+    return text + (f" ({dup} duplicate{'s' if dup != 1 else ''} of earlier records)"
+                   if dup else "")
 
 
 def scores_text(fig: Mapping[str, int | None]) -> str:

@@ -74,8 +74,9 @@ def test_user_flow_through_the_cli(tmp_path: Path, cli_env: Path) -> None:
     assert (figures["records"], figures["duplicate"]) == (3, 0)
     assert figures["assessed"] >= 1 and figures["score_lowest"] is not None
     line = next(x for x in ran.output.splitlines() if x.startswith("evidence records "))
-    assert line == (f"evidence records 3 (0 duplicate, {figures['no_new_item']} with no new "
-                    f"item); assessment scores {figures['assessed']} assessed: lowest "
+    assert line == (f"evidence records 3: {3 - figures['no_new_item']} found new items, "
+                    f"{figures['no_new_item']} found none; assessment scores "
+                    f"{figures['assessed']} assessed: lowest "
                     f"{figures['score_lowest']}, median {figures['score_median']}, highest "
                     f"{figures['score_highest']}")
     shown = runner.invoke(app, ["status", case_id], terminal_width=250)

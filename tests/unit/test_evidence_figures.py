@@ -17,7 +17,12 @@ def test_a_worthless_run_shows_in_its_figures() -> None:
     fig = evidence_figures(records)
     assert fig == {"records": 9, "duplicate": 8, "no_new_item": 8, "assessed": 8,
                    "score_lowest": 0, "score_median": 0, "score_highest": 0}
-    assert records_text(fig) == "9 (8 duplicate, 8 with no new item)"
+    assert records_text(fig) == "9: 1 found new items, 8 found none (8 duplicates of " \
+        "earlier records)"
+    assert records_text(evidence_figures([_record(False, 2, 50), _record(True, 0, 0)])) == \
+        "2: 1 found new items, 1 found none (1 duplicate of earlier records)"
+    assert records_text(evidence_figures([_record(False, 2, 50)])) == \
+        "1: 1 found new items, 0 found none"
     assert scores_text(fig) == "8 assessed: lowest 0, median 0, highest 0"
 
 
