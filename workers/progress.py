@@ -22,12 +22,13 @@ from rich.progress_bar import ProgressBar
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
+from sqlalchemy.exc import SQLAlchemyError
 
 from investigation.constants import BLOCKED, CASE_INVESTIGATING, COMPLETED, YIELDED
 from investigation.guidance import Guidance, for_case
 from investigation.loop.outcome import Outcome, last_outcome_text
 from investigation.operations import status
-from investigation.report.history import usage_totals
+from investigation.report.history import step_facts, usage_totals
 from investigation.store import Store
 from workers.views import outcome_line, status_view, term
 
@@ -119,7 +120,11 @@ class RunProgress:
         self.outcomes.append(outcome)
         if self.quiet:
             return
-        for line in outcome_line(outcome):
+        try:  # what the step did: its operation, model time and tokens
+            facts = step_facts(self.store, self.case_id, outcome.step_seq)
+        except SQLAlchemyError:  # a line without them rather than a failed run
+            facts = None
+        for line in outcome_line(outcome, facts):
             self.console.print(line, highlight=False, markup=False)
         if self._live is not None:
             self._live.update(self._view())

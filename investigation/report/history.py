@@ -32,6 +32,7 @@ from investigation.operations import status
 from investigation.secrets import default_masker
 from investigation.store.engine import Store
 from investigation.store.models import (
+    CaseRecord,
     Checkpoint,
     Evidence,
     HypothesisBirth,
@@ -343,3 +344,33 @@ def usage_totals(store: Store, case_id: str) -> dict[str, int | None]:
             "model_ms": sum(_ms(a.started_at, a.finished_at) or 0 for a in attempts),
             "prompt_tokens": sum(prompt) if prompt else None,
             "completion_tokens": sum(completion) if completion else None}
+
+
+def step_facts(store: Store, case_id: str, step_seq: int) -> dict[str, Any]:
+    """What one step did, for ``run``'s line per step (a real model's user, piping
+    ``run``, saw only "step 4 H1: PROGRESSED" for steps of one to two minutes).
+
+    Returns:
+        ``{"action", "operation", "model_ms", "prompt_tokens", "completion_tokens"}``:
+        the accepted plan's action and operation (``None`` without an accepted plan), the
+        wall time of the step's model attempts in milliseconds and their reported tokens
+        (``None`` when none was reported), over the current revision.
+    """
+    with store.session() as s:
+        revision = s.exec(select(CaseRecord.current_revision).where(
+            CaseRecord.id == case_id)).one_or_none()
+        plan = s.exec(select(Plan.action, Plan.operation).where(
+            Plan.case_id == case_id, Plan.revision == revision,
+            Plan.step_seq == step_seq)).first()
+        attempts = s.exec(select(LLMAttempt).join(
+            LLMOperation, col(LLMOperation.id) == col(LLMAttempt.operation_id)).where(
+            LLMOperation.case_id == case_id, LLMOperation.revision == revision,
+            LLMOperation.step_seq == step_seq)).all()
+    prompt = [a.prompt_tokens for a in attempts if a.prompt_tokens is not None]
+    completion = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
+    return {"action": plan[0] if plan else None, "operation": plan[1] if plan else None,
+            "model_ms": sum(_ms(a.started_at, a.finished_at) or 0 for a in attempts)
+            if attempts else None,
+            "prompt_tokens": sum(prompt) if prompt else None,
+            "completion_tokens": sum(completion) if completion else None}
+

@@ -233,8 +233,12 @@ def test_live_progress_on_a_terminal_and_plain_lines_elsewhere(cli: Case) -> Non
     with RunProgress(Console(file=piped, width=120), cli.store, cli.case_id) as progress:
         run_case(rt, cli.case_id, on_step=progress)
     lines = piped.getvalue().splitlines()
-    assert lines == ["step   3 H1: PROGRESSED", "step   4 H1: PROGRESSED",
-                     "step   5 H2: COMPLETED"]
+    assert [line.split(";")[0] for line in lines] == [
+        "step   3 H1: PROGRESSED", "step   4 H1: PROGRESSED", "step   5 H2: COMPLETED"]
+    # Each says what the step did: a real model's user piping `run` saw only outcomes
+    # for steps of one to two minutes.
+    assert re.fullmatch(r"step   3 H1: PROGRESSED; [a-z]+\.[a-z]+, model \d+\.\d s",
+                        lines[0]), lines
 
 
 def _case_add_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:

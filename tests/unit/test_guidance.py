@@ -252,3 +252,20 @@ def test_dispatch_advice_says_what_lock_busy_means() -> None:
     embedded = "\n".join(advise(_facts(state="PAUSED", blocked_reason=None), "embedded",
                                 "p.toml").lines())
     assert "LOCK_BUSY" not in embedded
+
+
+def test_a_step_line_says_what_the_step_did() -> None:
+    from investigation.loop.outcome import Outcome
+    from workers.views import facts_text, outcome_line
+
+    step = Outcome("PROGRESSED", "case-x", 4, hypothesis_id=1)
+    facts = {"action": "query", "operation": "source.search", "model_ms": 53210,
+             "prompt_tokens": 3120, "completion_tokens": 140}
+    assert outcome_line(step, facts)[0] == (
+        "step   4 H1: PROGRESSED; source.search, model 53.2 s, tokens 3120 + 140")
+    assert facts_text({"action": "finish", "operation": None, "model_ms": 900,
+                       "prompt_tokens": None, "completion_tokens": None}) == \
+        "; finish, model 0.9 s"
+    assert facts_text(None) == "" and outcome_line(step)[0] == "step   4 H1: PROGRESSED"
+    # An operation name is data from the store: escaped for the terminal.
+    assert "\x1b" not in outcome_line(step, {"operation": "x\x1b[2J"})[0]
