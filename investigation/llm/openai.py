@@ -335,8 +335,11 @@ class OpenAIProvider:
                 f"and {output} are kept for the reply, over the model's context window of "
                 f"{window} tokens; not sent. The context is already as small as this step "
                 f"allows: {lower}serve the model with a window of at least {count + output} "
-                "tokens (llama.cpp -c, llama-cpp-python --n_ctx, vLLM --max-model-len) and "
-                "set context_window_tokens to it, or use a model with a larger window",
+                "tokens for this step, and leave room: a case's requests grow with its "
+                "evidence and questions, often by a few thousand tokens (llama.cpp -c, "
+                "llama-cpp-python --n_ctx, vLLM --max-model-len); set "
+                "context_window_tokens to the window served, or use a model with a larger "
+                "window",
                 provider=self.name, prompt_tokens=count, context_window_tokens=window)
 
     def _server_count(self, req: ChatRequest, headers: dict[str, str]) -> int | None:
