@@ -67,7 +67,11 @@ from investigation.constants import (
 )
 from investigation.errors import InvestigationError
 from investigation.llm.scripted import script_path_of
-from investigation.llm.types import PROVIDER_CALL_IN_FLIGHT, PROVIDER_RATE_LIMITED
+from investigation.llm.types import (
+    PROVIDER_CALL_IN_FLIGHT,
+    PROVIDER_RATE_LIMITED,
+    PROVIDER_TIMEOUT,
+)
 from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
@@ -327,9 +331,18 @@ def advise(f: CaseFacts, mode: Mode = None, providers: str | None = None,
                             + (_q(providers) if providers else "providers.toml"))
             distributed = Step("distributed: the workers come back by themselves; watch it",
                                f"investigate status {case} --watch")
+            # A timeout repeats as it is: run again, it times out again (a real model's
+            # user with timeout_s = 1, whose server went on computing each abandoned call).
+            first = (Step("if calls of this model take longer than timeout_s, raise it in "
+                          "the providers file first (`providers check` measures a call); a "
+                          "server with one slot goes on computing a request the engine "
+                          "gave up on, and the retry waits behind it",
+                          "investigate providers check --providers "
+                          + (_q(providers) if providers else "providers.toml")),) \
+                if f.last_reason == PROVIDER_TIMEOUT else ()
             # A shell without a broker is told of `run` only (a new user's trial).
-            return Guidance(headline + when, _by_mode(mode, (embedded,), (distributed,),
-                                                      (embedded, distributed)))
+            return Guidance(headline + when, first + _by_mode(
+                mode, (embedded,), (distributed,), (embedded, distributed)))
         if f.last_outcome == STEP_ERROR:
             return _step_error(f, mode, providers)
         if f.steps == 0 and f.last_outcome is None and not f.step_started:

@@ -102,6 +102,19 @@ def test_states_and_outcomes() -> None:
                                 retry_not_before="2030-01-01T00:00:00Z"))
         assert waiting.headline.startswith(says), waiting.headline
         assert "pause" not in waiting.headline or code == "PROVIDER_RATE_LIMITED"
+    # A timeout would repeat as it is: raising timeout_s comes first (a real model's user
+    # with timeout_s = 1 was told only to run again).
+    timed_out = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
+                              last_reason="PROVIDER_TIMEOUT", error_code="PROVIDER_TIMEOUT",
+                              retry_not_before="2030-01-01T00:00:00Z"), "embedded", "p.toml")
+    assert timed_out.steps[0].text.startswith("if calls of this model take longer than "
+                                              "timeout_s, raise it in the providers file")
+    assert timed_out.steps[0].command == "investigate providers check --providers p.toml"
+    assert timed_out.steps[1].command == f"investigate run {CASE} --providers p.toml"
+    unreachable = advise(_facts(state="INVESTIGATING", last_outcome="RETRY_PENDING",
+                                last_reason="PROVIDER_UNREACHABLE",
+                                retry_not_before="2030-01-01T00:00:00Z"), "embedded", "p.toml")
+    assert "timeout_s" not in unreachable.steps[0].text
     resumed = advise(_facts(state="INVESTIGATING", last_outcome="RESUMED",
                             last_reason="INVALID_LLM_RESPONSES"), "embedded", "p.toml")
     assert "resumed (it was INVALID_LLM_RESPONSES)" in resumed.headline
