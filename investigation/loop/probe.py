@@ -163,6 +163,10 @@ _NOT_SENT = frozenset({PROVIDER_CREDENTIALS_MISSING})
 #: Provider errors where no HTTP answer came back: the address is the suspect.
 _NO_ANSWER = frozenset({"PROVIDER_UNREACHABLE", "PROVIDER_TIMEOUT", "PROVIDER_NETWORK_ERROR",
                         "PROVIDER_REQUEST_DROPPED"})
+#: Dialects that send the server no reply schema (``llm.dialects``).
+SCHEMA_FREE_DIALECTS = frozenset({"json_object", "none"})
+#: Rejections of a reply's shape, which a schema sent to the server would have prevented.
+_SHAPE_CODES = frozenset({"REPLY_NOT_JSON", "REPLY_SCHEMA_INVALID", "REPLY_DUPLICATE_KEYS"})
 #: httpx timeouts that happen before a connection is made: the address does not answer.
 _BEFORE_CONNECTING = frozenset({"ConnectTimeout", "PoolTimeout"})
 
@@ -319,6 +323,15 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
             if rej.code == "REPLY_NOT_JSON" and reply.finish_reason == "length":
                 rej = ReplyRejected("REPLY_TRUNCATED", truncation_advice(
                     config, reply.prompt_tokens, reply.completion_tokens))
+            elif dialect in SCHEMA_FREE_DIALECTS and rej.code in _SHAPE_CODES:
+                # The model had only the prompt to follow (a real model's user read the
+                # missing fields with no word on why).
+                rej = ReplyRejected(rej.code, f"{rej.detail}; structured_output = "
+                                    f"{dialect!r} sends the server no schema, so the model "
+                                    "follows the prompt alone: a dialect that sends the "
+                                    "reply schema constrains it (llama.cpp and "
+                                    "llama-cpp-python: \"llama_cpp\"; vLLM: \"vllm\"; OpenAI: "
+                                    "\"openai\")")
             return result("invalid_reply", rej.code, rej.detail)
         # The configured tokenizer failed: the window was checked by the estimate.
         notes = [provider.tokenizer_note()] if provider.tokenizer_failure else []

@@ -391,3 +391,20 @@ def test_an_implausible_stated_window_is_not_believed(stated: int) -> None:
                                                structured_output="llama_cpp",
                                                context_window_tokens=4096), env={})
     assert (result.verdict, result.served_window_tokens) == ("ok", None), result
+
+
+def test_a_schema_free_dialect_says_why_the_reply_broke_the_shape() -> None:
+    """`structured_output = "json_object"` sends no schema: a small model's reply missing
+    every field was reported with no word on why (a real model's user)."""
+    with ReplayServer(['{"answer": 42}', '{"answer": 42}'], model="m") as server:
+        free = probe_provider(ProviderConfig(name="a", kind="openai", model="m",
+                                             base_url=server.base_url,
+                                             structured_output="json_object"), env={})
+        assert (free.verdict, free.code) == ("invalid_reply", "REPLY_SCHEMA_INVALID")
+        assert "structured_output = 'json_object' sends the server no schema" in (
+            free.detail or "")
+        assert '"llama_cpp"' in (free.detail or "")
+        bound = probe_provider(ProviderConfig(name="b", kind="openai", model="m",
+                                              base_url=server.base_url,
+                                              structured_output="llama_cpp"), env={})
+    assert bound.code == "REPLY_SCHEMA_INVALID" and "no schema" not in (bound.detail or "")
