@@ -12,7 +12,8 @@ Rejection codes (stable), in checking order:
 ``UNKNOWN_QUESTION_ID``, ``QUESTION_OTHER_HYPOTHESIS`` (question ids, before anything else);
 ``ASSESSMENT_REQUIRED``, ``ASSESSMENT_UNEXPECTED``, ``ASSESSMENT_MISSING_PREVIOUS_RESULT``;
 ``UNKNOWN_EVIDENCE_ID``; ``SUPPORT_WITHOUT_FINDINGS``; ``INCONSISTENT_REJECT``;
-``RESOLUTION_WITHOUT_EVIDENCE``; ``DUPLICATE_QUESTION``; ``TOO_MANY_QUESTIONS``;
+``RESOLUTION_WITHOUT_EVIDENCE``; ``QUESTION_WITHOUT_WORDS``; ``DUPLICATE_QUESTION``;
+``TOO_MANY_QUESTIONS``;
 ``ACTION_NOT_ALLOWED``; ``EARLY_DIAGNOSIS_INVALID`` (``loop.early_diagnosis``);
 ``UNKNOWN_OPERATION``; ``TOOL_*`` (argument preflight, e.g.
 ``TOOL_PATH_ESCAPE``, ``TOOL_SQL_NOT_READ_ONLY``); ``TEST_COST_NOT_CONFIGURED``;
@@ -22,6 +23,7 @@ Rejection codes (stable), in checking order:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -82,6 +84,10 @@ def _check_test_available(action: TestAction, context: dict[str, Any],
         raise ReplyRejected("TEST_HANDOFF_UNAVAILABLE",
                             "external tests are not available here (no feedback key is "
                             "configured); choose a query, finish or reject")
+
+
+#: Two letters in a row, of any script: the least a question in words holds.
+_WORD = re.compile(r"[^\W\d_]{2}")
 
 
 def _normalise_question(text: str) -> str:
@@ -161,6 +167,12 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
                             f"resolving {newly_resolved[0]} needs update.evidence_ids")
     seen_new: dict[str, int] = {}
     for number, text in enumerate(update.new_questions, start=1):
+        if not _WORD.search(text):
+            # A small model's stray JSON (`\\]} } {`) was recorded as an open question the
+            # case then carried to its end (a real model's user).
+            raise ReplyRejected("QUESTION_WITHOUT_WORDS",
+                                f"new question {number} holds no word (two letters in a "
+                                "row, in any script); a question asks something in words")
         norm = _normalise_question(text)
         if norm in open_texts:
             raise ReplyRejected("DUPLICATE_QUESTION",

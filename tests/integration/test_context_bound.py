@@ -64,7 +64,7 @@ def test_many_hypotheses_with_many_questions_never_wedge_the_case(tmp_path: Path
     n = 12
     hypotheses = [{"id": i, "statement": f"hypothesis {i} " + "s" * 3000}
                   for i in range(1, n + 1)]
-    question = "\U0001f600" * 500  # 2,000 bytes each
+    question = "why " + "\U0001f600" * 499  # 2,000 bytes each, in words
     replies = [casekit.finish("weak", None, [], reason="enough") | {
         "update": {"confidence": "weak", "evidence_ids": [], "resolve_questions": [],
                    "new_questions": [f"{i} {question}"[:498] + f"{j:02d}" for j in range(10)],

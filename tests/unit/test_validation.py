@@ -301,15 +301,30 @@ def test_too_many_questions_counts_own_records_of_any_status() -> None:
     ctx = context(questions=[qn("Q1", status="resolved", text="a?"), qn("Q2", text="b?"),
                              qn("Q3", hid=2, text="c?"), qn("Q4", hid=2, text="d?")])
     # Own records: Q1, Q2 (the other hypothesis's two do not count); the bound is 3.
-    assert code(reply(new=["e?", "f?"]), ctx, max_questions=3) == "TOO_MANY_QUESTIONS"
-    assert detail(reply(new=["e?", "f?"]), ctx, max_questions=3) == \
+    assert code(reply(new=["Is e set?", "Is f set?"]), ctx, max_questions=3) == \
+        "TOO_MANY_QUESTIONS"
+    assert detail(reply(new=["Is e set?", "Is f set?"]), ctx, max_questions=3) == \
         "this hypothesis has 2 questions; 2 new would pass the limit of 3"
-    assert check(reply(new=["e?"]), ctx, max_questions=3).cost_units == 3
+    assert check(reply(new=["Is e set?"]), ctx, max_questions=3).cost_units == 3
 
 
 def test_duplicate_question_precedes_too_many_questions() -> None:
-    assert code(reply(new=["a?"]), context(questions=[qn("Q1", text="A?")]),
+    assert code(reply(new=["Is a set?"]), context(questions=[qn("Q1", text="IS A SET?")]),
                 max_questions=1) == "DUPLICATE_QUESTION"
+
+
+@pytest.mark.parametrize("text", ["\\]} } {", "?", "a b", "42", "{}", "...", "x1"])
+def test_a_new_question_holds_a_word(text: str) -> None:
+    """A small model's stray JSON (`\\]} } {`) became an open question the case carried
+    to its end (a real model's user)."""
+    assert code(reply(new=["Where is the divisor?", text]), context()) == \
+        "QUESTION_WITHOUT_WORDS"
+    assert detail(reply(new=[text]), context()).startswith("new question 1 holds no word")
+
+
+@pytest.mark.parametrize("text", ["schema_version?", "Где делитель?", "為什麼", "Is x1 > 0?"])
+def test_a_question_in_words_of_any_script_is_taken(text: str) -> None:
+    assert check(reply(new=[text]), context()).reply.update.new_questions == [text]
 
 
 # -- next action -------------------------------------------------------------------------
