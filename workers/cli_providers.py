@@ -129,6 +129,11 @@ def check(
             elif r.verdict != "ok":
                 out.print(_term(f"{r.provider}: {r.verdict} {r.code}: {r.detail}"
                                 + _address_hint(r)), highlight=False, markup=False)
+                if r.reply_excerpt is not None:  # what the model wrote (--json: more)
+                    shown = r.reply_excerpt[:200] + ("..." if len(r.reply_excerpt) > 200
+                                                     else "")
+                    out.print(_term(f"{r.provider}: the model wrote: {shown}"),
+                              highlight=False, markup=False)
             elif r.detail:  # passed, with a note (a tokenizer that failed, a window)
                 out.print(_term(f"{r.provider}: note: {r.detail}"), highlight=False,
                           markup=False)

@@ -134,6 +134,9 @@ class ProbeResult:
         served_window_tokens: the window the server says one request has, in tokens
             (``None``: it does not say, or the probe did not get that far).
         served_window_source: where the server said it.
+        reply_excerpt: the start of the model's reply (at most
+            :data:`REPLY_EXCERPT_CHARS` characters) when it was not valid: what the model
+            wrote, beside why it was refused.
     """
 
     provider: str
@@ -151,6 +154,7 @@ class ProbeResult:
     context_window_tokens: int | None = None
     served_window_tokens: int | None = None
     served_window_source: str | None = None
+    reply_excerpt: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -180,6 +184,10 @@ def _no_answer_verdict(exc: TransientProviderError) -> str:
             exc.details.get("exception") not in _BEFORE_CONNECTING:
         return "timed_out"
     return "unreachable"
+
+
+#: Characters of an invalid reply kept in :attr:`ProbeResult.reply_excerpt`.
+REPLY_EXCERPT_CHARS = 1000
 
 
 def _shown(base_url: str | None) -> str | None:
@@ -310,7 +318,10 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
             return ProbeResult(config.name, config.kind, dialect, verdict, code, detail,
                                seconds, reply.prompt_tokens, reply.completion_tokens, rate,
                                action, _shown(config.base_url), config.context_window_tokens,
-                               *(served or (None, None)))
+                               served_window_tokens=served[0] if served else None,
+                               served_window_source=served[1] if served else None,
+                               reply_excerpt=reply.content[:REPLY_EXCERPT_CHARS]
+                               if verdict == "invalid_reply" else None)
 
         served: tuple[int, str] | None = None
 

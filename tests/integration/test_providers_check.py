@@ -404,7 +404,20 @@ def test_a_schema_free_dialect_says_why_the_reply_broke_the_shape() -> None:
         assert "structured_output = 'json_object' sends the server no schema" in (
             free.detail or "")
         assert '"llama_cpp"' in (free.detail or "")
+        assert free.reply_excerpt == '{"answer": 42}'  # what the model wrote
         bound = probe_provider(ProviderConfig(name="b", kind="openai", model="m",
                                               base_url=server.base_url,
                                               structured_output="llama_cpp"), env={})
     assert bound.code == "REPLY_SCHEMA_INVALID" and "no schema" not in (bound.detail or "")
+
+
+def test_an_invalid_reply_is_shown_escaped(tmp_path: Path) -> None:
+    """The model's words beside why they were refused, as data for the terminal."""
+    with ReplayServer(['{"answer": "\x1b]0;PWNED\x07' + "x" * 300 + '"}'], model="m") as server:
+        providers = tmp_path / "p.toml"
+        providers.write_text(_entry("a", server.base_url))
+        res = CliRunner().invoke(app, ["providers", "check", "--providers", str(providers)],
+                                 terminal_width=400)
+    assert res.exit_code == 1
+    line = next(x for x in res.output.splitlines() if x.startswith("a: the model wrote: "))
+    assert "\x1b" not in line and "\x07" not in line and line.endswith("...")
