@@ -407,21 +407,41 @@ class OpenAIProvider:
             return None
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
-        deadline = time.monotonic() + min(self.config.timeout_s, limit_s)
+        bound_s = min(self.config.timeout_s, limit_s)
+        deadline = time.monotonic() + bound_s
 
         def in_time() -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError("the server took too long")
 
-        try:
-            with self._client() as client, client.stream("GET", url,
-                                                         headers=headers) as response:
-                if response.status_code != 200:
-                    return None
-                return jsonio.loads(read_body(response, 1 << 20, in_time))
-        except (*HTTPX_ERRORS, BodyTooLarge, BodyUndecodable, TimeoutError, ValueError,
-                RecursionError):
+        outcome: list[Any] = []
+        clients: list[httpx.Client] = []
+        done = threading.Event()
+
+        def fetch() -> None:
+            try:
+                with self._client() as client:
+                    clients.append(client)  # closed below at the total deadline
+                    with client.stream("GET", url, headers=headers) as response:
+                        if response.status_code == 200:
+                            outcome.append(jsonio.loads(read_body(response, 1 << 20,
+                                                                  in_time)))
+            except (*HTTPX_ERRORS, BodyTooLarge, BodyUndecodable, TimeoutError, ValueError,
+                    RecursionError):
+                pass
+            finally:
+                done.set()
+
+        # In a helper thread, closed at the deadline: httpx's timeouts bound each read,
+        # and a server trickling one header line every half second kept `providers
+        # check` waiting past two minutes (a hostile-input trial).
+        threading.Thread(target=fetch, name=f"get-{self.name}", daemon=True).start()
+        if not done.wait(bound_s + 0.5):
+            for client in clients:
+                with contextlib.suppress(Exception):  # racing the helper thread
+                    client.close()
             return None
+        return outcome[0] if outcome else None
 
     def _model_listing(self, limit_s: float) -> list[dict[str, Any]] | None:
         """The entries of ``GET {base_url}/models`` (the OpenAI API's list,

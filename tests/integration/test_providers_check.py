@@ -421,3 +421,50 @@ def test_an_invalid_reply_is_shown_escaped(tmp_path: Path) -> None:
     assert res.exit_code == 1
     line = next(x for x in res.output.splitlines() if x.startswith("a: the model wrote: "))
     assert "\x1b" not in line and "\x07" not in line and line.endswith("...")
+
+
+def test_a_server_trickling_headers_does_not_hold_the_check() -> None:
+    """`GET /v1/models` answered one header line every half second: httpx's timeouts
+    bound each read, and `providers check` waited past two minutes (a hostile-input
+    trial). The listing is bounded by `timeout_s` in all; the trickle lasts 30 s here."""
+    import threading
+    import time
+
+    from investigation.llm.openai import OpenAIProvider
+
+    stop = threading.Event()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\n")
+                for _ in range(60):
+                    if stop.wait(0.5):
+                        break
+                    try:
+                        conn.sendall(b"X-A: b\r\n")
+                    except OSError:
+                        break
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        provider = OpenAIProvider(ProviderConfig(
+            name="slow", kind="openai", base_url=f"http://127.0.0.1:{port}/v1", model="m",
+            timeout_s=1), env={})
+        started = time.monotonic()
+        assert provider.served_models() is None
+        assert provider.served_window() is None  # /props trickles the same way
+        assert time.monotonic() - started < 15.0  # returned at all, before a trickle ends
+    finally:
+        stop.set()
+        listener.close()
