@@ -145,6 +145,9 @@ class OpenAIProvider:
         #: instead), or ``None``; ``providers check`` reports it.
         self.tokenizer_failure: str | None = None
         self._listing: list[dict[str, Any]] | None = _UNREAD
+        #: A window the server stated that is no token count, named for the probe's
+        #: note (``served_window``), or ``None``.
+        self.window_not_believed: str | None = None
 
     @property
     def name(self) -> str:
@@ -477,21 +480,31 @@ class OpenAIProvider:
         llama-cpp-python and Ollama do not say. ``providers check`` compares it with
         ``context_window_tokens``: a claim larger than the server's window passed the
         probe's small prompt and was refused by the server in the middle of a case."""
+        self.window_not_believed = None
         listing = self._model_listing(limit_s) or []
         named = [m for m in listing if m["id"] == self.config.model] or \
             (listing if len(listing) == 1 else [])
-        size = _plausible_window(named[0].get("max_model_len") if named else None)
-        if size is not None:
+        stated = named[0].get("max_model_len") if named else None
+        if (size := _plausible_window(stated)) is not None:
             return size, "vLLM's max_model_len at /v1/models"
+        self._note_unbelieved("max_model_len at /v1/models", stated)
         props = self._get_json(tokens.server_root(self.config.base_url or "") + "/props",
                                limit_s)
         settings = props.get("default_generation_settings") if isinstance(props, dict) \
             else None
-        size = _plausible_window(settings.get("n_ctx") if isinstance(settings, dict)
-                                 else None)
-        if size is not None:
+        stated = settings.get("n_ctx") if isinstance(settings, dict) else None
+        if (size := _plausible_window(stated)) is not None:
             return size, "llama.cpp's n_ctx per slot at /props"
+        self._note_unbelieved("n_ctx at /props", stated)
         return None
+
+    def _note_unbelieved(self, where: str, stated: Any) -> None:
+        """Keep a stated window that is no token count (a hostile-input trial's server
+        stated ``"2048"``, ``1024.0``, ``-5``; the note said "does not say")."""
+        if stated is not None and self.window_not_believed is None:
+            shown = escape_text(repr(stated))[:40]
+            self.window_not_believed = f"{where} is {shown}, not a token count from 256 " \
+                f"to {MAX_COUNT}"
 
     def _api_key(self) -> str | None:
         var = self.config.api_key_env

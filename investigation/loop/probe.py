@@ -233,8 +233,8 @@ def truncation_advice(config: ProviderConfig, prompt_tokens: int | None,
     return f"the reply was cut at max_tokens = {config.max_tokens}{used}; raise max_tokens"
 
 
-def window_finding(claimed: int | None,
-                   served: tuple[int, str] | None) -> tuple[bool, str | None]:
+def window_finding(claimed: int | None, served: tuple[int, str] | None,
+                   not_believed: str | None = None) -> tuple[bool, str | None]:
     """Whether the claimed window (``context_window_tokens``) contradicts the one the
     server says a request has (``(tokens, where)``), and what to say: a claim larger
     than the server's window fails (the probe's prompt of about 2,000 tokens passed, and
@@ -244,6 +244,9 @@ def window_finding(claimed: int | None,
     if served is None:
         if claimed is None:
             return False, None
+        if not_believed is not None:  # ``OpenAIProvider.window_not_believed``
+            return False, (f"the server's stated window ({not_believed}) is not believed, "
+                           f"so context_window_tokens = {claimed} is not checked")
         return False, (f"the server does not say its context window, so "
                        f"context_window_tokens = {claimed} is not checked (llama-cpp-python: "
                        "--n_ctx; Ollama: num_ctx)")
@@ -349,7 +352,8 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
         if (model := model_note(config.model or "", provider.served_models())) is not None:
             notes.append(model)
         served = provider.served_window()
-        mismatch, window = window_finding(config.context_window_tokens, served)
+        mismatch, window = window_finding(config.context_window_tokens, served,
+                                          provider.window_not_believed)
         if mismatch:
             return result("window_mismatch", "PROVIDER_WINDOW_MISMATCH", window, action)
         if window is not None:

@@ -391,6 +391,9 @@ def test_an_implausible_stated_window_is_not_believed(stated: int) -> None:
                                                structured_output="llama_cpp",
                                                context_window_tokens=4096), env={})
     assert (result.verdict, result.served_window_tokens) == ("ok", None), result
+    assert result.detail == (f"the server's stated window (n_ctx at /props is {stated}, not a "
+                             "token count from 256 to 1000000000) is not believed, so "
+                             "context_window_tokens = 4096 is not checked"), result.detail
 
 
 def test_a_schema_free_dialect_says_why_the_reply_broke_the_shape() -> None:
