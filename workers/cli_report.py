@@ -82,14 +82,17 @@ def register(app: typer.Typer) -> None:
 
 def _runs(lines: list[LineVerdict]) -> Iterator[tuple[LineVerdict, LineVerdict | None]]:
     """The verdicts in order, each run of two or more consecutive ``served`` or
-    ``unused`` lines as ``(first, last)`` (a 15,000-line reply file against a finished
+    ``unused`` lines without notes as ``(first, last)`` (a 15,000-line reply file against a finished
     case printed a 20,000-line table of the same sentence), any other as ``(v, None)``.
     ``--json`` keeps every line."""
     i = 0
     while i < len(lines):
         j = i
-        if lines[i].verdict in (SERVED, UNUSED):
-            while j + 1 < len(lines) and lines[j + 1].verdict == lines[i].verdict:
+        if lines[i].verdict in (SERVED, UNUSED) and not lines[i].notes:
+            # A line with a note (a served line edited since its call read it) stands
+            # alone: a run swallowed it, and a shifted file looked clean (a trial).
+            while j + 1 < len(lines) and lines[j + 1].verdict == lines[i].verdict \
+                    and not lines[j + 1].notes:
                 j += 1
         yield (lines[i], lines[j] if j > i else None)
         i = j + 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from investigation.config import ProviderConfig, canonical_json
@@ -47,27 +48,42 @@ def script_path_of(message: str | None) -> str | None:
     return found.group(1) if found else None
 
 
-def script_lines(data: bytes, path: str | Path = "") -> list[tuple[int, bytes]]:
-    """``(physical line number, bytes)`` of each reply line of a JSON Lines script: exact
-    bytes, terminators and blank lines dropped. What the scripted provider serves and
-    ``investigate replies check`` judges.
+def iter_script_lines(data: bytes, path: str | Path = "") -> Iterator[tuple[int, bytes]]:
+    """``(physical line number, bytes)`` of each reply line of a JSON Lines script, one at
+    a time: exact bytes, terminators and blank lines dropped. What the scripted provider
+    serves and ``investigate replies check`` judges. A list of every line of a 40 MB file
+    of 20 million short lines took gigabytes (a hostile-input trial): callers keep only
+    the lines they need.
 
     Raises:
         OSError: ``EFBIG`` for a reply line larger than
             :data:`~investigation.llm.types.MAX_RESPONSE_BYTES`, what an HTTP provider's
-            response may be (naming its line number).
+            response may be (naming its line number), when the iteration reaches it.
     """
-    lines = []
-    for number, line in enumerate(data.split(b"\n"), start=1):
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        if len(line) > MAX_RESPONSE_BYTES:
+    number, pos, size = 0, 0, len(data)
+    while pos <= size:
+        end = data.find(b"\n", pos)
+        if end < 0:
+            end = size
+        number += 1
+        stop = end - 1 if end > pos and data[end - 1:end] == b"\r" else end
+        if stop - pos > MAX_RESPONSE_BYTES:
             raise OSError(errno.EFBIG, f"reply line {number} is larger than "
                           f"{MAX_RESPONSE_BYTES} bytes, what a model server's response "
                           "may be", str(path))
+        line = data[pos:stop]
         if line.strip():
-            lines.append((number, line))
-    return lines
+            yield number, line
+        pos = end + 1
+
+
+def script_lines(data: bytes, path: str | Path = "") -> list[tuple[int, bytes]]:
+    """Every reply line of a script (:func:`iter_script_lines`) as a list.
+
+    Raises:
+        OSError: ``EFBIG`` for a reply line that is too large.
+    """
+    return list(iter_script_lines(data, path))
 
 
 def read_script_lines(path: Path) -> list[bytes]:
@@ -130,8 +146,14 @@ class ScriptedProvider:
             ProviderConfigurationError: ``PROVIDER_SCRIPT_UNREADABLE`` (missing file, not
                 UTF-8) or ``PROVIDER_SCRIPT_EXHAUSTED`` (fewer lines than ``call_index + 1``).
         """
-        try:
-            lines = read_script_lines(self.path)
+        raw: bytes | None = None
+        count = 0
+        try:  # line call_index, without a list of every line (a file of 20 million)
+            for _, line in iter_script_lines(read_bounded(self.path, MAX_SCRIPT_FILE_BYTES),
+                                             self.path):
+                if count == req.call_index:
+                    raw = line
+                count += 1  # every line is read: a line too large anywhere is refused
         except OSError as exc:
             raise ProviderConfigurationError(
                 PROVIDER_SCRIPT_UNREADABLE,
@@ -139,18 +161,17 @@ class ScriptedProvider:
                 provider=self.name,
                 path=str(self.path),
             ) from exc
-        if req.call_index >= len(lines):
+        if raw is None:
             raise ProviderConfigurationError(
                 PROVIDER_SCRIPT_EXHAUSTED,
-                f"provider {self.name!r}: script {self.path} has {len(lines)} replies and the "
+                f"provider {self.name!r}: script {self.path} has {count} replies and the "
                 f"case's model call {req.call_index + 1} needs reply {req.call_index + 1}; "
                 "append replies (served lines stay as they are) or configure another provider",
                 provider=self.name,
                 path=str(self.path),
                 call_index=req.call_index,
-                lines=len(lines),
+                lines=count,
             )
-        raw = lines[req.call_index]
         return ProviderReply(content=self.content_from_raw(raw), raw=raw)
 
     def content_from_raw(self, raw: bytes) -> str:

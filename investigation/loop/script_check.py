@@ -64,7 +64,7 @@ from investigation.constants import (
 )
 from investigation.errors import InvestigationError, ToolError
 from investigation.files import MAX_SCRIPT_FILE_BYTES, read_bounded
-from investigation.llm.scripted import script_lines
+from investigation.llm.scripted import iter_script_lines
 from investigation.loop.contract import QueryAction, ReplyRejected, TestAction, read_reply
 from investigation.loop.scheduler import select_hypothesis
 from investigation.loop.validation import AcceptedDecision, validate_reply
@@ -138,12 +138,16 @@ class ScriptCheck:
     lines: list[LineVerdict]
     end: str
     policy: str
+    #: Unused reply lines past the listed ones (past :data:`MAX_JUDGED_LINES` after the
+    #: served ones), counted in ``counts`` and named in ``end``, not listed.
+    unlisted_unused: int = 0
 
     @property
     def counts(self) -> dict[str, int]:
         out = {v: 0 for v in VERDICTS}
         for line in self.lines:
             out[line.verdict] += 1
+        out[UNUSED] += self.unlisted_unused
         return out
 
     @property
@@ -157,6 +161,7 @@ class ScriptCheck:
         return {"case_id": self.case_id, "path": self.path, "start": self.start,
                 "first_call": self.first_call, "policy": self.policy, "end": self.end,
                 "counts": self.counts, "ok": self.ok,
+                "unlisted_unused": self.unlisted_unused,
                 "lines": [line.to_dict() for line in self.lines]}
 
 
@@ -435,7 +440,7 @@ def check_script(store: Store, case_id: str, path: Path,
     """
     cfg = config or InvestigationConfig()
     try:  # what the scripted provider reads, refused as it refuses it
-        lines = script_lines(read_bounded(path, MAX_SCRIPT_FILE_BYTES), path)
+        data = read_bounded(path, MAX_SCRIPT_FILE_BYTES)
     except OSError as exc:
         raise InvestigationError("SCRIPT_UNREADABLE",
                                  f"cannot read {path}: {exc.strerror or exc}") from exc
@@ -476,6 +481,22 @@ def check_script(store: Store, case_id: str, path: Path,
         served = {call: digest for call, digest in s.exec(
             select(LLMOperation.call_index, LLMOperation.response_sha256).where(
                 LLMOperation.case_id == case_id, LLMOperation.status == "succeeded"))}
+    # Only the lines the check can judge are kept: the served ones, MAX_JUDGED_LINES
+    # past them and one more; the rest are counted (a 40 MB file of 20 million lines
+    # took 8 GB as a list of lines and verdicts, a hostile-input trial).
+    lines: list[tuple[int, bytes]] = []
+    rest, last_number = 0, 0
+    try:
+        for item in iter_script_lines(data, path):
+            if len(lines) <= calls + MAX_JUDGED_LINES:
+                lines.append(item)
+            else:
+                rest += 1
+            last_number = item[0]
+    except OSError as exc:
+        raise InvestigationError("SCRIPT_UNREADABLE",
+                                 f"cannot read {path}: {exc.strerror or exc}") from exc
+    del data
     credit = cfg.budget.credit_units
     accounts = [stored_accounts.get(h) or BudgetAccount(
         case_id=case_id, revision=revision, hypothesis_id=h, credit_units=credit,
@@ -501,11 +522,13 @@ def check_script(store: Store, case_id: str, path: Path,
         world = _World("find", True, accounts, evidence, questions, question_count,
                        evidence_count, cfg, router, head)
         verdicts, end = _walk(lines, calls, world,
-                              state in (CASE_BUILDING_DIAGNOSIS, CASE_CANCELLED, CASE_STOPPED))
+                              state in (CASE_BUILDING_DIAGNOSIS, CASE_CANCELLED, CASE_STOPPED),
+                              rest, last_number)
     _note_spread_reply(lines, verdicts)
     _note_edited_served(lines, verdicts, served)
+    unlisted = rest if verdicts and verdicts[-1].verdict == UNUSED else 0
     return ScriptCheck(case_id=case_id, path=str(path), start=start, first_call=calls,
-                       lines=verdicts, end=end, policy=policy)
+                       lines=verdicts, end=end, policy=policy, unlisted_unused=unlisted)
 
 
 def _note_edited_served(lines: list[tuple[int, bytes]], verdicts: list[LineVerdict],
@@ -593,14 +616,18 @@ MAX_JUDGED_LINES = 10_000
 
 
 def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
-          finished: bool) -> tuple[list[LineVerdict], str]:
+          finished: bool, rest: int = 0,
+          last_number: int | None = None) -> tuple[list[LineVerdict], str]:
+    """Judge ``lines`` in order; ``rest`` more reply lines follow them in the file (not
+    kept), the last at ``last_number``."""
+    last_number = last_number or (lines[-1][0] if lines else 0)
     verdicts: list[LineVerdict] = []
     for call, (number, raw) in enumerate(lines):
         if call >= first_call + MAX_JUDGED_LINES and not (finished or main.done):
             return verdicts, (
                 f"the check stopped after judging {MAX_JUDGED_LINES} lines: lines "
-                f"{number}-{lines[-1][0]} ({len(lines) - call} reply line(s)) were not "
-                "judged; check them once the case has read the lines before them")
+                f"{number}-{last_number} ({len(lines) - call + rest} reply line(s)) were "
+                "not judged; check them once the case has read the lines before them")
         if call < first_call:
             verdicts.append(LineVerdict(number, call, SERVED,
                                         detail=f"call {call + 1} was already made; the case "
@@ -643,10 +670,14 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
             v.notes.append("the case blocks here (PROVIDER_CONFIGURATION): fix the line, "
                            "then `investigate resume CASE --retry-id NEW`")
         verdicts.append(v)
+    never = (f"; the {rest} reply line(s) after line {lines[-1][0]}, to line "
+             f"{last_number}, are never read either (not listed one by one)"
+             if rest and lines else "")
     if finished:
-        end = "the case is already finished"
+        end = "the case is already finished" + never
     elif main.done or main.next_turn() is None:
-        end = "the case completes (every hypothesis account is terminal) within the file"
+        end = ("the case completes (every hypothesis account is terminal) within the file"
+               + never)
     else:
         # A last line that hands out a test stops the case there first (a new user's trial
         # read only the exhausted script here, while `run` stopped awaiting feedback).

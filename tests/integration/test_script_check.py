@@ -17,7 +17,7 @@ from sqlmodel import col, select
 from typer.testing import CliRunner
 
 from investigation.constants import BLOCKED, COMPLETED
-from investigation.llm.scripted import read_script_lines
+from investigation.llm.scripted import read_script_lines, script_lines
 from investigation.loop.script_check import (
     ACCEPTED,
     DEPENDS,
@@ -26,7 +26,6 @@ from investigation.loop.script_check import (
     UNREADABLE,
     UNUSED,
     check_script,
-    script_lines,
 )
 from investigation.store.models import StageRun
 from tests import casekit
@@ -286,3 +285,54 @@ def test_cli_gathers_runs_of_served_and_unused_lines(tmp_path: Path,
     as_json = CliRunner().invoke(app, ["replies", "check", str(case.replies_path),
                                        case.case_id, "--json"])
     assert len(json.loads(as_json.stdout)["lines"]) == served + 500
+
+
+def test_unused_lines_past_the_judged_ones_are_counted_not_listed(tmp_path: Path) -> None:
+    """A 40 MB file of 20 million lines against a finished case took 8 GB as a list of
+    lines and verdicts (a hostile-input trial): the lines past the served ones and
+    MAX_JUDGED_LINES more are counted, named in the end line, and not kept."""
+    from investigation.loop.script_check import MAX_JUDGED_LINES
+
+    case = make_case(tmp_path / "case")
+    assert case.investigator().run(case.case_id).outcome == COMPLETED
+    served = len([line for line in case.replies_path.read_text().splitlines() if line])
+    extra = MAX_JUDGED_LINES + 500
+    with case.replies_path.open("a") as f:
+        f.write("x\n" * extra)
+    result = check_script(case.store, case.case_id, case.replies_path)
+    assert len(result.lines) == served + MAX_JUDGED_LINES + 1
+    assert result.unlisted_unused == extra - MAX_JUDGED_LINES - 1
+    assert result.counts["unused"] == extra and result.ok
+    assert result.end == (
+        f"the case is already finished; the {extra - MAX_JUDGED_LINES - 1} reply line(s) "
+        f"after line {result.lines[-1].line}, to line {served + extra}, are never read "
+        "either (not listed one by one)")
+    assert result.to_dict()["unlisted_unused"] == result.unlisted_unused
+
+
+def test_a_served_line_with_a_note_is_not_gathered_into_a_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A garbage line inserted into a served file: `--json` named the shifted lines
+    "edited since call N read it" while the table showed one clean `served` row."""
+    from workers.cli import app
+
+    case = make_case(tmp_path / "case")
+    assert case.investigator().run(case.case_id).outcome == COMPLETED
+    lines = case.replies_path.read_text().splitlines()
+    lines.insert(2, "{}")
+    shifted = tmp_path / "shifted.jsonl"
+    shifted.write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("INVESTIGATE_CONFIG", raising=False)
+    res = CliRunner().invoke(app, ["replies", "check", str(shifted), case.case_id],
+                             terminal_width=250)
+    assert res.exit_code == 0, res.output
+    noted = check_script(case.store, case.case_id, shifted)
+    edited = [v.line for v in noted.lines if any("edited since" in n for n in v.notes)]
+    assert edited and edited[0] == 3
+    rows = [[c.strip() for c in r.split("│")[1:-1]]
+            for r in res.output.splitlines() if r.startswith("│")]
+    first_cells = [r[0] for r in rows if r[0]]
+    assert first_cells[0] == "1-2" and "3" in first_cells, res.output
+    assert "edited since call 3 read it" in " ".join(res.output.split())
