@@ -15,7 +15,7 @@ import os
 import shlex
 import sys
 from collections.abc import Callable
-from contextlib import closing, suppress
+from contextlib import closing
 from contextvars import ContextVar
 from functools import wraps
 from pathlib import Path
@@ -119,10 +119,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: Exit code of an unexpected exception (a bug of the engine), distinct from 1 (blocked)
 #: and 2 (a controlled error).
 INTERNAL_ERROR_EXIT = 5
+#: Exit code of a command the user interrupted (Ctrl-C), as a shell reports SIGINT.
+INTERRUPTED_EXIT = 130
 
 #: Whether the running command was given ``--json``: its controlled errors are then also
 #: one JSON object on stdout (:func:`_fail`).
 _JSON_ERRORS: ContextVar[bool] = ContextVar("json_errors", default=False)
+#: Set by a command that writes JSON Lines (``status --watch --json``): its error object
+#: is one line too (a pretty-printed error broke the stream, a hostile-input trial).
+_JSON_LINES: ContextVar[bool] = ContextVar("json_lines", default=False)
 
 
 def _controlled(fn: F) -> F:
@@ -209,8 +214,13 @@ def _print_error(code: str, message: str, exit_code: int, as_json: bool,
     err.print("[bold red]error[/] ", end="", markup=True)
     err.print(_term(f"{code}: {message}"), markup=False, highlight=False)
     if as_json:
-        _print_json({"error": {"code": code, "message": message, "exit_code": exit_code,
-                               **(extra or {})}})
+        error = {"error": {"code": code, "message": message, "exit_code": exit_code,
+                           **(extra or {})}}
+        if _JSON_LINES.get():
+            sys.stdout.write(json.dumps(error, sort_keys=True) + "\n")
+            sys.stdout.flush()
+        else:
+            _print_json(error)
 
 
 def _settings() -> Settings:
@@ -589,7 +599,8 @@ def status_cmd(
         "or stops (for dispatched cases); with --json, one JSON object per line at each "
         "change, the last one settled; Ctrl-C leaves")] = False,
     interval: Annotated[float, typer.Option(
-        "--interval", min=0.2, help="seconds between redraws with --watch")] = 2.0,
+        "--interval", min=0.2, max=3600.0,
+        help="seconds between redraws with --watch")] = 2.0,
 ) -> None:
     """State, outcome, blocked reason, balances, evidence count, and what to do next."""
     settings = _settings()
@@ -601,16 +612,21 @@ def status_cmd(
             sys.stdout.write(line)
             sys.stdout.flush()
 
-        with suppress(KeyboardInterrupt):
+        _JSON_LINES.set(True)
+        try:
             watch_json(write, store, case_id, interval,
                        guide=lambda: case_guidance(settings, store, case_id))
+        except KeyboardInterrupt:  # not "settled" (exit 0): a script tells them apart
+            raise typer.Exit(INTERRUPTED_EXIT) from None
         return
     if watch:
         from workers.progress import watch as watch_case
 
-        with suppress(KeyboardInterrupt):
+        try:
             watch_case(out, store, case_id, interval,
                        guide=lambda: case_guidance(settings, store, case_id))
+        except KeyboardInterrupt:
+            raise typer.Exit(INTERRUPTED_EXIT) from None
         return
     info = status(store, case_id)
     held = False

@@ -182,6 +182,10 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
             live.__exit__(None, None, None)
 
 
+#: Failed store reads in a row that ``status --watch --json`` waits out.
+STORE_RETRIES = 5
+
+
 def watch_json(write: Callable[[str], None], store: Store, case_id: str, interval_s: float,
                guide: Callable[[], Guidance], stop_after_s: float | None = None,
                sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
@@ -190,11 +194,30 @@ def watch_json(write: Callable[[str], None], store: Store, case_id: str, interva
     changes, until the case stops moving (the last line is its settled status) or
     ``stop_after_s`` passes. ``write`` takes each line with its newline. Returns the last
     status. What an upstream system follows a case with (it printed one object and
-    exited while the case still ran, an integrator's trial)."""
+    exited while the case still ran, an integrator's trial). A store read that fails is
+    tried again at the next interval, :data:`STORE_RETRIES` times in a row at most.
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``.
+        sqlalchemy.exc.SQLAlchemyError: the store failed more than ``STORE_RETRIES``
+            times in a row.
+    """
     started = time.monotonic()
     seen: tuple[Any, ...] | None = None
+    failures = 0
     while True:
-        info = status(store, case_id)
+        try:
+            info = status(store, case_id)
+        except SQLAlchemyError:
+            # A dropped connection ended the watch at once (a hostile-input trial): the
+            # store is read again at the next interval, up to STORE_RETRIES times in a
+            # row; then the error is the command's (one JSON line).
+            failures += 1
+            if failures > STORE_RETRIES:
+                raise
+            sleep(interval_s)
+            continue
+        failures = 0
         settled = info["state"] != CASE_INVESTIGATING
         key = (info["steps"], info["state"], info["last_outcome"], info["last_reason"])
         if key != seen or settled:

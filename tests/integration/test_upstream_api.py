@@ -154,3 +154,67 @@ def test_reading_calls_never_write_a_foreign_database(tmp_path: Path, postgres_u
         assert sqlalchemy.inspect(engine).get_table_names() == []  # nothing was created
     finally:
         engine.dispose()
+
+
+def test_status_watch_json_waits_out_a_dropped_store_connection(tmp_path: Path) -> None:
+    """One dropped connection ended the watch with a pretty-printed error that broke the
+    JSON Lines (a hostile-input trial): a failed read is tried again at the next interval,
+    STORE_RETRIES times in a row at most."""
+    from sqlalchemy.exc import OperationalError
+
+    import workers.progress as progress
+    from investigation.guidance import for_case
+
+    case = make_case(tmp_path / "case")
+    investigator = case.investigator()
+    real = progress.status
+    fails = iter([True, True, False] + [False] * 50)
+
+    def flaky(store: Any, case_id: str) -> dict[str, Any]:
+        if next(fails):
+            raise OperationalError("SELECT", {}, Exception("server closed the connection"))
+        return real(store, case_id)
+
+    lines: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(progress, "status", flaky)
+        last = progress.watch_json(lines.append, case.store, case.case_id, 0.0,
+                                   guide=lambda: for_case(case.store, case.case_id),
+                                   sleep=lambda _s: investigator.step(case.case_id))
+        assert last["state"] == "BUILDING_DIAGNOSIS"
+        assert all(json.loads(line) for line in lines)
+        mp.setattr(progress, "status", lambda *_a: (_ for _ in ()).throw(
+            OperationalError("SELECT", {}, Exception("down"))))
+        with pytest.raises(OperationalError):
+            progress.watch_json(lines.append, case.store, case.case_id, 0.0,
+                                guide=lambda: for_case(case.store, case.case_id),
+                                sleep=lambda _s: None)
+
+
+def test_status_watch_json_errors_are_one_line_and_ctrl_c_is_not_settled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    case = make_case(tmp_path / "case")
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    runner = CliRunner()
+    missing = runner.invoke(app, ["status", "case-0000000000000000", "--watch", "--json"])
+    assert missing.exit_code == 2
+    (line,) = missing.stdout.splitlines()  # one JSON line, as the stream's others
+    assert json.loads(line)["error"]["code"] == "CASE_NOT_FOUND"
+    huge = runner.invoke(app, ["status", case.case_id, "--watch", "--json",
+                               "--interval", "1e10"])
+    assert huge.exit_code == 2 and "INTERNAL_ERROR" not in huge.output
+    import workers.progress as progress
+
+    def interrupted(*_a: Any, **_k: Any) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(progress, "watch_json", interrupted)
+    monkeypatch.setattr(progress, "watch", interrupted)
+    for args in (["--watch", "--json"], ["--watch"]):
+        stopped = runner.invoke(app, ["status", case.case_id, *args])
+        assert stopped.exit_code == 130, stopped.output
