@@ -17,22 +17,79 @@ without this package sends the same message with Celery alone
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from investigation.cases.reader import PackageReader
 from investigation.cases.registry import register_case
 from investigation.config import InvestigationConfig
-from investigation.constants import CASE_INVESTIGATING, DISPATCH_CONTRACT_VERSION, DISPATCH_TASK
+from investigation.constants import (
+    CASE_INVESTIGATING,
+    DISPATCH_CONTRACT_VERSION,
+    DISPATCH_TASK,
+    SAFE_CASE_ID,
+)
 from investigation.errors import InvestigationError, PackageError
 from investigation.operations import pause
 from investigation.operations import status as case_status
 from investigation.store import Store
 from investigation.store.models import CaseRecord
+from investigation.text_safety import escape_text
 from workers.settings import Settings, load_settings
 from workers.stores import open_store
+
+
+@contextmanager
+def _api_errors() -> Iterator[None]:
+    """Errors of the libraries underneath as this API's codes (a hostile-input trial got
+    SQLAlchemy's, psycopg's and kombu's own exceptions where the CLI gives a code)."""
+    try:
+        yield
+    except ArgumentError as exc:
+        raise InvestigationError("STORE_URL_INVALID", f"the store URL cannot be used: "
+                                 f"{_first_line(exc)}") from exc
+    except SQLAlchemyError as exc:
+        raise InvestigationError("STORE_UNAVAILABLE", f"the store cannot be used: "
+                                 f"{_first_line(exc)}; check INVESTIGATE_DATABASE_URL / "
+                                 "INVESTIGATE_HOME") from exc
+    except ModuleNotFoundError as exc:  # a URL of a database this engine has no driver for
+        raise InvestigationError("STORE_URL_INVALID", f"the store URL names a database this "
+                                 f"engine does not use ({exc.name}); the store is SQLite "
+                                 "(sqlite:///PATH) or PostgreSQL (postgresql+psycopg://...)"
+                                 ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return escape_text((str(exc).splitlines() or [type(exc).__name__])[0])[:300]
+
+
+def _settings(settings: Any) -> Settings:
+    """``settings``, or this process's when ``None``.
+
+    Raises:
+        InvestigationError: ``ARGUMENT_INVALID`` (not a :class:`Settings`).
+    """
+    if settings is None:
+        return load_settings()
+    if not isinstance(settings, Settings):
+        raise InvestigationError("ARGUMENT_INVALID", f"settings must be a "
+                                 f"workers.settings.Settings or None, not "
+                                 f"{type(settings).__name__}")
+    return settings
+
+
+def _case_id(case_id: Any) -> str:
+    if not isinstance(case_id, str) or not SAFE_CASE_ID.fullmatch(case_id):
+        raise InvestigationError("CASE_ID_INVALID", f"{escape_text(repr(case_id))[:100]} is "
+                                 "not a case id (1-64 letters, digits, '-' and '_', starting "
+                                 "with a letter or digit)")
+    return case_id
 
 
 def _store(settings: Settings, create: bool) -> Store:
@@ -80,22 +137,29 @@ def register(package: bytes, interpretation: dict[str, Any], hypotheses: list[di
             (``PKG_NOT_ZIP``); nothing is stored.
         InvestigationError: ``CASE_INTERPRETATION_INVALID``, ``CASE_HYPOTHESES_INVALID``,
             ``CASE_ID_CONFLICT``, ``STORE_NOT_MIGRATED``, ``STORE_NOT_FOUND`` (the settings
-            name an embedded store that does not exist, and ``create_store`` is false).
+            name an embedded store that does not exist, and ``create_store`` is false),
+            ``STORE_UNAVAILABLE`` and ``STORE_URL_INVALID`` (the store cannot be used),
+            ``ARGUMENT_INVALID`` (``settings`` or ``config`` of another type).
     """
     if not isinstance(package, bytes | bytearray | memoryview):
         raise PackageError("PKG_NOT_ZIP", f"the package is a {type(package).__name__}, not "
                                           "bytes; pass the ZIP file's bytes "
                                           "(Path(...).read_bytes())")
-    settings = settings or load_settings()
-    store = _store(settings, create_store)
-    try:
-        case_id = register_case(store, bytes(package), interpretation, hypotheses,
-                                PackageReader((config or InvestigationConfig()).package))
-        if paused and case_status(store, case_id)["state"] == CASE_INVESTIGATING:
-            pause(store, case_id)
-        return case_id
-    finally:
-        store.dispose()
+    settings = _settings(settings)
+    if config is not None and not isinstance(config, InvestigationConfig):
+        raise InvestigationError("ARGUMENT_INVALID", f"config must be an "
+                                 "investigation.config.InvestigationConfig or None, not "
+                                 f"{type(config).__name__}")
+    with _api_errors():
+        store = _store(settings, create_store)
+        try:
+            case_id = register_case(store, bytes(package), interpretation, hypotheses,
+                                    PackageReader((config or InvestigationConfig()).package))
+            if paused and case_status(store, case_id)["state"] == CASE_INVESTIGATING:
+                pause(store, case_id)
+            return case_id
+        finally:
+            store.dispose()
 
 
 def status(case_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
@@ -108,18 +172,22 @@ def status(case_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
     nothing more will happen without one.
 
     Raises:
-        InvestigationError: ``CASE_NOT_FOUND``; ``STORE_NOT_FOUND`` (no store where the
-            settings point).
+        InvestigationError: ``CASE_ID_INVALID``, ``CASE_NOT_FOUND``; ``STORE_NOT_FOUND``
+            (no investigation store where the settings point), ``STORE_UNAVAILABLE``,
+            ``STORE_URL_INVALID``; ``ARGUMENT_INVALID``.
     """
     from investigation import guidance
 
-    settings = settings or load_settings()
-    store = open_store(settings, existing=True)
-    try:
-        info = case_status(store, case_id)
-        return {**info, "next": guidance.for_case(store, case_id, "distributed").to_dict()}
-    finally:
-        store.dispose()
+    case_id = _case_id(case_id)
+    settings = _settings(settings)
+    with _api_errors():
+        store = open_store(settings, existing=True)
+        try:
+            info = case_status(store, case_id)
+            return {**info,
+                    "next": guidance.for_case(store, case_id, "distributed").to_dict()}
+        finally:
+            store.dispose()
 
 
 def dispatch_message(case_id: str, max_steps: int | None = None) -> dict[str, Any]:
@@ -145,25 +213,33 @@ def send_dispatch(case_id: str, max_steps: int | None = None, *,
         InvestigationError: ``DISPATCH_INVALID`` (``case_id`` is not a case id, or
             ``max_steps`` is not null or an integer from 1 to ``limits.max_checkpoints``
             of the policy this process reads, ``INVESTIGATE_CONFIG``); ``CASE_NOT_FOUND``
-            (no such case in the store); ``STORE_NOT_FOUND``. Nothing was sent.
+            (no such case in the store); ``STORE_NOT_FOUND``, ``STORE_UNAVAILABLE``,
+            ``STORE_URL_INVALID``; ``BROKER_URL_INVALID`` (not a ``redis://`` or
+            ``rediss://`` URL); ``ARGUMENT_INVALID``. Nothing was sent.
         kombu.exceptions.OperationalError: the broker cannot be reached.
     """
     from workers.celery_app import app, configure
     from workers.tasks import check_dispatch
 
-    settings = settings or load_settings()
+    settings = _settings(settings)
     policy = InvestigationConfig.load(settings.config) if settings.config \
         else InvestigationConfig()
     check_dispatch(case_id, max_steps, policy.limits.max_checkpoints)
-    store = open_store(settings, existing=True)
-    try:
-        with store.session() as s:
-            if s.get(CaseRecord, case_id) is None:
-                raise InvestigationError(
-                    "CASE_NOT_FOUND", f"no case {case_id} in {make_url(store.url).database}; "
-                    "register it first (workers.upstream.register); nothing was sent")
-    finally:
-        store.dispose()
+    if urlsplit(settings.broker_url).scheme not in ("redis", "rediss"):
+        raise InvestigationError("BROKER_URL_INVALID", "the broker is Redis: "
+                                 "INVESTIGATE_BROKER_URL must be redis://HOST:PORT/DB or "
+                                 "rediss://...; nothing was sent")
+    with _api_errors():
+        store = open_store(settings, existing=True)
+        try:
+            with store.session() as s:
+                if s.get(CaseRecord, case_id) is None:
+                    raise InvestigationError(
+                        "CASE_NOT_FOUND", f"no case {case_id} in "
+                        f"{make_url(store.url).database}; register it first "
+                        "(workers.upstream.register); nothing was sent")
+        finally:
+            store.dispose()
     configure(settings)
     message = dispatch_message(case_id, max_steps)
     result = app.send_task(message["task"], args=message["args"], kwargs=message["kwargs"],

@@ -401,6 +401,9 @@ def _check_canonical(value: Any, code: str, what: str) -> None:
             code, f"{what}: a string is not text: it holds a lone UTF-16 surrogate "
             f"({ascii(bad)[1:-1] or 'escape'}), which UTF-8 cannot encode"
         ) from exc
+    except ValueError as exc:  # an integer past Python's 4,300 digits for str()
+        raise InvestigationError(
+            code, f"{what}: a number has more than 4,300 digits") from exc
 
 
 #: What an interpretation or hypothesis string may not hold: C0 controls but TAB, LF and

@@ -218,3 +218,50 @@ def test_status_watch_json_errors_are_one_line_and_ctrl_c_is_not_settled(
     for args in (["--watch", "--json"], ["--watch"]):
         stopped = runner.invoke(app, ["status", case.case_id, *args])
         assert stopped.exit_code == 130, stopped.output
+
+
+def test_the_api_answers_bad_arguments_and_stores_with_codes(tmp_path: Path) -> None:
+    """A hostile-input trial got SQLAlchemy's, psycopg's, kombu's and Python's own
+    exceptions where the CLI gives a code."""
+    from workers.upstream import register, send_dispatch, status
+
+    package = casekit.build_tiny_package(tmp_path / "pkg").read_bytes()
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not a database\n" * 100)
+    cases: list[tuple[Any, str]] = [
+        (lambda: status(["case-x"]), "CASE_ID_INVALID"),  # type: ignore[arg-type]
+        (lambda: status("case\x00"), "CASE_ID_INVALID"),
+        (lambda: status("a" * 10**6), "CASE_ID_INVALID"),
+        (lambda: status("case-x", settings="x"), "ARGUMENT_INVALID"),  # type: ignore[arg-type]
+        (lambda: register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
+                          config="x"), "ARGUMENT_INVALID"),  # type: ignore[arg-type]
+        (lambda: register(package, casekit.INTERPRETATION,
+                          [{"id": 10**5000, "statement": "s"}],
+                          settings=_settings(tmp_path), create_store=True),
+         "CASE_HYPOTHESES_INVALID"),
+        (lambda: status("case-x", settings=_settings(
+            tmp_path, database_url=f"sqlite:///{text_file}")), "STORE_NOT_FOUND"),
+        (lambda: register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
+                          settings=_settings(tmp_path, database_url=f"sqlite:///{text_file}")),
+         "STORE_UNAVAILABLE"),
+        (lambda: status("case-x", settings=_settings(tmp_path, database_url="not a url")),
+         "STORE_URL_INVALID"),
+        (lambda: register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
+                          settings=_settings(tmp_path, database_url="mysql://u@h/db")),
+         "STORE_URL_INVALID"),
+        (lambda: status("case-x", settings=_settings(
+            tmp_path, database_url="postgresql+psycopg://postgres@127.0.0.1:1/none")),
+         "STORE_UNAVAILABLE"),
+    ]
+    for call, code in cases:
+        with pytest.raises(InvestigationError) as err:
+            call()
+        assert err.value.code == code, (code, err.value)
+        assert "\x00" not in err.value.message and len(err.value.message) < 2000
+    assert text_file.read_text() == "not a database\n" * 100  # untouched
+    case = make_case(tmp_path / "case")
+    http = Settings(home=tmp_path / "h", database_url=case.store.url,
+                    broker_url="http://127.0.0.1:1/")
+    with pytest.raises(InvestigationError) as err:
+        send_dispatch(case.case_id, settings=http)
+    assert err.value.code == "BROKER_URL_INVALID"
