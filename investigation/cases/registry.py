@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -192,7 +193,7 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
         # Two accounts of one claim spend the budget twice on it (an integrator's trial
         # registered a batch with the same statement twice); compared as a reader would,
         # ignoring case and runs of white space.
-        same = " ".join(statement.split()).casefold()
+        same = _as_read(statement)
         if same in statements:
             raise InvestigationError(
                 _HYPOTHESES, f"hypotheses {statements[same]} and {ident} have the same "
@@ -379,6 +380,30 @@ def _load_json(path: str | Path, code: str, what: str) -> Any:
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InvestigationError(code, f"the {what} file {path} is not valid UTF-8 JSON: {exc}",
                                  path=str(path)) from exc
+
+
+#: Characters that show as blank space: the Hangul fillers and the blank Braille pattern.
+_BLANKS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+
+
+def _shows_nothing(c: str) -> bool:
+    """A format character (zero-width space, joiners, direction marks, word joiner, soft
+    hyphen, tag characters, BOM) or a variation selector or grapheme joiner: marks that
+    change no letter (other combining marks, Thai vowels or Arabic harakat, are kept)."""
+    code = ord(c)
+    return unicodedata.category(c) == "Cf" or 0xFE00 <= code <= 0xFE0F or \
+        0xE0100 <= code <= 0xE01EF or code == 0x034F or 0x180B <= code <= 0x180F
+
+
+def _as_read(statement: str) -> str:
+    """A statement as a reader sees it, for comparing two: compatibility-normalised
+    (NFKC: fullwidth letters, composed and decomposed accents alike), without what shows
+    nothing (:func:`_shows_nothing`), blank fillers as spaces, runs of white space as one
+    space, case folded. A hostile-input trial registered one claim twice behind each of
+    these."""
+    text = unicodedata.normalize("NFKC", statement)
+    kept = "".join(" " if c in _BLANKS else c for c in text if not _shows_nothing(c))
+    return " ".join(kept.split()).casefold()
 
 
 def _check_canonical(value: Any, code: str, what: str) -> None:

@@ -123,6 +123,30 @@ def test_two_hypotheses_of_one_statement_are_refused(tmp_path: Path) -> None:
     assert len(taken) == 2
 
 
+@pytest.mark.parametrize("hidden", [
+    "The cafe\u0301 total is divided by 10.",  # NFD against NFC
+    "\ufeffThe café total is divided by 10.", "The\u200b café total is divided by 10.",
+    "The café total i\u00ads divided by 10.", "\uff34he café total is divided by 10.",
+    "The café total\u2060 is divided by 10.", "The café total is divided by 10.\ufe0f",
+    "The\u3164café total is divided by 10.", "The café total\U000e0020 is divided by 10.",
+    "The café to\u034ftal is divided by 10.", "The café total\u180b is divided by 10.",
+    "The\u2800café total is divided by 10.", "The café total \u200c\u200dis divided by 10.",
+])
+def test_one_claim_behind_invisible_characters_is_refused(tmp_path: Path, hidden: str) -> None:
+    """A hostile-input trial registered one visible claim twice behind each of these."""
+    with pytest.raises(InvestigationError) as err:
+        load_hypotheses(_write(tmp_path, "h.json", [
+            {"id": 1, "statement": "The café total is divided by 10."},
+            {"id": 2, "statement": hidden}]))
+    assert err.value.message.startswith("hypotheses 1 and 2 have the same statement")
+
+
+def test_statements_that_differ_in_a_letter_or_mark_are_taken(tmp_path: Path) -> None:
+    for pair in (("café", "cafe"), ("กิน", "กน"), ("division by 10", "division by 1O")):
+        assert len(load_hypotheses(_write(tmp_path, "h.json", [
+            {"id": 1, "statement": pair[0]}, {"id": 2, "statement": pair[1]}]))) == 2
+
+
 def test_text_with_tabs_line_breaks_and_any_script_is_taken(tmp_path: Path) -> None:
     """Only controls and bidirectional overrides are refused: TAB, LF, CRLF, any script,
     the joiners and direction marks scripts and emoji need (Persian's U+200C, emoji's
