@@ -149,11 +149,13 @@ class ScriptedProvider:
         raw: bytes | None = None
         count = 0
         try:  # line call_index, without a list of every line (a file of 20 million)
-            for _, line in iter_script_lines(read_bounded(self.path, MAX_SCRIPT_FILE_BYTES),
-                                             self.path):
+            data = read_bounded(self.path, MAX_SCRIPT_FILE_BYTES)
+            for _, line in iter_script_lines(data, self.path):
                 if count == req.call_index:
                     raw = line
-                count += 1  # every line is read: a line too large anywhere is refused
+                    if len(data) <= MAX_RESPONSE_BYTES:
+                        break  # no line of the file can be too large: done
+                count += 1  # past it in a larger file: a line too large anywhere is refused
         except OSError as exc:
             raise ProviderConfigurationError(
                 PROVIDER_SCRIPT_UNREADABLE,
