@@ -82,9 +82,9 @@ def register(app: typer.Typer) -> None:
 
 def _runs(lines: list[LineVerdict]) -> Iterator[tuple[LineVerdict, LineVerdict | None]]:
     """The verdicts in order, each run of two or more consecutive ``served`` or
-    ``unused`` lines without notes as ``(first, last)`` (a 15,000-line reply file against a finished
-    case printed a 20,000-line table of the same sentence), any other as ``(v, None)``.
-    ``--json`` keeps every line."""
+    ``unused`` lines without notes as ``(first, last)`` (a 15,000-line reply file
+    against a finished case printed a 20,000-line table of the same sentence), any other
+    as ``(v, None)``. ``--json`` keeps every line."""
     i = 0
     while i < len(lines):
         j = i
