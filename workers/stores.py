@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from investigation.errors import InvestigationError
+from investigation.errors import InvestigationError, StoreError
 from investigation.store import Store
 from workers.settings import Settings
 
@@ -42,6 +42,11 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
         "there); nothing was changed. Run where the case was added, or set "
         f"INVESTIGATE_HOME or INVESTIGATE_DATABASE_URL{hint}")
     is_sqlite = make_url(url).get_backend_name() == "sqlite"
+    if is_sqlite and not existing:
+        # Before the engine opens it: its first connection switches the file to WAL,
+        # which changed a foreign database that was then refused as "nothing was
+        # changed" (a hostile-input re-trial).
+        _refuse_foreign_sqlite(Path(make_url(url).database or ""))
     versions: list[str] = []
     if existing and is_sqlite:
         path = Path(make_url(url).database or "")
@@ -79,3 +84,34 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
 
         require_head(store.engine)
     return store
+
+
+def _refuse_foreign_sqlite(path: Path) -> None:
+    """Refuse an existing SQLite file that holds tables and none of the engine's, read
+    without writing (``migrate.upgrade`` refuses it too, but only after the engine's
+    connection changed the file).
+
+    Raises:
+        StoreError: ``STORE_FOREIGN``, as ``migrate.upgrade`` words it; ``STORE_UNAVAILABLE``
+            for a file that is no SQLite database.
+    """
+    from investigation.store.migrate import ENGINE_TABLES
+
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as look:
+            tables = {r[0] for r in look.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        raise InvestigationError("STORE_UNAVAILABLE", f"{path} is not a SQLite database "
+                                 f"({exc}); nothing was changed") from None
+    if tables and not tables & (ENGINE_TABLES | {"alembic_version"}):
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise StoreError(
+            "STORE_FOREIGN",
+            f"the database at {path} holds {len(tables)} table(s) that are not this "
+            f"engine's ({shown}) and none of its own; nothing was changed. Point "
+            "INVESTIGATE_DATABASE_URL or INVESTIGATE_HOME at a store of this engine or "
+            "a new file", tables=len(tables))
+

@@ -99,8 +99,9 @@ def _store(settings: Settings, create: bool) -> Store:
     store of its own in ``./.investigate``, and the fleet never saw its cases (an
     integrator's trial)."""
     parsed = make_url(settings.effective_database_url)
+    path = Path(parsed.database or "")
     if not create and parsed.get_backend_name() == "sqlite" and \
-            not Path(parsed.database or "").is_file():
+            (not path.is_file() or path.stat().st_size == 0):  # an empty file is no store
         raise InvestigationError(
             "STORE_NOT_FOUND",
             f"no investigation store at {parsed.database}; nothing was changed. Set "
@@ -146,6 +147,10 @@ def register(package: bytes, interpretation: dict[str, Any], hypotheses: list[di
                                           "bytes; pass the ZIP file's bytes "
                                           "(Path(...).read_bytes())")
     settings = _settings(settings)
+    for name, flag in (("create_store", create_store), ("paused", paused)):
+        if not isinstance(flag, bool):  # "no" is a true value: it made a store
+            raise InvestigationError("ARGUMENT_INVALID", f"{name} must be True or False, "
+                                     f"not {escape_text(repr(flag))[:40]}")
     if config is not None and not isinstance(config, InvestigationConfig):
         raise InvestigationError("ARGUMENT_INVALID", f"config must be an "
                                  "investigation.config.InvestigationConfig or None, not "
@@ -225,7 +230,13 @@ def send_dispatch(case_id: str, max_steps: int | None = None, *,
     policy = InvestigationConfig.load(settings.config) if settings.config \
         else InvestigationConfig()
     check_dispatch(case_id, max_steps, policy.limits.max_checkpoints)
-    if urlsplit(settings.broker_url).scheme not in ("redis", "rediss"):
+    try:
+        broker = urlsplit(settings.broker_url)
+        broker.port  # noqa: B018 - a port that is no number raises here, not in kombu
+        valid = broker.scheme in ("redis", "rediss")
+    except ValueError:
+        valid = False
+    if not valid:
         raise InvestigationError("BROKER_URL_INVALID", "the broker is Redis: "
                                  "INVESTIGATE_BROKER_URL must be redis://HOST:PORT/DB or "
                                  "rediss://...; nothing was sent")

@@ -265,3 +265,43 @@ def test_the_api_answers_bad_arguments_and_stores_with_codes(tmp_path: Path) -> 
     with pytest.raises(InvestigationError) as err:
         send_dispatch(case.case_id, settings=http)
     assert err.value.code == "BROKER_URL_INVALID"
+    no_port = Settings(home=tmp_path / "h", database_url=case.store.url,
+                       broker_url="redis://127.0.0.1:notaport/0")
+    with pytest.raises(InvestigationError) as err:
+        send_dispatch(case.case_id, settings=no_port)
+    assert err.value.code == "BROKER_URL_INVALID"
+    for flags in ({"create_store": "no"}, {"paused": 0}):
+        with pytest.raises(InvestigationError) as err:
+            register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
+                     settings=_settings(tmp_path / "flags"), **flags)  # type: ignore[arg-type]
+        assert err.value.code == "ARGUMENT_INVALID"
+    assert not (tmp_path / "flags").exists()
+
+
+def test_register_leaves_an_empty_or_foreign_file_as_it_was(tmp_path: Path) -> None:
+    """A zero-byte file became a store without create_store, and a foreign SQLite file
+    was switched to WAL before it was refused as "nothing was created" (a re-trial)."""
+    import hashlib
+    import sqlite3
+
+    from workers.upstream import register
+
+    package = casekit.build_tiny_package(tmp_path / "pkg").read_bytes()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    with pytest.raises(InvestigationError) as err:
+        register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
+                 settings=_settings(tmp_path, database_url=f"sqlite:///{empty}"))
+    assert err.value.code == "STORE_NOT_FOUND" and empty.stat().st_size == 0
+    foreign = tmp_path / "app.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.commit()
+    conn.close()
+    before = hashlib.sha256(foreign.read_bytes()).hexdigest()
+    with pytest.raises(InvestigationError) as err:
+        register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
+                 settings=_settings(tmp_path, database_url=f"sqlite:///{foreign}"))
+    assert err.value.code == "STORE_FOREIGN" and "nothing was changed" in err.value.message
+    assert hashlib.sha256(foreign.read_bytes()).hexdigest() == before
+    assert not (tmp_path / "app.db-wal").exists()
