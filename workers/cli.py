@@ -603,6 +603,8 @@ def status_cmd(
         help="seconds between redraws with --watch")] = 2.0,
 ) -> None:
     """State, outcome, blocked reason, balances, evidence count, and what to do next."""
+    if watch and as_json:  # JSON Lines: every error one line too, from the first
+        _JSON_LINES.set(True)
     settings = _settings()
     store = _store(settings, existing=True)
     if watch and as_json:  # JSON Lines until the case stops moving
@@ -612,7 +614,6 @@ def status_cmd(
             sys.stdout.write(line)
             sys.stdout.flush()
 
-        _JSON_LINES.set(True)
         try:
             watch_json(write, store, case_id, interval,
                        guide=lambda: case_guidance(settings, store, case_id))
@@ -942,8 +943,12 @@ def _invoke(command: Any, args: list[str]) -> int:
         # still an error of the input, never exit 1, which says "blocked".
         code = max(2, int(usage.exit_code))
         if _asks_json(args):
-            _print_json({"error": {"code": "USAGE_INVALID" if code == 2 else "INPUT_INVALID",
-                                   "message": usage.format_message(), "exit_code": code}})
+            error = {"error": {"code": "USAGE_INVALID" if code == 2 else "INPUT_INVALID",
+                               "message": usage.format_message(), "exit_code": code}}
+            if "--watch" in args:  # a JSON Lines command: one line
+                sys.stdout.write(json.dumps(error, sort_keys=True) + "\n")
+            else:
+                _print_json(error)
         _show_usage_error(usage)
         return code
     except typer.Abort:  # end of input at a prompt: not exit 1, which says "blocked"

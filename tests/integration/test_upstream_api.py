@@ -193,9 +193,13 @@ def test_status_watch_json_waits_out_a_dropped_store_connection(tmp_path: Path) 
 
 def test_status_watch_json_errors_are_one_line_and_ctrl_c_is_not_settled(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+    import io
+
+    import typer.main
     from typer.testing import CliRunner
 
-    from workers.cli import app
+    from workers.cli import _invoke, app
 
     case = make_case(tmp_path / "case")
     monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
@@ -205,9 +209,22 @@ def test_status_watch_json_errors_are_one_line_and_ctrl_c_is_not_settled(
     assert missing.exit_code == 2
     (line,) = missing.stdout.splitlines()  # one JSON line, as the stream's others
     assert json.loads(line)["error"]["code"] == "CASE_NOT_FOUND"
-    huge = runner.invoke(app, ["status", case.case_id, "--watch", "--json",
-                               "--interval", "1e10"])
-    assert huge.exit_code == 2 and "INTERNAL_ERROR" not in huge.output
+    # A usage error, as the console entry point prints it: one line too.
+    command = typer.main.get_command(app)
+    for bad in ("1e10", "nan"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = _invoke(command, ["status", case.case_id, "--watch", "--json",
+                                     "--interval", bad])
+        assert code == 2
+        (line,) = buf.getvalue().splitlines()
+        assert json.loads(line)["error"]["code"] == "USAGE_INVALID"
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", f"sqlite:///{tmp_path / 'none.db'}")
+    nowhere = runner.invoke(app, ["status", case.case_id, "--watch", "--json"])
+    assert nowhere.exit_code == 2
+    (line,) = nowhere.stdout.splitlines()
+    assert json.loads(line)["error"]["code"] == "STORE_NOT_FOUND"
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
     import workers.progress as progress
 
     def interrupted(*_a: Any, **_k: Any) -> dict[str, Any]:
