@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -59,7 +60,7 @@ _PROVIDER_BLOCKS = (BLOCK_PROVIDER_EXHAUSTED, BLOCK_PROVIDER_CONFIGURATION,
                     BLOCK_PROVIDER_CREDENTIALS, BLOCK_MODEL_COST_CAP)
 
 
-def evidence_figures(records: Iterable[Mapping[str, Any]]) -> dict[str, int | None]:
+def evidence_figures(records: Iterable[Mapping[str, Any]]) -> dict[str, int | float | None]:
     """What the evidence records of a revision amount to: a real model's run of
     duplicate listings, each scored 0, ended COMPLETED and read as a success (a trial).
 
@@ -79,11 +80,18 @@ def evidence_figures(records: Iterable[Mapping[str, Any]]) -> dict[str, int | No
             "no_new_item": sum(1 for r in records if not r["new_item_count"]),
             "assessed": len(scores),
             "score_lowest": scores[0] if scores else None,
-            "score_median": scores[len(scores) // 2] if scores else None,
+            "score_median": _median(scores) if scores else None,
             "score_highest": scores[-1] if scores else None}
 
 
-def records_text(fig: Mapping[str, int | None]) -> str:
+def _median(scores: list[int]) -> int | float:
+    """The middle score, or the mean of the two middle ones (an int when whole): with two
+    scores, 80 and 95, "median 95" was the upper one (a re-trial)."""
+    middle = statistics.median(scores)
+    return int(middle) if float(middle).is_integer() else float(middle)
+
+
+def records_text(fig: Mapping[str, int | float | None]) -> str:
     """``"6: 3 found new items, 3 found none (2 duplicates of earlier records)"``, or
     ``"0"``. (A duplicate finds nothing new; "3 duplicate, 3 with no new item" read as
     six useless records out of six, a real model's user.)"""
@@ -95,7 +103,7 @@ def records_text(fig: Mapping[str, int | None]) -> str:
                    if dup else "")
 
 
-def scores_text(fig: Mapping[str, int | None]) -> str:
+def scores_text(fig: Mapping[str, int | float | None]) -> str:
     """``"8 assessed: lowest 40, median 85, highest 95"``, or ``"none assessed yet"``."""
     if not fig["assessed"]:
         return "none assessed yet"

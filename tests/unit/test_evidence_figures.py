@@ -33,6 +33,11 @@ def test_no_records_and_none_assessed() -> None:
     assert scores_text(fig) == "none assessed yet"
 
 
-def test_the_median_is_the_upper_middle_score() -> None:
+def test_the_median_of_an_even_count_is_the_mean_of_the_middle_two() -> None:
+    """(80, 95) read "median 95" (a re-trial)."""
     fig = evidence_figures([_record(False, 1, s) for s in (95, 40, 85, 60)])
-    assert (fig["score_lowest"], fig["score_median"], fig["score_highest"]) == (40, 85, 95)
+    assert (fig["score_lowest"], fig["score_median"], fig["score_highest"]) == (40, 72.5, 95)
+    assert scores_text(evidence_figures([_record(False, 1, 80), _record(False, 1, 95)])) == \
+        "2 assessed: lowest 80, median 87.5, highest 95"
+    odd = evidence_figures([_record(False, 1, s) for s in (10, 30, 20)])
+    assert odd["score_median"] == 20 and isinstance(odd["score_median"], int)
