@@ -384,25 +384,44 @@ def _load_json(path: str | Path, code: str, what: str) -> Any:
 
 #: Characters that show as blank space: the Hangul fillers and the blank Braille pattern.
 _BLANKS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+#: Format characters that show a sign (prepended concatenation marks such as U+0600, the
+#: Arabic number sign, and U+06DD, the end of ayah): kept, they are seen.
+_VISIBLE_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f"
+                            "\u0890\u0891\u08e2\U000110bd\U000110cd")
 
 
 def _shows_nothing(c: str) -> bool:
-    """A format character (zero-width space, joiners, direction marks, word joiner, soft
-    hyphen, tag characters, BOM) or a variation selector or grapheme joiner: marks that
-    change no letter (other combining marks, Thai vowels or Arabic harakat, are kept)."""
+    """A format character that shows nothing (zero-width space, joiners, direction
+    marks, word joiner, soft hyphen, tag characters, BOM), a variation selector, the
+    grapheme joiner or Khmer's invisible inherent vowels: marks that change no letter
+    (other combining marks, Thai vowels or Arabic harakat, are kept)."""
     code = ord(c)
-    return unicodedata.category(c) == "Cf" or 0xFE00 <= code <= 0xFE0F or \
-        0xE0100 <= code <= 0xE01EF or code == 0x034F or 0x180B <= code <= 0x180F
+    return (unicodedata.category(c) == "Cf" and c not in _VISIBLE_FORMAT) or \
+        0xFE00 <= code <= 0xFE0F or 0xE0100 <= code <= 0xE01EF or code == 0x034F or \
+        0x180B <= code <= 0x180F or code in (0x17B4, 0x17B5)
+
+
+def _same_letters(c: str) -> str:
+    """A fullwidth form (U+FF01-U+FF5E) or a Latin or Armenian ligature (U+FB00-U+FB17)
+    as the letters it shows; any other character as it is. (Full compatibility
+    normalisation would also make x² and x2, H₂O and H2O, Ⅳ and IV the same, which
+    are different claims, a re-trial.)"""
+    code = ord(c)
+    if 0xFF01 <= code <= 0xFF5E or 0xFB00 <= code <= 0xFB17:
+        return unicodedata.normalize("NFKC", c)
+    return c
 
 
 def _as_read(statement: str) -> str:
-    """A statement as a reader sees it, for comparing two: compatibility-normalised
-    (NFKC: fullwidth letters, composed and decomposed accents alike), without what shows
-    nothing (:func:`_shows_nothing`), blank fillers as spaces, runs of white space as one
-    space, case folded. A hostile-input trial registered one claim twice behind each of
-    these."""
-    text = unicodedata.normalize("NFKC", statement)
-    kept = "".join(" " if c in _BLANKS else c for c in text if not _shows_nothing(c))
+    """A statement as a reader sees it, for comparing two: composed (NFC: a decomposed
+    accent as the composed one), fullwidth forms and ligatures as their letters, without
+    what shows nothing (:func:`_shows_nothing`), blank fillers as spaces, runs of white
+    space as one space, case folded. A hostile-input trial registered one claim twice
+    behind each of these. Homoglyphs of other scripts (Cyrillic U+0430 for Latin a) are
+    different letters here."""
+    text = unicodedata.normalize("NFC", statement)
+    kept = "".join(" " if c in _BLANKS else _same_letters(c) for c in text
+                   if not _shows_nothing(c))
     return " ".join(kept.split()).casefold()
 
 

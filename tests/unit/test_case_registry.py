@@ -131,6 +131,7 @@ def test_two_hypotheses_of_one_statement_are_refused(tmp_path: Path) -> None:
     "The\u3164café total is divided by 10.", "The café total\U000e0020 is divided by 10.",
     "The café to\u034ftal is divided by 10.", "The café total\u180b is divided by 10.",
     "The\u2800café total is divided by 10.", "The café total \u200c\u200dis divided by 10.",
+    "The café to\u17b4tal is divided by 10.",
 ])
 def test_one_claim_behind_invisible_characters_is_refused(tmp_path: Path, hidden: str) -> None:
     """A hostile-input trial registered one visible claim twice behind each of these."""
@@ -142,7 +143,9 @@ def test_one_claim_behind_invisible_characters_is_refused(tmp_path: Path, hidden
 
 
 def test_statements_that_differ_in_a_letter_or_mark_are_taken(tmp_path: Path) -> None:
-    for pair in (("café", "cafe"), ("กิน", "กน"), ("division by 10", "division by 1O")):
+    for pair in (("café", "cafe"), ("กิน", "กน"), ("division by 10", "division by 1O"),
+                 ("x\u00b2 overflows", "x2 overflows"), ("H\u2082O", "H2O"),
+                 ("\u2163 rounds", "IV rounds"), ("\u0600 5 rounds", " 5 rounds")):
         assert len(load_hypotheses(_write(tmp_path, "h.json", [
             {"id": 1, "statement": pair[0]}, {"id": 2, "statement": pair[1]}]))) == 2
 
