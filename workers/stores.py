@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from investigation.errors import InvestigationError, StoreError
+from investigation.errors import InvestigationError
 from investigation.store import Store
 from workers.settings import Settings
 
@@ -92,10 +92,10 @@ def _refuse_foreign_sqlite(path: Path) -> None:
     connection changed the file).
 
     Raises:
-        StoreError: ``STORE_FOREIGN``, as ``migrate.upgrade`` words it; ``STORE_UNAVAILABLE``
-            for a file that is no SQLite database.
+        StoreError: ``STORE_FOREIGN`` (``migrate.foreign_store``).
+        InvestigationError: ``STORE_UNAVAILABLE`` for a file that is no SQLite database.
     """
-    from investigation.store.migrate import ENGINE_TABLES
+    from investigation.store.migrate import foreign_store, is_foreign
 
     if not path.is_file() or path.stat().st_size == 0:
         return
@@ -106,12 +106,5 @@ def _refuse_foreign_sqlite(path: Path) -> None:
     except sqlite3.Error as exc:
         raise InvestigationError("STORE_UNAVAILABLE", f"{path} is not a SQLite database "
                                  f"({exc}); nothing was changed") from None
-    if tables and not tables & (ENGINE_TABLES | {"alembic_version"}):
-        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
-        raise StoreError(
-            "STORE_FOREIGN",
-            f"the database at {path} holds {len(tables)} table(s) that are not this "
-            f"engine's ({shown}) and none of its own; nothing was changed. Point "
-            "INVESTIGATE_DATABASE_URL or INVESTIGATE_HOME at a store of this engine or "
-            "a new file", tables=len(tables))
-
+    if is_foreign(tables):
+        raise foreign_store(str(path), tables)

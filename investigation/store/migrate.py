@@ -52,19 +52,29 @@ def upgrade(engine: Engine, revision: str = "head", *, allow_other_tables: bool 
                 "tables but no migration version; it was not created by this engine's "
                 "migrations. Use a new store, or stamp it after checking its schema "
                 "(alembic stamp 0001_initial)")
-        if tables and not tables & (ENGINE_TABLES | {"alembic_version"}) \
-                and not allow_other_tables:
-            shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
-            raise StoreError(
-                "STORE_FOREIGN",
-                f"the database at {url} holds {len(tables)} table(s) that are not this "
-                f"engine's ({shown}) and none of its own; nothing was created. Point "
-                "INVESTIGATE_DATABASE_URL at an empty database (or a PostgreSQL schema of "
-                "its own), or create the engine's tables beside them on purpose with "
-                "`investigate db upgrade --allow-other-tables`", tables=len(tables))
+        if is_foreign(tables) and not allow_other_tables:
+            raise foreign_store(url, tables)
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
         conn.commit()
+
+
+def is_foreign(tables: set[str]) -> bool:
+    """Whether a database holding ``tables`` holds other tables and none of the engine's."""
+    return bool(tables) and not tables & (ENGINE_TABLES | {"alembic_version"})
+
+
+def foreign_store(where: str, tables: set[str]) -> StoreError:
+    """``STORE_FOREIGN`` for the database at ``where`` holding ``tables`` (see
+    :func:`is_foreign`); nothing was changed."""
+    shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+    return StoreError(
+        "STORE_FOREIGN",
+        f"the database at {where} holds {len(tables)} table(s) that are not this "
+        f"engine's ({shown}) and none of its own; nothing was changed. Point "
+        "INVESTIGATE_DATABASE_URL at an empty database (or a PostgreSQL schema of "
+        "its own), or create the engine's tables beside them on purpose with "
+        "`investigate db upgrade --allow-other-tables`", tables=len(tables))
 
 
 def current_revisions(engine: Engine) -> list[str]:
