@@ -47,6 +47,8 @@ STAGES = (
 #: What a case id may look like where it names a file, a Redis key or a broker message's
 #: case (registered ids are ``case-`` + 16 hex digits; anything else never becomes a path).
 SAFE_CASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+#: :data:`SAFE_CASE_ID` in words, for the errors that refuse a string as a case id.
+CASE_ID_RULE = "1-64 letters, digits, '-' and '_', starting with a letter or digit"
 
 #: Redis key patterns and Celery names.
 REDIS_LOCK_KEY = "investigation:lock:{case_id}"

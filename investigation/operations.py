@@ -111,6 +111,12 @@ def scores_text(fig: Mapping[str, int | float | None]) -> str:
             f"{fig['score_median']}, highest {fig['score_highest']}")
 
 
+def evidence_text(fig: Mapping[str, int | float | None]) -> str:
+    """The line ``run`` and ``status`` print: ``"evidence records ...; assessment scores
+    ..."`` (:func:`records_text`, :func:`scores_text`)."""
+    return f"evidence records {records_text(fig)}; assessment scores {scores_text(fig)}"
+
+
 def _case(store: Store, case_id: str) -> CaseRecord:
     with store.session() as s:
         case = s.get(CaseRecord, case_id)

@@ -108,8 +108,9 @@ CaseArg = Annotated[str, typer.Argument(metavar="CASE", help=CASE_HELP)]
 JsonOpt = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
 
 
-def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+def _print_json(data: Any, one_line: bool = False) -> None:
+    """``data`` as JSON on stdout: indented, or ``one_line`` (a JSON Lines stream)."""
+    sys.stdout.write(json.dumps(data, indent=None if one_line else 2, sort_keys=True) + "\n")
     sys.stdout.flush()
 
 
@@ -125,8 +126,8 @@ INTERRUPTED_EXIT = 130
 #: Whether the running command was given ``--json``: its controlled errors are then also
 #: one JSON object on stdout (:func:`_fail`).
 _JSON_ERRORS: ContextVar[bool] = ContextVar("json_errors", default=False)
-#: Set by a command that writes JSON Lines (``status --watch --json``): its error object
-#: is one line too (a pretty-printed error broke the stream, a hostile-input trial).
+#: Whether the running command writes JSON Lines (``status --watch --json``): its error
+#: object is one line too (a pretty-printed error broke the stream, a hostile-input trial).
 _JSON_LINES: ContextVar[bool] = ContextVar("json_lines", default=False)
 
 
@@ -137,9 +138,12 @@ def _controlled(fn: F) -> F:
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         reset = _JSON_ERRORS.set(bool(kwargs.get("as_json")))
+        # ``status --watch --json`` writes JSON Lines: its errors are one line too.
+        lines = _JSON_LINES.set(bool(kwargs.get("as_json") and kwargs.get("watch")))
         try:
             return _run_controlled(fn, args, kwargs)
         finally:
+            _JSON_LINES.reset(lines)
             _JSON_ERRORS.reset(reset)
 
     return wrapper  # type: ignore[return-value]
@@ -216,11 +220,7 @@ def _print_error(code: str, message: str, exit_code: int, as_json: bool,
     if as_json:
         error = {"error": {"code": code, "message": message, "exit_code": exit_code,
                            **(extra or {})}}
-        if _JSON_LINES.get():
-            sys.stdout.write(json.dumps(error, sort_keys=True) + "\n")
-            sys.stdout.flush()
-        else:
-            _print_json(error)
+        _print_json(error, one_line=_JSON_LINES.get())
 
 
 def _settings() -> Settings:
@@ -603,8 +603,6 @@ def status_cmd(
         help="seconds between redraws with --watch")] = 2.0,
 ) -> None:
     """State, outcome, blocked reason, balances, evidence count, and what to do next."""
-    if watch and as_json:  # JSON Lines: every error one line too, from the first
-        _JSON_LINES.set(True)
     settings = _settings()
     store = _store(settings, existing=True)
     if watch and as_json:  # JSON Lines until the case stops moving
@@ -945,10 +943,7 @@ def _invoke(command: Any, args: list[str]) -> int:
         if _asks_json(args):
             error = {"error": {"code": "USAGE_INVALID" if code == 2 else "INPUT_INVALID",
                                "message": usage.format_message(), "exit_code": code}}
-            if "--watch" in args:  # a JSON Lines command: one line
-                sys.stdout.write(json.dumps(error, sort_keys=True) + "\n")
-            else:
-                _print_json(error)
+            _print_json(error, one_line="--watch" in args)  # JSON Lines: one line
         _show_usage_error(usage)
         return code
     except typer.Abort:  # end of input at a prompt: not exit 1, which says "blocked"

@@ -22,7 +22,7 @@ from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
 from investigation.files import write_atomic
 from investigation.loop.outcome import Outcome
-from investigation.operations import records_text, scores_text, summary_bytes
+from investigation.operations import evidence_text, summary_bytes
 from workers.cli import (
     EXAMPLE_CASE,
     CaseArg,
@@ -84,8 +84,7 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
         out.print(f"case {case_id}: {outcome.outcome}"
                   + (f" ({outcome.reason})" if outcome.reason else ""), highlight=False)
         if figures["records"]:
-            out.print(f"evidence records {records_text(figures)}; assessment scores "
-                      f"{scores_text(figures)}", highlight=False)
+            out.print(evidence_text(figures), highlight=False)
         if summary_path is not None:
             out.print(f"summary: {summary_path}", highlight=False, soft_wrap=True)
         if report is not None:

@@ -22,9 +22,9 @@ from sqlalchemy.engine import make_url
 from investigation.text_safety import url_for_display
 from workers.settings import Settings, deployment_identity
 
-#: Checks in the order they run; ``investigate health --check NAME`` picks some.
 #: The queue Celery sends a task to when the sender names none.
 CELERY_DEFAULT_QUEUE = "celery"
+#: Checks in the order they run; ``investigate health --check NAME`` picks some.
 CHECKS = ("broker", "locks", "store", "migrations", "workers", "queue", "beat")
 #: kombu's Redis transport keeps priority messages in extra lists named
 #: ``queue + "\\x06\\x16" + priority`` (``kombu.transport.redis``, ``priority_steps``).

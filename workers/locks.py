@@ -51,7 +51,7 @@ from typing import IO, Protocol
 
 import redis
 
-from investigation.constants import REDIS_LOCK_KEY, SAFE_CASE_ID
+from investigation.constants import CASE_ID_RULE, REDIS_LOCK_KEY, SAFE_CASE_ID
 from investigation.errors import InvestigationError, LockBusy
 
 #: KEYS: the lock, the token's tombstone; ARGV: the token, the lease (ms).
@@ -229,8 +229,7 @@ class FileCaseLock:
         path = lock_file(self.directory, case_id)
         if path is None:
             raise InvestigationError("CASE_ID_INVALID",
-                                     f"{case_id!r} is not a case id (1-64 letters, digits, "
-                                     "'-' and '_', starting with a letter or digit)")
+                                     f"{case_id!r} is not a case id ({CASE_ID_RULE})")
         self.directory.mkdir(parents=True, exist_ok=True)
         with self._mutex:
             if case_id in self._held:

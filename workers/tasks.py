@@ -40,6 +40,7 @@ from sqlalchemy.exc import OperationalError
 from investigation.constants import (
     BLOCK_STAGE_TIME_LIMIT,
     BLOCKED,
+    CASE_ID_RULE,
     COMPLETED,
     CONTINUING,
     DISPATCH_CONTRACT_VERSION,
@@ -539,9 +540,9 @@ def check_dispatch(case_id: Any, max_steps: Any, max_allowed: int) -> None:
     if not isinstance(case_id, str) or not SAFE_CASE_ID.fullmatch(case_id):
         raise InvestigationError(
             "DISPATCH_INVALID",
-            f"dispatch case id {escape_text(repr(case_id))[:100]} is not a case id (1-64 "
-            "letters, digits, '-' and '_', starting with a letter or digit); send the id "
-            "`investigate case add` or `workers.upstream.register` gave")
+            f"dispatch case id {escape_text(repr(case_id))[:100]} is not a case id "
+            f"({CASE_ID_RULE}); send the id `investigate case add` or "
+            "`workers.upstream.register` gave")
     if max_steps is not None and (type(max_steps) is not int
                                   or not 1 <= max_steps <= max_allowed):
         raise InvestigationError(

@@ -30,6 +30,7 @@ from investigation.cases.reader import PackageReader
 from investigation.cases.registry import register_case
 from investigation.config import InvestigationConfig
 from investigation.constants import (
+    CASE_ID_RULE,
     CASE_INVESTIGATING,
     DISPATCH_CONTRACT_VERSION,
     DISPATCH_TASK,
@@ -87,8 +88,7 @@ def _settings(settings: Any) -> Settings:
 def _case_id(case_id: Any) -> str:
     if not isinstance(case_id, str) or not SAFE_CASE_ID.fullmatch(case_id):
         raise InvestigationError("CASE_ID_INVALID", f"{escape_text(repr(case_id))[:100]} is "
-                                 "not a case id (1-64 letters, digits, '-' and '_', starting "
-                                 "with a letter or digit)")
+                                 f"not a case id ({CASE_ID_RULE})")
     return case_id
 
 

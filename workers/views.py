@@ -16,7 +16,7 @@ from rich.text import Text
 from investigation.guidance import Guidance
 from investigation.llm.spend import format_money
 from investigation.loop.outcome import Outcome, last_outcome_text
-from investigation.operations import records_text, scores_text
+from investigation.operations import evidence_text
 from investigation.text_safety import escape_text
 
 
@@ -130,8 +130,7 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
          + f"  open questions {info['open_questions']}")
     figures = info.get("evidence")
     if figures and figures["records"]:  # what the records amount to (a worthless run)
-        line(f"evidence records {records_text(figures)}; assessment scores "
-             f"{scores_text(figures)}")
+        line(evidence_text(figures))
     if info["last_outcome"]:
         line(f"last outcome {last_outcome_text(info['last_outcome'], info['last_reason'])}"
              + (f"  retry not before {info['retry_not_before']}"

@@ -6,7 +6,7 @@ Inputs (DESIGN.md "Fixed interfaces"):
   other keys are kept exactly as given;
 * the hypotheses: a non-empty JSON array of ``{"id": int, "statement": str, ...}`` objects,
   ids positive and unique (``true``/``false`` are not integers), statements non-empty and
-  distinct (ignoring case and runs of white space);
+  distinct as a reader sees them (:func:`_as_read`);
   other keys are kept, and the order given is the batch order.
 * in both, every string (keys too) is text: no control character but TAB, LF and CRLF,
   no bidirectional embedding, override or isolate (:data:`_NOT_TEXT`), and the summary
@@ -191,8 +191,7 @@ def validate_hypotheses(value: Any) -> list[dict[str, Any]]:
                 hypothesis_id=ident,
             )
         # Two accounts of one claim spend the budget twice on it (an integrator's trial
-        # registered a batch with the same statement twice); compared as a reader would,
-        # ignoring case and runs of white space.
+        # registered a batch with the same statement twice).
         same = _as_read(statement)
         if same in statements:
             raise InvestigationError(

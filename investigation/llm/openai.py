@@ -86,6 +86,38 @@ _CONTEXT_LENGTH_MESSAGE = re.compile(
 ERROR_EXCERPT_CHARS = 300
 #: ``OpenAIProvider._model_listing`` before its one read.
 _UNREAD: Any = object()
+#: What :func:`_within` returns for work that did not finish in time.
+_LATE: Any = object()
+
+
+def _within(name: str, wait_s: float, work: Callable[[list[httpx.Client]], Any]) -> Any:
+    """Run ``work(clients)`` in a helper thread named ``name`` and wait ``wait_s`` seconds
+    for it: its result, the exception it raised (returned, not raised), or :data:`_LATE`.
+
+    httpx bounds each read, not a whole exchange: a server dripping its status line or
+    headers would hold the caller indefinitely (one header line every half second held
+    ``providers check`` past two minutes, a hostile-input trial). ``work`` appends each
+    ``httpx.Client`` it opens to ``clients``; when the wait runs out they are closed, so
+    the helper's next read fails and the thread ends."""
+    outcome: list[Any] = []
+    clients: list[httpx.Client] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append(work(clients))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    if not done.wait(wait_s):
+        for client in clients:
+            with contextlib.suppress(Exception):  # racing the helper thread
+                client.close()
+        return _LATE
+    return outcome[0]
 
 
 def _plausible_window(size: Any) -> int | None:
@@ -222,34 +254,17 @@ class OpenAIProvider:
             headers["Authorization"] = f"Bearer {key}"
         secrets = [key]
         self._check_window(req, headers)
-        # httpx bounds each read, not the whole exchange: a server dripping its status
-        # line or headers would hold the caller indefinitely. The exchange runs in a
-        # helper thread; at the total deadline the caller stops waiting and closes the
-        # exchange's client, so the helper's next read fails and the thread ends.
-        outcome: list[Any] = []
-        clients: list[httpx.Client] = []
-        done = threading.Event()
-
-        def exchange() -> None:
-            try:
-                outcome.append(self._exchange(request_bytes, headers, key, secrets, clients))
-            except BaseException as exc:
-                outcome.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=exchange, name=f"provider-{self.name}", daemon=True).start()
-        if not done.wait(self.config.timeout_s + 1.0):
-            for client in clients:
-                with contextlib.suppress(Exception):  # racing the helper thread
-                    client.close()
+        result = _within(f"provider-{self.name}", self.config.timeout_s + 1.0,
+                         lambda clients: self._exchange(request_bytes, headers, key, secrets,
+                                                        clients))
+        if result is _LATE:
             raise TransientProviderError(
                 PROVIDER_TIMEOUT,
                 f"provider {self.name!r}: no complete response within "
                 f"timeout_s={self.config.timeout_s} (total)", provider=self.name)
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        status, response_headers, raw = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        status, response_headers, raw = result
         return parse_http_response(status, response_headers, raw, self.name, self._clock(),
                                    secrets)
 
@@ -350,39 +365,27 @@ class OpenAIProvider:
         (a helper thread, closed at the deadline, as for the chat exchange), or ``None``
         when the tokenizer fails, is too slow or answers implausibly (the estimate is
         used then)."""
-        outcome: list[Any] = []
-        clients: list[httpx.Client] = []
-        done = threading.Event()
         deadline = time.monotonic() + self.config.timeout_s
 
-        def work() -> None:
-            try:
-                with self._client() as client:
-                    clients.append(client)
-                    outcome.append(tokens.server_count(self.config, req.messages, client,
-                                                       headers, deadline))
-            except BaseException as exc:
-                outcome.append(exc)
-            finally:
-                done.set()
+        def count(clients: list[httpx.Client]) -> int:
+            with self._client() as client:
+                clients.append(client)
+                return tokens.server_count(self.config, req.messages, client, headers,
+                                           deadline)
 
-        threading.Thread(target=work, name=f"tokenize-{self.name}", daemon=True).start()
-        if not done.wait(self.config.timeout_s + 1.0):
-            for client in clients:
-                with contextlib.suppress(Exception):
-                    client.close()
+        result = _within(f"tokenize-{self.name}", self.config.timeout_s + 1.0, count)
+        if result is _LATE:
             log.info("provider %r: tokenize took longer than timeout_s; using the estimate",
                      self.name)
             self.tokenizer_failure = "it took longer than timeout_s"
             return None
-        if isinstance(outcome[0], BaseException):
+        if isinstance(result, BaseException):
             log.info("provider %r: tokenize failed (%s); using the estimate", self.name,
-                     type(outcome[0]).__name__)
-            self.tokenizer_failure = escape_text(str(outcome[0])[:200]) or \
-                type(outcome[0]).__name__
+                     type(result).__name__)
+            self.tokenizer_failure = escape_text(str(result)[:200]) or type(result).__name__
             return None
         self.tokenizer_failure = None
-        return int(outcome[0])
+        return int(result)
 
     def tokenizer_note(self) -> str:
         """Why the configured tokenizer was not used, and the likely fix: a llama.cpp
@@ -417,34 +420,18 @@ class OpenAIProvider:
             if time.monotonic() > deadline:
                 raise TimeoutError("the server took too long")
 
-        outcome: list[Any] = []
-        clients: list[httpx.Client] = []
-        done = threading.Event()
+        def fetch(clients: list[httpx.Client]) -> Any:
+            with self._client() as client:
+                clients.append(client)
+                with client.stream("GET", url, headers=headers) as response:
+                    if response.status_code != 200:
+                        return None
+                    return jsonio.loads(read_body(response, 1 << 20, in_time))
 
-        def fetch() -> None:
-            try:
-                with self._client() as client:
-                    clients.append(client)  # closed below at the total deadline
-                    with client.stream("GET", url, headers=headers) as response:
-                        if response.status_code == 200:
-                            outcome.append(jsonio.loads(read_body(response, 1 << 20,
-                                                                  in_time)))
-            except (*HTTPX_ERRORS, BodyTooLarge, BodyUndecodable, TimeoutError, ValueError,
-                    RecursionError):
-                pass
-            finally:
-                done.set()
-
-        # In a helper thread, closed at the deadline: httpx's timeouts bound each read,
-        # and a server trickling one header line every half second kept `providers
-        # check` waiting past two minutes (a hostile-input trial).
-        threading.Thread(target=fetch, name=f"get-{self.name}", daemon=True).start()
-        if not done.wait(bound_s + 0.5):
-            for client in clients:
-                with contextlib.suppress(Exception):  # racing the helper thread
-                    client.close()
+        result = _within(f"get-{self.name}", bound_s + 0.5, fetch)
+        if result is _LATE or isinstance(result, BaseException):  # whatever the server did
             return None
-        return outcome[0] if outcome else None
+        return result
 
     def _model_listing(self, limit_s: float) -> list[dict[str, Any]] | None:
         """The entries of ``GET {base_url}/models`` (the OpenAI API's list,

@@ -97,6 +97,16 @@ def read_script_lines(path: Path) -> list[bytes]:
     return [line for _, line in script_lines(read_bounded(path, MAX_SCRIPT_FILE_BYTES), path)]
 
 
+def count_script_lines(path: Path) -> int:
+    """How many reply lines the script at ``path`` holds (:func:`iter_script_lines`),
+    without keeping them.
+
+    Raises:
+        OSError: as :func:`read_script_lines`.
+    """
+    return sum(1 for _ in iter_script_lines(read_bounded(path, MAX_SCRIPT_FILE_BYTES), path))
+
+
 class ScriptedProvider:
     """Serves reply line ``call_index`` of a JSON Lines file.
 

@@ -37,7 +37,7 @@ from investigation.constants import PROMPT_VERSION, REPLY_SCHEMA_VERSION
 from investigation.errors import ProviderError, TransientProviderError
 from investigation.llm.dialects import canonical_dialect
 from investigation.llm.openai import OpenAIProvider
-from investigation.llm.scripted import read_script_lines
+from investigation.llm.scripted import count_script_lines
 from investigation.llm.types import PROVIDER_CREDENTIALS_MISSING, ChatRequest
 from investigation.loop.contract import ReplyRejected, read_reply
 from investigation.loop.prompt import build_messages
@@ -274,7 +274,7 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
     if config.kind != "openai":
         script = Path(base_dir) / (config.path or "")
         try:
-            lines = len(read_script_lines(script))
+            lines = count_script_lines(script)
         except (OSError, ValueError) as exc:
             return ProbeResult(config.name, config.kind, None, "unreachable",
                                "PROVIDER_SCRIPT_UNREADABLE",

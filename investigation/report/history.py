@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -336,12 +337,21 @@ def usage_totals(store: Store, case_id: str) -> dict[str, int | None]:
         op_ids = s.exec(select(LLMOperation.id).where(LLMOperation.case_id == case_id)).all()
         attempts = s.exec(select(LLMAttempt).where(
             col(LLMAttempt.operation_id).in_(list(op_ids) or [-1]))).all()
-    prompt = [a.prompt_tokens for a in attempts if a.prompt_tokens is not None]
-    completion = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
     answered = sum(a.status == ATTEMPT_SUCCEEDED for a in attempts)
     failed = sum(a.status in (ATTEMPT_FAILED, ATTEMPT_REJECTED) for a in attempts)
-    return {"calls": answered, "attempts": len(attempts), "failed": failed,
-            "model_ms": sum(_ms(a.started_at, a.finished_at) or 0 for a in attempts),
+    totals = _attempt_totals(attempts)
+    return {"calls": answered, "attempts": len(attempts), "failed": failed, **totals,
+            "model_ms": totals["model_ms"] or 0}
+
+
+def _attempt_totals(attempts: Sequence[LLMAttempt]) -> dict[str, int | None]:
+    """``{"model_ms", "prompt_tokens", "completion_tokens"}`` of ``attempts``: their wall
+    time in milliseconds (``None`` without attempts) and reported tokens (``None`` when
+    none was reported)."""
+    prompt = [a.prompt_tokens for a in attempts if a.prompt_tokens is not None]
+    completion = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
+    return {"model_ms": sum(_ms(a.started_at, a.finished_at) or 0 for a in attempts)
+            if attempts else None,
             "prompt_tokens": sum(prompt) if prompt else None,
             "completion_tokens": sum(completion) if completion else None}
 
@@ -366,11 +376,6 @@ def step_facts(store: Store, case_id: str, step_seq: int) -> dict[str, Any]:
             LLMOperation, col(LLMOperation.id) == col(LLMAttempt.operation_id)).where(
             LLMOperation.case_id == case_id, LLMOperation.revision == revision,
             LLMOperation.step_seq == step_seq)).all()
-    prompt = [a.prompt_tokens for a in attempts if a.prompt_tokens is not None]
-    completion = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
     return {"action": plan[0] if plan else None, "operation": plan[1] if plan else None,
-            "model_ms": sum(_ms(a.started_at, a.finished_at) or 0 for a in attempts)
-            if attempts else None,
-            "prompt_tokens": sum(prompt) if prompt else None,
-            "completion_tokens": sum(completion) if completion else None}
+            **_attempt_totals(attempts)}
 
