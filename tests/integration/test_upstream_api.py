@@ -209,6 +209,10 @@ def test_status_watch_json_errors_are_one_line_and_ctrl_c_is_not_settled(
     assert missing.exit_code == 2
     (line,) = missing.stdout.splitlines()  # one JSON line, as the stream's others
     assert json.loads(line)["error"]["code"] == "CASE_NOT_FOUND"
+    # The next command of the same process prints its --json error as before, indented.
+    plain = runner.invoke(app, ["status", "case-0000000000000000", "--json"])
+    assert plain.exit_code == 2 and len(plain.stdout.splitlines()) > 1
+    assert json.loads(plain.stdout)["error"]["code"] == "CASE_NOT_FOUND"
     # A usage error, as the console entry point prints it: one line too.
     command = typer.main.get_command(app)
     for bad in ("1e10", "nan"):
