@@ -11,11 +11,13 @@ worker with the same options and Celery settings: chains per second, each the me
 ``--bare-batches`` (default 3) runs of that many chains (one run lasts a few seconds: a
 hiccup of the machine moved a single one by half).
 
-Side by side, in ``--rounds`` (default 3) rounds per store: bare chains run before the
-first engine run (of all stores) and after every engine run, so each engine run lies
-between two of them, and a round's ratio is the mean of the bare chains right before
-and right after its engine run over the engine's steps per second (a shared machine's speed drifts by up to a factor of two over minutes, which
-moves both alike). The figure is the median of the rounds' ratios; every round is
+Side by side, in ``--rounds`` (default 3) rounds, the stores taking turns within each
+round (SQLite 1, PostgreSQL 1, SQLite 2, ...): bare chains run before the first engine
+run and after every engine run, so each engine run lies between two of them, and a
+round's ratio is the mean of the bare chains right before and right after its engine
+run over the engine's steps per second (a shared machine's speed drifts by up to a
+factor of two over minutes, which moves both alike). The figure is the median of the
+rounds' ratios; every round is
 printed. Target: bare chains per second / engine steps per second <= 2.5, on a SQLite
 store and on PostgreSQL (a fresh schema of ``--postgres`` per round, dropped afterwards;
 ``--no-postgres`` skips it).
@@ -276,11 +278,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             return measured
 
         # Bare chains before the first engine run and after every one: each engine run
-        # is compared with the bare chains right before and right after it.
+        # is compared with the bare chains right before and right after it. The stores
+        # take turns round by round (SQLite 1, PostgreSQL 1, SQLite 2, ...): a machine
+        # whose speed drifts over the run (bare chains 30 to 44 per second from the first
+        # run to the last, 2026-12-07) moves both stores' ratios alike, where all SQLite
+        # rounds first and all PostgreSQL rounds last gave the drift to one store.
         before = bare()
-        for name in names:
-            ratios: list[float] = []
-            for i in range(1, args.rounds + 1):
+        ratios: dict[str, list[float]] = {name: [] for name in names}
+        rows: dict[str, list[str]] = {name: [] for name in names}
+        for i in range(1, args.rounds + 1):
+            for name in names:
                 url, drop = fresh_store(name, i)
                 print(f"engine on {name}, round {i}: {args.cases} cases at once ...",
                       flush=True)
@@ -294,16 +301,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 admin.flushdb()
                 after = bare()
                 ratio = (before[0] + after[0]) / 2 / rate
-                ratios.append(ratio)
-                lines.append(f"    engine steps/s on {name:10s} round {i}  {rate:7.1f}   bare "
-                             f"chains/s before and after {before[0]:.1f} and {after[0]:.1f}; "
-                             f"mean / engine steps/s {ratio:5.2f}x   [{load}]")
-                lines.append(f"        {cpu}")
+                ratios[name].append(ratio)
+                rows[name].append(
+                    f"    engine steps/s on {name:10s} round {i}  {rate:7.1f}   bare "
+                    f"chains/s before and after {before[0]:.1f} and {after[0]:.1f}; "
+                    f"mean / engine steps/s {ratio:5.2f}x   [{load}]")
+                rows[name].append(f"        {cpu}")
                 before = after
-            median = figures[f"ratio_{name.lower()}"] = statistics.median(ratios)
+        for name in names:
+            lines.extend(rows[name])
+            median = figures[f"ratio_{name.lower()}"] = statistics.median(ratios[name])
             summary.append(f"    bare chains/s / engine steps/s, {name:10s}  "
                            f"{median:5.2f}x   (median of "
-                           f"{', '.join(f'{r:.2f}x' for r in ratios)})   (target <= 2.5)")
+                           f"{', '.join(f'{r:.2f}x' for r in ratios[name])})   "
+                           f"(target <= 2.5)")
     finally:
         admin.flushdb()
         admin.close()
