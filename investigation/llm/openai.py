@@ -180,6 +180,10 @@ class OpenAIProvider:
         #: A window the server stated that is no token count, named for the probe's
         #: note (``served_window``), or ``None``.
         self.window_not_believed: str | None = None
+        #: Seconds the last :meth:`send`'s HTTP exchange took (the POST and its answer,
+        #: without counting the prompt's tokens first), or ``None`` before any; what
+        #: ``providers check`` reports as the call's seconds and tokens per second.
+        self.last_exchange_s: float | None = None
 
     @property
     def name(self) -> str:
@@ -254,9 +258,13 @@ class OpenAIProvider:
             headers["Authorization"] = f"Bearer {key}"
         secrets = [key]
         self._check_window(req, headers)
-        result = _within(f"provider-{self.name}", self.config.timeout_s + 1.0,
-                         lambda clients: self._exchange(request_bytes, headers, key, secrets,
-                                                        clients))
+        started = time.monotonic()
+        try:
+            result = _within(f"provider-{self.name}", self.config.timeout_s + 1.0,
+                             lambda clients: self._exchange(request_bytes, headers, key,
+                                                            secrets, clients))
+        finally:
+            self.last_exchange_s = time.monotonic() - started
         if result is _LATE:
             raise TransientProviderError(
                 PROVIDER_TIMEOUT,

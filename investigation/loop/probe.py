@@ -124,9 +124,10 @@ class ProbeResult:
             ``window_mismatch``, ``not_sent`` or ``skipped``.
         code: the rejection or provider error code (``None`` when ok).
         detail: the rejection detail or the provider's message (never secrets).
-        seconds: wall time of the call.
+        seconds: wall time of the chat call's HTTP exchange (a configured tokenizer's
+            count before it is not included).
         prompt_tokens, completion_tokens: usage the server reported.
-        tokens_per_s: completion tokens per second of wall time, when reported.
+        tokens_per_s: completion tokens per ``seconds``, when reported.
         action: the reply's ``next.action`` when it parsed.
         base_url: the address probed, a password in it masked (``None`` for a scripted
             provider).
@@ -298,21 +299,26 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
                               case_id="probe", metadata={"case_id": "probe"})
         provider = OpenAIProvider(config, env if env is not None else dict(os.environ))
         started = time.monotonic()
+
+        def call_seconds() -> float:
+            # The chat call's own exchange: the configured tokenizer's count before it
+            # (a server round trip, or a wait until timeout_s) is not the model's time.
+            taken = provider.last_exchange_s
+            return round(time.monotonic() - started if taken is None else taken, 3)
+
         try:
             reply = provider.send(provider.build_request_bytes(request), request)
         except TransientProviderError as exc:
             verdict = _no_answer_verdict(exc) if exc.code in _NO_ANSWER else "refused"
             return ProbeResult(config.name, config.kind, dialect, verdict, exc.code,
-                               exc.message, round(time.monotonic() - started, 3),
-                               base_url=_shown(config.base_url))
+                               exc.message, call_seconds(), base_url=_shown(config.base_url))
         except ProviderError as exc:
             # A key that is not set stops the request before any connection: the server
             # was never asked (neither reachable nor refusing).
             verdict = "not_sent" if exc.code in _NOT_SENT else "refused"
             return ProbeResult(config.name, config.kind, dialect, verdict, exc.code,
-                               exc.message, round(time.monotonic() - started, 3),
-                               base_url=_shown(config.base_url))
-        seconds = round(time.monotonic() - started, 3)
+                               exc.message, call_seconds(), base_url=_shown(config.base_url))
+        seconds = call_seconds()
         rate = (round(reply.completion_tokens / seconds, 1)
                 if reply.completion_tokens and seconds > 0 else None)
 

@@ -215,6 +215,24 @@ def test_a_tokenizer_that_fails_is_named_with_its_likely_fix(tmp_path: Path) -> 
             res.output.split())
 
 
+def test_the_calls_seconds_leave_out_the_tokenizers_count() -> None:
+    """`seconds` and `tokens/s` are the chat call's: a re-trial saw a slow tokenizer's wait
+    (up to `timeout_s`) counted as the model's time, halving its tokens per second."""
+    from investigation.llm.replay_server import TOKENIZE_COUNT_PATH
+
+    with ReplayServer([VALID], model="m") as server:
+        server.add_faults(Fault(delay_s=1.5, path=TOKENIZE_COUNT_PATH))
+        result = probe_provider(ProviderConfig(
+            name="a", kind="openai", base_url=server.base_url, model="m",
+            structured_output="llama_cpp", context_window_tokens=32768,
+            tokenizer="llama-cpp-python"), env={})
+        assert result.verdict == "ok", result
+        assert "tokenizer" not in (result.detail or ""), result.detail  # it answered
+        paths = [r.path for r in server.requests]
+        assert paths.index(TOKENIZE_COUNT_PATH) < paths.index("/v1/chat/completions"), paths
+        assert result.seconds is not None and result.seconds < 1.0, result.seconds
+
+
 def test_a_model_name_the_server_does_not_list_is_named(tmp_path: Path) -> None:
     """A server that serves one model answers a request for any name: a misspelt `model`
     passed `providers check`, and every record would name a model that never answered (a
