@@ -258,6 +258,17 @@ def _demo_store_hint(settings: Settings) -> str:
             f"INVESTIGATE_HOME={shlex.quote(shown)})")
 
 
+def _currency(settings: Settings) -> str:
+    """The label of model costs: ``limits.currency`` of the policy file
+    (``INVESTIGATE_CONFIG``), else the default.
+
+    Raises:
+        InvestigationError: the policy file is unreadable or invalid.
+    """
+    return (InvestigationConfig.load(settings.config) if settings.config
+            else InvestigationConfig()).limits.currency
+
+
 def _store(settings: Settings, existing: bool = False) -> Store:
     """Open the store (``workers.stores.open_store``), its ``STORE_NOT_FOUND`` naming the
     demo's own store where there is one."""
@@ -657,9 +668,7 @@ def status_cmd(
     if as_json:  # model costs are in micros of limits.currency
         _print_json({**info, "next": g.to_dict()})
         return
-    currency = (InvestigationConfig.load(settings.config) if settings.config
-                else InvestigationConfig()).limits.currency
-    out.print(status_view(info, g, currency))
+    out.print(status_view(info, g, _currency(settings)))
 
 
 def _run_holds(settings: Settings, case_id: str) -> bool:

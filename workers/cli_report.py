@@ -32,6 +32,7 @@ from workers.cli import (
     CaseArg,
     JsonOpt,
     _controlled,
+    _currency,
     _print_json,
     _settings,
     _store,
@@ -65,7 +66,9 @@ def report_cmd(
     network (no script, no external file).
     """
     target = output or Path(f"{case_id}.html")
-    size = write_report(_store(_settings(), existing=True), case_id, target)
+    settings = _settings()
+    size = write_report(_store(settings, existing=True), case_id, target,
+                        currency=_currency(settings))
     if as_json:
         _print_json({"case_id": case_id, "path": str(target.resolve()), "bytes": size})
         return

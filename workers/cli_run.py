@@ -20,9 +20,10 @@ from investigation import guidance, operations
 from investigation.cases.reader import PackageReader
 from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
+from investigation.evidence.figures import evidence_text
 from investigation.files import write_atomic
 from investigation.loop.outcome import Outcome
-from investigation.operations import evidence_text, summary_bytes
+from investigation.operations import summary_bytes
 from workers.cli import (
     EXAMPLE_CASE,
     CaseArg,

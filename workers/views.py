@@ -13,10 +13,10 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from investigation.evidence.figures import evidence_text
 from investigation.guidance import Guidance
 from investigation.llm.spend import format_money
 from investigation.loop.outcome import Outcome, last_outcome_text
-from investigation.operations import evidence_text
 from investigation.text_safety import escape_text
 
 
@@ -79,7 +79,8 @@ def print_guidance(console: Console, g: Guidance) -> None:
 
 
 def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
-    """Model calls, attempts, tokens and cost per hypothesis (``llm.spend``), or None."""
+    """Model calls, attempts, tokens and cost per hypothesis (``llm.spend``) and, with more
+    than one row, their total; or None."""
     usage = info.get("model_usage", {}).get("hypotheses") or []
     if not usage:
         return None
@@ -99,6 +100,19 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
                       f"{u['completion_tokens']}{partial}" if reported else "not reported",
                       "not priced" if u["cost_micros"] is None
                       else format_money(u["cost_micros"], currency))
+    if len(usage) > 1:
+        # The case's total (an engineer reading a long case added four rows by hand; only
+        # status --json had it).
+        priced = [u["cost_micros"] for u in usage if u["cost_micros"] is not None]
+        reported = any(u["tokens_reported"] for u in usage)
+        table.add_section()
+        table.add_row("total", str(sum(u["calls"] for u in usage)),
+                      str(sum(u["attempts"] for u in usage)),
+                      str(sum(u["prompt_tokens"] for u in usage)) if reported
+                      else "not reported",
+                      str(sum(u["completion_tokens"] for u in usage)) if reported
+                      else "not reported",
+                      format_money(sum(priced), currency) if priced else "not priced")
     return table
 
 

@@ -2,7 +2,9 @@
 
 Built only from stored rows (no clock, no randomness, fixed ordering), so the same
 store gives the same bytes. It reports balances, confidence, dispositions, evidence
-(quoting the snapshot's text) and outstanding questions, a countercheck marker per
+(quoting the snapshot's text; a duplicate record names the earlier record it repeats
+instead of quoting the same findings again, and a hypothesis some of whose records found
+nothing new says how many) and outstanding questions, a countercheck marker per
 hypothesis that records the actions taken on its alternatives (and which of them an
 early-diagnosis review deferred), and every early-diagnosis review with its verdict. It does not diagnose,
 select a root cause or say an alternative was disproved.
@@ -19,7 +21,8 @@ from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from investigation import jsonio
-from investigation.constants import ARTIFACT_SUMMARY, POINTER_SUMMARY
+from investigation.constants import ARTIFACT_SUMMARY, BLOCKED, POINTER_SUMMARY
+from investigation.evidence.figures import evidence_figures, records_text
 from investigation.llm import spend
 from investigation.store.engine import Store, core, table_of
 from investigation.store.models import (
@@ -30,6 +33,8 @@ from investigation.store.models import (
     HypothesisBirth,
     HypothesisNote,
     LedgerEntry,
+    LLMAttempt,
+    LLMOperation,
     Plan,
     Question,
     StageRun,
@@ -52,7 +57,8 @@ _ACCOUNTS = select(BudgetAccount).where(
 _EVIDENCE = sa_select(
     _EV.evidence_id, _EV.hypothesis_id, _EV.step_seq, _EV.operation, _EV.arguments_json,
     _EV.findings_json, _EV.warnings_json, _EV.item_count, _EV.new_item_count, _EV.duplicate,
-    _EV.cost_units, _EV.assessed, _EV.assessment_score, _EV.refund_units).where(
+    _EV.cost_units, _EV.assessed, _EV.assessment_score, _EV.refund_units,
+    _EV.fingerprint).where(
     _EV.case_id == _C["case_id"], _EV.revision == _C["revision"]).order_by(_EV.ordinal)
 _QUESTIONS = sa_select(
     _Q.question_id, _Q.hypothesis_id, _Q.text, _Q.status, _Q.resolved_step,
@@ -62,6 +68,21 @@ _LEDGER = sa_select(_LE.hypothesis_id, _LE.kind, _LE.amount_units).where(
     _LE.case_id == _C["case_id"], _LE.revision == _C["revision"])
 _STEPS = sa_select(func.count()).select_from(table_of(Checkpoint)).where(
     _CP.case_id == _C["case_id"])
+_BLOCKS = sa_select(_CP.seq, _CP.hypothesis_id, _CP.reason).where(
+    _CP.case_id == _C["case_id"], _CP.revision == _C["revision"],
+    _CP.outcome == BLOCKED).order_by(_CP.seq)
+_OP, _AT = table_of(LLMOperation).c, table_of(LLMAttempt).c
+#: Model calls that failed for good (a block on the provider: the step ran again after
+#: the operator's resume, under a new retry id).
+_CALLS_FAILED = sa_select(_OP.step_seq, _OP.hypothesis_id, _OP.error_code,
+                          _OP.attempts_made).where(
+    _OP.case_id == _C["case_id"], _OP.revision == _C["revision"],
+    _OP.status.in_(("failed", "exhausted"))).order_by(_OP.step_seq, _OP.id)
+#: Failed attempts of model calls that were answered in the end: what a step got past.
+_RETRIED = sa_select(_OP.step_seq, _OP.hypothesis_id, _AT.error_code).join_from(
+    table_of(LLMAttempt), table_of(LLMOperation), _OP.id == _AT.operation_id).where(
+    _OP.case_id == _C["case_id"], _OP.revision == _C["revision"],
+    _OP.status == "succeeded", _AT.status == "failed").order_by(_OP.step_seq, _AT.attempt)
 _VERDICTS = sa_select(_RUN.step_seq, _RUN.stage, _RUN.output_json).where(
     _RUN.case_id == _C["case_id"], _RUN.revision == _C["revision"],
     _RUN.stage.in_(("build_context", "validate"))).order_by(_RUN.step_seq)
@@ -199,6 +220,36 @@ def _reviews(s: Session, case_id: str, revision: int) -> list[str]:
     return lines
 
 
+def _interruptions(s: Session, case_id: str, revision: int) -> list[str]:
+    """The section on what stopped or held up the case, or nothing when nothing did: each
+    block (a published ``BLOCKED`` step, or a model call that failed for good; the case
+    went on after a resume, since the summary is of a finished case) and each model call
+    answered only after failed attempts, in step order (an engineer reading a 500-step
+    case found three blocks and three retries in no summary line)."""
+    of = {"case_id": case_id, "revision": revision}
+    conn = core(s)
+
+    def at(step: int, hid: int | None) -> str:
+        return f"- Step {step}" + (f" (hypothesis {hid})" if hid is not None else "")
+
+    lines = [(b.seq, f"{at(b.seq, b.hypothesis_id)}: blocked, "
+              f"{b.reason or 'no reason recorded'}; resumed, the case went on at step "
+              f"{b.seq + 1}") for b in conn.execute(_BLOCKS, of)]
+    lines += [(step, f"{at(step, hid)}: blocked, the model call failed with "
+               f"{code or 'no code recorded'} after {made} attempt{'s' if made != 1 else ''}; "
+               "resumed, the step ran again")
+              for step, hid, code, made in conn.execute(_CALLS_FAILED, of)]
+    retried: dict[tuple[int, int | None], list[str]] = {}
+    for step, hid, code in conn.execute(_RETRIED, of):
+        retried.setdefault((step, hid), []).append(code or "unknown error")
+    lines += [(step, f"{at(step, hid)}: the model call was answered after {len(codes)} "
+               f"failed attempt{'s' if len(codes) != 1 else ''} ({', '.join(codes)})")
+              for (step, hid), codes in retried.items()]
+    if not lines:
+        return []
+    return ["## Interruptions", "", *(text for _, text in sorted(lines)), ""]
+
+
 def _model_usage(s: Session, case_id: str, hypotheses: list[int], currency: str) -> list[str]:
     """The model usage table: calls, tokens and money per hypothesis (``llm.spend``)."""
     usage = spend.usage_by_hypothesis(s, case_id)
@@ -287,6 +338,12 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
                 f"- Confidence: {a.confidence}",
                 f"- Balance: {a.balance_units} of {a.credit_units} units",
                 f"- Turns: {a.turns}; research iterations: {a.iterations}"]
+        own = [e for e in evidence if e.hypothesis_id == a.hypothesis_id]
+        figures = evidence_figures(e._asdict() for e in own)
+        if figures["no_new_item"]:
+            # Where a record found nothing new: the tally an engineer otherwise counted
+            # from the store (a trial: 100 identical queries of 102 records).
+            out.append(f"- Evidence records: {records_text(figures)}")
         if a.deferred_by is not None:
             out.append(f"- Deferred to assessment-only by hypothesis {a.deferred_by} at step "
                        f"{a.deferred_step} (early diagnosis); research iterations before "
@@ -303,10 +360,11 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
             out.append("- Notes:")
             out += [f"    - step {n['step_seq']}: {plain(n['note'])}" for n in notes]
         out += ["", "#### Evidence", ""]
-        own = [e for e in evidence if e.hypothesis_id == a.hypothesis_id]
         if not own:
             out.append("- none")
+        first_of: dict[str, str] = {}  # fingerprint -> the hypothesis's first such record
         for e in own:
+            original = first_of.setdefault(e.fingerprint, e.evidence_id)
             args = json.dumps(jsonio.loads(e.arguments_json), sort_keys=True, ensure_ascii=False)
             assessed = (f"assessed {e.assessment_score}/100, refund {e.refund_units}"
                         if e.assessed else "not assessed")
@@ -314,9 +372,14 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
             out.append(f"- **{e.evidence_id}** (step {e.step_seq}) `{e.operation}` "
                        f"{code_span(args)}: "
                        f"{e.item_count} item(s), {e.new_item_count} new"
-                       + (", duplicate" if e.duplicate else "")
+                       + (f", duplicate of {original}" if e.duplicate and original !=
+                          e.evidence_id else ", duplicate" if e.duplicate else "")
                        + f"; cost {e.cost_units}; {assessed}"
                        + (f"; warnings: {', '.join(warn)}" if warn else ""))
+            if e.duplicate and original != e.evidence_id:
+                # The same operation, arguments and findings (the fingerprint): quoted once,
+                # at the first record (a 500-step case quoted 100 copies of one listing).
+                continue
             items = jsonio.loads(e.findings_json)
             out += [_quote(i) for i in items[:MAX_QUOTED_ITEMS]]
             if len(items) > MAX_QUOTED_ITEMS:
@@ -332,6 +395,7 @@ def render_summary(s: Session, case_id: str, revision: int, currency: str = "USD
                 else:
                     out.append(f"- {q.question_id} (open): {plain(q.text)}")
         out.append("")
+    out += _interruptions(s, case_id, revision)
     out += _model_usage(s, case_id, [a.hypothesis_id for a in accounts], currency)
     out += ["## Early diagnosis reviews", ""]
     out += _reviews(s, case_id, revision) or ["- none"]

@@ -16,18 +16,21 @@ from investigation.store.engine import Store
 __all__ = ["CaseHistory", "StepRow", "case_history", "render_report", "write_report"]
 
 
-def render_report(store: Store, case_id: str, env: str | None = None) -> str:
+def render_report(store: Store, case_id: str, env: str | None = None,
+                  currency: str = "USD") -> str:
     """The self-contained HTML report of ``case_id`` (``env`` prefixes the commands of its
     next steps, e.g. ``"INVESTIGATE_HOME=.investigate/demo "``; default
-    ``investigation.guidance.shell_env()``).
+    ``investigation.guidance.shell_env()``; ``currency`` labels model costs,
+    ``limits.currency``).
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``.
     """
-    return render(case_history(store, case_id, env))
+    return render(case_history(store, case_id, env, currency))
 
 
-def write_report(store: Store, case_id: str, path: Path, env: str | None = None) -> int:
+def write_report(store: Store, case_id: str, path: Path, env: str | None = None,
+                 currency: str = "USD") -> int:
     """Write the report to ``path`` (UTF-8; replaced atomically, ``files.write_atomic``),
     creating its missing parent directories (as ``case build -o`` does) once the report is
     rendered. Returns its size in bytes.
@@ -37,7 +40,7 @@ def write_report(store: Store, case_id: str, path: Path, env: str | None = None)
         OSError: the file cannot be written, or ``path`` names something other than a
             regular file (a device, a FIFO, a directory).
     """
-    data = render_report(store, case_id, env).encode("utf-8", "backslashreplace")
+    data = render_report(store, case_id, env, currency).encode("utf-8", "backslashreplace")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, data)
     return len(data)

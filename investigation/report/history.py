@@ -121,6 +121,8 @@ class CaseHistory:
     tests: list[dict[str, Any]]
     reviews: list[dict[str, Any]]
     guidance: Guidance
+    #: The label of model costs (``limits.currency``).
+    currency: str = "USD"
 
     @property
     def case_id(self) -> str:
@@ -148,9 +150,11 @@ def _items(findings_json: str) -> list[dict[str, str]]:
     return out
 
 
-def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHistory:
+def case_history(store: Store, case_id: str, env: str | None = None,
+                 currency: str = "USD") -> CaseHistory:
     """Read the whole history of ``case_id`` (see the module docstring); ``env`` prefixes
-    the guidance's commands (``investigation.guidance.for_case``).
+    the guidance's commands (``investigation.guidance.for_case``); ``currency`` labels
+    model costs (``limits.currency``).
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``.
@@ -320,7 +324,7 @@ def case_history(store: Store, case_id: str, env: str | None = None) -> CaseHist
                     for b in births},
         steps=[steps[k] for k in seqs], confidence=confidence, ledger=dict(ledger),
         evidence=evidence, questions=questions, tests=tests, reviews=reviews,
-        guidance=guidance)
+        guidance=guidance, currency=currency)
 
 
 def usage_totals(store: Store, case_id: str) -> dict[str, int | None]:

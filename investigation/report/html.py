@@ -9,7 +9,8 @@ Sections: the case at a glance and what to do next; the hypotheses; charts (time
 confidence, budget burn-down per account, model time and tokens); the step timeline;
 the evidence with exact quotes and artifact paths; questions; external tests;
 early-diagnosis reviews; the lifecycle. A long case stays readable: the timeline table
-scrolls inside its own box with a sticky header, and each evidence record's findings sit
+scrolls inside its own box with a sticky header and sticky step and hypothesis
+columns, and each evidence record's findings sit
 in a closed ``<details>`` element (at most :data:`MAX_ITEMS_SHOWN` quotes each; the
 artifact path holds all of them).
 """
@@ -19,9 +20,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from investigation.evidence.figures import evidence_figures, records_text, scores_text
+from investigation.llm.spend import format_money
 from investigation.loop.outcome import last_outcome_text
 from investigation.loop.scheduler import FIRST_TURN, HIGHEST_CONFIDENCE
-from investigation.operations import evidence_figures, records_text, scores_text
 from investigation.report import svg
 from investigation.report.escape import html_attr, html_text
 from investigation.report.history import CaseHistory, StepRow
@@ -68,6 +70,12 @@ th{background:#f3f3f3;font-weight:600;font-size:12px}
 .scroll{overflow:auto;border:1px solid var(--line);border-radius:6px;background:#fff}
 .scroll.tall{max-height:70vh}
 .scroll.tall thead th{position:sticky;top:0;z-index:1}
+table.steps tr>:nth-child(-n+2){position:sticky;z-index:1;background:#fff;
+box-sizing:border-box}
+table.steps thead tr>:nth-child(-n+2){z-index:2;background:#f3f3f3}
+table.steps tr>:first-child{left:0;min-width:60px;max-width:60px}
+table.steps tr>:nth-child(2){left:60px;min-width:48px;max-width:48px;
+box-shadow:inset -1px 0 var(--line)}
 .chart{background:#fff;border:1px solid var(--line);border-radius:6px;padding:8px;
 margin:8px 0;overflow-x:auto}
 .multiples{display:grid;grid-template-columns:repeat(auto-fill,minmax(470px,1fr));gap:8px}
@@ -101,6 +109,7 @@ main{max-width:none;padding:0}
 #timeline,#evidence,#questions,#tests,#lifecycle{content-visibility:visible}
 .scroll,.scroll.tall{max-height:none;overflow:visible;border:0}
 .scroll.tall thead th{position:static}
+table.steps tr>:nth-child(-n+2){position:static}
 .nw{white-space:normal}
 td.wide{min-width:0}
 th,td{padding:2px 4px}
@@ -167,6 +176,14 @@ def _header(h: CaseHistory) -> list[str]:
             '<a href="#tests">Tests</a><a href="#lifecycle">Lifecycle</a></nav>']
 
 
+def _cost(status: dict[str, Any], currency: str) -> str:
+    """What the case's answered and failed model attempts cost, summed over the
+    hypotheses (``llm.spend``), or ``"not priced"`` when no provider has a price."""
+    priced = [u["cost_micros"] for u in status.get("model_usage", {}).get("hypotheses", [])
+              if u["cost_micros"] is not None]
+    return format_money(sum(priced), currency) if priced else "not priced"
+
+
 def _overview(h: CaseHistory) -> list[str]:
     st = h.status
     total_ms = sum(s.model_ms or 0 for s in h.steps)
@@ -191,6 +208,9 @@ def _overview(h: CaseHistory) -> list[str]:
         ("model time", _ms(total_ms) or "0 ms"),
         ("tokens (prompt + completion)",
          f"{prompt} + {completion}" if any_tokens else "not reported"),
+        # The money the status table shows per hypothesis, in all (an engineer reading a
+        # long case found no cost anywhere in the page).
+        ("model cost", _cost(st, h.currency)),
         ("revision", st["revision"]),
         ("package", st["package_id"][:16] + "..."),
     ]
@@ -353,7 +373,10 @@ def _timeline(h: CaseHistory) -> list[str]:
     out = ['<section id="timeline"><h2>Step timeline</h2>']
     if not h.steps:
         return [*out, '<p class="muted">No step has run yet.</p></section>']
-    out.append('<div class="scroll tall"><table><thead><tr><th>step</th><th>hyp.</th>'
+    # The step and hypothesis columns stay in place when the box scrolls sideways (an
+    # engineer scrolled to the notes of a 500-step case and lost the step numbers).
+    out.append('<div class="scroll tall"><table class="steps"><thead><tr><th>step</th>'
+               '<th>hyp.</th>'
                "<th>action / operation</th><th>outcome</th><th>rejection</th>"
                "<th>confidence</th><th>score (of)</th><th>units</th><th>evidence</th>"
                "<th>model time</th><th>tokens</th><th>note</th></tr></thead><tbody>")

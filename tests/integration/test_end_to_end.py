@@ -75,7 +75,7 @@ def test_user_flow_through_the_cli(tmp_path: Path, cli_env: Path) -> None:
     assert figures["assessed"] >= 1 and figures["score_lowest"] is not None
     line = next(x for x in ran.output.splitlines() if x.startswith("evidence records "))
     assert line == (f"evidence records 3: {3 - figures['no_new_item']} found new items, "
-                    f"{figures['no_new_item']} found none; assessment scores "
+                    f"{figures['no_new_item']} found nothing new; assessment scores "
                     f"{figures['assessed']} assessed: lowest "
                     f"{figures['score_lowest']}, median {figures['score_median']}, highest "
                     f"{figures['score_highest']}")

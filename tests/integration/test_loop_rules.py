@@ -215,6 +215,12 @@ def test_three_invalid_replies_block_and_resume_continues(tmp_path: Path) -> Non
     hyp1 = account(case, 1)
     assert (hyp1.invalid_streak, hyp1.pending_evidence_id) == (0, "E3")
     assert run_to_end(inv, case) == 2
+    # summary.md says the case was blocked and went on (an engineer reading a long case
+    # found the block only as one more rejected reply).
+    summary = operations.summary_bytes(case.store, case.case_id).decode()
+    assert "\n## Interruptions\n\n- Step 5 (hypothesis 1): blocked, " \
+        f"{BLOCK_INVALID_LLM_RESPONSES}; resumed, the case went on at step 6\n\n" \
+        "## Model usage" in summary, summary
 
 
 def test_invalid_streak_counts_only_consecutive_rejections(tmp_path: Path) -> None:

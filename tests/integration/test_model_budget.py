@@ -249,6 +249,27 @@ def test_the_cap_blocks_the_case_until_raised_and_usage_is_reported(rig: Rig) ->
                 f"{entry['prompt_tokens']} | {entry['completion_tokens']} | "
                 f"{spend.format_money(entry['cost_micros'], 'USD')} |")
         assert line in summary
+    # The case's total, in status's table and in the report (an engineer reading a long
+    # case found it only in status --json).
+    from rich.console import Console
+
+    from investigation.report import render_report
+    from workers.views import model_usage_table
+
+    total = spend.format_money(usage["spent_micros"], "EUR")
+    table = model_usage_table({"model_usage": usage}, "EUR")
+    assert table is not None
+    screen = Console(width=200, record=True)
+    screen.print(table)
+    row = next(line for line in screen.export_text().splitlines() if "total" in line)
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells == ["total", str(sum(u["calls"] for u in usage["hypotheses"])),
+                     str(sum(u["attempts"] for u in usage["hypotheses"])),
+                     str(sum(u["prompt_tokens"] for u in usage["hypotheses"])),
+                     str(sum(u["completion_tokens"] for u in usage["hypotheses"])),
+                     total], cells
+    page = render_report(rig.case.store, rig.case.case_id, currency="EUR")
+    assert f"<b>model cost</b>{total}</div>" in page
 
 
 def test_a_cap_refuses_a_provider_without_prices(rig: Rig) -> None:
@@ -271,6 +292,10 @@ def test_unpriced_usage_is_reported_in_tokens(rig: Rig) -> None:
     assert all(u["cost_micros"] is None and u["prompt_tokens"] > 0 for u in usage["hypotheses"])
     assert "| 1 | 3 | 3 |" in summary and "| 2 | 2 | 2 |" in summary
     assert "not priced |" in summary
+    from investigation.report import render_report
+
+    assert "<b>model cost</b>not priced</div>" in render_report(rig.case.store,
+                                                                rig.case.case_id)
 
 
 def test_plan_call_lowers_max_tokens_to_what_the_cap_leaves() -> None:

@@ -124,6 +124,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for _ in range(20):
             if r.step().outcome == COMPLETED:
                 break
+        assert interruptions(case) == []  # nothing failed: no such section
         return outcome_state(case)
     finally:
         server.stop()
@@ -137,13 +138,24 @@ def outcome_state(case: Case) -> dict[str, Any]:
                         .order_by(col(LedgerEntry.hypothesis_id), col(LedgerEntry.step_seq),
                                   col(LedgerEntry.kind))).all()
     summary = summary_bytes(case.store, case.case_id).decode()
-    # Model usage counts every attempt, so it differs by design after failed attempts.
+    # Model usage counts every attempt and the interruptions name the failures, so both
+    # differ by design after failed attempts.
     head, _, rest = summary.partition("## Model usage")
     return {
-        "summary": head + rest[rest.index("## Early diagnosis reviews"):],
+        "summary": head.split("## Interruptions", 1)[0]
+        + rest[rest.index("## Early diagnosis reviews"):],
         "evidence": sorted((e.evidence_id, e.step_seq, e.fingerprint) for e in evidence),
         "ledger": [(r.hypothesis_id, r.step_seq, r.kind, r.amount_units) for r in ledger],
     }
+
+
+def interruptions(case: Case) -> list[str]:
+    """The lines of summary.md's ``## Interruptions`` (none: no such section)."""
+    summary = summary_bytes(case.store, case.case_id).decode()
+    if "## Interruptions" not in summary:
+        return []
+    section = summary.split("## Interruptions\n\n", 1)[1].split("\n\n", 1)[0]
+    return section.splitlines()
 
 
 def kept(case: Case) -> dict[str, Any]:
@@ -258,6 +270,9 @@ def test_transient_failure_returns_retry_pending_at_once_and_loses_nothing(
     assert step2_context(rig.case) == context
     complete(rig)
     assert outcome_state(rig.case) == reference
+    assert interruptions(rig.case) == [
+        f"- Step 2 (hypothesis 2): the model call was answered after 1 failed attempt "
+        f"({code})"]
 
 
 #: fault, block reason, error code, whether the very same request may be sent again.
@@ -305,6 +320,9 @@ def test_blocking_failure_keeps_everything_until_the_operator_resumes(
     assert rig.step().outcome == PROGRESSED
     complete(rig)
     assert outcome_state(rig.case) == reference
+    assert interruptions(rig.case) == [
+        f"- Step 2 (hypothesis 2): blocked, the model call failed with {code} after 1 "
+        "attempt; resumed, the step ran again"]
 
 
 def test_exhaustion_blocks_after_the_configured_attempts_and_keeps_everything(

@@ -114,7 +114,7 @@ def test_report_holds_every_step_chart_and_evidence(long_run: tuple[Case, Path])
     dup = sum(1 for e in history.evidence if e["duplicate"])
     empty = sum(1 for e in history.evidence if not e["new_item_count"])
     shown = f"<b>evidence records</b>{len(history.evidence)}: {len(history.evidence) - empty} " \
-        f"found new items, {empty} found none"
+        f"found new items, {empty} found nothing new"
     assert shown + (f" ({dup} duplicate" if dup else "</div>") in html, html[:3000]
     scores = sorted(e["assessment_score"] for e in history.evidence if e["assessed"])
     middle = statistics.median(scores)
@@ -274,6 +274,21 @@ def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) 
                 const nav = document.querySelector('nav').getBoundingClientRect().bottom;
                 return {top: r.top, head: head, nav: nav};
             }""", steps // 2)
+            # Scrolled to the far right (the notes), a row still shows its step and
+            # hypothesis at the box's left edge (an engineer lost them in a long case).
+            sideways: dict[str, Any] = page.evaluate("""(seq) => {
+                const box = document.querySelector('#timeline .scroll');
+                box.scrollLeft = box.scrollWidth;
+                const cells = document.getElementById('step-' + seq).children;
+                const left = box.getBoundingClientRect().left;
+                const at = cells[0].getBoundingClientRect();
+                return {scrolled: box.scrollLeft, wide: box.scrollWidth - box.clientWidth,
+                        step: at.left - left,
+                        hyp: cells[1].getBoundingClientRect().left - at.right,
+                        text: cells[0].textContent,
+                        shown: document.elementFromPoint(at.left + 5, at.top + 5)
+                               === cells[0]};
+            }""", steps // 2)
             # Printed, nothing is cut off: every step row and every record's findings.
             page.emulate_media(media="print")
             printed: dict[str, Any] = page.evaluate("""() => {
@@ -298,6 +313,9 @@ def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) 
     assert landed["shown"] and landed["summary"] >= landed["nav"] - 1, landed
     assert row["top"] >= max(row["head"], row["nav"]) - 1, row
     assert printed["clipped"] <= 1 and printed["rows"] == steps, printed
+    assert sideways["wide"] > 0 and sideways["scrolled"] > 0, sideways  # it did scroll
+    assert abs(sideways["step"]) <= 2 and abs(sideways["hyp"]) <= 1, sideways
+    assert sideways["text"] == str(steps // 2) and sideways["shown"], sideways
     assert printed["quotes"] > 0 and printed["hidden"] == 0, printed
     assert (tmp_path / "report.png").stat().st_size > 10_000
 

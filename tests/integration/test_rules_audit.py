@@ -87,6 +87,24 @@ def test_repeated_query_is_a_duplicate_without_refund_and_ends_low_information(
     assert (hyp1.status, hyp1.disposition_reason, hyp1.iterations) == \
         (rules.FINISHED, "low_information: nothing new", 3)
 
+    # summary.md: the hypothesis says what its records amount to, and a duplicate names
+    # the record it repeats instead of quoting the same findings again (a 500-step case's
+    # summary quoted 100 copies of one listing).
+    summary = operations.summary_bytes(case.store, case.case_id).decode()
+    section = summary.split("### Hypothesis 1", 1)[1].split("### Hypothesis 2", 1)[0]
+    assert "- Evidence records: 3: 1 found new items, 2 found nothing new (2 duplicates " \
+        "of earlier records)\n" in section, section
+    lines = section.split("#### Evidence", 1)[1].strip().splitlines()
+    assert lines[0].startswith("- **E1** (step 1) `source.search`") and \
+        ": 1 item(s), 1 new; cost" in lines[0], lines
+    assert lines[1].startswith("    - `shop/pricing.py:"), lines  # E1's finding, quoted
+    for line, (ev, step) in zip(lines[2:4], (("E2", 3), ("E3", 4)), strict=True):
+        assert line.startswith(f"- **{ev}** (step {step}) `source.search`") and \
+            ": 1 item(s), 0 new, duplicate of E1; cost" in line, lines
+    assert not lines[4:] or not lines[4].startswith("    - "), lines  # no quote repeated
+    # A hypothesis whose every record found something new has no such line (the demo's).
+    assert "- Evidence records:" not in summary.split("### Hypothesis 2", 1)[1]
+
 
 # -- rule 3: context and novelty use only the current revision's evidence ----------------
 

@@ -1,8 +1,8 @@
-"""``operations.evidence_figures``: what a revision's evidence records amount to."""
+"""``evidence.figures``: what a revision's evidence records amount to."""
 
 from __future__ import annotations
 
-from investigation.operations import evidence_figures, records_text, scores_text
+from investigation.evidence.figures import evidence_figures, records_text, scores_text
 
 
 def _record(duplicate: bool, new: int, score: int | None) -> dict[str, object]:
@@ -17,12 +17,12 @@ def test_a_worthless_run_shows_in_its_figures() -> None:
     fig = evidence_figures(records)
     assert fig == {"records": 9, "duplicate": 8, "no_new_item": 8, "assessed": 8,
                    "score_lowest": 0, "score_median": 0, "score_highest": 0}
-    assert records_text(fig) == "9: 1 found new items, 8 found none (8 duplicates of " \
+    assert records_text(fig) == "9: 1 found new items, 8 found nothing new (8 duplicates of " \
         "earlier records)"
     assert records_text(evidence_figures([_record(False, 2, 50), _record(True, 0, 0)])) == \
-        "2: 1 found new items, 1 found none (1 duplicate of earlier records)"
+        "2: 1 found new items, 1 found nothing new (1 duplicate of earlier records)"
     assert records_text(evidence_figures([_record(False, 2, 50)])) == \
-        "1: 1 found new items, 0 found none"
+        "1: 1 found new items, 0 found nothing new"
     assert scores_text(fig) == "8 assessed: lowest 0, median 0, highest 0"
 
 
