@@ -209,6 +209,27 @@ def _watch(f: CaseFacts, mode: Mode) -> list[Step]:
                  f"investigate status {_q(f.case_id)} --watch")]
 
 
+#: The first step of PROVIDER_EXHAUSTED by the last attempt's error: a server that
+#: answered with garbage was told to "make the provider reachable" (a fleet trial).
+_ANSWERED = {
+    "PROVIDER_MALFORMED_RESPONSE": "the server answered, but not with a chat completion: "
+    "check that base_url is its OpenAI-compatible address (ending in /v1) and read the "
+    "server's log",
+    "PROVIDER_SERVER_ERROR": "the server answered with errors (HTTP 5xx): read its log "
+    "and fix or restart it",
+    "PROVIDER_RATE_LIMITED": "the server kept refusing for its rate limit: wait, or raise "
+    "the limit or attempts in the providers file",
+    "PROVIDER_TIMEOUT": "the model answered too slowly: raise timeout_s in the providers "
+    "file above the seconds a call takes (`investigate providers check` measures one)",
+}
+
+
+def _reach_step(error_code: str | None) -> Step:
+    """What to fix first after every attempt failed, by the last attempt's error."""
+    return Step(_ANSWERED.get(error_code or "", "make the provider reachable (is the server "
+                              "up? the base_url and timeout_s in the providers file right?)"))
+
+
 def _script_hint(f: CaseFacts, replies: str | None) -> Step:
     where = "the scripted reply file" if replies else \
         "if the replies come from a scripted JSON Lines file"
@@ -447,9 +468,7 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
         return Guidance(
             f"Blocked: every attempt to reach the model failed{_why(f)}. Nothing was "
             "charged.",
-            (Step("make the provider reachable (is the server up? the base_url and "
-                  "timeout_s in the providers file right?)"),
-             resume_retry, *_continue(f, mode, providers)))
+            (_reach_step(f.error_code), resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_CONFIGURATION:
         script = f.error_code in ("PROVIDER_SCRIPT_EXHAUSTED", "PROVIDER_SCRIPT_UNREADABLE")
         # Which line the blocked call reads is said once, by the reply-file step below.
@@ -469,8 +488,9 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
     if reason == BLOCK_PROVIDER_CREDENTIALS:
         return Guidance(
             f"Blocked: the provider refused the credentials{_why(f)}.",
-            (Step("set the environment variable the providers file names in api_key_env "
-                  "(the key itself never goes into a file or the store)" + _by_mode(
+            (Step("set the key in the environment variable the provider's api_key_env "
+                  "names (a provider without api_key_env sends no key: add it, naming the "
+                  "variable; the key itself never goes into a file or the store)" + _by_mode(
                       mode, " in the shell that runs `investigate run`",
                       "; workers read it when they start, so restart them after setting it",
                       ": in the shell of `investigate run`; workers read it when they "

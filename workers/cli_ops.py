@@ -265,8 +265,8 @@ def _refuse_a_second_beat(settings: Settings) -> None:
         named = ", ".join(f"{b.get('host')} (pid {b.get('pid')}, last seen {b.get('at')})"
                           for b in beats)
         raise InvestigationError(
-            "BEAT_RUNNING", f"a beat already sends queue {settings.queue!r}'s recovery "
-            f"sweeps: {named}; run exactly one per deployment (a second sends every sweep "
+            "BEAT_RUNNING", f"a beat already sends the recovery sweeps of queue "
+            f"{settings.queue!r}: {named}; run exactly one per deployment (a second sends every sweep "
             f"twice). Stop that one first; one that died on another host is forgotten "
             f"{HEARTBEAT_TTL_S} s after its last heartbeat")
 
@@ -483,6 +483,31 @@ def db_upgrade(
     store = _schema_store(_settings())
     before = current_revisions(store.engine)
     upgrade(store.engine, revision, allow_other_tables=allow_other_tables)
+    after = current_revisions(store.engine)
+    if as_json:
+        sys.stdout.write(json.dumps({"before": before, "after": after}) + "\n")
+        return
+    out.print(f"store at {', '.join(after) or 'none'}"
+              + (f" (was {', '.join(before) or 'none'})" if before != after
+                 else " (nothing to do)"), highlight=False)
+
+
+@db_app.command("downgrade", epilog=example(
+    "investigate db downgrade --revision 0010_entry_function"))
+@_controlled
+def db_downgrade(
+    revision: Annotated[str, typer.Option(
+        "--revision", help="the revision to go back to (`db current` shows where the store "
+        "is; docs/operations.md says what each migration's downgrade drops)")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Take the store back to an older migration. Stop the workers and take a backup
+    first: workers of this version need the newest migration."""
+    from investigation.store.migrate import current_revisions, downgrade
+
+    store = _schema_store(_settings())
+    before = current_revisions(store.engine)
+    downgrade(store.engine, revision)
     after = current_revisions(store.engine)
     if as_json:
         sys.stdout.write(json.dumps({"before": before, "after": after}) + "\n")

@@ -638,7 +638,9 @@ def parse_http_response(
         error = ProviderCredentialsError(
             PROVIDER_CREDENTIALS,
             f"provider {provider!r} refused the credentials (HTTP {status}: {excerpt}); "
-            "check the key in the variable named by api_key_env",
+            + ("check the key in the variable named by api_key_env" if any(secrets or [])
+               else "no key was sent: the provider has no api_key_env (add it, naming "
+               "the environment variable that holds the key)"),
             **details,
         )
     elif status not in RETRYABLE_STATUSES and status not in (413, 502, 503, 504) \

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -54,8 +55,58 @@ def upgrade(engine: Engine, revision: str = "head", *, allow_other_tables: bool 
                 "(alembic stamp 0001_initial)")
         if is_foreign(tables) and not allow_other_tables:
             raise foreign_store(url, tables)
+        _refuse_going_back(cfg, conn, url, revision)
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
+        conn.commit()
+
+
+def _refuse_going_back(cfg: Config, conn: Any, url: str, revision: str) -> None:
+    """``STORE_REVISION_BEHIND`` when ``revision`` is older than the store's: an upgrade
+    to it does nothing, which a fleet trial read as done ("nothing to do", exit 0)."""
+    from alembic.runtime.migration import MigrationContext
+
+    script = ScriptDirectory.from_config(cfg)
+    try:
+        target = script.get_revision(revision)
+    except Exception as exc:  # alembic's own message names what is wrong with it
+        raise StoreError("STORE_REVISION_UNKNOWN",
+                         f"no migration revision {revision!r}: {exc}") from exc
+    if target is None:
+        return
+    for current in MigrationContext.configure(conn).get_current_heads():
+        older = {r.revision for r in script.iterate_revisions(current, "base")}
+        if target.revision != current and target.revision in older:
+            raise StoreError(
+                "STORE_REVISION_BEHIND",
+                f"the store at {url} is at {current}, past {target.revision}: `db upgrade` "
+                "only goes forward. To go back, stop the workers, take a backup and run "
+                f"`investigate db downgrade --revision {target.revision}` "
+                "(docs/operations.md says what each migration's downgrade drops)")
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    """Take the database behind ``engine`` back to ``revision`` (Alembic's downgrade of
+    each migration past it; docs/operations.md says what each drops). Run with the
+    workers stopped.
+
+    Raises:
+        StoreError: ``STORE_REVISION_UNKNOWN`` for a revision no migration has;
+        ``STORE_NOT_MIGRATED`` for a store no migration ran on.
+    """
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    try:
+        ScriptDirectory.from_config(cfg).get_revision(revision)
+    except Exception as exc:
+        raise StoreError("STORE_REVISION_UNKNOWN",
+                         f"no migration revision {revision!r}: {exc}") from exc
+    if not current_revisions(engine):
+        raise StoreError("STORE_NOT_MIGRATED", "the store has no migration version: "
+                         "nothing to take back")
+    with engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
         conn.commit()
 
 

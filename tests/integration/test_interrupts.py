@@ -136,6 +136,10 @@ class Died(BaseException):
     """Stands for a process that dies while its model request is out."""
 
 
+#: The step of the tiny case's third model call (hypothesis 1's).
+STEP_OF_THIRD_CALL = 3
+
+
 def test_a_process_dying_inside_a_model_request_costs_one_attempt_more(
         tmp_path: Path, reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """The request was stored before it was sent (seed 000), so the next process finds it
@@ -175,7 +179,11 @@ def test_a_process_dying_inside_a_model_request_costs_one_attempt_more(
     assert [a.status for a in interrupted] == ["failed"]
     # The third request was hypothesis 1's third call: its row says 3 calls, 4 attempts.
     assert b"| 1 | 3 | 3 |" in reference["summary"]
-    assert got.pop("summary") == reference["summary"].replace(b"| 1 | 3 | 3 |",
-                                                              b"| 1 | 3 | 4 |")
+    # ... and its interruptions name the attempt the dead process left.
+    interruption = (f"## Interruptions\n\n- Step {STEP_OF_THIRD_CALL} (hypothesis 1): the "
+                    "model call was answered after 1 failed attempt (PROVIDER_INTERRUPTED)"
+                    "\n\n## Model usage").encode()
+    assert got.pop("summary") == reference["summary"].replace(
+        b"| 1 | 3 | 3 |", b"| 1 | 3 | 4 |").replace(b"## Model usage", interruption)
     got.pop("model_calls")
     assert got == {k: v for k, v in reference.items() if k not in ("summary", "model_calls")}

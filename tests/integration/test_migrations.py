@@ -90,3 +90,47 @@ def test_postgres_application_tables_are_not_a_store(postgres_url: str) -> None:
         store.create_schema()
     assert err.value.code == "STORE_FOREIGN" and "customers" in err.value.message
     store.dispose()
+
+
+def _back_and_forth(url: str, home: Path) -> None:
+    """`db upgrade --revision OLDER` said "nothing to do" and exited 0, and no command
+    took a store back although the docs describe each migration's downgrade (a fleet
+    trial): upgrade refuses to go back (STORE_REVISION_BEHIND), downgrade goes back."""
+    from typer.testing import CliRunner
+
+    from investigation.store.migrate import current_revisions, head_revision
+    from workers.cli import app
+
+    env = {"INVESTIGATE_DATABASE_URL": url, "INVESTIGATE_HOME": str(home)}
+    runner = CliRunner()
+    assert runner.invoke(app, ["db", "upgrade"], env=env).exit_code == 0
+    store = Store(url)
+    head = head_revision()
+    assert current_revisions(store.engine) == [head]
+    behind = runner.invoke(app, ["db", "upgrade", "--revision", "0010_entry_function"],
+                           env=env)
+    assert behind.exit_code == 2 and "STORE_REVISION_BEHIND" in behind.output, behind.output
+    assert "db downgrade --revision 0010_entry_function" in " ".join(behind.output.split())
+    assert current_revisions(store.engine) == [head]  # nothing changed
+    back = runner.invoke(app, ["db", "downgrade", "--revision", "0009_closed_history",
+                               "--json"], env=env)
+    assert back.exit_code == 0, back.output
+    assert back.output.strip() == ('{"before": ["' + head + '"], "after": '
+                                   '["0009_closed_history"]}')
+    assert current_revisions(store.engine) == ["0009_closed_history"]
+    unknown = runner.invoke(app, ["db", "downgrade", "--revision", "nope"], env=env)
+    assert unknown.exit_code == 2 and "STORE_REVISION_UNKNOWN" in unknown.output
+    assert runner.invoke(app, ["db", "upgrade"], env=env).exit_code == 0
+    assert current_revisions(store.engine) == [head]
+    assert _diff(store) == []
+    store.dispose()
+
+
+def test_sqlite_upgrade_never_goes_back_and_downgrade_does(tmp_path: Path) -> None:
+    _back_and_forth(f"sqlite:///{tmp_path / 's.db'}", tmp_path / "home")
+
+
+@pytest.mark.postgres
+def test_postgres_upgrade_never_goes_back_and_downgrade_does(postgres_url: str,
+                                                             tmp_path: Path) -> None:
+    _back_and_forth(postgres_url, tmp_path / "home")

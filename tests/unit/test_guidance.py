@@ -282,3 +282,27 @@ def test_a_step_line_says_what_the_step_did() -> None:
     assert facts_text(None) == "" and outcome_line(step)[0] == "step   4 H1: PROGRESSED"
     # An operation name is data from the store: escaped for the terminal.
     assert "\x1b" not in outcome_line(step, {"operation": "x\x1b[2J"})[0]
+
+
+@pytest.mark.parametrize(("code", "first"), [
+    ("PROVIDER_MALFORMED_RESPONSE", "the server answered, but not with a chat completion"),
+    ("PROVIDER_SERVER_ERROR", "the server answered with errors (HTTP 5xx)"),
+    ("PROVIDER_TIMEOUT", "raise timeout_s"),
+    ("PROVIDER_UNREACHABLE", "make the provider reachable (is the server up?"),
+    (None, "make the provider reachable (is the server up?"),
+])
+def test_exhaustion_says_first_what_the_last_attempt_met(code: str | None,
+                                                         first: str) -> None:
+    """A server answering 200 with an HTML page was told to "make the provider reachable"
+    (a fleet trial): the server was up."""
+    g = advise(_facts(blocked_reason="PROVIDER_EXHAUSTED", error_code=code,
+                      error_message="x"), "distributed", "p.toml")
+    assert first in g.steps[0].text, g.steps[0].text
+
+
+def test_credentials_advice_holds_without_api_key_env() -> None:
+    """A provider without api_key_env was told to check "the variable named by
+    api_key_env" (a fleet trial): the step says to add it."""
+    g = advise(_facts(blocked_reason="PROVIDER_CREDENTIALS", error_code="PROVIDER_CREDENTIALS",
+                      error_message="HTTP 401"), "distributed", "p.toml")
+    assert "a provider without api_key_env sends no key: add it" in g.steps[0].text

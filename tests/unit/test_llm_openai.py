@@ -409,3 +409,17 @@ def test_key_never_in_error_messages() -> None:
         send(provider(respond(401, body)))
     assert KEY not in str(info.value)
     assert KEY not in json.dumps(info.value.to_dict())
+
+
+def test_a_401_without_a_key_says_none_was_sent() -> None:
+    """A provider without api_key_env answered 401 and was told to "check the key in the
+    variable named by api_key_env" (a fleet trial): there was no such variable."""
+    keyless = OpenAIProvider(ProviderConfig(name="p", kind="openai", base_url="http://h/v1",
+                                            model="m"), env={},
+                             transport=httpx.MockTransport(respond(401, b"no")))
+    with pytest.raises(ProviderCredentialsError) as err:
+        send(keyless)
+    assert "no key was sent: the provider has no api_key_env" in err.value.message
+    with pytest.raises(ProviderCredentialsError) as err:
+        send(provider(respond(401, b"no")))
+    assert "check the key in the variable named by api_key_env" in err.value.message
