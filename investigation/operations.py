@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import UTC
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -68,7 +69,8 @@ def _case(store: Store, case_id: str) -> CaseRecord:
 
 
 def status(store: Store, case_id: str) -> dict[str, Any]:
-    """State, last outcome, blocked reason, balances, evidence count (every revision),
+    """State, last outcome, blocked reason and since when (``blocked_since``, ISO 8601 UTC,
+    while the case is BLOCKED), balances, evidence count (every revision),
     the current revision's evidence figures (:func:`evidence_figures`) and model usage
     (calls, tokens and cost in micros per hypothesis, ``llm.spend``) of a case."""
     case = _case(store, case_id)
@@ -115,7 +117,13 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
     return {
         "case_id": case.id, "package_id": case.package_id, "revision": case.current_revision,
         "state": case.state, "blocked_reason": case.blocked_reason,
-        "blocked_detail": detail, "hypotheses": len(births),
+        "blocked_detail": detail,
+        # The case row's last change, which the block is while the case stays blocked (a
+        # fleet operator could not tell since when a case was blocked).
+        "blocked_since": (case.updated_at if case.updated_at.tzinfo else
+                          case.updated_at.replace(tzinfo=UTC)).isoformat()
+        if case.state == CASE_BLOCKED else None,
+        "hypotheses": len(births),
         "last_outcome": case.last_outcome, "last_reason": case.last_reason,
         "retry_not_before": case.retry_not_before.isoformat() if case.retry_not_before
         else None,

@@ -149,6 +149,8 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
         line(f"last outcome {last_outcome_text(info['last_outcome'], info['last_reason'])}"
              + (f"  retry not before {info['retry_not_before']}"
                 if info.get("retry_not_before") else ""))
+    if info.get("blocked_since"):
+        line(f"blocked since {info['blocked_since']}")
     if info["blocked_detail"]:
         line(f"why: {info['blocked_detail']}")
     if "dispatch_lease_s" in info:  # a shell with a broker (workers) asked Redis

@@ -115,7 +115,9 @@ def test_script_runs_out_then_resume_with_the_printed_retry_id(cli: Case) -> Non
         "--retry-id retry-3-1"
     # `status` knows neither file from its own arguments: it names the providers file the
     # case's last `run` on this home used (and its reply file), relative to here ...
-    shown = commands(invoke("status", cli.case_id).output)
+    plain = invoke("status", cli.case_id).output
+    assert f"blocked since {info['blocked_since']}" in plain, plain  # a fleet trial
+    shown = commands(plain)
     assert ["replies", "check", "case/replies.jsonl", cli.case_id] in shown, shown
     assert ["run", cli.case_id, "--providers", "case/providers.toml"] in shown, shown
     # ... else the reply file the failing provider read, and a placeholder.

@@ -305,6 +305,9 @@ def test_blocking_failure_keeps_everything_until_the_operator_resumes(
     assert (info["state"], info["blocked_reason"]) == ("BLOCKED", reason)
     assert info["retry_not_before"] is None
     assert info["blocked_detail"].startswith(code + ": ")
+    # Since when (a fleet operator could not tell): the time of the block, in UTC.
+    since = datetime.fromisoformat(info["blocked_since"])
+    assert since.tzinfo is not None and abs(datetime.now(UTC) - since) < timedelta(minutes=1)
     assert [a["status"] for a in info["accounts"]] == ["active", "active"]  # not abandoned
     unchanged_except_context(before, kept(rig.case))
     # Blocked stays blocked: stepping again sends nothing (the same request is not resent).
@@ -317,6 +320,7 @@ def test_blocking_failure_keeps_everything_until_the_operator_resumes(
     unchanged_except_context(before, kept(rig.case))
     # The operator fixed the cause (the fault is gone) and resumes with a new retry id.
     resume(rig.case.store, rig.case.case_id, retry_id="fixed-1")
+    assert status(rig.case.store, rig.case.case_id)["blocked_since"] is None
     assert rig.step().outcome == PROGRESSED
     complete(rig)
     assert outcome_state(rig.case) == reference
