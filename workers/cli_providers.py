@@ -112,8 +112,13 @@ def check(
     else:
         table = Table("provider", "dialect", *CHECKS, "window", "seconds", "tokens/s",
                       "reply")
-        for r in results:
-            table.add_row(r.provider, r.dialect or r.kind, *_marks(r), _window_mark(r),
+        for r, entry in zip(results, loaded.providers, strict=True):
+            # The file's spelling beside the dialect it names (json_schema showed as
+            # "openai" with no word on why: a fleet trial).
+            dialect = r.dialect or r.kind
+            if r.dialect and entry.structured_output != r.dialect:
+                dialect += f" ({entry.structured_output})"
+            table.add_row(r.provider, dialect, *_marks(r), _window_mark(r),
                           "" if r.seconds is None else f"{r.seconds:.1f}",
                           "" if r.tokens_per_s is None else f"{r.tokens_per_s:g}",
                           r.action or "")

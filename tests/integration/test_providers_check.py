@@ -96,6 +96,13 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
         res = runner.invoke(app, ["providers", "check", "--providers", str(mixed)])
         assert res.exit_code == 1, res.output
         assert "strict: invalid_reply TOOL_NOT_FOUND" in res.output
+        assert "llama_cpp (" not in res.output  # a canonical name is shown alone
+        # An alias shows beside the dialect it names (json_schema showed as "openai").
+        alias = tmp_path / "alias.toml"
+        alias.write_text(_entry("aliased", server.base_url, "json_schema"))
+        res = runner.invoke(app, ["providers", "check", "--providers", str(alias)])
+        row = next(line for line in res.output.splitlines() if "aliased" in line)
+        assert "openai (json_schema)" in row, res.output
     broken = tmp_path / "broken.toml"
     broken.write_text('[[providers]]\nname = "x"\nkind = "openai"\nstructured_output = "gbnf"\n')
     res = runner.invoke(app, ["providers", "check", "--providers", str(broken)])
