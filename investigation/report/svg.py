@@ -200,6 +200,10 @@ def confidence(series: dict[int, list[tuple[int, str]]], max_seq: int) -> str:
                 "Confidence of each hypothesis over the steps", body)
 
 
+#: Shortest charge or refund mark of the burn-down (px).
+MIN_MARK_PX = 3.0
+
+
 def burndown(hypothesis_id: int, index: int, entries: list[dict[str, Any]],
              max_seq: int) -> str:
     """One account's balance over the steps with each charge and refund drawn.
@@ -230,9 +234,15 @@ def burndown(hypothesis_id: int, index: int, entries: list[dict[str, Any]],
     body: list[str] = [
         f'<text x="{_f(left)}" y="14" fill="{colour(index)}" font-weight="bold">'
         f'H{hypothesis_id}</text>']
-    for v in (range(top_value, bottom - 1, -tick) if zoomed else
-              range(0, top_value + 1, tick)):
-        label = compact(v) if not zoomed or v == top_value else f"-{compact(top_value - v)}"
+    ticks = list(range(top_value, bottom - 1, -tick) if zoomed else
+                 range(0, top_value + 1, tick))
+    # Zoomed, the ticks are balances as the title states them (400, 350, 300, ...) where
+    # they read apart; "-50", "-100" under a credit of 400 read as a negative balance (an
+    # engineer's trial). Only where the compact form cannot tell them apart (10M, 10M,
+    # ... for a spend of 278 of 10M units) are they amounts below the credit.
+    relative = zoomed and len({compact(v) for v in ticks}) < len(ticks)
+    for v in ticks:
+        label = compact(v) if not relative or v == top_value else f"-{compact(top_value - v)}"
         body.append(f'<line x1="{_f(left)}" y1="{_f(y(v))}" x2="{_f(left + plot_w)}" '
                     f'y2="{_f(y(v))}" stroke="#eee"/><text x="{_f(left - 4)}" '
                     f'y="{_f(y(v) + 4)}" text-anchor="end" fill="#555">{label}</text>')
@@ -255,9 +265,14 @@ def burndown(hypothesis_id: int, index: int, entries: list[dict[str, Any]],
                 refunded += e["amount_units"]
             tip = (f"step {e['step_seq']}: {kind} {abs(e['amount_units'])} units, balance "
                    f"{after}" + (f" ({e['reference']})" if e.get("reference") else ""))
+            # At least MIN_MARK_PX long: a refund of 1 unit of 400 was 0.5 px, and no
+            # refund of a 500-step case could be seen (an engineer's trial).
+            y1, y2 = y(balance), y(after)
+            if abs(y2 - y1) < MIN_MARK_PX:
+                y2 = y1 + (MIN_MARK_PX if kind == "charge" else -MIN_MARK_PX)
             marks.append(
-                f'<line class="{kind}" x1="{_f(px)}" y1="{_f(y(balance))}" x2="{_f(px)}" '
-                f'y2="{_f(y(after))}" stroke="{CHARGE_COLOUR if kind == "charge" else REFUND_COLOUR}" '
+                f'<line class="{kind}" x1="{_f(px)}" y1="{_f(y1)}" x2="{_f(px)}" '
+                f'y2="{_f(y2)}" stroke="{CHARGE_COLOUR if kind == "charge" else REFUND_COLOUR}" '
                 f'stroke-width="3"><title>{svg_text(tip)}</title></line>')
             balance = after
         d.append(f"H{_f(x(max_seq))}")

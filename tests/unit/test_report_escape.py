@@ -87,3 +87,28 @@ def test_bar_titles_name_their_unit_once() -> None:
     assert "<title>step 2: 420 ms</title>" in chart and "ms ms" not in chart
     tokens = svg.bars([(1, 5000.0)], 1, "tokens", "tokens", "tokens", lambda v: f"{v:.0f}")
     assert "<title>step 1: 5000 tokens</title>" in tokens
+
+
+def test_zoomed_ticks_are_balances_and_small_refunds_show() -> None:
+    """A credit of 400 spent down to 233 was labelled 400, -50, -100, ... under a title
+    of "balance 233", and 139 refunds of 1 unit were invisible (an engineer reading a
+    500-step case): ticks are balances where they read apart, and a mark is at least
+    MIN_MARK_PX long."""
+    import re
+
+    from investigation.report.svg import MIN_MARK_PX, burndown
+
+    entries = [{"step_seq": 0, "kind": "credit", "amount_units": 400,
+                "balance_after_units": 400},
+               {"step_seq": 1, "kind": "reserve", "amount_units": -170,
+                "balance_after_units": 230},
+               {"step_seq": 2, "kind": "refund", "amount_units": 1,
+                "balance_after_units": 231}]
+    drawn = burndown(1, 0, entries, 2)
+    labels = re.findall(r'text-anchor="end" fill="#555">([^<]*)</text>', drawn)
+    assert labels[:-1] and all(not label.startswith("-") for label in labels), labels
+    assert labels[0] == "400" and int(labels[-2]) < 231, labels
+    refund = re.search(r'<line class="refund" x1="[^"]*" y1="([^"]*)" x2="[^"]*" '
+                       r'y2="([^"]*)"', drawn)
+    assert refund is not None
+    assert float(refund.group(1)) - float(refund.group(2)) >= MIN_MARK_PX  # drawn upward
