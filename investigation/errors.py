@@ -119,16 +119,23 @@ class LockBusy(Exception):
         expires_in_s: seconds left of the holder's lease (Redis lock), if known: a live
             holder renews it at every stage; the lease of a worker that died runs out,
             and the recovery sweep then dispatches the case.
+        holder: the holding process (``name@host pid N``), if the lease names it.
+        renewed_s_ago: seconds since the holder took or last renewed the lease, if known.
     """
 
     code = "LOCK_BUSY"
 
-    def __init__(self, case_id: str, expires_in_s: float | None = None) -> None:
-        lease = "" if expires_in_s is None else (
+    def __init__(self, case_id: str, expires_in_s: float | None = None,
+                 holder: str | None = None, renewed_s_ago: float | None = None) -> None:
+        self.holder = holder
+        self.renewed_s_ago = renewed_s_ago
+        held = "" if holder is None else f"; held by {holder}" + (
+            "" if renewed_s_ago is None else f", renewed {renewed_s_ago:g} s ago")
+        lease = held + ("" if expires_in_s is None else (
             f"; its lease runs out in {max(1, round(expires_in_s))} s unless its holder "
             "renews it (a running stage does; if the holding worker died, the recovery "
             f"sweep dispatches the case after that, or `investigate dispatch {case_id} "
-            "--take-over` does now)")
+            "--take-over` does now)"))
         super().__init__(
             f"LOCK_BUSY: case {case_id} is already being dispatched (a worker, the recovery "
             f"sweep or another `run` holds its lock{lease}); nothing to do: `investigate "

@@ -14,7 +14,7 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import closing
 from contextvars import ContextVar
 from functools import wraps
@@ -569,8 +569,13 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
     _store(settings, existing=True)
     runtime.configure(runtime.distributed(settings))
     report = sweep(runtime.current())
+    # Whether each busy case's holder still answers (a fleet trial: a case orphaned by a
+    # killed worker read "busy" like two live ones, only its lease shorter).
+    silent = _silent_holders(settings, report.busy_holder.values())
     if as_json:
-        sys.stdout.write(json.dumps(report.to_dict(), indent=2, sort_keys=True) + "\n")
+        sys.stdout.write(json.dumps({**report.to_dict(), "busy_holder_silent": sorted(
+            c for c, name in report.busy_holder.items() if name in silent)},
+            indent=2, sort_keys=True) + "\n")
     else:
         for name in report.expired_tests:
             out.print(f"expired test {name} (deadline passed; recorded without feedback)",
@@ -579,7 +584,13 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
             out.print(f"dispatched {case_id}", highlight=False)
         for case_id in report.busy:
             lease = report.busy_lease_s.get(case_id)
+            holder = report.busy_holder.get(case_id)
+            ago = report.busy_renewed_s_ago.get(case_id)
             out.print(f"busy {case_id} (a dispatch holds its lock"
+                      + ("" if holder is None else f"; held by {holder}"
+                         + ("" if ago is None else f", renewed {ago:g} s ago")
+                         + ("; its worker does not answer ping" if holder in silent
+                            else ""))
                       + ("" if lease is None else
                          f"; its lease runs out in {lease} s unless renewed: if its worker "
                          "died, a sweep after that dispatches the case, or `investigate "
@@ -593,6 +604,24 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
                   f"{report.not_due} waiting for a provider backoff", highlight=False)
     if report.failed:
         raise typer.Exit(2)
+
+
+def _silent_holders(settings: Settings, holders: Iterable[str]) -> set[str]:
+    """Of the lease holders named ``node@host pid N``, those whose Celery node does not
+    answer a ping within a second (one broadcast; nothing when no holder names a worker
+    node, or the broker cannot be asked)."""
+    nodes = {h: h.split(" pid ", 1)[0] for h in holders if "@" in h.split(" pid ", 1)[0]}
+    if not nodes:
+        return set()
+    from workers.celery_app import app, configure
+
+    try:
+        configure(settings)
+        replies = app.control.ping(timeout=1.0) or []
+    except Exception:  # the broker cannot tell: claim nothing
+        return set()
+    alive = {name for reply in replies for name in reply}
+    return {h for h, node in nodes.items() if node not in alive}
 
 
 # -- operator ------------------------------------------------------------------------------
@@ -641,7 +670,7 @@ def status_cmd(
     info = status(store, case_id)
     held = False
     if _fleet_shell(settings) and info["state"] == "INVESTIGATING":
-        info["dispatch_lease_s"] = _dispatch_lease_s(settings, case_id)
+        info.update(_dispatch_lease(settings, case_id))
         held = bool(info["dispatch_lease_s"])
         if info["dispatch_lease_s"] == 0.0:
             # Messages no worker took: a dispatch sent while none ran waits there, and
@@ -690,25 +719,28 @@ def _run_holds(settings: Settings, case_id: str) -> bool:
     return False
 
 
-def _dispatch_lease_s(settings: Settings, case_id: str) -> float | None:
-    """Seconds left of the lease of the dispatch that holds the case's lock (workers renew
-    it at every stage), ``0.0`` when none holds it, ``None`` when Redis cannot tell (a
-    fleet trial: after a worker died, status showed nothing of the lock that kept the case
-    waiting)."""
+def _dispatch_lease(settings: Settings, case_id: str) -> dict[str, Any]:
+    """The lease of the dispatch that holds the case's lock (workers renew it at every
+    stage): ``dispatch_lease_s``, its seconds left (``0.0`` when none holds it, ``None``
+    when Redis cannot tell: a fleet trial saw nothing of the lock that kept a case
+    waiting after a worker died), and, while held, ``dispatch_holder`` (the process that
+    took or last renewed it, ``name@host pid N``) and ``dispatch_renewed_s_ago`` (a
+    second fleet trial could not tell a live holder from a dead one)."""
     import redis
 
-    from investigation.constants import REDIS_LOCK_KEY
+    from workers.locks import RedisCaseLock
 
     try:
         client = redis.Redis.from_url(settings.effective_redis_url, socket_timeout=2.0,
                                       socket_connect_timeout=2.0)
         with closing(client):
-            left_ms = client.pttl(REDIS_LOCK_KEY.format(case_id=case_id))
+            holder = RedisCaseLock(client, settings.lock_ttl_s).lease_holder(case_id)
     except redis.RedisError:
-        return None
-    if not isinstance(left_ms, int) or left_ms <= 0:  # -2: no key, -1: no expiry (none)
-        return 0.0
-    return max(0.1, round(left_ms / 1000, 1))
+        return {"dispatch_lease_s": None}
+    if holder is None or holder.lease_s <= 0:
+        return {"dispatch_lease_s": 0.0}
+    return {"dispatch_lease_s": max(0.1, holder.lease_s), "dispatch_holder": holder.name,
+            "dispatch_renewed_s_ago": holder.renewed_s_ago}
 
 
 def case_guidance(settings: Settings, store: Store, case_id: str) -> guidance.Guidance:

@@ -42,10 +42,13 @@ fencing, on which correctness rests, keeps two chains from recording anything tw
 from __future__ import annotations
 
 import fcntl
+import os
 import secrets
+import socket
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -54,22 +57,37 @@ import redis
 from investigation.constants import CASE_ID_RULE, REDIS_LOCK_KEY, SAFE_CASE_ID
 from investigation.errors import InvestigationError, LockBusy
 
-#: KEYS: the lock, the token's tombstone; ARGV: the token, the lease (ms).
-_RENEW = """
-local v = redis.call('GET', KEYS[1])
-if v == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-elseif not v and redis.call('EXISTS', KEYS[2]) == 0 then
-  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+#: KEYS: the lock, its holder's name; ARGV: the token, the lease (ms), the holder's name.
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+  return 1
 end
 return 0
 """
 
-#: KEYS: the lock, the token's tombstone; ARGV: the token, the tombstone's life (ms; 0:
-#: none).
+#: KEYS: the lock, the token's tombstone, the holder's name; ARGV: the token, the lease
+#: (ms), the holder's name.
+_RENEW = """
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
+  redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[2])
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+elseif not v and redis.call('EXISTS', KEYS[2]) == 0 then
+  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+
+#: KEYS: the lock, the token's tombstone, the holder's name; ARGV: the token, the
+#: tombstone's life (ms; 0: none).
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   if tonumber(ARGV[2]) > 0 then redis.call('SET', KEYS[2], '1', 'PX', ARGV[2]) end
+  redis.call('DEL', KEYS[3])
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -77,12 +95,42 @@ return 0
 
 #: Suffix of a released lease's tombstone key (after the lock key, before the token).
 RELEASED_SUFFIX = ":released:"
+#: Suffix of the key naming the lease's holder (after the lock key): the process that
+#: took or last renewed it, with the lease's TTL from that moment.
+HOLDER_SUFFIX = ":holder"
 
 
 def _keys(case_id: str, token: str) -> list[str]:
-    """KEYS of the renew and release scripts: the case's lock, ``token``'s tombstone."""
+    """KEYS of the renew and release scripts: the case's lock, ``token``'s tombstone, the
+    holder's name."""
     key = REDIS_LOCK_KEY.format(case_id=case_id)
-    return [key, key + RELEASED_SUFFIX + token]
+    return [key, key + RELEASED_SUFFIX + token, key + HOLDER_SUFFIX]
+
+
+def process_name() -> str:
+    """What a lease names as its holder: the Celery node (``name@host``) of a worker and
+    its pool child's pid, else this host and pid (a CLI ``dispatch``, the beat's sweep)."""
+    from workers import logs
+
+    return f"{logs.worker_name() or socket.gethostname()} pid {os.getpid()}"
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """Who holds a case's Redis lease, as ``status`` and ``recover`` show it.
+
+    Attributes:
+        name: the holding process (:func:`process_name`), ``None`` for a lease taken by
+            a version that did not name it.
+        lease_s: seconds left of the lease.
+        renewed_s_ago: seconds since the holder took or last renewed it (``None``:
+            unknown); a live chain renews it as its stages start, so a large value while
+            no stage runs long points at a holder that died.
+    """
+
+    name: str | None
+    lease_s: float
+    renewed_s_ago: float | None
 
 
 class CaseLock(Protocol):
@@ -160,6 +208,7 @@ class RedisCaseLock:
         self.client = client
         self.ttl_ms = ttl_s * 1000
         self.released_ttl_ms = max(ttl_s, released_ttl_s or 3600) * 1000
+        self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._renewals = _Renewals()
@@ -175,15 +224,34 @@ class RedisCaseLock:
     def acquire(self, case_id: str) -> str:
         token = secrets.token_hex(16)
         key = REDIS_LOCK_KEY.format(case_id=case_id)
-        if not self.client.set(key, token, nx=True, px=self.ttl_ms):
-            left_ms = self.client.pttl(key)  # the busy path only: one more round trip
-            raise LockBusy(case_id, left_ms / 1000 if isinstance(left_ms, int)
-                           and left_ms >= 0 else None)
+        if not self._acquire(keys=[key, key + HOLDER_SUFFIX],
+                             args=[token, self.ttl_ms, process_name()]):
+            holder = self.lease_holder(case_id)  # the busy path only: one more round trip
+            raise LockBusy(case_id, holder.lease_s if holder else None,
+                           holder.name if holder else None,
+                           holder.renewed_s_ago if holder else None)
         return token
+
+    def lease_holder(self, case_id: str) -> LeaseHolder | None:
+        """Who holds the case's lease now (``None``: nobody); never takes or renews it."""
+        key = REDIS_LOCK_KEY.format(case_id=case_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.pttl(key)
+        pipe.get(key + HOLDER_SUFFIX)
+        pipe.pttl(key + HOLDER_SUFFIX)
+        left_ms, name, named_ms = pipe.execute()
+        if not isinstance(left_ms, int) or left_ms < 0:  # -2: no key, -1: no expiry
+            return None
+        renewed = (max(0.0, round((self.ttl_ms - named_ms) / 1000, 1))
+                   if name is not None and isinstance(named_ms, int) and named_ms >= 0
+                   else None)
+        return LeaseHolder(name.decode("utf-8", "replace") if isinstance(name, bytes)
+                           else name, round(left_ms / 1000, 1), renewed)
 
     def hold(self, case_id: str, token: str) -> bool:
         started = time.monotonic()  # the lease runs from before the request at the latest
-        held = bool(self._renew(keys=_keys(case_id, token), args=[token, self.ttl_ms]))
+        held = bool(self._renew(keys=_keys(case_id, token),
+                                args=[token, self.ttl_ms, process_name()]))
         if held:
             self._renewals.renewed((case_id, token), started)
         else:

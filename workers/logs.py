@@ -56,6 +56,11 @@ def set_worker_name(name: str | None) -> None:
     _worker_name = name
 
 
+def worker_name() -> str | None:
+    """The Celery node name this process logs as (:func:`set_worker_name`), if any."""
+    return _worker_name
+
+
 @contextmanager
 def step_context(**fields: Any) -> Iterator[None]:
     """Attach ``case_id``, ``step``, ``stage`` (and ``task_id``) to every line logged inside."""

@@ -47,6 +47,10 @@ class SweepReport:
     busy_lease_s: dict[str, int] = field(default_factory=dict)
     """Busy cases -> seconds left of the holder's lease (a live holder renews it; the
     lease of a worker that died runs out, and a later sweep dispatches the case)."""
+    busy_holder: dict[str, str] = field(default_factory=dict)
+    """Busy cases -> the process holding the lease (``name@host pid N``), where it says."""
+    busy_renewed_s_ago: dict[str, float] = field(default_factory=dict)
+    """Busy cases -> seconds since the holder took or last renewed the lease."""
     idle: list[str] = field(default_factory=list)
     """Cases that turned out to have no step to run (finished or blocked meanwhile)."""
     failed: dict[str, str] = field(default_factory=dict)
@@ -118,6 +122,10 @@ def sweep(rt: Runtime, now: datetime | None = None) -> SweepReport:
             report.busy.append(case_id)
             if exc.expires_in_s is not None:
                 report.busy_lease_s[case_id] = max(1, round(exc.expires_in_s))
+            if exc.holder is not None:
+                report.busy_holder[case_id] = exc.holder
+            if exc.renewed_s_ago is not None:
+                report.busy_renewed_s_ago[case_id] = exc.renewed_s_ago
             continue
         except InvestigationError as exc:
             log.error("recovery sweep: case %s cannot be dispatched: %s", case_id, exc)

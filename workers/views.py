@@ -116,6 +116,14 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
     return table
 
 
+def _holder_text(info: dict[str, Any]) -> str:
+    """`` (w1@host pid 7, renewed 12 s ago)``: who holds the lease, where it says."""
+    name, ago = info.get("dispatch_holder"), info.get("dispatch_renewed_s_ago")
+    if name is None:
+        return ""
+    return f" ({name}" + ("" if ago is None else f", renewed {ago:g} s ago") + ")"
+
+
 def _attempts_cell(usage: dict[str, Any]) -> str:
     """``attempts``, and how many of them await their answer: a call in flight read as a
     retry (a real model's user, during a two-minute call)."""
@@ -167,7 +175,8 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
                              if not lease and info.get("queue_waiting")
                              else "none holds the case (`dispatch` or the recovery sweep "
                              "starts one)" if not lease
-                             else f"one holds the case, lease {lease:g} s left (its worker "
+                             else f"one holds the case{_holder_text(info)}, lease "
+                             f"{lease:g} s left (its worker "
                              "renews it at every stage; if the worker died, the sweep "
                              "dispatches the case once it runs out, `dispatch "
                              f"{info['case_id']} --take-over` now)"))

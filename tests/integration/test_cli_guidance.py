@@ -552,6 +552,19 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
         assert re.search(r"dispatch: one holds the case, lease (199|200)(\.\d)? s left", flat)
         assert 190 < json.loads(invoke("status", cli.case_id, "--json").output)[
             "dispatch_lease_s"] <= 200
+        # The lease names its holder and when it renewed (a second fleet trial could not
+        # tell a live holder from a dead one).
+        from workers.locks import HOLDER_SUFFIX
+
+        ttl_s = Settings().lock_ttl_s
+        client.set(key + HOLDER_SUFFIX, "w1@host pid 7", px=(ttl_s - 30) * 1000)
+        named = " ".join(invoke("status", cli.case_id).output.split())
+        assert re.search(r"dispatch: one holds the case \(w1@host pid 7, renewed "
+                         r"(29|30|31)(\.\d)? s ago\), lease", named), named
+        info = json.loads(invoke("status", cli.case_id, "--json").output)
+        assert info["dispatch_holder"] == "w1@host pid 7"
+        assert 29 <= info["dispatch_renewed_s_ago"] <= 31
+        client.delete(key + HOLDER_SUFFIX)
         # While a dispatch holds it, neither `dispatch` nor `run` (both LOCK_BUSY,
         # decision 158) is advice.
         assert "A dispatch holds the case" in flat

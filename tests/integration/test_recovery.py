@@ -35,6 +35,7 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -504,6 +505,24 @@ def test_recover_cli_dispatches_pending_cases_only(cluster: Cluster) -> None:
     lease = json.loads(second.stdout)["busy_lease_s"][pending]  # what is left of it
     assert 0 < lease <= int(os.environ.get("INVESTIGATE_LOCK_TTL_S", "300"))
     assert cluster.redis.llen(cluster.queue) == 1  # nothing enqueued twice
+    # Who holds it and since when (a fleet trial could not tell a live holder from a
+    # dead one): the first `recover`, a process of this host, which no ping can ask.
+    report = json.loads(second.stdout)
+    assert report["busy_holder"][pending].startswith(socket.gethostname() + " pid ")
+    assert 0 <= report["busy_renewed_s_ago"][pending] < 60
+    assert report["busy_holder_silent"] == []
+    # A worker node that does not answer ping is said to be silent.
+    from investigation.constants import REDIS_LOCK_KEY
+    from workers.locks import HOLDER_SUFFIX
+
+    cluster.redis.set(REDIS_LOCK_KEY.format(case_id=pending) + HOLDER_SUFFIX,
+                      "gone@nowhere pid 1", px=100_000)
+    third = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+    assert third.returncode == 0, third.stderr
+    line = next(x for x in third.stdout.splitlines() if x.startswith(f"busy {pending}"))
+    assert "held by gone@nowhere pid 1, renewed" in line and \
+        "its worker does not answer ping" in line, third.stdout
 
 
 # -- poisoned stage -------------------------------------------------------------------------

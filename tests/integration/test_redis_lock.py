@@ -20,7 +20,7 @@ import redis
 
 from investigation.constants import REDIS_LOCK_KEY
 from investigation.errors import LockBusy
-from workers.locks import RELEASED_SUFFIX, RedisCaseLock
+from workers.locks import HOLDER_SUFFIX, RELEASED_SUFFIX, RedisCaseLock, process_name
 
 TTL_S = 30
 
@@ -69,7 +69,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     yield b
     if b.used:
         cleanup = b.client()
-        cleanup.delete(*(key(c) for c in b.used))
+        cleanup.delete(*(key(c) for c in b.used), *(key(c) + HOLDER_SUFFIX for c in b.used))
         for c in b.used:  # the tombstones of released leases (decision 135)
             tombstones = list(cleanup.scan_iter(match=key(c) + RELEASED_SUFFIX + "*"))
             if tombstones:
@@ -113,6 +113,40 @@ def test_second_acquire_raises_lock_busy_without_blocking(backend: Backend) -> N
     assert f"its lease runs out in {max(1, round(busy.value.expires_in_s))} s" \
         in str(busy.value)
     assert first.holder(case_id) == token
+
+
+def test_the_lease_names_its_holder_and_when_it_renewed(
+        backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a worker died, `recover` and `status` showed its orphaned case "busy" like
+    two live ones, only its lease shorter (a fleet trial): the lease names the process
+    that took or last renewed it, and since when; a release forgets it."""
+    from workers import logs
+
+    lock, case_id = backend.lock(), backend.case_id()
+    assert lock.lease_holder(case_id) is None
+    monkeypatch.setattr(logs, "_worker_name", "w1@host")
+    token = lock.acquire(case_id)
+    assert process_name().startswith("w1@host pid ")
+    held = lock.lease_holder(case_id)
+    assert held is not None and held.name == process_name()
+    assert 0 < held.lease_s <= TTL_S and held.renewed_s_ago is not None
+    assert 0 <= held.renewed_s_ago < 2
+    # The lease was renewed 10 s ago (its holder key's TTL says so) and is busy for others.
+    lock.client.pexpire(key(case_id) + HOLDER_SUFFIX, (TTL_S - 10) * 1000)
+    with pytest.raises(LockBusy) as busy:
+        backend.lock().acquire(case_id)
+    assert busy.value.holder == process_name()
+    assert busy.value.renewed_s_ago is not None and 9 <= busy.value.renewed_s_ago <= 11
+    assert f"held by {process_name()}, renewed" in str(busy.value)
+    # Another process (a sibling worker child) renews it: the name follows the renewal.
+    monkeypatch.setattr(logs, "_worker_name", "w2@host")
+    assert lock.hold(case_id, token)
+    held = lock.lease_holder(case_id)
+    assert held is not None and held.name is not None and held.name.startswith("w2@host")
+    assert held.renewed_s_ago is not None and held.renewed_s_ago < 2
+    assert lock.release(case_id, token)
+    assert lock.lease_holder(case_id) is None
+    assert not lock.client.exists(key(case_id) + HOLDER_SUFFIX)
 
 
 def test_acquire_after_release_gets_a_new_token(backend: Backend) -> None:
