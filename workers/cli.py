@@ -587,7 +587,7 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
             holder = report.busy_holder.get(case_id)
             ago = report.busy_renewed_s_ago.get(case_id)
             out.print(f"busy {case_id} (a dispatch holds its lock"
-                      + ("" if holder is None else f"; held by {holder}"
+                      + ("" if holder is None else f"; held by {term(holder)}"
                          + ("" if ago is None else f", renewed {ago:g} s ago")
                          + ("; its worker does not answer ping" if holder in silent
                             else ""))
@@ -595,7 +595,7 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
                          f"; its lease runs out in {lease} s unless renewed: if its worker "
                          "died, a sweep after that dispatches the case, or `investigate "
                          f"dispatch {case_id} --take-over` now") + ")",
-                      highlight=False)
+                      highlight=False, markup=False)
         for case_id in report.idle:
             out.print(f"idle {case_id} (nothing to run)", highlight=False)
         for case_id, code in report.failed.items():

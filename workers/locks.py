@@ -98,6 +98,8 @@ RELEASED_SUFFIX = ":released:"
 #: Suffix of the key naming the lease's holder (after the lock key): the process that
 #: took or last renewed it, with the lease's TTL from that moment.
 HOLDER_SUFFIX = ":holder"
+#: Characters of a holder's name shown (``status``, ``recover``, ``LOCK_BUSY``).
+MAX_HOLDER_CHARS = 200
 
 
 def _keys(case_id: str, token: str) -> list[str]:
@@ -245,8 +247,11 @@ class RedisCaseLock:
         renewed = (max(0.0, round((self.ttl_ms - named_ms) / 1000, 1))
                    if name is not None and isinstance(named_ms, int) and named_ms >= 0
                    else None)
-        return LeaseHolder(name.decode("utf-8", "replace") if isinstance(name, bytes)
-                           else name, round(left_ms / 1000, 1), renewed)
+        if isinstance(name, bytes):
+            name = name.decode("utf-8", "replace")
+        # At most MAX_HOLDER_CHARS of it: the key is anyone's with access to Redis.
+        return LeaseHolder(None if name is None else name[:MAX_HOLDER_CHARS],
+                           round(left_ms / 1000, 1), renewed)
 
     def hold(self, case_id: str, token: str) -> bool:
         started = time.monotonic()  # the lease runs from before the request at the latest

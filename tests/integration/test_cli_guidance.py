@@ -542,8 +542,10 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
     monkeypatch.setenv("INVESTIGATE_BROKER_URL", url)
     client = redis.Redis.from_url(url)
     key = REDIS_LOCK_KEY.format(case_id=cli.case_id)
+    from workers.locks import HOLDER_SUFFIX
+
     try:
-        client.delete(key)
+        client.delete(key, key + HOLDER_SUFFIX)
         free = invoke("status", cli.case_id)
         assert "dispatch: none holds the case" in " ".join(free.output.split()), free.output
         client.set(key, "someone", px=200_000)
@@ -554,8 +556,6 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
             "dispatch_lease_s"] <= 200
         # The lease names its holder and when it renewed (a second fleet trial could not
         # tell a live holder from a dead one).
-        from workers.locks import HOLDER_SUFFIX
-
         ttl_s = Settings().lock_ttl_s
         client.set(key + HOLDER_SUFFIX, "w1@host pid 7", px=(ttl_s - 30) * 1000)
         named = " ".join(invoke("status", cli.case_id).output.split())
@@ -564,6 +564,12 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
         info = json.loads(invoke("status", cli.case_id, "--json").output)
         assert info["dispatch_holder"] == "w1@host pid 7"
         assert 29 <= info["dispatch_renewed_s_ago"] <= 31
+        # The key is anyone's with access to Redis: shown escaped and cut short.
+        client.set(key + HOLDER_SUFFIX, "\x1b[2J[red]x" * 500, px=100_000)
+        hostile = invoke("status", cli.case_id).output
+        assert "\x1b" not in hostile and "\\x1b[2J[red]x" in hostile, hostile
+        shown = json.loads(invoke("status", cli.case_id, "--json").output)["dispatch_holder"]
+        assert len(shown) == 200
         client.delete(key + HOLDER_SUFFIX)
         # While a dispatch holds it, neither `dispatch` nor `run` (both LOCK_BUSY,
         # decision 158) is advice.
@@ -584,7 +590,7 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
         client.delete(queue)
         monkeypatch.delenv("INVESTIGATE_QUEUE")
     finally:
-        client.delete(key)
+        client.delete(key, key + HOLDER_SUFFIX)
         client.close()
     monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:1/0")  # nothing there
     unknown = invoke("status", cli.case_id)
