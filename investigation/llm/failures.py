@@ -24,6 +24,7 @@ unreachable after a drop on these bytes                transient, the message sa
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, replace
 
@@ -124,8 +125,25 @@ _GENERIC_BODIES = frozenset({b"", b"internal server error", b"server error",
 
 def _says_something(raw: bytes) -> bool:
     """Whether a 5xx body is more than a generic status text: only a specific answer,
-    repeated to identical bytes, shows the server refuses this very request."""
-    return raw.strip().lower() not in _GENERIC_BODIES
+    repeated to identical bytes, shows the server refuses this very request. A JSON body
+    whose only words are such a text (``{"detail": "Internal Server Error"}``, FastAPI's;
+    ``{"error": {"message": "internal server error"}}``) says nothing either: a fleet
+    trial's flaky backend blocked its case after two of them."""
+    if raw.strip().lower() in _GENERIC_BODIES:
+        return False
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return True
+    if not isinstance(body, dict):
+        return True
+    error = body.get("error")
+    words = [body.get("detail"), body.get("message"),
+             error.get("message") if isinstance(error, dict) else error]
+    said = [w for w in words if w is not None]
+    return not said or any(
+        not isinstance(w, str) or w.strip().lower().encode() not in _GENERIC_BODIES
+        for w in said)
 
 
 def reclassify(failure: Failure, earlier: list[EarlierAttempt], provider: str,

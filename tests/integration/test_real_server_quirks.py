@@ -83,6 +83,36 @@ def rig(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Rig]:
 
 
 @pytest.mark.parametrize("rig", [([json.dumps(FIRST)], "llama_cpp")], indirect=True)
+@pytest.mark.parametrize("body", [
+    b'{"detail": "Internal Server Error"}',
+    b'{"error": {"message": "internal server error", "code": 500}}',
+    b"Internal Server Error\n",
+])
+def test_a_generic_500_repeated_stays_a_server_error(rig: Rig, body: bytes) -> None:
+    """A flaky backend's generic 500, twice to the same bytes, blocked its case as
+    PROVIDER_DETERMINISTIC_ERROR with "fix the providers file" (a fleet trial): words that
+    say nothing of the request, in JSON or not, are an overloaded or broken server."""
+    rig.server.add_faults(Fault(status=500, body=body), Fault(status=500, body=body))
+    for _ in range(2):  # (no backoff: the rig's delay_s is 0)
+        pending = rig.step()
+        assert (pending.outcome, pending.reason) == (RETRY_PENDING, "PROVIDER_SERVER_ERROR")
+    assert len(rig.server.requests) == 2
+    assert rig.step().outcome == PROGRESSED  # the server works again: the step goes on
+
+
+def test_which_5xx_bodies_say_something() -> None:
+    from investigation.llm.failures import _says_something
+
+    for said in (b'{"error": {"message": "failed to load grammar"}}', b"boom 42",
+                 b'{"detail": "model not found"}', b'{"error": "bad schema"}', b"[1]",
+                 b'{"unexpected": 1}', b'{"detail": ["Internal Server Error", 1]}'):
+        assert _says_something(said), said
+    for generic in (b"", b"  Error ", b'{"detail": "Internal Server Error"}',
+                    b'{"message": "error", "error": {"message": "Server Error"}}'):
+        assert not _says_something(generic), generic
+
+
+@pytest.mark.parametrize("rig", [([json.dumps(FIRST)], "llama_cpp")], indirect=True)
 def test_request_carries_the_turn_schema_and_a_header(rig: Rig) -> None:
     assert rig.step().outcome == PROGRESSED
     (body,) = rig.bodies()
