@@ -419,10 +419,16 @@ def _step_error(f: CaseFacts, mode: Mode, providers: str | None) -> Guidance:
          Step("or stop it for good", f"investigate cancel {case}")))
 
 
-def dispatch_holds(case_id: str, lease_s: float) -> Guidance:
+def dispatch_holds(case_id: str, lease_s: float | None) -> Guidance:
     """The advice while a dispatch holds an investigating case's lock (``lease_s`` seconds
     of its lease left): its worker moves it, so neither ``dispatch`` nor ``run`` (both
-    ``LOCK_BUSY`` in a fleet's shell, decision 158) is advice."""
+    ``LOCK_BUSY`` in a fleet's shell, decision 158) is advice. ``lease_s`` ``None``: a
+    lock key that never expires (not the engine's), which only a take-over ends."""
+    if lease_s is None:
+        return Guidance("A lock key without a lease holds the case: not the engine's (it "
+                        "always sets one), so no worker and no sweep takes the case.",
+                        (Step("end it and dispatch the case",
+                              f"investigate dispatch {_q(case_id)} --take-over"),))
     return Guidance(f"A dispatch holds the case (lease {lease_s:g} s left): a worker, or a "
                     "`run` in a fleet's shell, moves it.",
                     (Step("watch it", f"investigate status {_q(case_id)} --watch"),

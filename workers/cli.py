@@ -23,7 +23,7 @@ from typing import Annotated, Any, NoReturn, TypeVar, cast
 
 import typer
 from kombu.exceptions import OperationalError as KombuOperationalError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from rich.console import Console
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -98,8 +98,10 @@ case_app = typer.Typer(help="Build and register case packages.", no_args_is_help
                                       "investigate case add case.zip --interpretation "
                                       "interpretation.json --hypotheses hypotheses.json"))
 app.add_typer(case_app, name="case")
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, soft_wrap=True)
+# No emoji codes: data printed with markup off still had ":skull:" and ":lock:" (in a
+# Redis key name) turned into pictures (a hostile-input trial).
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160, emoji=False)
+err = Console(stderr=True, soft_wrap=True, emoji=False)
 
 #: Help of every ``CASE`` argument and ``--json`` option.
 CASE_HELP = "the case id that `investigate case add` printed, e.g. " + EXAMPLE_CASE
@@ -163,6 +165,10 @@ def _run_controlled(fn: Callable[..., Any], args: tuple[Any, ...],
         _fail("STORE_UNAVAILABLE", f"the store cannot be used: {_first_line(exc)}; if "
               "the database server is up, check INVESTIGATE_DATABASE_URL / "
               "INVESTIGATE_HOME")
+    except ResponseError as exc:  # Redis answered: a key of the wrong type, say
+        _fail("REDIS_KEY_INVALID", f"Redis refused an operation on a case lock key: "
+              f"{_first_line(exc)}; a key under investigation:lock: holds another type "
+              "(set by hand?): delete it with redis-cli DEL")
     except RedisError as exc:
         _fail("REDIS_UNAVAILABLE", f"Redis cannot be reached for the case lock: "
               f"{_first_line(exc)}; check INVESTIGATE_REDIS_URL / INVESTIGATE_BROKER_URL")
@@ -591,7 +597,8 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
                          + ("" if ago is None else f", renewed {ago:g} s ago")
                          + ("; its worker does not answer ping" if holder in silent
                             else ""))
-                      + ("" if lease is None else
+                      + ("; its lease never runs out (or Redis cannot say): `investigate "
+                         f"dispatch {case_id} --take-over` ends it" if lease is None else
                          f"; its lease runs out in {lease} s unless renewed: if its worker "
                          "died, a sweep after that dispatches the case, or `investigate "
                          f"dispatch {case_id} --take-over` now") + ")",
@@ -671,7 +678,7 @@ def status_cmd(
     held = False
     if _fleet_shell(settings) and info["state"] == "INVESTIGATING":
         info.update(_dispatch_lease(settings, case_id))
-        held = bool(info["dispatch_lease_s"])
+        held = bool(info["dispatch_lease_s"]) or info.get("dispatch_lease_expires") is False
         if info["dispatch_lease_s"] == 0.0:
             # Messages no worker took: a dispatch sent while none ran waits there, and
             # "dispatch again" would only queue another (an integrator's trial).
@@ -725,7 +732,9 @@ def _dispatch_lease(settings: Settings, case_id: str) -> dict[str, Any]:
     when Redis cannot tell: a fleet trial saw nothing of the lock that kept a case
     waiting after a worker died), and, while held, ``dispatch_holder`` (the process that
     took or last renewed it, ``name@host pid N``) and ``dispatch_renewed_s_ago`` (a
-    second fleet trial could not tell a live holder from a dead one)."""
+    second fleet trial could not tell a live holder from a dead one); a lock key without
+    a TTL (never the engine's) is ``dispatch_lease_s`` null with
+    ``dispatch_lease_expires`` false."""
     import redis
 
     from workers.locks import RedisCaseLock
@@ -737,7 +746,12 @@ def _dispatch_lease(settings: Settings, case_id: str) -> dict[str, Any]:
             holder = RedisCaseLock(client, settings.lock_ttl_s).lease_holder(case_id)
     except redis.RedisError:
         return {"dispatch_lease_s": None}
-    if holder is None or holder.lease_s <= 0:
+    if holder is None:
+        return {"dispatch_lease_s": 0.0}
+    if holder.lease_s is None:  # a key without a TTL: held until someone ends it
+        return {"dispatch_lease_s": None, "dispatch_lease_expires": False,
+                "dispatch_holder": holder.name, "dispatch_renewed_s_ago": None}
+    if holder.lease_s <= 0:
         return {"dispatch_lease_s": 0.0}
     return {"dispatch_lease_s": max(0.1, holder.lease_s), "dispatch_holder": holder.name,
             "dispatch_renewed_s_ago": holder.renewed_s_ago}

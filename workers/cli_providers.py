@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from investigation.config import InvestigationConfig, ProvidersConfig
 from investigation.errors import InvestigationError
@@ -108,7 +109,10 @@ def check(
                for entry in loaded.providers]
     failed = any(r.verdict not in ("ok", "skipped") for r in results)
     if as_json:
-        sys.stdout.write(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+        # The file's own spelling beside the canonical dialect (json_schema -> openai).
+        sys.stdout.write(json.dumps(
+            [{**r.to_dict(), "structured_output": entry.structured_output}
+             for r, entry in zip(results, loaded.providers, strict=True)], indent=2) + "\n")
     else:
         table = Table("provider", "dialect", *CHECKS, "window", "seconds", "tokens/s",
                       "reply")
@@ -116,9 +120,11 @@ def check(
             # The file's spelling beside the dialect it names (json_schema showed as
             # "openai" with no word on why: a fleet trial).
             dialect = r.dialect or r.kind
-            if r.dialect and entry.structured_output != r.dialect:
+            if r.dialect and entry.structured_output != r.dialect and \
+                    "structured_output" in entry.model_fields_set:
                 dialect += f" ({entry.structured_output})"
-            table.add_row(r.provider, dialect, *_marks(r), _window_mark(r),
+            # Names and dialects as Text: a provider named "[red]n[/red]" showed as "n".
+            table.add_row(Text(_term(r.provider)), Text(dialect), *_marks(r), _window_mark(r),
                           "" if r.seconds is None else f"{r.seconds:.1f}",
                           "" if r.tokens_per_s is None else f"{r.tokens_per_s:g}",
                           r.action or "")

@@ -124,14 +124,15 @@ class LeaseHolder:
     Attributes:
         name: the holding process (:func:`process_name`), ``None`` for a lease taken by
             a version that did not name it.
-        lease_s: seconds left of the lease.
+        lease_s: seconds left of the lease; ``None``: it never expires (a key set by
+            hand: the engine always sets a TTL), so only ``dispatch --take-over`` ends it.
         renewed_s_ago: seconds since the holder took or last renewed it (``None``:
             unknown); a live chain renews it as its stages start, so a large value while
             no stage runs long points at a holder that died.
     """
 
     name: str | None
-    lease_s: float
+    lease_s: float | None
     renewed_s_ago: float | None
 
 
@@ -241,17 +242,23 @@ class RedisCaseLock:
         pipe.pttl(key)
         pipe.get(key + HOLDER_SUFFIX)
         pipe.pttl(key + HOLDER_SUFFIX)
-        left_ms, name, named_ms = pipe.execute()
-        if not isinstance(left_ms, int) or left_ms < 0:  # -2: no key, -1: no expiry
+        # A holder key of another type (a list, set by hand) answers WRONGTYPE: no name,
+        # never an error that stops `recover` for every case (a hostile-input trial).
+        left_ms, name, named_ms = pipe.execute(raise_on_error=False)
+        if isinstance(left_ms, Exception):
+            raise left_ms
+        if not isinstance(left_ms, int) or left_ms == -2:  # no lease
             return None
+        if isinstance(name, bytes):
+            name = name.decode("utf-8", "replace")
+        if not isinstance(name, str) or not name:
+            name = None
         renewed = (max(0.0, round((self.ttl_ms - named_ms) / 1000, 1))
                    if name is not None and isinstance(named_ms, int) and named_ms >= 0
                    else None)
-        if isinstance(name, bytes):
-            name = name.decode("utf-8", "replace")
         # At most MAX_HOLDER_CHARS of it: the key is anyone's with access to Redis.
         return LeaseHolder(None if name is None else name[:MAX_HOLDER_CHARS],
-                           round(left_ms / 1000, 1), renewed)
+                           None if left_ms < 0 else round(left_ms / 1000, 1), renewed)
 
     def hold(self, case_id: str, token: str) -> bool:
         started = time.monotonic()  # the lease runs from before the request at the latest

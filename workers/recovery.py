@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import redis
 from sqlmodel import col, select
 
 from investigation.constants import CASE_INVESTIGATING
@@ -130,6 +131,13 @@ def sweep(rt: Runtime, now: datetime | None = None) -> SweepReport:
         except InvestigationError as exc:
             log.error("recovery sweep: case %s cannot be dispatched: %s", case_id, exc)
             report.failed[case_id] = exc.code
+            continue
+        except redis.exceptions.ResponseError as exc:
+            # Redis answered for this case's keys (one of another type, set by hand): the
+            # other cases go on (a hostile trial's list stopped the sweep for all).
+            log.error("recovery sweep: case %s: Redis refused its lock keys: %s",
+                      case_id, exc)
+            report.failed[case_id] = "REDIS_KEY_INVALID"
             continue
         if isinstance(result, Outcome):
             report.idle.append(case_id)

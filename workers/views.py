@@ -164,7 +164,13 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
     if "dispatch_lease_s" in info:  # a shell with a broker (workers) asked Redis
         lease = info["dispatch_lease_s"]
         waits = info["last_outcome"] == "RETRY_PENDING" and info.get("retry_not_before")
-        line("dispatch: " + ("Redis cannot tell whether one holds the case" if lease is None
+        line("dispatch: " + (f"one holds the case{_holder_text(info)} with a lease that "
+                             "never expires (not the engine's: it always sets one), so "
+                             "neither a worker nor the sweep takes the case: `dispatch "
+                             f"{info['case_id']} --take-over` ends it"
+                             if info.get("dispatch_lease_expires") is False
+                             else "Redis cannot tell whether one holds the case"
+                             if lease is None
                              else f"none holds the case: it waits until "
                              f"{info['retry_not_before']}, then the workers take it up "
                              "again (a `dispatch` before then meets the same wait)"

@@ -564,6 +564,15 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
         info = json.loads(invoke("status", cli.case_id, "--json").output)
         assert info["dispatch_holder"] == "w1@host pid 7"
         assert 29 <= info["dispatch_renewed_s_ago"] <= 31
+        # A lock key without a TTL (never the engine's): held, and said to never expire
+        # (status said "none holds the case" while dispatch answered LOCK_BUSY).
+        client.set(key, "by-hand")
+        forever = " ".join(invoke("status", cli.case_id).output.split())
+        assert "with a lease that never expires" in forever and \
+            f"dispatch {cli.case_id} --take-over" in forever, forever
+        assert json.loads(invoke("status", cli.case_id, "--json").output)[
+            "dispatch_lease_expires"] is False
+        client.set(key, "someone", px=200_000)
         # The key is anyone's with access to Redis: shown escaped and cut short.
         client.set(key + HOLDER_SUFFIX, "\x1b[2J[red]x" * 500, px=100_000)
         hostile = invoke("status", cli.case_id).output

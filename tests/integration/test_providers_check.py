@@ -103,6 +103,13 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
         res = runner.invoke(app, ["providers", "check", "--providers", str(alias)])
         row = next(line for line in res.output.splitlines() if "aliased" in line)
         assert "openai (json_schema)" in row, res.output
+        res = runner.invoke(app, ["providers", "check", "--providers", str(alias), "--json"])
+        assert json.loads(res.output)[0]["structured_output"] == "json_schema"
+        # A name in markup is shown as written (it was read as markup: "[red]n[/red]" -> n).
+        named = tmp_path / "named.toml"
+        named.write_text(_entry("[red]n[/red]:skull:", server.base_url))
+        res = runner.invoke(app, ["providers", "check", "--providers", str(named)])
+        assert "[red]n[/red]:skull:" in res.output, res.output
     broken = tmp_path / "broken.toml"
     broken.write_text('[[providers]]\nname = "x"\nkind = "openai"\nstructured_output = "gbnf"\n')
     res = runner.invoke(app, ["providers", "check", "--providers", str(broken)])

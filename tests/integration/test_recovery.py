@@ -523,6 +523,17 @@ def test_recover_cli_dispatches_pending_cases_only(cluster: Cluster) -> None:
     line = next(x for x in third.stdout.splitlines() if x.startswith(f"busy {pending}"))
     assert "held by gone@nowhere pid 1, renewed" in line and \
         "its worker does not answer ping" in line, third.stdout
+    # A holder key of another type (set by hand) names nobody and stops nothing (a
+    # hostile trial's list stopped the sweep for every case with "cannot be reached").
+    holder_key = REDIS_LOCK_KEY.format(case_id=pending) + HOLDER_SUFFIX
+    cluster.redis.delete(holder_key)
+    cluster.redis.rpush(holder_key, "x")
+    fourth = subprocess.run([*cmd, "--json"], env=env, cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert fourth.returncode == 0, fourth.stderr
+    report = json.loads(fourth.stdout)
+    assert report["busy"] == [pending] and pending not in report["busy_holder"], report
+    cluster.redis.delete(holder_key)
 
 
 # -- poisoned stage -------------------------------------------------------------------------
