@@ -460,10 +460,31 @@ def health(
 # -- migrations ---------------------------------------------------------------------------
 
 
-def _schema_store(settings: Settings) -> Any:
-    from investigation.store import Store
+def _schema_store(settings: Settings, *, foreign_ok: bool = False,
+                  must_exist: bool = False) -> Any:
+    """The store the ``db`` commands work on. A SQLite file is looked at read-only first:
+    a foreign one is refused (``STORE_FOREIGN``, unless ``foreign_ok``) before the engine's
+    connection switches it to WAL, and with ``must_exist`` a missing one is
+    ``STORE_NOT_FOUND`` instead of a new empty file (a hostile trial: `db downgrade`
+    created a store, and `db current` changed a foreign file).
 
-    return Store(settings.effective_database_url)
+    Raises:
+        InvestigationError: ``STORE_FOREIGN``, ``STORE_NOT_FOUND``, ``STORE_UNAVAILABLE``.
+    """
+    from sqlalchemy.engine import make_url
+
+    from investigation.store import Store
+    from workers.stores import refuse_foreign_sqlite
+
+    url = settings.effective_database_url
+    if make_url(url).get_backend_name() == "sqlite":
+        path = Path(make_url(url).database or "")
+        if must_exist and not path.is_file():
+            raise InvestigationError("STORE_NOT_FOUND", f"no store at {path}: nothing to "
+                                     "take back; nothing was changed")
+        if not foreign_ok:
+            refuse_foreign_sqlite(path)
+    return Store(url)
 
 
 @db_app.command("upgrade", epilog=example("investigate db upgrade",
@@ -480,7 +501,7 @@ def db_upgrade(
     from several hosts at once (serialised by the database)."""
     from investigation.store.migrate import current_revisions, upgrade
 
-    store = _schema_store(_settings())
+    store = _schema_store(_settings(), foreign_ok=allow_other_tables)
     before = current_revisions(store.engine)
     upgrade(store.engine, revision, allow_other_tables=allow_other_tables)
     after = current_revisions(store.engine)
@@ -505,7 +526,7 @@ def db_downgrade(
     first: workers of this version need the newest migration."""
     from investigation.store.migrate import current_revisions, downgrade
 
-    store = _schema_store(_settings())
+    store = _schema_store(_settings(), must_exist=True)
     before = current_revisions(store.engine)
     downgrade(store.engine, revision)
     after = current_revisions(store.engine)

@@ -32,8 +32,8 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
 
     Raises:
         InvestigationError: ``STORE_NOT_FOUND`` (``existing``, and the database is no
-            investigation store at the head); ``STORE_NOT_MIGRATED`` (not ``existing``,
-            automatic migration off, and the store is behind).
+            investigation store); ``STORE_NOT_MIGRATED`` (the store is behind, and
+            ``existing`` or automatic migration off).
     """
     url = settings.effective_database_url
     not_a_store = InvestigationError(
@@ -46,7 +46,7 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
         # Before the engine opens it: its first connection switches the file to WAL,
         # which changed a foreign database that was then refused as "nothing was
         # changed" (a hostile-input re-trial).
-        _refuse_foreign_sqlite(Path(make_url(url).database or ""))
+        refuse_foreign_sqlite(Path(make_url(url).database or ""))
     versions: list[str] = []
     if existing and is_sqlite:
         path = Path(make_url(url).database or "")
@@ -71,10 +71,18 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
             store.dispose()
             raise not_a_store from None
     if existing:
-        from investigation.store.migrate import head_revision
+        from investigation.store.migrate import head_revision, known_revisions
 
         if versions != [head_revision()]:
             store.dispose()
+            if versions and set(versions) <= known_revisions():
+                # This engine's store, behind: not "not an investigation store" (a
+                # hostile trial after `db downgrade`).
+                raise InvestigationError(
+                    "STORE_NOT_MIGRATED",
+                    f"the store at {url.split('@')[-1]} is at migration "
+                    f"{', '.join(versions)}, this engine needs {head_revision()}: run "
+                    "`investigate db upgrade`; nothing was changed")
             raise not_a_store
         return store
     if settings.auto_migrate:
@@ -86,16 +94,23 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
     return store
 
 
-def _refuse_foreign_sqlite(path: Path) -> None:
+def refuse_foreign_sqlite(path: Path) -> None:
     """Refuse an existing SQLite file that holds tables and none of the engine's, read
     without writing (``migrate.upgrade`` refuses it too, but only after the engine's
     connection changed the file).
 
     Raises:
-        StoreError: ``STORE_FOREIGN`` (``migrate.foreign_store``).
+        StoreError: ``STORE_FOREIGN`` (``migrate.foreign_store``);
+            ``STORE_REVISION_UNKNOWN`` for an Alembic version no migration of this engine
+            has (``migrate.unknown_revision``).
         InvestigationError: ``STORE_UNAVAILABLE`` for a file that is no SQLite database.
     """
-    from investigation.store.migrate import foreign_store, is_foreign
+    from investigation.store.migrate import (
+        foreign_store,
+        is_foreign,
+        known_revisions,
+        unknown_revision,
+    )
 
     if not path.is_file() or path.stat().st_size == 0:
         return
@@ -103,8 +118,14 @@ def _refuse_foreign_sqlite(path: Path) -> None:
         with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as look:
             tables = {r[0] for r in look.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table'")}
+            versions = [str(r[0]) for r in look.execute(
+                "SELECT version_num FROM alembic_version")] \
+                if "alembic_version" in tables else []
     except sqlite3.Error as exc:
         raise InvestigationError("STORE_UNAVAILABLE", f"{path} is not a SQLite database "
                                  f"({exc}); nothing was changed") from None
     if is_foreign(tables):
         raise foreign_store(str(path), tables)
+    # Another Alembic application's database, or a newer engine's store (a hostile trial).
+    if unknown := sorted(set(versions) - known_revisions()):
+        raise unknown_revision(str(path), unknown)

@@ -61,20 +61,64 @@ def upgrade(engine: Engine, revision: str = "head", *, allow_other_tables: bool 
         conn.commit()
 
 
+#: The oldest revision ``db downgrade`` goes back to: the downgrades of 0009-0011 drop
+#: only what they added (triggers, indexes, functions); below 0008 states published since
+#: use a format older code cannot read, and the downgrades drop tables with their rows (a
+#: hostile trial's `--revision base` dropped every case on PostgreSQL and failed half-way
+#: on SQLite). Going further back is restoring a backup.
+OLDEST_DOWNGRADE = "0008_bounded_history"
+
+
+def known_revisions() -> set[str]:
+    """Every revision id this engine's migrations have."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    return {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}
+
+
+def _refuse_unknown_current(conn: Any, url: str) -> list[str]:
+    """The store's current revisions, refusing one this engine does not have.
+
+    Raises:
+        StoreError: ``STORE_REVISION_UNKNOWN`` (another application's Alembic version, or
+        a store of a newer engine: alembic's own error was an ``INTERNAL_ERROR``).
+    """
+    from alembic.runtime.migration import MigrationContext
+
+    current = sorted(MigrationContext.configure(conn).get_current_heads())
+    unknown = sorted(set(current) - known_revisions())
+    if unknown:
+        raise unknown_revision(url, unknown)
+    return current
+
+
+def unknown_revision(where: str, revisions: list[str]) -> StoreError:
+    """``STORE_REVISION_UNKNOWN`` for a database at ``revisions`` no migration of this
+    engine has."""
+    return StoreError(
+        "STORE_REVISION_UNKNOWN",
+        f"the database at {where} is at migration {', '.join(revisions)}, which this "
+        "engine does not have: another application's database (with its own Alembic "
+        "version), or a store of a newer engine version; nothing was changed. Point "
+        "INVESTIGATE_DATABASE_URL at this engine's store")
+
+
 def _refuse_going_back(cfg: Config, conn: Any, url: str, revision: str) -> None:
     """``STORE_REVISION_BEHIND`` when ``revision`` is older than the store's: an upgrade
     to it does nothing, which a fleet trial read as done ("nothing to do", exit 0)."""
-    from alembic.runtime.migration import MigrationContext
 
     script = ScriptDirectory.from_config(cfg)
-    try:
-        target = script.get_revision(revision)
-    except Exception as exc:  # alembic's own message names what is wrong with it
-        raise StoreError("STORE_REVISION_UNKNOWN",
-                         f"no migration revision {revision!r}: {exc}") from exc
+    current_heads = _refuse_unknown_current(conn, url)
+    if revision.strip() == "base" and current_heads:
+        raise StoreError(
+            "STORE_REVISION_BEHIND",
+            f"the store at {url} is at {', '.join(current_heads)}, past base: `db upgrade` "
+            "only goes forward (`investigate db downgrade` goes back, to "
+            f"{OLDEST_DOWNGRADE} at the oldest)")
+    target = _resolve(script, revision)
     if target is None:
         return
-    for current in MigrationContext.configure(conn).get_current_heads():
+    for current in current_heads:
         older = {r.revision for r in script.iterate_revisions(current, "base")}
         if target.revision != current and target.revision in older:
             raise StoreError(
@@ -85,28 +129,61 @@ def _refuse_going_back(cfg: Config, conn: Any, url: str, revision: str) -> None:
                 "(docs/operations.md says what each migration's downgrade drops)")
 
 
+def _resolve(script: ScriptDirectory, revision: str) -> Any:
+    """The migration ``revision`` names (``None`` for ``base``).
+
+    Raises:
+        StoreError: ``STORE_REVISION_UNKNOWN``.
+    """
+    try:
+        return script.get_revision(revision)
+    except Exception as exc:  # alembic's own message names what is wrong with it
+        said = str(exc).strip() or type(exc).__name__
+        raise StoreError("STORE_REVISION_UNKNOWN",
+                         f"no migration revision {revision!r}: {said}") from exc
+
+
 def downgrade(engine: Engine, revision: str) -> None:
     """Take the database behind ``engine`` back to ``revision`` (Alembic's downgrade of
     each migration past it; docs/operations.md says what each drops). Run with the
     workers stopped.
 
     Raises:
-        StoreError: ``STORE_REVISION_UNKNOWN`` for a revision no migration has;
-        ``STORE_NOT_MIGRATED`` for a store no migration ran on.
+        StoreError: ``STORE_REVISION_UNKNOWN`` for a revision no migration has, or a
+        store at one; ``STORE_DOWNGRADE_REFUSED`` below :data:`OLDEST_DOWNGRADE`;
+        ``STORE_REVISION_AHEAD`` for a revision the store is not past;
+        ``STORE_NOT_MIGRATED`` for a store no migration ran on. Nothing is changed.
     """
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    try:
-        ScriptDirectory.from_config(cfg).get_revision(revision)
-    except Exception as exc:
-        raise StoreError("STORE_REVISION_UNKNOWN",
-                         f"no migration revision {revision!r}: {exc}") from exc
-    if not current_revisions(engine):
-        raise StoreError("STORE_NOT_MIGRATED", "the store has no migration version: "
-                         "nothing to take back")
+    script = ScriptDirectory.from_config(cfg)
+    url = engine.url.render_as_string(hide_password=True)
+    target = _resolve(script, revision)
+    oldest = script.get_revision(OLDEST_DOWNGRADE)
+    allowed = {r.revision for r in script.iterate_revisions("heads", OLDEST_DOWNGRADE)}
+    allowed.add(oldest.revision)
+    if target is None or target.revision not in allowed:
+        raise StoreError(
+            "STORE_DOWNGRADE_REFUSED",
+            f"`db downgrade` goes back to {OLDEST_DOWNGRADE} at the oldest: the "
+            "migrations before it change what the cases' stored states hold and drop "
+            "tables with their rows; to go further back, restore a backup taken before "
+            "the upgrade (docs/operations.md, Migrations); nothing was changed")
     with engine.connect() as conn:
+        current = _refuse_unknown_current(conn, url)
+        if not current:
+            raise StoreError("STORE_NOT_MIGRATED", f"the store at {url} has no migration "
+                             "version: nothing to take back")
+        older = {r.revision for head in current
+                 for r in script.iterate_revisions(head, "base")} - set(current)
+        if target.revision not in older:
+            raise StoreError(
+                "STORE_REVISION_AHEAD",
+                f"the store at {url} is at {', '.join(current)}, not past "
+                f"{target.revision}: `db downgrade` only goes back (`investigate db "
+                f"upgrade --revision {target.revision}` goes forward); nothing was changed")
         cfg.attributes["connection"] = conn
-        command.downgrade(cfg, revision)
+        command.downgrade(cfg, target.revision)
         conn.commit()
 
 

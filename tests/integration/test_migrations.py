@@ -120,6 +120,21 @@ def _back_and_forth(url: str, home: Path) -> None:
     assert current_revisions(store.engine) == ["0009_closed_history"]
     unknown = runner.invoke(app, ["db", "downgrade", "--revision", "nope"], env=env)
     assert unknown.exit_code == 2 and "STORE_REVISION_UNKNOWN" in unknown.output
+    # A hostile trial's tracebacks and half-done downgrades, each now a code and no change:
+    for args, code in ((["db", "downgrade", "--revision", "head"], "STORE_REVISION_AHEAD"),
+                       (["db", "downgrade", "--revision", "0009_closed_history"],
+                        "STORE_REVISION_AHEAD"),
+                       (["db", "downgrade", "--revision", "base"], "STORE_DOWNGRADE_REFUSED"),
+                       (["db", "downgrade", "--revision", "0007_compact_store"],
+                        "STORE_DOWNGRADE_REFUSED"),
+                       (["db", "upgrade", "--revision", "base"], "STORE_REVISION_BEHIND"),
+                       (["db", "downgrade", "--revision", ""], "STORE_REVISION_UNKNOWN"),
+                       # A store behind the head is this engine's, not "not a store".
+                       (["status", "case-0000000000000000"], "STORE_NOT_MIGRATED")):
+        res = runner.invoke(app, args, env=env)
+        assert res.exit_code == 2 and code in res.output, (args, res.output)
+        assert "Traceback" not in res.output
+        assert current_revisions(store.engine) == ["0009_closed_history"], args
     assert runner.invoke(app, ["db", "upgrade"], env=env).exit_code == 0
     assert current_revisions(store.engine) == [head]
     assert _diff(store) == []
@@ -134,3 +149,45 @@ def test_sqlite_upgrade_never_goes_back_and_downgrade_does(tmp_path: Path) -> No
 def test_postgres_upgrade_never_goes_back_and_downgrade_does(postgres_url: str,
                                                              tmp_path: Path) -> None:
     _back_and_forth(postgres_url, tmp_path / "home")
+
+
+
+def test_another_alembic_applications_database_is_refused_by_every_db_command(
+        tmp_path: Path) -> None:
+    """A database of another Alembic-managed application (its own alembic_version): `db
+    upgrade` and `db downgrade` ended in INTERNAL_ERROR with a traceback (a hostile
+    trial). Now a code, and the file unchanged (no WAL switch either)."""
+    import hashlib
+    import sqlite3
+
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY)")
+        conn.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        conn.execute("INSERT INTO alembic_version VALUES ('deadbeef')")
+    conn.close()
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    env = {"INVESTIGATE_DATABASE_URL": f"sqlite:///{path}",
+           "INVESTIGATE_HOME": str(tmp_path / "home")}
+    runner = CliRunner()
+    for args in (["db", "upgrade"], ["db", "downgrade", "--revision", "0009_closed_history"],
+                 ["db", "current"]):
+        res = runner.invoke(app, args, env=env)
+        assert res.exit_code == 2 and "STORE_REVISION_UNKNOWN" in res.output, \
+            (args, res.output)
+        assert "deadbeef" in " ".join(res.output.split()), res.output
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    # With other tables allowed, the unknown version still stops it.
+    res = runner.invoke(app, ["db", "upgrade", "--allow-other-tables"], env=env)
+    assert res.exit_code == 2 and "STORE_REVISION_UNKNOWN" in res.output, res.output
+    assert "Traceback" not in res.output
+    # A missing SQLite store is not created by a downgrade.
+    missing = {**env, "INVESTIGATE_DATABASE_URL": f"sqlite:///{tmp_path / 'none.db'}"}
+    res = runner.invoke(app, ["db", "downgrade", "--revision", "0009_closed_history"],
+                        env=missing)
+    assert res.exit_code == 2 and "STORE_NOT_FOUND" in res.output
+    assert not (tmp_path / "none.db").exists()
