@@ -487,6 +487,16 @@ def _schema_store(settings: Settings, *, foreign_ok: bool = False,
     return Store(url)
 
 
+def _print_move(before: list[str], after: list[str], as_json: bool) -> None:
+    """What a migration command did: ``store at X (was Y)``, or ``{"before", "after"}``."""
+    if as_json:
+        sys.stdout.write(json.dumps({"before": before, "after": after}) + "\n")
+        return
+    out.print(f"store at {', '.join(after) or 'none'}"
+              + (f" (was {', '.join(before) or 'none'})" if before != after
+                 else " (nothing to do)"), highlight=False)
+
+
 @db_app.command("upgrade", epilog=example("investigate db upgrade",
                                           "investigate db upgrade --revision head --json"))
 @_controlled
@@ -504,13 +514,7 @@ def db_upgrade(
     store = _schema_store(_settings(), foreign_ok=allow_other_tables)
     before = current_revisions(store.engine)
     upgrade(store.engine, revision, allow_other_tables=allow_other_tables)
-    after = current_revisions(store.engine)
-    if as_json:
-        sys.stdout.write(json.dumps({"before": before, "after": after}) + "\n")
-        return
-    out.print(f"store at {', '.join(after) or 'none'}"
-              + (f" (was {', '.join(before) or 'none'})" if before != after
-                 else " (nothing to do)"), highlight=False)
+    _print_move(before, current_revisions(store.engine), as_json)
 
 
 @db_app.command("downgrade", epilog=example(
@@ -529,13 +533,7 @@ def db_downgrade(
     store = _schema_store(_settings(), must_exist=True)
     before = current_revisions(store.engine)
     downgrade(store.engine, revision)
-    after = current_revisions(store.engine)
-    if as_json:
-        sys.stdout.write(json.dumps({"before": before, "after": after}) + "\n")
-        return
-    out.print(f"store at {', '.join(after) or 'none'}"
-              + (f" (was {', '.join(before) or 'none'})" if before != after
-                 else " (nothing to do)"), highlight=False)
+    _print_move(before, current_revisions(store.engine), as_json)
 
 
 @db_app.command("current", epilog=example("investigate db current",

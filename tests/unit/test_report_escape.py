@@ -48,6 +48,16 @@ def test_burn_down_axis_labels_fit_their_margin() -> None:
     assert "10M" in labels
 
 
+def _ledger(credit: int, charged: int, refunded: int) -> list[dict[str, int | str]]:
+    """An account's ledger: its credit, one charge at step 1, one refund at step 2."""
+    return [{"step_seq": 0, "kind": "credit", "amount_units": credit,
+             "balance_after_units": credit},
+            {"step_seq": 1, "kind": "reserve", "amount_units": -charged,
+             "balance_after_units": credit - charged},
+            {"step_seq": 2, "kind": "refund", "amount_units": refunded,
+             "balance_after_units": credit - charged + refunded}]
+
+
 def test_a_small_spend_of_a_large_credit_is_drawn_below_the_credit() -> None:
     """278 units of a 10M credit drew a flat line at the top (a 500-step reader): the axis
     then spans the units spent below the credit, labelled as amounts below it."""
@@ -55,12 +65,7 @@ def test_a_small_spend_of_a_large_credit_is_drawn_below_the_credit() -> None:
 
     from investigation.report.svg import burndown
 
-    entries = [{"step_seq": 0, "kind": "credit", "amount_units": 10_000_000,
-                "balance_after_units": 10_000_000},
-               {"step_seq": 1, "kind": "reserve", "amount_units": -200,
-                "balance_after_units": 9_999_800},
-               {"step_seq": 2, "kind": "refund", "amount_units": 50,
-                "balance_after_units": 9_999_850}]
+    entries = _ledger(10_000_000, 200, 50)
     drawn = burndown(1, 0, entries, 2)
     labels = re.findall(r'text-anchor="end" fill="#555">([^<]*)</text>', drawn)
     assert labels == ["10M", "-100", "-200", "-300", "step"], labels  # then the x axis's
@@ -98,12 +103,7 @@ def test_zoomed_ticks_are_balances_and_small_refunds_show() -> None:
 
     from investigation.report.svg import MIN_MARK_PX, burndown
 
-    entries = [{"step_seq": 0, "kind": "credit", "amount_units": 400,
-                "balance_after_units": 400},
-               {"step_seq": 1, "kind": "reserve", "amount_units": -170,
-                "balance_after_units": 230},
-               {"step_seq": 2, "kind": "refund", "amount_units": 1,
-                "balance_after_units": 231}]
+    entries = _ledger(400, 170, 1)
     drawn = burndown(1, 0, entries, 2)
     labels = re.findall(r'text-anchor="end" fill="#555">([^<]*)</text>', drawn)
     assert labels[:-1] and all(not label.startswith("-") for label in labels), labels
