@@ -15,7 +15,7 @@ from rich.text import Text
 
 from investigation.evidence.figures import evidence_text
 from investigation.guidance import Guidance
-from investigation.llm.spend import format_money
+from investigation.llm.spend import cost_text, priced_total
 from investigation.loop.outcome import Outcome, last_outcome_text
 from investigation.text_safety import escape_text
 
@@ -98,12 +98,10 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
                       str(u["calls"]), _attempts_cell(u),
                       f"{u['prompt_tokens']}{partial}" if reported else "not reported",
                       f"{u['completion_tokens']}{partial}" if reported else "not reported",
-                      "not priced" if u["cost_micros"] is None
-                      else format_money(u["cost_micros"], currency))
+                      cost_text(u["cost_micros"], currency))
     if len(usage) > 1:
         # The case's total (an engineer reading a long case added four rows by hand; only
         # status --json had it).
-        priced = [u["cost_micros"] for u in usage if u["cost_micros"] is not None]
         reported = any(u["tokens_reported"] for u in usage)
         table.add_section()
         table.add_row("total", str(sum(u["calls"] for u in usage)),
@@ -112,7 +110,7 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
                       else "not reported",
                       str(sum(u["completion_tokens"] for u in usage)) if reported
                       else "not reported",
-                      format_money(sum(priced), currency) if priced else "not priced")
+                      cost_text(priced_total(usage), currency))
     return table
 
 

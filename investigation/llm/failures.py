@@ -133,7 +133,7 @@ def _says_something(raw: bytes) -> bool:
         return False
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # a hostile body too
         return True
     if not isinstance(body, dict):
         return True

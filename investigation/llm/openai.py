@@ -259,12 +259,10 @@ class OpenAIProvider:
         secrets = [key]
         self._check_window(req, headers)
         started = time.monotonic()
-        try:
-            result = _within(f"provider-{self.name}", self.config.timeout_s + 1.0,
-                             lambda clients: self._exchange(request_bytes, headers, key,
-                                                            secrets, clients))
-        finally:
-            self.last_exchange_s = time.monotonic() - started
+        result = _within(f"provider-{self.name}", self.config.timeout_s + 1.0,
+                         lambda clients: self._exchange(request_bytes, headers, key, secrets,
+                                                        clients))
+        self.last_exchange_s = time.monotonic() - started  # (_within returns, never raises)
         if result is _LATE:
             raise TransientProviderError(
                 PROVIDER_TIMEOUT,

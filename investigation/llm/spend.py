@@ -26,6 +26,7 @@ usable usage.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,3 +227,15 @@ def usage_by_hypothesis(s: Session, case_id: str) -> dict[int | None, dict[str, 
 def format_money(micros: int, currency: str) -> str:
     """``micros`` as an amount with six decimals and the currency, e.g. ``0.001250 USD``."""
     return f"{micros / MICROS:.6f} {currency}"
+
+
+def cost_text(micros: int | None, currency: str) -> str:
+    """:func:`format_money`, or ``"not priced"`` for ``None`` (no attempt had a price)."""
+    return "not priced" if micros is None else format_money(micros, currency)
+
+
+def priced_total(usage: Iterable[Mapping[str, Any]]) -> int | None:
+    """The sum of ``cost_micros`` over :func:`usage_by_hypothesis` entries, ``None`` when
+    none was priced."""
+    priced = [u["cost_micros"] for u in usage if u["cost_micros"] is not None]
+    return sum(priced) if priced else None

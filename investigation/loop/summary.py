@@ -261,8 +261,7 @@ def _model_usage(s: Session, case_id: str, hypotheses: list[int], currency: str)
     for hid in keys:
         u = usage.get(hid, {"calls": 0, "attempts": 0, "prompt_tokens": 0,
                             "completion_tokens": 0, "tokens_reported": 0, "cost_micros": None})
-        micros = u["cost_micros"]
-        cost = "not priced" if micros is None else plain(spend.format_money(micros, currency))
+        cost = plain(spend.cost_text(u["cost_micros"], currency))
         # Attempts whose servers reported no count (a scripted provider): not a 0.
         silent = u["attempts"] > 0 and not u["tokens_reported"]
         prompt, completion = ("not reported", "not reported") if silent else (

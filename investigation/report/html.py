@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from investigation.evidence.figures import evidence_figures, records_text, scores_text
-from investigation.llm.spend import format_money
+from investigation.llm.spend import cost_text, priced_total
 from investigation.loop.outcome import last_outcome_text
 from investigation.loop.scheduler import FIRST_TURN, HIGHEST_CONFIDENCE
 from investigation.report import svg
@@ -179,9 +179,8 @@ def _header(h: CaseHistory) -> list[str]:
 def _cost(status: dict[str, Any], currency: str) -> str:
     """What the case's answered and failed model attempts cost, summed over the
     hypotheses (``llm.spend``), or ``"not priced"`` when no provider has a price."""
-    priced = [u["cost_micros"] for u in status.get("model_usage", {}).get("hypotheses", [])
-              if u["cost_micros"] is not None]
-    return format_money(sum(priced), currency) if priced else "not priced"
+    return cost_text(priced_total(status.get("model_usage", {}).get("hypotheses", [])),
+                     currency)
 
 
 def _overview(h: CaseHistory) -> list[str]:

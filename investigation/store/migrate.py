@@ -7,6 +7,7 @@ database, then review it). A test checks that the migrated schema equals the mod
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ def upgrade(engine: Engine, revision: str = "head", *, allow_other_tables: bool 
                 "(alembic stamp 0001_initial)")
         if is_foreign(tables) and not allow_other_tables:
             raise foreign_store(url, tables)
-        _refuse_going_back(cfg, conn, url, revision)
+        _refuse_going_back(conn, url, revision)
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
         conn.commit()
@@ -69,11 +70,19 @@ def upgrade(engine: Engine, revision: str = "head", *, allow_other_tables: bool 
 OLDEST_DOWNGRADE = "0008_bounded_history"
 
 
-def known_revisions() -> set[str]:
-    """Every revision id this engine's migrations have."""
+@functools.cache
+def _scripts() -> ScriptDirectory:
+    """This engine's migrations, read once per process (they are files of the package:
+    the upgrade at every store opening read them three times, about 15 ms each)."""
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    return {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}
+    return ScriptDirectory.from_config(cfg)
+
+
+@functools.cache
+def known_revisions() -> frozenset[str]:
+    """Every revision id this engine's migrations have."""
+    return frozenset(r.revision for r in _scripts().walk_revisions())
 
 
 def _refuse_unknown_current(conn: Any, url: str) -> list[str]:
@@ -103,11 +112,10 @@ def unknown_revision(where: str, revisions: list[str]) -> StoreError:
         "INVESTIGATE_DATABASE_URL at this engine's store")
 
 
-def _refuse_going_back(cfg: Config, conn: Any, url: str, revision: str) -> None:
+def _refuse_going_back(conn: Any, url: str, revision: str) -> None:
     """``STORE_REVISION_BEHIND`` when ``revision`` is older than the store's: an upgrade
     to it does nothing, which a fleet trial read as done ("nothing to do", exit 0)."""
-
-    script = ScriptDirectory.from_config(cfg)
+    script = _scripts()
     current_heads = _refuse_unknown_current(conn, url)
     if revision.strip() == "base" and current_heads:
         raise StoreError(
@@ -156,7 +164,7 @@ def downgrade(engine: Engine, revision: str) -> None:
     """
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    script = ScriptDirectory.from_config(cfg)
+    script = _scripts()
     url = engine.url.render_as_string(hide_password=True)
     target = _resolve(script, revision)
     oldest = script.get_revision(OLDEST_DOWNGRADE)
@@ -230,9 +238,7 @@ def require_head(engine: Engine) -> None:
 
 def head_revision() -> str:
     """The newest migration revision this code knows."""
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS))
-    head = ScriptDirectory.from_config(cfg).get_current_head()
+    head = _scripts().get_current_head()
     assert head is not None
     return head
 

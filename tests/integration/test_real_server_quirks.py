@@ -105,7 +105,8 @@ def test_which_5xx_bodies_say_something() -> None:
 
     for said in (b'{"error": {"message": "failed to load grammar"}}', b"boom 42",
                  b'{"detail": "model not found"}', b'{"error": "bad schema"}', b"[1]",
-                 b'{"unexpected": 1}', b'{"detail": ["Internal Server Error", 1]}'):
+                 b'{"unexpected": 1}', b'{"detail": ["Internal Server Error", 1]}',
+                 b"[" * 200_000, b"\xff\xfe{"):
         assert _says_something(said), said
     for generic in (b"", b"  Error ", b'{"detail": "Internal Server Error"}',
                     b'{"message": "error", "error": {"message": "Server Error"}}'):
