@@ -15,7 +15,6 @@ import os
 import shlex
 import sys
 from collections.abc import Callable, Iterable
-from contextlib import closing
 from contextvars import ContextVar
 from functools import wraps
 from pathlib import Path
@@ -652,6 +651,9 @@ def status_cmd(
     """State, outcome, blocked reason, balances, evidence count, and what to do next."""
     settings = _settings()
     store = _store(settings, existing=True)
+    def read() -> tuple[dict[str, Any], guidance.Guidance]:
+        return status_reading(settings, store, case_id)
+
     if watch and as_json:  # JSON Lines until the case stops moving
         from workers.progress import watch_json
 
@@ -660,8 +662,7 @@ def status_cmd(
             sys.stdout.flush()
 
         try:
-            watch_json(write, store, case_id, interval,
-                       guide=lambda: case_guidance(settings, store, case_id))
+            watch_json(write, store, case_id, interval, read=read)
         except KeyboardInterrupt:  # not "settled" (exit 0): a script tells them apart
             raise typer.Exit(INTERRUPTED_EXIT) from None
         return
@@ -669,42 +670,47 @@ def status_cmd(
         from workers.progress import watch as watch_case
 
         try:
-            watch_case(out, store, case_id, interval,
-                       guide=lambda: case_guidance(settings, store, case_id))
+            watch_case(out, store, case_id, interval, read=read,
+                       currency=_currency(settings))
         except KeyboardInterrupt:
             raise typer.Exit(INTERRUPTED_EXIT) from None
         return
+    info, g = read()
+    if as_json:  # model costs are in micros of limits.currency
+        _print_json({**info, "next": g.to_dict()})
+        return
+    out.print(status_view(info, g, _currency(settings)))
+
+
+def status_reading(settings: Settings, store: Store,
+                   case_id: str) -> tuple[dict[str, Any], guidance.Guidance]:
+    """What ``status`` shows of the case in this shell, and what to do next: the store's
+    status (``investigation.operations.status``) and, in a shell that names a fleet's
+    broker or lock Redis, the dispatch lease of an investigating case
+    (``workers.health.dispatch_fields``: with none held, the queue's waiting messages), and whether
+    a ``run`` of this machine holds it (``run_holds``). Read again at each redraw of
+    ``status --watch`` (with ``--json`` too), so a watch shows what ``status`` does.
+
+    Raises:
+        InvestigationError: ``CASE_NOT_FOUND``.
+        sqlalchemy.exc.SQLAlchemyError: the store cannot be read.
+    """
+    from workers.health import dispatch_fields, dispatch_held
+
     info = status(store, case_id)
     held = False
     if _fleet_shell(settings) and info["state"] == "INVESTIGATING":
-        info.update(_dispatch_lease(settings, case_id))
-        held = bool(info["dispatch_lease_s"]) or info.get("dispatch_lease_expires") is False
-        if info["dispatch_lease_s"] == 0.0:
-            # Messages no worker took: a dispatch sent while none ran waits there, and
-            # "dispatch again" would only queue another (an integrator's trial).
-            import redis
-
-            from workers.health import queue_depth
-
-            info["queue"] = settings.queue
-            try:
-                info["queue_waiting"] = queue_depth(settings.broker_url, settings.queue)
-            except redis.RedisError:  # a status read never fails on the broker
-                info["queue_waiting"] = None
+        info.update(dispatch_fields(settings, case_id))
+        held = dispatch_held(info)
     if info["state"] == "INVESTIGATING":
         # A `run` in another shell of this machine: "run it again" would be LOCK_BUSY (a
         # user of a real model, whose steps take half a minute each).
         info["run_holds"] = _run_holds(settings, case_id)
     if held:
-        g = guidance.dispatch_holds(case_id, info["dispatch_lease_s"])
-    elif info.get("run_holds"):
-        g = guidance.run_holds(case_id)
-    else:
-        g = case_guidance(settings, store, case_id)
-    if as_json:  # model costs are in micros of limits.currency
-        _print_json({**info, "next": g.to_dict()})
-        return
-    out.print(status_view(info, g, _currency(settings)))
+        return info, guidance.dispatch_holds(case_id, info["dispatch_lease_s"])
+    if info.get("run_holds"):
+        return info, guidance.run_holds(case_id)
+    return info, case_guidance(settings, store, case_id)
 
 
 def _run_holds(settings: Settings, case_id: str) -> bool:
@@ -724,37 +730,6 @@ def _run_holds(settings: Settings, case_id: str) -> bool:
             return True
         fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
     return False
-
-
-def _dispatch_lease(settings: Settings, case_id: str) -> dict[str, Any]:
-    """The lease of the dispatch that holds the case's lock (workers renew it at every
-    stage): ``dispatch_lease_s``, its seconds left (``0.0`` when none holds it, ``None``
-    when Redis cannot tell: a fleet trial saw nothing of the lock that kept a case
-    waiting after a worker died), and, while held, ``dispatch_holder`` (the process that
-    took or last renewed it, ``name@host pid N``) and ``dispatch_renewed_s_ago`` (a
-    second fleet trial could not tell a live holder from a dead one); a lock key without
-    a TTL (never the engine's) is ``dispatch_lease_s`` null with
-    ``dispatch_lease_expires`` false."""
-    import redis
-
-    from workers.locks import RedisCaseLock
-
-    try:
-        client = redis.Redis.from_url(settings.effective_redis_url, socket_timeout=2.0,
-                                      socket_connect_timeout=2.0)
-        with closing(client):
-            holder = RedisCaseLock(client, settings.lock_ttl_s).lease_holder(case_id)
-    except redis.RedisError:
-        return {"dispatch_lease_s": None}
-    if holder is None:
-        return {"dispatch_lease_s": 0.0}
-    if holder.lease_s is None:  # a key without a TTL: held until someone ends it
-        return {"dispatch_lease_s": None, "dispatch_lease_expires": False,
-                "dispatch_holder": holder.name, "dispatch_renewed_s_ago": None}
-    if holder.lease_s <= 0:
-        return {"dispatch_lease_s": 0.0}
-    return {"dispatch_lease_s": max(0.1, holder.lease_s), "dispatch_holder": holder.name,
-            "dispatch_renewed_s_ago": holder.renewed_s_ago}
 
 
 def case_guidance(settings: Settings, store: Store, case_id: str) -> guidance.Guidance:

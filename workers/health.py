@@ -79,6 +79,57 @@ def queue_depth(broker_url: str, queue: str, timeout_s: float = 2.0) -> int:
         client.close()
 
 
+def dispatch_lease(settings: Settings, case_id: str) -> dict[str, Any]:
+    """The lease of the dispatch that holds the case's lock (workers renew it at every
+    stage): ``dispatch_lease_s``, its seconds left (``0.0`` when none holds it, ``None``
+    when Redis cannot tell: a fleet trial saw nothing of the lock that kept a case
+    waiting after a worker died), and, while held, ``dispatch_holder`` (the process that
+    took or last renewed it, ``name@host pid N``) and ``dispatch_renewed_s_ago`` (a
+    second fleet trial could not tell a live holder from a dead one); a lock key without
+    a TTL (never the engine's) is ``dispatch_lease_s`` null with
+    ``dispatch_lease_expires`` false. Never raises for Redis."""
+    from workers.locks import RedisCaseLock
+
+    try:
+        client = redis.Redis.from_url(settings.effective_redis_url, socket_timeout=2.0,
+                                      socket_connect_timeout=2.0)
+        with contextlib.closing(client):
+            holder = RedisCaseLock(client, settings.lock_ttl_s).lease_holder(case_id)
+    except redis.RedisError:
+        return {"dispatch_lease_s": None}
+    if holder is None:
+        return {"dispatch_lease_s": 0.0}
+    if holder.lease_s is None:  # a key without a TTL: held until someone ends it
+        return {"dispatch_lease_s": None, "dispatch_lease_expires": False,
+                "dispatch_holder": holder.name, "dispatch_renewed_s_ago": None}
+    if holder.lease_s <= 0:
+        return {"dispatch_lease_s": 0.0}
+    return {"dispatch_lease_s": max(0.1, holder.lease_s), "dispatch_holder": holder.name,
+            "dispatch_renewed_s_ago": holder.renewed_s_ago}
+
+
+def dispatch_fields(settings: Settings, case_id: str) -> dict[str, Any]:
+    """What ``status`` adds on a fleet shell for an investigating case:
+    :func:`dispatch_lease`'s fields and, when no dispatch holds the case, ``queue`` and
+    ``queue_waiting`` (messages no worker has taken: a dispatch sent while none ran waits
+    there, and "dispatch again" would only queue another; ``None`` when the broker
+    cannot tell). Never raises for Redis."""
+    info = dispatch_lease(settings, case_id)
+    if info["dispatch_lease_s"] == 0.0:
+        info["queue"] = settings.queue
+        try:
+            info["queue_waiting"] = queue_depth(settings.broker_url, settings.queue)
+        except redis.RedisError:  # a status read never fails on the broker
+            info["queue_waiting"] = None
+    return info
+
+
+def dispatch_held(info: dict[str, Any]) -> bool:
+    """Whether :func:`dispatch_fields` (merged into a status) say a dispatch holds the
+    case: a lease with time left, or a lock key that never expires."""
+    return bool(info.get("dispatch_lease_s")) or info.get("dispatch_lease_expires") is False
+
+
 def redis_ping(url: str, timeout_s: float) -> None:
     """PING the Redis at ``url`` within ``timeout_s`` seconds.
 

@@ -130,19 +130,40 @@ class RunProgress:
             self._live.update(self._view())
 
 
+#: What a watch reads at each redraw: the status and what to do next.
+Reading = Callable[[], tuple[dict[str, Any], Guidance]]
+
+
+def store_reading(store: Store, case_id: str) -> Reading:
+    """The status in the store and ``guidance.for_case``'s advice (both runtimes, a
+    placeholder providers file): a watch's reading where no shell is known."""
+    return lambda: (status(store, case_id), for_case(store, case_id))
+
+
+def _changed(info: dict[str, Any]) -> tuple[Any, ...]:
+    """What a new watch line is printed for: the published step, the state, the last
+    outcome, and whether a dispatch holds the case (a fleet shell's reading: a holder
+    that died shows when its lease lapses, with no step published)."""
+    return (info["steps"], info["state"], info["last_outcome"], info["last_reason"],
+            info.get("dispatch_holder") is not None)
+
+
 def watch(console: Console, store: Store, case_id: str, interval_s: float,
           stop_after_s: float | None = None,
           sleep: Callable[[float], None] = time.sleep,
-          guide: Callable[[], Guidance] | None = None) -> dict[str, Any]:
+          read: Reading | None = None, currency: str = "USD") -> dict[str, Any]:
     """``status --watch``: redraw the status (and what to do next) every ``interval_s``
     until the case stops moving (complete, blocked, paused, cancelled, stopped) or
     ``stop_after_s`` passes. On a terminal the screen is redrawn in place; elsewhere a line
-    is printed whenever the published step or the state changes. Returns the last status.
+    is printed whenever the published step, the state or whether a dispatch holds the
+    case changes. Returns the last status.
 
-    ``guide`` gives the advice as ``status`` would in this shell (its runtimes and its
-    INVESTIGATE_PROVIDERS); default: ``guidance.for_case`` with both runtimes and a
-    placeholder providers file.
+    ``read`` gives the status and advice as ``status`` would in this shell (its runtimes,
+    INVESTIGATE_PROVIDERS, and on a fleet shell the dispatch lease:
+    ``workers.cli.status_reading``); default :func:`store_reading`. ``currency`` labels
+    model costs.
     """
+    read = read or store_reading(store, case_id)
     started = time.monotonic()
     seen: tuple[Any, ...] | None = None
     live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
@@ -150,13 +171,12 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
         live.__enter__()
     try:
         while True:
-            info = status(store, case_id)
-            g = guide() if guide is not None else for_case(store, case_id)
+            info, g = read()
             settled = info["state"] != CASE_INVESTIGATING
             if live is not None:
-                live.update(status_view(info, g if settled else None))
+                live.update(status_view(info, g if settled else None, currency))
             else:
-                key = (info["steps"], info["state"], info["last_outcome"], info["last_reason"])
+                key = _changed(info)
                 if key != seen:
                     if seen is None and not settled:  # a new user's trial waited, unsure why
                         console.print("watching: one line per change, Ctrl-C leaves; only "
@@ -168,11 +188,11 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
                         + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
                         + f", step {info['steps']}, last outcome "
                         + last_outcome_text(info["last_outcome"], info["last_reason"])
-                        + f", evidence {info['evidence_count']}"), highlight=False,
-                        markup=False)
+                        + f", evidence {info['evidence_count']}"
+                        + _holder_text(info)), highlight=False, markup=False)
             if settled:
                 if live is None:
-                    console.print(status_view(info, g))
+                    console.print(status_view(info, g, currency))
                 return info
             if stop_after_s is not None and time.monotonic() - started >= stop_after_s:
                 return info
@@ -182,32 +202,44 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
             live.__exit__(None, None, None)
 
 
+def _holder_text(info: dict[str, Any]) -> str:
+    """A watch line's word on the dispatch lease, where the reading has one."""
+    if "dispatch_lease_s" not in info:  # not a fleet shell, or not investigating
+        return ""
+    if info.get("dispatch_holder") is not None:
+        return f", held by {info['dispatch_holder']}"
+    return ", no dispatch holds it" if info["dispatch_lease_s"] == 0.0 else ""
+
+
 #: Failed store reads in a row that ``status --watch --json`` waits out.
 STORE_RETRIES = 5
 
 
 def watch_json(write: Callable[[str], None], store: Store, case_id: str, interval_s: float,
-               guide: Callable[[], Guidance], stop_after_s: float | None = None,
+               read: Reading | None = None, stop_after_s: float | None = None,
                sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
     """``status --watch --json``: JSON Lines, one object (``status --json``'s, with
-    ``next``) at the start and whenever the published step, the state or the last outcome
-    changes, until the case stops moving (the last line is its settled status) or
+    ``next``) at the start and whenever the published step, the state, the last outcome
+    or whether a dispatch holds the case changes, until the case stops moving (the last line is its settled status) or
     ``stop_after_s`` passes. ``write`` takes each line with its newline. Returns the last
     status. What an upstream system follows a case with (it printed one object and
     exited while the case still ran, an integrator's trial). A store read that fails is
     tried again at the next interval, :data:`STORE_RETRIES` times in a row at most.
+    ``read``: as :func:`watch`'s (on a fleet shell, the lines carry ``status --json``'s
+    ``dispatch_lease_s``, ``dispatch_holder``, ``queue_waiting``, ...).
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``.
         sqlalchemy.exc.SQLAlchemyError: the store failed more than ``STORE_RETRIES``
             times in a row.
     """
+    read = read or store_reading(store, case_id)
     started = time.monotonic()
     seen: tuple[Any, ...] | None = None
     failures = 0
     while True:
         try:
-            info = status(store, case_id)
+            info, g = read()
         except SQLAlchemyError:
             # A dropped connection ended the watch at once (a hostile-input trial): the
             # store is read again at the next interval, up to STORE_RETRIES times in a
@@ -219,14 +251,14 @@ def watch_json(write: Callable[[str], None], store: Store, case_id: str, interva
             continue
         failures = 0
         settled = info["state"] != CASE_INVESTIGATING
-        key = (info["steps"], info["state"], info["last_outcome"], info["last_reason"])
+        key = _changed(info)
         if key != seen or settled:
             seen = key
-            write(json.dumps({**info, "next": guide().to_dict()}, sort_keys=True) + "\n")
+            write(json.dumps({**info, "next": g.to_dict()}, sort_keys=True) + "\n")
         if settled or (stop_after_s is not None
                        and time.monotonic() - started >= stop_after_s):
             return info
         sleep(interval_s)
 
 
-__all__ = ["RunProgress", "progress_view", "watch", "watch_json"]
+__all__ = ["Reading", "RunProgress", "progress_view", "store_reading", "watch", "watch_json"]

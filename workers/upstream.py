@@ -174,7 +174,10 @@ def status(case_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
     terminal, ``CANCELLED``, ``STOPPED``), ``blocked_reason`` and ``blocked_detail``,
     ``last_outcome``, ``steps``, ``evidence`` (what the records amount to), the accounts,
     ``model_usage``, and ``next``: what an operator does next, ``final`` true when
-    nothing more will happen without one.
+    nothing more will happen without one; for an investigating case, the dispatch
+    fields ``status --json`` gives on a fleet shell (``dispatch_lease_s``,
+    ``dispatch_holder``, ``dispatch_renewed_s_ago``; ``queue_waiting`` when none holds
+    it).
 
     Raises:
         InvestigationError: ``CASE_ID_INVALID``, ``CASE_NOT_FOUND``; ``STORE_NOT_FOUND``
@@ -182,6 +185,7 @@ def status(case_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
             ``STORE_URL_INVALID``; ``ARGUMENT_INVALID``.
     """
     from investigation import guidance
+    from workers.health import dispatch_fields, dispatch_held
 
     case_id = _case_id(case_id)
     settings = _settings(settings)
@@ -189,6 +193,11 @@ def status(case_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
         store = open_store(settings, existing=True)
         try:
             info = case_status(store, case_id)
+            if info["state"] == CASE_INVESTIGATING:  # as on a fleet shell
+                info.update(dispatch_fields(settings, case_id))
+                if dispatch_held(info):
+                    return {**info, "next": guidance.dispatch_holds(
+                        case_id, info["dispatch_lease_s"]).to_dict()}
             return {**info,
                     "next": guidance.for_case(store, case_id, "distributed").to_dict()}
         finally:

@@ -609,6 +609,62 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
 
 
 @pytest.mark.redis
+def test_status_watch_on_a_fleet_shell_shows_the_dispatch_lease(
+        cli: Case, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
+    """`status --watch --json` left out the dispatch fields plain `status --json` gives on
+    a fleet shell; a watch now reads what `status` does, and writes a line when the
+    holder's lease lapses (a worker died: no step is published)."""
+    from investigation.constants import REDIS_LOCK_KEY
+    from workers.cli import status_reading
+    from workers.locks import HOLDER_SUFFIX
+    from workers.progress import watch, watch_json
+
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", redis_url)
+    client = redis.Redis.from_url(redis_url)
+    key = REDIS_LOCK_KEY.format(case_id=cli.case_id)
+    settings = Settings()
+    sleeps: list[float] = []
+
+    def lease_lapses(seconds: float) -> None:  # the holder died: its lease runs out
+        sleeps.append(seconds)
+        if len(sleeps) == 1:
+            client.delete(key, key + HOLDER_SUFFIX)
+        else:  # after the line that says so: leave, as Ctrl-C does
+            raise KeyboardInterrupt
+
+    try:
+        client.set(key, "token", px=100_000)
+        client.set(key + HOLDER_SUFFIX, "w1@host pid 7", px=100_000)
+        lines: list[str] = []
+        with pytest.raises(KeyboardInterrupt):
+            watch_json(lines.append, cli.store, cli.case_id, 0.0,
+                       read=lambda: status_reading(settings, cli.store, cli.case_id),
+                       sleep=lease_lapses)
+        docs = [json.loads(line) for line in lines]
+        assert [d.get("dispatch_holder")
+                for d in docs] == ["w1@host pid 7", None], docs
+        assert 0 < docs[0]["dispatch_lease_s"] <= 100 and docs[1]["dispatch_lease_s"] == 0.0
+        assert "A dispatch holds the case" in json.dumps(docs[0]["next"]), docs[0]["next"]
+        assert docs[1]["queue_waiting"] == 0
+        # The text watch says it on each line; its screen is `status`'s.
+        client.set(key, "token", px=100_000)
+        client.set(key + HOLDER_SUFFIX, "w2@host pid 8", px=100_000)
+        # workers.upstream.status, "what status --json prints", has them too.
+        from workers import upstream
+
+        polled = upstream.status(cli.case_id)
+        assert polled["dispatch_holder"] == "w2@host pid 8", polled
+        assert "A dispatch holds the case" in json.dumps(polled["next"])
+        buf = io.StringIO()
+        watch(Console(file=buf, width=200), cli.store, cli.case_id, 0.0, stop_after_s=0.0,
+              read=lambda: status_reading(settings, cli.store, cli.case_id))
+        assert ", held by w2@host pid 8" in buf.getvalue(), buf.getvalue()
+    finally:
+        client.delete(key, key + HOLDER_SUFFIX)
+        client.close()
+
+
+@pytest.mark.redis
 def test_run_on_a_fleet_shell_takes_the_fleets_lock(
         cli: Case, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
     """Decision 158: a fleet trial ran `run` beside a live dispatch of the same case (the

@@ -100,14 +100,12 @@ def test_status_follows_a_case_in_process(tmp_path: Path) -> None:
 
 def test_status_watch_json_writes_a_line_per_change_until_settled(tmp_path: Path) -> None:
     """`status --watch --json` printed one object and exited while the case still ran."""
-    from investigation.guidance import for_case
     from workers.progress import watch_json
 
     case = make_case(tmp_path / "case")
     investigator = case.investigator()
     lines: list[str] = []
     last = watch_json(lines.append, case.store, case.case_id, 0.0,
-                      guide=lambda: for_case(case.store, case.case_id),
                       sleep=lambda _s: investigator.step(case.case_id))
     docs = [json.loads(line) for line in lines]
     assert all(line.endswith("\n") and line.count("\n") == 1 for line in lines)
@@ -163,7 +161,6 @@ def test_status_watch_json_waits_out_a_dropped_store_connection(tmp_path: Path) 
     from sqlalchemy.exc import OperationalError
 
     import workers.progress as progress
-    from investigation.guidance import for_case
 
     case = make_case(tmp_path / "case")
     investigator = case.investigator()
@@ -179,7 +176,6 @@ def test_status_watch_json_waits_out_a_dropped_store_connection(tmp_path: Path) 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(progress, "status", flaky)
         last = progress.watch_json(lines.append, case.store, case.case_id, 0.0,
-                                   guide=lambda: for_case(case.store, case.case_id),
                                    sleep=lambda _s: investigator.step(case.case_id))
         assert last["state"] == "BUILDING_DIAGNOSIS"
         assert all(json.loads(line) for line in lines)
@@ -187,7 +183,6 @@ def test_status_watch_json_waits_out_a_dropped_store_connection(tmp_path: Path) 
             OperationalError("SELECT", {}, Exception("down"))))
         with pytest.raises(OperationalError):
             progress.watch_json(lines.append, case.store, case.case_id, 0.0,
-                                guide=lambda: for_case(case.store, case.case_id),
                                 sleep=lambda _s: None)
 
 
