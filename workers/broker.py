@@ -162,6 +162,74 @@ def _is_time(value: str) -> bool:
     return True
 
 
+#: Most ``retries`` a message may say it went through (the engine's stage retries stop
+#: long before; a larger count is no message of the engine).
+MAX_RETRIES = 10_000
+#: Keys of a protocol-2 body's ``embed`` the engine never sends (it chains its tasks with
+#: ``chain`` alone): a sender's ``callbacks`` ran the task it named after the message's.
+_FOREIGN_EMBED = ("callbacks", "errbacks", "chord")
+
+
+def _header_problem(headers: dict[str, Any]) -> str | None:
+    """What makes a protocol-2 message's headers no message of the engine, or ``None``:
+
+    * a ``timelimit`` that is not ``[soft, hard]``, or that sets either: the engine's
+      messages set none (the worker's ``--time-limit``/``--soft-time-limit`` apply); a
+      sender's ``["a", "b"]`` stopped the worker at every restart ("Unrecoverable
+      error", a hostile-input trial), and a sender's ``0.001`` killed the pool process
+      that took the message;
+    * a ``retries`` that is not a count from 0 to :data:`MAX_RETRIES` (a stage's retry
+      countdown doubles with it).
+    """
+    limits = headers.get("timelimit")
+    if limits is not None:
+        if not isinstance(limits, list | tuple) or len(limits) != 2:
+            return "a timelimit header that is not [soft, hard]"
+        if any(limit is not None for limit in limits):
+            return ("a timelimit header that sets a time limit (the engine's messages set "
+                    "none: the worker's --time-limit and --soft-time-limit apply)")
+    retries = headers.get("retries")
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int)
+                                or not 0 <= retries <= MAX_RETRIES):
+        return f"a retries header that is not a count from 0 to {MAX_RETRIES}"
+    return None
+
+
+def _body_problem(message: Any) -> str | None:
+    """What makes a protocol-2 JSON body no ``[args, kwargs, embed]`` of the engine, or
+    ``None`` (a body the serializer cannot decode is Celery's to refuse, as before):
+    ``args`` a list, ``kwargs`` an object, ``embed`` an object or null without
+    ``callbacks``, ``errbacks`` or ``chord`` and with ``chain`` a list of objects, if
+    any. Celery read the kwargs and embed only after the task ran, or in the pool's
+    callback, with a traceback each (and ran a sender's callback)."""
+    if getattr(message, "content_type", None) != "application/json":
+        return None
+    try:
+        body = message.payload  # decoded once; Celery's request reads the same cache
+    except Exception:  # Celery's on_decode_error says it, as before
+        return None
+    if not isinstance(body, list | tuple) or len(body) != 3:
+        return "a body that is not [args, kwargs, embed]"
+    args, kwargs, embed = body
+    if not isinstance(args, list | tuple):
+        return "a body whose args are not a list"
+    if not isinstance(kwargs, dict):
+        return "a body whose kwargs are not an object"
+    if embed is None:
+        return None
+    if not isinstance(embed, dict):
+        return "a body whose embed is not an object"
+    foreign = [key for key in _FOREIGN_EMBED if embed.get(key)]
+    if foreign:
+        return (f"a body whose embed carries {', '.join(foreign)} (the engine chains its "
+                "tasks with chain alone)")
+    chain = embed.get("chain")
+    if chain is not None and (not isinstance(chain, list)
+                              or not all(isinstance(sig, dict) for sig in chain)):
+        return "a body whose embed chain is not a list of signatures"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def max_countdown_s() -> float:
     """``INVESTIGATE_MAX_COUNTDOWN_S`` of this worker (read once)."""
@@ -183,6 +251,14 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             headers = getattr(message, "headers", None)
             headers = headers if isinstance(headers, dict) else {}
             task = headers.get("task")
+            problem = _header_problem(headers) or _body_problem(message)
+            if problem is not None:
+                log.error("broker message refused: MESSAGE_INVALID: task message %s has %s; "
+                          "it was dropped and nothing ran", escape_text(repr(task))[:80],
+                          problem)
+                if not message.acknowledged:
+                    message.reject_log_error(log, self.connection_errors, requeue=False)
+                return None
             too_late = _eta_beyond_countdown(headers)
             if too_late is not None:
                 when = escape_text(str(too_late))[:40]

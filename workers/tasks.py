@@ -172,11 +172,54 @@ class StageTask(CheckedTask):
             return refused
         payload = args[0] if args else kwargs.get("payload")
         problem = payload_problem(payload, kwargs.get("token"))
+        if problem is None and isinstance(payload, dict) \
+                and self.name == f"{TASK_PREFIX}advance":
+            problem = _advance_problem(payload)
+        if problem is None and not _chained_to_advance(self):
+            # A lone stage message with a token of the sender's took the case's free lock
+            # for a whole lease, and LOCK_BUSY then named a worker that ran nothing (a
+            # hostile upstream trial). Every stage the engine sends is chained to advance,
+            # which ends the dispatch and releases the lock.
+            problem = ("a stage message not chained to advance (the engine sends a "
+                       "step's stages as one chain ending in advance)")
         if problem is None:
             return None
         log.error("%s refused: %s: %s; nothing was run", self.name, self.refusal_code,
                   problem)
         return {"case_id": None, "outcome": "REFUSED", "code": self.refusal_code}
+
+
+def _advance_problem(payload: dict[str, Any]) -> str | None:
+    """What an ``advance`` payload lacks beyond :func:`payload_problem`'s, or ``None``:
+    ``steps_left`` a count, ``halt`` (when set) an object with an ``outcome`` text and,
+    if it has one, a ``retry_not_before`` time. A forged payload without them ended in a
+    KeyError or ValueError with a traceback (a hostile upstream trial)."""
+    steps_left = payload.get("steps_left")
+    if type(steps_left) is not int or steps_left < 0:
+        return f"payload steps_left is {escape_text(repr(steps_left))[:60]}, not a count"
+    halt = payload.get("halt")
+    if halt is None:
+        return None
+    if not isinstance(halt.get("outcome"), str):
+        return "payload halt has no outcome"
+    due = halt.get("retry_not_before")
+    if due is not None:
+        try:
+            datetime.fromisoformat(due)
+        except (TypeError, ValueError):
+            return f"payload halt retry_not_before {escape_text(repr(due))[:60]} is no time"
+    return None
+
+
+def _chained_to_advance(task: Any) -> bool:
+    """Whether the message ``task`` runs is ``advance`` or a stage chained to it: True for
+    a task run in process (the embedded runtime's ``chain.apply()`` hands no chain on)."""
+    request = task.request
+    if task.name == f"{TASK_PREFIX}advance" or request.is_eager:
+        return True
+    chain = request.chain or ()
+    return isinstance(chain, list | tuple) and any(
+        isinstance(sig, dict) and sig.get("task") == f"{TASK_PREFIX}advance" for sig in chain)
 
 
 #: The ids every stage payload carries, and their JSON types (``bool`` is not an ``int``).

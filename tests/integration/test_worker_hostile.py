@@ -67,6 +67,44 @@ def test_a_malformed_dispatch_is_refused_and_locks_nothing(tmp_path: Path, redis
         _assert_completed_case(h, info)
 
 
+def test_a_lone_stage_message_with_a_forged_token_takes_no_lock(
+        tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile upstream trial: a stage message sent alone with a token of the sender's
+    took the case's free lock for a whole lease (the stage itself refused to run), and
+    `dispatch` then answered LOCK_BUSY naming a worker that ran nothing. A stage message
+    not chained to advance is refused before the lock is touched."""
+    from workers.tasks import STAGE_TASKS, advance, start_dispatch
+
+    with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
+        case_id = h.case.case_id
+        h.worker.start()
+        h.worker.wait_ready()
+        payload = {"case_id": case_id, "revision": 1, "step_seq": 1, "steps_left": 5,
+                   "mode": "distributed", "max_steps": None, "halt": None}
+        STAGE_TASKS["build_context"].apply_async((payload,), {"token": "forgedtoken0000"})
+        _wait_log(h, r"refused: PAYLOAD_INVALID: a stage message not chained to advance", 1)
+        assert h.lock_holder(case_id) is None
+        # Forged advance payloads ended in KeyError or ValueError with tracebacks.
+        no_steps_left = {k: v for k, v in payload.items() if k != "steps_left"}
+        for forged in [{**payload, "halt": {"reason": "x"}}, no_steps_left,
+                       {**payload, "halt": {"outcome": "RETRY_PENDING",
+                                            "retry_not_before": "garbage"}}]:
+            advance.apply_async((forged,), {"token": "forgedtoken0000"})
+        _wait_log(h, r"investigation\.advance refused: PAYLOAD_INVALID", 3)
+        for said in ("halt has no outcome", "steps_left is None, not a count",
+                     "retry_not_before 'garbage' is no time"):
+            assert said in h.worker.log(), said
+        assert "Traceback" not in h.worker.log()
+        assert h.lock_holder(case_id) is None
+        with h.case.store.session() as s:
+            assert s.exec(select(StageRun)).all() == []  # nothing ran
+        # The case itself runs normally, its own chains taking and releasing the lock.
+        start_dispatch(case_id)
+        info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
+        h.wait_unlocked()
+        _assert_completed_case(h, info)
+
+
 def test_a_failing_advance_releases_the_lock(tmp_path: Path, redis_url: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A forged ``advance`` whose payload cannot be processed fails, and the lock its
@@ -194,7 +232,27 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
         no_time = {**envelope, "headers": {**envelope["headers"], "eta": "not-a-date"}}
         unknown = {**envelope, "headers": {**envelope["headers"],
                                            "task": "investigation.evil\x1b[2J"}}
-        items = [b"not json at all {", b"\xff\xfe not utf-8", json.dumps([1, 2]).encode(),
+        # A hostile upstream trial: a timelimit of strings stopped the worker at every
+        # restart; a sender's time limit killed the pool process; a retries of "lots",
+        # kwargs or embed of the wrong type, and an embed's callbacks ran (or failed with
+        # tracebacks) after the task.
+
+        def with_headers(**headers: Any) -> dict[str, Any]:
+            return {**envelope, "headers": {**envelope["headers"], **headers}}
+
+        def with_body(body: Any) -> dict[str, Any]:
+            return {**envelope, "body": base64.b64encode(json.dumps(body).encode()).decode()}
+
+        args = [case_id]
+        senders = [with_headers(timelimit=["a", "b"]), with_headers(timelimit=[None, 0.001]),
+                   with_headers(timelimit="x"), with_headers(retries="lots"),
+                   with_headers(retries=-1), with_body([args, [1], {}]),
+                   with_body([args, {}, "x"]), with_body([args, {}, {"chain": "x"}]),
+                   with_body([args, {"contract": 1}, {"callbacks": [
+                       {"task": "investigation.recover", "args": [], "kwargs": {},
+                        "options": {}, "subtask_type": None, "immutable": False}]}])]
+        items = [json.dumps(item).encode() for item in senders] + [
+                 b"not json at all {", b"\xff\xfe not utf-8", json.dumps([1, 2]).encode(),
                  json.dumps(bad_base64).encode(), json.dumps(not_a_triple).encode(),
                  json.dumps({"headers": {}}).encode(), json.dumps(bomb).encode(),
                  json.dumps(pickled).encode(), json.dumps(bad_expiry).encode(),
@@ -227,6 +285,14 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
         assert "beyond INVESTIGATE_MAX_COUNTDOWN_S" in h.worker.log()
         assert "a compressed body" in h.worker.log()  # refused before it was inflated
         assert "'not-a-date', which is no time" in h.worker.log()
+        for what in ("a timelimit header that is not [soft, hard]",
+                     "a timelimit header that sets a time limit",
+                     "a retries header that is not a count", "kwargs are not an object",
+                     "embed is not an object", "embed chain is not a list",
+                     "embed carries callbacks"):
+            assert what in h.worker.log(), what
+        assert "investigation.recover" not in re.sub(r"task message 'investigation\.\w+'",
+                                                     "", h.worker.log().split("ready.")[1])
         start_dispatch(case_id)
         info = h.wait_for_state(CASE_BUILDING_DIAGNOSIS)
         h.wait_unlocked()
