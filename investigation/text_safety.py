@@ -35,8 +35,8 @@ import logging
 import re
 from urllib.parse import urlsplit
 
-__all__ = ["UNSAFE_RANGES", "EscapingLogFilter", "escape_text", "first_unsafe", "is_unsafe",
-           "unsafe_characters"]
+__all__ = ["UNSAFE_RANGES", "EscapingLogFilter", "escape_text", "first_unsafe", "hidden_text",
+           "is_unsafe", "unsafe_characters"]
 
 #: Inclusive code point ranges that are never shown as themselves (see the module
 #: docstring): Unicode general categories Cc, Cf, Zl, Zp and Cs as of Unicode 15.1.
@@ -48,6 +48,26 @@ UNSAFE_RANGES: tuple[tuple[int, int], ...] = (
     (0xFFF9, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x13430, 0x1343F),
     (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0001, 0xE0001), (0xE0020, 0xE007F),
 )
+
+
+#: Invisible characters that carry text no reader sees: the tag characters (U+E0001,
+#: U+E0020-U+E007F; "ASCII smuggling" of instructions to a language model) and the
+#: interlinear annotation controls (U+FFF9-U+FFFB). See :func:`hidden_text`.
+_HIDDEN = re.compile("[\U000e0001\U000e0020-\U000e007f\ufff9-\ufffb]")
+#: An emoji tag sequence (a subdivision flag: U+1F3F4, tags, CANCEL TAG), where tag
+#: characters are what they are for.
+_FLAG_SEQUENCE = re.compile("\U0001f3f4[\U000e0020-\U000e007e]{1,32}\U000e007f")
+
+
+def hidden_text(text: str) -> str | None:
+    """The first tag or interlinear annotation character of ``text`` outside an emoji
+    flag sequence, or ``None``. Text a model reads (an interpretation, a statement, an
+    observation, a model's own notes) may not hold them: each is invisible on every
+    screen and spells a letter to the model."""
+    if text.isprintable() or _HIDDEN.search(text) is None:
+        return None
+    match = _HIDDEN.search(_FLAG_SEQUENCE.sub("", text))
+    return None if match is None else match.group()
 
 
 def _char_class(keep: str) -> re.Pattern[str]:

@@ -52,7 +52,7 @@ from investigation.errors import InvestigationError, PackageError
 from investigation.files import read_bounded
 from investigation.store.engine import Store, is_lost_race
 from investigation.store.models import CaseRecord, HypothesisBirth, PackageRecord, RevisionRecord
-from investigation.text_safety import escape_text, visible
+from investigation.text_safety import escape_text, hidden_text, visible
 
 __all__ = [
     "case_id_for",
@@ -473,12 +473,20 @@ def _check_text(value: Any, code: str, what: str) -> None:
                 stack.append((f"{where}.{key}" if where else str(key), inner))
         elif isinstance(item, list):
             stack.extend((f"{where}[{i}]", inner) for i, inner in enumerate(item))
-        elif isinstance(item, str) and (bad := _NOT_TEXT.search(item)) is not None:
+        elif isinstance(item, str) and (bad := _not_text(item)) is not None:
             at = f" at {escape_text(where.strip())}" if where.strip() else ""
             raise InvestigationError(
-                code, f"{what}{at}: a string holds a control character or a bidirectional "
-                f"override (U+{ord(bad.group()[0]):04X}); printable text of any script, TAB "
-                "and line breaks are taken: the text goes into every model prompt as written")
+                code, f"{what}{at}: a string holds a control character, a bidirectional "
+                f"override or an invisible tag character (U+{ord(bad):04X}); printable "
+                "text of any script, TAB and line breaks are taken: the text goes into "
+                "every model prompt as written")
+
+
+def _not_text(text: str) -> str | None:
+    """The first character of ``text`` that :data:`_NOT_TEXT` matches or that is hidden
+    text (``text_safety.hidden_text``), or ``None``."""
+    bad = _NOT_TEXT.search(text)
+    return bad.group()[0] if bad is not None else hidden_text(text)
 
 
 def _depth(value: Any, limit: int = _MAX_DEPTH + 1) -> int:

@@ -114,6 +114,16 @@ def _authenticates(secret: str, r: TestRequest) -> bool:
     return hmac.compare_digest(_secret_hash(secret).encode(), r.secret_sha256.encode())
 
 
+def _texts(**values: object) -> None:
+    """Refuse ids, a secret or a digest that are not text (``FEEDBACK_INVALID``): from
+    Python, ``None`` or bytes ended in AttributeError and a list in the store's
+    ProgrammingError (a hostile upstream trial)."""
+    for name, value in values.items():
+        if not isinstance(value, str):
+            raise InvestigationError("FEEDBACK_INVALID",
+                                     f"{name} must be text, not {type(value).__name__}")
+
+
 class AsyncTestCoordinator:
     """Hands tests out and takes their feedback back (see the module docstring).
 
@@ -284,8 +294,10 @@ class AsyncTestCoordinator:
 
         Raises:
             InvestigationError: ``TEST_REQUEST_NOT_FOUND``, ``FEEDBACK_FORGED``,
-            ``FEEDBACK_REPLAYED``, ``FEEDBACK_AFTER_DEADLINE``, ``FEEDBACK_INVALID``.
+            ``FEEDBACK_REPLAYED``, ``FEEDBACK_AFTER_DEADLINE``, ``FEEDBACK_INVALID`` (also
+            for an id or secret that is not text).
         """
+        _texts(case_id=case_id, request_id=request_id, secret=secret)
         try:
             fb = feedback if isinstance(feedback, Feedback) else \
                 Feedback.model_validate(feedback)
@@ -326,8 +338,11 @@ class AsyncTestCoordinator:
         Raises:
             InvestigationError: ``TEST_REQUEST_NOT_FOUND``, ``FEEDBACK_FORGED``,
             ``FEEDBACK_NOT_SUBMITTED``, ``FEEDBACK_REPLAYED``, ``FEEDBACK_DIGEST_MISMATCH``,
-            ``FEEDBACK_AFTER_DEADLINE``.
+            ``FEEDBACK_AFTER_DEADLINE``; ``FEEDBACK_INVALID`` for an id, secret or digest
+            that is not text.
         """
+        _texts(case_id=case_id, request_id=request_id, secret=secret,
+               feedback_sha256=feedback_sha256)
         with self.store.session() as s:
             case = self._lock_case(s, case_id)
             r = self._request(s, case_id, request_id)

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from investigation.constants import CONFIDENCE_ORDER
 from investigation.jsonio import parse_json_int
+from investigation.text_safety import hidden_text
 from investigation.tools.models import ARGUMENT_MODELS
 
 Confidence = Literal["unassessed", "weak", "plausible", "supported", "strongly_supported",
@@ -28,10 +29,15 @@ _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u20
 
 def printable(value: str) -> str:
     """Text fields carry no control characters other than tab and line breaks (a NUL, for
-    one, cannot be stored in PostgreSQL text and has no place in an audit note)."""
+    one, cannot be stored in PostgreSQL text and has no place in an audit note), no
+    bidirectional overrides and no invisible tag or annotation characters
+    (``text_safety.hidden_text``: text no reader sees)."""
     if any((ord(ch) < 0x20 and ch not in "\t\n\r") or 0x7F <= ord(ch) <= 0x9F
            or ch in _BIDI_CONTROLS for ch in value):
         raise ValueError("control characters are not allowed in text fields")
+    if hidden_text(value) is not None:
+        raise ValueError("invisible tag or annotation characters are not allowed in text "
+                         "fields")
     return value
 
 

@@ -84,6 +84,10 @@ def test_load_inputs_keep_extra_keys(tmp_path: Path) -> None:
     {"summary": "\u200b\u200b"}, {"summary": "sum\x1b[31mRED"},
     {"summary": "ok", "notes": ["fine", {"deep": "a\u202eb"}]}, {"summary": "ok", "\x07": 1},
     {"summary": "lone CR\rover"}, {"summary": "a\u2066b"}, {"summary": "a\x85b"},
+    # invisible tag and annotation characters: text no reader sees reached the model (a
+    # hostile upstream trial)
+    {"summary": "a\U000e0041\U000e0042 hidden"}, {"summary": "a\ufff9b"},
+    {"summary": "ok", "notes": ["\U000e0069\U000e0067\U000e006e"]},
 ])
 def test_bad_interpretation(tmp_path: Path, value: Any) -> None:
     with pytest.raises(InvestigationError) as err:
@@ -100,6 +104,7 @@ def test_bad_interpretation(tmp_path: Path, value: Any) -> None:
     [{"id": 1, "statement": "\u200b"}], [{"id": 1, "statement": "ESC\x1b]0;PWNED\x07"}],
     [{"id": 1, "statement": "\u202eevil\r\nfake line"}],
     [{"id": 1, "statement": "s", "tags": ["\u2066x"]}],
+    [{"id": 1, "statement": "claim\U000e0069\U000e0067\U000e006e\U000e006f\U000e0072\U000e0065"}],
 ])
 def test_bad_hypotheses(tmp_path: Path, value: Any) -> None:
     with pytest.raises(InvestigationError) as err:
@@ -158,7 +163,10 @@ def test_text_with_tabs_line_breaks_and_any_script_is_taken(tmp_path: Path) -> N
                    "\u6570\u636e \u2713"},
                   {"id": 2, "statement": "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645 "
                    "\U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f3f3\ufe0f\u200d"
-                   "\U0001f308 \u05e9\u05dc\u05d5\u05dd\u200f windows\r\nline"}]
+                   "\U0001f308 \u05e9\u05dc\u05d5\u05dd\u200f windows\r\nline"},
+                  # a subdivision flag is a tag sequence: its tags are what they are for
+                  {"id": 3, "statement": "\U0001f3f4\U000e0067\U000e0062\U000e0073\U000e0063"
+                   "\U000e0074\U000e007f Scotland"}]
     assert load_hypotheses(_write(tmp_path, "h.json", hypotheses)) == hypotheses
     interpretation = {"summary": "r\u00e9sum\u00e9\n\tdetail", "extra": {"k": "\u0645\u0631\u062d\u0628\u0627"}}
     assert load_interpretation(_write(tmp_path, "i.json", interpretation)) == interpretation
@@ -171,7 +179,8 @@ def test_a_refused_character_is_named_with_its_hypothesis_and_key(tmp_path: Path
     with pytest.raises(InvestigationError) as err:
         load_hypotheses(_write(tmp_path, "h.json", hypotheses))
     assert err.value.message.startswith("hypothesis 6 at tags[1]: a string holds a control "
-                                        "character or a bidirectional override (U+001B)")
+                                        "character, a bidirectional override or an "
+                                        "invisible tag character (U+001B)")
     with pytest.raises(InvestigationError) as err:
         load_interpretation(_write(tmp_path, "i.json", {"summary": "ok",
                                                          "extra": {"k\u202e": 1}}))

@@ -290,13 +290,15 @@ def test_paired_surrogate_escapes_are_ordinary_text() -> None:
     assert parsed.next.arguments == {"pattern": "\U0001f600"}
 
 
+@pytest.mark.parametrize("bad", ["stop\x00here",
+                                 # invisible tag characters: hidden words in an audit note
+                                 "ok" + "".join(chr(0xE0000 + ord(c)) for c in "hidden")])
 @pytest.mark.parametrize("field", ["note", "reason", "question"])
-def test_control_characters_in_text_fields_are_refused(field: str) -> None:
+def test_control_characters_in_text_fields_are_refused(field: str, bad: str) -> None:
     import json as _json
 
     from investigation.loop.contract import ReplyRejected, parse_reply
 
-    bad = "stop\x00here"
     data = {"assessment": None,
             "update": {"confidence": "weak", "evidence_ids": [], "resolve_questions": [],
                        "new_questions": [bad] if field == "question" else [],
