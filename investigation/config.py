@@ -172,7 +172,9 @@ class LimitsConfig(_Strict):
     currency: str = Field("USD", min_length=1, max_length=8)
     """Label of the currency prices and the cap are in: 1 to 8 ASCII letters, digits,
     ``_``, ``.`` or ``-``, starting with a letter (``USD``, ``EUR``, ``credits``). Default
-    ``USD``."""
+    ``USD``. Each priced attempt records it, and a case keeps the currency its costs were
+    first recorded in: a priced call under another blocks the case with
+    ``MODEL_COST_CURRENCY_CHANGED`` (decision 180)."""
 
     @field_validator("currency")
     @classmethod

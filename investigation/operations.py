@@ -72,11 +72,14 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
     """State, last outcome, blocked reason and since when (``blocked_since``, ISO 8601 UTC,
     while the case is BLOCKED), balances, evidence count (every revision),
     the current revision's evidence figures (:func:`evidence_figures`) and model usage
-    (calls, tokens and cost in micros per hypothesis, ``llm.spend``) of a case."""
+    (calls, tokens and cost in micros per hypothesis, ``llm.spend``; ``currency``: what
+    the micros are in, as the case's priced attempts recorded it, ``None`` before any)
+    of a case."""
     case = _case(store, case_id)
     with store.session() as s:
         usage = spend.usage_by_hypothesis(s, case_id)
         spent = spend.case_spent_micros(s, case_id)
+        currency = spend.case_currency(s, case_id)
         accounts = s.exec(select(BudgetAccount).where(
             BudgetAccount.case_id == case_id, BudgetAccount.revision == case.current_revision)
             .order_by(col(BudgetAccount.hypothesis_id))).all()
@@ -147,6 +150,7 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         "lifecycle": lifecycle.describe(case),
         "model_usage": {
             "spent_micros": spent,
+            "currency": currency,
             "hypotheses": [{"hypothesis_id": hid, **u} for hid, u in sorted(
                 usage.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))],
         },

@@ -676,7 +676,7 @@ def status_cmd(
             raise typer.Exit(INTERRUPTED_EXIT) from None
         return
     info, g = read()
-    if as_json:  # model costs are in micros of limits.currency
+    if as_json:  # model costs are in micros of model_usage.currency
         _print_json({**info, "next": g.to_dict()})
         return
     out.print(status_view(info, g, _currency(settings)))

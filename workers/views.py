@@ -80,7 +80,9 @@ def print_guidance(console: Console, g: Guidance) -> None:
 
 def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
     """Model calls, attempts, tokens and cost per hypothesis (``llm.spend``) and, with more
-    than one row, their total; or None."""
+    than one row, their total; or None. Costs are labelled with the currency the case's
+    attempts recorded (``model_usage.currency``), else ``currency``."""
+    currency = info.get("model_usage", {}).get("currency") or currency
     usage = info.get("model_usage", {}).get("hypotheses") or []
     if not usage:
         return None

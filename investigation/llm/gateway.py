@@ -596,8 +596,18 @@ class LLMGateway:
             config = _config_of(provider)
             budget: spend.CallBudget | None = None
             if config is not None and spend.priced(config):
+                spent, recorded = self._spent_micros(case_id)
+                if recorded is not None and recorded != request.currency:
+                    # One currency per case (decision 180): micros of two would add up
+                    # to a meaningless total, and the cap would compare it.
+                    return self._finish_without_attempt(
+                        op_id, state, OP_FAILED, spend.MODEL_COST_CURRENCY_CHANGED,
+                        f"the case's model costs are recorded in {recorded} and "
+                        f"limits.currency is now {request.currency}; set limits.currency "
+                        f"back to {recorded} (with the providers' prices in {recorded}), "
+                        "then resume with a new retry id")
                 remaining = None if request.money_cap_micros is None else \
-                    request.money_cap_micros - self._spent_micros(case_id)
+                    request.money_cap_micros - spent
                 # The estimate covers the whole body (a hosted API bills the schema too).
                 provisional = dataclasses.replace(request, max_tokens=output_budget(config))
                 try:
@@ -627,6 +637,7 @@ class LLMGateway:
             attempt_no, request_sha = self._begin_attempt(
                 case_id, step_seq, state, index, provider.name, request_bytes,
                 budget.reserved_micros if budget is not None else None,
+                request.currency if budget is not None else None,
             )
             reply: ProviderReply | None = None
             failure: Failure | None = None
@@ -730,9 +741,12 @@ class LLMGateway:
             )
             return RetryPending(op_id, not_before, failure.code)
 
-    def _spent_micros(self, case_id: str) -> int:
+    def _spent_micros(self, case_id: str) -> tuple[int, str | None]:
+        """What the case's model calls cost or hold reserved (micros), and the currency
+        they were recorded in (``spend.case_currency``)."""
         with self.store.session() as session:
-            return spend.case_spent_micros(session, case_id)
+            return (spend.case_spent_micros(session, case_id),
+                    spend.case_currency(session, case_id))
 
     def _earlier_attempts(self, op_id: int, provider: str, request_sha: str,
                           attempt_no: int) -> list[EarlierAttempt]:
@@ -773,9 +787,10 @@ class LLMGateway:
         provider: str,
         request_bytes: bytes,
         reserved_micros: int | None = None,
+        currency: str | None = None,
     ) -> tuple[int, str]:
-        """Store the request bytes and a ``sent`` attempt (with the money it reserves), and
-        commit, before sending."""
+        """Store the request bytes and a ``sent`` attempt (with the money it reserves and
+        the currency it is in), and commit, before sending."""
         attempt_no = state.attempts_made + 1
         path = ARTIFACT_REQUEST.format(seq=step_seq, operation=state.id, attempt=attempt_no)
         try:
@@ -803,7 +818,8 @@ class LLMGateway:
                 core(session).execute(_ATTEMPT_INSERT, {
                     **_ATTEMPT_UNSET, "operation_id": state.id, "attempt": attempt_no,
                     "provider": provider, "request_path": path, "request_sha256": digest,
-                    "reserved_micros": reserved_micros, "status": ATTEMPT_SENT,
+                    "reserved_micros": reserved_micros, "currency": currency,
+                    "status": ATTEMPT_SENT,
                     "started_at": self._now()})
         except DBAPIError as exc:
             if is_lost_race(exc):

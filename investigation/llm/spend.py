@@ -47,6 +47,8 @@ MICROS = 1_000_000
 MODEL_COST_CAP_REACHED = "MODEL_COST_CAP_REACHED"
 #: A money cap is set and the provider states no prices.
 PROVIDER_PRICE_UNKNOWN = "PROVIDER_PRICE_UNKNOWN"
+#: ``limits.currency`` differs from the currency the case's costs were recorded in.
+MODEL_COST_CURRENCY_CHANGED = "MODEL_COST_CURRENCY_CHANGED"
 
 
 def to_micros(amount: float) -> int:
@@ -187,6 +189,25 @@ def case_spent_micros(s: Session, case_id: str) -> int:
                    .join(LLMOperation, col(LLMOperation.id) == col(LLMAttempt.operation_id))
                    .where(LLMOperation.case_id == case_id)).one()
     return int(total)
+
+
+def case_currency(s: Session, case_id: str) -> str | None:
+    """The currency the case's priced model attempts recorded (decision 180: one per case;
+    the first one's), or ``None`` when none recorded one (no priced attempt yet, or only
+    attempts priced before migration ``0012_attempt_currency``). What ``status``, the
+    report and summary.md label the case's costs with, whatever configuration the reader
+    has."""
+    return s.exec(select(LLMAttempt.currency)
+                  .join(LLMOperation, col(LLMOperation.id) == col(LLMAttempt.operation_id))
+                  .where(LLMOperation.case_id == case_id,
+                         col(LLMAttempt.currency).is_not(None))
+                  .order_by(col(LLMAttempt.id)).limit(1)).first()
+
+
+def cost_label(s: Session, case_id: str, configured: str) -> str:
+    """The label of the case's model costs: :func:`case_currency`, else ``configured``
+    (``limits.currency`` of the configuration read)."""
+    return case_currency(s, case_id) or configured
 
 
 _ATTEMPTS = LLMAttempt.__table__.c  # type: ignore[attr-defined]

@@ -251,8 +251,11 @@ def _interruptions(s: Session, case_id: str, revision: int) -> list[str]:
 
 
 def _model_usage(s: Session, case_id: str, hypotheses: list[int], currency: str) -> list[str]:
-    """The model usage table: calls, tokens and money per hypothesis (``llm.spend``)."""
+    """The model usage table: calls, tokens and money per hypothesis (``llm.spend``), in
+    the currency the case's attempts recorded (``currency`` for attempts priced before
+    it was recorded)."""
     usage = spend.usage_by_hypothesis(s, case_id)
+    currency = spend.cost_label(s, case_id, currency)
     out = ["## Model usage", "",
            "Model tokens and money, separate from investigation units.", "",
            "| hypothesis | calls | attempts | prompt tokens | completion tokens | cost |",

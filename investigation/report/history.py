@@ -154,7 +154,7 @@ def case_history(store: Store, case_id: str, env: str | None = None,
                  currency: str = "USD") -> CaseHistory:
     """Read the whole history of ``case_id`` (see the module docstring); ``env`` prefixes
     the guidance's commands (``investigation.guidance.for_case``); ``currency`` labels
-    model costs (``limits.currency``).
+    model costs (``limits.currency``) where the case's attempts recorded none.
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``.
@@ -324,7 +324,7 @@ def case_history(store: Store, case_id: str, env: str | None = None,
                     for b in births},
         steps=[steps[k] for k in seqs], confidence=confidence, ledger=dict(ledger),
         evidence=evidence, questions=questions, tests=tests, reviews=reviews,
-        guidance=guidance, currency=currency)
+        guidance=guidance, currency=info["model_usage"].get("currency") or currency)
 
 
 def usage_totals(store: Store, case_id: str) -> dict[str, int | None]:

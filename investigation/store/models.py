@@ -290,6 +290,9 @@ class LLMAttempt(SQLModel, table=True):
     millionths of ``limits.currency``; ``None``: the provider has no price."""
     cost_micros: int | None = Field(default=None, sa_type=BigInteger)
     """Money the attempt cost (actual usage, else the reservation), once finished."""
+    currency: str | None = Field(default=None, max_length=8)
+    """The ``limits.currency`` the attempt's money is in (set with ``reserved_micros``;
+    ``None``: no price, or priced before migration ``0012_attempt_currency``)."""
     started_at: datetime = Field(default_factory=utcnow)
     finished_at: datetime | None = None
 

@@ -256,7 +256,10 @@ def test_the_cap_blocks_the_case_until_raised_and_usage_is_reported(rig: Rig) ->
     from investigation.report import render_report
     from workers.views import model_usage_table
 
-    total = spend.format_money(usage["spent_micros"], "EUR")
+    # The costs carry the currency their attempts recorded (decision 180): a reader whose
+    # configuration says EUR (a fleet operator's shell) sees USD, as summary.md does.
+    assert usage["currency"] == "USD"
+    total = spend.format_money(usage["spent_micros"], "USD")
     table = model_usage_table({"model_usage": usage}, "EUR")
     assert table is not None
     screen = Console(width=200, record=True)
@@ -270,6 +273,44 @@ def test_the_cap_blocks_the_case_until_raised_and_usage_is_reported(rig: Rig) ->
                      total], cells
     page = render_report(rig.case.store, rig.case.case_id, currency="EUR")
     assert f"<b>model cost</b>{total}</div>" in page
+
+
+@pytest.mark.parametrize("rig", [PRICED], indirect=True)
+def test_a_case_keeps_the_currency_its_costs_were_recorded_in(rig: Rig) -> None:
+    """Decision 180: the currency was a label of whatever configuration displayed the
+    micros (summary.md said EUR, `status` in a shell without the policy file USD). Each
+    priced attempt records it; a case whose costs are in one currency blocks before a
+    call priced in another, until the label is set back."""
+    rig.config = InvestigationConfig(limits=LimitsConfig(currency="EUR"))
+    assert rig.step().outcome == PROGRESSED
+    assert [a.currency for a in rig.attempts()] == ["EUR"]
+    info = operations.status(rig.case.store, rig.case.case_id)
+    assert info["model_usage"]["currency"] == "EUR"
+    rig.config = InvestigationConfig()  # limits.currency USD
+    sent = len(rig.chat_bodies())
+    blocked = rig.step()
+    assert (blocked.outcome, blocked.reason) == (BLOCKED, "PROVIDER_CONFIGURATION")
+    assert blocked.details["error_code"] == "MODEL_COST_CURRENCY_CHANGED"
+    assert "set limits.currency back to EUR" in blocked.details["message"]
+    assert len(rig.chat_bodies()) == sent  # nothing was sent
+    rig.config = InvestigationConfig(limits=LimitsConfig(currency="EUR"))
+    operations.resume(rig.case.store, rig.case.case_id, retry_id="euros-again")
+    while (outcome := rig.step()).outcome == PROGRESSED:
+        pass
+    assert outcome.outcome == COMPLETED
+    assert {a.currency for a in rig.attempts()} == {"EUR"}
+    # summary.md is written with the running policy; a reader with another label reads
+    # the recorded one in status, the report and the summary alike.
+    summary = operations.summary_bytes(rig.case.store, rig.case.case_id).decode()
+    usage = operations.status(rig.case.store, rig.case.case_id)["model_usage"]
+    first = next(u for u in usage["hypotheses"] if u["cost_micros"])
+    assert spend.format_money(first["cost_micros"], "EUR") in summary
+    assert " USD |" not in summary
+    from investigation.report import render_report
+
+    page = render_report(rig.case.store, rig.case.case_id, currency="USD")
+    assert spend.format_money(usage["spent_micros"], "EUR") in page
+    assert spend.format_money(usage["spent_micros"], "USD") not in page
 
 
 def test_a_cap_refuses_a_provider_without_prices(rig: Rig) -> None:
