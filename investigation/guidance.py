@@ -32,6 +32,9 @@ state / reason                  advice
 ``CANCELLED``                   final: keep the record (``report``, ``export``)
 ``STOPPED`` ``SESSION_*``       final: a lifecycle bound ended it
 ==============================  ====================================================
+
+``PROVIDER_CONFIGURATION`` with the error code ``MODEL_COST_CURRENCY_CHANGED`` is the
+policy's, not the providers file's: set ``limits.currency`` back, ``resume --retry-id``.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from investigation.constants import (
 )
 from investigation.errors import InvestigationError
 from investigation.llm.scripted import script_path_of
+from investigation.llm.spend import MODEL_COST_CURRENCY_CHANGED
 from investigation.llm.types import (
     PROVIDER_CALL_IN_FLIGHT,
     PROVIDER_RATE_LIMITED,
@@ -475,6 +479,18 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
             f"Blocked: every attempt to reach the model failed{_why(f)}. Nothing was "
             "charged.",
             (_reach_step(f.error_code), resume_retry, *_continue(f, mode, providers)))
+    if reason == BLOCK_PROVIDER_CONFIGURATION and f.error_code == MODEL_COST_CURRENCY_CHANGED:
+        return Guidance(  # decision 180: a policy's label, not the providers file
+            f"Blocked: limits.currency differs from the currency of the case's model "
+            f"costs{_why(f)}. Nothing was sent or charged.",
+            (Step("set [limits] currency back in the policy file the runtime reads (and the "
+                  "providers' prices in that currency): " + _by_mode(
+                      mode, "`run --config FILE`",
+                      "the workers' INVESTIGATE_CONFIG; they read it when they start, so "
+                      "restart them after the edit",
+                      "`run --config FILE`, or the workers' INVESTIGATE_CONFIG (they read "
+                      "it when they start: restart them after the edit)")),
+             resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_CONFIGURATION:
         script = f.error_code in ("PROVIDER_SCRIPT_EXHAUSTED", "PROVIDER_SCRIPT_UNREADABLE")
         # Which line the blocked call reads is said once, by the reply-file step below.

@@ -293,6 +293,12 @@ def test_a_case_keeps_the_currency_its_costs_were_recorded_in(rig: Rig) -> None:
     assert blocked.details["error_code"] == "MODEL_COST_CURRENCY_CHANGED"
     assert "set limits.currency back to EUR" in blocked.details["message"]
     assert len(rig.chat_bodies()) == sent  # nothing was sent
+    from investigation.guidance import for_case
+
+    advice = for_case(rig.case.store, rig.case.case_id, "distributed")
+    assert "limits.currency differs" in advice.headline, advice
+    assert "set [limits] currency back" in advice.steps[0].text
+    assert advice.steps[1].command is not None and "--retry-id" in advice.steps[1].command
     rig.config = InvestigationConfig(limits=LimitsConfig(currency="EUR"))
     operations.resume(rig.case.store, rig.case.case_id, retry_id="euros-again")
     while (outcome := rig.step()).outcome == PROGRESSED:
