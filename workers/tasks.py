@@ -175,6 +175,10 @@ class StageTask(CheckedTask):
         if problem is None and isinstance(payload, dict) \
                 and self.name == f"{TASK_PREFIX}advance":
             problem = _advance_problem(payload)
+            if problem is not None and not self.request.is_eager:
+                # As a failing advance does: the lock its token holds (if it does) is
+                # released at once, not kept until the lease runs out.
+                _release_chain_lock(payload, _token(payload, kwargs.get("token")))
         if problem is None and not _chained_to_advance(self):
             # A lone stage message with a token of the sender's took the case's free lock
             # for a whole lease, and LOCK_BUSY then named a worker that ran nothing (a

@@ -2,7 +2,7 @@
 
 A source line and a log line hold ``ESC [ 2 J`` (clear screen), an OSC 0 window title, an
 OSC 8 hyperlink, a C1 CSI and a RIGHT-TO-LEFT OVERRIDE; the model's note holds a ZERO
-WIDTH SPACE, an invisible tag character and Rich markup. After a whole investigation through the CLI, ``run``, ``status``,
+WIDTH SPACE and Rich markup. After a whole investigation through the CLI, ``run``, ``status``,
 ``summary`` and the stored ``summary.md`` show each of them as a visible escape.
 """
 
@@ -22,9 +22,10 @@ from workers.cli import app
 
 HOSTILE_LINE = ("    log('\x1b[2J\x1b]0;pwned\x07\x1b]8;;http://evil.example/\x1b\\click"
                 "\x1b]8;;\x1b\\ \x9b31m \u202eelif skool\u202c percent')\n")
-#: Bidirectional controls in a reply are refused by the contract; zero-width and tag
-#: characters are not, and Rich markup is plain text to the model.
-NOTE = "looks fine\u200b\U000e0041 [link=http://evil.example/]x[/link]"
+#: Bidirectional controls and invisible tag characters in a reply are refused by the
+#: contract (``contract.printable``); a zero-width space is not, and Rich markup is plain
+#: text to the model.
+NOTE = "looks fine\u200b [link=http://evil.example/]x[/link]"
 
 
 @pytest.fixture
@@ -81,7 +82,7 @@ def test_snapshot_escapes_are_shown_escaped_everywhere(tmp_path: Path, cli_env: 
     assert "\\x9b31m" in summary.output
     assert "\\u202eelif skool\\u202c" in summary.output
     # plain() prose: the escape, then Markdown escaping (backslashes doubled, brackets escaped)
-    assert "fine\\\\u200b\\\\U000e0041 \\[link=http\\[:\\]//evil.example/\\]x" in summary.output
+    assert "fine\\\\u200b \\[link=http\\[:\\]//evil.example/\\]x" in summary.output
 
     from investigation.store import Store
 

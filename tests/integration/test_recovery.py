@@ -158,8 +158,19 @@ def attempts_listed(summary: bytes) -> dict[str, int]:
     return {m.group(1).decode(): int(m.group(2)) for m in _USAGE_ROW.finditer(summary)}
 
 
+#: An Interruptions section that lists only calls answered after a request a killed worker
+#: left unanswered (summary.md, decision 177).
+_INTERRUPTED_ONLY = re.compile(
+    rb"## Interruptions\n\n(?:- Step \d+ \(hypothesis \d+\): the model call was answered "
+    rb"after \d+ failed attempts? \(PROVIDER_INTERRUPTED\)\n)+\n")
+
+
 def without_attempts(summary: bytes) -> bytes:
-    """The summary with its usage table's attempts column blanked."""
+    """The summary with its usage table's attempts column blanked, and without an
+    Interruptions section that lists only calls answered after an interrupted request
+    (a request out when the worker was killed: their number is checked apart, with
+    :func:`interrupted_attempts`)."""
+    summary = _INTERRUPTED_ONLY.sub(b"", summary)
     return _USAGE_ROW.sub(lambda m: m.group(0)[:m.start(2) - m.start(0)] + b"- |", summary)
 
 

@@ -107,8 +107,9 @@ def test_a_lone_stage_message_with_a_forged_token_takes_no_lock(
 
 def test_a_failing_advance_releases_the_lock(tmp_path: Path, redis_url: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forged ``advance`` whose payload cannot be processed fails, and the lock its
-    token held is released at once instead of staying until its lease runs out."""
+    """A forged ``advance`` whose payload cannot be processed is refused
+    (``PAYLOAD_INVALID``, one line), and the lock its token held is released at once
+    instead of staying until its lease runs out."""
     from workers import runtime
     from workers.tasks import advance
 
@@ -121,7 +122,8 @@ def test_a_failing_advance_releases_the_lock(tmp_path: Path, redis_url: str,
                               "token": token, "steps_left": "many", "mode": "distributed",
                               "max_steps": None,
                               "halt": {"outcome": "PROGRESSED", "reason": None}},))
-        _wait_log(h, r"Task investigation\.advance\[[0-9a-f-]+\] raised unexpected", 1)
+        _wait_log(h, r"investigation\.advance refused: PAYLOAD_INVALID: payload steps_left "
+                     r"is 'many'", 1)
         h.wait_unlocked(timeout_s=5.0)
 
 
