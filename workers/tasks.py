@@ -439,10 +439,23 @@ def _store_unavailable(task: Any, payload: dict[str, Any], stage: str, token: st
                   payload["case_id"], payload["step_seq"], stage, STORE_MAX_RETRIES, exc)
         return _halt(payload, "ERROR", "STORE_UNAVAILABLE",
                      message=f"the store failed {STORE_MAX_RETRIES + 1} times in {stage}")
+    raise _retry_later(task, exc, rt) from exc
+
+
+def _retry_later(task: Any, exc: BaseException, rt: runtime.Runtime | None) -> Exception:
+    """``task.retry`` after a store failure: a countdown doubling from
+    :data:`STORE_RETRY_COUNTDOWN_S` (never a sleeping worker), at most
+    :data:`STORE_MAX_RETRIES` times. The retried message keeps the task's ``argsrepr``
+    and ``kwargsrepr``: Celery's retry sends neither, so Flower showed a retried stage's
+    whole lock token and its log lines lost their case, step and stage (a fleet trial).
+    Returns the ``Retry`` to raise (``task.retry`` raises it itself; the caller's
+    ``raise`` makes that plain)."""
     settings = rt.settings if rt is not None else load_settings()
     countdown = STORE_RETRY_COUNTDOWN_S * 2 ** task.request.retries
-    raise task.retry(exc=exc, countdown=min(countdown, settings.max_countdown_s),
-                     max_retries=STORE_MAX_RETRIES) from exc
+    shown = {name: value for name in ("argsrepr", "kwargsrepr")
+             if isinstance(value := getattr(task.request, name, None), str)}
+    return task.retry(exc=exc, countdown=min(countdown, settings.max_countdown_s),  # type: ignore[no-any-return]
+                      max_retries=STORE_MAX_RETRIES, **shown)
 
 
 def _release_chain_lock(payload: dict[str, Any], token: str,
@@ -648,6 +661,13 @@ def dispatch(self: Any, case_id: str, max_steps: int | None = None,
         return _contract_unsupported(case_id, contract)
     try:
         started = start_dispatch(case_id, max_steps)
+    except OperationalError as exc:
+        # The store dropped the connection or is down: try again later, as a stage does
+        # (it crashed with a traceback, and the case waited for the recovery sweep: a
+        # fleet trial); start_dispatch released the lock it took.
+        if self.request.retries >= STORE_MAX_RETRIES:
+            raise
+        raise _retry_later(self, exc, None) from exc
     except LockBusy:
         log.info("case %s: dispatch skipped, another dispatch holds the lock", case_id)
         return {"case_id": case_id, "outcome": "LOCK_BUSY"}
@@ -675,6 +695,16 @@ def advance(self: Any, payload: dict[str, Any], token: str | None = None) -> dic
                            worker=getattr(self.request, "hostname", None)):
         try:
             return _halt_first(_advance(payload, token))
+        except OperationalError as exc:
+            # The store dropped the connection or is down (reading the next step): try
+            # again later with the lock kept, as a stage does (it crashed with a
+            # traceback, and the case waited for the recovery sweep: a fleet trial).
+            # Nothing was sent before the store is read; the last retry gives up as
+            # below.
+            if self.request.retries < STORE_MAX_RETRIES:
+                raise _retry_later(self, exc, None) from exc
+            _release_chain_lock(payload, token)
+            raise
         except Exception:
             # As the stage tasks do: a failed advance never keeps the case locked until
             # the lease runs out.

@@ -226,6 +226,65 @@ def test_store_retries_inside_a_locked_stage_leave_no_orphan_lock(
     assert lock.holder(case.case_id) is None  # no orphan lock until the lease runs out
 
 
+def test_advance_and_dispatch_retry_a_dropped_store_connection(
+    setup: tuple[Case, RedisCaseLock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet trial terminated the workers' PostgreSQL connections: the stages retried,
+    but `advance` and `dispatch` crashed with a traceback and the case waited for the
+    recovery sweep. Both now retry later (a countdown), `advance` keeping the lock."""
+    case, lock = setup
+    original = tasks.new_payload
+    failures = {"left": 2}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise OperationalError("SELECT", {}, Exception("terminating connection due to "
+                                                           "administrator command"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tasks, "new_payload", flaky)
+    # dispatch: two failures, then the first step's chain goes out.
+    from celery.canvas import _chain
+
+    sent: list[Any] = []
+    monkeypatch.setattr(_chain, "apply_async", lambda self, *a, **k: sent.append(self))
+    result = tasks.dispatch.apply((case.case_id,)).get()
+    assert result["outcome"] == "DISPATCHED" and failures["left"] == 0 and len(sent) == 1
+    token = lock.holder(case.case_id)
+    assert token is not None
+    # advance after a step that went on: reading the next step fails twice, the lock is
+    # kept, and the next step's chain goes out.
+    payload = original(case.case_id, 5, "distributed")
+    failures["left"] = 2
+    assert payload is not None
+    payload = payload | {"halt": {"outcome": "PROGRESSED", "reason": None}}
+    tasks.advance.apply((payload,), {"token": token}).get()
+    assert failures["left"] == 0 and len(sent) == 2
+    assert lock.holder(case.case_id) == token
+    lock.release(case.case_id, token)
+
+
+def test_a_retried_stage_keeps_its_argsrepr_and_kwargsrepr() -> None:
+    """Celery's retry sends neither: Flower showed a retried stage's whole lock token,
+    and its log lines lost their case, step and stage (a fleet trial)."""
+    from types import SimpleNamespace
+
+    kept: dict[str, Any] = {}
+
+    def retry(**options: Any) -> Exception:
+        kept.update(options)
+        return RuntimeError("retry")
+
+    task = SimpleNamespace(
+        request=SimpleNamespace(retries=1, argsrepr="case=c rev=1 step=2 stage=validate",
+                                kwargsrepr="{'token': 'abcd1234'}"), retry=retry)
+    tasks._retry_later(task, OperationalError("SELECT", {}, Exception("down")), None)
+    assert kept["argsrepr"] == "case=c rev=1 step=2 stage=validate"
+    assert kept["kwargsrepr"] == "{'token': 'abcd1234'}"
+    assert kept["countdown"] == tasks.STORE_RETRY_COUNTDOWN_S * 2
+
+
 def test_an_unexpected_stage_failure_releases_the_lock(
     setup: tuple[Case, RedisCaseLock], monkeypatch: pytest.MonkeyPatch
 ) -> None:
