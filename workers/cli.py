@@ -565,13 +565,23 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
     alive are left alone.
 
     Exit 0 when every pending case was dispatched or is busy; 2 when a case could not be
-    dispatched (its code is printed).
+    dispatched (its code is printed), and when the case locks' Redis or the broker does
+    not answer (``REDIS_UNAVAILABLE``, ``BROKER_UNAVAILABLE``), pending cases or not.
     """
     from workers import runtime
+    from workers.health import redis_ping
     from workers.recovery import sweep
 
     settings = _settings()
     _store(settings, existing=True)
+    # Asked first: with no case pending, a Redis nobody answers at went unnoticed
+    # ("recovered 0 case(s)", exit 0: a fleet trial).
+    redis_ping(settings.effective_redis_url, 2.0)  # RedisError: REDIS_UNAVAILABLE
+    if settings.broker_url != settings.effective_redis_url:
+        try:
+            redis_ping(settings.broker_url, 2.0)
+        except RedisError as exc:
+            raise KombuOperationalError(str(exc)) from exc  # BROKER_UNAVAILABLE
     runtime.configure(runtime.distributed(settings))
     report = sweep(runtime.current())
     # Whether each busy case's holder still answers (a fleet trial: a case orphaned by a

@@ -367,7 +367,7 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
     whose process still runs) in the lock Redis. Without sweeps
     (``INVESTIGATE_SWEEP_INTERVAL_S=0``) there is nothing to check."""
 
-    from workers.beat import HEARTBEAT_TTL_S
+    from workers.beat import HEARTBEAT_EVERY_S, HEARTBEAT_TTL_S
 
     if settings.sweep_interval_s <= 0:
         return Check("beat", True, "recovery sweeps are off (INVESTIGATE_SWEEP_INTERVAL_S=0)")
@@ -381,7 +381,11 @@ def check_beat(settings: Settings, timeout_s: float) -> Check:
                      f"{settings.queue!r} in {url_for_display(url)} in the last {HEARTBEAT_TTL_S} s: "
                      "run `investigate beat` (one per deployment, with this shell's "
                      "INVESTIGATE_BROKER_URL and INVESTIGATE_REDIS_URL); without it no added "
-                     "case starts by itself and none is taken up again after its worker died")
+                     "case starts by itself and none is taken up again after its worker "
+                     f"died. If a beat runs, a Redis that lost its keys (restarted, "
+                     f"flushed) holds no heartbeat until the beat's next one, at most "
+                     f"{HEARTBEAT_EVERY_S:g} s later: check again then before starting "
+                     "another (two beats send every sweep twice)")
     named = [f"{b.get('host')} (pid {b.get('pid')})" for b in beats]
     broker = url_for_display(settings.broker_url)
     problems = []

@@ -256,6 +256,21 @@ def test_operator_errors_are_codes_not_tracebacks(tmp_path: Path, cli_env: Path,
     monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:1/0")
     res = runner.invoke(app, ["dispatch", case.case_id])
     assert res.exit_code == 2 and "REDIS_UNAVAILABLE" in res.output
+    # recover with no case pending said "recovered 0 case(s)", exit 0 (a fleet trial).
+    with case.store.session() as s:  # nothing pending: the case is cancelled
+        from investigation.store.models import CaseRecord
+
+        row = s.get(CaseRecord, case.case_id)
+        assert row is not None
+        row.state = "CANCELLED"
+        s.add(row)
+        s.commit()
+    res = runner.invoke(app, ["recover"])
+    assert res.exit_code == 2 and "REDIS_UNAVAILABLE" in res.output, res.output
+    monkeypatch.setenv("INVESTIGATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    res = runner.invoke(app, ["recover"])
+    assert res.exit_code == 2 and "BROKER_UNAVAILABLE" in res.output, res.output
+    monkeypatch.delenv("INVESTIGATE_REDIS_URL")
     monkeypatch.setenv("INVESTIGATE_DATABASE_URL", "postgresql+psycopg://x@127.0.0.1:1/x")
     res = runner.invoke(app, ["status", case.case_id])
     assert res.exit_code == 2 and "STORE_UNAVAILABLE" in res.output

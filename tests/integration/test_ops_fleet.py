@@ -581,6 +581,16 @@ def test_health_sees_whether_a_beat_runs(tmp_path: Path, redis_url: str) -> None
             seen = beat_check()
             assert seen["ok"] and f"(pid {first.proc.pid})" in seen["detail"], seen
             assert 0 < (client.ttl(key) or 0) <= 60
+            # Redis lost its keys (a flush): no heartbeat until the beat's next one, and
+            # the advice said to start a beat, which would make two (a fleet trial).
+            client.delete(key)
+            lost = beat_check(expect=1)["detail"]
+            assert "lost its keys" in lost and "at most 20 s later" in lost, lost
+            deadline = time.monotonic() + 30
+            while not client.exists(key):
+                assert time.monotonic() < deadline, "the beat left no new heartbeat"
+                time.sleep(0.2)
+            assert beat_check()["ok"]
             # A second `investigate beat` is refused (a fleet trial started one beside the
             # cluster's; only health said so).
             elsewhere = redis_url.rsplit("/", 1)[0] + "/7"  # sweeps off: nothing sent there
