@@ -440,6 +440,18 @@ def dispatch_holds(case_id: str, lease_s: float | None) -> Guidance:
                           "the lease runs out")))
 
 
+def dispatch_waits(case_id: str, queue: str, waiting: int) -> Guidance:
+    """The advice while a dispatch sent from a shell holds the case's lease and messages
+    wait in the case queue that no worker has taken: no worker may read the queue (a
+    fleet trial's status said a worker moved the case while none ran)."""
+    return Guidance(f"A dispatch of the case waits in queue {queue!r} ({waiting} message(s) "
+                    "no worker has taken): the case moves once a worker reads the queue.",
+                    (Step("check that a worker reads this queue", "investigate health"),
+                     Step("if none runs, start one (on every worker host)",
+                          "investigate worker --name w1@%h"),
+                     Step("watch it", f"investigate status {_q(case_id)} --watch")))
+
+
 def run_holds(case_id: str) -> Guidance:
     """The advice while a ``run`` of this machine holds an investigating case: that run
     moves it, so another ``run`` is ``LOCK_BUSY``."""

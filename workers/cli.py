@@ -705,7 +705,7 @@ def status_reading(settings: Settings, store: Store,
         InvestigationError: ``CASE_NOT_FOUND``.
         sqlalchemy.exc.SQLAlchemyError: the store cannot be read.
     """
-    from workers.health import dispatch_fields, dispatch_held
+    from workers.health import dispatch_fields, dispatch_held, held_by_a_shell
 
     info = status(store, case_id)
     held = False
@@ -716,6 +716,8 @@ def status_reading(settings: Settings, store: Store,
         # A `run` in another shell of this machine: "run it again" would be LOCK_BUSY (a
         # user of a real model, whose steps take half a minute each).
         info["run_holds"] = _run_holds(settings, case_id)
+    if held and held_by_a_shell(info) and info.get("queue_waiting"):
+        return info, guidance.dispatch_waits(case_id, info["queue"], info["queue_waiting"])
     if held:
         return info, guidance.dispatch_holds(case_id, info["dispatch_lease_s"])
     if info.get("run_holds"):

@@ -110,18 +110,28 @@ def dispatch_lease(settings: Settings, case_id: str) -> dict[str, Any]:
 
 def dispatch_fields(settings: Settings, case_id: str) -> dict[str, Any]:
     """What ``status`` adds on a fleet shell for an investigating case:
-    :func:`dispatch_lease`'s fields and, when no dispatch holds the case, ``queue`` and
-    ``queue_waiting`` (messages no worker has taken: a dispatch sent while none ran waits
-    there, and "dispatch again" would only queue another; ``None`` when the broker
-    cannot tell). Never raises for Redis."""
+    :func:`dispatch_lease`'s fields, ``queue`` and ``queue_waiting`` (messages no worker
+    has taken, of any case: a dispatch sent while none ran waits there, and "dispatch
+    again" would only queue another; ``None`` when the broker cannot tell). Asked whether
+    or not a dispatch holds the case: ``investigate dispatch`` takes the lease itself, so
+    a dispatch sent while no worker ran read as held by a worker (a fleet trial). Never
+    raises for Redis."""
     info = dispatch_lease(settings, case_id)
-    if info["dispatch_lease_s"] == 0.0:
-        info["queue"] = settings.queue
-        try:
-            info["queue_waiting"] = queue_depth(settings.broker_url, settings.queue)
-        except redis.RedisError:  # a status read never fails on the broker
-            info["queue_waiting"] = None
+    info["queue"] = settings.queue
+    try:
+        info["queue_waiting"] = queue_depth(settings.broker_url, settings.queue)
+    except redis.RedisError:  # a status read never fails on the broker
+        info["queue_waiting"] = None
     return info
+
+
+def held_by_a_shell(info: dict[str, Any]) -> bool:
+    """Whether the dispatch lease in ``info`` (:func:`dispatch_fields`) was taken by a
+    process that is no worker node (``host pid N``: an ``investigate dispatch``, the
+    beat) and no worker renewed it since: its chain's first message has not been taken.
+    A worker's pool child is named ``node@host pid N``."""
+    name = info.get("dispatch_holder")
+    return isinstance(name, str) and "@" not in name.split(" pid ", 1)[0]
 
 
 def dispatch_held(info: dict[str, Any]) -> bool:

@@ -18,6 +18,7 @@ from investigation.guidance import Guidance
 from investigation.llm.spend import cost_text, priced_total
 from investigation.loop.outcome import Outcome, last_outcome_text
 from investigation.text_safety import escape_text
+from workers.health import held_by_a_shell
 
 
 def term(text: object) -> str:
@@ -181,6 +182,12 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
                              if not lease and info.get("queue_waiting")
                              else "none holds the case (`dispatch` or the recovery sweep "
                              "starts one)" if not lease
+                             else f"one holds the case{_holder_text(info)}, lease "
+                             f"{lease:g} s left, sent from a shell, and "
+                             f"{info['queue_waiting']} message(s) wait in queue "
+                             f"{info['queue']!r} that no worker has taken: is one "
+                             "running? (`investigate health`)"
+                             if info.get("queue_waiting") and held_by_a_shell(info)
                              else f"one holds the case{_holder_text(info)}, lease "
                              f"{lease:g} s left (its worker "
                              "renews it at every stage; if the worker died, the sweep "

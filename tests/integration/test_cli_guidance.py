@@ -609,6 +609,41 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
 
 
 @pytest.mark.redis
+def test_status_says_a_dispatch_sent_from_a_shell_waits_for_a_worker(
+        cli: Case, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
+    """`investigate dispatch` takes the lease itself: sent while no worker ran, status
+    said a worker moved the case and left out the waiting messages (a fleet trial)."""
+    from investigation.constants import REDIS_LOCK_KEY
+    from workers.locks import HOLDER_SUFFIX
+
+    queue = "q-" + uuid.uuid4().hex[:8]
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", redis_url)
+    monkeypatch.setenv("INVESTIGATE_QUEUE", queue)
+    client = redis.Redis.from_url(redis_url)
+    key = REDIS_LOCK_KEY.format(case_id=cli.case_id)
+    try:
+        client.set(key, "token", px=290_000)
+        client.set(key + HOLDER_SUFFIX, "vm pid 27816", px=290_000)  # a CLI's dispatch
+        client.lpush(queue, b"{}", b"{}")
+        output = invoke("status", cli.case_id).output
+        shown = " ".join(output.split())
+        assert ("sent from a shell, and 2 message(s) wait in queue "
+                f"{queue!r} that no worker has taken") in shown, shown
+        info = json.loads(invoke("status", cli.case_id, "--json").output)
+        assert info["queue_waiting"] == 2 and info["dispatch_holder"] == "vm pid 27816"
+        assert info["next"]["headline"].startswith("A dispatch of the case waits in queue")
+        assert ["health"] in commands(output) and ["worker", "--name", "w1@%h"] in \
+            commands(output), output
+        # A worker's pool child renewed it: a worker moves the case, as before.
+        client.set(key + HOLDER_SUFFIX, "w1@vm pid 7", px=290_000)
+        moving = json.loads(invoke("status", cli.case_id, "--json").output)
+        assert moving["next"]["headline"].startswith("A dispatch holds the case"), moving
+    finally:
+        client.delete(key, key + HOLDER_SUFFIX, queue)
+        client.close()
+
+
+@pytest.mark.redis
 def test_status_watch_on_a_fleet_shell_shows_the_dispatch_lease(
         cli: Case, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
     """`status --watch --json` left out the dispatch fields plain `status --json` gives on
