@@ -28,6 +28,7 @@ from investigation.overview import CaseRow, list_cases
 from workers.cli import (
     JsonOpt,
     _controlled,
+    _fleet_shell,
     _settings,
     _store,
     _term,
@@ -524,16 +525,42 @@ def db_downgrade(
     revision: Annotated[str, typer.Option(
         "--revision", help="the revision to go back to (`db current` shows where the store "
         "is; docs/operations.md says what each migration's downgrade drops)")],
+    force: Annotated[bool, typer.Option(
+        "--force", help="go back even though workers answer ping on this shell's broker")]
+        = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Take the store back to an older migration. Stop the workers and take a backup
-    first: workers of this version need the newest migration."""
+    first: workers of this version need the newest migration. In a shell that names a
+    broker, workers that answer ping there and consume its queue refuse it
+    (``WORKERS_RUNNING``) unless ``--force``."""
     from investigation.store.migrate import current_revisions, downgrade
 
-    store = _schema_store(_settings(), must_exist=True)
+    settings = _settings()
+    if _fleet_shell(settings) and not force:
+        _refuse_live_workers(settings)
+    store = _schema_store(settings, must_exist=True)
     before = current_revisions(store.engine)
     downgrade(store.engine, revision)
     _print_move(before, current_revisions(store.engine), as_json)
+
+
+def _refuse_live_workers(settings: Settings) -> None:
+    """Refuse a downgrade while workers consume the shell's queue: they need the
+    newest migration and failed the next stage of each case with a database error (a
+    fleet trial downgraded under two live workers; the command said nothing).
+
+    Raises:
+        InvestigationError: ``WORKERS_RUNNING``.
+    """
+    from workers.health import check_workers
+
+    consuming = check_workers(settings, 1.0, min_workers=0).value  # 0: ping failed
+    if isinstance(consuming, list) and consuming:
+        raise InvestigationError(
+            "WORKERS_RUNNING", f"workers consume queue {settings.queue!r} on this broker "
+            f"({', '.join(map(str, consuming))}): they need the newest migration; stop "
+            "them first (docs/operations.md, Migrations), or pass --force")
 
 
 @db_app.command("current", epilog=example("investigate db current",

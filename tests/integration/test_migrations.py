@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -150,6 +151,38 @@ def test_postgres_upgrade_never_goes_back_and_downgrade_does(postgres_url: str,
                                                              tmp_path: Path) -> None:
     _back_and_forth(postgres_url, tmp_path / "home")
 
+
+def test_downgrade_refuses_while_workers_consume_the_queue(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet trial downgraded the store under two live workers: the command said
+    nothing, and the workers failed the next stage of each case with a database error."""
+    from typer.testing import CliRunner
+
+    from investigation.store.migrate import current_revisions, head_revision
+    from workers import health
+    from workers.cli import app
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    env = {"INVESTIGATE_DATABASE_URL": url, "INVESTIGATE_HOME": str(tmp_path / "home"),
+           "INVESTIGATE_BROKER_URL": "redis://127.0.0.1:6379/0", "INVESTIGATE_QUEUE": "cases"}
+    runner = CliRunner()
+    assert runner.invoke(app, ["db", "upgrade"], env=env).exit_code == 0
+    asked: list[str] = []
+
+    def two_workers(settings: Any, timeout_s: float, min_workers: int = 1) -> health.Check:
+        asked.append(settings.queue)
+        return health.Check("workers", True, "2 answered ping", ["w1@a", "w2@b"])
+
+    monkeypatch.setattr(health, "check_workers", two_workers)
+    refused = runner.invoke(app, ["db", "downgrade", "--revision", "0010_entry_function"],
+                            env=env)
+    assert refused.exit_code == 2 and "WORKERS_RUNNING" in refused.output, refused.output
+    assert "w1@a, w2@b" in refused.output and asked == ["cases"]
+    assert current_revisions(Store(url).engine) == [head_revision()]  # nothing changed
+    forced = runner.invoke(app, ["db", "downgrade", "--revision", "0010_entry_function",
+                                 "--force"], env=env)
+    assert forced.exit_code == 0, forced.output
+    assert current_revisions(Store(url).engine) == ["0010_entry_function"]
 
 
 def test_another_alembic_applications_database_is_refused_by_every_db_command(
