@@ -587,10 +587,14 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
     # Whether each busy case's holder still answers (a fleet trial: a case orphaned by a
     # killed worker read "busy" like two live ones, only its lease shorter).
     silent = _silent_holders(settings, report.busy_holder.values())
+    # Whether any live worker has a task of each busy case (a fleet trial: a worker took
+    # the case's next message and was killed, while the lease named the live worker that
+    # had renewed it last, so "its worker does not answer ping" never came).
+    orphaned = _orphaned(settings, report.busy)
     if as_json:
         sys.stdout.write(json.dumps({**report.to_dict(), "busy_holder_silent": sorted(
-            c for c, name in report.busy_holder.items() if name in silent)},
-            indent=2, sort_keys=True) + "\n")
+            c for c, name in report.busy_holder.items() if name in silent),
+            "busy_orphaned": sorted(orphaned)}, indent=2, sort_keys=True) + "\n")
     else:
         for name in report.expired_tests:
             out.print(f"expired test {name} (deadline passed; recorded without feedback)",
@@ -606,6 +610,9 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
                          + ("" if ago is None else f", renewed {ago:g} s ago")
                          + ("; its worker does not answer ping" if holder in silent
                             else ""))
+                      + ("; no live worker has a task of it and the queue is empty: its "
+                         "next message is with a worker that died" if case_id in orphaned
+                         else "")
                       + ("; its lease never runs out (or Redis cannot say): `investigate "
                          f"dispatch {case_id} --take-over` ends it" if lease is None else
                          f"; its lease runs out in {lease} s unless renewed: if its worker "
@@ -620,6 +627,36 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
                   f"{report.not_due} waiting for a provider backoff", highlight=False)
     if report.failed:
         raise typer.Exit(2)
+
+
+def _orphaned(settings: Settings, busy: Iterable[str]) -> set[str]:
+    """Of the ``busy`` cases, those no live worker has a task of (``inspect active``,
+    ``reserved`` and ``scheduled``, one broadcast each, a second) while the case queue is
+    empty: the next
+    message of their chain is with a worker that died (restored to the queue only after
+    the visibility timeout), whoever renewed the lease last. Nothing when the queue holds
+    messages (one of them may be the case's) or the broker cannot be asked."""
+    busy = list(busy)
+    if not busy:
+        return set()
+    from workers.celery_app import app, configure
+    from workers.health import queue_depth
+
+    try:
+        if queue_depth(settings.broker_url, settings.queue) != 0:
+            return set()
+        configure(settings)
+        inspect = app.control.inspect(timeout=1.0)
+        # A stage's store retry waits out its countdown in a worker's scheduled list.
+        tasks = [task.get("request", task) if isinstance(task, dict) else {}
+                 for replies in (inspect.active() or {}, inspect.reserved() or {},
+                                 inspect.scheduled() or {})
+                 for entries in replies.values() for task in entries or []]
+    except Exception:  # the broker cannot tell: claim nothing
+        return set()
+    at_work = " ".join(json.dumps(t.get("args"), default=str) + str(t.get("argsrepr", ""))
+                       for t in tasks)
+    return {case_id for case_id in busy if case_id not in at_work}
 
 
 def _silent_holders(settings: Settings, holders: Iterable[str]) -> set[str]:

@@ -544,7 +544,18 @@ def test_recover_cli_dispatches_pending_cases_only(cluster: Cluster) -> None:
     assert fourth.returncode == 0, fourth.stderr
     report = json.loads(fourth.stdout)
     assert report["busy"] == [pending] and pending not in report["busy_holder"], report
+    assert report["busy_orphaned"] == []  # its first stage waits in the queue
     cluster.redis.delete(holder_key)
+    # The next message went with a worker that died (a fleet trial: the lease named the
+    # live worker that renewed it last): no live worker has a task of the case and the
+    # queue is empty.
+    cluster.redis.delete(cluster.queue)
+    fifth = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+    assert fifth.returncode == 0, fifth.stderr
+    line = next(x for x in fifth.stdout.splitlines() if x.startswith(f"busy {pending}"))
+    assert "no live worker has a task of it and the queue is empty" in line, fifth.stdout
+    assert f"dispatch {pending} --take-over" in line
 
 
 # -- poisoned stage -------------------------------------------------------------------------
