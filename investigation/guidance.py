@@ -440,6 +440,15 @@ def dispatch_holds(case_id: str, lease_s: float | None) -> Guidance:
                           "the lease runs out")))
 
 
+def _policy_file(mode: Mode) -> str:
+    """Where the policy a runtime reads comes from, for advice that edits it."""
+    return _by_mode(mode, "`run --config FILE`",
+                    "the workers' INVESTIGATE_CONFIG; they read it when they start, so "
+                    "restart them after the edit",
+                    "`run --config FILE`, or the workers' INVESTIGATE_CONFIG (they read it "
+                    "when they start: restart them after the edit)")
+
+
 def dispatch_waits(case_id: str, queue: str, waiting: int) -> Guidance:
     """The advice while a dispatch sent from a shell holds the case's lease and messages
     wait in the case queue that no worker has taken: no worker may read the queue (a
@@ -496,12 +505,7 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
             f"Blocked: limits.currency differs from the currency of the case's model "
             f"costs{_why(f)}. Nothing was sent or charged.",
             (Step("set [limits] currency back in the policy file the runtime reads (and the "
-                  "providers' prices in that currency): " + _by_mode(
-                      mode, "`run --config FILE`",
-                      "the workers' INVESTIGATE_CONFIG; they read it when they start, so "
-                      "restart them after the edit",
-                      "`run --config FILE`, or the workers' INVESTIGATE_CONFIG (they read "
-                      "it when they start: restart them after the edit)")),
+                  "providers' prices in that currency): " + _policy_file(mode)),
              resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_CONFIGURATION:
         script = f.error_code in ("PROVIDER_SCRIPT_EXHAUSTED", "PROVIDER_SCRIPT_UNREADABLE")
@@ -557,12 +561,7 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
             f"Blocked: the case's model calls reached their money cap{_why(f)}. Nothing "
             "more was sent.",
             (Step("raise [limits] max_model_cost in the policy file the runtime reads, "
-                  "if the case is worth it: " + _by_mode(
-                      mode, "`run --config FILE`",
-                      "the workers' INVESTIGATE_CONFIG; they read it when they start, so "
-                      "restart them after the edit",
-                      "`run --config FILE`, or the workers' INVESTIGATE_CONFIG (they read "
-                      "it when they start: restart them after the edit)")),
+                  "if the case is worth it: " + _policy_file(mode)),
              resume_retry, *_continue(f, mode, providers)))
     if reason == BLOCK_STAGE_TIME_LIMIT:
         return Guidance(
