@@ -50,18 +50,22 @@ UNSAFE_RANGES: tuple[tuple[int, int], ...] = (
 )
 
 
-#: Invisible characters that carry text no reader sees: the tag characters (U+E0001,
-#: U+E0020-U+E007F; "ASCII smuggling" of instructions to a language model) and the
-#: interlinear annotation controls (U+FFF9-U+FFFB). See :func:`hidden_text`.
-_HIDDEN = re.compile("[\U000e0001\U000e0020-\U000e007f\ufff9-\ufffb]")
-#: An emoji tag sequence (a subdivision flag: U+1F3F4, tags, CANCEL TAG), where tag
-#: characters are what they are for.
-_FLAG_SEQUENCE = re.compile("\U0001f3f4[\U000e0020-\U000e007e]{1,32}\U000e007f")
+#: Invisible characters that carry text no reader sees: the Tags block (U+E0000-U+E007F;
+#: "ASCII smuggling" of instructions to a language model) and the interlinear annotation
+#: controls (U+FFF9-U+FFFB). See :func:`hidden_text`.
+_HIDDEN = re.compile("[\U000e0000-\U000e007f\ufff9-\ufffb]")
+#: The emoji tag sequences Unicode recommends for general interchange (the flags of
+#: England, Scotland and Wales: U+1F3F4, the tags of ``gbeng``/``gbsct``/``gbwls``, CANCEL
+#: TAG), where tag characters are what they are for. Any other sequence of tags spells
+#: text: a hostile re-trial wrapped "IGNORE ALL RULES" in U+1F3F4 ... U+E007F.
+_FLAG_SEQUENCE = re.compile("\U0001f3f4(?:" + "|".join(
+    "".join(chr(0xE0000 + ord(c)) for c in code) for code in ("gbeng", "gbsct", "gbwls"))
+    + ")\U000e007f")
 
 
 def hidden_text(text: str) -> str | None:
-    """The first tag or interlinear annotation character of ``text`` outside an emoji
-    flag sequence, or ``None``. Text a model reads (an interpretation, a statement, an
+    """The first tag or interlinear annotation character of ``text`` outside the flags of
+    England, Scotland and Wales, or ``None``. Text a model reads (an interpretation, a statement, an
     observation, a model's own notes) may not hold them: each is invisible on every
     screen and spells a letter to the model."""
     if text.isprintable() or _HIDDEN.search(text) is None:

@@ -224,9 +224,9 @@ def _body_problem(message: Any) -> str | None:
         return (f"a body whose embed carries {', '.join(foreign)} (the engine chains its "
                 "tasks with chain alone)")
     chain = embed.get("chain")
-    if chain is not None and (not isinstance(chain, list)
-                              or not all(isinstance(sig, dict) for sig in chain)):
-        return "a body whose embed chain is not a list of signatures"
+    if chain is not None and (not isinstance(chain, list) or not all(
+            isinstance(sig, dict) and isinstance(sig.get("task"), str) for sig in chain)):
+        return "a body whose embed chain is not a list of signatures naming their task"
     return None
 
 

@@ -97,6 +97,10 @@ class CheckedTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         refused = self.refuse(args, kwargs)
         if refused is not None:
+            # A refused message's chain and callbacks do not go on: Celery would send the
+            # next task with the refusal as its payload (a hostile re-trial's immutable
+            # advance then failed with a traceback).
+            self.request.chain = self.request.callbacks = None
             return refused
         return super().__call__(*args, **kwargs)
 
@@ -179,13 +183,11 @@ class StageTask(CheckedTask):
                 # As a failing advance does: the lock its token holds (if it does) is
                 # released at once, not kept until the lease runs out.
                 _release_chain_lock(payload, _token(payload, kwargs.get("token")))
-        if problem is None and not _chained_to_advance(self):
-            # A lone stage message with a token of the sender's took the case's free lock
-            # for a whole lease, and LOCK_BUSY then named a worker that ran nothing (a
-            # hostile upstream trial). Every stage the engine sends is chained to advance,
-            # which ends the dispatch and releases the lock.
-            problem = ("a stage message not chained to advance (the engine sends a "
-                       "step's stages as one chain ending in advance)")
+        if problem is None and isinstance(payload, dict):
+            # A stage message with a token of the sender's took the case's free lock for a
+            # whole lease, and LOCK_BUSY then named a worker that ran nothing (a hostile
+            # upstream trial): sent alone, or chained to an advance that never ran.
+            problem = _chain_problem(self, _token_given(payload, kwargs.get("token")))
         if problem is None:
             return None
         log.error("%s refused: %s: %s; nothing was run", self.name, self.refusal_code,
@@ -195,9 +197,10 @@ class StageTask(CheckedTask):
 
 def _advance_problem(payload: dict[str, Any]) -> str | None:
     """What an ``advance`` payload lacks beyond :func:`payload_problem`'s, or ``None``:
-    ``steps_left`` a count, ``halt`` (when set) an object with an ``outcome`` text and,
-    if it has one, a ``retry_not_before`` time. A forged payload without them ended in a
-    KeyError or ValueError with a traceback (a hostile upstream trial)."""
+    ``steps_left`` a count, ``halt`` (when set) an object with an ``outcome`` text,
+    ``details`` an object if any and, if it has one, a ``retry_not_before`` time with its
+    UTC offset. A forged payload without them ended in a KeyError, ValueError, TypeError
+    or AttributeError with a traceback (two hostile upstream trials)."""
     steps_left = payload.get("steps_left")
     if type(steps_left) is not int or steps_left < 0:
         return f"payload steps_left is {escape_text(repr(steps_left))[:60]}, not a count"
@@ -206,24 +209,53 @@ def _advance_problem(payload: dict[str, Any]) -> str | None:
         return None
     if not isinstance(halt.get("outcome"), str):
         return "payload halt has no outcome"
+    if halt.get("details") is not None and not isinstance(halt.get("details"), dict):
+        return "payload halt details are not an object"
     due = halt.get("retry_not_before")
     if due is not None:
         try:
-            datetime.fromisoformat(due)
+            aware = datetime.fromisoformat(due).tzinfo is not None
         except (TypeError, ValueError):
-            return f"payload halt retry_not_before {escape_text(repr(due))[:60]} is no time"
+            aware = False
+        if not aware:
+            return (f"payload halt retry_not_before {escape_text(repr(due))[:60]} is no "
+                    "time with its UTC offset")
     return None
 
 
-def _chained_to_advance(task: Any) -> bool:
-    """Whether the message ``task`` runs is ``advance`` or a stage chained to it: True for
-    a task run in process (the embedded runtime's ``chain.apply()`` hands no chain on)."""
+#: The options of a signature in a step's chain, as ``step_chain`` sends them.
+_CHAIN_OPTIONS = frozenset({"argsrepr", "kwargsrepr", "task_id", "reply_to"})
+
+
+def _chain_problem(task: Any, token: Any) -> str | None:
+    """What makes a stage message's chain no chain the engine sends, or ``None``: the rest
+    of its step's stages in order, then ``advance`` (Celery keeps them last first), each a
+    plain signature of no arguments but the same lock ``token`` (or none: an older chain
+    carried it in the payload), with no options but its ``argsrepr``, ``kwargsrepr``,
+    ``task_id`` and ``reply_to``: no queue, countdown, callback or immutability by which
+    the ``advance`` that ends the dispatch and releases the lock would not run. ``None``
+    for ``advance`` and for a task run in process (``chain.apply()`` hands no chain on).
+    """
     request = task.request
-    if task.name == f"{TASK_PREFIX}advance" or request.is_eager:
-        return True
-    chain = request.chain or ()
-    return isinstance(chain, list | tuple) and any(
-        isinstance(sig, dict) and sig.get("task") == f"{TASK_PREFIX}advance" for sig in chain)
+    stage = task.name.removeprefix(TASK_PREFIX)
+    if stage not in STAGES or request.is_eager:
+        return None
+    expected = [f"{TASK_PREFIX}{name}" for name in
+                (*STAGES[STAGES.index(stage) + 1:], "advance")][::-1]
+    chain = request.chain
+    if not isinstance(chain, list) or [sig.get("task") if isinstance(sig, dict) else None
+                                       for sig in chain] != expected:
+        return ("a stage message whose chain is not the rest of its step ending in advance "
+                "(the engine sends a step's stages as one chain)")
+    for sig in chain:
+        kwargs, options = sig.get("kwargs"), sig.get("options")
+        if sig.get("immutable") or sig.get("subtask_type") or sig.get("args") \
+                or not isinstance(kwargs, dict) or set(kwargs) - {"token"} \
+                or kwargs.get("token", token) != token or not isinstance(options, dict) \
+                or set(options) - _CHAIN_OPTIONS:
+            return (f"a stage message whose chain's {escape_text(str(sig.get('task')))} "
+                    "is no signature the engine sends (arguments, options or token)")
+    return None
 
 
 #: The ids every stage payload carries, and their JSON types (``bool`` is not an ``int``).

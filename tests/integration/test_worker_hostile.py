@@ -71,8 +71,12 @@ def test_a_lone_stage_message_with_a_forged_token_takes_no_lock(
         tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hostile upstream trial: a stage message sent alone with a token of the sender's
     took the case's free lock for a whole lease (the stage itself refused to run), and
-    `dispatch` then answered LOCK_BUSY naming a worker that ran nothing. A stage message
-    not chained to advance is refused before the lock is touched."""
+    `dispatch` then answered LOCK_BUSY naming a worker that ran nothing. A re-trial
+    chained it to an advance that never ran (sent to another queue, immutable without
+    its payload, with a countdown, behind a task no worker has). A stage message whose
+    chain is not the rest of its step as the engine sends it is refused before the lock
+    is touched."""
+    from workers.celery_app import app
     from workers.tasks import STAGE_TASKS, advance, start_dispatch
 
     with running_harness(tmp_path, redis_url, monkeypatch) as h, h.dump_on_failure():
@@ -81,18 +85,46 @@ def test_a_lone_stage_message_with_a_forged_token_takes_no_lock(
         h.worker.wait_ready()
         payload = {"case_id": case_id, "revision": 1, "step_seq": 1, "steps_left": 5,
                    "mode": "distributed", "max_steps": None, "halt": None}
-        STAGE_TASKS["build_context"].apply_async((payload,), {"token": "forgedtoken0000"})
-        _wait_log(h, r"refused: PAYLOAD_INVALID: a stage message not chained to advance", 1)
+        token = "forgedtoken0000"
+        STAGE_TASKS["build_context"].apply_async((payload,), {"token": token})
+
+        def tail(**changes: Any) -> dict[str, Any]:
+            """The advance that ends a step's chain, as the engine sends it, changed."""
+            sig = {"task": "investigation.advance", "args": [], "kwargs": {"token": token},
+                   "options": {"argsrepr": "x", "kwargsrepr": "y"}, "subtask_type": None,
+                   "immutable": False}
+            return {**sig, **changes}
+
+        other = {"task": "investigation.nosuch", "args": [], "kwargs": {}, "options": {},
+                 "subtask_type": None, "immutable": False}
+        forged_chains = [
+            [tail(options={"queue": "nowhere"})], [tail(immutable=True)],
+            [tail(), other], [tail(options={"countdown": 86400})],
+            [tail(kwargs={"token": "another"})], [tail(args=[payload])]]
+        for chain in forged_chains:
+            app.send_task("investigation.publish", args=[payload], kwargs={"token": token},
+                          queue=h.queue, chain=chain)
+        _wait_log(h, r"refused: PAYLOAD_INVALID: a stage message whose chain",
+                  1 + len(forged_chains))
+        assert "a stage message whose chain is not the rest of its step" in h.worker.log()
+        assert "chain's investigation.advance is no signature the engine sends" in \
+            h.worker.log()
         assert h.lock_holder(case_id) is None
-        # Forged advance payloads ended in KeyError or ValueError with tracebacks.
+        # Forged advance payloads ended in KeyError, ValueError, TypeError or
+        # AttributeError with tracebacks (two trials).
         no_steps_left = {k: v for k, v in payload.items() if k != "steps_left"}
         for forged in [{**payload, "halt": {"reason": "x"}}, no_steps_left,
                        {**payload, "halt": {"outcome": "RETRY_PENDING",
-                                            "retry_not_before": "garbage"}}]:
-            advance.apply_async((forged,), {"token": "forgedtoken0000"})
-        _wait_log(h, r"investigation\.advance refused: PAYLOAD_INVALID", 3)
+                                            "retry_not_before": "garbage"}},
+                       {**payload, "halt": {"outcome": "RETRY_PENDING",
+                                            "retry_not_before": "2020-01-01T00:00:00"}},
+                       {**payload, "halt": {"outcome": "BLOCKED", "details": "x"}}]:
+            advance.apply_async((forged,), {"token": token})
+        _wait_log(h, r"investigation\.advance refused: PAYLOAD_INVALID", 5)
         for said in ("halt has no outcome", "steps_left is None, not a count",
-                     "retry_not_before 'garbage' is no time"):
+                     "retry_not_before 'garbage' is no time",
+                     "retry_not_before '2020-01-01T00:00:00' is no time with its UTC offset",
+                     "halt details are not an object"):
             assert said in h.worker.log(), said
         assert "Traceback" not in h.worker.log()
         assert h.lock_holder(case_id) is None
@@ -250,6 +282,7 @@ def test_malformed_queue_items_are_dropped_and_the_worker_goes_on(
                    with_headers(timelimit="x"), with_headers(retries="lots"),
                    with_headers(retries=-1), with_body([args, [1], {}]),
                    with_body([args, {}, "x"]), with_body([args, {}, {"chain": "x"}]),
+                   with_body([args, {}, {"chain": [{}]}]),
                    with_body([args, {"contract": 1}, {"callbacks": [
                        {"task": "investigation.recover", "args": [], "kwargs": {},
                         "options": {}, "subtask_type": None, "immutable": False}]}])]

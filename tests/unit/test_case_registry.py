@@ -105,6 +105,11 @@ def test_bad_interpretation(tmp_path: Path, value: Any) -> None:
     [{"id": 1, "statement": "\u202eevil\r\nfake line"}],
     [{"id": 1, "statement": "s", "tags": ["\u2066x"]}],
     [{"id": 1, "statement": "claim\U000e0069\U000e0067\U000e006e\U000e006f\U000e0072\U000e0065"}],
+    # a flag's frame around other tags: a hostile re-trial's "IGNORE ALL RULES"
+    [{"id": 1, "statement": "claim \U0001f3f4\U000e0049\U000e0047\U000e004e\U000e007f"}],
+    [{"id": 1, "statement": "claim \U0001f3f4\U000e0069\U000e0067\U000e006e\U000e006f"
+      "\U000e0072\U000e0065\U000e007f"}],
+    [{"id": 1, "statement": "claim \U000e0002"}],  # unassigned, in the Tags block
 ])
 def test_bad_hypotheses(tmp_path: Path, value: Any) -> None:
     with pytest.raises(InvestigationError) as err:
