@@ -632,10 +632,10 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
 def _orphaned(settings: Settings, busy: Iterable[str]) -> set[str]:
     """Of the ``busy`` cases, those no live worker has a task of (``inspect active``,
     ``reserved`` and ``scheduled``, one broadcast each, a second) while the case queue is
-    empty: the next
-    message of their chain is with a worker that died (restored to the queue only after
-    the visibility timeout), whoever renewed the lease last. Nothing when the queue holds
-    messages (one of them may be the case's) or the broker cannot be asked."""
+    empty: the next message of their chain is with a worker that died (restored to the
+    queue only after the visibility timeout), whoever renewed the lease last. Nothing
+    when the queue holds messages (one of them may be the case's) or the broker cannot be
+    asked."""
     busy = list(busy)
     if not busy:
         return set()
@@ -663,7 +663,9 @@ def _silent_holders(settings: Settings, holders: Iterable[str]) -> set[str]:
     """Of the lease holders named ``node@host pid N``, those whose Celery node does not
     answer a ping within a second (one broadcast; nothing when no holder names a worker
     node, or the broker cannot be asked)."""
-    nodes = {h: h.split(" pid ", 1)[0] for h in holders if "@" in h.split(" pid ", 1)[0]}
+    from workers.locks import worker_node
+
+    nodes = {h: node for h in holders if (node := worker_node(h)) is not None}
     if not nodes:
         return set()
     from workers.celery_app import app, configure
@@ -698,6 +700,7 @@ def status_cmd(
     """State, outcome, blocked reason, balances, evidence count, and what to do next."""
     settings = _settings()
     store = _store(settings, existing=True)
+
     def read() -> tuple[dict[str, Any], guidance.Guidance]:
         return status_reading(settings, store, case_id)
 
@@ -734,8 +737,8 @@ def status_reading(settings: Settings, store: Store,
     """What ``status`` shows of the case in this shell, and what to do next: the store's
     status (``investigation.operations.status``) and, in a shell that names a fleet's
     broker or lock Redis, the dispatch lease of an investigating case
-    (``workers.health.dispatch_fields``: with none held, the queue's waiting messages), and whether
-    a ``run`` of this machine holds it (``run_holds``). Read again at each redraw of
+    and the queue's waiting messages (``workers.health.dispatch_fields``), and whether a
+    ``run`` of this machine holds it (``run_holds``). Read again at each redraw of
     ``status --watch`` (with ``--json`` too), so a watch shows what ``status`` does.
 
     Raises:

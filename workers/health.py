@@ -130,8 +130,10 @@ def held_by_a_shell(info: dict[str, Any]) -> bool:
     process that is no worker node (``host pid N``: an ``investigate dispatch``, the
     beat) and no worker renewed it since: its chain's first message has not been taken.
     A worker's pool child is named ``node@host pid N``."""
+    from workers.locks import worker_node
+
     name = info.get("dispatch_holder")
-    return isinstance(name, str) and "@" not in name.split(" pid ", 1)[0]
+    return isinstance(name, str) and worker_node(name) is None
 
 
 def dispatch_held(info: dict[str, Any]) -> bool:

@@ -109,6 +109,14 @@ def _keys(case_id: str, token: str) -> list[str]:
     return [key, key + RELEASED_SUFFIX + token, key + HOLDER_SUFFIX]
 
 
+def worker_node(holder: str) -> str | None:
+    """The Celery node of a lease holder's name (``w1@host`` of ``w1@host pid 7``, as
+    :func:`process_name` writes a worker's pool child), or ``None`` for a process that is
+    no worker node (``host pid 7``: an ``investigate dispatch``, the beat)."""
+    node = holder.split(" pid ", 1)[0]
+    return node if "@" in node else None
+
+
 def process_name() -> str:
     """What a lease names as its holder: the Celery node (``name@host``) of a worker and
     its pool child's pid, else this host and pid (a CLI ``dispatch``, the beat's sweep)."""

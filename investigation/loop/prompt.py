@@ -118,8 +118,9 @@ def neutralize(text: str) -> str:
 
 def neutralize_json(data: str) -> str:
     """JSON text with the first character of every control-token spelling in its strings
-    written as a ``\\uXXXX`` escape: the same JSON value, no control token. (The
-    spellings cannot occur in JSON's own punctuation, only inside strings.)"""
+    written as a JSON ``\\u`` escape (``<`` as ``\\u003c``): the same JSON value, no
+    control token. (The spellings cannot occur in JSON's own punctuation, only inside
+    strings.)"""
     return _sub_tokens(data, lambda c: f"\\u{ord(c):04x}")
 
 

@@ -5,16 +5,17 @@ arguments, provider messages) goes through one of these two functions before it 
 the page:
 
 * :func:`html_text` for HTML element content and attribute values: ``html.escape`` with
-  quotes, and every invisible or reordering character shown visibly as a marked
-  ``U+XXXX`` (so a bidi override cannot reorder what the reader sees, an escape sequence
-  cannot hide in a quote and a zero-width space cannot split a name unseen);
+  quotes, and every invisible or reordering character shown visibly as its marked code
+  point, such as ``U+202E`` (so a bidi override cannot reorder what the reader sees, an
+  escape sequence cannot hide in a quote and a zero-width space cannot split a name
+  unseen);
 * :func:`svg_text` for text inside inline SVG, where an HTML element (the marker's
   ``<span>``) would end the SVG: the same marker as plain text.
 
 Shown visibly: every character the terminal and Markdown escaping shows as an escape
 (``investigation.text_safety.UNSAFE_RANGES``: controls, format characters such as
 bidirectional and zero-width ones, separators, tags, surrogates) except tab and line feed;
-the report marks them ``U+XXXX`` instead of ``\\xNN``.
+the report marks them with their code point (``U+001B``) instead of ``\\x1b``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def html_text(value: object) -> str:
 
 def html_attr(value: object) -> str:
     """``value`` for a quoted attribute: no markup at all, invisible characters as
-    ``[U+XXXX]``."""
+    their code point in brackets (``[U+200B]``)."""
     return svg_text(value)
 
 

@@ -432,8 +432,8 @@ def _evidence(h: CaseHistory) -> list[str]:
     if not h.evidence:
         return [*out, '<p class="muted">No evidence yet.</p></section>']
     out.append('<p class="muted">Quotes are the snapshot\'s exact text (a database row as '
-               "JSON). Invisible characters are shown as "
-               '<span class="ctl">U+XXXX</span>. Open a record to read its findings.</p>')
+               "JSON). Invisible characters are shown as their code point, such as "
+               '<span class="ctl">U+200B</span>. Open a record to read its findings.</p>')
     for e in h.evidence:
         assessed = (f"assessed {e['assessment_score']}/100, refund {e['refund_units']}"
                     if e["assessed"] else "not assessed yet")
