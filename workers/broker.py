@@ -89,10 +89,44 @@ class Message(kombu_virtual.Message):
         super().__init__(payload, channel=channel, **kwargs)  # type: ignore[no-untyped-call]
 
 
+#: Whether this process gives unacknowledged messages back to their queue: only a worker
+#: (:func:`restore_unacked`, at its start). See :class:`QoS`.
+_restores = False
+
+
+def restore_unacked(enabled: bool = True) -> None:
+    """Let this process's Redis channels restore messages whose delivery outlived the
+    visibility timeout (a worker's main process, from ``celeryd_init``); every other
+    process (a shell's ``recover`` or ``health``, ``investigate flower``) never does."""
+    global _restores
+    _restores = enabled
+
+
+class QoS(kombu_redis.QoS):
+    """kombu's Redis QoS that restores unacknowledged messages in workers only
+    (decision 183).
+
+    kombu restores, from any client that drains replies or events on the broker, every
+    message of the broker's database delivered longer ago than *that client's*
+    ``visibility_timeout``: a shell's ``recover`` (its ``inspect`` and ``ping``), a
+    ``health`` check or Flower, run with a shorter timeout than the workers', put a stage
+    that a live worker was still running back on the queue, and a second worker ran it
+    (a test saw a slow query's step completed by the copy while the first delivery
+    slept). Workers share one setting; a message of a worker that died still comes back
+    through the live workers' scans."""
+
+    def restore_visible(self, *args: Any, **kwargs: Any) -> Any:
+        if not _restores:
+            return None
+        return super().restore_visible(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+
 class Channel(kombu_redis.Channel):
-    """kombu's Redis channel whose ``BRPOP`` reader drops an item it cannot decode."""
+    """kombu's Redis channel whose ``BRPOP`` reader drops an item it cannot decode, and
+    whose :class:`QoS` restores unacknowledged messages in workers only."""
 
     Message = Message
+    QoS = QoS
 
     def _brpop_read(self, **options: Any) -> Any:
         try:

@@ -133,8 +133,12 @@ def _setup_logging(loglevel: Any = None, **_: Any) -> None:
 
 @celeryd_init.connect
 def _worker_name(sender: Any = None, **_: Any) -> None:
-    """Every line a worker (and its pool children) logs names the node (``name@host``)."""
+    """Every line a worker (and its pool children) logs names the node (``name@host``);
+    a worker, and no other process, restores unacknowledged messages (decision 183)."""
+    from workers.broker import restore_unacked
+
     logs.set_worker_name(str(sender) if sender else None)
+    restore_unacked(True)
 
 
 #: ``settings.deployment_identity`` as this worker's main process read it at start. Its

@@ -558,6 +558,58 @@ def test_recover_cli_dispatches_pending_cases_only(cluster: Cluster) -> None:
     assert f"dispatch {pending} --take-over" in line
 
 
+def test_recover_does_not_call_a_case_orphaned_while_a_live_worker_runs_its_stage(
+        cluster: Cluster) -> None:
+    """The other side of ``busy_orphaned``: a stage running in a live worker (a slow
+    query) with the queue empty is busy and held, not orphaned, and nothing is dispatched
+    or delivered twice, though the shell's visibility timeout is shorter than the
+    worker's; the case then completes as an uninterrupted run does."""
+    from workers.tasks import start_dispatch
+
+    case = cluster.cases[0]
+    expected = reference(cluster.tmp)
+    point = "2:execute_tool:pre_effect"
+    started = cluster.tmp / "slow-started"
+    with cluster.dump_on_failure():
+        worker = cluster.start_worker({
+            "TEST_CRASH_POINT": point, "TEST_CRASH_MODE": "sleep:8",
+            "TEST_CRASH_ONCE": str(started),
+            # The slow stage is delivered once: no restore while it sleeps.
+            "INVESTIGATE_VISIBILITY_TIMEOUT_S": "30", "INVESTIGATE_MAX_COUNTDOWN_S": "29"})
+        start_dispatch(case.case_id)
+        deadline = time.monotonic() + 30
+        while f"CRASHPOINT {point}" not in worker.log():
+            assert time.monotonic() < deadline, "the slow stage never started"
+            time.sleep(0.1)
+        assert cluster.redis.llen(cluster.queue) == 0  # its next message is the worker's
+        # This shell's visibility timeout (the cluster's 4 s) is shorter than the
+        # worker's and than the sleeping stage: its `inspect` and `ping` drain replies,
+        # and kombu restored the worker's message from such a client (decision 183):
+        # the copy ran step 2 on the other pool process while the first slept.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TEST_CRASH_")}
+        assert env["INVESTIGATE_VISIBILITY_TIMEOUT_S"] == str(VISIBILITY_S)
+        cmd = [sys.executable, "-c", "from workers.cli import main; main()", "recover"]
+        got = subprocess.run([*cmd, "--json"], env=env, cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+        assert got.returncode == 0, got.stderr
+        report = json.loads(got.stdout)
+        assert report["busy"] == [case.case_id], report
+        assert report["dispatched"] == [], report
+        assert report["busy_orphaned"] == [], report  # a live worker has its task
+        assert report["busy_holder_silent"] == [], report  # and answers ping
+        holder = report["busy_holder"][case.case_id]
+        assert holder.startswith(f"{cluster.queue}-1@"), holder  # the running worker
+        assert status(case.store, case.case_id)["steps"] == 1  # still inside step 2
+        cluster.wait_for(case, CASE_BUILDING_DIAGNOSIS)
+        cluster.wait_unlocked(case)
+        assert_effects_once(case.store, case.case_id)
+        assert fingerprint(case.store, case.case_id) == expected
+        # One delivery of the slow stage: nobody restored it while it ran.
+        ids = re.findall(r"Task investigation\.execute_tool\[([0-9a-f-]+)\] received",
+                         worker.log())
+        assert len(ids) == len(set(ids)), worker.log()[-3000:]
+
+
 # -- poisoned stage -------------------------------------------------------------------------
 
 
