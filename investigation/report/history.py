@@ -92,6 +92,7 @@ class StepRow:
     #: retried past, not what stopped it.
     model_answered: bool = False
     new_questions: list[str] = field(default_factory=list)
+    new_question_ids: list[str | None] = field(default_factory=list)  # None: not stored
     resolved_questions: list[str] = field(default_factory=list)
     test_request: str | None = None
     #: The hypothesis's confidence before this step's decision (its previous decision's,
@@ -280,12 +281,17 @@ def case_history(store: Store, case_id: str, env: str | None = None,
             moved.balance_after = entry.balance_after_units
 
     evidence = []
+    # The hypothesis's first record of each fingerprint (operation, arguments, findings):
+    # a duplicate names it, as summary.md does.
+    first_of: dict[tuple[int, str], str] = {}
     for e in evidence_rows:
+        original = first_of.setdefault((e.hypothesis_id, e.fingerprint), e.evidence_id)
         record = {
             "evidence_id": e.evidence_id, "step_seq": e.step_seq,
             "hypothesis_id": e.hypothesis_id, "operation": e.operation,
             "arguments": jsonio.loads(e.arguments_json), "item_count": e.item_count,
             "new_item_count": e.new_item_count, "duplicate": e.duplicate,
+            "duplicate_of": original if e.duplicate and original != e.evidence_id else None,
             "cost_units": e.cost_units, "assessed": e.assessed,
             "assessment_score": e.assessment_score, "refund_units": e.refund_units,
             "warnings": jsonio.loads(e.warnings_json), "artifact_path": e.artifact_path,
@@ -300,7 +306,8 @@ def case_history(store: Store, case_id: str, env: str | None = None,
             own.found = [f"{e.item_count} item{'' if e.item_count == 1 else 's'}, "
                          f"{e.new_item_count} new"]
             if e.duplicate:
-                own.found.append("duplicate")
+                own.found.append("duplicate" if record["duplicate_of"] is None
+                                 else f"duplicate of {record['duplicate_of']}")
             if record["warnings"]:
                 own.found.append("warnings: " + ", ".join(map(str, record["warnings"])))
     tests = []
@@ -311,6 +318,12 @@ def case_history(store: Store, case_id: str, env: str | None = None,
                       "hypothesis_id": t.hypothesis_id, "kind": t.kind, "status": t.status,
                       "deadline_at": t.deadline_at.isoformat(), "evidence_id": t.evidence_id,
                       "artifact_path": t.artifact_path})
+    # Each question asked where it was asked: its id beside the step's text (a reader
+    # met "resolves: Q1" with no Q1 anywhere in the table).
+    asked: dict[tuple[int, str], str] = {(q.created_step, q.text): q.question_id
+                                         for q in question_rows}
+    for st in steps.values():
+        st.new_question_ids = [asked.get((st.seq, text)) for text in st.new_questions]
     questions = [{"question_id": q.question_id, "hypothesis_id": q.hypothesis_id,
                   "text": q.text, "status": q.status, "created_step": q.created_step,
                   "resolved_step": q.resolved_step,

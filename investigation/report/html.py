@@ -65,6 +65,7 @@ overflow-wrap:break-word}
 td code{overflow-wrap:anywhere}
 .nw{white-space:nowrap}
 td.wide{min-width:220px}
+td.note{min-width:320px}
 .text{white-space:pre-wrap}
 th{background:#f3f3f3;font-weight:600;font-size:12px}
 .scroll{overflow:auto;border:1px solid var(--line);border-radius:6px;background:#fff}
@@ -111,7 +112,7 @@ main{max-width:none;padding:0}
 .scroll.tall thead th{position:static}
 table.steps tr>:nth-child(-n+2){position:static}
 .nw{white-space:normal}
-td.wide{min-width:0}
+td.wide,td.note{min-width:0}
 th,td{padding:2px 4px}
 details.ev::details-content{content-visibility:visible;display:block}
 details.ev{break-inside:avoid-page}
@@ -142,6 +143,11 @@ def _tokens(step: StepRow) -> str:
     if step.prompt_tokens is None and step.completion_tokens is None:
         return ""
     return f"{step.prompt_tokens or 0} + {step.completion_tokens or 0}"
+
+
+def _ev_link(evidence_id: str) -> str:
+    """A link to the evidence record ``evidence_id`` of the report."""
+    return f'<a href="#ev-{html_attr(evidence_id)}">{_e(evidence_id)}</a>'
 
 
 def _step_link(seq: object, word: str = "step ") -> str:
@@ -374,11 +380,13 @@ def _timeline(h: CaseHistory) -> list[str]:
         return [*out, '<p class="muted">No step has run yet.</p></section>']
     # The step and hypothesis columns stay in place when the box scrolls sideways (an
     # engineer scrolled to the notes of a 500-step case and lost the step numbers).
+    # What the step did, what came of it and why come first; the note was the twelfth
+    # column, off the right edge of a 1300-pixel window (a 500-step reader).
     out.append('<div class="scroll tall"><table class="steps"><thead><tr><th>step</th>'
                '<th>hyp.</th>'
-               "<th>action / operation</th><th>outcome</th><th>rejection</th>"
-               "<th>confidence</th><th>score (of)</th><th>units</th><th>evidence</th>"
-               "<th>model time</th><th>tokens</th><th>note</th></tr></thead><tbody>")
+               "<th>action / operation</th><th>outcome</th><th>evidence</th><th>note</th>"
+               "<th>rejection</th><th>confidence</th><th>score (of)</th><th>units</th>"
+               "<th>model time</th><th>tokens</th></tr></thead><tbody>")
     for s in h.steps:
         units = []
         if s.charged_units:
@@ -407,8 +415,11 @@ def _timeline(h: CaseHistory) -> list[str]:
             note += (("<br>" if note else "") + "<span class=muted>assessed "
                      f"{_e(s.assessed_evidence or '')}:</span> {_e(s.score_reason)}")
         if s.new_questions:
-            note += "".join(f"<br><span class=muted>asks:</span> {_e(q)}"
-                            for q in s.new_questions)
+            ids = s.new_question_ids or [None] * len(s.new_questions)
+            note += "".join(
+                "<br><span class=muted>asks:</span> "
+                + (f'<a href="#q-{html_attr(qid)}">{_e(qid)}</a> ' if qid else "") + _e(q)
+                for q, qid in zip(s.new_questions, ids, strict=True))
         if s.resolved_questions:  # each a link to its row of the questions table
             note += "<br><span class=muted>resolves:</span> " + ", ".join(
                 f'<a href="#q-{html_attr(q)}">{_e(q)}</a>' for q in s.resolved_questions)
@@ -417,12 +428,13 @@ def _timeline(h: CaseHistory) -> list[str]:
             f"<td class=nw>{'H' + str(s.hypothesis_id) if s.hypothesis_id is not None else ''}"
             f"</td><td class=wide>{_action_cell(s)}</td>"
             f"<td class=nw>{_outcome(s.outcome, s.reason, s.published)}</td>"
+            f"<td class=nw>{ev}</td><td class='wide note'>{note}</td>"
             f"<td>{rejection}</td><td class=nw>{_confidence(s)}</td>"
             f"<td class=nw>{_score_cell(s)}</td>"
-            f"<td class=nw>{' '.join(units)}</td><td class=nw>{ev}</td>"
+            f"<td class=nw>{' '.join(units)}</td>"
             f"<td class=nw>{_ms(s.model_ms)}"
             + (f" <span class=muted>({s.attempts} attempts)</span>" if s.attempts > 1 else "")
-            + f"</td><td class=nw>{_tokens(s)}</td><td class=wide>{note}</td></tr>")
+            + f"</td><td class=nw>{_tokens(s)}</td></tr>")
     out.append("</tbody></table></div></section>")
     return out
 
@@ -437,7 +449,9 @@ def _evidence(h: CaseHistory) -> list[str]:
     for e in h.evidence:
         assessed = (f"assessed {e['assessment_score']}/100, refund {e['refund_units']}"
                     if e["assessed"] else "not assessed yet")
-        flags = ", duplicate" if e["duplicate"] else ""
+        original = e.get("duplicate_of")
+        flags = (f", duplicate of {_ev_link(original)}" if original
+                 else ", duplicate" if e["duplicate"] else "")
         warnings = f"; warnings: {_e(', '.join(e['warnings']))}" if e["warnings"] else ""
         out.append(
             f'<details class="ev" id="ev-{html_attr(e["evidence_id"])}"><summary>'
@@ -451,7 +465,11 @@ def _evidence(h: CaseHistory) -> list[str]:
                    + (f"<br>raw result: {_e(e['result_path'])}" if e.get("result_path") else "")
                    + "</p>")
         items = e["items"]
-        if items:
+        if original:
+            # The same operation, arguments and findings: quoted once, at the first
+            # record (summary.md does the same; a 500-step report quoted 72 copies).
+            out.append(f'<p class="muted">The same findings as {_ev_link(original)}.</p>')
+        elif items:
             out.append('<ol class="quotes">')
             for item in items[:MAX_ITEMS_SHOWN]:
                 quote = item["quote"]

@@ -19,9 +19,10 @@ from sqlmodel import col, select
 from typer.testing import CliRunner
 
 from investigation.constants import BLOCKED, COMPLETED
+from investigation.operations import summary_bytes
 from investigation.report import case_history, render_report, write_report
 from investigation.store.models import Checkpoint, Evidence, LedgerEntry
-from tests.casekit import Case, make_case, q
+from tests.casekit import Case, finish, make_case, q
 from tests.conftest import need_browser
 from tests.longcase import HOSTILE_LINE, long_config, make_long_case
 
@@ -274,7 +275,17 @@ def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) 
                 const nav = document.querySelector('nav').getBoundingClientRect().bottom;
                 return {top: r.top, head: head, nav: nav};
             }""", steps // 2)
-            # Scrolled to the far right (the notes), a row still shows its step and
+            # Unscrolled, in a 1300-pixel window, a row's note (why the step ran, the
+            # model's note) is in view: it was the twelfth column, past the right edge.
+            note: dict[str, Any] = page.evaluate("""(seq) => {
+                const box = document.querySelector('#timeline .scroll')
+                                    .getBoundingClientRect();
+                const cell = document.querySelector('#step-' + seq + ' td.note')
+                                     .getBoundingClientRect();
+                return {left: cell.left, right: Math.min(cell.right, box.right),
+                        box: box.right};
+            }""", steps // 2)
+            # Scrolled to the far right, a row still shows its step and
             # hypothesis at the box's left edge (an engineer lost them in a long case).
             sideways: dict[str, Any] = page.evaluate("""(seq) => {
                 const box = document.querySelector('#timeline .scroll');
@@ -313,6 +324,7 @@ def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) 
     assert landed["shown"] and landed["summary"] >= landed["nav"] - 1, landed
     assert row["top"] >= max(row["head"], row["nav"]) - 1, row
     assert printed["clipped"] <= 1 and printed["rows"] == steps, printed
+    assert note["right"] - note["left"] >= 300 and note["box"] <= 1300, note
     assert sideways["wide"] > 0 and sideways["scrolled"] > 0, sideways  # it did scroll
     assert abs(sideways["step"]) <= 2 and abs(sideways["hyp"]) <= 1, sideways
     assert sideways["text"] == str(steps // 2) and sideways["shown"], sideways
@@ -339,7 +351,20 @@ def test_a_step_row_says_what_its_query_found_and_how_confidence_moved(
         words = "item" if e["item_count"] == 1 else "items"
         expected = f"{e['item_count']} {words}, {e['new_item_count']} new"
         assert st.found[0] == expected and f"<span class=muted>{expected}</span>" in row(st.seq)
-        assert ("duplicate" in st.found) == bool(e["duplicate"])
+        assert any(f.startswith("duplicate") for f in st.found) == bool(e["duplicate"])
+        if e["duplicate_of"]:  # which record it repeats, there and in the evidence list
+            assert f"duplicate of {e['duplicate_of']}" in st.found
+            record = html.split(f'id="ev-{e["evidence_id"]}"', 1)[1].split("</details>")[0]
+            link = f'<a href="#ev-{e["duplicate_of"]}">{e["duplicate_of"]}</a>'
+            assert f", duplicate of {link}" in record and \
+                f"The same findings as {link}." in record and "<ol" not in record
+    # A question's id is shown where it is asked, linked to the questions table.
+    asked = [(st, q) for st in history.steps for q in st.new_questions]
+    assert asked
+    for q in history.questions:
+        if q["created_step"] in {st.seq for st, _ in asked}:
+            assert (f'asks:</span> <a href="#q-{q["question_id"]}">{q["question_id"]}</a> '
+                    in row(q["created_step"]))
     last: dict[int, str] = {}
     moved = 0
     for st in history.steps:
@@ -393,3 +418,35 @@ def test_each_step_says_why_its_hypothesis_was_selected(long_run: tuple[Case, Pa
     noted = [st for st in steps if st.note]
     assert noted and all(f"<span class=muted>note:</span> {html_text(st.note)}" in row(st.seq)
                          for st in noted)
+
+
+def test_a_repeated_query_names_the_record_it_repeats(tmp_path: Path) -> None:
+    """A 500-step reader saw "duplicate" in the report with every finding quoted again,
+    and "duplicate of E137" only in summary.md; and "resolves: Q1" with no Q1 where the
+    question was asked."""
+    search = {"pattern": "percent / 10"}
+    replies = [
+        q("source.search", search, new_questions=["Where is the divisor?"]),
+        q("source.search", search, assessment=(60, ["E1"]), evidence=["E1"]),
+        q("source.read", {"path": "shop/pricing.py", "start_line": 1, "end_line": 3},
+          confidence="supported", assessment=(0, ["E2"]), evidence=["E1"]),
+        finish("strongly_supported", (90, ["E3"]), ["E1", "E3"], resolve=["Q1"]),
+    ]
+    case = make_case(tmp_path / "case", replies,
+                     hypotheses=[{"id": 1, "statement": "apply_discount divides by 10."}])
+    outcome = case.investigator().run(case.case_id, max_steps=20)
+    assert outcome.outcome == COMPLETED, outcome
+    history = case_history(case.store, case.case_id)
+    e1, e2 = history.evidence[0], history.evidence[1]
+    assert (e1["duplicate_of"], e2["duplicate"], e2["duplicate_of"]) == (None, True, "E1")
+    assert history.steps[1].found == ["1 item, 0 new", "duplicate of E1"]
+    html = render_report(case.store, case.case_id)
+    record = html.split('id="ev-E2"', 1)[1].split("</details>", 1)[0]
+    assert ', duplicate of <a href="#ev-E1">E1</a>' in record
+    assert 'The same findings as <a href="#ev-E1">E1</a>.' in record and "<ol" not in record
+    first = html.split('id="ev-E1"', 1)[1].split("</details>", 1)[0]
+    assert '<ol class="quotes">' in first and "duplicate" not in first
+    row = html.split('<tr id="step-1">', 1)[1].split("</tr>", 1)[0]
+    assert 'asks:</span> <a href="#q-Q1">Q1</a> Where is the divisor?' in row
+    # The same words as summary.md.
+    assert "0 new, duplicate of E1;" in summary_bytes(case.store, case.case_id).decode()
