@@ -361,10 +361,11 @@ def test_a_step_row_says_what_its_query_found_and_how_confidence_moved(
     # A question's id is shown where it is asked, linked to the questions table.
     asked = [(st, q) for st in history.steps for q in st.new_questions]
     assert asked
-    for q in history.questions:
-        if q["created_step"] in {st.seq for st, _ in asked}:
-            assert (f'asks:</span> <a href="#q-{q["question_id"]}">{q["question_id"]}</a> '
-                    in row(q["created_step"]))
+    for question in history.questions:
+        qid = question["question_id"]
+        if question["created_step"] in {st.seq for st, _ in asked}:
+            assert f'asks:</span> <a href="#q-{qid}">{qid}</a> ' in \
+                row(question["created_step"])
     last: dict[int, str] = {}
     moved = 0
     for st in history.steps:
