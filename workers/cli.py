@@ -932,10 +932,12 @@ def verify_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
         out.print_json(json.dumps(report))
         return
     plural = "" if report["checkpoints"] == 1 else "s"
+    accounts = report["budget_accounts"]
     out.print(f"{case_id}: intact: {report['checkpoints']} checkpoint{plural} replayed from their "
               f"bytes, {report['artifacts']} artifacts ({report['artifact_bytes']} bytes) "
               f"match their sha256 and the {report['bindings']} records that name them, "
-              f"live rows {report['live_rows']}", highlight=False)
+              f"live rows {report['live_rows']}, the whole ledger of {accounts} budget "
+              f"account{'' if accounts == 1 else 's'} read", highlight=False)
 
 
 from workers import (  # noqa: E402  (they use the helpers above)

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -364,6 +365,18 @@ def metrics_cmd(
 # -- looking at the fleet -----------------------------------------------------------------
 
 
+def _utc_seconds(iso: str) -> str:
+    """``iso`` (an aware ISO time) to the second, in UTC and said so (``...Z``): `cases`
+    showed ``2026-12-07T12:35:31`` with no zone (a reader's trial)."""
+    try:
+        when = datetime.fromisoformat(iso)
+    except ValueError:
+        return iso[:19]
+    if when.tzinfo is not None:
+        when = when.astimezone(UTC)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def next_step_hint(store: Any, row: CaseRow, settings: Settings) -> str | None:
     """What to do next for a case (the ``next`` column and field): the first command of
     the guidance ``investigate status`` prints (``investigation.guidance``) with the same
@@ -410,7 +423,8 @@ def cases(
             f"{r.balance_units}/{r.credit_units}" if r.credit_units else "- (no step yet)",
             f"{r.active_hypotheses}/{r.hypotheses} active"
             if r.state not in ("CANCELLED", "STOPPED") else f"{r.hypotheses} (none runs)",
-            r.updated_at[:19])
+            # UTC, said (a reader took a bare time for local time).
+            _utc_seconds(r.updated_at))
     out.print(table)
     out.print(f"{len(rows)} case(s)", highlight=False)
     for r in rows:  # the command that continues each held case, one per line

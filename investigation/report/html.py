@@ -177,7 +177,7 @@ def _header(h: CaseHistory) -> list[str]:
     return [f"<header><h1>Investigation report: {_e(h.case_id)} {badge}{blocked}</h1>",
             f'<p class="sub text">{_e(h.interpretation.get("summary", ""))}</p></header>',
             '<nav><a href="#overview">Overview</a><a href="#next">Next steps</a>'
-            '<a href="#charts">Charts</a><a href="#timeline">Timeline</a>'
+            '<a href="#charts">Charts</a><a href="#timeline">Steps</a>'
             '<a href="#evidence">Evidence</a><a href="#questions">Questions</a>'
             '<a href="#tests">Tests</a><a href="#lifecycle">Lifecycle</a></nav>']
 
@@ -286,8 +286,11 @@ def _charts(h: CaseHistory) -> list[str]:
     if any(not s.published or s.outcome not in svg.OUTCOME_COLOURS for s in h.steps):
         legend += (f'<span><i style="background:{svg.UNPUBLISHED_COLOUR}"></i>'
                    "not published</span>")
-    out.append(f'<h3>Timeline</h3><div class="chart"><div class="legend">{legend}</div>'
-               f"{svg.timeline(h.steps, ids)}</div>")
+    if any(s.action in svg.CLOSING_ACTIONS for s in h.steps):
+        legend += (f'<span><i style="background:{svg.CLOSE_COLOUR};height:3px"></i>'
+                   "bar above: closes its hypothesis (finish, reject)</span>")
+    out.append(f'<h3>Outcome of each step</h3><div class="chart"><div class="legend">'
+               f"{legend}</div>{svg.timeline(h.steps, ids)}</div>")
     out.append('<h3>Confidence over the steps</h3><div class="chart">'
                f"{svg.confidence({k: h.confidence.get(k, [(0, 'unassessed')]) for k in ids}, max_seq)}"
                "</div>")

@@ -105,6 +105,12 @@ def _svg(cls: str, width: float, height: float, label: str, body: list[str]) -> 
             + "".join(body) + "</svg>")
 
 
+#: The reply actions that close a hypothesis (marked above their cell in the timeline).
+CLOSING_ACTIONS = ("finish", "reject")
+#: The mark of such a step.
+CLOSE_COLOUR = "#222"
+
+
 def timeline(steps: Sequence[Any], hypothesis_ids: Sequence[int]) -> str:
     """Swimlanes of steps: one row per hypothesis, each step a cell coloured by outcome.
 
@@ -145,6 +151,12 @@ def timeline(steps: Sequence[Any], hypothesis_ids: Sequence[int]) -> str:
                     f'x="{_f(x(s.seq - 1))}" y="{_f(y)}" width="{_f(max(1.0, cell - gap))}" '
                     f'height="{_f(row_h - 6)}" fill="{fill}"><title>{svg_text(tip)}</title>'
                     "</rect></a>")
+        if s.action in CLOSING_ACTIONS:
+            # A finish or reject looked like any query's PROGRESSED cell (a 500-step
+            # reader): a dark bar above the cell marks where a hypothesis was closed.
+            body.append(f'<rect class="close" x="{_f(x(s.seq - 1))}" y="{_f(y - 3)}" '
+                        f'width="{_f(max(2.0, cell - gap))}" height="3" '
+                        f'fill="{CLOSE_COLOUR}"><title>{svg_text(tip)}</title></rect>')
     body += _x_axis(x, top + row_h * len(rows) + 2, cells=True)
     return _svg("chart-timeline", x(max_seq) + 14, height,
                 f"Timeline of {len(steps)} steps by hypothesis, coloured by outcome", body)
@@ -263,8 +275,9 @@ def burndown(hypothesis_id: int, index: int, entries: list[dict[str, Any]],
                 charged += -e["amount_units"]
             else:
                 refunded += e["amount_units"]
-            tip = (f"step {e['step_seq']}: {kind} {abs(e['amount_units'])} units, balance "
-                   f"{after}" + (f" ({e['reference']})" if e.get("reference") else ""))
+            amount = abs(e["amount_units"])
+            tip = (f"step {e['step_seq']}: {kind} {amount} unit{'' if amount == 1 else 's'}, "
+                   f"balance {after}" + (f" ({e['reference']})" if e.get("reference") else ""))
             # At least MIN_MARK_PX long: a refund of 1 unit of 400 was 0.5 px, and no
             # refund of a 500-step case could be seen (an engineer's trial).
             y1, y2 = y(balance), y(after)

@@ -6,6 +6,8 @@ changing one of them, and a migrated case continues exactly as it would have."""
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +329,16 @@ def test_verify_cli_reports_an_intact_case_and_the_first_difference(tmp_path: Pa
     ok = runner.invoke(app, ["verify", case.case_id, "--json"])
     assert ok.exit_code == 0, ok.output
     assert '"checkpoints": 5' in ok.output and '"live_rows": "checked"' in ok.output
+    accounts = json.loads(ok.output)["budget_accounts"]
+    assert accounts == 2
+    # The plain line says every check --json reports, the ledgers too (a reader's trial).
+    plain = runner.invoke(app, ["verify", case.case_id])
+    assert plain.exit_code == 0, plain.output
+    assert "live rows checked, the whole ledger of 2 budget accounts read" in \
+        " ".join(plain.output.split())
+    listed = runner.invoke(app, ["cases"])  # times in UTC, said so
+    assert listed.exit_code == 0 and re.search(r"\d{2}:\d{2}:\d{2}Z", listed.output), \
+        listed.output
     with case.store.engine.begin() as conn:
         guards.drop_guards(conn)
         conn.execute(update(StageRun).where(col(StageRun.step_seq) == 2,

@@ -358,6 +358,12 @@ def test_a_step_row_says_what_its_query_found_and_how_confidence_moved(
             link = f'<a href="#ev-{e["duplicate_of"]}">{e["duplicate_of"]}</a>'
             assert f", duplicate of {link}" in record and \
                 f"The same findings as {link}." in record and "<ol" not in record
+    # Where a hypothesis was closed is marked on the timeline chart, and said in its
+    # legend (a finish looked like any query's cell); the nav names the step table.
+    closing = [st for st in history.steps if st.action in ("finish", "reject")]
+    assert closing and html.count('<rect class="close"') == len(closing)
+    assert "bar above: closes its hypothesis (finish, reject)" in html
+    assert '<a href="#timeline">Steps</a>' in html and "<h3>Outcome of each step</h3>" in html
     # A question's id is shown where it is asked, linked to the questions table.
     asked = [(st, q) for st in history.steps for q in st.new_questions]
     assert asked
