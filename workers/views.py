@@ -200,7 +200,11 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
     line(f"lifecycle {life['state']}"
          + (f" (paused from {life['paused_from']})" if life.get("paused_from") else "")
          + (f" ({reason}{_TERMINATION_GLOSS.get(reason, '')})" if reason else "")
-         + (f"  session iterations {life['iterations']}" if life.get("started") else
+         # Beside the accounts' own iterations and the published steps, what it counts
+         # (a 500-step reader met 497, 499 and 500 side by side, unexplained).
+         + (f"  session iterations {life['iterations']} (accepted decision rounds, the "
+            "last not counted; an account counts only its queries and tests)"
+            if life.get("started") else
             "  (the session starts with the first step)"))
     if not info["accounts"]:
         count = info["hypotheses"]

@@ -546,7 +546,9 @@ def _lifecycle(h: CaseHistory) -> list[str]:
            + (f", paused from {_e(life['paused_from'])}" if life.get("paused_from") else "")
            + (f", ended with {_e(life['termination_reason'])}"
               if life.get("termination_reason") else "")
-           + (f"; {life['iterations']} iteration(s)" if life.get("started") else
+           + (f"; {life['iterations']} iteration(s) (accepted decision rounds, the last "
+              "not counted; an account's iterations count only its queries and tests)"
+              if life.get("started") else
               "; the session starts with the first step") + ".</p>"]
     if life.get("started"):
         usage, budget = life["usage"], life["budget"]

@@ -283,6 +283,9 @@ def test_operator_control_from_the_cli(tmp_path: Path, monkeypatch: pytest.Monke
     st = runner.invoke(app, ["status", case.case_id])
     assert "lifecycle COMPLETED (OBJECTIVE_MET: every hypothesis account is terminal" \
         in " ".join(st.output.split())
+    # What the session's count is, beside the accounts' and the steps' (a reader's trial).
+    assert "session iterations 4 (accepted decision rounds, the last not counted; an " \
+        "account counts only its queries and tests)" in " ".join(st.output.split())
     again = runner.invoke(app, ["cancel", case.case_id])
     assert again.exit_code == 2 and "CASE_NOT_ACTIVE" in again.output
 
