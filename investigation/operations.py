@@ -70,7 +70,8 @@ def _case(store: Store, case_id: str) -> CaseRecord:
 
 def status(store: Store, case_id: str) -> dict[str, Any]:
     """State, last outcome, blocked reason and since when (``blocked_since``, ISO 8601 UTC,
-    while the case is BLOCKED), balances, evidence count (every revision),
+    while the case is BLOCKED), balances, evidence count (every revision; published
+    steps only, as the open questions: a running step writes both before its checkpoint),
     the current revision's evidence figures (:func:`evidence_figures`) and model usage
     (calls, tokens and cost in micros per hypothesis, ``llm.spend``; ``currency``: what
     the micros are in, as the case's priced attempts recorded it, ``None`` before any)
@@ -83,10 +84,16 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         accounts = s.exec(select(BudgetAccount).where(
             BudgetAccount.case_id == case_id, BudgetAccount.revision == case.current_revision)
             .order_by(col(BudgetAccount.hypothesis_id))).all()
-        evidence = s.exec(select(Evidence.id).where(Evidence.case_id == case_id)).all()
+        # Published steps only: a running step writes its record and questions before its
+        # checkpoint, and `status --watch` showed 7 records after 7 steps of which one
+        # found nothing (a new user's trial).
+        published = col(Evidence.step_seq) <= case.head_seq
+        evidence = s.exec(select(Evidence.id).where(Evidence.case_id == case_id,
+                                                    published)).all()
         current = s.exec(select(Evidence.duplicate, Evidence.new_item_count,
                                 Evidence.assessed, Evidence.assessment_score).where(
-            Evidence.case_id == case_id, Evidence.revision == case.current_revision)).all()
+            Evidence.case_id == case_id, Evidence.revision == case.current_revision,
+            published)).all()
         questions = s.exec(select(Question).where(
             Question.case_id == case_id, Question.revision == case.current_revision)).all()
         pointers = {p.name: p.path for p in s.exec(
@@ -135,7 +142,8 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         "evidence": evidence_figures(
             {"duplicate": d, "new_item_count": n, "assessed": a, "assessment_score": score}
             for d, n, a, score in current),
-        "open_questions": sum(1 for q in questions if q.status == "open"),
+        "open_questions": sum(1 for q in questions if q.created_step <= case.head_seq and (
+            q.status == "open" or (q.resolved_step or 0) > case.head_seq)),
         "accounts": [
             {"hypothesis_id": a.hypothesis_id, "status": a.status, "confidence": a.confidence,
              "balance_units": a.balance_units, "credit_units": a.credit_units,

@@ -8,9 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
+from sqlmodel import select
 
+from investigation.constants import STAGES
 from investigation.loop.checkpoints import _STATE_SINCE_AND_OPEN
 from investigation.loop.investigator import Investigator
+from investigation.loop.stagebase import StepKey
+from investigation.operations import status
+from investigation.store.models import Evidence, Question
 from tests.casekit import make_case
 
 
@@ -44,3 +49,24 @@ def test_the_evidence_section_is_one_statement_that_reads_open_records_by_their_
     finally:
         raw.close()
     case.store.dispose()
+
+
+def test_status_counts_what_published_steps_recorded(tmp_path: Path) -> None:
+    """A step writes its evidence record and its questions before its checkpoint: `status
+    --watch` showed 7 records after 7 steps of which one found nothing (a new user's
+    trial). Until the step publishes, status counts neither."""
+    case = make_case(tmp_path / "case")
+    investigator = Investigator(case.env())
+    key = investigator.next_step(case.case_id)
+    assert isinstance(key, StepKey)
+    for stage in STAGES[:-1]:  # every stage of step 1 but publish
+        assert investigator.stages.run(stage, key).halt is None
+    with case.store.session() as s:  # step 1 wrote its record and its question
+        assert len(s.exec(select(Evidence)).all()) == 1
+        assert len(s.exec(select(Question)).all()) == 1
+    info = status(case.store, case.case_id)
+    assert (info["steps"], info["evidence_count"], info["open_questions"]) == (0, 0, 0)
+    assert info["evidence"]["records"] == 0, info["evidence"]
+    investigator.stages.run(STAGES[-1], key)
+    info = status(case.store, case.case_id)
+    assert (info["steps"], info["evidence_count"], info["open_questions"]) == (1, 1, 1)
