@@ -48,7 +48,7 @@ from investigation.store import Store
 from investigation.text_safety import escape_text
 from workers.settings import Settings, load_settings, remembered_providers
 from workers.stores import open_store
-from workers.views import outcome_line, print_guidance, status_view, term
+from workers.views import counted, outcome_line, print_guidance, status_view, term
 
 #: A case id as the examples show it.
 EXAMPLE_CASE = "case-30bce92d9fa25a72"
@@ -566,7 +566,7 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
 
     Exit 0 when every pending case was dispatched or is busy; 2 when a case could not be
     dispatched (its code is printed), and when the case locks' Redis or the broker does
-    not answer (``REDIS_UNAVAILABLE``, ``BROKER_UNAVAILABLE``), pending cases or not.
+    not answer (REDIS_UNAVAILABLE, BROKER_UNAVAILABLE), pending cases or not.
     """
     from workers import runtime
     from workers.health import redis_ping
@@ -917,7 +917,7 @@ def export_cmd(
     if as_json:
         _print_json({"case_id": case_id, "directory": str(directory), "artifacts": paths})
         return
-    out.print(f"wrote {len(paths)} artifacts under {directory}", highlight=False)
+    out.print(f"wrote {counted(len(paths), 'artifact')} under {directory}", highlight=False)
 
 
 @app.command("verify", epilog=example(f"investigate verify {EXAMPLE_CASE}",
@@ -931,13 +931,13 @@ def verify_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     if as_json:
         out.print_json(json.dumps(report))
         return
-    plural = "" if report["checkpoints"] == 1 else "s"
-    accounts = report["budget_accounts"]
-    out.print(f"{case_id}: intact: {report['checkpoints']} checkpoint{plural} replayed from their "
-              f"bytes, {report['artifacts']} artifacts ({report['artifact_bytes']} bytes) "
-              f"match their sha256 and the {report['bindings']} records that name them, "
-              f"live rows {report['live_rows']}, the whole ledger of {accounts} budget "
-              f"account{'' if accounts == 1 else 's'} read", highlight=False)
+    bindings = report["bindings"]
+    out.print(f"{case_id}: intact: {counted(report['checkpoints'], 'checkpoint')} replayed "
+              f"from their bytes, {counted(report['artifacts'], 'artifact')} "
+              f"({report['artifact_bytes']} bytes) match their sha256"
+              + (f" and the {counted(bindings, 'record')} that name them" if bindings else "")
+              + f", live rows {report['live_rows']}, the whole ledger of "
+              f"{counted(report['budget_accounts'], 'budget account')} read", highlight=False)
 
 
 from workers import (  # noqa: E402  (they use the helpers above)

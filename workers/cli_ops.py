@@ -305,9 +305,9 @@ def flower(
 ) -> None:
     """Start Flower (Celery's monitor) on the configured broker.
 
-    Flower's own authentication options apply (``--basic-auth``, or its ``FLOWER_*``
-    environment variables such as ``FLOWER_BASIC_AUTH``, ``FLOWER_AUTH`` with
-    ``FLOWER_AUTH_PROVIDER``). Without any, it listens only on loopback.
+    Flower's own authentication options apply (--basic-auth, or its FLOWER_*
+    environment variables such as FLOWER_BASIC_AUTH, FLOWER_AUTH with
+    FLOWER_AUTH_PROVIDER). Without any, it listens only on loopback.
     """
     _settings()  # a broken environment fails here, as one line
     for entry in basic_auth or []:
@@ -547,10 +547,11 @@ def db_downgrade(
     """Take the store back to an older migration. Stop the workers and take a backup
     first: workers of this version need the newest migration. In a shell that names a
     broker, workers that answer ping there and consume its queue refuse it
-    (``WORKERS_RUNNING``) unless ``--force``."""
-    from investigation.store.migrate import current_revisions, downgrade
+    (WORKERS_RUNNING) unless --force."""
+    from investigation.store.migrate import current_revisions, downgrade, downgrade_target
 
     settings = _settings()
+    downgrade_target(revision)  # a revision that cannot be gone back to, said first
     if _fleet_shell(settings) and not force:
         _refuse_live_workers(settings)
     store = _schema_store(settings, must_exist=True)

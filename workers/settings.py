@@ -146,6 +146,14 @@ class Settings(BaseSettings):
         _warn_if_others_read(path)
         return key
 
+    @field_validator("database_url")
+    @classmethod
+    def _database_scheme(cls, value: str | None) -> str | None:
+        """``postgres://`` read as ``postgresql+psycopg://`` (``store.normalise_url``)."""
+        from investigation.store.engine import normalise_url
+
+        return None if value is None else normalise_url(value)
+
     @field_validator("broker_url", "redis_url")
     @classmethod
     def _redis_database(cls, value: str | None) -> str | None:

@@ -21,6 +21,11 @@ from investigation.text_safety import escape_text
 from workers.health import held_by_a_shell
 
 
+def counted(n: int, word: str) -> str:
+    """``n`` and ``word``, plural unless ``n`` is 1 (``1 artifact``, ``83 artifacts``)."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def term(text: object) -> str:
     """Data for the terminal: control, bidirectional and zero-width characters (ANSI/OSC
     escapes included) as visible escapes (``investigation.text_safety.escape_text``)."""

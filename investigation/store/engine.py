@@ -139,13 +139,23 @@ class StoredArtifact:
     data: bytes
 
 
+def normalise_url(url: str) -> str:
+    """``url`` with the ``postgres://`` scheme (Heroku's and libpq's spelling, which
+    SQLAlchemy no longer reads: "Can't load plugin: sqlalchemy.dialects:postgres", a new
+    user's trial) written ``postgresql+psycopg://``; any other URL unchanged."""
+    return "postgresql+psycopg://" + url[len("postgres://"):] \
+        if url.startswith("postgres://") else url
+
+
 def make_engine(url: str) -> Engine:
-    """Create an engine for ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``).
+    """Create an engine for ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``;
+    ``postgres://`` is read as ``postgresql+psycopg://``, :func:`normalise_url`).
 
     SQLite gets WAL journaling, a busy timeout and foreign keys on every connection.
     Connections are pooled per process; :class:`Store` drops an inherited pool in a
     forked child, so prefork children never share a connection.
     """
+    url = normalise_url(url)
     if url.startswith("sqlite"):
         if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -503,7 +513,7 @@ class Store:
     """
 
     def __init__(self, url: str) -> None:
-        self.url = url
+        self.url = url = normalise_url(url)
         self.engine = make_engine(url)
         ref = weakref.ref(self)
 

@@ -151,6 +151,29 @@ def _resolve(script: ScriptDirectory, revision: str) -> Any:
                          f"no migration revision {revision!r}: {said}") from exc
 
 
+def downgrade_target(revision: str) -> str:
+    """The migration revision ``db downgrade --revision REVISION`` goes back to, checked
+    without a database (a new user's mistyped revision was told to stop the fleet first).
+
+    Raises:
+        StoreError: ``STORE_REVISION_UNKNOWN`` for a revision no migration has;
+        ``STORE_DOWNGRADE_REFUSED`` below :data:`OLDEST_DOWNGRADE`.
+    """
+    script = _scripts()
+    target = _resolve(script, revision)
+    oldest = script.get_revision(OLDEST_DOWNGRADE)
+    allowed = {r.revision for r in script.iterate_revisions("heads", OLDEST_DOWNGRADE)}
+    allowed.add(oldest.revision)
+    if target is None or target.revision not in allowed:
+        raise StoreError(
+            "STORE_DOWNGRADE_REFUSED",
+            f"`db downgrade` goes back to {OLDEST_DOWNGRADE} at the oldest: the "
+            "migrations before it change what the cases' stored states hold and drop "
+            "tables with their rows; to go further back, restore a backup taken before "
+            "the upgrade (docs/operations.md, Migrations); nothing was changed")
+    return str(target.revision)
+
+
 def downgrade(engine: Engine, revision: str) -> None:
     """Take the database behind ``engine`` back to ``revision`` (Alembic's downgrade of
     each migration past it; docs/operations.md says what each drops). Run with the
@@ -166,17 +189,7 @@ def downgrade(engine: Engine, revision: str) -> None:
     cfg.set_main_option("script_location", str(MIGRATIONS))
     script = _scripts()
     url = engine.url.render_as_string(hide_password=True)
-    target = _resolve(script, revision)
-    oldest = script.get_revision(OLDEST_DOWNGRADE)
-    allowed = {r.revision for r in script.iterate_revisions("heads", OLDEST_DOWNGRADE)}
-    allowed.add(oldest.revision)
-    if target is None or target.revision not in allowed:
-        raise StoreError(
-            "STORE_DOWNGRADE_REFUSED",
-            f"`db downgrade` goes back to {OLDEST_DOWNGRADE} at the oldest: the "
-            "migrations before it change what the cases' stored states hold and drop "
-            "tables with their rows; to go further back, restore a backup taken before "
-            "the upgrade (docs/operations.md, Migrations); nothing was changed")
+    target = script.get_revision(downgrade_target(revision))
     with engine.connect() as conn:
         current = _refuse_unknown_current(conn, url)
         if not current:

@@ -179,6 +179,14 @@ def test_downgrade_refuses_while_workers_consume_the_queue(
     assert refused.exit_code == 2 and "WORKERS_RUNNING" in refused.output, refused.output
     assert "w1@a, w2@b" in refused.output and asked == ["cases"]
     assert current_revisions(Store(url).engine) == [head_revision()]  # nothing changed
+    # A revision that cannot be gone back to is said first, before asking the operator to
+    # stop the fleet (a new user's mistyped revision).
+    for wrong, code in (("nonsense", "STORE_REVISION_UNKNOWN"),
+                        ("base", "STORE_DOWNGRADE_REFUSED")):
+        said = runner.invoke(app, ["db", "downgrade", "--revision", wrong], env=env)
+        assert said.exit_code == 2 and code in said.output, said.output
+        assert "WORKERS_RUNNING" not in said.output
+    assert asked == ["cases"]  # no workers asked for them
     forced = runner.invoke(app, ["db", "downgrade", "--revision", "0010_entry_function",
                                  "--force"], env=env)
     assert forced.exit_code == 0, forced.output

@@ -642,3 +642,16 @@ def test_a_steps_attempt_row_and_pointer_moves_wait_for_the_next_statement(
     assert [rest[-1:] for rest in followed("INSERT INTO llm_attempt ")] == [["COMMIT"]]
     pointers = followed("WITH moved AS")
     assert pointers and all(rest for rest in pointers), sent
+
+
+def test_a_postgres_scheme_url_opens_the_store(postgres_url: str) -> None:
+    """`postgres://...` (libpq's spelling) is read as psycopg's: a new user's
+    `INVESTIGATE_DATABASE_URL=postgres://...` failed with "Can't load plugin"."""
+    spelled = "postgres://" + postgres_url.split("://", 1)[1]
+    store = Store(spelled)
+    try:
+        assert store.engine.dialect.driver == "psycopg"
+        with store.session() as s:
+            assert s.execute(text("SELECT 1")).scalar_one() == 1
+    finally:
+        store.dispose()

@@ -64,6 +64,15 @@ def test_every_command_has_help_and_an_example() -> None:
     assert missing == []
 
 
+def test_no_help_shows_docstring_markup() -> None:
+    """A command's help is its docstring as the terminal shows it: reStructuredText's
+    double backquotes came out as they are (``--basic-auth``: a new user's trial)."""
+    marked = [f"investigate {path}".strip() for path, cmd in _commands()
+              if "``" in (cmd.help or "") + (cmd.epilog or "")
+              or any("``" in (getattr(p, "help", None) or "") for p in cmd.params)]
+    assert marked == []
+
+
 def test_every_option_and_argument_has_help() -> None:
     missing = []
     for path, cmd in _commands():
