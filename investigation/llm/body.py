@@ -16,9 +16,12 @@ from __future__ import annotations
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import httpx
 import zstandard
+
+if TYPE_CHECKING:  # annotations only: the CLI does not import httpx to start
+    import httpx
 
 #: The ``Accept-Encoding`` the engine sends to providers (httpx's default adds zstd/br).
 ACCEPT_ENCODING = "gzip, deflate"

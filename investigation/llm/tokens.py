@@ -22,13 +22,14 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from investigation import jsonio
 from investigation.config import DEFAULT_OUTPUT_RESERVE_TOKENS, ProviderConfig
 from investigation.llm.body import BodyTooLarge, BodyUndecodable, read_body
+
+if TYPE_CHECKING:  # annotations only: the CLI does not import httpx to start
+    import httpx
 
 #: Tokens a chat template adds around each message (role markers, separators).
 MESSAGE_OVERHEAD_TOKENS = 8
