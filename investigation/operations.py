@@ -9,7 +9,7 @@ from datetime import UTC
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from investigation import jsonio
 from investigation.budget.manager import BudgetManager
@@ -29,6 +29,7 @@ from investigation.constants import (
     CASE_INVESTIGATING,
     CASE_PAUSED,
     CASE_STOPPED,
+    STAGES,
 )
 from investigation.errors import InvestigationError
 from investigation.evidence.figures import evidence_figures
@@ -70,8 +71,10 @@ def _case(store: Store, case_id: str) -> CaseRecord:
 
 def status(store: Store, case_id: str) -> dict[str, Any]:
     """State, last outcome, blocked reason and since when (``blocked_since``, ISO 8601 UTC,
-    while the case is BLOCKED), balances, evidence count (every revision; published
-    steps only, as the open questions: a running step writes both before its checkpoint),
+    while the case is BLOCKED), ``step_in_progress`` (``{"step_seq", "stages_recorded",
+    "stages"}`` of a step begun and not published, whose record, charges, questions and
+    account changes every figure here includes; ``None``), balances, evidence count
+    (every revision),
     the current revision's evidence figures (:func:`evidence_figures`) and model usage
     (calls, tokens and cost in micros per hypothesis, ``llm.spend``; ``currency``: what
     the micros are in, as the case's priced attempts recorded it, ``None`` before any)
@@ -84,16 +87,16 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         accounts = s.exec(select(BudgetAccount).where(
             BudgetAccount.case_id == case_id, BudgetAccount.revision == case.current_revision)
             .order_by(col(BudgetAccount.hypothesis_id))).all()
-        # Published steps only: a running step writes its record and questions before its
-        # checkpoint, and `status --watch` showed 7 records after 7 steps of which one
-        # found nothing (a new user's trial).
-        published = col(Evidence.step_seq) <= case.head_seq
-        evidence = s.exec(select(Evidence.id).where(Evidence.case_id == case_id,
-                                                    published)).all()
+        evidence = s.exec(select(Evidence.id).where(Evidence.case_id == case_id)).all()
+        # A step whose stages have begun and that is not published: its record, charges,
+        # questions and account changes are in the figures below already (a new user's
+        # `status --watch` showed 3 records after 2 steps, unexplained).
+        begun = s.exec(select(func.count()).select_from(StageRun).where(
+            StageRun.case_id == case_id, StageRun.revision == case.current_revision,
+            StageRun.step_seq == case.head_seq + 1)).one()
         current = s.exec(select(Evidence.duplicate, Evidence.new_item_count,
                                 Evidence.assessed, Evidence.assessment_score).where(
-            Evidence.case_id == case_id, Evidence.revision == case.current_revision,
-            published)).all()
+            Evidence.case_id == case_id, Evidence.revision == case.current_revision)).all()
         questions = s.exec(select(Question).where(
             Question.case_id == case_id, Question.revision == case.current_revision)).all()
         pointers = {p.name: p.path for p in s.exec(
@@ -138,12 +141,13 @@ def status(store: Store, case_id: str) -> dict[str, Any]:
         "retry_not_before": case.retry_not_before.isoformat() if case.retry_not_before
         else None,
         "steps": case.head_seq, "head_hash": case.head_hash,
+        "step_in_progress": {"step_seq": case.head_seq + 1, "stages_recorded": int(begun),
+                             "stages": len(STAGES)} if begun else None,
         "evidence_count": len(evidence),
         "evidence": evidence_figures(
             {"duplicate": d, "new_item_count": n, "assessed": a, "assessment_score": score}
             for d, n, a, score in current),
-        "open_questions": sum(1 for q in questions if q.created_step <= case.head_seq and (
-            q.status == "open" or (q.resolved_step or 0) > case.head_seq)),
+        "open_questions": sum(1 for q in questions if q.status == "open"),
         "accounts": [
             {"hypothesis_id": a.hypothesis_id, "status": a.status, "confidence": a.confidence,
              "balance_units": a.balance_units, "credit_units": a.credit_units,

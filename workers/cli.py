@@ -931,13 +931,19 @@ def verify_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     if as_json:
         out.print_json(json.dumps(report))
         return
-    bindings = report["bindings"]
+    bindings, accounts = report["bindings"], report["budget_accounts"]
+    one = report["artifacts"] == 1
     out.print(f"{case_id}: intact: {counted(report['checkpoints'], 'checkpoint')} replayed "
-              f"from their bytes, {counted(report['artifacts'], 'artifact')} "
-              f"({report['artifact_bytes']} bytes) match their sha256"
-              + (f" and the {counted(bindings, 'record')} that name them" if bindings else "")
-              + f", live rows {report['live_rows']}, the whole ledger of "
-              f"{counted(report['budget_accounts'], 'budget account')} read", highlight=False)
+              f"from {'its' if report['checkpoints'] == 1 else 'their'} bytes, "
+              f"{counted(report['artifacts'], 'artifact')} ({report['artifact_bytes']} bytes) "
+              f"{'matches its' if one else 'match their'} sha256"
+              + (f" and the {counted(bindings, 'record')} that name "
+                 f"{'it' if one else 'them'}" if bindings else "")
+              + f", live rows {report['live_rows']}"
+              # The ledgers are read with the live rows: not while a step is unfinished.
+              + (f", the whole ledger of {counted(accounts, 'budget account')} read"
+                 if report["live_rows"] == "checked" else ", ledgers not read"),
+              highlight=False)
 
 
 from workers import (  # noqa: E402  (they use the helpers above)

@@ -417,7 +417,8 @@ def cases(
     table.columns[0].no_wrap = True  # a case id is what the operator copies
     for r in rows:
         table.add_row(
-            r.case_id, r.state, r.blocked_reason or "", r.retry_not_before or "",
+            r.case_id, r.state, r.blocked_reason or "",
+            _utc_seconds(r.retry_not_before) if r.retry_not_before else "",
             str(r.steps),
             last_outcome_text(r.last_outcome, r.last_reason, none=""),
             f"{r.balance_units}/{r.credit_units}" if r.credit_units else "- (no step yet)",
@@ -548,13 +549,15 @@ def db_downgrade(
     first: workers of this version need the newest migration. In a shell that names a
     broker, workers that answer ping there and consume its queue refuse it
     (WORKERS_RUNNING) unless --force."""
-    from investigation.store.migrate import current_revisions, downgrade, downgrade_target
+    from investigation.store.migrate import check_downgrade, current_revisions, downgrade
 
     settings = _settings()
-    downgrade_target(revision)  # a revision that cannot be gone back to, said first
+    store = _schema_store(settings, must_exist=True)
+    # A revision that cannot be gone back to is said first, before the workers are asked
+    # about (a mistyped revision, and a store already at it, read WORKERS_RUNNING).
+    check_downgrade(store.engine, revision)
     if _fleet_shell(settings) and not force:
         _refuse_live_workers(settings)
-    store = _schema_store(settings, must_exist=True)
     before = current_revisions(store.engine)
     downgrade(store.engine, revision)
     _print_move(before, current_revisions(store.engine), as_json)

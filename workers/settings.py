@@ -149,10 +149,31 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_scheme(cls, value: str | None) -> str | None:
-        """``postgres://`` read as ``postgresql+psycopg://`` (``store.normalise_url``)."""
+        """``postgres://`` read as ``postgresql+psycopg://`` (``store.normalise_url``); a
+        URL that cannot be read, or a PostgreSQL one naming no database, refused without
+        echoing it (a hostile trial: a password holding ``@`` printed its tail in the
+        parser's error, and ``postgres://`` alone reached the local socket's database of
+        the user running the command)."""
+        from sqlalchemy.engine import make_url
+
         from investigation.store.engine import normalise_url
 
-        return None if value is None else normalise_url(value)
+        if value is None:
+            return None
+        value = normalise_url(value)
+        unreadable = ValueError(
+            "not a database URL that can be read (not shown: it may hold a password); in a "
+            "password, write @ as %40, : as %3A, / as %2F and % as %25")
+        try:
+            url = make_url(value)
+        except Exception:
+            raise unreadable from None
+        if "@" in (url.host or "") or "@" in (url.database or ""):
+            raise unreadable
+        if url.get_backend_name() == "postgresql" and not url.database:
+            raise ValueError("the URL names no database: "
+                             "postgresql+psycopg://USER@HOST:5432/DATABASE")
+        return value
 
     @field_validator("broker_url", "redis_url")
     @classmethod

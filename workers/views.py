@@ -21,6 +21,15 @@ from investigation.text_safety import escape_text
 from workers.health import held_by_a_shell
 
 
+def in_progress_text(going: dict[str, Any], state: str) -> str:
+    """What ``status``'s ``step_in_progress`` means, in one line."""
+    ended = state in ("CANCELLED", "STOPPED")
+    return (f"step {going['step_seq']} {'left unfinished' if ended else 'in progress'} "
+            f"({going['stages_recorded']} of {going['stages']} stages recorded, not "
+            "published): the evidence, questions and balances above include what it "
+            "recorded so far")
+
+
 def counted(n: int, word: str) -> str:
     """``n`` and ``word``, plural unless ``n`` is 1 (``1 artifact``, ``83 artifacts``)."""
     return f"{n} {word}{'' if n == 1 else 's'}"
@@ -156,6 +165,8 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
          + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
          + f"  published steps {info['steps']}  evidence {info['evidence_count']}"
          + f"  open questions {info['open_questions']}")
+    if going := info.get("step_in_progress"):
+        line(in_progress_text(going, info["state"]))
     figures = info.get("evidence")
     if figures and figures["records"]:  # what the records amount to (a worthless run)
         line(evidence_text(figures))

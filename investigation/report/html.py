@@ -18,6 +18,7 @@ artifact path holds all of them).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from investigation.evidence.figures import evidence_figures, records_text, scores_text
@@ -145,6 +146,14 @@ def _tokens(step: StepRow) -> str:
     return f"{step.prompt_tokens or 0} + {step.completion_tokens or 0}"
 
 
+def _found(text: str) -> str:
+    """A line of what a step's query found, escaped; ``duplicate of E<n>`` links E<n>."""
+    head, sep, original = text.partition("duplicate of ")
+    if sep and not head and re.fullmatch(r"E\d+", original):
+        return "duplicate of " + _ev_link(original)
+    return _e(text)
+
+
 def _ev_link(evidence_id: str) -> str:
     """A link to the evidence record ``evidence_id`` of the report."""
     return f'<a href="#ev-{html_attr(evidence_id)}">{_e(evidence_id)}</a>'
@@ -203,7 +212,12 @@ def _overview(h: CaseHistory) -> list[str]:
                                  else "")),
         ("last outcome", last_outcome_text(st.get("last_outcome"), st.get("last_reason"),
                                            none="none")),
-        ("published steps", st["steps"]),
+        ("published steps", st["steps"] if not st.get("step_in_progress") else
+         f"{st['steps']}; step {st['step_in_progress']['step_seq']} "
+         + ("left unfinished" if st["state"] in ("CANCELLED", "STOPPED") else "in progress")
+         + f" ({st['step_in_progress']['stages_recorded']} of "
+         f"{st['step_in_progress']['stages']} stages recorded): the figures below include "
+         "what it recorded so far"),
         ("rejected replies", rejected),
         # What the records amount to: a real model's run of nine duplicate listings,
         # each scored 0, read as a success (a trial).
@@ -286,7 +300,7 @@ def _charts(h: CaseHistory) -> list[str]:
     if any(not s.published or s.outcome not in svg.OUTCOME_COLOURS for s in h.steps):
         legend += (f'<span><i style="background:{svg.UNPUBLISHED_COLOUR}"></i>'
                    "not published</span>")
-    if any(s.action in svg.CLOSING_ACTIONS for s in h.steps):
+    if any(s.action in svg.CLOSING_ACTIONS and s.published for s in h.steps):
         legend += (f'<span><i style="background:{svg.CLOSE_COLOUR};height:3px"></i>'
                    "bar above: closes its hypothesis (finish, reject)</span>")
     out.append(f'<h3>Outcome of each step</h3><div class="chart"><div class="legend">'
@@ -408,7 +422,7 @@ def _timeline(h: CaseHistory) -> list[str]:
         ev = f'<a href="#ev-{html_attr(s.evidence_id)}">{_e(s.evidence_id)}</a>' \
             if s.evidence_id else ""
         if s.found:  # what the query found, beside its record (a reader saw none of it)
-            ev += "".join(f"<br><span class=muted>{_e(f)}</span>" for f in s.found)
+            ev += "".join(f"<br><span class=muted>{_found(f)}</span>" for f in s.found)
         if s.test_request:
             ev += f" test {_e(s.test_request)}"
         note = _e(s.note)

@@ -151,7 +151,7 @@ def timeline(steps: Sequence[Any], hypothesis_ids: Sequence[int]) -> str:
                     f'x="{_f(x(s.seq - 1))}" y="{_f(y)}" width="{_f(max(1.0, cell - gap))}" '
                     f'height="{_f(row_h - 6)}" fill="{fill}"><title>{svg_text(tip)}</title>'
                     "</rect></a>")
-        if s.action in CLOSING_ACTIONS:
+        if s.action in CLOSING_ACTIONS and s.published:  # closed once it is published
             # A finish or reject looked like any query's PROGRESSED cell (a 500-step
             # reader): a dark bar above the cell marks where a hypothesis was closed.
             body.append(f'<rect class="close" x="{_f(x(s.seq - 1))}" y="{_f(y - 3)}" '

@@ -140,11 +140,20 @@ class StoredArtifact:
 
 
 def normalise_url(url: str) -> str:
-    """``url`` with the ``postgres://`` scheme (Heroku's and libpq's spelling, which
-    SQLAlchemy no longer reads: "Can't load plugin: sqlalchemy.dialects:postgres", a new
-    user's trial) written ``postgresql+psycopg://``; any other URL unchanged."""
-    return "postgresql+psycopg://" + url[len("postgres://"):] \
-        if url.startswith("postgres://") else url
+    """``url`` with a PostgreSQL scheme in any case and spelling (``postgres://``,
+    libpq's and Heroku's, which SQLAlchemy no longer reads: "Can't load plugin:
+    sqlalchemy.dialects:postgres", a new user's trial; ``POSTGRES://``; ``postgresql://``)
+    written ``postgresql+psycopg://``, a driver named after ``+`` kept; any other URL
+    unchanged."""
+    scheme, sep, rest = url.partition("://")
+    lowered = scheme.lower()
+    if not sep or not lowered.startswith("postgres"):
+        return url
+    if lowered == "postgres" or lowered.startswith("postgres+"):  # libpq's spelling
+        lowered = "postgresql" + lowered[len("postgres"):]
+    if lowered == "postgresql":  # the one driver the engine pipelines (decision 128)
+        lowered = "postgresql+psycopg"
+    return f"{lowered}://{rest}"
 
 
 def make_engine(url: str) -> Engine:

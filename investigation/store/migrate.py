@@ -19,6 +19,7 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
 
 from investigation.errors import StoreError
+from investigation.text_safety import escape_text
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -137,18 +138,28 @@ def _refuse_going_back(conn: Any, url: str, revision: str) -> None:
                 "(docs/operations.md says what each migration's downgrade drops)")
 
 
+#: Characters of a revision as an error shows it.
+REVISION_SHOWN = 80
+
+
 def _resolve(script: ScriptDirectory, revision: str) -> Any:
     """The migration ``revision`` names (``None`` for ``base``).
 
     Raises:
         StoreError: ``STORE_REVISION_UNKNOWN``.
     """
+    shown = escape_text(repr(revision))[:REVISION_SHOWN]
+    if not revision.strip():
+        raise StoreError("STORE_REVISION_UNKNOWN", "no migration revision given (`investigate "
+                         "db current` shows where the store is)")
     try:
         return script.get_revision(revision)
     except Exception as exc:  # alembic's own message names what is wrong with it
-        said = str(exc).strip() or type(exc).__name__
+        said = escape_text(str(exc).strip() or type(exc).__name__)
+        if revision in said:  # said once, bounded (a hostile revision of 100,000 characters)
+            said = said.replace(revision, "it")
         raise StoreError("STORE_REVISION_UNKNOWN",
-                         f"no migration revision {revision!r}: {said}") from exc
+                         f"no migration revision {shown}: {said[:REVISION_SHOWN * 2]}") from exc
 
 
 def downgrade_target(revision: str) -> str:
@@ -174,6 +185,42 @@ def downgrade_target(revision: str) -> str:
     return str(target.revision)
 
 
+def _refuse_not_past(conn: Any, url: str, script: ScriptDirectory, target: str) -> None:
+    """Refuse a downgrade to ``target`` of a store that is not past it.
+
+    Raises:
+        StoreError: ``STORE_REVISION_UNKNOWN`` for a store at a revision no migration
+        has; ``STORE_NOT_MIGRATED``; ``STORE_REVISION_AHEAD``.
+    """
+    current = _refuse_unknown_current(conn, url)
+    if not current:
+        raise StoreError("STORE_NOT_MIGRATED", f"the store at {url} has no migration "
+                         "version: nothing to take back")
+    older = {r.revision for head in current
+             for r in script.iterate_revisions(head, "base")} - set(current)
+    if target not in older:
+        raise StoreError(
+            "STORE_REVISION_AHEAD",
+            f"the store at {url} is at {', '.join(current)}, not past {target}: `db "
+            f"downgrade` only goes back (`investigate db upgrade --revision {target}` goes "
+            "forward); nothing was changed")
+
+
+def check_downgrade(engine: Engine, revision: str) -> str:
+    """What :func:`downgrade` would refuse, said without changing anything (``db
+    downgrade`` asks it before asking to stop the workers: a hostile trial's ``--revision
+    head`` of a store at head was told to stop the fleet first); the target revision.
+
+    Raises:
+        StoreError: as :func:`downgrade`.
+    """
+    target = downgrade_target(revision)
+    url = engine.url.render_as_string(hide_password=True)
+    with engine.connect() as conn:
+        _refuse_not_past(conn, url, _scripts(), target)
+    return target
+
+
 def downgrade(engine: Engine, revision: str) -> None:
     """Take the database behind ``engine`` back to ``revision`` (Alembic's downgrade of
     each migration past it; docs/operations.md says what each drops). Run with the
@@ -191,18 +238,7 @@ def downgrade(engine: Engine, revision: str) -> None:
     url = engine.url.render_as_string(hide_password=True)
     target = script.get_revision(downgrade_target(revision))
     with engine.connect() as conn:
-        current = _refuse_unknown_current(conn, url)
-        if not current:
-            raise StoreError("STORE_NOT_MIGRATED", f"the store at {url} has no migration "
-                             "version: nothing to take back")
-        older = {r.revision for head in current
-                 for r in script.iterate_revisions(head, "base")} - set(current)
-        if target.revision not in older:
-            raise StoreError(
-                "STORE_REVISION_AHEAD",
-                f"the store at {url} is at {', '.join(current)}, not past "
-                f"{target.revision}: `db downgrade` only goes back (`investigate db "
-                f"upgrade --revision {target.revision}` goes forward); nothing was changed")
+        _refuse_not_past(conn, url, script, target.revision)
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, target.revision)
         conn.commit()

@@ -448,6 +448,8 @@ def test_a_repeated_query_names_the_record_it_repeats(tmp_path: Path) -> None:
     assert (e1["duplicate_of"], e2["duplicate"], e2["duplicate_of"]) == (None, True, "E1")
     assert history.steps[1].found == ["1 item, 0 new", "duplicate of E1"]
     html = render_report(case.store, case.case_id)
+    row2 = html.split('<tr id="step-2">', 1)[1].split("</tr>", 1)[0]
+    assert 'duplicate of <a href="#ev-E1">E1</a>' in row2  # linked in its row too
     record = html.split('id="ev-E2"', 1)[1].split("</details>", 1)[0]
     assert ', duplicate of <a href="#ev-E1">E1</a>' in record
     assert 'The same findings as <a href="#ev-E1">E1</a>.' in record and "<ol" not in record

@@ -8,14 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
-from sqlmodel import select
 
 from investigation.constants import STAGES
 from investigation.loop.checkpoints import _STATE_SINCE_AND_OPEN
 from investigation.loop.investigator import Investigator
-from investigation.loop.stagebase import StepKey
+from investigation.loop.outcome import StepKey
 from investigation.operations import status
-from investigation.store.models import Evidence, Question
 from tests.casekit import make_case
 
 
@@ -51,22 +49,42 @@ def test_the_evidence_section_is_one_statement_that_reads_open_records_by_their_
     case.store.dispose()
 
 
-def test_status_counts_what_published_steps_recorded(tmp_path: Path) -> None:
-    """A step writes its evidence record and its questions before its checkpoint: `status
-    --watch` showed 7 records after 7 steps of which one found nothing (a new user's
-    trial). Until the step publishes, status counts neither."""
+def test_status_says_a_step_is_in_progress_and_that_its_figures_count_it(
+        tmp_path: Path) -> None:
+    """A step writes its record, charges and questions before its checkpoint: `status
+    --watch` showed 3 records after 2 published steps, unexplained (a new user's trial),
+    and counting published steps only left balances and scores of the running step
+    beside them (a hostile re-trial). Every figure counts what was recorded; status and
+    the report say which step is in progress."""
+    from typer.testing import CliRunner
+
+    from investigation.report import render_report
+    from workers.cli import app
+
     case = make_case(tmp_path / "case")
     investigator = Investigator(case.env())
     key = investigator.next_step(case.case_id)
     assert isinstance(key, StepKey)
     for stage in STAGES[:-1]:  # every stage of step 1 but publish
         assert investigator.stages.run(stage, key).halt is None
-    with case.store.session() as s:  # step 1 wrote its record and its question
-        assert len(s.exec(select(Evidence)).all()) == 1
-        assert len(s.exec(select(Question)).all()) == 1
     info = status(case.store, case.case_id)
-    assert (info["steps"], info["evidence_count"], info["open_questions"]) == (0, 0, 0)
-    assert info["evidence"]["records"] == 0, info["evidence"]
+    assert info["steps"] == 0 and info["evidence_count"] == 1, info
+    assert info["step_in_progress"] == {"step_seq": 1, "stages_recorded": 7,
+                                        "stages": len(STAGES)}
+    shown = CliRunner().invoke(app, ["status", case.case_id],
+                               env={"INVESTIGATE_DATABASE_URL": case.store.url})
+    assert shown.exit_code == 0, shown.output
+    assert ("step 1 in progress (7 of 8 stages recorded, not published): the evidence, "
+            "questions and balances above include what it recorded so far") in \
+        " ".join(shown.output.split())
+    html = render_report(case.store, case.case_id)
+    assert "0; step 1 in progress (7 of 8 stages recorded): the figures below include" \
+        in html
+    checked = CliRunner().invoke(app, ["verify", case.case_id],
+                                 env={"INVESTIGATE_DATABASE_URL": case.store.url})
+    assert checked.exit_code == 0, checked.output
+    assert "live rows step 1 in progress, ledgers not read" in " ".join(
+        checked.output.split())  # not "the whole ledger of 0 budget accounts read"
     investigator.stages.run(STAGES[-1], key)
     info = status(case.store, case.case_id)
-    assert (info["steps"], info["evidence_count"], info["open_questions"]) == (1, 1, 1)
+    assert (info["steps"], info["evidence_count"], info["step_in_progress"]) == (1, 1, None)

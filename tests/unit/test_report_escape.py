@@ -112,3 +112,17 @@ def test_zoomed_ticks_are_balances_and_small_refunds_show() -> None:
                        r'y2="([^"]*)"', drawn)
     assert refund is not None
     assert float(refund.group(1)) - float(refund.group(2)) >= MIN_MARK_PX  # drawn upward
+
+
+def test_the_timeline_marks_a_closing_step_once_it_is_published() -> None:
+    """A finish whose step has not published yet was drawn as closing its hypothesis
+    while status still listed it active (a hostile re-trial)."""
+    from investigation.report import svg
+    from investigation.report.history import StepRow
+
+    steps = [StepRow(1, 1, True, "PROGRESSED", None, action="query"),
+             StepRow(2, 1, True, "PROGRESSED", None, action="finish"),
+             StepRow(3, 2, False, None, None, action="reject")]
+    drawn = svg.timeline(steps, [1, 2])
+    assert drawn.count('<rect class="close"') == 1
+    assert 'data-seq="3"' in drawn  # the unpublished step is drawn, unmarked

@@ -14,4 +14,43 @@ def test_a_postgres_scheme_url_is_read_as_psycopg() -> None:
     assert Settings(database_url=url).database_url == \
         "postgresql+psycopg://postgres@127.0.0.1:5432/test"
     assert normalise_url("sqlite:///x.db") == "sqlite:///x.db"
-    assert normalise_url("postgresql://h/db") == "postgresql://h/db"
+    assert normalise_url("postgresql://h/db") == "postgresql+psycopg://h/db"
+
+
+def test_database_urls_in_any_spelling_and_refusals_that_echo_no_password() -> None:
+    """A hostile trial: `POSTGRES://` failed with "Can't load plugin"; a password holding
+    a raw @ printed its tail in the parser's error ("SECRETTAIL@127.0.0.1"); `postgres://`
+    alone reached the local socket's database of the user running the command."""
+    import pytest
+    from pydantic import ValidationError
+
+    from investigation.store.engine import normalise_url
+
+    assert normalise_url("POSTGRES://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert normalise_url("Postgres+psycopg://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert normalise_url("postgresql+psycopg://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert normalise_url("sqlite:///X.db") == "sqlite:///X.db"
+    for url in ("postgres://postgres:hunter2@x:SECRETTAIL@127.0.0.1/db",
+                "postgres://postgres:pa@ss@127.0.0.1:5432/db"):
+        with pytest.raises(ValidationError) as refused:
+            Settings(database_url=url)
+        said = refused.value.errors()[0]["msg"]  # what `investigate` prints
+        assert "SECRETTAIL" not in said and "hunter2" not in said and "ss@" not in said
+        assert "%40" in said
+    with pytest.raises(ValidationError, match="names no database"):
+        Settings(database_url="postgres://")
+    assert Settings(database_url="postgres:///db?host=h&user=u").database_url == \
+        "postgresql+psycopg:///db?host=h&user=u"
+    assert Settings(database_url="postgresql+psycopg://u:p%40ss@h/db").database_url == \
+        "postgresql+psycopg://u:p%40ss@h/db"
+
+
+def test_cases_shows_times_in_utc_to_the_second() -> None:
+    """`cases` showed `updated` without a zone and `retry not before` with microseconds
+    and +00:00, wrapped over two lines (two trials)."""
+    import workers.cli  # noqa: F401  (it registers cli_ops's commands, importing it)
+    from workers.cli_ops import _utc_seconds
+
+    assert _utc_seconds("2026-12-07T13:23:29.092589+00:00") == "2026-12-07T13:23:29Z"
+    assert _utc_seconds("2026-12-07T14:23:29+01:00") == "2026-12-07T13:23:29Z"
+    assert _utc_seconds("not a time") == "not a time"
