@@ -150,30 +150,11 @@ class Settings(BaseSettings):
     @classmethod
     def _database_scheme(cls, value: str | None) -> str | None:
         """``postgres://`` read as ``postgresql+psycopg://`` (``store.normalise_url``); a
-        URL that cannot be read, or a PostgreSQL one naming no database, refused without
-        echoing it (a hostile trial: a password holding ``@`` printed its tail in the
-        parser's error, and ``postgres://`` alone reached the local socket's database of
-        the user running the command)."""
-        from sqlalchemy.engine import make_url
-
+        URL that cannot be used is refused where a store is opened (``STORE_URL_INVALID``,
+        ``store.check_url``), as for the upstream API."""
         from investigation.store.engine import normalise_url
 
-        if value is None:
-            return None
-        value = normalise_url(value)
-        unreadable = ValueError(
-            "not a database URL that can be read (not shown: it may hold a password); in a "
-            "password, write @ as %40, : as %3A, / as %2F and % as %25")
-        try:
-            url = make_url(value)
-        except Exception:
-            raise unreadable from None
-        if "@" in (url.host or "") or "@" in (url.database or ""):
-            raise unreadable
-        if url.get_backend_name() == "postgresql" and not url.database:
-            raise ValueError("the URL names no database: "
-                             "postgresql+psycopg://USER@HOST:5432/DATABASE")
-        return value
+        return None if value is None else normalise_url(value)
 
     @field_validator("broker_url", "redis_url")
     @classmethod
@@ -199,8 +180,18 @@ class Settings(BaseSettings):
 
     @property
     def effective_database_url(self) -> str:
-        """The store URL (SQLite under ``home`` unless set)."""
-        return self.database_url or f"sqlite:///{self.home.resolve() / 'investigation.db'}"
+        """The store URL (SQLite under ``home`` unless set).
+
+        Raises:
+            StoreError: ``STORE_URL_INVALID`` for a set URL that cannot be used
+            (``store.check_url``; never echoed: it may hold a password).
+        """
+        if not self.database_url:
+            return f"sqlite:///{self.home.resolve() / 'investigation.db'}"
+        from investigation.store.engine import check_url
+
+        check_url(self.database_url)
+        return self.database_url
 
     @property
     def effective_redis_url(self) -> str:

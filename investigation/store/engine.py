@@ -21,7 +21,7 @@ from sqlalchemy import String, Table, bindparam, event, exists, func
 from sqlalchemy import select as sa_select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, OperationalError
 from sqlalchemy.pool import QueuePool
 from sqlmodel import Session, col, create_engine, select
@@ -156,6 +156,31 @@ def normalise_url(url: str) -> str:
     return f"{lowered}://{rest}"
 
 
+def check_url(url: str) -> None:
+    """Refuse a database URL that cannot be used, never echoing it (it may hold a
+    password).
+
+    Raises:
+        StoreError: ``STORE_URL_INVALID``: a URL SQLAlchemy cannot read, or whose host or
+        database holds ``@`` (a raw ``@`` in a password: a hostile trial's password tail
+        was printed in the parser's error, and ``pa@ss`` resolved host ``ss@...``); a
+        PostgreSQL URL that names no database (``postgres://`` alone reached the local
+        socket's database of the user running the command).
+    """
+    unreadable = StoreError(
+        "STORE_URL_INVALID", "the store URL cannot be read (not shown: it may hold a "
+        "password); in a password, write @ as %40, : as %3A, / as %2F and % as %25")
+    try:
+        parsed = make_url(url)
+    except Exception:
+        raise unreadable from None
+    if "@" in (parsed.host or "") or "@" in (parsed.database or ""):
+        raise unreadable
+    if parsed.get_backend_name() == "postgresql" and not parsed.database:
+        raise StoreError("STORE_URL_INVALID", "the store URL names no database: "
+                         "postgresql+psycopg://USER@HOST:5432/DATABASE")
+
+
 def make_engine(url: str) -> Engine:
     """Create an engine for ``url`` (``sqlite:///path`` or ``postgresql+psycopg://...``;
     ``postgres://`` is read as ``postgresql+psycopg://``, :func:`normalise_url`).
@@ -165,6 +190,7 @@ def make_engine(url: str) -> Engine:
     forked child, so prefork children never share a connection.
     """
     url = normalise_url(url)
+    check_url(url)
     if url.startswith("sqlite"):
         if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
