@@ -69,6 +69,16 @@ def _case(store: Store, case_id: str) -> CaseRecord:
     return case
 
 
+def step_in_progress_text(going: dict[str, Any], state: str) -> str:
+    """:func:`status`'s ``step_in_progress`` in words (``step 3 in progress (7 of 8
+    stages recorded, not published)``; ``left unfinished`` on a cancelled or stopped
+    case), for ``status`` and the report alike."""
+    ended = state in (CASE_CANCELLED, CASE_STOPPED)
+    return (f"step {going['step_seq']} {'left unfinished' if ended else 'in progress'} "
+            f"({going['stages_recorded']} of {going['stages']} stages recorded, not "
+            "published)")
+
+
 def status(store: Store, case_id: str) -> dict[str, Any]:
     """State, last outcome, blocked reason and since when (``blocked_since``, ISO 8601 UTC,
     while the case is BLOCKED), ``step_in_progress`` (``{"step_seq", "stages_recorded",

@@ -65,9 +65,9 @@ _FLAG_SEQUENCE = re.compile("\U0001f3f4(?:" + "|".join(
 
 def hidden_text(text: str) -> str | None:
     """The first tag or interlinear annotation character of ``text`` outside the flags of
-    England, Scotland and Wales, or ``None``. Text a model reads (an interpretation, a statement, an
-    observation, a model's own notes) may not hold them: each is invisible on every
-    screen and spells a letter to the model."""
+    England, Scotland and Wales, or ``None``. Text a model reads (an interpretation, a
+    statement, an observation, a model's own notes) may not hold them: each is invisible
+    on every screen and spells a letter to the model."""
     if text.isprintable() or _HIDDEN.search(text) is None:
         return None
     match = _HIDDEN.search(_FLAG_SEQUENCE.sub("", text))

@@ -221,10 +221,11 @@ def watch_json(write: Callable[[str], None], store: Store, case_id: str, interva
     """``status --watch --json``: JSON Lines, one object (``status --json``'s, with
     ``next``) at the start and whenever the published step, the state, the last outcome
     or whether a dispatch holds the case changes, until the case stops moving (the last
-    line is its settled status) or ``stop_after_s`` passes. ``write`` takes each line with its newline. Returns the last
-    status. What an upstream system follows a case with (it printed one object and
-    exited while the case still ran, an integrator's trial). A store read that fails is
-    tried again at the next interval, :data:`STORE_RETRIES` times in a row at most.
+    line is its settled status) or ``stop_after_s`` passes. ``write`` takes each line with
+    its newline. Returns the last status. What an upstream system follows a case with (it
+    printed one object and exited while the case still ran, an integrator's trial). A
+    store read that fails is tried again at the next interval, :data:`STORE_RETRIES`
+    times in a row at most.
     ``read``: as :func:`watch`'s (on a fleet shell, the lines carry ``status --json``'s
     ``dispatch_lease_s``, ``dispatch_holder``, ``queue_waiting``, ...).
 

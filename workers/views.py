@@ -17,17 +17,9 @@ from investigation.evidence.figures import evidence_text
 from investigation.guidance import Guidance
 from investigation.llm.spend import cost_text, priced_total
 from investigation.loop.outcome import Outcome, last_outcome_text
+from investigation.operations import step_in_progress_text
 from investigation.text_safety import escape_text
 from workers.health import held_by_a_shell
-
-
-def in_progress_text(going: dict[str, Any], state: str) -> str:
-    """What ``status``'s ``step_in_progress`` means, in one line."""
-    ended = state in ("CANCELLED", "STOPPED")
-    return (f"step {going['step_seq']} {'left unfinished' if ended else 'in progress'} "
-            f"({going['stages_recorded']} of {going['stages']} stages recorded, not "
-            "published): the evidence, questions and balances above include what it "
-            "recorded so far")
 
 
 def counted(n: int, word: str) -> str:
@@ -166,7 +158,8 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
          + f"  published steps {info['steps']}  evidence {info['evidence_count']}"
          + f"  open questions {info['open_questions']}")
     if going := info.get("step_in_progress"):
-        line(in_progress_text(going, info["state"]))
+        line(step_in_progress_text(going, info["state"]) + ": the evidence, questions "
+             "and balances above include what it recorded so far")
     figures = info.get("evidence")
     if figures and figures["records"]:  # what the records amount to (a worthless run)
         line(evidence_text(figures))

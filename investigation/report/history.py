@@ -93,6 +93,9 @@ class StepRow:
     model_answered: bool = False
     new_questions: list[str] = field(default_factory=list)
     new_question_ids: list[str | None] = field(default_factory=list)  # None: not stored
+    #: The hypothesis's first record with the same fingerprint, when the step's own
+    #: record repeats it (its ``found`` line says ``duplicate of`` that record).
+    duplicate_of: str | None = None
     resolved_questions: list[str] = field(default_factory=list)
     test_request: str | None = None
     #: The hypothesis's confidence before this step's decision (its previous decision's,
@@ -306,8 +309,9 @@ def case_history(store: Store, case_id: str, env: str | None = None,
             own.found = [f"{e.item_count} item{'' if e.item_count == 1 else 's'}, "
                          f"{e.new_item_count} new"]
             if e.duplicate:
-                own.found.append("duplicate" if record["duplicate_of"] is None
-                                 else f"duplicate of {record['duplicate_of']}")
+                own.duplicate_of = record["duplicate_of"]
+                own.found.append("duplicate" if own.duplicate_of is None
+                                 else f"duplicate of {own.duplicate_of}")
             if record["warnings"]:
                 own.found.append("warnings: " + ", ".join(map(str, record["warnings"])))
     tests = []

@@ -18,13 +18,13 @@ artifact path holds all of them).
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from investigation.evidence.figures import evidence_figures, records_text, scores_text
 from investigation.llm.spend import cost_text, priced_total
 from investigation.loop.outcome import last_outcome_text
 from investigation.loop.scheduler import FIRST_TURN, HIGHEST_CONFIDENCE
+from investigation.operations import step_in_progress_text
 from investigation.report import svg
 from investigation.report.escape import html_attr, html_text
 from investigation.report.history import CaseHistory, StepRow
@@ -146,12 +146,12 @@ def _tokens(step: StepRow) -> str:
     return f"{step.prompt_tokens or 0} + {step.completion_tokens or 0}"
 
 
-def _found(text: str) -> str:
-    """A line of what a step's query found, escaped; ``duplicate of E<n>`` links E<n>."""
-    head, sep, original = text.partition("duplicate of ")
-    if sep and not head and re.fullmatch(r"E\d+", original):
-        return "duplicate of " + _ev_link(original)
-    return _e(text)
+def _found(step: StepRow, line: str) -> str:
+    """A line of what ``step``'s query found, escaped; its ``duplicate of`` line links
+    the record it repeats."""
+    if step.duplicate_of and line == f"duplicate of {step.duplicate_of}":
+        return "duplicate of " + _ev_link(step.duplicate_of)
+    return _e(line)
 
 
 def _ev_link(evidence_id: str) -> str:
@@ -213,11 +213,8 @@ def _overview(h: CaseHistory) -> list[str]:
         ("last outcome", last_outcome_text(st.get("last_outcome"), st.get("last_reason"),
                                            none="none")),
         ("published steps", st["steps"] if not st.get("step_in_progress") else
-         f"{st['steps']}; step {st['step_in_progress']['step_seq']} "
-         + ("left unfinished" if st["state"] in ("CANCELLED", "STOPPED") else "in progress")
-         + f" ({st['step_in_progress']['stages_recorded']} of "
-         f"{st['step_in_progress']['stages']} stages recorded): the figures below include "
-         "what it recorded so far"),
+         f"{st['steps']}; {step_in_progress_text(st['step_in_progress'], st['state'])}: "
+         "the figures below include what it recorded so far"),
         ("rejected replies", rejected),
         # What the records amount to: a real model's run of nine duplicate listings,
         # each scored 0, read as a success (a trial).
@@ -422,7 +419,7 @@ def _timeline(h: CaseHistory) -> list[str]:
         ev = f'<a href="#ev-{html_attr(s.evidence_id)}">{_e(s.evidence_id)}</a>' \
             if s.evidence_id else ""
         if s.found:  # what the query found, beside its record (a reader saw none of it)
-            ev += "".join(f"<br><span class=muted>{_found(f)}</span>" for f in s.found)
+            ev += "".join(f"<br><span class=muted>{_found(s, f)}</span>" for f in s.found)
         if s.test_request:
             ev += f" test {_e(s.test_request)}"
         note = _e(s.note)

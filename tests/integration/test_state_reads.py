@@ -78,8 +78,8 @@ def test_status_says_a_step_is_in_progress_and_that_its_figures_count_it(
             "questions and balances above include what it recorded so far") in \
         " ".join(shown.output.split())
     html = render_report(case.store, case.case_id)
-    assert "0; step 1 in progress (7 of 8 stages recorded): the figures below include" \
-        in html
+    assert ("0; step 1 in progress (7 of 8 stages recorded, not published): the figures "
+            "below include what it recorded so far") in html
     checked = CliRunner().invoke(app, ["verify", case.case_id],
                                  env={"INVESTIGATE_DATABASE_URL": case.store.url})
     assert checked.exit_code == 0, checked.output
