@@ -16,8 +16,8 @@ connect timeout, a connection reset), ``window_mismatch`` (a valid reply, but
 ``context_window_tokens`` is larger than the window the server says one request has:
 vLLM's ``max_model_len``, llama.cpp's ``n_ctx`` per slot), ``not_sent`` (the request
 never left: the API key's environment variable is not set, or holds whitespace inside the
-key), ``skipped`` (a scripted
-provider).
+key), ``skipped`` (a scripted provider), ``unreadable`` (a scripted provider whose reply
+file cannot be read: ``PROVIDER_SCRIPT_UNREADABLE``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class ProbeResult:
     Attributes:
         provider: its name; kind: ``openai`` or ``scripted``; dialect: canonical dialect.
         verdict: ``ok``, ``invalid_reply``, ``refused``, ``timed_out``, ``unreachable``,
-            ``window_mismatch``, ``not_sent`` or ``skipped``.
+            ``window_mismatch``, ``not_sent``, ``skipped`` or ``unreadable``.
         code: the rejection or provider error code (``None`` when ok).
         detail: the rejection detail or the provider's message (never secrets).
         seconds: wall time of the chat call's HTTP exchange (a configured tokenizer's
@@ -271,13 +271,14 @@ def probe_provider(config: ProviderConfig, env: dict[str, str] | None = None,
     """Send one probe turn to ``config`` (see the module docstring); never raises for what
     the provider does. A scripted provider is not probed; its file must be readable
     (relative paths resolve against ``base_dir``, the providers file's directory), else
-    ``unreachable`` with ``PROVIDER_SCRIPT_UNREADABLE``."""
+    ``unreadable`` with ``PROVIDER_SCRIPT_UNREADABLE`` (it said ``unreachable``, of a file:
+    a trial)."""
     if config.kind != "openai":
         script = Path(base_dir) / (config.path or "")
         try:
             lines = count_script_lines(script)
         except (OSError, ValueError) as exc:
-            return ProbeResult(config.name, config.kind, None, "unreachable",
+            return ProbeResult(config.name, config.kind, None, "unreadable",
                                "PROVIDER_SCRIPT_UNREADABLE",
                                f"cannot read the reply file {script}: "
                                f"{getattr(exc, 'strerror', None) or exc}")

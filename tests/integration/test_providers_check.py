@@ -146,8 +146,14 @@ def test_cli_points_at_the_address_not_the_dialect(tmp_path: Path) -> None:
         assert by_name["web"]["base_url"] == server.base_url
         assert by_name["cut"]["verdict"] == "unreachable", by_name["cut"]
         assert (by_name["replay"]["verdict"], by_name["replay"]["code"]) == (
-            "unreachable", "PROVIDER_SCRIPT_UNREADABLE")
+            "unreadable", "PROVIDER_SCRIPT_UNREADABLE")
         assert "missing.jsonl" in by_name["replay"]["detail"]
+        # A file, not a server: nothing was asked of one (it read "unreachable").
+        from investigation.loop.probe import ProbeResult
+        from workers.cli_providers import _marks
+
+        assert _marks(ProbeResult("replay", "scripted", None, "unreadable",
+                                  "PROVIDER_SCRIPT_UNREADABLE")) == ["-"] * 3
         server.add_faults(Fault(status=501, body=b"<!DOCTYPE HTML>"))
         only_web = tmp_path / "web.toml"
         only_web.write_text(_entry("web", server.base_url))
