@@ -18,37 +18,25 @@ from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar, cast
 
 import typer
-from kombu.exceptions import OperationalError as KombuOperationalError
-from redis.exceptions import RedisError, ResponseError
 from rich.console import Console
-from sqlalchemy.exc import SQLAlchemyError
 
-from investigation import guidance
-from investigation.cases import registration
-from investigation.cases.builder import build_package
-from investigation.cases.reader import PackageReader
-from investigation.cases.registry import load_hypotheses, load_interpretation, register_case
-from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, CASE_BLOCKED, CASE_INVESTIGATING, CASE_PAUSED
 from investigation.errors import InvestigationError, LockBusy
-from investigation.loop.outcome import Outcome
-from investigation.operations import (
-    cancel,
-    export,
-    pause,
-    resume,
-    status,
-    summary_bytes,
-    verify,
-)
-from investigation.store import Store
 from investigation.text_safety import escape_text
-from workers.settings import Settings, load_settings, remembered_providers
-from workers.stores import open_store
 from workers.views import counted, outcome_line, print_guidance, status_view, term
+
+if TYPE_CHECKING:
+    from investigation import guidance
+    from investigation.loop.outcome import Outcome
+    from investigation.store import Store
+    from workers.settings import Settings
+
+# What a command needs is imported in its body: `investigate --help`, `--version` and every
+# shell completion import only Typer, Rich and the modules above (the whole command tree
+# took 1.4-2.3 s to import on a slow machine, at every TAB; tests/unit/test_startup_imports).
 
 #: A case id as the examples show it.
 EXAMPLE_CASE = "case-30bce92d9fa25a72"
@@ -150,8 +138,22 @@ def _controlled(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _loaded(module: str, name: str) -> type[BaseException]:
+    """The exception class ``module.name`` if that module was imported, else a class no
+    exception is an instance of: an error of a library this process never imported cannot
+    have been raised (the CLI imports the store, Redis and kombu only in the commands that
+    use them)."""
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else _NeverRaised
+
+
+class _NeverRaised(BaseException):
+    """Stands for the exception class of a library that was not imported (:func:`_loaded`)."""
+
+
 def _run_controlled(fn: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
+    _setup_logging()
     try:
         return fn(*args, **kwargs)
     except LockBusy as exc:
@@ -160,28 +162,37 @@ def _run_controlled(fn: Callable[..., Any], args: tuple[Any, ...],
     except InvestigationError as exc:
         _fail(exc.code, exc.message + (_where_cases_are() if exc.code == "CASE_NOT_FOUND"
                                        else ""))
-    except SQLAlchemyError as exc:
+    except Exception as exc:
+        _fail_on_library_error(exc)
+        raise
+
+
+def _fail_on_library_error(exc: Exception) -> None:
+    """Turn an error of the store, Redis, the broker, a file or an input into a controlled
+    error (:func:`_fail`); return for anything else (a bug: :func:`_invoke` reports it)."""
+    if isinstance(exc, _loaded("sqlalchemy.exc", "SQLAlchemyError")):
         _fail("STORE_UNAVAILABLE", f"the store cannot be used: {_first_line(exc)}; if "
               "the database server is up, check INVESTIGATE_DATABASE_URL / "
               "INVESTIGATE_HOME")
-    except ResponseError as exc:  # Redis answered: a key of the wrong type, say
+    if isinstance(exc, _loaded("redis.exceptions", "ResponseError")):
+        # Redis answered: a key of the wrong type, say.
         _fail("REDIS_KEY_INVALID", f"Redis refused an operation on a case lock key: "
               f"{_first_line(exc)}; a key under investigation:lock: holds another type "
               "(set by hand?): delete it with redis-cli DEL")
-    except RedisError as exc:
+    if isinstance(exc, _loaded("redis.exceptions", "RedisError")):
         _fail("REDIS_UNAVAILABLE", f"Redis cannot be reached for the case lock: "
               f"{_first_line(exc)}; check INVESTIGATE_REDIS_URL / INVESTIGATE_BROKER_URL")
-    except KombuOperationalError as exc:
+    if isinstance(exc, _loaded("kombu.exceptions", "OperationalError")):
         _fail("BROKER_UNAVAILABLE", f"the broker cannot be reached: {_first_line(exc)}; "
               "check INVESTIGATE_BROKER_URL")
-    except OSError as exc:
+    if isinstance(exc, OSError):
         _fail("IO_ERROR", f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
-    except UnicodeError as exc:  # an argument or file that is not text
+    if isinstance(exc, UnicodeError):  # an argument or file that is not text
         _fail("INPUT_INVALID", f"an argument or input file is not valid text: "
               f"{_first_line(exc)}")
-    except ImportError as exc:  # an install without a module a dependency needs
+    if isinstance(exc, ImportError):  # an install without a module a dependency needs
         _fail("DEPENDENCY_MISSING", _missing_module(exc))
-    except ValueError as exc:  # a URL or setting nothing can use
+    if isinstance(exc, ValueError):  # a URL or setting nothing can use
         _fail("CONFIG_INVALID", f"{type(exc).__name__}: {_first_line(exc)}; check the "
               "INVESTIGATE_* settings")
 
@@ -229,6 +240,8 @@ def _print_error(code: str, message: str, exit_code: int, as_json: bool,
 
 
 def _settings() -> Settings:
+    from workers.settings import load_settings
+
     try:
         return load_settings()
     except InvestigationError:
@@ -241,6 +254,8 @@ def _settings() -> Settings:
 def _where_cases_are() -> str:
     """What a ``CASE_NOT_FOUND`` adds: the store looked in, and how to see or choose one (a
     new user's trial ran a help example's case id against the default store)."""
+    from workers.settings import load_settings
+
     try:
         settings = load_settings()
     except Exception:  # the command reported its settings already, or needs none
@@ -270,6 +285,8 @@ def _currency(settings: Settings) -> str:
     Raises:
         InvestigationError: the policy file is unreadable or invalid.
     """
+    from investigation.config import InvestigationConfig
+
     return (InvestigationConfig.load(settings.config) if settings.config
             else InvestigationConfig()).limits.currency
 
@@ -277,6 +294,8 @@ def _currency(settings: Settings) -> str:
 def _store(settings: Settings, existing: bool = False) -> Store:
     """Open the store (``workers.stores.open_store``), its ``STORE_NOT_FOUND`` naming the
     demo's own store where there is one."""
+    from workers.stores import open_store
+
     return open_store(settings, existing, _demo_store_hint(settings))
 
 
@@ -321,6 +340,8 @@ def case_build(
     The report, source and logs are scanned for secrets (detect-secrets); a finding
     refuses the build (PKG_SECRETS_FOUND, listing file:line: type) unless --allow-secrets.
     """
+    from investigation.cases.builder import build_package
+
     info = build_package(source, report, output, db=db, logs=logs,
                          allow_secrets=allow_secrets)
     for finding in info.secrets:
@@ -370,6 +391,12 @@ def case_add(
     prints the same id; a note on stderr says so, and says when the package limits given
     now differ from those of the first registration.
     """
+    from investigation.cases import registration
+    from investigation.cases.reader import PackageReader
+    from investigation.cases.registry import load_hypotheses, load_interpretation, register_case
+    from investigation.config import InvestigationConfig
+    from investigation.operations import pause, status
+
     if config is not None:
         err.print("note: `case add --config` is deprecated; it only ever set the package "
                   "limits: use --package-limits", highlight=False, markup=False)
@@ -449,6 +476,8 @@ def _case_add_next(settings: Settings, store: Store, case_id: str, state: str) -
     it would go to the default broker, where no fleet's worker may listen). A case that
     cannot run (added again after it completed, blocked or stopped): what ``status`` says.
     """
+    from investigation import guidance
+
     if state not in (CASE_INVESTIGATING, CASE_PAUSED):
         print_guidance(err, case_guidance(settings, store, case_id))
         return
@@ -501,6 +530,8 @@ def dispatch_cmd(
     it; `--take-over` dispatches it now. Stages are fenced in SQL, so a holder that still
     runs records nothing twice.
     """
+    from investigation import guidance
+    from investigation.loop.outcome import Outcome
     from workers import runtime
     from workers.tasks import start_dispatch
 
@@ -568,6 +599,9 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
     dispatched (its code is printed), and when the case locks' Redis or the broker does
     not answer (REDIS_UNAVAILABLE, BROKER_UNAVAILABLE), pending cases or not.
     """
+    from kombu.exceptions import OperationalError as KombuOperationalError
+    from redis.exceptions import RedisError
+
     from workers import runtime
     from workers.health import redis_ping
     from workers.recovery import sweep
@@ -745,6 +779,8 @@ def status_reading(settings: Settings, store: Store,
         InvestigationError: ``CASE_NOT_FOUND``.
         sqlalchemy.exc.SQLAlchemyError: the store cannot be read.
     """
+    from investigation import guidance
+    from investigation.operations import status
     from workers.health import dispatch_fields, dispatch_held, held_by_a_shell
 
     info = status(store, case_id)
@@ -790,6 +826,9 @@ def case_guidance(settings: Settings, store: Store, case_id: str) -> guidance.Gu
     only the embedded one: without INVESTIGATE_BROKER_URL a ``dispatch`` goes to the
     default broker, where no fleet's worker may listen), with INVESTIGATE_PROVIDERS and
     its scripted reply file in the commands."""
+    from investigation import guidance
+    from workers.settings import remembered_providers
+
     used = settings.providers or remembered_providers(settings, case_id)
     shown = _providers_shown(settings) or (_relative(used) if used is not None else None)
     return guidance.for_case(store, case_id,
@@ -827,6 +866,9 @@ def resume_cmd(
 ) -> None:
     """Operator resume of a paused or blocked case (then `run` or `dispatch` it). Exit 1
     when the case is still blocked (it was paused while blocked)."""
+    from investigation import guidance
+    from investigation.operations import resume
+
     settings = _settings()
     store = _store(settings, existing=True)
     try:
@@ -862,6 +904,9 @@ def resume_cmd(
 @_controlled
 def pause_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Pause a case at its next stage boundary (`resume` continues exactly there)."""
+    from investigation import guidance
+    from investigation.operations import pause
+
     info = pause(_store(_settings(), existing=True), case_id)
     if as_json:
         _print_json(info)
@@ -877,6 +922,8 @@ def pause_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
 @_controlled
 def cancel_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Cancel a case for good at its next stage boundary (finished stages are kept)."""
+    from investigation.operations import cancel
+
     info = cancel(_store(_settings(), existing=True), case_id)
     if as_json:
         _print_json(info)
@@ -891,6 +938,8 @@ def summary_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Print summary.md (written when every hypothesis account is terminal). Any control,
     bidirectional or zero-width character a stored summary holds is shown as a visible
     escape; `export` writes the exact bytes."""
+    from investigation.operations import summary_bytes
+
     data = summary_bytes(_store(_settings(), existing=True), case_id)
     if as_json:
         import hashlib
@@ -913,6 +962,8 @@ def export_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Write the case's artifact tree byte for byte (with manifest.json of sha256s)."""
+    from investigation.operations import export
+
     paths = export(_store(_settings(), existing=True), case_id, directory)
     if as_json:
         _print_json({"case_id": case_id, "directory": str(directory), "artifacts": paths})
@@ -927,6 +978,8 @@ def verify_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Check the whole case from the store's bytes: full checkpoint replay, live rows,
     every artifact against its sha256 and the records that name it (exit 0 intact, 2 with
     the first difference)."""
+    from investigation.operations import verify
+
     report = verify(_store(_settings(), existing=True), case_id)
     if as_json:
         out.print_json(json.dumps(report))
@@ -1001,15 +1054,32 @@ def _reflow_help(command: Any) -> None:
         _reflow_help(sub)
 
 
-def main() -> None:
-    """Console entry point."""
+#: Whether :func:`main` left the logging of this process to the command it runs
+#: (:func:`_setup_logging`): ``--help``, ``--version`` and completions load no settings.
+_logging_pending = False
+
+
+def _setup_logging() -> None:
+    """Configure this process's logging from INVESTIGATE_LOG_FORMAT (``workers.logs``),
+    once, when :func:`main` asked for it, before a command's body runs."""
+    global _logging_pending
+    if not _logging_pending:
+        return
+    _logging_pending = False
     from workers import logs
+    from workers.settings import load_settings
 
     try:
         fmt = load_settings().log_format
     except Exception:  # reported as one line by the command that needs the settings
         fmt = "text"
     logs.setup(fmt, logging.WARNING)
+
+
+def main() -> None:
+    """Console entry point."""
+    global _logging_pending
+    _logging_pending = True
     command = typer.main.get_command(app)
     _reflow_help(command)
     sys.exit(_invoke(command, sys.argv[1:]))

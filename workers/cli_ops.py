@@ -16,16 +16,13 @@ import sys
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import redis
 import typer
 from rich.table import Table
 
 from investigation.constants import STEP_ERROR
 from investigation.errors import InvestigationError
-from investigation.loop.outcome import last_outcome_text
-from investigation.overview import CaseRow, list_cases
 from workers.cli import (
     JsonOpt,
     _controlled,
@@ -38,7 +35,10 @@ from workers.cli import (
     example,
     out,
 )
-from workers.settings import Settings, deployment_identity
+
+if TYPE_CHECKING:
+    from investigation.overview import CaseRow
+    from workers.settings import Settings
 
 db_app = typer.Typer(help="The store's schema migrations (Alembic).", no_args_is_help=True,
                      epilog=example("investigate db current", "investigate db upgrade"))
@@ -219,6 +219,8 @@ def _check_runtime(settings: Settings) -> None:
             "INVESTIGATE_REDIS_URL when the broker is not a redis:// one") from None
     # Where this worker's state and locks are: a worker pointed elsewhere than its fleet
     # shows it here (two fleet trials: another database, another lock Redis).
+    from workers.settings import deployment_identity
+
     identity = deployment_identity(settings)
     err.print(f"store {identity['store']}; case locks {identity['locks']}", highlight=False,
               markup=False, soft_wrap=True)
@@ -256,12 +258,14 @@ def _refuse_a_second_beat(settings: Settings) -> None:
     Raises:
         InvestigationError: ``BEAT_RUNNING``.
     """
+    from redis.exceptions import RedisError
+
     from workers.beat import HEARTBEAT_TTL_S
     from workers.health import live_beats
 
     try:
         beats = live_beats(settings, 5.0)
-    except redis.exceptions.RedisError:
+    except RedisError:
         return
     if beats:
         named = ", ".join(f"{b.get('host')} (pid {b.get('pid')}, last seen {b.get('at')})"
@@ -399,6 +403,9 @@ def cases(
     """List cases: state, blocked reason, retry time, last step, balances, and for a
     blocked or paused case, or one whose next step failed on a worker (last outcome
     ERROR), the command that continues it."""
+    from investigation.loop.outcome import last_outcome_text
+    from investigation.overview import list_cases
+
     settings = _settings()
     store = _store(settings, existing=True)
     rows = list_cases(store, state, limit)

@@ -10,16 +10,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from investigation.config import InvestigationConfig, ProvidersConfig
 from investigation.errors import InvestigationError
-from investigation.loop.probe import ProbeResult, probe_provider
 from workers.cli import _controlled, _settings, _term, example, out
+
+if TYPE_CHECKING:
+    from investigation.loop.probe import ProbeResult
 
 providers_app: typer.Typer = typer.Typer(
     help="Check model providers before a case needs them.", no_args_is_help=True,
@@ -42,7 +43,7 @@ def _window_mark(result: ProbeResult) -> str:
 
 
 def _marks(result: ProbeResult) -> list[str]:
-    if result.verdict in ("skipped", "not_sent"):  # nothing was asked of a server
+    if result.verdict in ("skipped", "not_sent", "unreadable"):  # nothing asked of a server
         return ["-", "-", "-"]
     if result.verdict == "refused" and result.code != "PROVIDER_SCHEMA_REFUSED":
         return ["yes", "?", "-"]  # an error answer that does not say the dialect is wrong
@@ -98,6 +99,9 @@ def check(
     A probe is a real chat request: a server that replays scripted replies (the demo's)
     answers it with its next line. Scripted providers are not probed (skipped:
     `investigate replies check` checks their file)."""
+    from investigation.config import InvestigationConfig, ProvidersConfig
+    from investigation.loop.probe import probe_provider
+
     path = providers if providers is not None else _settings().providers
     if path is None:
         raise InvestigationError(

@@ -8,25 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from investigation.cases.reader import PackageReader
-from investigation.config import InvestigationConfig
-from investigation.loop.script_check import (
-    ACCEPTED,
-    DEPENDS,
-    REJECTED_VERDICT,
-    SERVED,
-    UNREADABLE,
-    UNUSED,
-    LineVerdict,
-    check_script,
-)
-from investigation.report import write_report
 from workers.cli import (
     EXAMPLE_CASE,
     CaseArg,
@@ -41,12 +28,16 @@ from workers.cli import (
 )
 from workers.views import term
 
+if TYPE_CHECKING:
+    from investigation.loop.script_check import LineVerdict
+
 replies_app: typer.Typer = typer.Typer(
     help="Scripted reply files (JSON Lines, one model reply per line).", no_args_is_help=True,
     epilog=example(f"investigate replies check replies.jsonl {EXAMPLE_CASE}"))
 
-_STYLE = {ACCEPTED: "green", REJECTED_VERDICT: "bold red", DEPENDS: "yellow",
-          SERVED: "dim", UNUSED: "dim", UNREADABLE: "bold red"}
+#: How ``replies check`` shows each verdict (``investigation.loop.script_check``).
+_STYLE = {"accepted": "green", "rejected": "bold red", "depends": "yellow",
+          "served": "dim", "unused": "dim", "unreadable": "bold red"}
 
 
 @_controlled
@@ -65,6 +56,8 @@ def report_cmd(
     and artifact paths, the questions and the lifecycle. It loads nothing from the
     network (no script, no external file).
     """
+    from investigation.report import write_report
+
     target = output or Path(f"{case_id}.html")
     settings = _settings()
     size = write_report(_store(settings, existing=True), case_id, target,
@@ -88,6 +81,8 @@ def _runs(lines: list[LineVerdict]) -> Iterator[tuple[LineVerdict, LineVerdict |
     ``unused`` lines without notes as ``(first, last)`` (a 15,000-line reply file
     against a finished case printed a 20,000-line table of the same sentence), any other
     as ``(v, None)``. ``--json`` keeps every line."""
+    from investigation.loop.script_check import SERVED, UNUSED
+
     i = 0
     while i < len(lines):
         j = i
@@ -127,6 +122,10 @@ def replies_check(
     model is called and no query runs. Exit 0 when no line the case will read is rejected,
     1 otherwise. docs/reply-contract.md says what can and cannot be checked this way.
     """
+    from investigation.cases.reader import PackageReader
+    from investigation.config import InvestigationConfig
+    from investigation.loop.script_check import SERVED, check_script
+
     settings = _settings()
     config_path = config or settings.config
     cfg = InvestigationConfig.load(config_path) if config_path else None

@@ -12,18 +12,11 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from investigation import guidance, operations
-from investigation.cases.reader import PackageReader
-from investigation.config import InvestigationConfig
 from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
-from investigation.evidence.figures import evidence_text
-from investigation.files import write_atomic
-from investigation.loop.outcome import Outcome
-from investigation.operations import summary_bytes
 from workers.cli import (
     EXAMPLE_CASE,
     CaseArg,
@@ -37,8 +30,11 @@ from workers.cli import (
     example,
     out,
 )
-from workers.settings import Settings, remember_providers
 from workers.views import print_guidance
+
+if TYPE_CHECKING:
+    from investigation.loop.outcome import Outcome
+    from workers.settings import Settings
 
 
 def _run_embedded(settings: Settings, case_id: str, config: Path | None,
@@ -60,13 +56,17 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
             providers: Path | None = None, steps: list[Outcome] | None = None,
             as_json: bool = False, env: str | None = None, report: Path | None = None,
             out_dir: Path | None = None) -> None:
+    from investigation import guidance, operations
+    from investigation.evidence.figures import evidence_text
+    from investigation.files import write_atomic
+
     summary_path = None
     if outcome.outcome == COMPLETED:
         # The summary's exact bytes, where the command can point at them; the whole
         # artifact tree (tens of MB for a long case) only when asked (`export`).
         summary_path = (settings.home / "summaries" / case_id / "summary.md").resolve()
         summary_path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(summary_path, summary_bytes(_store(settings), case_id))
+        write_atomic(summary_path, operations.summary_bytes(_store(settings), case_id))
     g = guidance.for_case(_store(settings, existing=True), case_id, "embedded",
                           str(providers) if providers else None, env,
                           _scripted_file(providers or settings.providers),
@@ -101,6 +101,8 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
 def _scripted_file(providers: Path | None) -> str | None:
     """The reply file of the first scripted provider in ``providers``
     (:func:`investigation.guidance.scripted_file`)."""
+    from investigation import guidance
+
     return guidance.scripted_file(providers)
 
 
@@ -128,6 +130,8 @@ def run(
     balance, the model time and the tokens; piped output gets one line per step. A
     blocked case ends with exit code 1 and what to do next.
     """
+    from workers.settings import remember_providers
+
     settings = _settings()
     # In a shell set up for a fleet, the fleet's case lock too: no worker dispatches the
     # case while this runs, nor this beside a dispatch (decision 158).
@@ -168,6 +172,8 @@ def demo(as_json: JsonOpt = False) -> None:
     migrated, whatever INVESTIGATE_AUTO_MIGRATE says);
     afterwards open its report with the `investigate report` command it prints.
     """
+    from investigation.cases.reader import PackageReader
+    from investigation.config import InvestigationConfig
     from workers import demo as demo_mod
 
     settings = _settings()

@@ -9,14 +9,13 @@ from __future__ import annotations
 import errno
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
 from investigation.errors import InvestigationError
-from investigation.external_tests import AsyncTestCoordinator
 from investigation.files import read_bounded
 from workers.cli import (
     EXAMPLE_CASE,
@@ -29,6 +28,9 @@ from workers.cli import (
     example,
     out,
 )
+
+if TYPE_CHECKING:
+    from investigation.external_tests import AsyncTestCoordinator
 
 tests_app: typer.Typer = typer.Typer(
     help="External tests handed out by investigations.", no_args_is_help=True,
@@ -47,6 +49,8 @@ SecretOpt = Annotated[str, typer.Option(
 
 
 def _coordinator(need_key: bool = False) -> AsyncTestCoordinator:
+    from investigation.external_tests import AsyncTestCoordinator
+
     settings = _settings()
     store = _store(settings, existing=True)
     key = settings.feedback_key_bytes(create=False)

@@ -7,19 +7,20 @@ shows control, bidirectional and zero-width characters as visible escapes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from investigation.evidence.figures import evidence_text
-from investigation.guidance import Guidance
-from investigation.llm.spend import cost_text, priced_total
-from investigation.loop.outcome import Outcome, last_outcome_text
-from investigation.operations import step_in_progress_text
 from investigation.text_safety import escape_text
-from workers.health import held_by_a_shell
+
+if TYPE_CHECKING:
+    from investigation.guidance import Guidance
+    from investigation.loop.outcome import Outcome
+
+# The views of a case's figures import what reads them when they are drawn: the command line
+# imports this module to start (workers.cli).
 
 
 def counted(n: int, word: str) -> str:
@@ -89,6 +90,8 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
     """Model calls, attempts, tokens and cost per hypothesis (``llm.spend``) and, with more
     than one row, their total; or None. Costs are labelled with the currency the case's
     attempts recorded (``model_usage.currency``), else ``currency``."""
+    from investigation.llm.spend import cost_text, priced_total
+
     currency = info.get("model_usage", {}).get("currency") or currency
     usage = info.get("model_usage", {}).get("hypotheses") or []
     if not usage:
@@ -148,6 +151,11 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
                 currency: str = "USD") -> RenderableType:
     """The ``status`` screen: state line, last outcome, why, lifecycle, the accounts
     table, each last rejection, the model usage and (if given) what to do next."""
+    from investigation.evidence.figures import evidence_text
+    from investigation.loop.outcome import last_outcome_text
+    from investigation.operations import step_in_progress_text
+    from workers.health import held_by_a_shell
+
     parts: list[RenderableType] = []
 
     def line(text: str) -> None:
