@@ -654,13 +654,18 @@ def shell_env(environ: Mapping[str, str] | None = None) -> str:
     """The prefix that makes a printed command open the store this process opened:
     ``INVESTIGATE_HOME=<value> `` when ``INVESTIGATE_HOME`` is set (exported or given
     inline on the command line, which a process cannot tell apart) and no
-    ``INVESTIGATE_DATABASE_URL`` overrides it; else ``""``. A database URL is never
-    repeated: it may hold a password."""
+    ``INVESTIGATE_DATABASE_URL`` overrides it, followed by ``INVESTIGATE_DATABASE_URL= ``
+    when that variable is set empty (as the demo's printed commands clear a fleet shell's
+    database: a command pasted without it read the fleet's case of the same id, a new
+    user's trial); else ``""``. A database URL is never repeated: it may hold a
+    password."""
     environ = os.environ if environ is None else environ
     home = environ.get("INVESTIGATE_HOME", "")
-    if not home or environ.get("INVESTIGATE_DATABASE_URL"):
+    url = environ.get("INVESTIGATE_DATABASE_URL")
+    if url:
         return ""
-    return f"INVESTIGATE_HOME={_q(home)} "
+    cleared = "INVESTIGATE_DATABASE_URL= " if url is not None else ""
+    return (f"INVESTIGATE_HOME={_q(home)} " if home else "") + cleared
 
 
 def for_case(store: Store, case_id: str, mode: Mode = None, providers: str | None = None,

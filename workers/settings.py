@@ -56,7 +56,10 @@ MAX_FEEDBACK_KEY_FILE_BYTES = 4096
 class Settings(BaseSettings):
     """Runtime settings of one process (CLI or worker)."""
 
-    model_config = SettingsConfigDict(env_prefix="INVESTIGATE_", extra="ignore")
+    # A variable set empty is unset (`INVESTIGATE_LOG_FORMAT= cmd` broke every command
+    # while an empty INVESTIGATE_DATABASE_URL meant the default store: a new user's trial).
+    model_config = SettingsConfigDict(env_prefix="INVESTIGATE_", extra="ignore",
+                                      env_ignore_empty=True)
 
     home: Path = Path(".investigate")
     database_url: str | None = None
@@ -145,6 +148,12 @@ class Settings(BaseSettings):
                               f"feedback key file {path} holds fewer than 32 bytes")
         _warn_if_others_read(path)
         return key
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _log_format_any_case(cls, value: Any) -> Any:
+        """``JSON`` or ``Text`` as ``json`` or ``text``."""
+        return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("database_url")
     @classmethod

@@ -305,8 +305,7 @@ class _World:
         account = self._account(hid)
         if text is None:
             return _Turn(hid, UNREADABLE, "PROVIDER_SCRIPT_UNREADABLE",
-                         "the line is not UTF-8: the call blocks the case "
-                         "(PROVIDER_CONFIGURATION)", BLOCKED)
+                         "the line is not UTF-8: the call blocks the case", BLOCKED)
         try:
             try:
                 decision = validate_reply(read_reply(text)[0], self.context(hid),
@@ -683,10 +682,17 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
         # read only the exhausted script here, while `run` stopped awaiting feedback).
         waits = bool(verdicts) and any(BLOCK_AWAITING_TEST_FEEDBACK in n
                                        for n in verdicts[-1].notes)
+        # Likewise a last line that blocks the case (a trial read "the case blocks here"
+        # on the line, then only "call 2 finds no reply" here).
+        blocks = next((n.removeprefix("the case blocks here ").split(":")[0]
+                       for n in (verdicts[-1].notes if verdicts else [])
+                       if n.startswith("the case blocks here")), None)
         end = (f"the file ends after {len(lines)} reply line(s): "
                + (f"the case first waits for the test feedback line {verdicts[-1].line} asks "
                   f"for ({BLOCK_AWAITING_TEST_FEEDBACK}); once it is confirmed, "
                   if waits else "")
+               + (f"the case first blocks at line {verdicts[-1].line} {blocks}; once it is "
+                  "resumed, " if blocks else "")
                + f"call {len(lines) + 1} finds no reply and blocks the case "
                "(PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to continue")
     return verdicts, end

@@ -156,10 +156,15 @@ def _resolve(script: ScriptDirectory, revision: str) -> Any:
         return script.get_revision(revision)
     except Exception as exc:  # alembic's own message names what is wrong with it
         said = escape_text(str(exc).strip() or type(exc).__name__)
-        if revision in said:  # said once, bounded (a hostile revision of 100,000 characters)
-            said = said.replace(revision, "it")
+        # The revision is said once, bounded (a hostile revision of 100,000 characters);
+        # "Can't locate revision identified by it" said nothing more (a new user's trial),
+        # the list of revisions does.
+        why = "" if "Can't locate" in said else \
+            f" ({said.replace(revision, 'the one given')[:REVISION_SHOWN * 2]})"
+        known = ", ".join(r.revision for r in reversed(list(script.walk_revisions())))
         raise StoreError("STORE_REVISION_UNKNOWN",
-                         f"no migration revision {shown}: {said[:REVISION_SHOWN * 2]}") from exc
+                         f"no migration revision {shown}{why}; the revisions are base, "
+                         f"{known} (`investigate db current` shows the store's)") from exc
 
 
 def downgrade_target(revision: str) -> str:

@@ -499,7 +499,8 @@ def test_export_refuses_a_non_empty_target(tmp_path: Path) -> None:
     ("INVESTIGATE_FEEDBACK_KEY", "supersecretvalue-31-chars-abcde",
      "FEEDBACK_KEY: Value should have at least 32 characters"),
     ("INVESTIGATE_REDIS_URL", "redis://127.0.0.1:6379/abc", "must be a number"),
-    ("INVESTIGATE_QUEUE", "", "QUEUE"),
+    # (An empty INVESTIGATE_QUEUE is unset now, the default queue: tests/unit/test_settings.)
+    ("INVESTIGATE_LOCK_TTL_S", "1", "LOCK_TTL_S"),
 ])
 def test_broken_settings_are_one_line_and_never_echo_values(
         cli_env: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str,

@@ -121,6 +121,11 @@ def _back_and_forth(url: str, home: Path) -> None:
     assert current_revisions(store.engine) == ["0009_closed_history"]
     unknown = runner.invoke(app, ["db", "downgrade", "--revision", "nope"], env=env)
     assert unknown.exit_code == 2 and "STORE_REVISION_UNKNOWN" in unknown.output
+    # It lists the revisions there are (it said "Can't locate revision identified by 'it'",
+    # and a new user guessed a name: a trial).
+    flat = " ".join(unknown.output.split())
+    assert "the revisions are base, 0001_initial," in flat and f"{head} (" in flat, flat
+    assert "identified by" not in flat
     # A hostile trial's tracebacks and half-done downgrades, each now a code and no change:
     for args, code in ((["db", "downgrade", "--revision", "head"], "STORE_REVISION_AHEAD"),
                        (["db", "downgrade", "--revision", "0009_closed_history"],

@@ -203,6 +203,13 @@ def test_unreadable_line_and_a_duplicate_query(tiny_case: Case) -> None:
     assert "duplicate" in result.lines[2].detail
     assert result.lines[3].verdict == UNREADABLE
     assert result.lines[3].code == "PROVIDER_SCRIPT_UNREADABLE" and not result.ok
+    # The end says the case blocks at that last line first (it said only that call 5
+    # finds no reply, after the line's "the case blocks here": a new user's trial).
+    assert result.end == (
+        "the file ends after 4 reply line(s): the case first blocks at line 4 "
+        "(PROVIDER_CONFIGURATION); once it is resumed, call 5 finds no reply and blocks the "
+        "case (PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to continue"), \
+        result.end
 
 
 def test_cli_replies_check(tiny_case: Case, tmp_path: Path,

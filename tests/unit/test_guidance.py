@@ -306,3 +306,22 @@ def test_credentials_advice_holds_without_api_key_env() -> None:
     g = advise(_facts(blocked_reason="PROVIDER_CREDENTIALS", error_code="PROVIDER_CREDENTIALS",
                       error_message="HTTP 401"), "distributed", "p.toml")
     assert "a provider without api_key_env sends no key: add it" in g.steps[0].text
+
+
+@pytest.mark.parametrize(("environ", "prefix"), [
+    ({}, ""),
+    ({"INVESTIGATE_HOME": "h4/demo"}, "INVESTIGATE_HOME=h4/demo "),
+    ({"INVESTIGATE_HOME": "my home"}, "INVESTIGATE_HOME='my home' "),
+    # Run with a fleet shell's database cleared inline: the printed command clears it too
+    # (without it, a pasted command read the fleet's case of the same id: a new user's trial).
+    ({"INVESTIGATE_HOME": "h4/demo", "INVESTIGATE_DATABASE_URL": ""},
+     "INVESTIGATE_HOME=h4/demo INVESTIGATE_DATABASE_URL= "),
+    ({"INVESTIGATE_DATABASE_URL": ""}, "INVESTIGATE_DATABASE_URL= "),
+    # A database URL names the store by itself, and is never repeated (a password).
+    ({"INVESTIGATE_HOME": "h", "INVESTIGATE_DATABASE_URL": "postgresql://u:pw@db/x"}, ""),
+])
+def test_printed_commands_open_the_store_this_command_opened(environ: dict[str, str],
+                                                             prefix: str) -> None:
+    from investigation.guidance import shell_env
+
+    assert shell_env(environ) == prefix

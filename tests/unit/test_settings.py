@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from workers.settings import Settings
 
 
@@ -55,3 +59,37 @@ def test_cases_shows_times_in_utc_to_the_second() -> None:
     assert _utc_seconds("2026-12-07T13:23:29.092589+00:00") == "2026-12-07T13:23:29Z"
     assert _utc_seconds("2026-12-07T14:23:29+01:00") == "2026-12-07T13:23:29Z"
     assert _utc_seconds("not a time") == "not a time"
+
+
+def test_a_variable_set_empty_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`INVESTIGATE_LOG_FORMAT= investigate status` refused every command (CONFIG_INVALID)
+    while an empty INVESTIGATE_DATABASE_URL meant the default store (a new user's trial):
+    every INVESTIGATE_* variable set empty now means its default."""
+    from workers.settings import load_settings
+
+    for name in ("LOG_FORMAT", "HOME", "DATABASE_URL", "REDIS_URL", "PROVIDERS", "CONFIG",
+                 "LOCK_TTL_S", "QUEUE"):
+        monkeypatch.setenv(f"INVESTIGATE_{name}", "")
+    settings = load_settings()
+    assert (settings.log_format, settings.home, settings.database_url, settings.redis_url,
+            settings.providers, settings.config, settings.lock_ttl_s, settings.queue) == (
+        "text", Path(".investigate"), None, None, None, None, 300, "cases")
+
+
+@pytest.mark.parametrize(("given", "read"), [("JSON", "json"), (" json ", "json"),
+                                             ("Text", "text")])
+def test_the_log_format_in_any_case(monkeypatch: pytest.MonkeyPatch, given: str,
+                                    read: str) -> None:
+    from workers.settings import load_settings
+
+    monkeypatch.setenv("INVESTIGATE_LOG_FORMAT", given)
+    assert load_settings().log_format == read
+
+
+def test_an_unknown_log_format_is_still_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from investigation.errors import InvestigationError
+    from workers.settings import load_settings
+
+    monkeypatch.setenv("INVESTIGATE_LOG_FORMAT", "xml")
+    with pytest.raises(InvestigationError, match="INVESTIGATE_LOG_FORMAT"):
+        load_settings()
