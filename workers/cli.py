@@ -363,7 +363,8 @@ def case_build(
     "--package-limits limits.toml"))
 @_controlled
 def case_add(
-    package: Annotated[Path, typer.Argument(help="the package ZIP `case build` wrote")],
+    package: Annotated[Path, typer.Argument(
+        metavar="PACKAGE", help="the package ZIP `case build` wrote")],
     interpretation: Annotated[Path, typer.Option(
         "--interpretation", help='the accepted interpretation: a JSON object with at least '
         '"summary"')],

@@ -316,8 +316,17 @@ class StoreCollector(Collector):
 
 
 def serve_store(collector: StoreCollector, port: int, address: str = "127.0.0.1") -> Any:
-    """Serve ``collector`` on ``address:port`` (0: a free port); returns the WSGI server."""
+    """Serve ``collector`` on ``address:port`` (0: a free port); returns the WSGI server.
+
+    Raises:
+        OSError: the address and port cannot be served (named in the message: `metrics`
+            said only "Address already in use", a new user's trial).
+    """
     registry = CollectorRegistry()
     registry.register(collector)
-    server, _thread = start_wsgi_server(port, address, registry)
+    try:
+        server, _thread = start_wsgi_server(port, address, registry)
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        raise OSError(exc.errno, f"cannot serve metrics on {address}:{port}: "
+                                 f"{exc.strerror or exc}") from exc
     return server

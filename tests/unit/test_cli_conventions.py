@@ -83,6 +83,15 @@ def test_every_option_and_argument_has_help() -> None:
     assert missing == []
 
 
+def test_every_argument_is_named_in_capitals() -> None:
+    """Usage lines name arguments as CASE, DIR, FILE (`case add` showed `{package}`: a new
+    user's trial)."""
+    lower = [f"investigate {path}: {param.name}" for path, cmd in _commands()
+             for param in cmd.params if param.param_type_name == "argument"
+             and not (param.metavar or "").isupper()]
+    assert lower == []
+
+
 def test_examples_use_existing_options() -> None:
     root = typer.main.get_command(app)
     bad = []

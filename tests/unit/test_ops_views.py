@@ -183,3 +183,18 @@ def test_the_store_gauges_say_when_the_store_is_down(tmp_path: Path) -> None:
     text = generate_latest(registry).decode()
     assert "investigation_store_up 0.0" in text and "investigation_cases" not in text
     assert case.case_id  # the fixture case is untouched
+
+
+def test_a_taken_metrics_port_is_named(tiny_case: Case) -> None:
+    """`investigate metrics --port P` on a taken port said only "Address already in use"
+    (a new user's trial)."""
+    import socket
+
+    from workers.metrics import serve_store
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}: "):
+            serve_store(StoreCollector(tiny_case.store), port)
