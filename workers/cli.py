@@ -153,8 +153,8 @@ class _NeverRaised(BaseException):
 
 def _run_controlled(fn: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-    _setup_logging()
     try:
+        _setup_logging()
         return fn(*args, **kwargs)
     except LockBusy as exc:
         _fail(LockBusy.code, str(exc).removeprefix(f"{LockBusy.code}: "), exit_code=3,
