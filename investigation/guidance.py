@@ -650,22 +650,39 @@ def scripted_file(providers: str | Path | None) -> str | None:
     return None
 
 
-def shell_env(environ: Mapping[str, str] | None = None) -> str:
-    """The prefix that makes a printed command open the store this process opened:
-    ``INVESTIGATE_HOME=<value> `` when ``INVESTIGATE_HOME`` is set (exported or given
-    inline on the command line, which a process cannot tell apart) and no
-    ``INVESTIGATE_DATABASE_URL`` overrides it, followed by ``INVESTIGATE_DATABASE_URL= ``
-    when that variable is set empty (as the demo's printed commands clear a fleet shell's
-    database: a command pasted without it read the fleet's case of the same id, a new
-    user's trial); else ``""``. A database URL is never repeated: it may hold a
-    password."""
+def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The environment variable ``name`` as the settings read it: in any letter case
+    (pydantic-settings matches names case-insensitively; ``investigate_home=dir`` opens
+    ``dir``), the exact spelling first; ``None`` when unset."""
     environ = os.environ if environ is None else environ
-    home = environ.get("INVESTIGATE_HOME", "")
-    url = environ.get("INVESTIGATE_DATABASE_URL")
-    if url:
+    if name in environ:
+        return environ[name]
+    return next((v for k, v in environ.items() if k.upper() == name), None)
+
+
+def shell_env(environ: Mapping[str, str] | None = None) -> str:
+    """The prefix that makes a printed command open the store this process opened, in a
+    shell whose own settings may name another (a fleet's exported database, another
+    home).
+
+    * ``INVESTIGATE_HOME=<value> `` when ``INVESTIGATE_HOME`` is set (exported or given
+      inline on the command line, which a process cannot tell apart), or ``INVESTIGATE_HOME=
+      `` when it was set empty (the default home: a hostile trial's pasted command opened
+      the home its shell exported);
+    * then ``INVESTIGATE_DATABASE_URL= `` when that variable is set empty (as the demo's
+      printed commands clear a fleet shell's database: a command pasted without it read
+      the fleet's case of the same id, a new user's trial);
+    * nothing when ``INVESTIGATE_DATABASE_URL`` names a store: the store is the URL's,
+      and a database URL is never repeated (it may hold a password).
+
+    Names are read in any letter case, as the settings read them (:func:`env_value`).
+    """
+    home = env_value("INVESTIGATE_HOME", environ)
+    url = env_value("INVESTIGATE_DATABASE_URL", environ)
+    if url and url.strip():
         return ""
-    cleared = "INVESTIGATE_DATABASE_URL= " if url is not None else ""
-    return (f"INVESTIGATE_HOME={_q(home)} " if home else "") + cleared
+    return ("" if home is None else f"INVESTIGATE_HOME={_q(home) if home else ''} ") \
+        + ("" if url is None else "INVESTIGATE_DATABASE_URL= ")
 
 
 def for_case(store: Store, case_id: str, mode: Mode = None, providers: str | None = None,

@@ -186,10 +186,30 @@ def url_for_display(url: str) -> str:
         return "(a URL that cannot be parsed)"
     prefix = f"{parts.scheme}://{parts.netloc}"
     if not url.startswith(prefix) or "@" in url[len(prefix):]:
-        return f"{parts.scheme}://***" if "@" in url else url
+        return f"{parts.scheme}://***" if "@" in url else _masked_query(url)
+    rest = _masked_query(url[len(prefix):])
     userinfo, at, host = parts.netloc.rpartition("@")
     if not at:
-        return url
+        return prefix + rest
     user, colon, _password = userinfo.partition(":")
     shown = f"{user}:***@{host}" if colon else f"{user}@{host}"
-    return f"{parts.scheme}://{shown}{url[len(prefix):]}"
+    return f"{parts.scheme}://{shown}{rest}"
+
+
+#: Query parameters of a URL whose values are secrets (libpq takes ``?password=``).
+_SECRET_PARAMETER = re.compile(r"pass|secret|token|credential|api_?key", re.IGNORECASE)
+
+
+def _masked_query(tail: str) -> str:
+    """The path, query and fragment of a URL with the value of every query parameter named
+    like a secret shown as ``***`` (a hostile trial's ``?password=`` was echoed by
+    `status`, `health` and `db`)."""
+    path, mark, query = tail.partition("?")
+    if not mark:
+        return tail
+    query, hash_mark, fragment = query.partition("#")
+    pairs = []
+    for pair in query.split("&"):
+        name, eq, _value = pair.partition("=")
+        pairs.append(f"{name}=***" if eq and _SECRET_PARAMETER.search(name) else pair)
+    return f"{path}?{'&'.join(pairs)}{hash_mark}{fragment}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import os
 import shlex
 import sys
 from collections.abc import Callable, Iterable
@@ -244,7 +243,7 @@ def _settings() -> Settings:
 
     try:
         return load_settings()
-    except InvestigationError:
+    except (InvestigationError, ImportError):  # ImportError: DEPENDENCY_MISSING, not a setting
         raise
     except Exception as exc:
         raise InvestigationError("CONFIG_INVALID",
@@ -260,7 +259,9 @@ def _where_cases_are() -> str:
         settings = load_settings()
     except Exception:  # the command reported its settings already, or needs none
         return ""
-    where = settings.effective_database_url.split("@")[-1]
+    from investigation.text_safety import url_for_display
+
+    where = url_for_display(settings.effective_database_url).split("@")[-1]
     return (f" in {where}; `investigate cases` lists the cases there, and INVESTIGATE_HOME or "
             f"INVESTIGATE_DATABASE_URL chooses another store{_demo_store_hint(settings)}")
 
@@ -268,7 +269,9 @@ def _where_cases_are() -> str:
 def _demo_store_hint(settings: Settings) -> str:
     """A hint to the demo's own store, when it exists and is not the store in use."""
     demo = settings.home / "demo"
-    if not (demo / "investigation.db").is_file() or os.environ.get("INVESTIGATE_DATABASE_URL"):
+    from investigation.guidance import env_value
+
+    if not (demo / "investigation.db").is_file() or env_value("INVESTIGATE_DATABASE_URL"):
         return ""
     try:
         shown = str(demo.resolve().relative_to(Path.cwd().resolve()))
@@ -482,14 +485,18 @@ def _case_add_next(settings: Settings, store: Store, case_id: str, state: str) -
     if state not in (CASE_INVESTIGATING, CASE_PAUSED):
         print_guidance(err, case_guidance(settings, store, case_id))
         return
-    resume_first = f"  $ investigate resume {case_id}\n" if state == CASE_PAUSED else ""
+    # The store's prefix, as every printed command carries it (a hostile trial's case add
+    # printed bare commands for a case in INVESTIGATE_HOME=dir).
+    env = guidance.shell_env()
+    resume_first = f"  $ {env}investigate resume {case_id}\n" if state == CASE_PAUSED else ""
     providers = _providers_shown(settings)
     replies = guidance.scripted_file(settings.providers) if providers else "replies.jsonl"
-    check = f"  $ investigate replies check {shlex.quote(replies)} {case_id}\n" if replies else ""
+    check = (f"  $ {env}investigate replies check {shlex.quote(replies)} {case_id}\n"
+             if replies else "")
     fleet = _broker_configured(settings)
     # Without INVESTIGATE_PROVIDERS the replies may come from a model server (a user of a
     # real model read the reply-file check as a step of theirs).
-    run = (f"  $ investigate run {case_id} --providers "
+    run = (f"  $ {env}investigate run {case_id} --providers "
            f"{shlex.quote(providers) if providers else 'providers.toml'}")
     # In a fleet's shell the workers come first (a fleet trial was offered `run` first).
     err.print("next: " + ("check a scripted reply file against it (if the replies come from "
@@ -499,7 +506,7 @@ def _case_add_next(settings: Settings, store: Store, case_id: str, state: str) -
               + ("send it to the workers (beat's recovery sweep also starts it), or run it "
                  "here" if fleet else "run it here")
               + f"\n{check}{resume_first}"
-              + (f"  $ investigate dispatch {case_id}\n{run}" if fleet else
+              + (f"  $ {env}investigate dispatch {case_id}\n{run}" if fleet else
                  f"{run}\n(a fleet's workers take it from `investigate dispatch` with the "
                  "fleet's INVESTIGATE_BROKER_URL and INVESTIGATE_DATABASE_URL set; "
                  "docs/operations.md)"),

@@ -66,6 +66,12 @@ def register(app: typer.Typer) -> None:
 # -- processes ----------------------------------------------------------------------------
 
 
+def _url_host(address: str) -> str:
+    """``address`` as a URL's host: an IPv6 address in brackets (``http://::1:9808`` is
+    no URL: a hostile trial)."""
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
 def _node_name(name: str) -> str:
     from celery.utils.nodenames import default_nodename, host_format
 
@@ -110,7 +116,8 @@ def worker(
         "--beat", help="also run the periodic recovery sweep (start exactly one such worker, "
         "or run `investigate beat` instead)")] = False,
     metrics_port: Annotated[int | None, typer.Option(
-        "--metrics-port", min=0, help="serve Prometheus metrics on this port (0: a free one)"
+        "--metrics-port", min=0, max=65535,
+        help="serve Prometheus metrics on this port (0: a free one)"
     )] = None,
     metrics_address: Annotated[str, typer.Option(
         "--metrics-address", help="the address the metrics endpoint binds")] = "127.0.0.1",
@@ -160,7 +167,8 @@ def worker(
         safe = re.sub(r"[^A-Za-z0-9_.@-]", "_", nodename)
         metrics.enable_multiprocess((settings.home / "metrics" / safe).resolve())
         port = metrics.serve_worker(metrics_port, metrics_address)
-        err.print(f"metrics on http://{metrics_address}:{port}/metrics", highlight=False)
+        err.print(f"metrics on http://{_url_host(metrics_address)}:{port}/metrics",
+                  highlight=False)
     from workers.celery_app import app as celery_app
     from workers.celery_app import configure
 
@@ -294,7 +302,8 @@ def _login_entry(entry: str) -> bool:
 
 @_controlled
 def flower(
-    port: Annotated[int, typer.Option("--port", help="the TCP port Flower listens on")] = 5555,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535,
+                                      help="the TCP port Flower listens on")] = 5555,
     address: Annotated[str, typer.Option(
         "--address", help="listen address; anything but loopback needs a login")] = "127.0.0.1",
     basic_auth: Annotated[list[str] | None, typer.Option(
@@ -346,7 +355,8 @@ def flower(
 @_controlled
 def metrics_cmd(
     port: Annotated[int, typer.Option(
-        "--port", min=0, help="the TCP port of the metrics endpoint (0: a free port)")] = 9808,
+        "--port", min=0, max=65535,
+        help="the TCP port of the metrics endpoint (0: a free port)")] = 9808,
     address: Annotated[str, typer.Option(
         "--address", help="the address the metrics endpoint binds")] = "127.0.0.1",
 ) -> None:
@@ -361,7 +371,8 @@ def metrics_cmd(
         store, lambda: health_mod.queue_depth(settings.broker_url, settings.queue),
         settings.queue)
     server = serve_store(collector, port, address)
-    err.print(f"metrics on http://{address}:{server.server_port}/metrics", highlight=False)
+    err.print(f"metrics on http://{_url_host(address)}:{server.server_port}/metrics",
+              highlight=False)
     with contextlib.suppress(KeyboardInterrupt):
         threading.Event().wait()
 

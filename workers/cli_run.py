@@ -7,7 +7,6 @@ blocked, 2 a controlled error, 3 ``LockBusy``, 4 ``run --no-wait`` at a backoff)
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 import sys
@@ -157,8 +156,10 @@ def _home_env(home: Path) -> str:
     When the shell sets ``INVESTIGATE_DATABASE_URL`` (a fleet's database), the prefix
     clears it too: that URL would take precedence over the SQLite store in ``home``, and
     the printed command would read another store's case of the same id."""
+    from investigation.guidance import env_value
+
     prefix = f"INVESTIGATE_HOME={shlex.quote(_shown(home))} "
-    if os.environ.get("INVESTIGATE_DATABASE_URL"):
+    if (env_value("INVESTIGATE_DATABASE_URL") or "").strip():
         prefix += "INVESTIGATE_DATABASE_URL= "
     return prefix
 

@@ -152,8 +152,11 @@ class Settings(BaseSettings):
     @field_validator("log_format", mode="before")
     @classmethod
     def _log_format_any_case(cls, value: Any) -> Any:
-        """``JSON`` or ``Text`` as ``json`` or ``text``."""
-        return value.strip().lower() if isinstance(value, str) else value
+        """``JSON`` or ``Text`` as ``json`` or ``text``; white space alone as unset, as an
+        empty value is (a tab refused every command: a hostile trial)."""
+        if not isinstance(value, str):
+            return value
+        return value.strip().lower() or "text"
 
     @field_validator("database_url")
     @classmethod

@@ -35,6 +35,7 @@ feedback, when it comes, is new information.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -684,9 +685,9 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
                                        for n in verdicts[-1].notes)
         # Likewise a last line that blocks the case (a trial read "the case blocks here"
         # on the line, then only "call 2 finds no reply" here).
-        blocks = next((n.removeprefix("the case blocks here ").split(":")[0]
-                       for n in (verdicts[-1].notes if verdicts else [])
-                       if n.startswith("the case blocks here")), None)
+        blocks = next((m.group(0) for n in (verdicts[-1].notes if verdicts else [])
+                       if (m := _BLOCK_NOTE.match(n)) is not None), None)
+        blocks = blocks and blocks.removeprefix("the case blocks here ")
         end = (f"the file ends after {len(lines)} reply line(s): "
                + (f"the case first waits for the test feedback line {verdicts[-1].line} asks "
                   f"for ({BLOCK_AWAITING_TEST_FEEDBACK}); once it is confirmed, "
@@ -696,6 +697,10 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
                + f"call {len(lines) + 1} finds no reply and blocks the case "
                "(PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to continue")
     return verdicts, end
+
+
+#: A verdict's note that the case blocks at its line, with the reason in parentheses.
+_BLOCK_NOTE = re.compile(r"the case blocks here \([A-Z_]+\)")
 
 
 def _line_after(lines: list[tuple[int, bytes]], call: int) -> str:

@@ -19,7 +19,7 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
 
 from investigation.errors import StoreError
-from investigation.text_safety import escape_text
+from investigation.text_safety import escape_text, url_for_display
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -45,7 +45,7 @@ def upgrade(engine: Engine, revision: str = "head", *, allow_other_tables: bool 
     """
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    url = engine.url.render_as_string(hide_password=True)
+    url = url_for_display(engine.url.render_as_string(hide_password=True))
     with engine.connect() as conn:
         tables = set(inspect(conn).get_table_names())
         if "alembic_version" not in tables and tables & ENGINE_TABLES:
@@ -130,12 +130,21 @@ def _refuse_going_back(conn: Any, url: str, revision: str) -> None:
     for current in current_heads:
         older = {r.revision for r in script.iterate_revisions(current, "base")}
         if target.revision != current and target.revision in older:
+            # Only as far back as `db downgrade` goes (it advised a downgrade to
+            # 0001_initial that `db downgrade` refuses: a hostile trial).
+            reachable = target.revision in {
+                r.revision for r in script.iterate_revisions("heads", OLDEST_DOWNGRADE)
+            } | {OLDEST_DOWNGRADE}
+            back = (f"To go back, stop the workers, take a backup and run `investigate db "
+                    f"downgrade --revision {target.revision}` (docs/operations.md says what "
+                    "each migration's downgrade drops)" if reachable else
+                    f"`db downgrade` goes back to {OLDEST_DOWNGRADE} at the oldest: for a "
+                    f"store at {target.revision}, restore a backup taken before the upgrade "
+                    "(docs/operations.md, Migrations)")
             raise StoreError(
                 "STORE_REVISION_BEHIND",
                 f"the store at {url} is at {current}, past {target.revision}: `db upgrade` "
-                "only goes forward. To go back, stop the workers, take a backup and run "
-                f"`investigate db downgrade --revision {target.revision}` "
-                "(docs/operations.md says what each migration's downgrade drops)")
+                f"only goes forward. {back}")
 
 
 #: Characters of a revision as an error shows it.
@@ -220,7 +229,7 @@ def check_downgrade(engine: Engine, revision: str) -> str:
         StoreError: as :func:`downgrade`.
     """
     target = downgrade_target(revision)
-    url = engine.url.render_as_string(hide_password=True)
+    url = url_for_display(engine.url.render_as_string(hide_password=True))
     with engine.connect() as conn:
         _refuse_not_past(conn, url, _scripts(), target)
     return target
@@ -240,7 +249,7 @@ def downgrade(engine: Engine, revision: str) -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     script = _scripts()
-    url = engine.url.render_as_string(hide_password=True)
+    url = url_for_display(engine.url.render_as_string(hide_password=True))
     target = script.get_revision(downgrade_target(revision))
     with engine.connect() as conn:
         _refuse_not_past(conn, url, script, target.revision)
@@ -285,7 +294,7 @@ def require_head(engine: Engine) -> None:
     if current != [head]:
         raise StoreError(
             "STORE_NOT_MIGRATED",
-            f"the store at {engine.url.render_as_string(hide_password=True)} is at migration "
+            f"the store at {url_for_display(engine.url.render_as_string(hide_password=True))} is at migration "
             f"{', '.join(current) or 'none'}, this engine needs {head}; run "
             "`investigate db upgrade` (or set INVESTIGATE_AUTO_MIGRATE=true)")
 

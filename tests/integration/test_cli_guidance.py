@@ -269,10 +269,13 @@ def test_repeated_case_add_says_what_it_did(tmp_path: Path,
     # stdout is the bare id (for `$(investigate case add ...)`); what to do next is on stderr.
     assert first.stdout == case_id + "\n"
     # No broker configured: no `dispatch` (it would go to the default broker), a pointer.
+    # Each command opens the store the case was added to (a hostile trial's were bare).
+    env = f"INVESTIGATE_HOME={tmp_path / 'home'} "
     assert first.stderr.splitlines()[1:3] == [
-        f"  $ investigate replies check replies.jsonl {case_id}",
-        f"  $ investigate run {case_id} --providers providers.toml"]
-    assert not any(ln.startswith("  $ investigate dispatch") for ln in first.stderr.splitlines())
+        f"  $ {env}investigate replies check replies.jsonl {case_id}",
+        f"  $ {env}investigate run {case_id} --providers providers.toml"]
+    assert not any(ln.startswith("  $ ") and "investigate dispatch" in ln
+                   for ln in first.stderr.splitlines())
     assert "INVESTIGATE_BROKER_URL" in first.stderr.splitlines()[-1]
     again = invoke(*args, "--package-limits", str(tmp_path / "limits.toml"))
     assert again.exit_code == 0 and again.stdout.strip() == case_id
@@ -302,15 +305,16 @@ def test_case_add_names_the_providers_file_in_use(tmp_path: Path,
     first = invoke(*args)
     assert first.exit_code == 0, first.output
     case_id = first.stdout.strip()
+    env = f"INVESTIGATE_HOME={tmp_path / 'home'} "
     assert first.stderr.splitlines()[-2:] == [  # a fleet's shell: the workers first
-        f"  $ investigate dispatch {case_id}",
-        f"  $ investigate run {case_id} --providers {http}"]
+        f"  $ {env}investigate dispatch {case_id}",
+        f"  $ {env}investigate run {case_id} --providers {http}"]
     assert "replies check" not in first.stderr and "scripted reply" not in first.stderr
     monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(scripted))
     again = invoke(*args)
     assert again.exit_code == 0, again.output
-    assert f"  $ investigate replies check r.jsonl {case_id}" in again.stderr.splitlines()
-    assert f"  $ investigate run {case_id} --providers {scripted}" in again.stderr
+    assert f"  $ {env}investigate replies check r.jsonl {case_id}" in again.stderr.splitlines()
+    assert f"  $ {env}investigate run {case_id} --providers {scripted}" in again.stderr
 
 
 def test_case_add_of_a_completed_case_says_it_is_complete(tmp_path: Path,
@@ -439,7 +443,8 @@ def test_case_add_paused_waits_for_resume(tmp_path: Path,
                    "--hypotheses", str(tmp_path / "h.json"), "--paused")
     assert added.exit_code == 0, added.output
     case_id = added.stdout.strip()
-    assert f"  $ investigate resume {case_id}" in added.stderr.splitlines()
+    assert f"  $ INVESTIGATE_HOME={tmp_path / 'home'} investigate resume {case_id}" in \
+        added.stderr.splitlines()
     info = json.loads(invoke("status", case_id, "--json").stdout)
     assert info["state"] == "PAUSED"
     from investigation.store import Store

@@ -112,6 +112,12 @@ def _back_and_forth(url: str, home: Path) -> None:
                            env=env)
     assert behind.exit_code == 2 and "STORE_REVISION_BEHIND" in behind.output, behind.output
     assert "db downgrade --revision 0010_entry_function" in " ".join(behind.output.split())
+    # Past what `db downgrade` takes back, a backup, not a downgrade it refuses (a hostile
+    # trial was advised `db downgrade --revision 0001_initial`).
+    early = runner.invoke(app, ["db", "upgrade", "--revision", "0001_initial"], env=env)
+    flat = " ".join(early.output.split())
+    assert early.exit_code == 2 and "STORE_REVISION_BEHIND" in flat, flat
+    assert "db downgrade --revision" not in flat and "restore a backup" in flat, flat
     assert current_revisions(store.engine) == [head]  # nothing changed
     back = runner.invoke(app, ["db", "downgrade", "--revision", "0009_closed_history",
                                "--json"], env=env)

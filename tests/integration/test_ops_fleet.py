@@ -518,6 +518,11 @@ def test_flower_refuses_to_listen_beyond_loopback_without_a_login(tmp_path: Path
     ("redis://:pa/ss@h:1/0", "redis://***", "pa/ss"),  # an @ past the authority
     ("sqlite:////tmp/x.db", "sqlite:////tmp/x.db", None),
     ("redis://h:6379/0", "redis://h:6379/0", None),
+    # libpq's password parameter (a hostile trial: status, health and db echoed it).
+    ("postgresql+psycopg://postgres@h:5432/a?password=s3cretpw&connect_timeout=3",
+     "postgresql+psycopg://postgres@h:5432/a?password=***&connect_timeout=3", "s3cretpw"),
+    ("postgresql://u:pw7@h/a?sslmode=require&sslpassword=k3y#x",
+     "postgresql://u:***@h/a?sslmode=require&sslpassword=***#x", "k3y"),
 ])
 def test_health_never_shows_a_password(url: str, shown: str, secret: str | None) -> None:
     from investigation.text_safety import url_for_display

@@ -210,6 +210,13 @@ def test_unreadable_line_and_a_duplicate_query(tiny_case: Case) -> None:
         "(PROVIDER_CONFIGURATION); once it is resumed, call 5 finds no reply and blocks the "
         "case (PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to continue"), \
         result.end
+    # A last line rejected until the case blocks (INVALID_LLM_RESPONSES): the reason alone,
+    # not half of the line's own note (a hostile trial read the resume advice twice).
+    tiny_case.replies_path.write_text(first + "\n" + '{"bogus": true}\n' * 3)
+    ends = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path).end
+    assert ends.startswith("the file ends after 4 reply line(s): the case first blocks at "
+                           "line 4 (INVALID_LLM_RESPONSES); once it is resumed, call 5 finds "
+                           "no reply"), ends
 
 
 def test_cli_replies_check(tiny_case: Case, tmp_path: Path,

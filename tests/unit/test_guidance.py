@@ -319,6 +319,14 @@ def test_credentials_advice_holds_without_api_key_env() -> None:
     ({"INVESTIGATE_DATABASE_URL": ""}, "INVESTIGATE_DATABASE_URL= "),
     # A database URL names the store by itself, and is never repeated (a password).
     ({"INVESTIGATE_HOME": "h", "INVESTIGATE_DATABASE_URL": "postgresql://u:pw@db/x"}, ""),
+    # A home set empty is the default home: a shell that exports another one must not
+    # open it (a hostile trial).
+    ({"INVESTIGATE_HOME": ""}, "INVESTIGATE_HOME= "),
+    ({"INVESTIGATE_HOME": "", "INVESTIGATE_DATABASE_URL": ""},
+     "INVESTIGATE_HOME= INVESTIGATE_DATABASE_URL= "),
+    # Names in any letter case, as the settings read them.
+    ({"investigate_home": "h4/demo"}, "INVESTIGATE_HOME=h4/demo "),
+    ({"investigate_home": "h", "Investigate_Database_Url": "sqlite:////x.db"}, ""),
 ])
 def test_printed_commands_open_the_store_this_command_opened(environ: dict[str, str],
                                                              prefix: str) -> None:

@@ -77,7 +77,7 @@ def test_a_variable_set_empty_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("given", "read"), [("JSON", "json"), (" json ", "json"),
-                                             ("Text", "text")])
+                                             ("Text", "text"), (" ", "text"), ("\t\n", "text")])
 def test_the_log_format_in_any_case(monkeypatch: pytest.MonkeyPatch, given: str,
                                     read: str) -> None:
     from workers.settings import load_settings
