@@ -198,3 +198,19 @@ def test_a_taken_metrics_port_is_named(tiny_case: Case) -> None:
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}: "):
             serve_store(StoreCollector(tiny_case.store), port)
+
+
+def test_metrics_ports_past_65535_are_usage_errors_and_ipv6_urls_are_bracketed() -> None:
+    """`metrics --port 65536` was an internal error (OverflowError in bind), and
+    `--address ::1` printed `http://::1:9808/metrics` (a hostile trial)."""
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+    from workers.cli_ops import _url_host
+
+    for args in (["metrics", "--port", "65536"], ["worker", "--metrics-port", "70000"],
+                 ["flower", "--port", "0"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and "Invalid value" in res.output, (args, res.output)
+    assert (_url_host("::1"), _url_host("127.0.0.1"), _url_host("[::1]")) == (
+        "[::1]", "127.0.0.1", "[::1]")
