@@ -541,11 +541,13 @@ def dispatch_cmd(
     from investigation import guidance
     from investigation.loop.outcome import Outcome
     from workers import runtime
+    from workers.celery_app import bound_broker_reads
     from workers.tasks import start_dispatch
 
     settings = _settings()
     store = _store(settings, existing=True)
     runtime.configure(runtime.distributed(settings))
+    bound_broker_reads()
     taken = _end_lease(case_id) if take_over else None
     token = start_dispatch(case_id, max_steps)
     if isinstance(token, Outcome):
@@ -625,6 +627,9 @@ def recover_cmd(as_json: JsonOpt = False) -> None:
         except RedisError as exc:
             raise KombuOperationalError(str(exc)) from exc  # BROKER_UNAVAILABLE
     runtime.configure(runtime.distributed(settings))
+    from workers.celery_app import bound_broker_reads
+
+    bound_broker_reads()
     report = sweep(runtime.current())
     # Whether each busy case's holder still answers (a fleet trial: a case orphaned by a
     # killed worker read "busy" like two live ones, only its lease shorter).

@@ -160,7 +160,10 @@ def check_broker(settings: Settings, timeout_s: float) -> Check:
     from kombu import Connection  # type: ignore[attr-defined]
 
     try:
-        with Connection(settings.broker_url, connect_timeout=timeout_s) as conn:
+        # Reads bounded too: a broker that takes the connection and never answers held
+        # `health` forever (a hostile trial; kombu's socket_timeout).
+        with Connection(settings.broker_url, connect_timeout=timeout_s,
+                        transport_options={"socket_timeout": timeout_s}) as conn:
             conn.ensure_connection(max_retries=1, timeout=timeout_s)
     except ImportError:
         raise

@@ -276,6 +276,49 @@ def test_operator_errors_are_codes_not_tracebacks(tmp_path: Path, cli_env: Path,
     assert res.exit_code == 2 and "STORE_UNAVAILABLE" in res.output
 
 
+@pytest.mark.redis
+def test_a_broker_that_never_answers_is_unavailable_not_a_hang(
+        tmp_path: Path, cli_env: Path, redis_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broker that takes the TCP connection and never answers held `health` and
+    `dispatch` forever, `dispatch` with the case's lock (a hostile trial): each read is
+    bounded now, then BROKER_UNAVAILABLE (health: FAIL), and the lock is let go."""
+    import socket
+    import threading
+
+    import redis
+
+    from workers import celery_app
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    taken: list[socket.socket] = []
+    threading.Thread(target=lambda: [taken.append(silent.accept()[0]) for _ in range(16)],
+                     daemon=True).start()
+    case = make_case(tmp_path / "silent")
+    monkeypatch.setattr(celery_app, "SHELL_BROKER_TIMEOUT_S", 1.0)
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL",
+                       f"redis://127.0.0.1:{silent.getsockname()[1]}/0")
+    monkeypatch.setenv("INVESTIGATE_REDIS_URL", redis_url)
+    runner = CliRunner()
+    try:
+        health = runner.invoke(app, ["health", "--check", "broker"])
+        assert health.exit_code == 1 and "FAIL broker" in health.output, health.output
+        sent = runner.invoke(app, ["dispatch", case.case_id])
+        assert sent.exit_code == 2 and "BROKER_UNAVAILABLE" in sent.output, sent.output
+        assert redis.Redis.from_url(redis_url).exists(
+            f"investigation:lock:{case.case_id}") == 0
+    finally:
+        from workers import runtime
+
+        runtime.configure(None)
+        silent.close()
+        for conn in taken:
+            conn.close()
+
+
 def test_a_retry_id_is_never_reused(tmp_path: Path) -> None:
     from investigation.errors import InvestigationError
     from investigation.operations import resume
