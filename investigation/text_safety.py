@@ -196,6 +196,12 @@ def url_for_display(url: str) -> str:
     return f"{parts.scheme}://{shown}{rest}"
 
 
+def url_location(url: str) -> str:
+    """Where a URL points, for a message: :func:`url_for_display` after its user
+    (``127.0.0.1:5432/cases?password=***``; a URL without one, whole)."""
+    return url_for_display(url).split("@")[-1]
+
+
 #: Query parameters of a URL whose values are secrets (libpq takes ``?password=``).
 _SECRET_PARAMETER = re.compile(r"pass|secret|token|credential|api_?key", re.IGNORECASE)
 

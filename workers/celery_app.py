@@ -69,10 +69,11 @@ SHELL_BROKER_TIMEOUT_S = 10.0
 
 def bound_broker_reads(timeout_s: float | None = None, target: Celery | None = None) -> None:
     """Bound each read from the broker of ``target`` (default: ``app``) to ``timeout_s``
-    seconds (default :data:`SHELL_BROKER_TIMEOUT_S`; kombu's ``socket_timeout``), for a shell's command after :func:`configure`:
-    a broker that took the connection and never answered held ``dispatch`` forever with
-    the case's lock (a hostile trial). Workers keep kombu's default; their consuming
-    connection has its own checks (``health_check_interval``)."""
+    seconds (default :data:`SHELL_BROKER_TIMEOUT_S`; kombu's ``socket_timeout``), for a
+    shell's command after :func:`configure`: a broker that took the connection and never
+    answered held ``dispatch`` forever with the case's lock (a hostile trial). Workers
+    keep kombu's default; their consuming connection has its own checks
+    (``health_check_interval``)."""
     target = target if target is not None else app
     target.conf.broker_transport_options = {
         **(target.conf.broker_transport_options or {}),

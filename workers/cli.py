@@ -259,9 +259,9 @@ def _where_cases_are() -> str:
         settings = load_settings()
     except Exception:  # the command reported its settings already, or needs none
         return ""
-    from investigation.text_safety import url_for_display
+    from investigation.text_safety import url_location
 
-    where = url_for_display(settings.effective_database_url).split("@")[-1]
+    where = url_location(settings.effective_database_url)
     return (f" in {where}; `investigate cases` lists the cases there, and INVESTIGATE_HOME or "
             f"INVESTIGATE_DATABASE_URL chooses another store{_demo_store_hint(settings)}")
 
@@ -269,9 +269,8 @@ def _where_cases_are() -> str:
 def _demo_store_hint(settings: Settings) -> str:
     """A hint to the demo's own store, when it exists and is not the store in use."""
     demo = settings.home / "demo"
-    from investigation.guidance import env_value
-
-    if not (demo / "investigation.db").is_file() or env_value("INVESTIGATE_DATABASE_URL"):
+    # A database URL set (in any letter case; empty is unset) takes precedence over a home.
+    if not (demo / "investigation.db").is_file() or settings.database_url:
         return ""
     try:
         shown = str(demo.resolve().relative_to(Path.cwd().resolve()))

@@ -150,18 +150,15 @@ def _shown(path: Path) -> str:
         return str(path.resolve())
 
 
-def _home_env(home: Path) -> str:
+def _home_env(home: Path, shell_database: bool) -> str:
     """``INVESTIGATE_HOME=... `` for commands about a store the defaults do not open.
 
-    When the shell sets ``INVESTIGATE_DATABASE_URL`` (a fleet's database), the prefix
-    clears it too: that URL would take precedence over the SQLite store in ``home``, and
-    the printed command would read another store's case of the same id."""
-    from investigation.guidance import env_value
-
+    When the shell sets ``INVESTIGATE_DATABASE_URL`` (``shell_database``: a fleet's
+    database), the prefix clears it too: that URL would take precedence over the SQLite
+    store in ``home``, and the printed command would read another store's case of the
+    same id."""
     prefix = f"INVESTIGATE_HOME={shlex.quote(_shown(home))} "
-    if (env_value("INVESTIGATE_DATABASE_URL") or "").strip():
-        prefix += "INVESTIGATE_DATABASE_URL= "
-    return prefix
+    return prefix + ("INVESTIGATE_DATABASE_URL= " if shell_database else "")
 
 
 @_controlled
@@ -179,6 +176,8 @@ def demo(as_json: JsonOpt = False) -> None:
 
     settings = _settings()
     work = settings.home / "demo"
+    # Read as the settings read it (any letter case; empty is unset), before it is replaced.
+    env = _home_env(work, shell_database=bool(settings.database_url))
     # The demo's store is its own, new each run: it is created at the current migration
     # even where a fleet's environment leaves migrations to `investigate db upgrade`.
     settings = settings.model_copy(update={
@@ -208,8 +207,8 @@ def demo(as_json: JsonOpt = False) -> None:
         from investigation.report import write_report
 
         report = work / "report.html"
-        write_report(_store(settings, existing=True), case.case_id, report, _home_env(work))
-    _finish(settings, case.case_id, outcome, providers, steps, as_json, _home_env(work),
+        write_report(_store(settings, existing=True), case.case_id, report, env)
+    _finish(settings, case.case_id, outcome, providers, steps, as_json, env,
             report, out_dir=work)
     hint = _activate_hint()
     if hint and not as_json:

@@ -25,7 +25,7 @@ from investigation.llm.gateway import LLMGateway, build_providers
 from investigation.loop.env import StageEnv
 from investigation.loop.stages import Stages
 from investigation.store import Store
-from investigation.text_safety import url_for_display
+from investigation.text_safety import url_location
 from workers.locks import CaseLock, FileCaseLock, FleetCaseLock, RedisCaseLock
 from workers.settings import Settings, load_settings
 
@@ -147,7 +147,7 @@ def distributed(settings: Settings) -> Runtime:
                       RedisCaseLock.from_url(settings.effective_redis_url, settings.lock_ttl_s,
                                              released_lease_s(settings)))
     log.info("distributed runtime ready (store %s)",
-             url_for_display(settings.effective_database_url).split("@")[-1])
+             url_location(settings.effective_database_url))
     return runtime
 
 

@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 from investigation.errors import InvestigationError
 from investigation.store import Store
-from investigation.text_safety import url_for_display
+from investigation.text_safety import url_location
 from workers.settings import Settings
 
 
@@ -39,7 +39,7 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
     url = settings.effective_database_url
     not_a_store = InvestigationError(
         "STORE_NOT_FOUND",
-        f"{url_for_display(url).split('@')[-1]} is not an investigation store (no case was ever added "
+        f"{url_location(url)} is not an investigation store (no case was ever added "
         "there); nothing was changed. Run where the case was added, or set "
         f"INVESTIGATE_HOME or INVESTIGATE_DATABASE_URL{hint}")
     is_sqlite = make_url(url).get_backend_name() == "sqlite"
@@ -81,7 +81,7 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
                 # hostile trial after `db downgrade`).
                 raise InvestigationError(
                     "STORE_NOT_MIGRATED",
-                    f"the store at {url_for_display(url).split('@')[-1]} is at migration "
+                    f"the store at {url_location(url)} is at migration "
                     f"{', '.join(versions)}, this engine needs {head_revision()}: run "
                     "`investigate db upgrade`; nothing was changed")
             raise not_a_store

@@ -35,7 +35,6 @@ feedback, when it comes, is new information.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig, 
 from investigation.constants import (
     BLOCK_AWAITING_TEST_FEEDBACK,
     BLOCK_INVALID_LLM_RESPONSES,
+    BLOCK_PROVIDER_CONFIGURATION,
     BLOCKED,
     CASE_BLOCKED,
     CASE_BUILDING_DIAGNOSIS,
@@ -622,7 +622,10 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
     kept), the last at ``last_number``."""
     last_number = last_number or (lines[-1][0] if lines else 0)
     verdicts: list[LineVerdict] = []
+    #: Why the case stops at the last judged line (its block reason), if it does.
+    stops: str | None = None
     for call, (number, raw) in enumerate(lines):
+        stops = None
         if call >= first_call + MAX_JUDGED_LINES and not (finished or main.done):
             return verdicts, (
                 f"the check stopped after judging {MAX_JUDGED_LINES} lines: lines "
@@ -661,14 +664,16 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
             v.notes.append(f"{a.verdict}{' ' + a.code if a.code else ''} if the queries "
                            f"find new items; {v.other} if they find nothing")
         if a.outcome == BLOCKED and a.verdict == REJECTED_VERDICT:
-            v.notes.append(f"the case blocks here ({BLOCK_INVALID_LLM_RESPONSES}); after "
+            stops = BLOCK_INVALID_LLM_RESPONSES
+            v.notes.append(f"the case blocks here ({stops}); after "
                            f"`investigate resume` {_line_after(lines, call)}")
         elif a.outcome == BLOCKED and a.verdict == ACCEPTED:
-            v.notes.append(f"the case waits here ({BLOCK_AWAITING_TEST_FEEDBACK}) until the "
-                           "feedback is confirmed")
+            stops = BLOCK_AWAITING_TEST_FEEDBACK
+            v.notes.append(f"the case waits here ({stops}) until the feedback is confirmed")
         elif a.outcome == BLOCKED:
-            v.notes.append("the case blocks here (PROVIDER_CONFIGURATION): fix the line, "
-                           "then `investigate resume CASE --retry-id NEW`")
+            stops = BLOCK_PROVIDER_CONFIGURATION
+            v.notes.append(f"the case blocks here ({stops}): fix the line, then "
+                           "`investigate resume CASE --retry-id NEW`")
         verdicts.append(v)
     never = (f"; the {rest} reply line(s) after line {lines[-1][0]}, to line "
              f"{last_number}, are never read either (not listed one by one)"
@@ -680,27 +685,18 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
                + never)
     else:
         # A last line that hands out a test stops the case there first (a new user's trial
-        # read only the exhausted script here, while `run` stopped awaiting feedback).
-        waits = bool(verdicts) and any(BLOCK_AWAITING_TEST_FEEDBACK in n
-                                       for n in verdicts[-1].notes)
-        # Likewise a last line that blocks the case (a trial read "the case blocks here"
-        # on the line, then only "call 2 finds no reply" here).
-        blocks = next((m.group(0) for n in (verdicts[-1].notes if verdicts else [])
-                       if (m := _BLOCK_NOTE.match(n)) is not None), None)
-        blocks = blocks and blocks.removeprefix("the case blocks here ")
+        # read only the exhausted script here, while `run` stopped awaiting feedback), and
+        # so does one that blocks it (a trial read "the case blocks here" on the line, then
+        # only "call 2 finds no reply" here).
         end = (f"the file ends after {len(lines)} reply line(s): "
                + (f"the case first waits for the test feedback line {verdicts[-1].line} asks "
-                  f"for ({BLOCK_AWAITING_TEST_FEEDBACK}); once it is confirmed, "
-                  if waits else "")
-               + (f"the case first blocks at line {verdicts[-1].line} {blocks}; once it is "
-                  "resumed, " if blocks else "")
+                  f"for ({stops}); once it is confirmed, "
+                  if stops == BLOCK_AWAITING_TEST_FEEDBACK else
+                  f"the case first blocks at line {verdicts[-1].line} ({stops}); once it is "
+                  "resumed, " if stops else "")
                + f"call {len(lines) + 1} finds no reply and blocks the case "
                "(PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to continue")
     return verdicts, end
-
-
-#: A verdict's note that the case blocks at its line, with the reason in parentheses.
-_BLOCK_NOTE = re.compile(r"the case blocks here \([A-Z_]+\)")
 
 
 def _line_after(lines: list[tuple[int, bytes]], call: int) -> str:

@@ -525,10 +525,12 @@ def test_flower_refuses_to_listen_beyond_loopback_without_a_login(tmp_path: Path
      "postgresql://u:***@h/a?sslmode=require&sslpassword=***#x", "k3y"),
 ])
 def test_health_never_shows_a_password(url: str, shown: str, secret: str | None) -> None:
-    from investigation.text_safety import url_for_display
+    from investigation.text_safety import url_for_display, url_location
     from workers.health import _first_line_of
 
     assert url_for_display(url) == shown
+    # Where a message names the store (STORE_NOT_FOUND, CASE_NOT_FOUND, the worker's log).
+    assert url_location(url) == shown.split("@")[-1]
     line = _first_line_of(ConnectionError(f"cannot reach {url}: refused"), url)
     assert line == f"cannot reach {shown}: refused"
     if secret:
