@@ -294,8 +294,16 @@ def test_a_broker_that_never_answers_is_unavailable_not_a_hang(
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)
     taken: list[socket.socket] = []
-    threading.Thread(target=lambda: [taken.append(silent.accept()[0]) for _ in range(16)],
-                     daemon=True).start()
+
+    def take_and_stay_silent() -> None:
+        while True:
+            try:
+                taken.append(silent.accept()[0])
+            except OSError:  # the listener was shut down at the test's end
+                return
+
+    accepter = threading.Thread(target=take_and_stay_silent, daemon=True)
+    accepter.start()
     case = make_case(tmp_path / "silent")
     monkeypatch.setattr(celery_app, "SHELL_BROKER_TIMEOUT_S", 1.0)
     monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
@@ -314,9 +322,12 @@ def test_a_broker_that_never_answers_is_unavailable_not_a_hang(
         from workers import runtime
 
         runtime.configure(None)
+        silent.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+        accepter.join(timeout=5)
         silent.close()
         for conn in taken:
             conn.close()
+        assert not accepter.is_alive()
 
 
 def test_a_retry_id_is_never_reused(tmp_path: Path) -> None:
