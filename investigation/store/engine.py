@@ -29,6 +29,7 @@ from sqlmodel import Session, col, create_engine, select
 from investigation.errors import InvestigationError, StoreError
 from investigation.store import blobs, direct, models
 from investigation.store.models import Artifact, CaseRecord, ManifestPointer, RevisionRecord
+from investigation.text_safety import escape_text
 
 #: SQLite busy timeout: writers wait for each other instead of failing at once.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -156,6 +157,14 @@ def normalise_url(url: str) -> str:
     return f"{lowered}://{rest}"
 
 
+#: The (backend, driver) pairs a store URL may name: SQLite through Python's sqlite3,
+#: PostgreSQL through psycopg 3 (the one driver the engine pipelines, decision 128).
+STORE_DRIVERS = frozenset({("sqlite", "pysqlite"), ("postgresql", "psycopg")})
+#: The driver of a URL that names none (``postgresql://`` is written with psycopg by
+#: :func:`normalise_url` first).
+DEFAULT_DRIVERS = {"sqlite": "pysqlite", "postgresql": "psycopg"}
+
+
 def check_url(url: str) -> None:
     """Refuse a database URL that cannot be used, never echoing it (it may hold a
     password).
@@ -165,7 +174,9 @@ def check_url(url: str) -> None:
         database holds ``@`` (a raw ``@`` in a password: a hostile trial's password tail
         was printed in the parser's error, and ``pa@ss`` resolved host ``ss@...``); a
         PostgreSQL URL that names no database (``postgres://`` alone reached the local
-        socket's database of the user running the command).
+        socket's database of the user running the command); a database or driver the
+        engine does not use (``mysql://``, ``postgresql+psycopg2://``: the command failed
+        with DEPENDENCY_MISSING, which advised installing the engine again).
     """
     unreadable = StoreError(
         "STORE_URL_INVALID", "the store URL cannot be read (not shown: it may hold a "
@@ -176,6 +187,13 @@ def check_url(url: str) -> None:
         raise unreadable from None
     if "@" in (parsed.host or "") or "@" in (parsed.database or ""):
         raise unreadable
+    backend, _, driver = parsed.drivername.partition("+")
+    if (backend, driver or DEFAULT_DRIVERS.get(backend)) not in STORE_DRIVERS:
+        raise StoreError("STORE_URL_INVALID",
+                         f"the store URL names a database or driver this engine does not "
+                         f"use ({escape_text(parsed.drivername)[:60]}); the store is SQLite "
+                         "(sqlite:///PATH) or "
+                         "PostgreSQL (postgresql+psycopg://USER@HOST:5432/DATABASE)")
     if parsed.get_backend_name() == "postgresql" and not parsed.database:
         raise StoreError("STORE_URL_INVALID", "the store URL names no database: "
                          "postgresql+psycopg://USER@HOST:5432/DATABASE")

@@ -48,6 +48,25 @@ def test_database_urls_in_any_spelling_and_refusals_that_echo_no_password() -> N
     check_url(normalise_url("postgres:///db?host=h&user=u"))
     check_url("postgresql+psycopg://u:p%40ss@h/db")
     check_url("sqlite:///x.db")
+    check_url("sqlite+pysqlite:///x.db")
+
+
+def test_a_database_the_engine_does_not_use_is_an_invalid_store_url() -> None:
+    """`mysql://` (and a PostgreSQL driver but psycopg) failed with DEPENDENCY_MISSING,
+    which advised installing the engine again (a trial's leftover item)."""
+    import pytest
+
+    from investigation.errors import StoreError
+    from investigation.store.engine import check_url, normalise_url
+
+    for url, named in (("mysql://root:hunter2@127.0.0.1/test", "(mysql)"),
+                       ("postgresql+psycopg2://u:hunter2@h/db", "(postgresql+psycopg2)"),
+                       ("mssql+pyodbc://u@dsn", "(mssql+pyodbc)")):
+        with pytest.raises(StoreError) as refused:
+            check_url(normalise_url(url))
+        assert refused.value.code == "STORE_URL_INVALID"
+        assert named in refused.value.message and "hunter2" not in refused.value.message
+        assert "postgresql+psycopg://" in refused.value.message
 
 
 def test_cases_shows_times_in_utc_to_the_second() -> None:
