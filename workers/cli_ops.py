@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import logging
 import os
 import re
 import sys
@@ -230,8 +231,19 @@ def _check_runtime(settings: Settings) -> None:
     from workers.settings import deployment_identity
 
     identity = deployment_identity(settings)
-    err.print(f"store {identity['store']}; case locks {identity['locks']}", highlight=False,
-              markup=False, soft_wrap=True)
+    line = f"store {identity['store']}; case locks {identity['locks']}"
+    if settings.log_format == "json":
+        # A log pipeline reads each line of a JSON-logging worker's stderr as an object:
+        # this one was the only plain line of its start (an earlier trial).
+        from workers import logs
+
+        record = logging.makeLogRecord({
+            "name": "workers.worker", "levelno": logging.INFO, "levelname": "INFO",
+            "msg": line, "store": identity["store"], "locks": identity["locks"]})
+        sys.stderr.write(logs.formatter("json").format(record) + "\n")
+        sys.stderr.flush()
+        return
+    err.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 @_controlled

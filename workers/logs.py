@@ -191,3 +191,27 @@ def setup(fmt: str = "text", level: str | int = "WARNING", stream: Any = None) -
                 logger.removeHandler(old)
         logger.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
+    # Python's warnings (Celery's SecurityWarning for a worker run as root, a library's
+    # DeprecationWarning) as log lines of this format: they reached stderr as bare
+    # multi-line text, the one thing in a JSON-logging worker's output that was no JSON.
+    logging.captureWarnings(True)
+    warnings_logger = logging.getLogger(WARNINGS_LOGGER)
+    if not any(isinstance(f, OneLineWarning) for f in warnings_logger.filters):
+        warnings_logger.addFilter(OneLineWarning())
+
+
+#: The logger ``logging.captureWarnings`` writes Python's warnings to.
+WARNINGS_LOGGER = "py.warnings"
+
+
+class OneLineWarning(logging.Filter):
+    """A captured warning as one line: ``FILE:LINE: Category: text`` with its white space
+    collapsed, without the source line ``warnings.formatwarning`` appends (escaped line
+    breaks made Celery's SecurityWarning one line of ``\\x0a`` seven times over)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        lines = record.getMessage().rstrip("\n").split("\n")
+        if len(lines) > 1 and lines[-1].startswith("  "):
+            lines = lines[:-1]
+        record.msg, record.args = " ".join(" ".join(lines).split()), None
+        return True

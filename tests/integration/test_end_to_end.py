@@ -618,6 +618,14 @@ def test_a_worker_that_could_not_run_a_stage_is_refused_before_it_joins_the_queu
         shown = " ".join(res.output.split())
         assert f"store sqlite:///{cli_env.resolve()}" in shown
         assert "case locks redis://127.0.0.1:6379/13" in shown  # the broker's, by default
+        # With JSON logs it is a JSON line: a log pipeline reads every line as one.
+        monkeypatch.setenv("INVESTIGATE_LOG_FORMAT", "json")
+        res = CliRunner().invoke(app, ["worker"])
+        assert res.exit_code == 0, res.output
+        (record,) = [json.loads(text) for text in res.output.splitlines()
+                     if "case locks" in text]
+        assert (record["level"], record["locks"]) == ("INFO", "redis://127.0.0.1:6379/13")
+        assert record["store"] == f"sqlite:///{cli_env.resolve()}/investigation.db"
 
 
 def test_workers_keep_a_cases_frozen_policy_when_their_policy_file_changes(

@@ -25,6 +25,26 @@ def stream() -> io.StringIO:
     out = io.StringIO()
     yield out
     logs.setup("text", logging.WARNING)  # back to stderr for the other tests
+    logging.captureWarnings(False)
+
+
+def test_a_python_warning_is_one_log_line_of_the_format(stream: io.StringIO) -> None:
+    """Celery's SecurityWarning (a worker run as root) reached a JSON-logging worker's
+    stderr as seven lines of bare text; in text logs, as one line of escaped breaks."""
+    import warnings
+
+    source = Path(__file__)
+    line = next(i for i, text in enumerate(source.read_text().splitlines(), 1)
+                if text.startswith("def test_a_python_warning_is_one_log_line"))
+    logs.setup("json", "INFO", stream)
+    with warnings.catch_warnings():  # the suite makes warnings errors
+        warnings.simplefilter("always")
+        warnings.warn_explicit("running as root:\nthis is\n\n  not recommended",
+                               UserWarning, str(source), line)
+    (shown,) = (json.loads(text) for text in stream.getvalue().splitlines())
+    assert shown["level"] == "WARNING" and shown["logger"] == "py.warnings"
+    assert shown["message"] == (f"{source}:{line}: UserWarning: running as root: this is "
+                                "not recommended")  # no source line, white space collapsed
 
 
 def test_text_lines_have_a_utc_timestamp_and_the_step_context(stream: io.StringIO) -> None:
