@@ -162,9 +162,14 @@ class EscapingLogFilter(logging.Filter):
     """A logging filter (attach it to a handler) that shows every record's message and
     traceback through :func:`escape_text`: a log line can neither carry terminal escapes
     nor forge a line of its own (LF in a message is escaped; a traceback keeps its own
-    line breaks)."""
+    line breaks). The line breaks of a message template that has arguments, a library's
+    multi-line message such as Celery's ``Cannot connect to %s: %s.\\n%s\\n``, become
+    spaces (they showed as ``\\x0a``); its arguments are escaped as ever."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.args and isinstance(record.msg, str) and "\n" in record.msg:
+            record.msg = " ".join(line.strip() for line in record.msg.splitlines()
+                                  if line.strip())
         message = record.getMessage()
         escaped = escape_text(message)
         if escaped != message:

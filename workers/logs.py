@@ -21,6 +21,7 @@ import logging
 import re
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -194,7 +195,9 @@ def setup(fmt: str = "text", level: str | int = "WARNING", stream: Any = None) -
     # Python's warnings (Celery's SecurityWarning for a worker run as root, a library's
     # DeprecationWarning) as log lines of this format: they reached stderr as bare
     # multi-line text, the one thing in a JSON-logging worker's output that was no JSON.
-    logging.captureWarnings(True)
+    if warnings.showwarning is not getattr(logging, "_showwarning", None):
+        logging.captureWarnings(False)  # its saved hook replaced since (a test's): anew
+        logging.captureWarnings(True)
     warnings_logger = logging.getLogger(WARNINGS_LOGGER)
     if not any(isinstance(f, OneLineWarning) for f in warnings_logger.filters):
         warnings_logger.addFilter(OneLineWarning())

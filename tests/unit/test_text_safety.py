@@ -83,6 +83,10 @@ def test_log_records_are_escaped() -> None:
     logger.propagate = False
     try:
         logger.warning("case %s: %s", "c1", "line\x1b[2J\nFORGED line \u202e")
+        # A library's multi-line template (Celery's consumer): its own breaks are spaces.
+        logger.error("consumer: Cannot connect to %s: %s.\n%s\n", "redis://h:1/0",
+                     "refused", "Trying again in 2.00 seconds... (1/100)")
+        logger.error("templated\n  %s", "argument\nFORGED")
         try:
             raise ValueError("boom \x1b]0;title\x07")
         except ValueError:
@@ -92,4 +96,7 @@ def test_log_records_are_escaped() -> None:
     text = stream.getvalue()
     assert "\x1b" not in text and "\u202e" not in text and "\x07" not in text
     assert "case c1: line\\x1b[2J\\x0aFORGED line \\u202e\n" in text
+    assert ("consumer: Cannot connect to redis://h:1/0: refused. Trying again in 2.00 "
+            "seconds... (1/100)\n") in text
+    assert "templated argument\\x0aFORGED\n" in text
     assert "ValueError: boom \\x1b]0;title\\x07" in text
