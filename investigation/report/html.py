@@ -99,8 +99,9 @@ ol.quotes .q{white-space:pre-wrap;background:#f7f7f7}
 footer{color:var(--muted);font-size:12px;padding:20px 28px}
 #timeline,#evidence,#questions,#tests,#lifecycle{content-visibility:auto;
 contain-intrinsic-size:auto 900px}
-section[id],h2,details.ev{scroll-margin-top:40px}
-tr[id]{scroll-margin-top:64px}
+html{scroll-padding-top:34px}
+section[id],h2,details.ev,tr[id]{scroll-margin-top:6px}
+.scroll tr[id]{scroll-margin-top:64px}
 details.ev:target{outline:2px solid var(--accent)}
 details.ev:target::details-content{content-visibility:visible;display:block}
 @media print{
