@@ -101,6 +101,8 @@ class StepRow:
     #: The hypothesis's confidence before this step's decision (its previous decision's,
     #: or ``unassessed``); ``confidence`` is after it.
     confidence_before: str | None = None
+    #: The evidence the decision cites for its confidence (``update.evidence_ids``).
+    cited_evidence: list[str] = field(default_factory=list)
     #: What the step's own query found, for its evidence cell: ``"N items, K new"``, then
     #: ``"duplicate"`` and the result's warnings when there are any.
     found: list[str] = field(default_factory=list)
@@ -256,6 +258,7 @@ def case_history(store: Store, case_id: str, env: str | None = None,
             planned.arguments = nxt.get("arguments") if "arguments" in nxt else (
                 nxt.get("test") or {"reason": nxt.get("reason", "")})
             planned.confidence, planned.note = upd["confidence"], upd.get("note", "")
+            planned.cited_evidence = [str(e) for e in upd.get("evidence_ids") or []]
             assessment = reply.get("assessment") or {}
             planned.score = assessment.get("score")
             planned.score_reason = str(assessment.get("reason") or "")

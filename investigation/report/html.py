@@ -18,6 +18,7 @@ artifact path holds all of them).
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from typing import Any
 
 from investigation.evidence.figures import evidence_figures, records_text, scores_text
@@ -33,6 +34,8 @@ from investigation.report.history import CaseHistory, StepRow
 MAX_ITEMS_SHOWN = 200
 #: Longest quote shown (characters); tool findings are bounded well below this.
 MAX_QUOTE_CHARS = 2000
+#: Steps citing an evidence record linked on its summary line; the rest are counted.
+MAX_CITING_STEPS = 12
 
 _CSS = """
 :root{--fg:#1d1d1f;--muted:#5f6368;--line:#e0e0e0;--bg:#fafafa;--accent:#1e5bb8}
@@ -160,6 +163,16 @@ def _ev_link(evidence_id: str) -> str:
     return f'<a href="#ev-{html_attr(evidence_id)}">{_e(evidence_id)}</a>'
 
 
+def _h_link(hypothesis_id: object) -> str:
+    """``HN`` linking to the hypothesis's row in the overview (an integer id), or its
+    text; nothing for ``None``."""
+    if hypothesis_id is None:
+        return ""
+    if not isinstance(hypothesis_id, int) or isinstance(hypothesis_id, bool):
+        return _e(f"H{hypothesis_id}")
+    return f'<a href="#h-{hypothesis_id}">H{hypothesis_id}</a>'
+
+
 def _step_link(seq: object, word: str = "step ") -> str:
     """``step N`` linking to the step's row in the timeline (a plain number: no link)."""
     if not isinstance(seq, int) or isinstance(seq, bool):
@@ -245,11 +258,12 @@ def _overview(h: CaseHistory) -> list[str]:
     for e in h.evidence:
         evidence_count[e["hypothesis_id"]] = evidence_count.get(e["hypothesis_id"], 0) + 1
     accounts = {a["hypothesis_id"]: a for a in st["accounts"]}
+    decided, _ = _citations(h)
     for i, (hid, statement) in enumerate(sorted(h.statements.items())):
         a = accounts.get(hid)
         colour = svg.colour(i)
         if a is None:
-            out.append(f'<tr><td><b style="color:{colour}">H{hid}</b></td>'
+            out.append(f'<tr id="h-{hid}"><td><b style="color:{colour}">H{hid}</b></td>'
                        f"<td class=text>{_e(statement)}</td><td colspan=6 class=muted>no step yet</td></tr>")
             continue
         disposition = _e(a["status"])
@@ -258,10 +272,15 @@ def _overview(h: CaseHistory) -> list[str]:
         if a.get("deferred_by") is not None:
             disposition += f" <span class=\"muted\">deferred by H{_e(a['deferred_by'])}</span>"
         rej = a.get("last_rejection")
+        # What the hypothesis's last decision cites for its confidence (an engineer
+        # reading a 500-step case could not tell which evidence mattered).
+        last = decided.get(hid)
+        cites = _cites(last.cited_evidence) if last is not None \
+            and last.confidence == a["confidence"] else ""
         out.append(
-            f'<tr><td class=nw><b style="color:{colour}">H{hid}</b></td>'
+            f'<tr id="h-{hid}"><td class=nw><b style="color:{colour}">H{hid}</b></td>'
             f"<td class='wide text'>{_e(statement)}</td>"
-            f"<td class=wide>{disposition}</td><td class=nw>{_e(a['confidence'])}</td>"
+            f"<td class=wide>{disposition}</td><td>{_e(a['confidence'])}{cites}</td>"
             f"<td class=nw>{_e(a['balance_units'])} / {_e(a['credit_units'])}</td>"
             f"<td class=nw>{_e(a['iterations'])}</td><td class=nw>{evidence_count.get(hid, 0)}</td>"
             f"<td>{_e(rej['code'] + ': ' + rej['detail']) if rej else ''}</td></tr>")
@@ -356,13 +375,36 @@ def _score_cell(s: StepRow) -> str:
 
 
 def _confidence(s: StepRow) -> str:
-    """The confidence after the step and, when the step changed it, what it was."""
+    """The confidence after the step, what it was when the step changed it, and the
+    evidence the decision cites for it."""
     if not s.confidence:
         return ""
     if s.confidence_before and s.confidence_before != s.confidence:
-        return (f"<b>{_e(s.confidence)}</b><br><span class=muted>was "
+        text = (f"<b>{_e(s.confidence)}</b><br><span class=muted>was "
                 f"{_e(s.confidence_before)}</span>")
-    return _e(s.confidence)
+    else:
+        text = _e(s.confidence)
+    return text + _cites(s.cited_evidence)
+
+
+def _cites(evidence_ids: list[str]) -> str:
+    """``cites E3, E7`` (links to the records), or nothing."""
+    if not evidence_ids:
+        return ""
+    return f"<br><span class=muted>cites {', '.join(map(_ev_link, evidence_ids))}</span>"
+
+
+def _citations(h: CaseHistory) -> tuple[dict[int, StepRow], dict[str, list[int]]]:
+    """Each hypothesis's last step with a decision (its confidence and what that cites),
+    and the steps whose decision cites each evidence record, in step order."""
+    last: dict[int, StepRow] = {}
+    cited_at: dict[str, list[int]] = defaultdict(list)
+    for s in h.steps:
+        if s.confidence and s.hypothesis_id is not None:
+            last[s.hypothesis_id] = s
+        for evidence_id in dict.fromkeys(s.cited_evidence):
+            cited_at[evidence_id].append(s.seq)
+    return last, cited_at
 
 
 def _selection(s: StepRow) -> str:
@@ -440,7 +482,7 @@ def _timeline(h: CaseHistory) -> list[str]:
                 f'<a href="#q-{html_attr(q)}">{_e(q)}</a>' for q in s.resolved_questions)
         out.append(
             f'<tr id="step-{s.seq}"><td class=nw>{s.seq}</td>'
-            f"<td class=nw>{'H' + str(s.hypothesis_id) if s.hypothesis_id is not None else ''}"
+            f"<td class=nw>{_h_link(s.hypothesis_id)}"
             f"</td><td class=wide>{_action_cell(s)}</td>"
             f"<td class=nw>{_outcome(s.outcome, s.reason, s.published)}</td>"
             f"<td class=nw>{ev}</td><td class='wide note'>{note}</td>"
@@ -454,6 +496,19 @@ def _timeline(h: CaseHistory) -> list[str]:
     return out
 
 
+def _cited_line(steps: list[int]) -> str:
+    """``; cited at step 12`` or ``; cited at 3 steps: 12, 40, 251`` for a record's
+    summary line (the first :data:`MAX_CITING_STEPS` linked), or nothing."""
+    if not steps:
+        return ""
+    if len(steps) == 1:
+        return f"; cited at {_step_link(steps[0])}"
+    shown = ", ".join(_step_link(seq, "") for seq in steps[:MAX_CITING_STEPS])
+    more = f" and {len(steps) - MAX_CITING_STEPS} more" if len(steps) > MAX_CITING_STEPS \
+        else ""
+    return f"; cited at {len(steps)} steps: {shown}{more}"
+
+
 def _evidence(h: CaseHistory) -> list[str]:
     out = ['<section id="evidence"><h2>Evidence</h2>']
     if not h.evidence:
@@ -461,6 +516,7 @@ def _evidence(h: CaseHistory) -> list[str]:
     out.append('<p class="muted">Quotes are the snapshot\'s exact text (a database row as '
                "JSON). Invisible characters are shown as their code point, such as "
                '<span class="ctl">U+200B</span>. Open a record to read its findings.</p>')
+    _, cited_at = _citations(h)
     for e in h.evidence:
         assessed = (f"assessed {e['assessment_score']}/100, refund {e['refund_units']}"
                     if e["assessed"] else "not assessed yet")
@@ -474,7 +530,8 @@ def _evidence(h: CaseHistory) -> list[str]:
             f"H{e['hypothesis_id']}: <code>{_e(e['operation'])}</code> "
             f'<code class="muted">{_e(_json(e["arguments"]))}</code> - {e["item_count"]} '
             f"item(s), {e['new_item_count']} new{flags}; cost {e['cost_units']}; "
-            f"{assessed}{warnings}</summary>")
+            f"{assessed}{warnings}{_cited_line(cited_at.get(e['evidence_id'], []))}"
+            "</summary>")
         out.append(f'<p class="mono muted">artifact: {_e(e["artifact_path"])} '
                    f"(sha256 {_e(e['artifact_sha256'])})"
                    + (f"<br>raw result: {_e(e['result_path'])}" if e.get("result_path") else "")
@@ -516,7 +573,7 @@ def _questions(h: CaseHistory) -> list[str]:
                               for e in q["resolution_evidence"])
             resolution = f"{_step_link(q['resolved_step'])} with {links or 'no new evidence'}"
         out.append(f'<tr id="q-{html_attr(q["question_id"])}"><td>{_e(q["question_id"])}</td>'
-                   f"<td>H{q['hypothesis_id']}</td>"
+                   f"<td>{_h_link(q['hypothesis_id'])}</td>"
                    f"<td>{_e(q['text'])}</td><td>{_e(q['status'])}</td>"
                    f"<td>{_step_link(q['created_step'], '')}</td><td>{resolution}</td></tr>")
     out.append("</tbody></table></div></section>")
@@ -533,7 +590,7 @@ def _tests_and_reviews(h: CaseHistory) -> list[str]:
                    "<th>evidence</th><th>artifact</th></tr></thead><tbody>")
         for t in h.tests:
             out.append(f"<tr><td>{_e(t['request_id'])}</td><td>{_step_link(t['step_seq'], '')}</td>"
-                       f"<td>H{t['hypothesis_id']}</td><td>{_e(t['kind'])}</td>"
+                       f"<td>{_h_link(t['hypothesis_id'])}</td><td>{_e(t['kind'])}</td>"
                        f"<td>{_e(t['status'])}</td><td>{_e(t['deadline_at'])}</td>"
                        f"<td>{_e(t['evidence_id'] or '')}</td>"
                        f"<td class=mono>{_e(t['artifact_path'])}</td></tr>")

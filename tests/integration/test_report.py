@@ -390,6 +390,56 @@ def test_a_step_row_says_what_its_query_found_and_how_confidence_moved(
     assert moved
 
 
+def test_the_report_shows_the_evidence_each_decision_cites(
+        long_run: tuple[Case, Path]) -> None:
+    """A 500-step reader could not tell which evidence mattered: the evidence ids a
+    decision cites for its confidence (``update.evidence_ids``) were shown nowhere. Now
+    beside each step's confidence, beside each hypothesis's current confidence in the
+    overview (its last decision's), and on each record (the steps citing it)."""
+    case, target = long_run
+    html = target.read_text(encoding="utf-8")
+    history = case_history(case.store, case.case_id)
+
+    def link(evidence_id: str) -> str:
+        return f'<a href="#ev-{evidence_id}">{evidence_id}</a>'
+
+    citing = [st for st in history.steps if st.cited_evidence]
+    assert citing
+    cited_at: dict[str, list[int]] = {}
+    for st in citing:
+        row = html.split(f'<tr id="step-{st.seq}">', 1)[1].split("</tr>", 1)[0]
+        assert f"cites {', '.join(map(link, st.cited_evidence))}</span>" in row
+        for evidence_id in dict.fromkeys(st.cited_evidence):
+            cited_at.setdefault(evidence_id, []).append(st.seq)
+    overview = html.split('<section id="overview">', 1)[1].split("</section>", 1)[0]
+    for hid in history.statements:
+        last = [st for st in history.steps if st.hypothesis_id == hid and st.confidence][-1]
+        row = overview.split(f'<tr id="h-{hid}">', 1)[1].split("</tr>", 1)[0]
+        assert f"<td>{last.confidence}<br><span class=muted>cites " \
+            f"{', '.join(map(link, last.cited_evidence))}</span></td>" in row
+    for e in history.evidence:
+        summary = html.split(f'id="ev-{e["evidence_id"]}"><summary>', 1)[1] \
+            .split("</summary>", 1)[0]
+        steps = cited_at.get(e["evidence_id"], [])
+        if not steps:
+            assert "; cited at" not in summary
+        elif len(steps) == 1:
+            assert f'; cited at <a href="#step-{steps[0]}">step {steps[0]}</a>' in summary
+        else:
+            assert f'; cited at {len(steps)} steps: <a href="#step-{steps[0]}">' \
+                f'{steps[0]}</a>, ' in summary
+    from investigation.report.html import MAX_CITING_STEPS, _cited_line
+
+    many = _cited_line(list(range(1, MAX_CITING_STEPS + 3)))
+    assert many.startswith(f'; cited at {MAX_CITING_STEPS + 2} steps: <a href="#step-1">1</a>')
+    assert many.endswith(f'>{MAX_CITING_STEPS}</a> and 2 more')
+    # A hypothesis is named with a link to its row wherever a step, question or test
+    # names it.
+    first = history.steps[0]
+    assert f'<a href="#h-{first.hypothesis_id}">H{first.hypothesis_id}</a>' in \
+        html.split(f'<tr id="step-{first.seq}">', 1)[1].split("</tr>", 1)[0]
+
+
 def test_each_step_says_why_its_hypothesis_was_selected(long_run: tuple[Case, Path]) -> None:
     """A 500-step reader could not tell why a step went to its hypothesis: the report
     shows the scheduler's rule, recorded by ``build_context`` (decision 166)."""
