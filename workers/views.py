@@ -90,7 +90,7 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
     """Model calls, attempts, tokens and cost per hypothesis (``llm.spend``) and, with more
     than one row, their total; or None. Costs are labelled with the currency the case's
     attempts recorded (``model_usage.currency``), else ``currency``."""
-    from investigation.llm.spend import cost_text, priced_total
+    from investigation.llm.spend import cost_text, partial_tokens_text, priced_total
 
     currency = info.get("model_usage", {}).get("currency") or currency
     usage = info.get("model_usage", {}).get("hypotheses") or []
@@ -105,7 +105,7 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
         reported = u["tokens_reported"]
         # Some answered calls came without counts: the sums are partial (a reader's trial
         # added them up as the whole). A failed attempt has no reply to count.
-        partial = f" ({reported} of {u['calls']} calls)" if 0 < reported < u["calls"] else ""
+        partial = partial_tokens_text(reported, u["calls"])
         table.add_row("unrecorded" if u["hypothesis_id"] is None else str(u["hypothesis_id"]),
                       str(u["calls"]), _attempts_cell(u),
                       f"{u['prompt_tokens']}{partial}" if reported else "not reported",
@@ -114,13 +114,14 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
     if len(usage) > 1:
         # The case's total (an engineer reading a long case added four rows by hand; only
         # status --json had it).
-        reported = any(u["tokens_reported"] for u in usage)
+        reported = sum(u["tokens_reported"] for u in usage)
+        calls = sum(u["calls"] for u in usage)
+        partial = partial_tokens_text(reported, calls)  # (a 500-step reader's trial)
         table.add_section()
-        table.add_row("total", str(sum(u["calls"] for u in usage)),
-                      str(sum(u["attempts"] for u in usage)),
-                      str(sum(u["prompt_tokens"] for u in usage)) if reported
+        table.add_row("total", str(calls), str(sum(u["attempts"] for u in usage)),
+                      f"{sum(u['prompt_tokens'] for u in usage)}{partial}" if reported
                       else "not reported",
-                      str(sum(u["completion_tokens"] for u in usage)) if reported
+                      f"{sum(u['completion_tokens'] for u in usage)}{partial}" if reported
                       else "not reported",
                       cost_text(priced_total(usage), currency))
     return table

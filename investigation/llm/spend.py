@@ -245,6 +245,12 @@ def usage_by_hypothesis(s: Session, case_id: str) -> dict[int | None, dict[str, 
     return out
 
 
+def partial_tokens_text(reported: int, calls: int) -> str:
+    """`` (246 of 247 calls)`` after a token sum when some answered calls came without
+    counts (the sum is partial: readers took it for the whole), else ``""``."""
+    return f" ({reported} of {calls} calls)" if 0 < reported < calls else ""
+
+
 def format_money(micros: int, currency: str) -> str:
     """``micros`` as an amount with six decimals and the currency, e.g. ``0.001250 USD``."""
     return f"{micros / MICROS:.6f} {currency}"

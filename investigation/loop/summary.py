@@ -267,8 +267,10 @@ def _model_usage(s: Session, case_id: str, hypotheses: list[int], currency: str)
         cost = plain(spend.cost_text(u["cost_micros"], currency))
         # Attempts whose servers reported no count (a scripted provider): not a 0.
         silent = u["attempts"] > 0 and not u["tokens_reported"]
+        # Some answered calls without counts: the sums are partial (as `status` says).
+        partial = spend.partial_tokens_text(u["tokens_reported"], u["calls"])
         prompt, completion = ("not reported", "not reported") if silent else (
-            u["prompt_tokens"], u["completion_tokens"])
+            f"{u['prompt_tokens']}{partial}", f"{u['completion_tokens']}{partial}")
         out.append(f"| {'unrecorded' if hid is None else hid} | {u['calls']} | "
                    f"{u['attempts']} | {prompt} | {completion} | {cost} |")
     return [*out, ""]

@@ -22,7 +22,7 @@ from collections import defaultdict
 from typing import Any
 
 from investigation.evidence.figures import evidence_figures, records_text, scores_text
-from investigation.llm.spend import cost_text, priced_total
+from investigation.llm.spend import cost_text, partial_tokens_text, priced_total
 from investigation.loop.outcome import last_outcome_text
 from investigation.loop.scheduler import FIRST_TURN, HIGHEST_CONFIDENCE
 from investigation.operations import step_in_progress_text
@@ -212,6 +212,14 @@ def _cost(status: dict[str, Any], currency: str) -> str:
                      currency)
 
 
+def _partial_tokens(status: dict[str, Any]) -> str:
+    """`` (246 of 247 calls)`` when some answered calls came without token counts, as
+    ``status`` and summary.md say (a 500-step reader took the report's sum for the whole)."""
+    usage = status.get("model_usage", {}).get("hypotheses", [])
+    return partial_tokens_text(sum(u["tokens_reported"] for u in usage),
+                               sum(u["calls"] for u in usage))
+
+
 def _overview(h: CaseHistory) -> list[str]:
     st = h.status
     total_ms = sum(s.model_ms or 0 for s in h.steps)
@@ -237,7 +245,7 @@ def _overview(h: CaseHistory) -> list[str]:
         ("open questions", st["open_questions"]),
         ("model time", _ms(total_ms) or "0 ms"),
         ("tokens (prompt + completion)",
-         f"{prompt} + {completion}" if any_tokens else "not reported"),
+         f"{prompt} + {completion}{_partial_tokens(st)}" if any_tokens else "not reported"),
         # The money the status table shows per hypothesis, in all (an engineer reading a
         # long case found no cost anywhere in the page).
         ("model cost", _cost(st, h.currency)),

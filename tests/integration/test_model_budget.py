@@ -386,6 +386,40 @@ def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> 
         screen.print(table)
         text = screen.export_text()
         assert shown in text and ("of 3" in text) is (calls == 3), text
+    # The total row, summary.md and the report say so too (a 500-step reader's trial:
+    # only the per-hypothesis rows of `status` did).
+    from sqlalchemy import text as sql
+
+    from investigation.loop.summary import render_summary
+    from investigation.report.history import case_history
+    from investigation.report.html import render as render_report
+
+    two = [{**usage[0], "hypothesis_id": 1, "tokens_reported": 2, "calls": 2,
+            "prompt_tokens": 40, "completion_tokens": 5},
+           {**usage[0], "hypothesis_id": 2, "tokens_reported": 0, "calls": 1}]
+    table = model_usage_table({"model_usage": {"hypotheses": two}}, "USD")
+    assert table is not None
+    screen = Console(width=160, record=True)
+    screen.print(table)
+    total = next(line for line in screen.export_text().splitlines() if "total" in line)
+    assert "40 (2 of 3 calls)" in total and "5 (2 of 3 calls)" in total, total
+    with case.store.session() as s:
+        s.execute(sql("UPDATE llm_attempt SET prompt_tokens = 40, completion_tokens = 5 "
+                      "WHERE id = (SELECT min(id) FROM llm_attempt WHERE status = "
+                      "'succeeded')"))
+        s.commit()
+        hid, calls = s.execute(sql(
+            "SELECT o.hypothesis_id, count(*) FROM llm_attempt a JOIN llm_operation o ON "
+            "o.id = a.operation_id WHERE a.status = 'succeeded' GROUP BY o.hypothesis_id "
+            "HAVING min(a.id) = (SELECT min(id) FROM llm_attempt WHERE status = "
+            "'succeeded')")).one()
+        summary = render_summary(s, case.case_id, 1).decode()
+    row = f"| {hid} | {calls} |"
+    shown_row = next(line for line in summary.splitlines() if line.startswith(row))
+    assert f"| 40 (1 of {calls} calls) | 5 (1 of {calls} calls) |" in shown_row, shown_row
+    total_calls = sum(u["calls"] for u in usage)
+    page = render_report(case_history(case.store, case.case_id))
+    assert f"40 + 5 (1 of {total_calls} calls)" in page
 
 
 def test_status_says_which_attempts_await_their_answer(rig: Rig) -> None:
