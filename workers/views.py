@@ -228,7 +228,7 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
         count = info["hypotheses"]
         line(f"{count} {'hypothesis' if count == 1 else 'hypotheses'}; no step has run yet")
     else:
-        table = Table("hypothesis", "status", "confidence", "balance", "iterations",
+        table = Table("hypothesis", "disposition", "confidence", "balance", "iterations",
                       "pending result", "last rejection")
         for a in info["accounts"]:
             rej = a["last_rejection"]

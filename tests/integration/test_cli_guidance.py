@@ -515,6 +515,10 @@ def test_status_and_cases_offer_what_this_shell_can_run(
 
     ran = invoke("run", cli.case_id, "--providers", str(cli.providers_path))
     assert "BLOCKED (INVALID_LLM_RESPONSES)" in ran.output, ran.output
+    # The accounts' column is named as summary.md and the report name it (a 500-step
+    # reader met "status" here and "disposition" there).
+    accounts = invoke("status", cli.case_id).output
+    assert re.search(r"hypothesis\s*┃\s*disposition\s*┃\s*confidence", accounts), accounts
     monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(cli.providers_path))
     status = invoke("status", cli.case_id, "--json")
     first = next(step["command"] for step in json.loads(status.output)["next"]["steps"]
