@@ -1,11 +1,13 @@
-"""``investigate report`` (the HTML case report) and ``investigate replies check`` (a
-scripted reply file judged against a case without running anything).
+"""``investigate report`` (the HTML case report), ``investigate steps`` (its step table
+in the terminal) and ``investigate replies check`` (a scripted reply file judged against
+a case without running anything).
 
 Registered on the main app by ``workers.cli``; the same exit codes apply.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -30,6 +32,7 @@ from workers.views import term
 
 if TYPE_CHECKING:
     from investigation.loop.script_check import LineVerdict
+    from investigation.report.history import StepRow
 
 replies_app: typer.Typer = typer.Typer(
     help="Scripted reply files (JSON Lines, one model reply per line).", no_args_is_help=True,
@@ -69,11 +72,125 @@ def report_cmd(
               f"{target.resolve().as_uri()}", highlight=False, soft_wrap=True)
 
 
+@_controlled
+def steps_cmd(
+    case_id: CaseArg,
+    first: Annotated[int | None, typer.Option(
+        "--from", min=1, max=10**9, help="the first step to show")] = None,
+    last: Annotated[int | None, typer.Option(
+        "--to", min=1, max=10**9, help="the last step to show")] = None,
+    hypothesis: Annotated[int | None, typer.Option(
+        "--hypothesis", "-H", min=1, max=10**9,
+        help="only the steps of this hypothesis (its id, as in H3: 3)")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Each step of a case in the terminal, as the report's step table shows it: the
+    hypothesis and why it was selected, the action and query, the outcome, what the query
+    found, the confidence and the evidence it cites, the assessment, the model's note and
+    questions, a rejection, units, model time and tokens.
+
+    For a reader without a browser (over SSH, say); `report` draws the same in one HTML
+    page, with charts and the evidence's quotes.
+    """
+    from dataclasses import asdict
+
+    from investigation.report.history import case_history
+
+    if first is not None and last is not None and first > last:
+        raise typer.BadParameter(f"--from {first} is after --to {last}", param_hint="--from")
+    settings = _settings()
+    history = case_history(_store(settings, existing=True), case_id,
+                           currency=_currency(settings))
+    rows = [s for s in history.steps
+            if (first is None or s.seq >= first) and (last is None or s.seq <= last)
+            and (hypothesis is None or s.hypothesis_id == hypothesis)]
+    if as_json:
+        _print_json({"case_id": case_id, "steps": [asdict(s) for s in rows]})
+        return
+    if not rows:
+        which = [f"H{hypothesis}" if hypothesis else "",
+                 f"from step {first}" if first else "", f"to step {last}" if last else ""]
+        shown = " ".join(w for w in which if w)
+        out.print(f"{case_id}: no step{' ' + shown if shown else ''} "
+                  f"({len(history.steps)} step(s) in all)", highlight=False, markup=False)
+        return
+    for s in rows:
+        head, *details = step_lines(s)
+        out.print(Text(term(head), style="bold"), soft_wrap=True)
+        for line in details:
+            out.print(Text("    " + term(line)), soft_wrap=True)
+
+
+def step_lines(s: StepRow) -> list[str]:
+    """What ``investigate steps`` prints of step ``s`` (plain text, not yet escaped): a
+    head line, then one line for each thing the step has to tell."""
+    from investigation.report.history import selection_text
+
+    if s.closing_step:
+        what = "closing step (every account terminal)"
+    else:
+        what = " ".join(part for part in (
+            s.action or "", s.operation or "",
+            json.dumps(s.arguments, sort_keys=True, ensure_ascii=False)
+            if s.arguments not in (None, {}) else "") if part)
+    outcome = (s.outcome or "") + (f" ({s.reason})" if s.reason else "")
+    if not s.published:
+        outcome = "not published" + (f": {outcome}" if outcome else "")
+    hyp = f"H{s.hypothesis_id}" if s.hypothesis_id is not None else "-"
+    lines = ["  ".join(part for part in (f"step {s.seq}", hyp, what, outcome) if part)]
+    if selected := selection_text(s):
+        lines.append(f"selected: {selected}")
+    if s.evidence_id:
+        lines.append(f"found: {s.evidence_id}" + "".join(f", {f}" for f in s.found))
+    if s.test_request:
+        lines.append(f"test: {s.test_request}")
+    if s.confidence:
+        moved = f" (was {s.confidence_before})" if s.confidence_before \
+            and s.confidence_before != s.confidence else ""
+        cites = f"; cites {', '.join(s.cited_evidence)}" if s.cited_evidence else ""
+        lines.append(f"confidence: {s.confidence}{moved}{cites}")
+    if s.score is not None:
+        scored = f" {s.assessed_evidence}" if s.assessed_evidence else ""
+        reason = f": {s.score_reason}" if s.score_reason else ""
+        lines.append(f"assessed{scored}: {s.score}/100{reason}")
+    if s.note:
+        lines.append(f"note: {s.note}")
+    ids = s.new_question_ids or [None] * len(s.new_questions)
+    lines += [f"asks: {qid + ': ' if qid else ''}{q}"
+              for q, qid in zip(s.new_questions, ids, strict=True)]
+    if s.resolved_questions:
+        lines.append(f"resolves: {', '.join(s.resolved_questions)}")
+    if s.rejection_code:
+        lines.append(f"rejection: {s.rejection_code}: {s.rejection_detail or ''}")
+    if s.provider_errors:
+        label = "retried after" if s.model_answered else "provider"
+        lines.append(f"{label}: {', '.join(s.provider_errors)}")
+    figures = []
+    if s.charged_units or s.refunded_units:
+        moved_units = " ".join(part for part in (
+            f"-{s.charged_units}" if s.charged_units else "",
+            f"+{s.refunded_units}" if s.refunded_units else "") if part)
+        left = f" ({s.balance_after} left)" if s.balance_after is not None else ""
+        figures.append(f"units {moved_units}{left}")
+    if s.model_ms is not None:
+        took = f"{s.model_ms / 1000:.2f} s" if s.model_ms >= 1000 else f"{s.model_ms} ms"
+        figures.append(f"model {took}"
+                       + (f" ({s.attempts} attempts)" if s.attempts > 1 else ""))
+    if s.prompt_tokens is not None or s.completion_tokens is not None:
+        figures.append(f"tokens {s.prompt_tokens or 0} + {s.completion_tokens or 0}")
+    if figures:
+        lines.append("; ".join(figures))
+    return lines
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``report`` to the main app."""
+    """Add ``report`` and ``steps`` to the main app."""
     app.command("report", epilog=example(
         f"investigate report {EXAMPLE_CASE} -o report.html",
         f"investigate report {EXAMPLE_CASE} -o report.html --json"))(report_cmd)
+    app.command("steps", epilog=example(
+        f"investigate steps {EXAMPLE_CASE} --from 240 --to 260",
+        f"investigate steps {EXAMPLE_CASE} -H 2 --json"))(steps_cmd)
 
 
 def _runs(lines: list[LineVerdict]) -> Iterator[tuple[LineVerdict, LineVerdict | None]]:

@@ -29,6 +29,7 @@ from investigation.constants import ARTIFACT_RAW_RESULT
 from investigation.external_tests.coordinator import FEEDBACK_OPERATION
 from investigation.guidance import Guidance, for_case
 from investigation.llm.gateway import ATTEMPT_FAILED, ATTEMPT_REJECTED, ATTEMPT_SUCCEEDED
+from investigation.loop.scheduler import FIRST_TURN, HIGHEST_CONFIDENCE
 from investigation.operations import status
 from investigation.secrets import default_masker
 from investigation.store.engine import Store
@@ -110,6 +111,32 @@ class StepRow:
     #: (``scheduler.Selection.to_dict``); ``None`` for a step recorded before decision 166
     #: and for a closing step.
     selection: dict[str, Any] | None = None
+
+
+def selection_text(s: StepRow) -> str:
+    """Why the scheduler gave the step to its hypothesis (seed 000, "Deterministic cycle",
+    step 1), from the rule it recorded: ``first turn; H2 has not had one yet (lowest id
+    goes first)``, ``highest confidence of 3 active: weak``; ``""`` for a step recorded
+    without one (plain text: the report and ``investigate steps`` escape it)."""
+    sel = s.selection
+    if not isinstance(sel, dict):
+        return ""
+    tied = [f"H{i}" for i in sel.get("tied", []) if i != s.hypothesis_id]
+    others = ", ".join(tied)
+    if sel.get("rule") == FIRST_TURN:
+        waiting = "has" if len(tied) == 1 else "have"
+        text = "first turn" + (f"; {others} {waiting} not had one yet (lowest id goes first)"
+                               if tied else "")
+    elif sel.get("rule") == HIGHEST_CONFIDENCE:
+        if sel.get("active") == 1:
+            text = "the only active hypothesis"
+        else:
+            text = f"highest confidence of {sel.get('active')} active: {sel.get('confidence')}"
+            if others:
+                text += f", tied with {others} (lowest id goes first)"
+    else:
+        return ""
+    return text
 
 
 @dataclass

@@ -24,11 +24,10 @@ from typing import Any
 from investigation.evidence.figures import evidence_figures, records_text, scores_text
 from investigation.llm.spend import cost_text, partial_tokens_text, priced_total
 from investigation.loop.outcome import last_outcome_text
-from investigation.loop.scheduler import FIRST_TURN, HIGHEST_CONFIDENCE
 from investigation.operations import step_in_progress_text
 from investigation.report import svg
 from investigation.report.escape import html_attr, html_text
-from investigation.report.history import CaseHistory, StepRow
+from investigation.report.history import CaseHistory, StepRow, selection_text
 
 #: Findings quoted per evidence record in the page; the rest are in its artifact.
 MAX_ITEMS_SHOWN = 200
@@ -416,27 +415,10 @@ def _citations(h: CaseHistory) -> tuple[dict[int, StepRow], dict[str, list[int]]
 
 
 def _selection(s: StepRow) -> str:
-    """Why the scheduler gave the step to its hypothesis (seed 000, "Deterministic cycle",
-    step 1), from the rule it recorded; empty for a step recorded without one."""
-    sel = s.selection
-    if not isinstance(sel, dict):
-        return ""
-    tied = [f"H{i}" for i in sel.get("tied", []) if i != s.hypothesis_id]
-    others = ", ".join(tied)
-    if sel.get("rule") == FIRST_TURN:
-        waiting = "has" if len(tied) == 1 else "have"
-        text = "first turn" + (f"; {others} {waiting} not had one yet (lowest id goes first)"
-                               if tied else "")
-    elif sel.get("rule") == HIGHEST_CONFIDENCE:
-        if sel.get("active") == 1:
-            text = "the only active hypothesis"
-        else:
-            text = f"highest confidence of {sel.get('active')} active: {sel.get('confidence')}"
-            if others:
-                text += f", tied with {others} (lowest id goes first)"
-    else:
-        return ""
-    return f"<span class=muted>selected:</span> {_e(text)}"
+    """Why the scheduler gave the step to its hypothesis (:func:`selection_text`), labelled;
+    empty for a step recorded without one."""
+    text = selection_text(s)
+    return f"<span class=muted>selected:</span> {_e(text)}" if text else ""
 
 
 def _timeline(h: CaseHistory) -> list[str]:

@@ -206,6 +206,44 @@ def test_report_command(long_run: tuple[Case, Path], tmp_path: Path,
     assert res.exit_code == 0 and nested.stat().st_size > 0, res.output
 
 
+def test_steps_shows_the_step_table_in_the_terminal(
+        long_run: tuple[Case, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 500-step reader without a browser had no way to read step N but `export` and
+    the JSON files: `investigate steps` prints the report's step table, a range or one
+    hypothesis of it, as text or JSON."""
+    case, _ = long_run
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path / "home"))
+    from workers.cli import app
+
+    history = case_history(case.store, case.case_id)
+    cited = next(st for st in history.steps if st.cited_evidence and st.evidence_id
+                 and st.score is not None)
+    res = CliRunner().invoke(app, ["steps", case.case_id, "--from", str(cited.seq),
+                                   "--to", str(cited.seq + 1)])
+    assert res.exit_code == 0, res.output
+    heads = [line for line in res.output.splitlines() if line.startswith("step ")]
+    assert [h.split()[1] for h in heads] == [str(cited.seq), str(cited.seq + 1)]
+    assert heads[0].startswith(f"step {cited.seq}  H{cited.hypothesis_id}  {cited.action}")
+    block = res.output.split(heads[1])[0]
+    assert f"    found: {cited.evidence_id}, {cited.found[0]}" in block
+    assert f"; cites {', '.join(cited.cited_evidence)}" in block
+    assert f"    assessed {cited.assessed_evidence}: {cited.score}/100" in block
+    assert "    selected: " in block and f"    note: {cited.note}" in block
+    mine = [st.seq for st in history.steps if st.hypothesis_id == 2]
+    res = CliRunner().invoke(app, ["steps", case.case_id, "-H", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    shown = json.loads(res.stdout)
+    assert [row["seq"] for row in shown["steps"]] == mine
+    assert all(row["hypothesis_id"] == 2 for row in shown["steps"])
+    res = CliRunner().invoke(app, ["steps", case.case_id, "-H", "99"])
+    assert res.exit_code == 0 and "no step H99" in res.output, res.output
+    res = CliRunner().invoke(app, ["steps", case.case_id, "--from", "9", "--to", "3"])
+    assert res.exit_code == 2 and "is after --to 3" in res.output, res.output
+    res = CliRunner().invoke(app, ["steps", "case-0000000000000000"])
+    assert res.exit_code == 2 and "CASE_NOT_FOUND" in res.output
+
+
 def test_chromium_draws_the_report(long_run: tuple[Case, Path], tmp_path: Path) -> None:
     chromium = need_browser()
     from playwright.sync_api import sync_playwright
