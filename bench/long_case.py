@@ -507,8 +507,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
               f"{last_step} {at_end / 1000:.1f} KB; step {last_step} / step 100 "
               f"{figures['request_ratio']:.2f}x   (no target; the context's evidence part "
               "levels off once its windows are full; the questions listed grow by one "
-              "every 15 turns of a hypothesis, at most 25 each, about 11 each in 500 "
-              "steps)")
+              "every 15 turns of a hypothesis, at most 25 each)")
     print("artifact bytes as read back, by kind (MB):  " + "  ".join(
         f"{k} {v / 1e6:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
     if rss:
