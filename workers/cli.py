@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import shlex
 import sys
 from collections.abc import Callable, Iterable
@@ -84,10 +85,34 @@ case_app = typer.Typer(help="Build and register case packages.", no_args_is_help
                                       "investigate case add case.zip --interpretation "
                                       "interpretation.json --hypotheses hypotheses.json"))
 app.add_typer(case_app, name="case")
+#: Exit code when the reader of the output went away (``investigate steps CASE | head``):
+#: 128 + SIGPIPE, as a tool the signal ends exits; never 1, which says "blocked" (Rich's
+#: own exit, a hostile trial).
+PIPE_CLOSED_EXIT = 141
+
+
+def _pipe_closed() -> NoReturn:
+    """End the command quietly with :data:`PIPE_CLOSED_EXIT`, stdout pointed at the null
+    device so that nothing more is written to the closed pipe at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (a test's captured stdout)
+        pass
+    raise SystemExit(PIPE_CLOSED_EXIT)
+
+
+class _Console(Console):
+    """Rich's console, but a closed pipe ends the command with :data:`PIPE_CLOSED_EXIT`."""
+
+    def on_broken_pipe(self) -> None:
+        _pipe_closed()
+
+
 # No emoji codes: data printed with markup off still had ":skull:" and ":lock:" (in a
 # Redis key name) turned into pictures (a hostile-input trial).
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160, emoji=False)
-err = Console(stderr=True, soft_wrap=True, emoji=False)
+out = _Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160, emoji=False)
+err = _Console(stderr=True, soft_wrap=True, emoji=False)
 
 #: Help of every ``CASE`` argument and ``--json`` option.
 CASE_HELP = "the case id that `investigate case add` printed, e.g. " + EXAMPLE_CASE
@@ -184,6 +209,8 @@ def _fail_on_library_error(exc: Exception) -> None:
     if isinstance(exc, _loaded("kombu.exceptions", "OperationalError")):
         _fail("BROKER_UNAVAILABLE", f"the broker cannot be reached: {_first_line(exc)}; "
               "check INVESTIGATE_BROKER_URL")
+    if isinstance(exc, BrokenPipeError):  # JSON written to a reader that went away
+        _pipe_closed()
     if isinstance(exc, OSError):
         _fail("IO_ERROR", f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
     if isinstance(exc, UnicodeError):  # an argument or file that is not text

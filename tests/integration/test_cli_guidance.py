@@ -159,6 +159,28 @@ def test_a_provider_block_is_said_once_on_runs_output(cli: Case, tmp_path: Path)
     assert "WARNING" not in ran.stderr and "llm operation" not in ran.stderr, ran.stderr
 
 
+def test_output_whose_reader_went_away_is_never_exit_1(cli: Case, tmp_path: Path) -> None:
+    """`investigate steps CASE | head -1` exited 1, which says "the case is blocked", with
+    no message (Rich's own exit on a broken pipe; a hostile trial): it is 141, 128 +
+    SIGPIPE, as a tool that signal ends, and quiet."""
+    import subprocess
+    import sys
+
+    assert invoke("run", cli.case_id, "--providers", str(cli.providers_path)).exit_code == 1
+    exe = str(Path(sys.executable).with_name("investigate"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+    env.update(INVESTIGATE_HOME=str(tmp_path / "home"),
+               INVESTIGATE_DATABASE_URL=cli.store.url)
+    for command in (["steps", cli.case_id], ["cases"]):
+        # The reader goes away before the command writes (it imports for a second first).
+        proc = subprocess.Popen([exe, *command], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env)
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 141 and stderr == "", (command, stderr)
+
+
 def test_status_watch_without_a_terminal_prints_changes_and_stops(
         cli: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     assert invoke("run", cli.case_id, "--providers", str(cli.providers_path)).exit_code == 1
