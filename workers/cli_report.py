@@ -124,7 +124,7 @@ def steps_cmd(
 def step_lines(s: StepRow) -> list[str]:
     """What ``investigate steps`` prints of step ``s`` (plain text, not yet escaped): a
     head line, then one line for each thing the step has to tell."""
-    from investigation.report.history import selection_text
+    from investigation.report.history import selection_text, step_tokens_text
 
     if s.closing_step:
         what = "closing step (every account terminal)"
@@ -176,8 +176,8 @@ def step_lines(s: StepRow) -> list[str]:
         took = f"{s.model_ms / 1000:.2f} s" if s.model_ms >= 1000 else f"{s.model_ms} ms"
         figures.append(f"model {took}"
                        + (f" ({s.attempts} attempts)" if s.attempts > 1 else ""))
-    if s.prompt_tokens is not None or s.completion_tokens is not None:
-        figures.append(f"tokens {s.prompt_tokens or 0} + {s.completion_tokens or 0}")
+    if tokens := step_tokens_text(s):
+        figures.append(f"tokens {tokens}")
     if figures:
         lines.append("; ".join(figures))
     return lines

@@ -45,8 +45,10 @@ def facts_text(facts: dict[str, Any] | None) -> str:
     if facts.get("model_ms") is not None:
         parts.append(f"model {facts['model_ms'] / 1000:.1f} s")
     if facts.get("prompt_tokens") is not None or facts.get("completion_tokens") is not None:
-        parts.append(f"tokens {facts.get('prompt_tokens') or 0} + "
-                     f"{facts.get('completion_tokens') or 0}")
+        # A count no server reported is "?", not 0 (a hostile trial).
+        parts.append("tokens " + " + ".join(
+            "?" if facts.get(k) is None else str(facts[k])
+            for k in ("prompt_tokens", "completion_tokens")))
     return "; " + ", ".join(parts) if parts else ""
 
 
@@ -90,7 +92,7 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
     """Model calls, attempts, tokens and cost per hypothesis (``llm.spend``) and, with more
     than one row, their total; or None. Costs are labelled with the currency the case's
     attempts recorded (``model_usage.currency``), else ``currency``."""
-    from investigation.llm.spend import cost_text, partial_tokens_text, priced_total
+    from investigation.llm.spend import cost_text, priced_total, token_cells
 
     currency = info.get("model_usage", {}).get("currency") or currency
     usage = info.get("model_usage", {}).get("hypotheses") or []
@@ -102,27 +104,18 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
     for u in usage:
         # No server reported a count (a scripted provider, a server without `usage`): a
         # 0 there read as a free model (a reader's trial).
-        reported = u["tokens_reported"]
         # Some answered calls came without counts: the sums are partial (a reader's trial
         # added them up as the whole). A failed attempt has no reply to count.
-        partial = partial_tokens_text(reported, u["calls"])
         table.add_row("unrecorded" if u["hypothesis_id"] is None else str(u["hypothesis_id"]),
-                      str(u["calls"]), _attempts_cell(u),
-                      f"{u['prompt_tokens']}{partial}" if reported else "not reported",
-                      f"{u['completion_tokens']}{partial}" if reported else "not reported",
+                      str(u["calls"]), _attempts_cell(u), *token_cells([u]),
                       cost_text(u["cost_micros"], currency))
     if len(usage) > 1:
         # The case's total (an engineer reading a long case added four rows by hand; only
         # status --json had it).
-        reported = sum(u["tokens_reported"] for u in usage)
-        calls = sum(u["calls"] for u in usage)
-        partial = partial_tokens_text(reported, calls)  # (a 500-step reader's trial)
+        # Partial sums say so here too (a 500-step reader's trial).
         table.add_section()
-        table.add_row("total", str(calls), str(sum(u["attempts"] for u in usage)),
-                      f"{sum(u['prompt_tokens'] for u in usage)}{partial}" if reported
-                      else "not reported",
-                      f"{sum(u['completion_tokens'] for u in usage)}{partial}" if reported
-                      else "not reported",
+        table.add_row("total", str(sum(u["calls"] for u in usage)),
+                      str(sum(u["attempts"] for u in usage)), *token_cells(usage),
                       cost_text(priced_total(usage), currency))
     return table
 

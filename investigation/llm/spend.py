@@ -226,18 +226,23 @@ def usage_by_hypothesis(s: Session, case_id: str) -> dict[int | None, dict[str, 
     ``awaiting_answer`` (of those, sent and not answered yet: a call in flight, or one
     whose process died, closed when its grace runs out), ``prompt_tokens``, ``completion_tokens`` (sums of what servers reported),
     ``tokens_reported`` (attempts whose server reported a count: 0 means the token sums
-    say nothing, as with a scripted provider) and ``cost_micros`` (``None`` when no
+    say nothing, as with a scripted provider), ``prompt_tokens_reported`` and
+    ``completion_tokens_reported`` (the same for each count alone: a server may report
+    one and not the other) and ``cost_micros`` (``None`` when no
     attempt was priced: null in ``status --json``, where a reader took -1 for an amount)."""
     rows = s.connection().execute(_USAGE, {"case_id": case_id}).all()
     out: dict[int | None, dict[str, Any]] = {}
     for hid, status, prompt, completion, cost in rows:
         entry = out.setdefault(hid, {"calls": 0, "attempts": 0, "awaiting_answer": 0,
                                      "prompt_tokens": 0, "completion_tokens": 0,
-                                     "tokens_reported": 0, "cost_micros": None})
+                                     "tokens_reported": 0, "prompt_tokens_reported": 0,
+                                     "completion_tokens_reported": 0, "cost_micros": None})
         entry["attempts"] += 1
         entry["calls"] += status == "succeeded"
         entry["awaiting_answer"] += status == "sent"
         entry["tokens_reported"] += prompt is not None or completion is not None
+        entry["prompt_tokens_reported"] += prompt is not None
+        entry["completion_tokens_reported"] += completion is not None
         entry["prompt_tokens"] += prompt or 0
         entry["completion_tokens"] += completion or 0
         if cost is not None:
@@ -249,6 +254,23 @@ def partial_tokens_text(reported: int, calls: int) -> str:
     """`` (246 of 247 calls)`` after a token sum when some answered calls came without
     counts (the sum is partial: readers took it for the whole), else ``""``."""
     return f" ({reported} of {calls} calls)" if 0 < reported < calls else ""
+
+
+def token_cells(usage: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
+    """The prompt and the completion token sums over :func:`usage_by_hypothesis` entries,
+    as the status, summary and report show them: ``"not reported"`` when no server
+    reported that count (a scripted provider: never a 0), else the sum, followed by
+    :func:`partial_tokens_text` of the calls that reported that very count (a server may
+    report one count and not the other: a hostile trial read "(1 of 3 calls)" under a
+    column no call had reported)."""
+    rows = list(usage)
+    calls = sum(int(u["calls"]) for u in rows)
+    cells = []
+    for name in ("prompt_tokens", "completion_tokens"):
+        reported = sum(int(u.get(f"{name}_reported", u["tokens_reported"])) for u in rows)
+        cells.append(f"{sum(int(u[name]) for u in rows)}"
+                     f"{partial_tokens_text(reported, calls)}" if reported else "not reported")
+    return cells[0], cells[1]
 
 
 def format_money(micros: int, currency: str) -> str:

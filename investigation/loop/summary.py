@@ -263,14 +263,13 @@ def _model_usage(s: Session, case_id: str, hypotheses: list[int], currency: str)
     keys: list[int | None] = [*hypotheses, *([None] if None in usage else [])]
     for hid in keys:
         u = usage.get(hid, {"calls": 0, "attempts": 0, "prompt_tokens": 0,
-                            "completion_tokens": 0, "tokens_reported": 0, "cost_micros": None})
+                            "completion_tokens": 0, "tokens_reported": 0,
+                            "prompt_tokens_reported": 0, "completion_tokens_reported": 0,
+                            "cost_micros": None})
         cost = plain(spend.cost_text(u["cost_micros"], currency))
-        # Attempts whose servers reported no count (a scripted provider): not a 0.
-        silent = u["attempts"] > 0 and not u["tokens_reported"]
-        # Some answered calls without counts: the sums are partial (as `status` says).
-        partial = spend.partial_tokens_text(u["tokens_reported"], u["calls"])
-        prompt, completion = ("not reported", "not reported") if silent else (
-            f"{u['prompt_tokens']}{partial}", f"{u['completion_tokens']}{partial}")
+        # Attempts whose servers reported no count (a scripted provider): not a 0; a sum
+        # some answered calls have no count in is partial, and says so (as `status`).
+        prompt, completion = spend.token_cells([u]) if u["attempts"] else ("0", "0")
         out.append(f"| {'unrecorded' if hid is None else hid} | {u['calls']} | "
                    f"{u['attempts']} | {prompt} | {completion} | {cost} |")
     return [*out, ""]

@@ -22,12 +22,17 @@ from collections import defaultdict
 from typing import Any
 
 from investigation.evidence.figures import evidence_figures, records_text, scores_text
-from investigation.llm.spend import cost_text, partial_tokens_text, priced_total
+from investigation.llm.spend import cost_text, priced_total, token_cells
 from investigation.loop.outcome import last_outcome_text
 from investigation.operations import step_in_progress_text
 from investigation.report import svg
 from investigation.report.escape import html_attr, html_text
-from investigation.report.history import CaseHistory, StepRow, selection_text
+from investigation.report.history import (
+    CaseHistory,
+    StepRow,
+    selection_text,
+    step_tokens_text,
+)
 
 #: Findings quoted per evidence record in the page; the rest are in its artifact.
 MAX_ITEMS_SHOWN = 200
@@ -144,9 +149,7 @@ def _ms(ms: int | None) -> str:
 
 
 def _tokens(step: StepRow) -> str:
-    if step.prompt_tokens is None and step.completion_tokens is None:
-        return ""
-    return f"{step.prompt_tokens or 0} + {step.completion_tokens or 0}"
+    return _e(step_tokens_text(step))
 
 
 def _found(step: StepRow, line: str) -> str:
@@ -211,21 +214,19 @@ def _cost(status: dict[str, Any], currency: str) -> str:
                      currency)
 
 
-def _partial_tokens(status: dict[str, Any]) -> str:
-    """`` (246 of 247 calls)`` when some answered calls came without token counts, as
-    ``status`` and summary.md say (a 500-step reader took the report's sum for the whole)."""
+def _tokens_fact(status: dict[str, Any]) -> str:
+    """``prompt + completion`` over the case's calls, each ``not reported`` or partial
+    (`` (246 of 247 calls)``) as ``status`` and summary.md show it (a 500-step reader took
+    the report's sum for the whole; ``llm.spend.token_cells``)."""
     usage = status.get("model_usage", {}).get("hypotheses", [])
-    return partial_tokens_text(sum(u["tokens_reported"] for u in usage),
-                               sum(u["calls"] for u in usage))
+    if not any(u["tokens_reported"] for u in usage):
+        return "not reported"
+    return " + ".join(token_cells(usage))
 
 
 def _overview(h: CaseHistory) -> list[str]:
     st = h.status
     total_ms = sum(s.model_ms or 0 for s in h.steps)
-    prompt = sum(s.prompt_tokens or 0 for s in h.steps)
-    completion = sum(s.completion_tokens or 0 for s in h.steps)
-    any_tokens = any(s.prompt_tokens is not None or s.completion_tokens is not None
-                     for s in h.steps)
     rejected = sum(1 for s in h.steps if s.rejection_code)
     figures = evidence_figures(h.evidence)
     facts = [
@@ -243,8 +244,7 @@ def _overview(h: CaseHistory) -> list[str]:
         ("assessment scores", scores_text(figures)),
         ("open questions", st["open_questions"]),
         ("model time", _ms(total_ms) or "0 ms"),
-        ("tokens (prompt + completion)",
-         f"{prompt} + {completion}{_partial_tokens(st)}" if any_tokens else "not reported"),
+        ("tokens (prompt + completion)", _tokens_fact(st)),
         # The money the status table shows per hypothesis, in all (an engineer reading a
         # long case found no cost anywhere in the page).
         ("model cost", _cost(st, h.currency)),

@@ -379,6 +379,7 @@ def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> 
     # (no reply to count) do not make a sum partial.
     for calls, attempts, shown in ((3, 3, "40 (1 of 3 calls)"), (1, 3, "40 ")):
         partial = [{**usage[0], "tokens_reported": 1, "calls": calls, "attempts": attempts,
+                    "prompt_tokens_reported": 1, "completion_tokens_reported": 1,
                     "prompt_tokens": 40, "completion_tokens": 5}]
         table = model_usage_table({"model_usage": {"hypotheses": partial}}, "USD")
         assert table is not None
@@ -395,6 +396,7 @@ def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> 
     from investigation.report.html import render as render_report
 
     two = [{**usage[0], "hypothesis_id": 1, "tokens_reported": 2, "calls": 2,
+            "prompt_tokens_reported": 2, "completion_tokens_reported": 2,
             "prompt_tokens": 40, "completion_tokens": 5},
            {**usage[0], "hypothesis_id": 2, "tokens_reported": 0, "calls": 1}]
     table = model_usage_table({"model_usage": {"hypotheses": two}}, "USD")
@@ -403,6 +405,16 @@ def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> 
     screen.print(table)
     total = next(line for line in screen.export_text().splitlines() if "total" in line)
     assert "40 (2 of 3 calls)" in total and "5 (2 of 3 calls)" in total, total
+    # A server that reports one count and not the other: each column says of how many
+    # calls it holds counts (a hostile trial read "(1 of 3 calls)" under a column no call
+    # had reported).
+    from investigation.llm.spend import token_cells
+
+    halves = {**two[0], "calls": 3, "tokens_reported": 2, "prompt_tokens_reported": 1,
+              "completion_tokens_reported": 2}
+    assert token_cells([halves]) == ("40 (1 of 3 calls)", "5 (2 of 3 calls)")
+    assert token_cells([{**halves, "prompt_tokens_reported": 0, "prompt_tokens": 0}]) == \
+        ("not reported", "5 (2 of 3 calls)")
     with case.store.session() as s:
         s.execute(sql("UPDATE llm_attempt SET prompt_tokens = 40, completion_tokens = 5 "
                       "WHERE id = (SELECT min(id) FROM llm_attempt WHERE status = "
@@ -419,7 +431,7 @@ def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> 
     assert f"| 40 (1 of {calls} calls) | 5 (1 of {calls} calls) |" in shown_row, shown_row
     total_calls = sum(u["calls"] for u in usage)
     page = render_report(case_history(case.store, case.case_id))
-    assert f"40 + 5 (1 of {total_calls} calls)" in page
+    assert f"40 (1 of {total_calls} calls) + 5 (1 of {total_calls} calls)" in page
 
 
 def test_status_says_which_attempts_await_their_answer(rig: Rig) -> None:
