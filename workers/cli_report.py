@@ -101,6 +101,12 @@ def steps_cmd(
     settings = _settings()
     history = case_history(_store(settings, existing=True), case_id,
                            currency=_currency(settings))
+    if hypothesis is not None and hypothesis not in history.statements:
+        from investigation.errors import InvestigationError
+
+        raise InvestigationError(
+            "HYPOTHESIS_NOT_FOUND", f"{case_id} has no hypothesis H{hypothesis}; its "
+            f"hypotheses: {', '.join(f'H{i}' for i in sorted(history.statements))}")
     rows = [s for s in history.steps
             if (first is None or s.seq >= first) and (last is None or s.seq <= last)
             and (hypothesis is None or s.hypothesis_id == hypothesis)]
@@ -126,18 +132,27 @@ def step_lines(s: StepRow) -> list[str]:
     head line, then one line for each thing the step has to tell."""
     from investigation.report.history import selection_text, step_tokens_text
 
+    arguments = json.dumps(s.arguments, sort_keys=True, ensure_ascii=False) \
+        if s.arguments not in (None, {}) else ""
     if s.closing_step:
         what = "closing step (every account terminal)"
     else:
-        what = " ".join(part for part in (
-            s.action or "", s.operation or "",
-            json.dumps(s.arguments, sort_keys=True, ensure_ascii=False)
-            if s.arguments not in (None, {}) else "") if part)
+        # A query's arguments on the head line; a finish's or reject's reason (up to 4000
+        # characters) or a test request on their own line, below it (the outcome was at
+        # the end of a very long line, a hostile trial).
+        inline = arguments if s.action == "query" else ""
+        what = " ".join(part for part in (s.action or "", s.operation or "", inline)
+                        if part)
     outcome = (s.outcome or "") + (f" ({s.reason})" if s.reason else "")
     if not s.published:
         outcome = "not published" + (f": {outcome}" if outcome else "")
     hyp = f"H{s.hypothesis_id}" if s.hypothesis_id is not None else "-"
     lines = ["  ".join(part for part in (f"step {s.seq}", hyp, what, outcome) if part)]
+    if arguments and s.action != "query" and not s.closing_step:
+        reason = s.arguments.get("reason") if isinstance(s.arguments, dict) \
+            and set(s.arguments) == {"reason"} else None
+        lines.append(f"reason: {reason}" if isinstance(reason, str)
+                     else f"arguments: {arguments}")
     if selected := selection_text(s):
         lines.append(f"selected: {selected}")
     if s.evidence_id:
@@ -147,7 +162,8 @@ def step_lines(s: StepRow) -> list[str]:
     if s.confidence:
         moved = f" (was {s.confidence_before})" if s.confidence_before \
             and s.confidence_before != s.confidence else ""
-        cites = f"; cites {', '.join(s.cited_evidence)}" if s.cited_evidence else ""
+        cites = f"; cites {', '.join(dict.fromkeys(s.cited_evidence))}" \
+            if s.cited_evidence else ""
         lines.append(f"confidence: {s.confidence}{moved}{cites}")
     if s.score is not None:
         scored = f" {s.assessed_evidence}" if s.assessed_evidence else ""

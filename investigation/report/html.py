@@ -108,7 +108,8 @@ footer{color:var(--muted);font-size:12px;padding:20px 28px}
 contain-intrinsic-size:auto 900px}
 html{scroll-padding-top:34px}
 section[id],h2,details.ev,tr[id]{scroll-margin-top:6px}
-.scroll tr[id]{scroll-margin-top:64px}
+.scroll.tall tr[id]{scroll-margin-top:64px}
+tr[id]:target>td{background:#fff8e1}
 details.ev:target{outline:2px solid var(--accent)}
 details.ev:target::details-content{content-visibility:visible;display:block}
 @media print{
@@ -398,7 +399,8 @@ def _cites(evidence_ids: list[str]) -> str:
     """``cites E3, E7`` (links to the records), or nothing."""
     if not evidence_ids:
         return ""
-    return f"<br><span class=muted>cites {', '.join(map(_ev_link, evidence_ids))}</span>"
+    shown = dict.fromkeys(evidence_ids)  # a reply may cite a record twice
+    return f"<br><span class=muted>cites {', '.join(map(_ev_link, shown))}</span>"
 
 
 def _citations(h: CaseHistory) -> tuple[dict[int, StepRow], dict[str, list[int]]]:

@@ -187,8 +187,10 @@ def check_url(url: str) -> None:
         raise unreadable from None
     if "@" in (parsed.host or "") or "@" in (parsed.database or ""):
         raise unreadable
-    backend, _, driver = parsed.drivername.partition("+")
-    if (backend, driver or DEFAULT_DRIVERS.get(backend)) not in STORE_DRIVERS:
+    backend, plus, driver = parsed.drivername.partition("+")
+    # ``postgresql+://`` names an empty driver, not the default one (SQLAlchemy then
+    # failed with "Can't load plugin", a hostile trial).
+    if (backend, driver if plus else DEFAULT_DRIVERS.get(backend)) not in STORE_DRIVERS:
         raise StoreError("STORE_URL_INVALID",
                          f"the store URL names a database or driver this engine does not "
                          f"use ({escape_text(parsed.drivername)[:60]}); the store is SQLite "

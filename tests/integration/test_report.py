@@ -237,7 +237,19 @@ def test_steps_shows_the_step_table_in_the_terminal(
     assert [row["seq"] for row in shown["steps"]] == mine
     assert all(row["hypothesis_id"] == 2 for row in shown["steps"])
     res = CliRunner().invoke(app, ["steps", case.case_id, "-H", "99"])
-    assert res.exit_code == 0 and "no step H99" in res.output, res.output
+    assert res.exit_code == 2 and "HYPOTHESIS_NOT_FOUND" in res.output, res.output
+    assert f"its hypotheses: {', '.join(f'H{i}' for i in sorted(history.statements))}" \
+        in " ".join(res.output.split())
+    last_step = history.steps[-1].seq
+    res = CliRunner().invoke(app, ["steps", case.case_id, "--from", str(last_step + 1)])
+    assert res.exit_code == 0 and f"no step from step {last_step + 1}" in res.output
+    # A finish's reason is a line of its own, below the head line with the outcome.
+    closing = next(st for st in history.steps if st.action == "finish")
+    res = CliRunner().invoke(app, ["steps", case.case_id, "--from", str(closing.seq),
+                                   "--to", str(closing.seq)])
+    head, reason = res.output.splitlines()[:2]
+    assert head.endswith(closing.outcome or "-") and "reason" not in head, head
+    assert reason == f"    reason: {closing.arguments['reason']}", reason
     res = CliRunner().invoke(app, ["steps", case.case_id, "--from", "9", "--to", "3"])
     assert res.exit_code == 2 and "is after --to 3" in res.output, res.output
     res = CliRunner().invoke(app, ["steps", "case-0000000000000000"])
@@ -466,7 +478,9 @@ def test_the_report_shows_the_evidence_each_decision_cites(
         else:
             assert f'; cited at {len(steps)} steps: <a href="#step-{steps[0]}">' \
                 f'{steps[0]}</a>, ' in summary
-    from investigation.report.html import MAX_CITING_STEPS, _cited_line
+    from investigation.report.html import MAX_CITING_STEPS, _cited_line, _cites
+
+    assert _cites(["E1", "E1", "E2"]).count("E1</a>") == 1  # a reply may cite one twice
 
     many = _cited_line(list(range(1, MAX_CITING_STEPS + 3)))
     assert many.startswith(f'; cited at {MAX_CITING_STEPS + 2} steps: <a href="#step-1">1</a>')

@@ -61,7 +61,9 @@ def test_a_database_the_engine_does_not_use_is_an_invalid_store_url() -> None:
 
     for url, named in (("mysql://root:hunter2@127.0.0.1/test", "(mysql)"),
                        ("postgresql+psycopg2://u:hunter2@h/db", "(postgresql+psycopg2)"),
-                       ("mssql+pyodbc://u@dsn", "(mssql+pyodbc)")):
+                       ("mssql+pyodbc://u@dsn", "(mssql+pyodbc)"),
+                       ("postgresql+://u:hunter2@h/db", "(postgresql+)"),
+                       ("sqlite+:///x.db", "(sqlite+)")):
         with pytest.raises(StoreError) as refused:
             check_url(normalise_url(url))
         assert refused.value.code == "STORE_URL_INVALID"
