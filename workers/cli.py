@@ -162,6 +162,30 @@ def _controlled(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+#: The log format :func:`_setup_logging` set up (``text`` until it runs).
+_log_format = "text"
+#: Whether the command running is a long-running service (worker, beat, Flower, the
+#: metrics exporter: :func:`_service`), whose error at start is a log line of its format.
+_SERVICE: ContextVar[bool] = ContextVar("investigate_service", default=False)
+
+
+def _service(fn: F) -> F:
+    """Mark a command (wrapped by :func:`_controlled`, below this) as a long-running
+    service: with INVESTIGATE_LOG_FORMAT=json the error that stops it at start is a JSON
+    log line, as everything else it writes to stderr (a worker that could not reach its
+    lock Redis wrote the one plain line of its output, a hostile trial)."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        token = _SERVICE.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _SERVICE.reset(token)
+
+    return wrapper  # type: ignore[return-value]
+
+
 def _loaded(module: str, name: str) -> type[BaseException]:
     """The exception class ``module.name`` if that module was imported, else a class no
     exception is an instance of: an error of a library this process never imported cannot
@@ -256,9 +280,17 @@ def _print_error(code: str, message: str, exit_code: int, as_json: bool,
                  extra: dict[str, Any] | None = None) -> None:
     """Print ``error CODE: message`` on stderr; with ``as_json`` also
     ``{"error": {"code", "message", "exit_code", **extra}}`` on stdout, so a caller that
-    parses stdout gets the code without reading stderr."""
-    err.print("[bold red]error[/] ", end="", markup=True)
-    err.print(_term(f"{code}: {message}"), markup=False, highlight=False)
+    parses stdout gets the code without reading stderr. A service logging JSON
+    (:func:`_service`) writes it as a JSON log line with ``code`` and ``exit_code``."""
+    if _SERVICE.get() and _log_format == "json":
+        from workers import logs
+
+        sys.stderr.write(logs.one_line("json", logging.ERROR, f"{code}: {message}",
+                                       code=code, exit_code=exit_code) + "\n")
+        sys.stderr.flush()
+    else:
+        err.print("[bold red]error[/] ", end="", markup=True)
+        err.print(_term(f"{code}: {message}"), markup=False, highlight=False)
     if as_json:
         error = {"error": {"code": code, "message": message, "exit_code": exit_code,
                            **(extra or {})}}
@@ -1096,12 +1128,10 @@ def _reflow_help(command: Any) -> None:
 #: Whether :func:`main` left the logging of this process to the command it runs
 #: (:func:`_setup_logging`): ``--help``, ``--version`` and completions load no settings.
 _logging_pending = False
-
-
 def _setup_logging() -> None:
     """Configure this process's logging from INVESTIGATE_LOG_FORMAT (``workers.logs``),
     once, when :func:`main` asked for it, before a command's body runs."""
-    global _logging_pending
+    global _logging_pending, _log_format
     if not _logging_pending:
         return
     _logging_pending = False
@@ -1111,8 +1141,12 @@ def _setup_logging() -> None:
     try:
         fmt = load_settings().log_format
     except Exception:  # reported as one line by the command that needs the settings
-        fmt = "text"
+        # ... in the format asked for, if that setting alone can be read.
+        asked = next((v for k, v in os.environ.items()
+                      if k.upper() == "INVESTIGATE_LOG_FORMAT"), "")
+        fmt = "json" if asked.strip().lower() == "json" else "text"
     logs.setup(fmt, logging.WARNING)
+    _log_format = fmt
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from workers.cli import (
     JsonOpt,
     _controlled,
     _fleet_shell,
+    _service,
     _settings,
     _store,
     _term,
@@ -43,6 +44,23 @@ if TYPE_CHECKING:
 
 db_app = typer.Typer(help="The store's schema migrations (Alembic).", no_args_is_help=True,
                      epilog=example("investigate db current", "investigate db upgrade"))
+
+
+#: The log levels Celery's ``--loglevel`` takes.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    """``--loglevel`` in any letter case, checked here: Celery's own check raised from
+    inside the command, an INTERNAL_ERROR with a traceback (a hostile trial)."""
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise typer.BadParameter(f"{value!r}: use {', '.join(LOG_LEVELS)}")
+    return level
+
+
+LogLevelOpt = Annotated[str, typer.Option(
+    "--loglevel", callback=_log_level, help="DEBUG, INFO, WARNING, ERROR or CRITICAL")]
 
 
 def register(app: typer.Typer) -> None:
@@ -101,6 +119,7 @@ def _refuse_taken_name(settings: Settings, nodename: str) -> None:
                                  "one with another -n NAME@%h")
 
 
+@_service
 @_controlled
 def worker(
     name: Annotated[str | None, typer.Option(
@@ -110,8 +129,7 @@ def worker(
         "--concurrency", "-c", min=1, help="worker processes (prefork children)")] = 2,
     queue: Annotated[str | None, typer.Option(
         "--queue", "-Q", help="the case queue (default INVESTIGATE_QUEUE, 'cases')")] = None,
-    loglevel: Annotated[str, typer.Option(
-        "--loglevel", help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+    loglevel: LogLevelOpt = "INFO",
     pool: Annotated[str, typer.Option("--pool", help="prefork or solo")] = "prefork",
     beat: Annotated[bool, typer.Option(
         "--beat", help="also run the periodic recovery sweep (start exactly one such worker, "
@@ -168,8 +186,12 @@ def worker(
         safe = re.sub(r"[^A-Za-z0-9_.@-]", "_", nodename)
         metrics.enable_multiprocess((settings.home / "metrics" / safe).resolve())
         port = metrics.serve_worker(metrics_port, metrics_address)
-        err.print(f"metrics on http://{_url_host(metrics_address)}:{port}/metrics",
-                  highlight=False)
+        from workers import logs
+
+        url = f"http://{_url_host(metrics_address)}:{port}/metrics"
+        sys.stderr.write(logs.one_line(settings.log_format, logging.INFO, f"metrics on {url}",
+                                       logger="workers.worker", metrics=url) + "\n")
+        sys.stderr.flush()
     from workers.celery_app import app as celery_app
     from workers.celery_app import configure
 
@@ -231,25 +253,21 @@ def _check_runtime(settings: Settings) -> None:
     from workers.settings import deployment_identity
 
     identity = deployment_identity(settings)
-    line = f"store {identity['store']}; case locks {identity['locks']}"
-    if settings.log_format == "json":
-        # A log pipeline reads each line of a JSON-logging worker's stderr as an object:
-        # this one was the only plain line of its start (an earlier trial).
-        from workers import logs
+    # A log line like the worker's others: a time and a level in text logs, an object
+    # with `store` and `locks` in JSON logs (a plain line, two trials).
+    from workers import logs
 
-        record = logging.makeLogRecord({
-            "name": "workers.worker", "levelno": logging.INFO, "levelname": "INFO",
-            "msg": line, "store": identity["store"], "locks": identity["locks"]})
-        sys.stderr.write(logs.formatter("json").format(record) + "\n")
-        sys.stderr.flush()
-        return
-    err.print(line, highlight=False, markup=False, soft_wrap=True)
+    sys.stderr.write(logs.one_line(
+        settings.log_format, logging.INFO,
+        f"store {identity['store']}; case locks {identity['locks']}",
+        logger="workers.worker", store=identity["store"], locks=identity["locks"]) + "\n")
+    sys.stderr.flush()
 
 
+@_service
 @_controlled
 def beat(
-    loglevel: Annotated[str, typer.Option(
-        "--loglevel", help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+    loglevel: LogLevelOpt = "INFO",
     schedule: Annotated[Path | None, typer.Option(
         "--schedule", help="beat's state file (default INVESTIGATE_HOME/celerybeat-schedule)"
     )] = None,
@@ -312,6 +330,7 @@ def _login_entry(entry: str) -> bool:
     return bool(colon and user.strip() and password.strip())
 
 
+@_service
 @_controlled
 def flower(
     port: Annotated[int, typer.Option("--port", min=1, max=65535,
@@ -364,6 +383,7 @@ def flower(
     celery_app.start(argv)
 
 
+@_service
 @_controlled
 def metrics_cmd(
     port: Annotated[int, typer.Option(

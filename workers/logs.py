@@ -174,6 +174,19 @@ def formatter(fmt: str) -> logging.Formatter:
     raise ValueError(f"log format {fmt!r}: use text or json")
 
 
+def one_line(fmt: str, level: int, message: str, logger: str = "workers.cli",
+             **fields: Any) -> str:
+    """``message`` as one log line of format ``fmt`` (``text`` or ``json``), with
+    ``fields`` (JSON keys), written by a process before or without its logging: what a
+    service prints at its start and the error that stops it (a log pipeline reads each
+    line of a JSON-logging worker's stderr as an object; two trials found plain ones)."""
+    record = logging.makeLogRecord({"name": logger, "levelno": level,
+                                    "levelname": logging.getLevelName(level),
+                                    "msg": message, **fields})
+    EscapingLogFilter().filter(record)  # as every handler of setup() escapes
+    return formatter(fmt).format(record)
+
+
 def setup(fmt: str = "text", level: str | int = "WARNING", stream: Any = None) -> None:
     """Configure the root logger of this process: one stream handler (stderr by default)
     with the context filter and the ``fmt`` formatter. Calling it again replaces it."""

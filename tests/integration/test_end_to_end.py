@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -604,6 +607,15 @@ def test_a_worker_that_could_not_run_a_stage_is_refused_before_it_joins_the_queu
         res = CliRunner().invoke(app, ["worker"])
         assert res.exit_code == 2 and "REDIS_UNAVAILABLE" in res.output, res.output
         assert not worker_main.called
+        # A worker logging JSON says so in a JSON line: the one plain line of its output
+        # was the error that stopped it (a hostile trial).
+        monkeypatch.setenv("INVESTIGATE_LOG_FORMAT", "json")
+        exe = str(Path(sys.executable).with_name("investigate"))
+        ran = subprocess.run([exe, "worker"], capture_output=True, text=True, timeout=120)
+        lines = [json.loads(line) for line in ran.stderr.splitlines()]  # every one JSON
+        assert ran.returncode == 2 and lines[-1]["code"] == "REDIS_UNAVAILABLE", ran.stderr
+        assert lines[-1]["level"] == "ERROR" and lines[-1]["exit_code"] == 2
+        monkeypatch.delenv("INVESTIGATE_LOG_FORMAT")
         monkeypatch.delenv("INVESTIGATE_REDIS_URL")
         # A broker that is not Redis, and no lock Redis named: said so, by its name.
         monkeypatch.setenv("INVESTIGATE_BROKER_URL", "amqp://127.0.0.1:5672//")
@@ -618,6 +630,8 @@ def test_a_worker_that_could_not_run_a_stage_is_refused_before_it_joins_the_queu
         shown = " ".join(res.output.split())
         assert f"store sqlite:///{cli_env.resolve()}" in shown
         assert "case locks redis://127.0.0.1:6379/13" in shown  # the broker's, by default
+        # A log line like the others: a time and a level (it was a bare line).
+        assert re.search(r"\d\d:\d\d:\d\d\.\d{3}\+00:00 INFO workers\.worker store ", shown)
         # With JSON logs it is a JSON line: a log pipeline reads every line as one.
         monkeypatch.setenv("INVESTIGATE_LOG_FORMAT", "json")
         res = CliRunner().invoke(app, ["worker"])
@@ -670,3 +684,14 @@ def test_workers_keep_a_cases_frozen_policy_when_their_policy_file_changes(
     with mock.patch("workers.runtime.RedisCaseLock.from_url"), \
             mock.patch("workers.celery_app.configure"):
         assert runtime.distributed(settings).env.explicit_config is False
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+def test_a_log_level_celery_does_not_know_is_a_usage_error(cli_env: Path,
+                                                           command: str) -> None:
+    """`investigate worker --loglevel NOPE` was an INTERNAL_ERROR with Celery's traceback
+    (its own check raised inside the command; a hostile trial)."""
+    res = CliRunner().invoke(app, [command, "--loglevel", "NOPE"])
+    assert res.exit_code == 2 and "'NOPE': use DEBUG, INFO, WARNING" in res.output, \
+        res.output
+    assert "Traceback" not in res.output and "INTERNAL_ERROR" not in res.output
