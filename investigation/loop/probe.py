@@ -196,6 +196,10 @@ def _shown(base_url: str | None) -> str | None:
     return None if base_url is None else url_for_display(base_url)
 
 
+#: Characters of a listed model name :func:`model_note` shows (names are ids or paths).
+MODEL_NAME_SHOWN = 400
+
+
 def model_note(model: str, served: list[str] | None) -> str | None:
     """A note when the server's model list (``served``; ``None``: it lists none) does not
     hold ``model``: a server that serves one model (llama.cpp, llama-cpp-python) answers a
@@ -204,7 +208,10 @@ def model_note(model: str, served: list[str] | None) -> str | None:
     holds ``model``."""
     if not served or model in served or any(m.startswith(model + ":") for m in served):
         return None
-    shown = ", ".join(repr(escape_text(m[:80])) for m in served[:5])
+    # Whole names, to copy into the providers file (llama-cpp-python lists the model
+    # file's path: cut at 80 characters it ended "SmolLM2-13", a real model's user).
+    shown = ", ".join(repr(escape_text(m if len(m) <= MODEL_NAME_SHOWN
+                                       else m[:MODEL_NAME_SHOWN] + "…")) for m in served[:5])
     more = f" and {len(served) - 5} more" if len(served) > 5 else ""
     return (f"the server lists {shown}{more} but not model = {escape_text(model)!r}: it "
             "answered anyway (a server that serves one model answers to any name); set "

