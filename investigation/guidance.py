@@ -489,11 +489,20 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
             f"row{_why(f)}. Budgets, evidence and the pending work are kept.",
             (*truncated,
              Step("fix what produced them: the model, its server's structured-output "
-                  "setting, or the reply file (docs/reply-contract.md lists every rule; "
-                  "`investigate status` shows the last rejection of each hypothesis)"),
+                  "setting, or the reply file (docs/reply-contract.md; the rules and their "
+                  "codes: docs/investigation-loop.md; `investigate status` shows the last "
+                  "rejection of each hypothesis)"),
              # A known providers file without a scripted provider: no reply file to check.
              *([_script_hint(f, replies)] if replies or not providers else []),
-             Step("then resume the case", f"investigate resume {case}"),
+             # A real model at temperature 0 sent the same refused reply three times, and
+             # once more after a resume (a real model's user): nothing said what helps.
+             *([Step("a model that repeats its refused reply (at temperature 0 it answers "
+                     "the same context the same way) may pass with a higher `temperature` "
+                     "of its provider in the providers file, or a larger model")]
+               if providers and not replies else []),
+             Step("then resume the case (it keeps its count of refused replies in a row: "
+                  "the next refused reply blocks it again; decision 34)",
+                  f"investigate resume {case}"),
              *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_EXHAUSTED:
         return Guidance(

@@ -33,6 +33,7 @@ from investigation.constants import OPERATIONS
 from investigation.errors import ToolError
 from investigation.loop import early_diagnosis
 from investigation.loop.contract import QueryAction, Reply, ReplyRejected, TestAction
+from investigation.text_safety import escape_text
 
 #: Confidence labels that need non-empty stored findings.
 SUPPORT_LABELS = ("supported", "strongly_supported")
@@ -88,6 +89,8 @@ def _check_test_available(action: TestAction, context: dict[str, Any],
 
 #: Two letters in a row, of any script: the least a question in words holds.
 _WORD = re.compile(r"[^\W\d_]{2}")
+#: A question's id (``Q3``) where a new question's words belong.
+_QUESTION_ID = re.compile(r"[Qq]\d+")
 
 
 def _normalise_question(text: str) -> str:
@@ -167,6 +170,14 @@ def validate_reply(reply: Reply, context: dict[str, Any], budget: BudgetConfig,
                             f"resolving {newly_resolved[0]} needs update.evidence_ids")
     seen_new: dict[str, int] = {}
     for number, text in enumerate(update.new_questions, start=1):
+        if _QUESTION_ID.fullmatch(text.strip()):
+            # A real model wrote "Q1" here three times over; the refusal said only that
+            # it held no word (a real model's user).
+            raise ReplyRejected("QUESTION_WITHOUT_WORDS",
+                                f"new question {number} is {escape_text(text.strip())!r}, a "
+                                "question's id: new_questions holds the words of a new "
+                                "question; an open question is closed by its id in "
+                                "resolve_questions, with evidence_ids")
         if not _WORD.search(text):
             # A small model's stray JSON (`\\]} } {`) was recorded as an open question the
             # case then carried to its end (a real model's user).

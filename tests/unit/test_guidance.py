@@ -64,6 +64,13 @@ def test_invalid_replies_from_a_model_server_name_no_reply_file() -> None:
     scripted = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES"), "embedded",
                       "p.toml", "replies.jsonl")
     assert f"investigate replies check replies.jsonl {CASE}" in "\n".join(scripted.lines())
+    # A real model that repeated its refused reply at temperature 0 and blocked again
+    # after a resume: what may help, and that the resume keeps the count (a real model's
+    # user); where the rules and their codes are.
+    text = " ".join(" ".join(g.lines()).split())
+    assert "higher `temperature`" in text and "blocks it again" in text
+    assert "docs/investigation-loop.md" in text
+    assert "temperature" not in " ".join(scripted.lines())  # a reply file has none
 
 
 def test_states_and_outcomes() -> None:

@@ -322,6 +322,16 @@ def test_a_new_question_holds_a_word(text: str) -> None:
     assert detail(reply(new=[text]), context()).startswith("new question 1 holds no word")
 
 
+@pytest.mark.parametrize("text", ["Q1", " q12 "])
+def test_a_question_id_is_no_new_question(text: str) -> None:
+    """A real model wrote "Q1" where a new question's words belong, three times over; the
+    refusal said only that it held no word (a real model's user)."""
+    said = detail(reply(new=[text]), context(questions=[qn("Q1")]))
+    assert code(reply(new=[text]), context()) == "QUESTION_WITHOUT_WORDS"
+    assert said.startswith(f"new question 1 is {text.strip()!r}, a question's id: "), said
+    assert "resolve_questions" in said
+
+
 @pytest.mark.parametrize("text", ["schema_version?", "Где делитель?", "為什麼", "Is x1 > 0?"])
 def test_a_question_in_words_of_any_script_is_taken(text: str) -> None:
     assert check(reply(new=[text]), context()).reply.update.new_questions == [text]
