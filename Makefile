@@ -57,7 +57,7 @@ test: install-test services chromium
 
 # Long real-process runs left out of the main suite: warm, soft and cold shutdowns of a
 # worker in the middle of a stage, deploy/cluster.sh starting, restarting and stopping a
-# fleet.
+# fleet, health against workers that disagree and against a beat started and stopped.
 test-fleet: install-test services
 	$(PY) -m compileall -q investigation workers tests >/dev/null
 	$(PY) -m pytest -q -p no:cacheprovider -m fleet

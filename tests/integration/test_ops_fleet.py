@@ -250,6 +250,7 @@ def test_a_second_worker_under_a_taken_node_name_is_refused(
         assert f"INVESTIGATE_QUEUE={h.queue}-nobody" in workers["detail"]
 
 
+@pytest.mark.fleet  # over half a minute of real workers and health runs
 def test_health_names_workers_of_one_queue_that_disagree_on_their_files_or_store(
     tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -549,6 +550,7 @@ def test_a_missing_module_is_reported_as_a_missing_module(tmp_path: Path) -> Non
     assert "kombu" in proc.stderr and "CONFIG_INVALID" not in proc.stderr
 
 
+@pytest.mark.fleet  # over half a minute of real workers and health runs
 def test_health_sees_whether_a_beat_runs(tmp_path: Path, redis_url: str) -> None:
     """A fleet trial killed beat and `health` stayed green, while no added case started by
     itself and no case was taken up after its worker died. Beat now leaves a heartbeat in
