@@ -13,7 +13,8 @@ installed package and its declared dependencies. It does what an operator does:
 4. waits for ``investigate health`` to pass (beat's heartbeat included),
    ``investigate dispatch``es the case and polls ``investigate status --json`` until
    the case is ``BUILDING_DIAGNOSIS``;
-5. checks ``investigate summary`` (the defect line), ``investigate cases --json``, the
+5. checks ``investigate summary`` (the defect line), ``investigate steps --json`` (every
+   step, decisions citing evidence), ``investigate cases --json``, the
    worker's metrics (a COMPLETED step), that a warm shutdown (SIGTERM) exits 0, and
    that ``health`` reports no beat once beat stopped.
 
@@ -217,6 +218,11 @@ class DistCheck:
         if "sqlite_utils/db.py:1920" not in summary:
             raise CheckFailed("summary.md does not quote sqlite_utils/db.py:1920")
         self.ok("summary quotes the defect line")
+        steps = json.loads(self.cli("steps", case_id, "--json"))["steps"]
+        if [row["seq"] for row in steps] != list(range(1, info["steps"] + 1)) \
+                or not any(row["cited_evidence"] for row in steps):
+            raise CheckFailed(f"investigate steps --json: {steps[:2]}")
+        self.ok("investigate steps: every step, with the evidence decisions cite")
         rows = json.loads(self.cli("cases", "--json"))
         if [(r["case_id"], r["state"]) for r in rows] != [(case_id, "BUILDING_DIAGNOSIS")]:
             raise CheckFailed(f"investigate cases --json: {rows}")

@@ -285,9 +285,8 @@ def _print_error(code: str, message: str, exit_code: int, as_json: bool,
     if _SERVICE.get() and _log_format == "json":
         from workers import logs
 
-        sys.stderr.write(logs.one_line("json", logging.ERROR, f"{code}: {message}",
-                                       code=code, exit_code=exit_code) + "\n")
-        sys.stderr.flush()
+        logs.write_line("json", logging.ERROR, f"{code}: {message}", code=code,
+                        exit_code=exit_code)
     else:
         err.print("[bold red]error[/] ", end="", markup=True)
         err.print(_term(f"{code}: {message}"), markup=False, highlight=False)
@@ -1128,6 +1127,8 @@ def _reflow_help(command: Any) -> None:
 #: Whether :func:`main` left the logging of this process to the command it runs
 #: (:func:`_setup_logging`): ``--help``, ``--version`` and completions load no settings.
 _logging_pending = False
+
+
 def _setup_logging() -> None:
     """Configure this process's logging from INVESTIGATE_LOG_FORMAT (``workers.logs``),
     once, when :func:`main` asked for it, before a command's body runs."""
@@ -1142,8 +1143,9 @@ def _setup_logging() -> None:
         fmt = load_settings().log_format
     except Exception:  # reported as one line by the command that needs the settings
         # ... in the format asked for, if that setting alone can be read.
-        asked = next((v for k, v in os.environ.items()
-                      if k.upper() == "INVESTIGATE_LOG_FORMAT"), "")
+        from investigation.guidance import env_value
+
+        asked = env_value("INVESTIGATE_LOG_FORMAT") or ""
         fmt = "json" if asked.strip().lower() == "json" else "text"
     logs.setup(fmt, logging.WARNING)
     _log_format = fmt

@@ -189,9 +189,8 @@ def worker(
         from workers import logs
 
         url = f"http://{_url_host(metrics_address)}:{port}/metrics"
-        sys.stderr.write(logs.one_line(settings.log_format, logging.INFO, f"metrics on {url}",
-                                       logger="workers.worker", metrics=url) + "\n")
-        sys.stderr.flush()
+        logs.write_line(settings.log_format, logging.INFO, f"metrics on {url}",
+                        logger="workers.worker", metrics=url)
     from workers.celery_app import app as celery_app
     from workers.celery_app import configure
 
@@ -257,11 +256,9 @@ def _check_runtime(settings: Settings) -> None:
     # with `store` and `locks` in JSON logs (a plain line, two trials).
     from workers import logs
 
-    sys.stderr.write(logs.one_line(
-        settings.log_format, logging.INFO,
-        f"store {identity['store']}; case locks {identity['locks']}",
-        logger="workers.worker", store=identity["store"], locks=identity["locks"]) + "\n")
-    sys.stderr.flush()
+    logs.write_line(settings.log_format, logging.INFO,
+                    f"store {identity['store']}; case locks {identity['locks']}",
+                    logger="workers.worker", store=identity["store"], locks=identity["locks"])
 
 
 @_service

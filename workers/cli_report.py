@@ -130,7 +130,8 @@ def steps_cmd(
 def step_lines(s: StepRow) -> list[str]:
     """What ``investigate steps`` prints of step ``s`` (plain text, not yet escaped): a
     head line, then one line for each thing the step has to tell."""
-    from investigation.report.history import selection_text, step_tokens_text
+    from investigation.loop.outcome import tokens_text
+    from investigation.report.history import selection_text
 
     arguments = json.dumps(s.arguments, sort_keys=True, ensure_ascii=False) \
         if s.arguments not in (None, {}) else ""
@@ -167,8 +168,8 @@ def step_lines(s: StepRow) -> list[str]:
         lines.append(f"confidence: {s.confidence}{moved}{cites}")
     if s.score is not None:
         scored = f" {s.assessed_evidence}" if s.assessed_evidence else ""
-        reason = f": {s.score_reason}" if s.score_reason else ""
-        lines.append(f"assessed{scored}: {s.score}/100{reason}")
+        why = f": {s.score_reason}" if s.score_reason else ""
+        lines.append(f"assessed{scored}: {s.score}/100{why}")
     if s.note:
         lines.append(f"note: {s.note}")
     ids = s.new_question_ids or [None] * len(s.new_questions)
@@ -192,7 +193,7 @@ def step_lines(s: StepRow) -> list[str]:
         took = f"{s.model_ms / 1000:.2f} s" if s.model_ms >= 1000 else f"{s.model_ms} ms"
         figures.append(f"model {took}"
                        + (f" ({s.attempts} attempts)" if s.attempts > 1 else ""))
-    if tokens := step_tokens_text(s):
+    if tokens := tokens_text(s.prompt_tokens, s.completion_tokens):
         figures.append(f"tokens {tokens}")
     if figures:
         lines.append("; ".join(figures))

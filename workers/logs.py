@@ -187,6 +187,13 @@ def one_line(fmt: str, level: int, message: str, logger: str = "workers.cli",
     return formatter(fmt).format(record)
 
 
+def write_line(fmt: str, level: int, message: str, logger: str = "workers.cli",
+               **fields: Any) -> None:
+    """Write :func:`one_line` to stderr at once."""
+    sys.stderr.write(one_line(fmt, level, message, logger, **fields) + "\n")
+    sys.stderr.flush()
+
+
 def setup(fmt: str = "text", level: str | int = "WARNING", stream: Any = None) -> None:
     """Configure the root logger of this process: one stream handler (stderr by default)
     with the context filter and the ``fmt`` formatter. Calling it again replaces it."""

@@ -44,11 +44,10 @@ def facts_text(facts: dict[str, Any] | None) -> str:
         parts.append(str(facts.get("operation") or facts.get("action")))
     if facts.get("model_ms") is not None:
         parts.append(f"model {facts['model_ms'] / 1000:.1f} s")
-    if facts.get("prompt_tokens") is not None or facts.get("completion_tokens") is not None:
-        # A count no server reported is "?", not 0 (a hostile trial).
-        parts.append("tokens " + " + ".join(
-            "?" if facts.get(k) is None else str(facts[k])
-            for k in ("prompt_tokens", "completion_tokens")))
+    from investigation.loop.outcome import tokens_text
+
+    if tokens := tokens_text(facts.get("prompt_tokens"), facts.get("completion_tokens")):
+        parts.append(f"tokens {tokens}")
     return "; " + ", ".join(parts) if parts else ""
 
 

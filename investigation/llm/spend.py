@@ -267,7 +267,7 @@ def token_cells(usage: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
     calls = sum(int(u["calls"]) for u in rows)
     cells = []
     for name in ("prompt_tokens", "completion_tokens"):
-        reported = sum(int(u.get(f"{name}_reported", u["tokens_reported"])) for u in rows)
+        reported = sum(int(u[f"{name}_reported"]) for u in rows)
         cells.append(f"{sum(int(u[name]) for u in rows)}"
                      f"{partial_tokens_text(reported, calls)}" if reported else "not reported")
     return cells[0], cells[1]

@@ -74,6 +74,14 @@ class StageResult:
 _FROM_STATE = ("PAUSED", "CANCELLED", "RESUMED")
 
 
+def tokens_text(prompt: int | None, completion: int | None) -> str:
+    """``5654 + 257`` (prompt + completion tokens of a step's calls), a count no server
+    reported as ``?`` (it showed as 0, a hostile trial); ``""`` when neither was."""
+    if prompt is None and completion is None:
+        return ""
+    return " + ".join("?" if n is None else str(n) for n in (prompt, completion))
+
+
 def last_outcome_text(outcome: str | None, reason: str | None,
                       none: str = "none (no step has run)") -> str:
     """``PROGRESSED``, ``BLOCKED (PROVIDER_EXHAUSTED)``, ``PAUSED (was INVESTIGATING)``."""

@@ -139,15 +139,6 @@ def selection_text(s: StepRow) -> str:
     return text
 
 
-def step_tokens_text(s: StepRow) -> str:
-    """``5654 + 257`` (prompt + completion tokens of the step's calls), a count no server
-    reported as ``?`` (it showed as 0, a hostile trial), ``""`` when neither was."""
-    if s.prompt_tokens is None and s.completion_tokens is None:
-        return ""
-    return " + ".join("?" if n is None else str(n) for n in (s.prompt_tokens,
-                                                            s.completion_tokens))
-
-
 @dataclass
 class CaseHistory:
     """Everything the report shows (see the module docstring)."""

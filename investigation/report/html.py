@@ -23,16 +23,11 @@ from typing import Any
 
 from investigation.evidence.figures import evidence_figures, records_text, scores_text
 from investigation.llm.spend import cost_text, priced_total, token_cells
-from investigation.loop.outcome import last_outcome_text
+from investigation.loop.outcome import last_outcome_text, tokens_text
 from investigation.operations import step_in_progress_text
 from investigation.report import svg
 from investigation.report.escape import html_attr, html_text
-from investigation.report.history import (
-    CaseHistory,
-    StepRow,
-    selection_text,
-    step_tokens_text,
-)
+from investigation.report.history import CaseHistory, StepRow, selection_text
 
 #: Findings quoted per evidence record in the page; the rest are in its artifact.
 MAX_ITEMS_SHOWN = 200
@@ -150,7 +145,7 @@ def _ms(ms: int | None) -> str:
 
 
 def _tokens(step: StepRow) -> str:
-    return _e(step_tokens_text(step))
+    return _e(tokens_text(step.prompt_tokens, step.completion_tokens))
 
 
 def _found(step: StepRow, line: str) -> str:
