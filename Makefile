@@ -53,7 +53,7 @@ chromium:
 # set (as on the CI machines), which costs each process about 0.2 s.
 test: install-test services chromium
 	$(PY) -m compileall -q investigation workers tests >/dev/null
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 # Long real-process runs left out of the main suite: warm, soft and cold shutdowns of a
 # worker in the middle of a stage, deploy/cluster.sh starting, restarting and stopping a

@@ -14,7 +14,51 @@ import pytest
 from tests.casekit import Case, make_case
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+#: Redis databases each pytest-xdist worker uses in place of the suite's own numbers
+#: (``make test`` runs two workers, ``-n 2``): each worker flushes only its own. None is
+#: database 0, the product's default broker, which one test enqueues on (deleting only its
+#: own keys), nor 1 (the README's example fleet), 6 (``make bench``) or 13 (``make
+#: test-dist``). Without xdist the numbers are the suite's own (0, 5 and 12).
+XDIST_REDIS_DBS = {
+    "gw0": {0: 2, 5: 5, 12: 12},
+    "gw1": {0: 3, 5: 4, 12: 14},
+}
+
+
+def redis_db(db: int) -> int:
+    """The Redis database this test process uses for the suite's database ``db``.
+
+    Under pytest-xdist (``PYTEST_XDIST_WORKER`` set) each worker has its own (see
+    ``XDIST_REDIS_DBS``); a worker or database the table lacks fails the run, so that two
+    workers never share (and flush) one database."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return db
+    try:
+        return XDIST_REDIS_DBS[worker][db]
+    except KeyError:
+        raise RuntimeError(
+            f"no Redis database for the suite's database {db} on xdist worker {worker}: "
+            f"run at most {len(XDIST_REDIS_DBS)} workers (-n {len(XDIST_REDIS_DBS)}) and "
+            f"the default TEST_* databases (tests/conftest.py, XDIST_REDIS_DBS)") from None
+
+
+def with_db(url: str, db: int) -> str:
+    """``url`` (``redis://host:port[/n]``) pointed at database ``db``."""
+    base, _, tail = url.rpartition("/")
+    return f"{base}/{db}" if tail.isdigit() else f"{url.rstrip('/')}/{db}"
+
+
+def _db_of(url: str) -> int:
+    tail = url.rpartition("/")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
+#: The suite's Redis as given (``TEST_REDIS_URL``); ``REDIS_URL`` is it at this test
+#: process's database (``redis_db``).
+SUITE_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = with_db(SUITE_REDIS_URL, redis_db(_db_of(SUITE_REDIS_URL)))
 POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 

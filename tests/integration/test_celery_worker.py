@@ -33,11 +33,12 @@ from investigation.loop.checkpoints import verify_chain
 from investigation.operations import status, summary_bytes
 from investigation.store.models import Checkpoint, Evidence, LedgerEntry, Plan, StageRun
 from tests.casekit import Case, make_case
+from tests.conftest import redis_db, with_db
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-BROKER_DB = int(os.environ.get("TEST_CELERY_BROKER_DB", "5"))
+BROKER_DB = redis_db(int(os.environ.get("TEST_CELERY_BROKER_DB", "5")))
 CASE_TIMEOUT_S = 60.0
 HAPPY_STEPS = 5  # tests.casekit.HAPPY_REPLIES: 3 queries, a finish, a reject
 HAPPY_QUERY_STEPS = [1, 2, 3]
@@ -144,8 +145,7 @@ class Harness:
 
 
 def _broker_url(redis_url: str) -> str:
-    base, _, db = redis_url.rpartition("/")
-    return f"{base}/{BROKER_DB}" if db.isdigit() else f"{redis_url.rstrip('/')}/{BROKER_DB}"
+    return with_db(redis_url, BROKER_DB)
 
 
 @contextlib.contextmanager

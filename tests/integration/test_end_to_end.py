@@ -369,12 +369,14 @@ def test_dispatch_of_a_finished_case_enqueues_nothing(tmp_path: Path, cli_env: P
     case = make_case(tmp_path / "done")
     assert case.investigator().run(case.case_id, max_steps=20).outcome == COMPLETED
     monkeypatch.setenv("INVESTIGATE_DATABASE_URL", case.store.url)
-    # Database 12 (TEST_DISPATCH_BROKER_DB) is this test's alone (test-dist uses 13, the
-    # suite 0, the benches 6): it is emptied first so keys another run left cannot pass
-    # for (or hide) an enqueued message.
-    broker = f"redis://127.0.0.1:6379/{int(os.environ.get('TEST_DISPATCH_BROKER_DB', '12'))}"
+    from tests.conftest import SUITE_REDIS_URL, need_service, redis_db, with_db
+
+    # Database 12 (TEST_DISPATCH_BROKER_DB; under xdist, its worker's own) is this test's
+    # alone (test-dist uses 13, the suite 0, the benches 6): it is emptied first so keys
+    # another run left cannot pass for (or hide) an enqueued message.
+    broker = with_db(SUITE_REDIS_URL,
+                     redis_db(int(os.environ.get("TEST_DISPATCH_BROKER_DB", "12"))))
     monkeypatch.setenv("INVESTIGATE_BROKER_URL", broker)
-    from tests.conftest import need_service
 
     need_service("redis", "127.0.0.1", 6379)
     import redis
