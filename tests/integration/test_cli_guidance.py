@@ -378,7 +378,7 @@ def test_dispatch_without_a_broker_setting_says_where_it_went(
     default = Settings().broker_url
     # Under xdist no worker flushes the default broker's database 0 (conftest's
     # XDIST_REDIS_DBS); this test deletes only the keys it made there.
-    if SUITE_REDIS_URL != default:  # the tests' Redis was pointed away on purpose
+    if default != SUITE_REDIS_URL:  # the tests' Redis was pointed away on purpose
         pytest.skip(f"TEST_REDIS_URL is not the default broker {default}")
     client = redis.Redis.from_url(default)
     try:
