@@ -533,8 +533,12 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
             (fix, *([_script_hint(f, replies)] if script else []), resume_retry,
              *_continue(f, mode, providers)))
     if reason == BLOCK_PROVIDER_CREDENTIALS:
+        # A key variable that is not set sends nothing: no refusal (a fleet trial).
+        missing = f.error_code == "PROVIDER_CREDENTIALS_MISSING"
+        what = "the provider's API key variable is not set" if missing else \
+            "the provider refused the credentials"
         return Guidance(
-            f"Blocked: the provider refused the credentials{_why(f)}.",
+            f"Blocked: {what}{_why(f)}. Nothing was charged.",
             (Step("set the key in the environment variable the provider's api_key_env "
                   "names (a provider without api_key_env sends no key: add it, naming the "
                   "variable; the key itself never goes into a file or the store)" + _by_mode(

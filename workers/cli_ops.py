@@ -209,7 +209,8 @@ def worker(
 
 def _check_runtime(settings: Settings) -> None:
     """Build, once in the main process, what every pool child builds at its first task
-    (``workers.runtime.build_env``): the policy and providers files, the store reachable
+    (``workers.runtime.build_env``): the policy and providers files (each provider's API
+    key variable set, when it names one), the store reachable
     and at this engine's schema (created there when ``INVESTIGATE_AUTO_MIGRATE``), and the
     case locks' Redis answering. A
     worker that cannot is refused before it joins the queue, with the error's code (a
@@ -217,8 +218,10 @@ def _check_runtime(settings: Settings) -> None:
     every case it took while the case's lock stayed held for its whole lease).
 
     Raises:
-        InvestigationError: ``CONFIG_*``, ``PROVIDER_BAD_CONFIG``, ``STORE_NOT_MIGRATED``
-            (reported by :func:`_controlled` as one line, exit 2);
+        InvestigationError: ``CONFIG_*``, ``PROVIDER_BAD_CONFIG``,
+            ``PROVIDER_CREDENTIALS_MISSING`` (a provider's ``api_key_env`` variable is unset
+            here), ``STORE_NOT_MIGRATED`` (reported by :func:`_controlled` as one line,
+            exit 2);
         sqlalchemy.exc.SQLAlchemyError: the store cannot be reached (``STORE_UNAVAILABLE``).
         redis.RedisError: the case locks' Redis cannot be reached (``REDIS_UNAVAILABLE``).
     """
@@ -236,6 +239,13 @@ def _check_runtime(settings: Settings) -> None:
             "off: create it with `investigate db upgrade` first")
     env = build_env(settings, adopt_frozen=True)
     env.store.dispose()  # each child opens its own connections
+    if env.gateway_factory is not None:
+        # A key variable unset in this environment blocks every case at its first model
+        # call (a fleet trial: the workers started and `health` said ok).
+        for provider in env.gateway_factory().providers:
+            check = getattr(provider, "check_credentials", None)
+            if check is not None:
+                check()
     # The case locks' Redis: a worker that cannot reach it failed every stage it took,
     # while the case stayed held for the lease (a fleet trial: six minutes of a stalled
     # fleet behind one worker with a wrong INVESTIGATE_REDIS_URL).

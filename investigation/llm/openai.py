@@ -499,6 +499,18 @@ class OpenAIProvider:
             self.window_not_believed = f"{where} is {shown}, not a token count from 256 " \
                 f"to {MAX_COUNT}"
 
+    def check_credentials(self) -> None:
+        """Check this provider's key as a call would read it, sending nothing (a worker's
+        start-up check: a fleet trial's workers started without the key, passed every
+        check and blocked each case at its first model call).
+
+        Raises:
+            ProviderCredentialsError: ``PROVIDER_CREDENTIALS_MISSING`` when the variable
+                ``api_key_env`` names is unset or empty here, or holds whitespace or
+                control characters inside the key. Nothing without ``api_key_env``.
+        """
+        self._api_key()
+
     def _api_key(self) -> str | None:
         var = self.config.api_key_env
         if not var:

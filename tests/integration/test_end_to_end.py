@@ -627,6 +627,24 @@ def test_a_worker_that_could_not_run_a_stage_is_refused_before_it_joins_the_queu
         assert "set INVESTIGATE_REDIS_URL" in " ".join(res.output.split())
         assert not worker_main.called
         monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/13")
+        # A provider's API key variable unset in the worker's environment: every case
+        # blocked at its first model call while health said ok (a fleet trial).
+        keyed = tmp_path / "keyed.toml"
+        keyed.write_text('[[providers]]\nname = "web"\nkind = "openai"\n'
+                         'base_url = "http://127.0.0.1:9/v1"\nmodel = "m"\n'
+                         'api_key_env = "TEST_WORKER_KEY"\n')
+        monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(keyed))
+        monkeypatch.delenv("TEST_WORKER_KEY", raising=False)
+        res = CliRunner().invoke(app, ["worker"])
+        shown = " ".join(res.output.split())
+        assert res.exit_code == 2 and "PROVIDER_CREDENTIALS_MISSING" in shown, res.output
+        assert "environment variable TEST_WORKER_KEY is not set" in shown, shown
+        assert not worker_main.called
+        monkeypatch.setenv("TEST_WORKER_KEY", "k-1")
+        res = CliRunner().invoke(app, ["worker"])
+        assert res.exit_code == 0 and worker_main.called, res.output
+        worker_main.reset_mock()
+        monkeypatch.delenv("INVESTIGATE_PROVIDERS")
         res = CliRunner().invoke(app, ["worker"])
         assert res.exit_code == 0 and worker_main.called, res.output
         shown = " ".join(res.output.split())

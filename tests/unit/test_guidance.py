@@ -315,6 +315,21 @@ def test_credentials_advice_holds_without_api_key_env() -> None:
     assert "a provider without api_key_env sends no key: add it" in g.steps[0].text
 
 
+def test_an_unset_key_variable_is_not_called_a_refusal() -> None:
+    """A fleet trial's case blocked on an unset api_key_env variable: the headline said
+    "the provider refused the credentials", though nothing was sent."""
+    unset = advise(_facts(blocked_reason="PROVIDER_CREDENTIALS",
+                          error_code="PROVIDER_CREDENTIALS_MISSING",
+                          error_message="environment variable K is not set"), "distributed",
+                   "p.toml").headline
+    assert unset.startswith("Blocked: the provider's API key variable is not set (")
+    assert "refused" not in unset and unset.endswith("Nothing was charged."), unset
+    refused = advise(_facts(blocked_reason="PROVIDER_CREDENTIALS",
+                            error_code="PROVIDER_CREDENTIALS", error_message="HTTP 401"),
+                     "distributed", "p.toml").headline
+    assert refused.startswith("Blocked: the provider refused the credentials ("), refused
+
+
 @pytest.mark.parametrize(("environ", "prefix"), [
     ({}, ""),
     ({"INVESTIGATE_HOME": "h4/demo"}, "INVESTIGATE_HOME=h4/demo "),
