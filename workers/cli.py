@@ -23,10 +23,18 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar, cast
 import typer
 from rich.console import Console
 
-from investigation.constants import BLOCKED, CASE_BLOCKED, CASE_INVESTIGATING, CASE_PAUSED
+from investigation.constants import CASE_BLOCKED, CASE_INVESTIGATING, CASE_PAUSED
 from investigation.errors import InvestigationError, LockBusy
 from investigation.text_safety import escape_text
-from workers.views import counted, outcome_line, print_guidance, status_view, term
+from workers.views import (
+    counted,
+    outcome_exit,
+    outcome_head,
+    outcome_line,
+    print_guidance,
+    status_view,
+    term,
+)
 
 if TYPE_CHECKING:
     from investigation import guidance
@@ -613,12 +621,11 @@ def dispatch_cmd(
             _print_json({"case_id": case_id, "dispatched": False,
                          "outcome": token.to_dict(), "next": g.to_dict()})
         else:
-            out.print(f"case {case_id}: {token.outcome}"
-                      + (f" ({token.reason})" if token.reason else "")
-                      + "; nothing to dispatch", highlight=False)
+            out.print(f"case {case_id}: {outcome_head(token)}; nothing to dispatch",
+                      highlight=False)
             print_guidance(out, g)
-        if token.outcome == BLOCKED:
-            raise typer.Exit(1)
+        if code := outcome_exit(token):
+            raise typer.Exit(code)
         return
     if as_json:
         _print_json({"case_id": case_id, "dispatched": True, "lock_token": token[:8],

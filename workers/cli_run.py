@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from investigation.constants import BLOCKED, COMPLETED, RETRY_PENDING
+from investigation.constants import COMPLETED
 from workers.cli import (
     EXAMPLE_CASE,
     CaseArg,
@@ -29,7 +29,7 @@ from workers.cli import (
     example,
     out,
 )
-from workers.views import print_guidance
+from workers.views import outcome_exit, outcome_head, print_guidance
 
 if TYPE_CHECKING:
     from investigation.loop.outcome import Outcome
@@ -81,8 +81,7 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
                      "report_path": str(report.resolve()) if report else None,
                      "next": g.to_dict()})
     else:
-        out.print(f"case {case_id}: {outcome.outcome}"
-                  + (f" ({outcome.reason})" if outcome.reason else ""), highlight=False)
+        out.print(f"case {case_id}: {outcome_head(outcome)}", highlight=False)
         if figures["records"]:
             out.print(evidence_text(figures), highlight=False)
         if summary_path is not None:
@@ -91,10 +90,8 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
             out.print(f"report: {report.resolve()} (open it in a browser)", highlight=False,
                       soft_wrap=True)
         print_guidance(out, g)
-    if outcome.outcome == BLOCKED:
-        raise typer.Exit(1)
-    if outcome.outcome == RETRY_PENDING:
-        raise typer.Exit(4)
+    if code := outcome_exit(outcome):
+        raise typer.Exit(code)
 
 
 def _scripted_file(providers: Path | None) -> str | None:

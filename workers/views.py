@@ -13,6 +13,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from investigation.constants import BLOCKED, CASE_CANCELLED, CASE_HELD, RETRY_PENDING
 from investigation.text_safety import escape_text
 
 if TYPE_CHECKING:
@@ -49,6 +50,25 @@ def facts_text(facts: dict[str, Any] | None) -> str:
     if tokens := tokens_text(facts.get("prompt_tokens"), facts.get("completion_tokens")):
         parts.append(f"tokens {tokens}")
     return "; " + ", ".join(parts) if parts else ""
+
+
+def outcome_head(o: Outcome) -> str:
+    """What a command that advances a case says it ended in: ``COMPLETED``,
+    ``BLOCKED (REASON)``, or a held case's state alone (``PAUSED``, ``CANCELLED``). The
+    engine's outcome for a held case is ``BLOCKED`` with the state as its reason; a fleet
+    trial read ``BLOCKED (CANCELLED)`` as a block to fix."""
+    if o.outcome == BLOCKED and o.reason in CASE_HELD:
+        return o.reason or ""
+    return o.outcome + (f" ({o.reason})" if o.reason else "")
+
+
+def outcome_exit(o: Outcome) -> int:
+    """The exit status of a command that advances a case (README, "Exit codes"): 1 when an
+    operator must act (blocked, or paused: ``resume``), 4 at a provider backoff, 0 when
+    the case completed or was cancelled (nothing more runs) or it progressed."""
+    if o.outcome == BLOCKED:
+        return 0 if o.reason == CASE_CANCELLED else 1
+    return 4 if o.outcome == RETRY_PENDING else 0
 
 
 def outcome_line(o: Outcome, facts: dict[str, Any] | None = None) -> list[str]:

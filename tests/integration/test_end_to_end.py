@@ -386,6 +386,18 @@ def test_dispatch_of_a_finished_case_enqueues_nothing(tmp_path: Path, cli_env: P
     res = CliRunner().invoke(app, ["dispatch", case.case_id])
     assert res.exit_code == 0 and "nothing to dispatch" in res.output
     assert client.dbsize() == 0, sorted(client.keys())
+    # Held cases are named by their state, not "BLOCKED (CANCELLED)" (a fleet trial read
+    # the exit 1 as a block to fix): cancelled is over (0), paused waits for resume (1).
+    for command, state, code in (("pause", "PAUSED", 1), ("cancel", "CANCELLED", 0)):
+        held = make_case(tmp_path / state, database_url=case.store.url,
+                         interpretation={"summary": f"held {state}"})
+        assert CliRunner().invoke(app, [command, held.case_id]).exit_code == 0
+        res = CliRunner().invoke(app, ["dispatch", held.case_id])
+        assert res.exit_code == code, res.output
+        assert f"case {held.case_id}: {state}; nothing to dispatch" in res.output, res.output
+        assert "BLOCKED" not in res.output, res.output
+        held.store.dispose()
+    assert client.dbsize() == 0, sorted(client.keys())
 
 
 def test_read_only_commands_leave_foreign_databases_alone(tmp_path: Path, cli_env: Path,

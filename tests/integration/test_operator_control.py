@@ -275,7 +275,10 @@ def test_operator_control_from_the_cli(tmp_path: Path, monkeypatch: pytest.Monke
     assert "state PAUSED" in st.output and "lifecycle PAUSED (paused from PLANNING)" in \
         st.output
     ran = runner.invoke(app, ["run", case.case_id, "--providers", str(case.providers_path)])
-    assert ran.exit_code == 1 and "BLOCKED (PAUSED)" in ran.output, ran.output
+    # A held case is named by its state (a fleet trial read "BLOCKED (PAUSED)" as a block);
+    # exit 1: an operator must resume it.
+    assert ran.exit_code == 1 and f"case {case.case_id}: PAUSED\n" in ran.output, ran.output
+    assert "BLOCKED" not in ran.output, ran.output
     resumed = runner.invoke(app, ["resume", case.case_id])
     assert resumed.exit_code == 0 and "now INVESTIGATING" in resumed.output
     ran = runner.invoke(app, ["run", case.case_id, "--providers", str(case.providers_path)])
@@ -288,6 +291,15 @@ def test_operator_control_from_the_cli(tmp_path: Path, monkeypatch: pytest.Monke
         "account counts only its queries and tests)" in " ".join(st.output.split())
     again = runner.invoke(app, ["cancel", case.case_id])
     assert again.exit_code == 2 and "CASE_NOT_ACTIVE" in again.output
+    # A cancelled case is over: run says so and exits 0, as for a completed one.
+    other = make_case(tmp_path / "other")
+    monkeypatch.setenv("INVESTIGATE_DATABASE_URL", str(other.store.engine.url))
+    assert runner.invoke(app, ["cancel", other.case_id]).exit_code == 0
+    ran = runner.invoke(app, ["run", other.case_id, "--providers", str(other.providers_path)])
+    assert ran.exit_code == 0 and f"case {other.case_id}: CANCELLED\n" in ran.output, \
+        ran.output
+    assert "BLOCKED" not in ran.output, ran.output
+    other.store.dispose()
 
 
 def test_a_pause_before_the_first_step_does_not_fix_the_session_budget(
