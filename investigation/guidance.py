@@ -437,7 +437,12 @@ def dispatch_holds(case_id: str, lease_s: float | None) -> Guidance:
                     "`run` in a fleet's shell, moves it.",
                     (Step("watch it", f"investigate status {_q(case_id)} --watch"),
                      Step("if its worker died, the recovery sweep dispatches the case once "
-                          "the lease runs out")))
+                          "the lease runs out; `investigate recover` says whether the "
+                          "holder answers ping"),
+                     # A fleet trial killed the holder and waited out the lease: status
+                     # never named the take-over that recover and LOCK_BUSY name.
+                     Step("or, once you know it died, end its lease and dispatch now",
+                          f"investigate dispatch {_q(case_id)} --take-over")))
 
 
 def _policy_file(mode: Mode) -> str:

@@ -615,9 +615,13 @@ def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(
         assert len(shown) == 200
         client.delete(key + HOLDER_SUFFIX)
         # While a dispatch holds it, neither `dispatch` nor `run` (both LOCK_BUSY,
-        # decision 158) is advice.
+        # decision 158) is advice; the take-over is, for a holder known dead (a fleet
+        # trial killed it and waited out the lease: status never named it).
         assert "A dispatch holds the case" in flat
-        assert commands(held.output) == [["status", cli.case_id, "--watch"]], held.output
+        assert commands(held.output) == [["status", cli.case_id, "--watch"],
+                                         ["dispatch", cli.case_id, "--take-over"]], held.output
+        assert "`investigate recover` says whether the holder answers ping" in flat, flat
+        assert "once you know it died, end its lease and dispatch now" in flat, flat
         # A dispatch sent while no worker ran waits in the queue: said, not "dispatch
         # again" alone (an integrator's trial).
         client.delete(key)
