@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
 
-from investigation.constants import BLOCKED, CASE_INVESTIGATING, COMPLETED, YIELDED
+from investigation.constants import BLOCKED, CASE_INVESTIGATING, COMPLETED, RETRY_PENDING, YIELDED
 from investigation.guidance import Guidance, for_case
 from investigation.loop.outcome import Outcome, last_outcome_text
 from investigation.operations import status
@@ -188,6 +188,7 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
                         + (f" ({info['blocked_reason']})" if info["blocked_reason"] else "")
                         + f", step {info['steps']}, last outcome "
                         + last_outcome_text(info["last_outcome"], info["last_reason"])
+                        + _retry_text(info)
                         + f", evidence {info['evidence_count']}"
                         + _holder_text(info)), highlight=False, markup=False)
             if settled:
@@ -200,6 +201,14 @@ def watch(console: Console, store: Store, case_id: str, interval_s: float,
     finally:
         if live is not None:
             live.__exit__(None, None, None)
+
+
+def _retry_text(info: dict[str, Any]) -> str:
+    """When a pending retry may run, in the watch line (a fleet trial's watch printed
+    ``RETRY_PENDING`` and then nothing for 50 s; `status` gave the time)."""
+    if info["last_outcome"] != RETRY_PENDING or not info.get("retry_not_before"):
+        return ""
+    return f" until {info['retry_not_before']}"
 
 
 def _holder_text(info: dict[str, Any]) -> str:

@@ -420,6 +420,31 @@ def test_watch_follows_a_case_that_moves_until_it_completes(tiny_case: Case) -> 
     assert buf.getvalue().index("watching:") < buf.getvalue().index(f"case {tiny_case.case_id}:")
 
 
+def test_a_watch_line_says_until_when_a_pending_retry_waits(tiny_case: Case) -> None:
+    """A fleet trial's watch printed RETRY_PENDING and then nothing for 50 s, while
+    `status` gave the time the retry waits for."""
+    from workers.progress import store_reading, watch
+
+    plain = store_reading(tiny_case.store, tiny_case.case_id)
+
+    def read() -> tuple[dict[str, Any], Any]:
+        info, g = plain()
+        return {**info, "last_outcome": "RETRY_PENDING",
+                "last_reason": "PROVIDER_CALL_IN_FLIGHT",
+                "retry_not_before": "2030-01-01T00:00:05+00:00"}, g
+
+    buf = io.StringIO()
+    watch(Console(file=buf, width=300), tiny_case.store, tiny_case.case_id, 0.0,
+          stop_after_s=0.0, read=read)
+    assert "last outcome RETRY_PENDING (PROVIDER_CALL_IN_FLIGHT) until " \
+        "2030-01-01T00:00:05+00:00, evidence 0" in buf.getvalue(), buf.getvalue()
+    buf = io.StringIO()
+    watch(Console(file=buf, width=300), tiny_case.store, tiny_case.case_id, 0.0,
+          stop_after_s=0.0)
+    assert "last outcome none (no step has run), evidence 0" in buf.getvalue()
+    assert "until" not in buf.getvalue()
+
+
 def test_printed_commands_carry_the_home_given_inline(tmp_path: Path) -> None:
     """`INVESTIGATE_HOME=dir investigate status CASE` prints commands that open `dir` when
     pasted into the same shell (where INVESTIGATE_HOME is not exported), and the reply file
