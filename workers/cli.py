@@ -272,8 +272,15 @@ def _missing_module(exc: ImportError) -> str:
             "celery[redis])")
 
 
+#: Other cases of the same package that ``case add`` names before it counts the rest.
+OTHER_CASES_SHOWN = 5
+
+
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+    """The error's first line, at most 300 characters, without a closing full stop (the
+    messages go on after it: redis-py's "Connection refused." read "refused.; check")."""
+    line = (str(exc).splitlines() or [type(exc).__name__])[0][:300].rstrip()
+    return line[:-1] if line.endswith(".") and not line.endswith("..") else line
 
 
 def _fail(code: str, message: str, exit_code: int = 2,
@@ -503,8 +510,13 @@ def case_add(
         elif before.recorded_limits is None:
             notes.append("the package limits of its first registration were not recorded")
     elif before.other_cases:
-        notes.append(f"this package is also registered as {', '.join(before.other_cases)} "
-                     "(other interpretation or hypotheses); this is a new case")
+        # At most a few ids: a fleet trial's 14th case of one package listed 13.
+        shown = before.other_cases[:OTHER_CASES_SHOWN]
+        more = len(before.other_cases) - len(shown)
+        notes.append(f"this package is also registered as {', '.join(shown)}"
+                     + (f" and {more} more case(s) (`investigate cases` lists them)"
+                        if more else "")
+                     + " (other interpretation or hypotheses); this is a new case")
     state = status(store, case_id)["state"]
     if paused and state == CASE_INVESTIGATING:
         pause(store, case_id)

@@ -8,6 +8,7 @@ apply (0 fine, 1 see each command, 2 a controlled error ``error CODE: message``)
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import json
 import logging
@@ -387,7 +388,15 @@ def flower(
         os.environ["FLOWER_BASIC_AUTH"] = ",".join(basic_auth)
     if url_prefix:
         argv.append(f"--url_prefix={url_prefix.strip('/')}")
-    celery_app.start(argv)
+    try:
+        celery_app.start(argv)
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        # Which address, as the exporter and the workers' metrics say (a fleet trial got
+        # "Address already in use" alone).
+        raise OSError(exc.errno, f"cannot serve Flower on {address}:{port}: "
+                                 f"{exc.strerror or exc}") from exc
 
 
 @_service

@@ -309,7 +309,15 @@ def test_repeated_case_add_says_what_it_did(tmp_path: Path,
     assert json.loads(old.stdout)["limit_changes"] == ["max_entries: 20000 -> 500"]
     other = invoke(*args[:4], str(tmp_path / "i2.json"), *args[5:])
     assert other.exit_code == 0 and other.stdout.strip() != case_id
-    assert f"also registered as {case_id}" in other.stderr
+    assert f"also registered as {case_id} (other interpretation" in other.stderr
+    # Five ids at most, then a count (a fleet trial's 14th case listed 13 ids).
+    for n in range(3, 9):
+        (tmp_path / f"i{n}.json").write_text(json.dumps({"summary": f"reading {n}"}))
+        last = invoke(*args[:4], str(tmp_path / f"i{n}.json"), *args[5:])
+        assert last.exit_code == 0, last.output
+    note = " ".join(last.stderr.split())
+    assert re.search(r"also registered as (case-\w+, ){4}case-\w+ and 2 more case\(s\) "
+                     r"\(`investigate cases` lists them\) \(other interpretation", note), note
 
 
 def test_case_add_names_the_providers_file_in_use(tmp_path: Path,

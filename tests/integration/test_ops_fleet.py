@@ -509,6 +509,15 @@ def test_flower_refuses_to_listen_beyond_loopback_without_a_login(tmp_path: Path
         out = cli({**env, "FLOWER_BASIC_AUTH": blank}, "flower", "--address", "0.0.0.0",
                   "--port", str(free_port()), expect=2)
         assert "FLOWER_AUTH_INVALID" in out, blank
+    # A port already taken: said with the address, as the exporter says it (a fleet
+    # trial got "Address already in use" alone).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = cli(env, "flower", "--port", str(port), expect=2)
+    assert f"error IO_ERROR: cannot serve Flower on 127.0.0.1:{port}: Address already in " \
+        "use" in out, out
 
 
 @pytest.mark.parametrize(("url", "shown", "secret"), [
