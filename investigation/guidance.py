@@ -76,6 +76,7 @@ from investigation.llm.types import (
     PROVIDER_RATE_LIMITED,
     PROVIDER_TIMEOUT,
 )
+from investigation.loop import deliveries
 from investigation.store.engine import Store
 from investigation.store.models import (
     BudgetAccount,
@@ -159,6 +160,7 @@ class CaseFacts:
         awaiting_tests: request ids of external tests that wait for feedback.
         step_started: the next step's model call was opened (the step is under way, or a
             run or worker stopped inside it).
+        stopped_stage: for ``STAGE_TIME_LIMIT``, the stage a worker's time limit stopped.
     """
 
     case_id: str
@@ -174,6 +176,7 @@ class CaseFacts:
     retry_id: str = "retry-1"
     awaiting_tests: tuple[str, ...] = field(default_factory=tuple)
     step_started: bool = False
+    stopped_stage: str | None = None
 
 
 def _q(value: str) -> str:
@@ -588,7 +591,12 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
                   "longest run (a model call's timeout_s, at least), or find why it was "
                   "slow"),
              Step("then resume the case", f"investigate resume {case}"),
-             *_continue(f, "distributed" if mode is None else mode, providers)))
+             *_continue(f, "distributed" if mode is None else mode, providers),
+             # A fleet trial's resumed case sat in RETRY_PENDING for a minute, unexplained.
+             *([Step("the model call the limit stopped may still be answered: the case "
+                     "waits for it first, up to the gateway's in-flight grace (twice the "
+                     "provider's timeout_s plus 5 s), showing RETRY_PENDING "
+                     "(PROVIDER_CALL_IN_FLIGHT)")] if f.stopped_stage == "llm_call" else [])))
     if reason in ("PAUSED", CASE_PAUSED):
         return Guidance("The case is paused.", (Step("resume it",
                                                      f"investigate resume {case}"),))
@@ -630,6 +638,10 @@ def facts_for(store: Store, case_id: str) -> CaseFacts:
                          key=lambda r: int(r.get("step_seq", 0)), default=None)
             if latest:
                 error_code, error_message = latest.get("code"), latest.get("detail")
+        stopped_stage = None
+        if reason == BLOCK_STAGE_TIME_LIMIT:
+            row = deliveries.last_delivered(s, case_id)
+            stopped_stage = row.stage if row is not None else None
         used = {o.retry_id for o in ops} | {case.llm_retry_id}
         n = 1
         while f"retry-{case.head_seq + 1}-{n}" in used:
@@ -645,7 +657,8 @@ def facts_for(store: Store, case_id: str) -> CaseFacts:
             next_call_index=calls, retry_id=f"retry-{case.head_seq + 1}-{n}",
             awaiting_tests=tuple(tests),
             step_started=any(o.step_seq == case.head_seq + 1
-                             and o.revision == case.current_revision for o in ops))
+                             and o.revision == case.current_revision for o in ops),
+            stopped_stage=stopped_stage)
 
 
 def scripted_file(providers: str | Path | None) -> str | None:

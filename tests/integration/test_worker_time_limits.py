@@ -127,6 +127,12 @@ def test_a_time_limit_in_another_stage_parks_the_case_with_its_own_code(
     assert (info["state"], info["blocked_reason"]) == ("BLOCKED", "STAGE_TIME_LIMIT")
     assert "stage llm_call of step 1 was stopped by the worker's time limit" in \
         info["blocked_detail"]
+    # The advice says the stopped model call is waited out after the resume.
+    from investigation import guidance
+
+    assert guidance.facts_for(case.store, case.case_id).stopped_stage == "llm_call"
+    advice = " ".join(guidance.for_case(case.store, case.case_id, "distributed").lines())
+    assert "up to the gateway's in-flight grace" in advice, advice
     with case.store.session() as s:
         assert [r.unfinished for r in s.exec(select(StageDelivery))] == [0]
     # Recorded once: a second report of the same limit changes nothing.

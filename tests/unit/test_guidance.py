@@ -330,6 +330,18 @@ def test_an_unset_key_variable_is_not_called_a_refusal() -> None:
     assert refused.startswith("Blocked: the provider refused the credentials ("), refused
 
 
+def test_a_model_call_stopped_by_a_time_limit_is_said_to_be_waited_out() -> None:
+    """A fleet trial's case resumed after a time limit stopped its model call sat in
+    RETRY_PENDING (PROVIDER_CALL_IN_FLIGHT) for a minute, which the advice never said."""
+    call = advise(_facts(blocked_reason="STAGE_TIME_LIMIT", stopped_stage="llm_call"),
+                  "distributed", "p.toml")
+    text = " ".join(s.text for s in call.steps)
+    assert "the case waits for it first, up to the gateway's in-flight grace" in text, text
+    query = advise(_facts(blocked_reason="STAGE_TIME_LIMIT", stopped_stage="build_context"),
+                   "distributed", "p.toml")
+    assert "in-flight grace" not in " ".join(s.text for s in query.steps)
+
+
 @pytest.mark.parametrize(("environ", "prefix"), [
     ({}, ""),
     ({"INVESTIGATE_HOME": "h4/demo"}, "INVESTIGATE_HOME=h4/demo "),
