@@ -12,6 +12,7 @@ bytes the gateway stores, and it is redacted from every error message.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import email.utils
 import json
 import logging
@@ -98,7 +99,8 @@ def _within(name: str, wait_s: float, work: Callable[[list[httpx.Client]], Any])
     headers would hold the caller indefinitely (one header line every half second held
     ``providers check`` past two minutes, a hostile-input trial). ``work`` appends each
     ``httpx.Client`` it opens to ``clients``; when the wait runs out they are closed, so
-    the helper's next read fails and the thread ends."""
+    the helper's next read fails and the thread ends. The helper runs in a copy of the
+    caller's context variables (the log lines' step context)."""
     outcome: list[Any] = []
     clients: list[httpx.Client] = []
     done = threading.Event()
@@ -111,7 +113,10 @@ def _within(name: str, wait_s: float, work: Callable[[list[httpx.Client]], Any])
         finally:
             done.set()
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    # In the caller's context: what it logs carries the caller's step context (a fleet
+    # trial's httpx lines inside llm_call named only the worker).
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(run,), name=name, daemon=True).start()
     if not done.wait(wait_s):
         for client in clients:
             with contextlib.suppress(Exception):  # racing the helper thread

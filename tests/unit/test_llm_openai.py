@@ -423,3 +423,30 @@ def test_a_401_without_a_key_says_none_was_sent() -> None:
     with pytest.raises(ProviderCredentialsError) as err:
         send(provider(respond(401, b"no")))
     assert "check the key in the variable named by api_key_env" in err.value.message
+
+
+def test_the_request_runs_in_the_callers_context() -> None:
+    """The request's helper thread sees the caller's context variables: a fleet trial's
+    httpx lines inside llm_call carried the worker's name but not the case and step."""
+    import contextvars
+    import logging
+
+    from workers import logs
+
+    seen: list[object] = []
+    marker: contextvars.ContextVar[str | None] = contextvars.ContextVar("marker", default=None)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        record = logging.LogRecord("httpx", logging.INFO, __file__, 1, "HTTP Request", None,
+                                   None)
+        logs.ContextFilter().filter(record)
+        seen.append((marker.get(), record.case_id, record.step, record.stage))  # type: ignore[attr-defined]
+        return httpx.Response(200, json=completion())
+
+    token = marker.set("the caller's")
+    try:
+        with logs.step_context(case_id="case-1", step=3, stage="llm_call"):
+            send(provider(handler))
+    finally:
+        marker.reset(token)
+    assert seen == [("the caller's", "case-1", 3, "llm_call")]
