@@ -71,12 +71,19 @@ def _case(store: Store, case_id: str) -> CaseRecord:
 
 def step_in_progress_text(going: dict[str, Any], state: str) -> str:
     """:func:`status`'s ``step_in_progress`` in words (``step 3 in progress (7 of 8
-    stages recorded, not published)``; ``left unfinished`` on a cancelled or stopped
+    stages recorded, not published)``; ``halted`` on a blocked or paused case, which
+    goes on from there once resumed; ``left unfinished`` on a cancelled or stopped
     case), for ``status`` and the report alike."""
-    ended = state in (CASE_CANCELLED, CASE_STOPPED)
-    return (f"step {going['step_seq']} {'left unfinished' if ended else 'in progress'} "
-            f"({going['stages_recorded']} of {going['stages']} stages recorded, not "
-            "published)")
+    if state in (CASE_CANCELLED, CASE_STOPPED):
+        return (f"step {going['step_seq']} left unfinished ({going['stages_recorded']} of "
+                f"{going['stages']} stages recorded, not published)")
+    if state in (CASE_BLOCKED, CASE_PAUSED):
+        # "in progress" on a blocked case read as a step still running (a fleet trial).
+        return (f"step {going['step_seq']} halted ({going['stages_recorded']} of "
+                f"{going['stages']} stages recorded, not published; it goes on from there "
+                "once resumed)")
+    return (f"step {going['step_seq']} in progress ({going['stages_recorded']} of "
+            f"{going['stages']} stages recorded, not published)")
 
 
 def status(store: Store, case_id: str) -> dict[str, Any]:

@@ -85,6 +85,18 @@ def test_status_says_a_step_is_in_progress_and_that_its_figures_count_it(
     assert checked.exit_code == 0, checked.output
     assert "live rows step 1 in progress, ledgers not read" in " ".join(
         checked.output.split())  # not "the whole ledger of 0 budget accounts read"
+    # Paused (or blocked), the step is not "in progress": it waits (a fleet trial read a
+    # blocked case's step as running).
+    from investigation.operations import pause, resume, step_in_progress_text
+
+    pause(case.store, case.case_id)
+    held = " ".join(CliRunner().invoke(app, ["status", case.case_id], env={
+        "INVESTIGATE_DATABASE_URL": case.store.url}).output.split())
+    assert "step 1 halted (7 of 8 stages recorded, not published; it goes on from there " \
+        "once resumed)" in held, held
+    assert step_in_progress_text(info["step_in_progress"], "BLOCKED").startswith(
+        "step 1 halted (")
+    resume(case.store, case.case_id)
     investigator.stages.run(STAGES[-1], key)
     info = status(case.store, case.case_id)
     assert (info["steps"], info["evidence_count"], info["step_in_progress"]) == (1, 1, None)
