@@ -4,7 +4,8 @@
 # and Flower.  Usage:
 #   deploy/cluster.sh start [WORKERS]   # default 2 workers of WORKER_CONCURRENCY processes;
 #                                       # starts only what is not running (a dead beat, say)
-#   deploy/cluster.sh stop              # warm shutdown; waits until every process exited
+#   deploy/cluster.sh stop [NAME...]    # warm shutdown; waits until every process (or each
+#                                       # one named, e.g. worker-3: one fewer worker) exited
 #   deploy/cluster.sh status            # its processes, and the workers and beat health sees
 # Settings come from the environment, then from deploy/cluster.env (copy
 # cluster.env.example; CLUSTER_ENV names another file): a variable the caller set keeps
@@ -74,7 +75,7 @@ start_one() {
 
 start() {
   # Starts what is not running (a dead beat, a dead worker) and leaves the rest alone.
-  local n="${1:-2}" pidfile kept="" started=""
+  local n="${1:-2}" pidfile name kept="" started=""
   bash "$root/scripts/ensure-services.sh"
   ensure_database
   mkdir -p "$run" "$INVESTIGATE_HOME"
@@ -86,6 +87,15 @@ start() {
     start_one "worker-$i" "$bin" worker --name "worker$i@%h" --concurrency "$concurrency" \
       --metrics-port "$((metrics_base + i))"
   done
+  local beyond=""   # workers of an earlier, larger start: said, and how to stop them
+  for pidfile in "$run"/worker-*.pid; do
+    [ -e "$pidfile" ] || continue
+    name="$(basename "$pidfile" .pid)"
+    if [ "${name#worker-}" -gt "$n" ] && alive "$pidfile"; then beyond="$beyond $name"; fi
+  done
+  if [ -n "$beyond" ]; then
+    echo "also running, beyond the $n worker(s) asked for:$beyond ('$0 stop$beyond' stops them)"
+  fi
   if ! alive "$run/beat.pid" && "$bin" health --check beat --timeout 1 >/dev/null 2>&1; then
     # One per deployment: a beat started elsewhere (by hand, another host) already sends
     # this queue's sweeps to this broker.
@@ -131,14 +141,26 @@ start() {
 }
 
 stop() {
-  local pidfile waited=0 left
-  for pidfile in "$run"/*.pid; do
+  # Every process, or only those named (`stop worker-3`: one fewer worker).
+  local pidfile waited=0 left name pidfiles=()
+  if [ "$#" -eq 0 ]; then
+    pidfiles=("$run"/*.pid)
+  else
+    for name in "$@"; do
+      if [ ! -e "$run/$name.pid" ]; then
+        echo "error: '$name' is not one of this script's processes (see '$0 status')" >&2
+        exit 2
+      fi
+      pidfiles+=("$run/$name.pid")
+    done
+  fi
+  for pidfile in "${pidfiles[@]}"; do
     [ -e "$pidfile" ] || continue
     kill -TERM "$(cat "$pidfile")" 2>/dev/null || true   # warm shutdown
   done
   while :; do
     left=""
-    for pidfile in "$run"/*.pid; do
+    for pidfile in "${pidfiles[@]}"; do
       [ -e "$pidfile" ] || continue
       if alive "$pidfile"; then left="$left $(basename "$pidfile" .pid)"; else rm -f "$pidfile"; fi
     done
@@ -151,6 +173,10 @@ stop() {
     fi
     sleep 1; waited=$((waited + 1))
   done
+  if [ "$#" -gt 0 ]; then
+    echo "stopped:$(printf ' %s' "$@") (its running stages finished: warm shutdown)"
+    return 0
+  fi
   echo "stopped (every running stage finished: warm shutdown)"
   local others   # a worker started by hand on this queue is not this script's to stop
   others="$("$bin" health --check workers --timeout 1 2>/dev/null \
@@ -183,7 +209,7 @@ status() {
 
 case "${1:-}" in
   start) start "${2:-2}" ;;
-  stop) stop ;;
+  stop) shift; stop "$@" ;;
   status) status ;;
-  *) echo "usage: $0 start [WORKERS] | stop | status" >&2; exit 2 ;;
+  *) echo "usage: $0 start [WORKERS] | stop [NAME...] | status" >&2; exit 2 ;;
 esac

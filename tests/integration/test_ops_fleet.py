@@ -456,6 +456,28 @@ def test_cluster_sh_starts_only_what_is_dead_and_waits_for_its_workers_on_stop(
             == {k: v for k, v in pids.items() if k != "beat"}
         assert (run_dir / "beat.log").read_text().count("cluster.sh start") == 2
         pids = now
+        # One worker fewer: `start 1` named the second worker nowhere and nothing stopped
+        # it alone (a fleet trial); `stop NAME` stops the processes named.
+        more = subprocess.run([*script, "start", "2"], env=env, capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert more.returncode == 0 and "started: worker-2 (" in more.stdout, more
+        fewer = subprocess.run([*script, "start", "1"], env=env, capture_output=True,
+                               text=True, timeout=60, check=False)
+        assert fewer.returncode == 0 and "nothing to start" in fewer.stdout, fewer
+        assert "also running, beyond the 1 worker(s) asked for: worker-2 (" in fewer.stdout
+        assert "cluster.sh stop worker-2' stops them)" in fewer.stdout, fewer
+        second = int((run_dir / "worker-2.pid").read_text())
+        one = subprocess.run([*script, "stop", "worker-2"], env=env, capture_output=True,
+                             text=True, timeout=120, check=False)
+        assert one.returncode == 0 and "stopped: worker-2 (" in one.stdout, one
+        assert not Path(f"/proc/{second}").exists() or \
+            Path(f"/proc/{second}/stat").read_text().split()[2] == "Z"
+        assert {p.stem: int(p.read_text()) for p in run_dir.glob("*.pid")} == pids
+        assert subprocess.run([*script, "status"], env=env, capture_output=True,
+                              timeout=60, check=False).returncode == 0
+        unknown = subprocess.run([*script, "stop", "worker-9"], env=env, capture_output=True,
+                                 text=True, timeout=60, check=False)
+        assert unknown.returncode == 2 and "'worker-9' is not one of" in unknown.stderr
         stopped = subprocess.run([*script, "stop"], env=env, capture_output=True, text=True,
                                  timeout=120, check=False)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
