@@ -22,6 +22,7 @@ treats it as a directory.
 from __future__ import annotations
 
 import json
+import math
 import re
 import unicodedata
 from itertools import pairwise
@@ -255,7 +256,7 @@ def strict_json_loads(text: str) -> Any:
         RecursionError: nesting too deep for the parser.
     """
     return json.loads(text, object_pairs_hook=_unique_object, parse_constant=_reject_constant,
-                      parse_int=parse_json_int)
+                      parse_int=parse_json_int, parse_float=_finite_float)
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -269,3 +270,13 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _reject_constant(token: str) -> Any:
     raise ValueError(f"non-finite number {token}")
+
+
+def _finite_float(token: str) -> float:
+    """A JSON number with a fraction or exponent, refused where no float holds it
+    (``1e999`` parsed as infinity, which canonical JSON cannot write: a hostile trial's
+    manifest got CONFIG_INVALID)."""
+    value = float(token)
+    if not math.isfinite(value):
+        raise ValueError(f"number {token[:40]} is out of range")
+    return value

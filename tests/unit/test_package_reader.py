@@ -482,6 +482,19 @@ def test_a_lone_surrogate_in_the_manifest_is_a_manifest_error() -> None:
     assert "lone UTF-16 surrogate" in err.value.message
 
 
+@pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"1E+400"])
+def test_a_manifest_number_beyond_any_float_is_a_manifest_error(number: bytes) -> None:
+    """`"note": 1e999` parsed as infinity and escaped as a ValueError: CONFIG_INVALID,
+    blaming the INVESTIGATE_* settings (a hostile-input trial)."""
+    manifest = manifest_for(dict(BASE)).replace(b"{", b'{"note": ' + number + b", ", 1)
+    data = craft([Entry(b"manifest.json", manifest),
+                  *[Entry(n.encode(), d) for n, d in sorted(BASE.items())]])
+    with pytest.raises(PackageError) as err:
+        PackageReader(PackageLimits()).read(data)
+    assert err.value.code == "PKG_MANIFEST_INVALID"
+    assert f"number {number.decode()} is out of range" in err.value.message
+
+
 def test_manifest_not_json() -> None:
     data = craft([Entry(b"manifest.json", b"{not json"),
                   *[Entry(n.encode(), d) for n, d in sorted(BASE.items())]])
