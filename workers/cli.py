@@ -395,16 +395,17 @@ def _print_outcome(o: Outcome) -> None:
     "--logs logs/ -o case.zip"))
 @_controlled
 def case_build(
-    source: Annotated[Path, typer.Option(
-        "--source", help="the source tree: a directory; in a git checkout (or a folder "
-        "of one) the files git lists (tracked and untracked; ignored ones and .git left "
-        "out); paths in queries are relative to it")],
+    source: Annotated[str, typer.Option(
+        "--source", metavar="DIR", help="the source tree: a directory; in a git checkout "
+        "(or a folder of one) the files git lists (tracked and untracked; ignored ones and "
+        ".git left out); paths in queries are relative to it")],
     report: Annotated[Path, typer.Option("--report", help="the bug report (a text file)")],
     output: Annotated[Path, typer.Option("-o", "--output", help="the package ZIP to write")],
     db: Annotated[Path | None, typer.Option(
         "--db", help="a SQLite database snapshot to pack (queried read-only)")] = None,
-    logs: Annotated[Path | None, typer.Option(
-        "--logs", help="a directory of log files to pack (or one log file)")] = None,
+    logs: Annotated[str | None, typer.Option(
+        "--logs", metavar="PATH", help="a directory of log files to pack (or one log "
+        "file)")] = None,
     allow_secrets: Annotated[bool, typer.Option(
         "--allow-secrets", help="pack files in which the secret scan found secrets "
         "(tool results still mask them)")] = False,
@@ -417,7 +418,14 @@ def case_build(
     """
     from investigation.cases.builder import build_package
 
-    info = build_package(source, report, output, db=db, logs=logs,
+    # Read as text: an empty value would be Path(""), the working directory, which a
+    # hostile trial's `--source ""` packed.
+    for hint, given in (("--source", source), ("--logs", logs)):
+        if given is not None and not given.strip():
+            raise typer.BadParameter("is empty: name a directory (`.` for this one)",
+                                     param_hint=hint)
+    info = build_package(Path(source), report, output, db=db,
+                         logs=Path(logs) if logs is not None else None,
                          allow_secrets=allow_secrets)
     for finding in info.secrets:
         err.print(_term(f"warning: packed a secret (--allow-secrets): {finding}"),

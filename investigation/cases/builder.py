@@ -169,6 +169,7 @@ def build_package(
     """
     limits = limits if limits is not None else PackageLimits()
     output = Path(output)
+    _check_output(output, Path(report), db, logs)
     plan = _plan(Path(source), Path(report), db=db, logs=logs, limits=limits,
                  exclude=(output,), inside_checkout=inside_checkout)
     files = _read_plan(plan, Path(report), db)
@@ -257,6 +258,22 @@ def collect_files(
     limits = limits if limits is not None else PackageLimits()
     return _read_plan(_plan(source, report, db=db, logs=logs, limits=limits, exclude=exclude),
                       report, db)
+
+
+def _check_output(output: Path, report: Path, db: Path | None, logs: Path | None) -> None:
+    """Refuse an output that is an input file: a hostile trial's ``-o`` named the report,
+    which the ZIP replaced (its only copy). An output inside the source or logs tree is
+    left out of what is packed, as before.
+
+    Raises:
+        PackageError: ``PKG_BUILD_INPUT``.
+    """
+    target = _resolve(output)
+    for what, given in (("the report", report), ("the database", db), ("the logs", logs)):
+        if given is not None and _resolve(Path(given)) == target:
+            raise PackageError("PKG_BUILD_INPUT", f"the output {output} is {what} given: "
+                               "writing it would replace that file; name another output",
+                               path=str(output))
 
 
 def _plan(source: Path, report: Path, db: Path | None, logs: Path | None,

@@ -350,3 +350,42 @@ def test_a_database_with_a_write_ahead_log_is_packed_with_its_committed_rows(
     assert {p.name: p.read_bytes() for p in tmp_path.glob("live.db*")} == before
     build_package(inputs["source"], inputs["report"], tmp_path / "b.zip", db=db)
     assert (tmp_path / "b.zip").read_bytes() == data
+
+
+def test_an_output_that_is_an_input_is_refused_and_the_input_kept(
+        inputs: dict[str, Path], tmp_path: Path) -> None:
+    """A hostile trial's `-o` named the report: the ZIP replaced its only copy."""
+    report = inputs["report"]
+    before = report.read_bytes()
+    log = tmp_path / "app.log"
+    log.write_text("a line\n")
+    for output, given in ((report, "the report"), (log, "the logs")):
+        with pytest.raises(PackageError) as err:
+            build_package(inputs["source"], report, output, logs=log)
+        assert err.value.code == "PKG_BUILD_INPUT"
+        assert f"the output {output} is {given} given" in err.value.message
+    assert report.read_bytes() == before and log.read_text() == "a line\n"
+    # The same file by another spelling is the same file.
+    spelled = tmp_path / "x" / ".." / report.relative_to(tmp_path)
+    (tmp_path / "x").mkdir()
+    with pytest.raises(PackageError):
+        build_package(inputs["source"], report, spelled)
+    assert report.read_bytes() == before
+
+
+def test_an_empty_source_or_logs_option_is_a_usage_error(
+        inputs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`case build --source ""` packed the working directory (a hostile trial)."""
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    for option in ("--source", "--logs"):
+        args = {"--source": str(inputs["source"]), "--report": str(inputs["report"]),
+                "-o": str(tmp_path / "p.zip"), option: ""}
+        res = CliRunner().invoke(app, ["case", "build", *[x for kv in args.items()
+                                                          for x in kv]])
+        assert res.exit_code == 2 and "is empty" in res.output, (option, res.output)
+        assert option in res.output
+        assert not (tmp_path / "p.zip").exists()
