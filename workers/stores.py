@@ -56,9 +56,20 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
         try:  # a plain read-only look (the store engine would switch the file to WAL); a
             # WAL database may get SQLite's -shm index beside it, its content is untouched
             with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as look:
+                tables = {r[0] for r in look.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'")}
+                if "alembic_version" not in tables:
+                    raise not_a_store
                 versions = [r[0] for r in look.execute("SELECT version_num FROM alembic_version")]
-        except sqlite3.Error:
-            raise not_a_store from None
+        except sqlite3.Error as exc:
+            # A file SQLite cannot read (cut short, overwritten) is damaged, not "a store
+            # no case was ever added to" (a hostile trial's truncated store), as the
+            # writing commands say.
+            raise InvestigationError(
+                "STORE_UNAVAILABLE", f"{path} is not a SQLite database it can read ({exc}): "
+                "a damaged or foreign file, not an empty store; nothing was changed. "
+                "Restore it from a backup, or point INVESTIGATE_HOME or "
+                "INVESTIGATE_DATABASE_URL at the right store") from None
     store = Store(url)
     if existing and not is_sqlite:
         from sqlalchemy import text

@@ -426,6 +426,21 @@ def test_read_only_commands_leave_foreign_databases_alone(tmp_path: Path, cli_en
             res = CliRunner().invoke(app, args)
             assert res.exit_code == 2 and "STORE_NOT_FOUND" in res.output, (name, args)
         assert foreign.read_bytes() == before, name
+    # A store cut short, or a file that is no SQLite database, is damaged, not "a store no
+    # case was ever added to" (a hostile trial's truncated store read as never used).
+    whole = make_case(tmp_path / "whole")
+    whole.store.dispose()
+    stored = Path(whole.store.engine.url.database or "")
+    for name, data in (("cut.db", stored.read_bytes()[:8192]), ("garbage.db", b"garbage")):
+        broken = tmp_path / name
+        broken.write_bytes(data)
+        monkeypatch.setenv("INVESTIGATE_DATABASE_URL", f"sqlite:///{broken}")
+        for args in (["status", whole.case_id], ["cases"], ["verify", whole.case_id]):
+            res = CliRunner().invoke(app, args)
+            flat = " ".join(res.output.split())
+            assert res.exit_code == 2 and "STORE_UNAVAILABLE" in flat, (name, args, flat)
+            assert "a damaged or foreign file, not an empty store" in flat, flat
+        assert broken.read_bytes() == data, name
 
 
 def test_a_case_or_store_not_found_says_where_it_looked_and_where_the_demo_is(
