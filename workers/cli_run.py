@@ -18,9 +18,11 @@ import typer
 from investigation.constants import COMPLETED
 from workers.cli import (
     EXAMPLE_CASE,
+    INTERRUPTED_EXIT,
     CaseArg,
     JsonOpt,
     _controlled,
+    _fail,
     _fleet_shell,
     _print_json,
     _settings,
@@ -131,8 +133,17 @@ def run(
     settings = _settings()
     # In a shell set up for a fleet, the fleet's case lock too: no worker dispatches the
     # case while this runs, nor this beside a dispatch (decision 158).
-    outcome, steps = _run_embedded(settings, case_id, config, providers, max_steps, wait,
-                                   quiet=as_json, fleet_lock=_fleet_shell(settings))
+    try:
+        outcome, steps = _run_embedded(settings, case_id, config, providers, max_steps,
+                                       wait, quiet=as_json, fleet_lock=_fleet_shell(settings))
+    except KeyboardInterrupt:
+        # Typer ends an interrupted command with 130 and no word (a hostile trial's 120
+        # interrupts); every stage is fenced and kept, so the run continues where it was.
+        again = f"investigate run {shlex.quote(case_id)}" + (
+            f" --providers {shlex.quote(str(providers))}" if providers else "")
+        _fail("INTERRUPTED", f"interrupted (Ctrl-C): every stage it finished is kept; "
+              f"`{again}` continues the case (a model call it interrupted is waited out "
+              "first, up to the gateway's in-flight grace)", exit_code=INTERRUPTED_EXIT)
     used = providers or settings.providers
     if used is not None:  # for the commands status and resume print later
         remember_providers(settings, case_id, used)

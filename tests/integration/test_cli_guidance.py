@@ -1007,3 +1007,47 @@ def test_pause_prints_resume_with_the_home_it_used(tmp_path: Path,
     assert f"continue later with: INVESTIGATE_HOME={home} investigate resume {case.case_id}" \
         in " ".join(paused.output.split()), paused.output
     case.store.dispose()
+
+
+def test_an_interrupted_run_says_so_and_how_to_continue(tmp_path: Path) -> None:
+    """Ctrl-C on `run` exited 130 without a word (Typer's own handling; a hostile trial
+    interrupted it 120 times): it now says what was kept and the command that continues,
+    and the case continues from there."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from investigation.llm.replay_server import Fault, ReplayServer
+
+    server = ReplayServer(HAPPY, faults=[Fault.delay(30.0)]).start()
+    try:
+        case = make_case(tmp_path / "case")
+        providers = tmp_path / "slow.toml"
+        providers.write_text('[[providers]]\nname = "slow"\nkind = "openai"\n'
+                             f'base_url = "{server.base_url}"\nmodel = "replay"\n'
+                             "timeout_s = 60\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
+        env.update(INVESTIGATE_HOME=str(tmp_path / "home"),
+                   INVESTIGATE_DATABASE_URL=case.store.url)
+        exe = str(Path(sys.executable).with_name("investigate"))
+        proc = subprocess.Popen([exe, "run", case.case_id, "--providers", str(providers)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 60
+        while not server.requests:  # inside the model call
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, errs = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (out, errs)
+        flat = " ".join(errs.split())
+        assert "error INTERRUPTED: interrupted (Ctrl-C): every stage it finished is kept; " \
+            f"`investigate run {case.case_id} --providers {providers}` continues the case" \
+            in flat, flat
+        assert "Traceback" not in errs
+        checked = subprocess.run([exe, "verify", case.case_id], env=env, capture_output=True,
+                                 text=True, timeout=60, check=False)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    finally:
+        server.stop()
