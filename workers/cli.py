@@ -1211,6 +1211,13 @@ def _invoke(command: Any, args: list[str]) -> int:
     except typer.Abort:  # end of input at a prompt: not exit 1, which says "blocked"
         err.print("Aborted!", markup=False, highlight=False)
         return 2
+    except SystemExit as exc:
+        # Help printed into a closed pipe (`--help | head`): Typer's own Rich console
+        # answers the BrokenPipeError with exit 1, which says "blocked" (a hostile trial);
+        # every other command's closed pipe exits 141.
+        if exc.code == 1 and isinstance(exc.__context__, BrokenPipeError):
+            _pipe_closed()
+        raise
     except Exception as exc:  # a bug: never exit 1, which says "the case is blocked"
         import traceback
 

@@ -172,7 +172,8 @@ def test_output_whose_reader_went_away_is_never_exit_1(cli: Case, tmp_path: Path
     env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
     env.update(INVESTIGATE_HOME=str(tmp_path / "home"),
                INVESTIGATE_DATABASE_URL=cli.store.url)
-    for command in (["steps", cli.case_id], ["cases"]):
+    # Help too: Typer's own console exited 1 (a hostile trial's `--help | head -1`).
+    for command in (["steps", cli.case_id], ["cases"], ["--help"], ["case", "--help"]):
         # The reader goes away before the command writes (it imports for a second first).
         proc = subprocess.Popen([exe, *command], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=env)
