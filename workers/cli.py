@@ -125,7 +125,21 @@ err = _Console(stderr=True, soft_wrap=True, emoji=False)
 #: Help of every ``CASE`` argument and ``--json`` option.
 CASE_HELP = "the case id that `investigate case add` printed, e.g. " + EXAMPLE_CASE
 JSON_HELP = "print the result as one JSON object on stdout instead of text"
-CaseArg = Annotated[str, typer.Argument(metavar="CASE", help=CASE_HELP)]
+#: Longest text a ``CASE`` argument may be: every case id is ``case-`` and 16 hex digits.
+CASE_ARG_MAX = 64
+
+
+def _case_arg(value: str) -> str:
+    """Refuse a ``CASE`` argument no case id can be, before any store is opened: a hostile
+    trial's 100,000-character id came back whole in ``CASE_NOT_FOUND``."""
+    if len(value) > CASE_ARG_MAX:
+        raise typer.BadParameter(
+            f"is {len(value)} characters long, no case id: ids are 'case-' and 16 hex "
+            "digits (`investigate cases` lists them)")
+    return value
+
+
+CaseArg = Annotated[str, typer.Argument(metavar="CASE", help=CASE_HELP, callback=_case_arg)]
 JsonOpt = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
 
 

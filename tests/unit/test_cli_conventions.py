@@ -199,3 +199,15 @@ def test_flags_show_no_value_type_and_option_paths_are_not_cut() -> None:
                            env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"}, check=True).stdout
     assert "<bool>" not in shown and "…" not in shown, shown
     assert "<path>" in shown and "--json" in shown and "--no-wait" in shown
+
+
+@pytest.mark.parametrize("command", [["status"], ["summary"], ["steps"], ["dispatch"],
+                                     ["tests", "list"]])
+def test_a_case_argument_no_case_id_can_be_is_a_usage_error(
+        command: list[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 100,000-character id came back whole in CASE_NOT_FOUND (a hostile trial)."""
+    monkeypatch.setenv("INVESTIGATE_HOME", str(tmp_path))
+    res = CliRunner().invoke(app, [*command, "c" * 100_000, "--json"])
+    assert res.exit_code == 2, res.output
+    assert "is 100000 characters long, no case id" in res.output
+    assert len(res.output) < 2000 and not (tmp_path / "investigation.db").exists()
