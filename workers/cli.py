@@ -264,9 +264,29 @@ def _fail_on_library_error(exc: Exception) -> None:
               f"{_first_line(exc)}")
     if isinstance(exc, ImportError):  # an install without a module a dependency needs
         _fail("DEPENDENCY_MISSING", _missing_module(exc))
-    if isinstance(exc, ValueError):  # a URL or setting nothing can use
+    if isinstance(exc, ValueError) and not _raised_by_the_engine(exc):
+        # A library refusing a URL or setting nothing can use. The engine's own ValueError
+        # is a bug, reported as one (a hostile trial's manifest number escaped as one and
+        # was shown as a settings problem).
         _fail("CONFIG_INVALID", f"{type(exc).__name__}: {_first_line(exc)}; check the "
               "INVESTIGATE_* settings")
+
+
+def _raised_by_the_engine(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised in the engine's own code (``investigation``, ``workers``),
+    not in a library it called: the innermost frame of its traceback says where."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return any(where.is_relative_to(root) for root in _ENGINE_ROOTS)
+
+
+#: The engine's package folders (:func:`_raised_by_the_engine`).
+_ENGINE_ROOTS = (Path(sys.modules["investigation"].__file__ or "").resolve().parent,
+                 Path(__file__).resolve().parent)
 
 
 def _missing_module(exc: ImportError) -> str:

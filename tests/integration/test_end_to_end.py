@@ -550,6 +550,24 @@ def test_a_usage_error_of_a_json_command_is_json_on_stdout_too(
         "message": "unexpected KeyError: 'logs_root'; this is a bug of the engine (the "
                    "traceback above says where)"}, out
     assert "Traceback" in err and "INTERNAL_ERROR: unexpected KeyError" in err, err
+    # A ValueError the engine's own code raised is a bug too, not CONFIG_INVALID "check the
+    # INVESTIGATE_* settings" (a hostile trial's manifest number escaped so); a library's
+    # stays a settings error.
+    from investigation.cases import layout
+
+    monkeypatch.setattr(workers.cli, "_store",
+                        lambda *a, **k: layout.strict_json_loads("[NaN]"))
+    code, out, err = run("status", "case-nope", "--json")
+    assert code == 5 and json.loads(out)["error"]["code"] == "INTERNAL_ERROR", out
+
+    def library(*args: object, **kwargs: object) -> None:
+        from urllib.parse import urlsplit
+
+        urlsplit("redis://[::1:6379/0")  # ValueError: Invalid IPv6 URL
+
+    monkeypatch.setattr(workers.cli, "_store", library)
+    code, out, err = run("status", "case-nope", "--json")
+    assert code == 2 and json.loads(out)["error"]["code"] == "CONFIG_INVALID", out
     monkeypatch.undo()
 
     ran = subprocess.run([str(Path(sys.executable).with_name("investigate")), "cases",
