@@ -255,8 +255,10 @@ def test_the_api_answers_bad_arguments_and_stores_with_codes(tmp_path: Path) -> 
                           [{"id": 10**5000, "statement": "s"}],
                           settings=_settings(tmp_path), create_store=True),
          "CASE_HYPOTHESES_INVALID"),
+        # A file SQLite cannot read is damaged or foreign, as register says (it was
+        # STORE_NOT_FOUND, "no case was ever added there": a hostile trial).
         (lambda: status("case-x", settings=_settings(
-            tmp_path, database_url=f"sqlite:///{text_file}")), "STORE_NOT_FOUND"),
+            tmp_path, database_url=f"sqlite:///{text_file}")), "STORE_UNAVAILABLE"),
         (lambda: register(package, casekit.INTERPRETATION, casekit.HYPOTHESES,
                           settings=_settings(tmp_path, database_url=f"sqlite:///{text_file}")),
          "STORE_UNAVAILABLE"),
