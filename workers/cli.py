@@ -464,9 +464,15 @@ def case_build(
     for finding in info.secrets:
         err.print(_term(f"warning: packed a secret (--allow-secrets): {finding}"),
                   markup=False, highlight=False)
+    if not info.source_files:
+        # An empty folder, or a checkout git lists nothing of, packed silently (a trial).
+        err.print(_term(f"warning: the source tree {source} gave no file to pack (empty, "
+                        "or nothing git lists there): every source query of this case will "
+                        "find nothing"), markup=False, highlight=False)
     if as_json:
         _print_json({"package_id": info.package_id, "path": str(info.path),
                      "size_bytes": info.size_bytes, "file_count": info.file_count,
+                     "source_files": info.source_files,
                      "secrets_allowed": [str(f) for f in info.secrets]})
         return
     out.print(f"package {info.package_id}")

@@ -124,6 +124,8 @@ class PackageInfo:
         manifest: the manifest that was packed.
         secrets: what the secret scan found (``path:line: type``, never the secret);
             empty unless ``allow_secrets`` was given.
+        source_files: files packed under ``source/`` (0: the source tree gave none, so
+            every source query of the case finds nothing; ``case build`` warns).
     """
 
     package_id: str
@@ -132,6 +134,7 @@ class PackageInfo:
     path: Path
     manifest: Mapping[str, Any]
     secrets: tuple[SecretFinding, ...] = ()
+    source_files: int = 0
 
 
 def build_package(
@@ -199,6 +202,7 @@ def build_package(
         path=output,
         manifest=manifest,
         secrets=tuple(findings),
+        source_files=sum(1 for name in files if name.startswith(SOURCE_ROOT)),
     )
 
 

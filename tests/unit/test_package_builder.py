@@ -389,3 +389,33 @@ def test_an_empty_source_or_logs_option_is_a_usage_error(
         assert res.exit_code == 2 and "is empty" in res.output, (option, res.output)
         assert option in res.output
         assert not (tmp_path / "p.zip").exists()
+
+
+def test_an_empty_source_tree_is_packed_with_a_warning(
+        inputs: dict[str, Path], tmp_path: Path) -> None:
+    """An empty source folder packed silently (a trial): every source query of such a case
+    finds nothing, so `case build` says so (a database-only case is still built)."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    info = build_package(empty, inputs["report"], tmp_path / "e.zip")
+    assert info.source_files == 0
+    assert build_package(inputs["source"], inputs["report"],
+                         tmp_path / "s.zip").source_files > 0
+    args = ["case", "build", "--source", str(empty), "--report", str(inputs["report"]),
+            "-o", str(tmp_path / "e2.zip")]
+    res = CliRunner().invoke(app, args)
+    flat = " ".join(res.output.split())
+    assert res.exit_code == 0 and f"warning: the source tree {empty} gave no file to pack" \
+        in flat, res.output
+    shown = CliRunner().invoke(app, [*args, "--json"])
+    assert _json.loads(shown.stdout)["source_files"] == 0
+    full = CliRunner().invoke(app, ["case", "build", "--source", str(inputs["source"]),
+                                    "--report", str(inputs["report"]), "-o",
+                                    str(tmp_path / "s2.zip")])
+    assert full.exit_code == 0 and "warning" not in full.output, full.output
