@@ -74,16 +74,14 @@ def step_in_progress_text(going: dict[str, Any], state: str) -> str:
     stages recorded, not published)``; ``halted`` on a blocked or paused case, which
     goes on from there once resumed; ``left unfinished`` on a cancelled or stopped
     case), for ``status`` and the report alike."""
+    word, tail = "in progress", ""
     if state in (CASE_CANCELLED, CASE_STOPPED):
-        return (f"step {going['step_seq']} left unfinished ({going['stages_recorded']} of "
-                f"{going['stages']} stages recorded, not published)")
-    if state in (CASE_BLOCKED, CASE_PAUSED):
+        word = "left unfinished"
+    elif state in (CASE_BLOCKED, CASE_PAUSED):
         # "in progress" on a blocked case read as a step still running (a fleet trial).
-        return (f"step {going['step_seq']} halted ({going['stages_recorded']} of "
-                f"{going['stages']} stages recorded, not published; it goes on from there "
-                "once resumed)")
-    return (f"step {going['step_seq']} in progress ({going['stages_recorded']} of "
-            f"{going['stages']} stages recorded, not published)")
+        word, tail = "halted", "; it goes on from there once resumed"
+    return (f"step {going['step_seq']} {word} ({going['stages_recorded']} of "
+            f"{going['stages']} stages recorded, not published{tail})")
 
 
 def status(store: Store, case_id: str) -> dict[str, Any]:

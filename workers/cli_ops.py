@@ -244,9 +244,7 @@ def _check_runtime(settings: Settings) -> None:
         # A key variable unset in this environment blocks every case at its first model
         # call (a fleet trial: the workers started and `health` said ok).
         for provider in env.gateway_factory().providers:
-            check = getattr(provider, "check_credentials", None)
-            if check is not None:
-                check()
+            provider.check_credentials()
     # The case locks' Redis: a worker that cannot reach it failed every stage it took,
     # while the case stayed held for the lease (a fleet trial: six minutes of a stalled
     # fleet behind one worker with a wrong INVESTIGATE_REDIS_URL).

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from investigation.constants import BLOCKED, CASE_CANCELLED, CASE_HELD, RETRY_PENDING
+from investigation.loop.outcome import tokens_text
 from investigation.text_safety import escape_text
 
 if TYPE_CHECKING:
@@ -45,8 +46,6 @@ def facts_text(facts: dict[str, Any] | None) -> str:
         parts.append(str(facts.get("operation") or facts.get("action")))
     if facts.get("model_ms") is not None:
         parts.append(f"model {facts['model_ms'] / 1000:.1f} s")
-    from investigation.loop.outcome import tokens_text
-
     if tokens := tokens_text(facts.get("prompt_tokens"), facts.get("completion_tokens")):
         parts.append(f"tokens {tokens}")
     return "; " + ", ".join(parts) if parts else ""

@@ -135,6 +135,9 @@ class ScriptedProvider:
         """The configured provider name."""
         return self.config.name
 
+    def check_credentials(self) -> None:
+        """A reply file needs no credentials: nothing to check."""
+
     def build_request_bytes(self, req: ChatRequest) -> bytes:
         """Canonical JSON of ``{"call_index", "messages", "schema_name"}``.
 

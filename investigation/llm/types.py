@@ -210,6 +210,15 @@ class Provider(Protocol):
         """
         ...
 
+    def check_credentials(self) -> None:
+        """Check, sending nothing, that a call would find the credentials it needs here (a
+        worker checks it before it joins the queue).
+
+        Raises:
+            ProviderCredentialsError: ``PROVIDER_CREDENTIALS_MISSING``.
+        """
+        ...
+
 
 def attach_response(exc: ProviderError, raw: bytes | None, http_status: int | None) -> ProviderError:
     """Attach the received response bytes and status to a provider error; returns ``exc``.

@@ -416,6 +416,9 @@ def test_an_unexpected_provider_error_blocks_instead_of_abandoning(rig: Rig) -> 
             self.name = inner.name
             self.timeout_s = 0.5
 
+        def check_credentials(self) -> None:
+            self.inner.check_credentials()
+
         def build_request_bytes(self, req: ChatRequest) -> bytes:
             return self.inner.build_request_bytes(req)
 

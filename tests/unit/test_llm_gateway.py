@@ -63,6 +63,9 @@ class FakeProvider:
     def name(self) -> str:
         return self._name
 
+    def check_credentials(self) -> None:
+        pass
+
     def build_request_bytes(self, req: ChatRequest) -> bytes:
         return canonical_json({"provider": self._name, "call": req.call_index,
                                "messages": req.messages})
