@@ -572,7 +572,10 @@ def test_recover_does_not_call_a_case_orphaned_while_a_live_worker_runs_its_stag
     started = cluster.tmp / "slow-started"
     with cluster.dump_on_failure():
         worker = cluster.start_worker({
-            "TEST_CRASH_POINT": point, "TEST_CRASH_MODE": "sleep:8",
+            # Long enough for `recover` (a new process, inspect and ping) to run inside
+            # it with the suite's other process busy too: 8 s was not, once (it took
+            # longer and the step was published when status was read).
+            "TEST_CRASH_POINT": point, "TEST_CRASH_MODE": "sleep:20",
             "TEST_CRASH_ONCE": str(started),
             # The slow stage is delivered once: no restore while it sleeps.
             "INVESTIGATE_VISIBILITY_TIMEOUT_S": "30", "INVESTIGATE_MAX_COUNTDOWN_S": "29"})
