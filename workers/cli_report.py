@@ -27,6 +27,7 @@ from workers.cli import (
     _store,
     example,
     out,
+    status_reading,
 )
 from workers.views import term
 
@@ -63,8 +64,12 @@ def report_cmd(
 
     target = output or Path(f"{case_id}.html")
     settings = _settings()
-    size = write_report(_store(settings, existing=True), case_id, target,
-                        currency=_currency(settings))
+    store = _store(settings, existing=True)
+    # The next steps `status` gives in this shell: it also knows a `run` or a dispatch
+    # that holds the case (the store's own advice said "run it again" during a run).
+    _, advice = status_reading(settings, store, case_id)
+    size = write_report(store, case_id, target, currency=_currency(settings),
+                        guidance=advice)
     if as_json:
         _print_json({"case_id": case_id, "path": str(target.resolve()), "bytes": size})
         return

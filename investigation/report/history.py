@@ -184,16 +184,19 @@ def _items(findings_json: str) -> list[dict[str, str]]:
 
 
 def case_history(store: Store, case_id: str, env: str | None = None,
-                 currency: str = "USD") -> CaseHistory:
+                 currency: str = "USD", guidance: Guidance | None = None) -> CaseHistory:
     """Read the whole history of ``case_id`` (see the module docstring); ``env`` prefixes
     the guidance's commands (``investigation.guidance.for_case``); ``currency`` labels
-    model costs (``limits.currency``) where the case's attempts recorded none.
+    model costs (``limits.currency``) where the case's attempts recorded none;
+    ``guidance``, when given, replaces the store's own advice (the caller's shell knows
+    more: a run or a dispatch that holds the case).
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``.
     """
     info = status(store, case_id)
-    guidance = for_case(store, case_id, env=env)
+    if guidance is None:
+        guidance = for_case(store, case_id, env=env)
     revision = int(info["revision"])
     with store.session() as s:
         rev = s.exec(select(RevisionRecord).where(RevisionRecord.case_id == case_id,

@@ -910,6 +910,29 @@ def test_status_while_a_run_of_this_machine_holds_the_case(cli: Case, tmp_path: 
     assert json.loads(invoke("status", cli.case_id, "--json").stdout)["run_holds"] is False
 
 
+def test_report_while_a_run_of_this_machine_holds_the_case(cli: Case, tmp_path: Path) -> None:
+    """A report written while `run` worked in another shell told the reader to "run it"
+    (the store's own advice): its next steps are those `status` gives in this shell."""
+    from html import unescape
+
+    from workers.locks import FileCaseLock
+
+    page = tmp_path / "report.html"
+    lock = FileCaseLock(tmp_path / "home" / "locks")
+    token = lock.acquire(cli.case_id)
+    try:
+        assert invoke("report", cli.case_id, "-o", str(page)).exit_code == 0
+        held = unescape(page.read_text())
+        assert "A `run` on this machine is at work on the case" in held
+        assert f"investigate status {cli.case_id} --watch" in held
+        assert f"investigate run {cli.case_id}" not in held
+    finally:
+        lock.release(cli.case_id, token)
+    assert invoke("report", cli.case_id, "-o", str(page)).exit_code == 0
+    free = unescape(page.read_text())
+    assert "at work on the case" not in free and f"investigate run {cli.case_id}" in free
+
+
 def test_the_live_panel_stops_saying_it_works_once_the_run_ends(cli: Case) -> None:
     """The panel drawn after a run's last step (COMPLETED) said "working on the next
     step" under it."""
