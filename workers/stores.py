@@ -17,6 +17,7 @@ from sqlalchemy.engine import make_url
 
 from investigation.errors import InvestigationError
 from investigation.store import Store
+from investigation.store.schema_version import HEAD_REVISION
 from investigation.text_safety import url_location
 from workers.settings import Settings
 
@@ -83,9 +84,9 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
             store.dispose()
             raise not_a_store from None
     if existing:
-        from investigation.store.migrate import head_revision, known_revisions
+        if versions != [HEAD_REVISION]:
+            from investigation.store.migrate import known_revisions
 
-        if versions != [head_revision()]:
             store.dispose()
             if versions and set(versions) <= known_revisions():
                 # This engine's store, behind: not "not an investigation store" (a
@@ -93,7 +94,7 @@ def open_store(settings: Settings, existing: bool = False, hint: str = "") -> St
                 raise InvestigationError(
                     "STORE_NOT_MIGRATED",
                     f"the store at {url_location(url)} is at migration "
-                    f"{', '.join(versions)}, this engine needs {head_revision()}: run "
+                    f"{', '.join(versions)}, this engine needs {HEAD_REVISION}: run "
                     "`investigate db upgrade`; nothing was changed")
             raise not_a_store
         return store

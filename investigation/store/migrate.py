@@ -2,7 +2,9 @@
 
 New tables or columns get a new revision under ``migrations/versions`` (generate one with
 ``python -m investigation.store.migrate revision "message"`` against a scratch SQLite
-database, then review it). A test checks that the migrated schema equals the models.
+database, then review it), and ``schema_version.HEAD_REVISION`` names it (the read
+commands check a store against it without importing Alembic). Tests check that the
+migrated schema equals the models and that the constant is the newest revision.
 """
 
 from __future__ import annotations

@@ -33,6 +33,37 @@ def test_postgres_migrations_match_models(postgres_url: str) -> None:
     assert _diff(store) == []
 
 
+def test_the_head_revision_constant_is_the_newest_migration() -> None:
+    """The read commands check a store against ``schema_version.HEAD_REVISION`` without
+    reading the migration scripts: a new migration must move it."""
+    from investigation.store.migrate import head_revision
+    from investigation.store.schema_version import HEAD_REVISION
+
+    assert head_revision() == HEAD_REVISION
+
+
+def test_a_read_command_does_not_import_alembic(tmp_path: Path) -> None:
+    """Opening an existing store to read it checks its version without Alembic (about a
+    third of a read command's start); registration, which migrates, still uses it."""
+    import subprocess
+    import sys
+
+    from tests.casekit import make_case
+
+    case = make_case(tmp_path / "case")
+    probe = ("import sys\n"
+             "from workers.settings import Settings\n"
+             "from workers.stores import open_store\n"
+             f"store = open_store(Settings(database_url={case.store.url!r}), existing=True)\n"
+             "from investigation.operations import status\n"
+             f"assert status(store, {case.case_id!r})['state'] == 'INVESTIGATING'\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def _foreign_sqlite(path: Path) -> None:
     import sqlite3
 
