@@ -918,18 +918,23 @@ def status_reading(settings: Settings, store: Store,
     """
     from investigation import guidance
     from investigation.operations import status
-    from workers.health import dispatch_fields, dispatch_held, held_by_a_shell
 
     info = status(store, case_id)
-    held = False
+    held = waiting = False
     if _fleet_shell(settings) and info["state"] == "INVESTIGATING":
+        # Only here: workers.health imports redis (a tenth of a second), which a shell
+        # that names no broker never needs.
+        from workers.health import dispatch_fields, dispatch_held
+        from workers.locks import held_by_a_shell
+
         info.update(dispatch_fields(settings, case_id))
         held = dispatch_held(info)
+        waiting = held and held_by_a_shell(info) and bool(info.get("queue_waiting"))
     if info["state"] == "INVESTIGATING":
         # A `run` in another shell of this machine: "run it again" would be LOCK_BUSY (a
         # user of a real model, whose steps take half a minute each).
         info["run_holds"] = _run_holds(settings, case_id)
-    if held and held_by_a_shell(info) and info.get("queue_waiting"):
+    if waiting:
         return info, guidance.dispatch_waits(case_id, info["queue"], info["queue_waiting"])
     if held:
         return info, guidance.dispatch_holds(case_id, info["dispatch_lease_s"])

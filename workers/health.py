@@ -125,17 +125,6 @@ def dispatch_fields(settings: Settings, case_id: str) -> dict[str, Any]:
     return info
 
 
-def held_by_a_shell(info: dict[str, Any]) -> bool:
-    """Whether the dispatch lease in ``info`` (:func:`dispatch_fields`) was taken by a
-    process that is no worker node (``host pid N``: an ``investigate dispatch``, the
-    beat) and no worker renewed it since: its chain's first message has not been taken.
-    A worker's pool child is named ``node@host pid N``."""
-    from workers.locks import worker_node
-
-    name = info.get("dispatch_holder")
-    return isinstance(name, str) and worker_node(name) is None
-
-
 def dispatch_held(info: dict[str, Any]) -> bool:
     """Whether :func:`dispatch_fields` (merged into a status) say a dispatch holds the
     case: a lease with time left, or a lock key that never expires."""

@@ -166,7 +166,7 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
     from investigation.evidence.figures import evidence_text
     from investigation.loop.outcome import last_outcome_text
     from investigation.operations import step_in_progress_text
-    from workers.health import held_by_a_shell
+    from workers.locks import held_by_a_shell
 
     parts: list[RenderableType] = []
 
