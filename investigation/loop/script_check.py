@@ -589,24 +589,33 @@ def _note_spread_reply(lines: list[tuple[int, bytes]], verdicts: list[LineVerdic
 def _start(state: str, reason: str | None, head: int, calls: int,
            lines: list[tuple[int, bytes]]) -> str:
     where = f"{head} published step(s), {calls} model call(s) made"
-    # The file's own line number of the reply the next call reads (blank lines are
-    # skipped, so it can be past calls + 1).
-    line = str(lines[calls][0]) if calls < len(lines) else \
-        f"{(lines[-1][0] if lines else 0) + 1} (not written yet)"
+    # What the next call reads: the file's own line number of its reply (blank lines are
+    # skipped, so it can be past calls + 1), or where that reply is missing.
+    line = f"reply line {lines[calls][0]}" if calls < len(lines) else \
+        f"reply line {(lines[-1][0] if lines else 0) + 1} (not written yet)" \
+        if calls == len(lines) else _past_the_end(calls, len(lines))
     if state == CASE_BUILDING_DIAGNOSIS:
         return f"the case is complete ({where}): no line will be read"
     if state in (CASE_CANCELLED, CASE_STOPPED):
         return f"the case is {state} ({where}): no line will be read"
     if state == CASE_PAUSED:
-        return f"the case is paused ({where}); after `resume`, call {calls + 1} reads line " \
-               f"{line}"
+        return f"the case is paused ({where}); after `resume`, call {calls + 1} reads {line}"
     if state == CASE_BLOCKED:
         if reason == BLOCK_AWAITING_TEST_FEEDBACK:
             return (f"the case waits for test feedback ({where}); once it is confirmed, call "
-                    f"{calls + 1} reads reply line {line}")
+                    f"{calls + 1} reads {line}")
         return (f"the case is blocked ({reason}; {where}); after `resume`, call {calls + 1} "
-                f"reads reply line {line}")
-    return f"{where}: the next call ({calls + 1}) reads reply line {line}"
+                f"reads {line}")
+    return f"{where}: the next call ({calls + 1}) reads {line}"
+
+
+def _past_the_end(calls: int, replies: int) -> str:
+    """Where the next call's reply is when the file holds fewer reply lines than the case
+    made calls: call N reads the N-th reply line (a 3-line file against a case of 500
+    calls was told "call 501 reads reply line 4", a 500-step case's reader)."""
+    return (f"the file's reply {calls + 1}, past its end (it holds {replies} reply "
+            f"line(s) for the {calls} call(s) made: call N reads the N-th reply line, blank "
+            "lines not counted)")
 
 
 #: Reply lines judged past the served ones: a line costs about half a millisecond and a
@@ -694,8 +703,11 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
                   if stops == BLOCK_AWAITING_TEST_FEEDBACK else
                   f"the case first blocks at line {verdicts[-1].line} ({stops}); once it is "
                   "resumed, " if stops else "")
-               + f"call {len(lines) + 1} finds no reply and blocks the case "
-               "(PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to continue")
+               + f"call {max(len(lines), first_call) + 1} finds no reply and blocks the "
+               "case (PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to "
+               "continue" + (f": call {first_call + 1} reads "
+                             f"{_past_the_end(first_call, len(lines))}"
+                             if first_call > len(lines) else ""))
     return verdicts, end
 
 

@@ -180,6 +180,28 @@ def test_a_file_that_ends_on_a_test_hand_out_says_the_case_waits_there(
     assert "waits" not in ends and "call 3 finds no reply" in ends, ends
 
 
+def test_a_file_shorter_than_the_calls_made_names_the_reply_the_next_call_reads(
+        tmp_path: Path) -> None:
+    """A 3-line file against a case that made 500 calls was told "call 501 reads reply
+    line 4" and "call 4 finds no reply", while `run` rightly asked for reply 501 (a
+    500-step case's reader)."""
+    case = make_case(tmp_path / "c", replies=casekit.HAPPY_REPLIES[:3])
+    outcome = case.investigator().run(case.case_id, max_steps=10)
+    assert outcome.reason == "PROVIDER_CONFIGURATION", outcome  # the script ran out
+    case.replies_path.write_text(json.dumps(casekit.HAPPY_REPLIES[0]) + "\n")
+    result = check_script(case.store, case.case_id, case.replies_path)
+    assert result.start.endswith(
+        "call 4 reads the file's reply 4, past its end (it holds 1 reply line(s) for the 3 "
+        "call(s) made: call N reads the N-th reply line, blank lines not counted)"), \
+        result.start
+    assert [v.verdict for v in result.lines] == [SERVED]
+    assert result.end.endswith(
+        "call 4 finds no reply and blocks the case (PROVIDER_CONFIGURATION, "
+        "PROVIDER_SCRIPT_EXHAUSTED); add replies to continue: call 4 reads the file's reply "
+        "4, past its end (it holds 1 reply line(s) for the 3 call(s) made: call N reads the "
+        "N-th reply line, blank lines not counted)"), result.end
+
+
 def test_lines_after_completion_are_unused_and_blank_lines_keep_numbers(
         tiny_case: Case) -> None:
     text = "\n\n".join(json.dumps(r) for r in casekit.HAPPY_REPLIES) + "\n\n" + \
@@ -267,6 +289,13 @@ def test_the_start_line_names_the_files_own_line_number() -> None:
         "call 4 reads reply line 7")
     assert _start("INVESTIGATING", None, 4, 4, lines).endswith(
         "reads reply line 8 (not written yet)")
+    # Fewer reply lines than calls made: the next reply is the file's reply 501, not the
+    # line after its last (a 500-step case's reader padded the file by hand after `run`
+    # said so, while the check named line 4).
+    assert _start("INVESTIGATING", None, 500, 500, lines).endswith(
+        "the next call (501) reads the file's reply 501, past its end (it holds 4 reply "
+        "line(s) for the 500 call(s) made: call N reads the N-th reply line, blank lines "
+        "not counted)")
 
 
 def test_cli_gathers_runs_of_served_and_unused_lines(tmp_path: Path,
