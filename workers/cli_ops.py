@@ -38,6 +38,7 @@ from workers.cli import (
     example,
     out,
 )
+from workers.views import Fitted
 
 if TYPE_CHECKING:
     from investigation.overview import CaseRow
@@ -476,9 +477,6 @@ def cases(
         return
     table = Table("case", "state", "reason", "retry not before", "steps", "last outcome",
                   "balance", "hypotheses", "updated")
-    for column in table.columns:  # narrow output wraps a code or a time, never cuts it
-        column.overflow = "fold"  # (a fleet trial read "INVALID_LLM_RESP…")
-    table.columns[0].no_wrap = True  # a case id is what the operator copies
     for r in rows:
         table.add_row(
             r.case_id, r.state, r.blocked_reason or "",
@@ -490,7 +488,10 @@ def cases(
             if r.state not in ("CANCELLED", "STOPPED") else f"{r.hypotheses} (none runs)",
             # UTC, said (a reader took a bare time for local time).
             _utc_seconds(r.updated_at))
-    out.print(table)
+    # Never a cut cell: a code, a time or a balance is whole, in a table or, on a narrow
+    # terminal, one block per case (a fleet trial read "INVALID_LLM_RESP…", a 500-step
+    # case's reader "BUIL DING _DIA GNOS IS").
+    out.print(Fitted(table))
     out.print(f"{len(rows)} case(s)", highlight=False)
     for r in rows:  # the command that continues each held case, one per line
         if r.next:

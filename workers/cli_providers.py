@@ -18,6 +18,7 @@ from rich.text import Text
 
 from investigation.errors import InvestigationError
 from workers.cli import _controlled, _settings, _term, example, out
+from workers.views import Fitted
 
 if TYPE_CHECKING:
     from investigation.loop.probe import ProbeResult
@@ -132,7 +133,7 @@ def check(
                           "" if r.seconds is None else f"{r.seconds:.1f}",
                           "" if r.tokens_per_s is None else f"{r.tokens_per_s:g}",
                           r.action or "")
-        out.print(table)
+        out.print(Fitted(table))
         for r in results:
             if r.verdict == "skipped":
                 out.print(_term(f"{r.provider}: skipped ({r.detail}; `investigate replies "

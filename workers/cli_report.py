@@ -29,7 +29,7 @@ from workers.cli import (
     out,
     status_reading,
 )
-from workers.views import term
+from workers.views import Fitted, term
 
 if TYPE_CHECKING:
     from investigation.loop.script_check import LineVerdict
@@ -293,7 +293,7 @@ def replies_check(
                           "" if v.step_seq is None else str(v.step_seq),
                           "" if v.hypothesis_id is None else f"H{v.hypothesis_id}",
                           Text(v.verdict, style=_STYLE[v.verdict]), Text(text))
-        out.print(table)
+        out.print(Fitted(table))
         counts = ", ".join(f"{n} {k}" for k, n in result.counts.items() if n)
         out.print(term(f"{counts or 'no reply lines'}; after the last line: {result.end}"),
                   highlight=False, markup=False)

@@ -28,6 +28,7 @@ from workers.cli import (
     example,
     out,
 )
+from workers.views import Fitted
 
 if TYPE_CHECKING:
     from investigation.external_tests import AsyncTestCoordinator
@@ -84,7 +85,7 @@ def tests_list(case_id: CaseArg, as_json: JsonOpt = False) -> None:
         table.add_row(r["request_id"], str(r["hypothesis_id"]), r["kind"], r["status"],
                       r["deadline_at"], Text(_term(r["request"]["test"]["title"])),
                       r["evidence_id"] or "")
-    out.print(table)
+    out.print(Fitted(table))
 
 
 @tests_app.command("show", epilog=example(f"investigate tests show {EXAMPLE_CASE} T1",

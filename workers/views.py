@@ -7,9 +7,12 @@ shows control, bidirectional and zero-width characters as visible escapes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType
+from rich.cells import cell_len
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -34,6 +37,62 @@ def term(text: object) -> str:
     """Data for the terminal: control, bidirectional and zero-width characters (ANSI/OSC
     escapes included) as visible escapes (``investigation.text_safety.escape_text``)."""
     return escape_text(str(text))
+
+
+class Fitted:
+    """A table that never cuts a cell: drawn as ``table`` when every column fits the
+    width at the length of its longest word (cells wrap only at spaces), else as one
+    block per row, ``header: value`` lines, which fit any width. On an 80-column terminal
+    the tables cut balances to "9999597…" and folded states into "BUIL DING" (a 500-step
+    case's reader). Rows are read from the table (``Column.cells``): build it, then wrap
+    it."""
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+        for column in table.columns:
+            column.overflow = "fold"  # only a word longer than the whole width is folded
+
+    def __rich_console__(self, console: Console,
+                         options: ConsoleOptions) -> Iterator[RenderableType]:
+        yield self.table if self.narrowest() <= options.max_width else Group(*self.records())
+
+    def narrowest(self) -> int:
+        """The fewest columns the table takes with no word of a cell or a header broken:
+        each column as wide as its longest word, its padding and the box's lines (Rich's
+        own measure is clamped to the width it is given, so it always "fits")."""
+        table = self.table
+        _, right, _, left = table.padding
+        widths = []
+        for i, column in enumerate(table.columns):
+            words = (w for cell in (column.header, *column.cells)
+                     for w in _cell_text(cell).plain.split())
+            edge = (left if i or table.pad_edge else 0) + \
+                (right if i < len(table.columns) - 1 or table.pad_edge else 0)
+            widths.append(max((cell_len(w) for w in words), default=0) + edge)
+        lines = (2 if table.box and table.show_edge else 0) + \
+            (len(widths) - 1 if table.box else 0)
+        return sum(widths) + lines
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement.get(console, options, self.table)
+
+    def records(self) -> Iterator[RenderableType]:
+        """Each row as a block: its first cell after its header, in bold, then one
+        indented ``header: value`` line for each other cell that is not empty."""
+        columns = self.table.columns
+        if self.table.title:
+            yield Text(str(self.table.title), style="italic")
+        for row in zip(*(list(c.cells) for c in columns), strict=True):
+            yield Text.assemble(f"{columns[0].header} ", _cell_text(row[0]), style="bold")
+            for column, cell in zip(columns[1:], row[1:], strict=True):
+                text = _cell_text(cell)
+                if text.plain and column.header:
+                    yield Text.assemble(f"  {column.header}: ", text)
+
+
+def _cell_text(cell: RenderableType) -> Text:
+    """A table cell (text, or a ``Text``) as ``Text``."""
+    return cell.copy() if isinstance(cell, Text) else Text(str(cell))
 
 
 def facts_text(facts: dict[str, Any] | None) -> str:
@@ -106,7 +165,7 @@ def print_guidance(console: Console, g: Guidance) -> None:
     console.print(guidance_text(g), highlight=False)
 
 
-def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
+def model_usage_table(info: dict[str, Any], currency: str) -> Fitted | None:
     """Model calls, attempts, tokens and cost per hypothesis (``llm.spend``) and, with more
     than one row, their total; or None. Costs are labelled with the currency the case's
     attempts recorded (``model_usage.currency``), else ``currency``."""
@@ -135,7 +194,7 @@ def model_usage_table(info: dict[str, Any], currency: str) -> Table | None:
         table.add_row("total", str(sum(u["calls"] for u in usage)),
                       str(sum(u["attempts"] for u in usage)), *token_cells(usage),
                       cost_text(priced_total(usage), currency))
-    return table
+    return Fitted(table)
 
 
 def _holder_text(info: dict[str, Any]) -> str:
@@ -251,7 +310,7 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
                           a["pending_evidence_id"] or "",
                           Text(term(f"{rej['code']} (step {rej['step_seq']}, "
                                     f"{a['invalid_streak']} in a row)")) if rej else "")
-        parts.append(table)
+        parts.append(Fitted(table))
         for a in info["accounts"]:
             if a["last_rejection"]:
                 line(f"H{a['hypothesis_id']} last rejection: "

@@ -585,8 +585,9 @@ def test_status_and_cases_offer_what_this_shell_can_run(
     assert first == f"investigate replies check case/replies.jsonl {cli.case_id}"
     listed = invoke("cases", "--json")
     assert [row["next"] for row in json.loads(listed.output)] == [first]
-    # Narrow output wraps the reason and the time, never cuts them (a fleet trial read
-    # "INVALID_LLM_RESP…").
+    # Narrow output never cuts or folds a code, a balance or a time: too narrow for the
+    # table, each case is a block of lines (a fleet trial read "INVALID_LLM_RESP…", a
+    # 500-step case's reader "BUIL DING _DIA GNOS IS").
     from rich.console import Console
 
     import workers.cli_ops
@@ -596,8 +597,16 @@ def test_status_and_cases_offer_what_this_shell_can_run(
     assert invoke("cases").exit_code == 0
     screen = narrow.export_text()
     assert "…" not in screen, screen
-    cells = [line.split("│") for line in screen.splitlines() if line.startswith("│")]
-    assert "".join(c[3].strip() for c in cells) == "INVALID_LLM_RESPONSES", screen
+    lines = [line.rstrip() for line in screen.splitlines()]
+    assert lines[:3] == [f"case {cli.case_id}", "  state: BLOCKED",
+                         "  reason: INVALID_LLM_RESPONSES"], screen
+    assert any(re.fullmatch(r"  balance: \d+/\d+", line) for line in lines), screen
+    wide = Console(file=io.StringIO(), width=200, record=True)
+    monkeypatch.setattr(workers.cli_ops, "out", wide)
+    assert invoke("cases").exit_code == 0
+    cells = [line.split("│") for line in wide.export_text().splitlines()
+             if line.startswith("│")]
+    assert [c[3].strip() for c in cells] == ["INVALID_LLM_RESPONSES"], cells
 
 
 def test_status_on_a_fleet_shell_says_whether_a_dispatch_holds_the_case(

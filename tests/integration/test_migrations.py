@@ -42,32 +42,6 @@ def test_the_head_revision_constant_is_the_newest_migration() -> None:
     assert head_revision() == HEAD_REVISION
 
 
-def test_status_imports_neither_alembic_nor_redis(tmp_path: Path) -> None:
-    """`status` in a shell that names no broker checks the store's migration without
-    Alembic and reads the run's file lock without redis-py (together about a third of its
-    start); registration, which migrates, and a fleet's shell still import them."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.casekit import make_case
-
-    case = make_case(tmp_path / "case")
-    probe = ("import atexit, sys\n"
-             "atexit.register(lambda: print(sorted({m.split('.')[0] for m in sys.modules}\n"
-             "    & {'alembic', 'redis'}), file=sys.stderr))\n"
-             f"sys.argv = ['investigate', 'status', {case.case_id!r}]\n"
-             "from workers.cli import main\n"
-             "main()\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INVESTIGATE_")}
-    env.update(INVESTIGATE_DATABASE_URL=case.store.url, INVESTIGATE_HOME=str(tmp_path / "h"))
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parents[2], env=env)
-    assert done.returncode == 0, done.stderr
-    assert "INVESTIGATING" in done.stdout, done.stdout
-    assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
-
-
 def _foreign_sqlite(path: Path) -> None:
     import sqlite3
 
