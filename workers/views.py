@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
@@ -223,6 +223,7 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
     """The ``status`` screen: state line, last outcome, why, lifecycle, the accounts
     table, each last rejection, the model usage and (if given) what to do next."""
     from investigation.evidence.figures import evidence_text
+    from investigation.loop.lifecycle import iterations_gloss
     from investigation.loop.outcome import last_outcome_text
     from investigation.operations import step_in_progress_text
     from workers.locks import held_by_a_shell
@@ -290,8 +291,7 @@ def status_view(info: dict[str, Any], g: Guidance | None = None,
          + (f" ({reason}{_TERMINATION_GLOSS.get(reason, '')})" if reason else "")
          # Beside the accounts' own iterations and the published steps, what it counts
          # (a 500-step reader met 497, 499 and 500 side by side, unexplained).
-         + (f"  session iterations {life['iterations']} (accepted decision rounds, the "
-            "last not counted; an account counts only its queries and tests)"
+         + (f"  session iterations {life['iterations']} ({iterations_gloss(life)})"
             if life.get("started") else
             "  (the session starts with the first step)"))
     if not info["accounts"]:

@@ -271,3 +271,14 @@ def describe(case: CaseRecord) -> dict[str, Any]:
             "iterations": session.iterations,
             "usage": BudgetUsage.to_dict(session.usage),
             "budget": session.budget.to_dict()}
+
+
+def iterations_gloss(life: dict[str, Any]) -> str:
+    """What a started session's ``iterations`` (:func:`describe`) count, as ``status`` and
+    the report say it: every accepted decision round returns the session to PLANNING and
+    counts one, but the round that ended it (``docs/lifecycle.md``: 10 after 11 steps). A
+    500-step reader read "the last not counted" beside 500 for a case still at work."""
+    ended = SessionState(life["state"]).is_terminal
+    return ("accepted decision rounds" + (", the last, which ended the session, not counted"
+                                          if ended else "")
+            + "; an account's iterations count only its queries and tests")

@@ -23,6 +23,7 @@ from typing import Any
 
 from investigation.evidence.figures import evidence_figures, records_text, scores_text
 from investigation.llm.spend import cost_text, priced_total, token_cells
+from investigation.loop.lifecycle import iterations_gloss
 from investigation.loop.outcome import last_outcome_text, tokens_text
 from investigation.operations import step_in_progress_text
 from investigation.report import svg
@@ -602,8 +603,7 @@ def _lifecycle(h: CaseHistory) -> list[str]:
            + (f", paused from {_e(life['paused_from'])}" if life.get("paused_from") else "")
            + (f", ended with {_e(life['termination_reason'])}"
               if life.get("termination_reason") else "")
-           + (f"; {life['iterations']} iteration(s) (accepted decision rounds, the last "
-              "not counted; an account's iterations count only its queries and tests)"
+           + (f"; {life['iterations']} iteration(s) ({_e(iterations_gloss(life))})"
               if life.get("started") else
               "; the session starts with the first step") + ".</p>"]
     if life.get("started"):

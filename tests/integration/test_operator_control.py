@@ -287,8 +287,9 @@ def test_operator_control_from_the_cli(tmp_path: Path, monkeypatch: pytest.Monke
     assert "lifecycle COMPLETED (OBJECTIVE_MET: every hypothesis account is terminal" \
         in " ".join(st.output.split())
     # What the session's count is, beside the accounts' and the steps' (a reader's trial).
-    assert "session iterations 4 (accepted decision rounds, the last not counted; an " \
-        "account counts only its queries and tests)" in " ".join(st.output.split())
+    assert "session iterations 4 (accepted decision rounds, the last, which ended the " \
+        "session, not counted; an account's iterations count only its queries and tests)" \
+        in " ".join(st.output.split())
     again = runner.invoke(app, ["cancel", case.case_id])
     assert again.exit_code == 2 and "CASE_NOT_ACTIVE" in again.output
     # A cancelled case is over: run says so and exits 0, as for a completed one.

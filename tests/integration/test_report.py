@@ -563,7 +563,7 @@ def test_a_repeated_query_names_the_record_it_repeats(tmp_path: Path) -> None:
     assert '<ol class="quotes">' in first and "duplicate" not in first
     row = html.split('<tr id="step-1">', 1)[1].split("</tr>", 1)[0]
     assert 'asks:</span> <a href="#q-Q1">Q1</a> Where is the divisor?' in row
-    assert "; 3 iteration(s) (accepted decision rounds, the last not counted; an " \
-        "account's iterations count only its queries and tests)" in html
+    assert "; 3 iteration(s) (accepted decision rounds, the last, which ended the session, " \
+        "not counted; an account&#x27;s iterations count only its queries and tests)" in html
     # The same words as summary.md.
     assert "0 new, duplicate of E1;" in summary_bytes(case.store, case.case_id).decode()

@@ -282,3 +282,15 @@ def test_random_sequences_keep_every_invariant_and_round_trip(
         assert InvestigationSession.from_dict(json.loads(json.dumps(record))).to_dict() \
             == record
     event(f"iterations={s.iterations}")
+
+
+def test_the_iterations_gloss_says_the_last_round_is_not_counted_only_once_ended() -> None:
+    """A 500-step reader read "the last not counted" beside 500 iterations after 500
+    steps of a case still at work: only the round that ends the session is not counted."""
+    from investigation.loop.lifecycle import iterations_gloss
+
+    assert iterations_gloss({"state": "PLANNING"}) == (
+        "accepted decision rounds; an account's iterations count only its queries and tests")
+    for state in ("COMPLETED", "FAILED", "CANCELLED"):
+        assert iterations_gloss({"state": state}).startswith(
+            "accepted decision rounds, the last, which ended the session, not counted; ")
