@@ -136,7 +136,7 @@ def step_lines(s: StepRow) -> list[str]:
     """What ``investigate steps`` prints of step ``s`` (plain text, not yet escaped): a
     head line, then one line for each thing the step has to tell."""
     from investigation.loop.outcome import tokens_text
-    from investigation.report.history import selection_text
+    from investigation.report.history import selection_text, units_text
 
     arguments = json.dumps(s.arguments, sort_keys=True, ensure_ascii=False) \
         if s.arguments not in (None, {}) else ""
@@ -188,12 +188,8 @@ def step_lines(s: StepRow) -> list[str]:
         label = "retried after" if s.model_answered else "provider"
         lines.append(f"{label}: {', '.join(s.provider_errors)}")
     figures = []
-    if s.charged_units or s.refunded_units:
-        moved_units = " ".join(part for part in (
-            f"-{s.charged_units}" if s.charged_units else "",
-            f"+{s.refunded_units}" if s.refunded_units else "") if part)
-        left = f" ({s.balance_after} left)" if s.balance_after is not None else ""
-        figures.append(f"units {moved_units}{left}")
+    if moved := units_text(s):
+        figures.append(f"units {moved}")
     if s.model_ms is not None:
         took = f"{s.model_ms / 1000:.2f} s" if s.model_ms >= 1000 else f"{s.model_ms} ms"
         figures.append(f"model {took}"

@@ -113,6 +113,22 @@ class StepRow:
     selection: dict[str, Any] | None = None
 
 
+def units_text(s: StepRow) -> str:
+    """The units step ``s`` moved, as the report's step table and ``investigate steps``
+    show them: ``-2 +2 (refund for E249) (97 left)``; ``""`` when it moved none. A
+    refund is the earlier record's that the step assessed (seed 000, "Budget"), named so
+    (a 500-step reader took the +2 beside a duplicate found at that step for its own)."""
+    parts = []
+    if s.charged_units:
+        parts.append(f"-{s.charged_units}")
+    if s.refunded_units:
+        parts.append(f"+{s.refunded_units}"
+                     + (f" (refund for {s.assessed_evidence})" if s.assessed_evidence else ""))
+    if parts and s.balance_after is not None:
+        parts.append(f"({s.balance_after} left)")
+    return " ".join(parts)
+
+
 def selection_text(s: StepRow) -> str:
     """Why the scheduler gave the step to its hypothesis (seed 000, "Deterministic cycle",
     step 1), from the rule it recorded: ``first turn; H2 has not had one yet (lowest id

@@ -28,7 +28,7 @@ from investigation.loop.outcome import last_outcome_text, tokens_text
 from investigation.operations import step_in_progress_text
 from investigation.report import svg
 from investigation.report.escape import html_attr, html_text
-from investigation.report.history import CaseHistory, StepRow, selection_text
+from investigation.report.history import CaseHistory, StepRow, selection_text, units_text
 
 #: Findings quoted per evidence record in the page; the rest are in its artifact.
 MAX_ITEMS_SHOWN = 200
@@ -433,13 +433,6 @@ def _timeline(h: CaseHistory) -> list[str]:
                "<th>rejection</th><th>confidence</th><th>score (of)</th><th>units</th>"
                "<th>model time</th><th>tokens</th></tr></thead><tbody>")
     for s in h.steps:
-        units = []
-        if s.charged_units:
-            units.append(f"-{s.charged_units}")
-        if s.refunded_units:
-            units.append(f"+{s.refunded_units}")
-        if s.balance_after is not None and units:
-            units.append(f"({s.balance_after} left)")
         rejection = ""
         if s.rejection_code:
             rejection = f"<b>{_e(s.rejection_code)}</b>: {_e(s.rejection_detail or '')}"
@@ -476,7 +469,7 @@ def _timeline(h: CaseHistory) -> list[str]:
             f"<td class=nw>{ev}</td><td class='wide note'>{note}</td>"
             f"<td>{rejection}</td><td class=nw>{_confidence(s)}</td>"
             f"<td class=nw>{_score_cell(s)}</td>"
-            f"<td class=nw>{' '.join(units)}</td>"
+            f"<td class=nw>{_e(units_text(s))}</td>"
             f"<td class=nw>{_ms(s.model_ms)}"
             + (f" <span class=muted>({s.attempts} attempts)</span>" if s.attempts > 1 else "")
             + f"</td><td class=nw>{_tokens(s)}</td></tr>")

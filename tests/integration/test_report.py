@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from investigation.constants import BLOCKED, COMPLETED
 from investigation.operations import summary_bytes
 from investigation.report import case_history, render_report, write_report
+from investigation.report.history import units_text
 from investigation.store.models import Checkpoint, Evidence, LedgerEntry
 from tests.casekit import Case, finish, make_case, q
 from tests.conftest import need_browser
@@ -229,6 +230,17 @@ def test_steps_shows_the_step_table_in_the_terminal(
     assert f"    found: {cited.evidence_id}, {cited.found[0]}" in block
     assert f"; cites {', '.join(cited.cited_evidence)}" in block
     assert f"    assessed {cited.assessed_evidence}: {cited.score}/100" in block
+    # The refund is the assessed record's, named so (a 500-step reader took it for the
+    # record found at that step); the report's step table says the same.
+    refunded = next(st for st in history.steps if st.refunded_units and st.assessed_evidence)
+    assert units_text(refunded) == (
+        f"-{refunded.charged_units} +{refunded.refunded_units} (refund for "
+        f"{refunded.assessed_evidence}) ({refunded.balance_after} left)")
+    res = CliRunner().invoke(app, ["steps", case.case_id, "--from", str(refunded.seq),
+                                   "--to", str(refunded.seq)])
+    assert f"units {units_text(refunded)}" in res.output, res.output
+    assert f"<td class=nw>{units_text(refunded)}</td>" in render_report(case.store,
+                                                                       case.case_id)
     assert "    selected: " in block and f"    note: {cited.note}" in block
     mine = [st.seq for st in history.steps if st.hypothesis_id == 2]
     res = CliRunner().invoke(app, ["steps", case.case_id, "-H", "2", "--json"])
