@@ -141,6 +141,11 @@ def _case_arg(value: str) -> str:
 
 CaseArg = Annotated[str, typer.Argument(metavar="CASE", help=CASE_HELP, callback=_case_arg)]
 JsonOpt = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
+#: ``--json`` of a command that lists (``cases``, ``tests list``): said as what it prints
+#: (a 500-step reader parsed ``cases --json`` as the one object the help promised).
+JsonListOpt = Annotated[bool, typer.Option(
+    "--json", help="print the result as one JSON array (one object per row) on stdout "
+    "instead of text")]
 
 
 def _print_json(data: Any, one_line: bool = False) -> None:

@@ -26,6 +26,7 @@ from rich.table import Table
 from investigation.constants import STEP_ERROR
 from investigation.errors import InvestigationError
 from workers.cli import (
+    JsonListOpt,
     JsonOpt,
     _controlled,
     _fleet_shell,
@@ -456,7 +457,7 @@ def cases(
         "--state", help="only this state: investigating, blocked, paused, "
         "building_diagnosis, cancelled, stopped")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="newest N cases")] = 200,
-    as_json: JsonOpt = False,
+    as_json: JsonListOpt = False,
 ) -> None:
     """List cases: state, blocked reason, retry time, last step, balances, and for a
     blocked or paused case, or one whose next step failed on a worker (last outcome

@@ -20,6 +20,7 @@ from investigation.files import read_bounded
 from workers.cli import (
     EXAMPLE_CASE,
     CaseArg,
+    JsonListOpt,
     JsonOpt,
     _controlled,
     _settings,
@@ -70,7 +71,7 @@ def _print_json(data: Any) -> None:
 @tests_app.command("list", epilog=example(f"investigate tests list {EXAMPLE_CASE}",
                                          f"investigate tests list {EXAMPLE_CASE} --json"))
 @_controlled
-def tests_list(case_id: CaseArg, as_json: JsonOpt = False) -> None:
+def tests_list(case_id: CaseArg, as_json: JsonListOpt = False) -> None:
     """Every test request of a case with its status and deadline."""
     rows = _coordinator().list_requests(case_id)
     if as_json:

@@ -211,3 +211,18 @@ def test_a_case_argument_no_case_id_can_be_is_a_usage_error(
     assert res.exit_code == 2, res.output
     assert "is 100000 characters long, no case id" in res.output
     assert len(res.output) < 2000 and not (tmp_path / "investigation.db").exists()
+
+
+def test_a_listing_commands_json_help_says_it_prints_an_array() -> None:
+    """`cases --json` prints a JSON array while its help promised "one JSON object" (a
+    500-step reader); the listings say what they print, every other command one object."""
+    listings = {"cases", "tests list", "providers check"}
+    for path, cmd in _commands():
+        if _is_group(cmd) or path in SERVERS:
+            continue
+        (option,) = [p for p in cmd.params if "--json" in p.opts]
+        said = " ".join((option.help or "").split())  # type: ignore[attr-defined]
+        if path in listings:
+            assert "JSON array" in said, (path, said)
+        else:
+            assert "JSON array" not in said, (path, said)
