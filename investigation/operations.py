@@ -15,6 +15,7 @@ from investigation import jsonio
 from investigation.budget.manager import BudgetManager
 from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig
 from investigation.constants import (
+    ARTIFACT_CONTEXT,
     ARTIFACT_SUMMARY,
     BLOCK_AWAITING_TEST_FEEDBACK,
     BLOCK_MODEL_COST_CAP,
@@ -404,8 +405,8 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
     Raises:
         InvestigationError: ``EXPORT_TARGET_NOT_EMPTY``, ``EXPORT_UNSAFE_PATH``; the
         replay's ``CHECKPOINT_INVALID``/``POLICY_CHANGED``, the ledger's
-        ``BUDGET_ORIGIN_MISMATCH`` or a binding's ``STATE_TAMPERED``
-        (:func:`verify_bindings`; nothing is written);
+        ``BUDGET_ORIGIN_MISMATCH`` or a binding's or a figure's ``STATE_TAMPERED``
+        (:func:`verify_bindings`, :func:`verify_figures`; nothing is written);
         ``STORE_ARTIFACT_CORRUPT`` for bytes that fail their sha256.
     """
     _case(store, case_id)
@@ -421,6 +422,7 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
         verify_chain(s, case_id)
         verify_budget_origins(s, case_id)
         verify_bindings(s, case_id)
+        verify_figures(s, case_id)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     files = []
@@ -539,6 +541,96 @@ def verify_bindings(session: Session, case_id: str) -> int:
     return checked
 
 
+def verify_figures(session: Session, case_id: str) -> int:
+    """Check the figures the read commands show that no checkpoint state holds against
+    the stored bytes they came from (a 500-step case's reader changed each with the
+    store's guards dropped, and ``verify`` said "intact"):
+
+    * each evidence record's assessment score is the score the plan of the published step
+      that assessed it gave (that step's context names the record as its previous result);
+    * each question of a published step has the id, text and hypothesis its plan asked
+      (ids ``Q<n>`` in the order of the plans);
+    * each model attempt's token counts, where recorded, are the ``usage`` its stored
+      response reports, read as the gateway reads it.
+
+    Plans and contexts are read from their artifacts, which :func:`verify_bindings` binds
+    to the chain and the model calls. Returns the number of figures checked.
+
+    Raises:
+        InvestigationError: ``STATE_TAMPERED`` naming the first figure that differs.
+    """
+    from investigation.llm.gateway import ATTEMPT_SUCCEEDED
+
+    def tampered(what: str) -> InvestigationError:
+        return InvestigationError("STATE_TAMPERED", f"case {case_id}: {what}; the store was "
+                                  "changed outside the engine")
+
+    def document(path: str, sha: str, what: str) -> Any:
+        art = Store.get_artifact(session, case_id, path)
+        if art is None or art.sha256 != sha:
+            raise tampered(f"{what} {path} does not hold the bytes recorded for it")
+        return jsonio.loads(art.data)
+
+    checked = 0
+    published = {(c.revision, c.seq) for c in session.exec(
+        select(Checkpoint).where(Checkpoint.case_id == case_id)).all()}
+    evidence = {e.evidence_id: e for e in session.exec(
+        select(Evidence).where(Evidence.case_id == case_id)).all()}
+    asked: dict[str, tuple[str, int, int]] = {}
+    for plan in session.exec(select(Plan).where(Plan.case_id == case_id)
+                             .order_by(col(Plan.revision), col(Plan.step_seq))).all():
+        if (plan.revision, plan.step_seq) not in published:
+            continue  # the step in progress, or left unfinished: nothing of it is shown yet
+        step = f"step {plan.step_seq} (revision {plan.revision})"
+        reply = document(plan.plan_path, plan.plan_sha256, f"the plan of {step}")[
+            "decision"]["reply"]
+        if reply.get("assessment") is not None:
+            context = document(ARTIFACT_CONTEXT.format(seq=plan.step_seq),
+                               plan.context_sha256, f"the context of {step}")
+            eid = (context.get("previous_result") or {}).get("evidence_id")
+            record = evidence.get(eid) if isinstance(eid, str) else None
+            score = reply["assessment"]["score"]
+            if record is None or not record.assessed or record.assessment_score != score:
+                shown = "none" if record is None or not record.assessed \
+                    else record.assessment_score
+                raise tampered(f"evidence {eid}'s assessment score is {shown}, not the "
+                               f"{score} the plan of {step} gave it")
+            checked += 1
+        for text in reply["update"]["new_questions"]:
+            asked[f"Q{len(asked) + 1}"] = (text, plan.hypothesis_id, plan.step_seq)
+    for q in session.exec(select(Question).where(Question.case_id == case_id)).all():
+        if (q.revision, q.created_step) not in published:
+            continue
+        if asked.get(q.question_id) != (q.text, q.hypothesis_id, q.created_step):
+            raise tampered(f"question {q.question_id} (step {q.created_step}) is not the "
+                           "question its step's plan asked")
+        checked += 1
+    attempts = session.exec(
+        select(LLMAttempt).join(LLMOperation, col(LLMOperation.id) == LLMAttempt.operation_id)
+        .where(LLMOperation.case_id == case_id, col(LLMAttempt.response_path).is_not(None))
+    ).all()
+    for a in attempts:
+        if a.prompt_tokens is None and a.completion_tokens is None:
+            continue
+        assert a.response_path is not None
+        art = Store.get_artifact(session, case_id, a.response_path)
+        if art is None or art.sha256 != a.response_sha256:
+            raise tampered(f"the model response {a.response_path} does not hold the bytes "
+                           "recorded for it")
+        # As the gateway read them: a completion whole, another answer up to 1 MiB.
+        reported = spend.usage_of(art.data, None if a.status == ATTEMPT_SUCCEEDED
+                                  else spend.USAGE_MAX_BYTES)
+        for name, recorded, said in zip(("prompt", "completion"),
+                                        (a.prompt_tokens, a.completion_tokens), reported,
+                                        strict=True):
+            if recorded is not None and recorded != said:
+                raise tampered(f"attempt {a.attempt} of model operation {a.operation_id} "
+                               f"records {recorded} {name} tokens; its response "
+                               f"{a.response_path} reports {said}")
+        checked += 1
+    return checked
+
+
 def verify(store: Store, case_id: str) -> dict[str, Any]:
     """Check a whole case from the store's bytes (``investigate verify``).
 
@@ -548,11 +640,12 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
     and every budget account against its whole ledger (:func:`verify_budget_origins`)
     unless a step is in progress, and every artifact of the case is decoded and checked
     against its sha256, and the records that name the artifacts the chain does not hash
-    (:func:`verify_bindings`).
+    (:func:`verify_bindings`), and the figures no state holds against the stored bytes
+    they came from (:func:`verify_figures`: assessment scores, questions, token counts).
 
     Returns:
         ``{"case_id", "checkpoints", "artifacts", "artifact_bytes", "live_rows",
-        "budget_accounts", "bindings"}`` where ``live_rows`` is ``"checked"``, ``"step N in
+        "budget_accounts", "bindings", "figures"}`` where ``live_rows`` is ``"checked"``, ``"step N in
         progress"`` or, for a cancelled or stopped case, ``"step N left unfinished when the
         case was CANCELLED"`` (or ``STOPPED``), and ``budget_accounts`` the number of accounts whose ledger was read
         (0 while a step is in progress).
@@ -577,6 +670,7 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
         else:
             accounts = 0
         bindings = verify_bindings(s, case_id)
+        figures = verify_figures(s, case_id)
         count = total = 0
         for art in Store.artifacts(s, case_id):
             count += 1
@@ -589,4 +683,4 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
         rows = f"step {case.head_seq + 1} in progress"
     return {"case_id": case_id, "checkpoints": head.head_seq, "artifacts": count,
             "artifact_bytes": total, "budget_accounts": accounts, "bindings": bindings,
-            "live_rows": rows}
+            "figures": figures, "live_rows": rows}

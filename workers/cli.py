@@ -1123,8 +1123,9 @@ def export_cmd(
 @_controlled
 def verify_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
     """Check the whole case from the store's bytes: full checkpoint replay, live rows,
-    every artifact against its sha256 and the records that name it (exit 0 intact, 2 with
-    the first difference)."""
+    every artifact against its sha256 and the records that name it, and the assessment
+    scores, questions and token counts against the plans and responses they came from
+    (exit 0 intact, 2 with the first difference)."""
     from investigation.operations import verify
 
     report = verify(_store(_settings(), existing=True), case_id)
@@ -1139,6 +1140,11 @@ def verify_cmd(case_id: CaseArg, as_json: JsonOpt = False) -> None:
               f"{'matches its' if one else 'match their'} sha256"
               + (f" and the {counted(bindings, 'record')} that name "
                  f"{'it' if one else 'them'}" if bindings else "")
+              # Scores, questions and token counts: what no checkpoint state holds (a
+              # 500-step reader changed them and verify said "intact").
+              + (f", {counted(report['figures'], 'figure')} (assessment scores, questions, "
+                 "token counts) match the plans and responses they came from"
+                 if report["figures"] else "")
               + f", live rows {report['live_rows']}"
               # The ledgers are read with the live rows: not while a step is unfinished.
               + (f", the whole ledger of {counted(accounts, 'budget account')} read"

@@ -14,7 +14,7 @@ from sqlmodel import col, select
 
 from investigation import operations
 from investigation.errors import InvestigationError
-from investigation.store.models import Artifact
+from investigation.store.models import Artifact, Evidence, LLMAttempt, Question
 from tests.casekit import Case, unguarded
 
 #: Artifact path endings, each swapped for another artifact's bytes in its own run.
@@ -66,3 +66,48 @@ def test_a_plan_renamed_away_from_its_artifact_is_found(tiny_case: Case) -> None
     with pytest.raises(InvestigationError) as err:
         operations.verify(case.store, case.case_id)
     assert err.value.code == "STATE_TAMPERED" and "plan" in err.value.message
+
+
+def test_an_intact_case_verifies_its_scores_questions_and_token_counts(
+        tiny_case: Case) -> None:
+    case = _completed(tiny_case)
+    with case.store.session() as s:
+        assessed = len(s.exec(select(Evidence).where(Evidence.case_id == case.case_id,
+                                                     col(Evidence.assessed))).all())
+        questions = len(s.exec(select(Question).where(Question.case_id == case.case_id)).all())
+    report = operations.verify(case.store, case.case_id)
+    assert assessed and questions, (assessed, questions)
+    assert report["figures"] == assessed + questions, report
+
+
+#: A figure the read commands show and no checkpoint state holds, changed with the store's
+#: guards dropped (a 500-step case's reader: verify said "intact" after each).
+TAMPERED = {
+    "score": (Evidence, "assessed", {"assessment_score": 3}, "assessment score is 3"),
+    "question": (Question, None, {"text": "TAMPERED QUESTION"}, "question Q1"),
+    "tokens": (LLMAttempt, None, {"prompt_tokens": 1_000_000}, "records 1000000 prompt"),
+}
+
+
+@pytest.mark.parametrize("figure", sorted(TAMPERED))
+def test_a_changed_figure_is_found_by_verify_and_export(tiny_case: Case, figure: str,
+                                                        tmp_path: Path) -> None:
+    case = _completed(tiny_case)
+    model, flag, values, said = TAMPERED[figure]
+    with case.store.session() as s:
+        query = select(model)
+        if model is not LLMAttempt:
+            query = query.where(model.case_id == case.case_id)  # type: ignore[attr-defined]
+        if flag:
+            query = query.where(col(getattr(model, flag)))
+        row_id = s.exec(query.order_by(col(model.id))).first().id  # type: ignore[attr-defined,union-attr]
+    with unguarded(case.store), case.store.engine.begin() as conn:
+        conn.execute(update(model).where(col(model.id) == row_id)  # type: ignore[attr-defined]
+                     .values(**values))
+    with pytest.raises(InvestigationError) as err:
+        operations.verify(case.store, case.case_id)
+    assert err.value.code == "STATE_TAMPERED" and said in err.value.message, \
+        err.value.message
+    with pytest.raises(InvestigationError) as refused:
+        operations.export(case.store, case.case_id, tmp_path / "out")
+    assert refused.value.code == "STATE_TAMPERED"
