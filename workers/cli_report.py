@@ -130,6 +130,10 @@ def steps_cmd(
         out.print(Text(term(head), style="bold"), soft_wrap=True)
         for line in details:
             out.print(Text("    " + term(line)), soft_wrap=True)
+    # The count last, where a long listing ends (a 500-step reader's 3,560 lines ended on
+    # the last step's figures, with no word of how many were shown).
+    out.print(f"{len(rows)} of {len(history.steps)} step(s) shown", highlight=False,
+              markup=False)
 
 
 def step_lines(s: StepRow) -> list[str]:

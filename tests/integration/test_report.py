@@ -225,6 +225,7 @@ def test_steps_shows_the_step_table_in_the_terminal(
     assert res.exit_code == 0, res.output
     heads = [line for line in res.output.splitlines() if line.startswith("step ")]
     assert [h.split()[1] for h in heads] == [str(cited.seq), str(cited.seq + 1)]
+    assert res.output.splitlines()[-1] == f"2 of {len(history.steps)} step(s) shown"
     assert heads[0].startswith(f"step {cited.seq}  H{cited.hypothesis_id}  {cited.action}")
     block = res.output.split(heads[1])[0]
     assert f"    found: {cited.evidence_id}, {cited.found[0]}" in block
