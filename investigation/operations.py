@@ -582,21 +582,27 @@ def verify_figures(session: Session, case_id: str) -> int:
         if (plan.revision, plan.step_seq) not in published:
             continue  # the step in progress, or left unfinished: nothing of it is shown yet
         step = f"step {plan.step_seq} (revision {plan.revision})"
-        reply = document(plan.plan_path, plan.plan_sha256, f"the plan of {step}")[
-            "decision"]["reply"]
-        if reply.get("assessment") is not None:
+        try:  # the bytes are the plan's (decision 146); their shape is checked here
+            reply = document(plan.plan_path, plan.plan_sha256,
+                             f"the plan of {step}")["decision"]["reply"]
+            assessment, asks = reply["assessment"], list(reply["update"]["new_questions"])
+            score = None if assessment is None else int(assessment["score"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise tampered(f"the plan of {step} is not an accepted decision ({exc!r})") \
+                from None
+        if score is not None:
             context = document(ARTIFACT_CONTEXT.format(seq=plan.step_seq),
                                plan.context_sha256, f"the context of {step}")
-            eid = (context.get("previous_result") or {}).get("evidence_id")
+            previous = context.get("previous_result") if isinstance(context, dict) else None
+            eid = previous.get("evidence_id") if isinstance(previous, dict) else None
             record = evidence.get(eid) if isinstance(eid, str) else None
-            score = reply["assessment"]["score"]
             if record is None or not record.assessed or record.assessment_score != score:
                 shown = "none" if record is None or not record.assessed \
                     else record.assessment_score
                 raise tampered(f"evidence {eid}'s assessment score is {shown}, not the "
                                f"{score} the plan of {step} gave it")
             checked += 1
-        for text in reply["update"]["new_questions"]:
+        for text in asks:
             asked[f"Q{len(asked) + 1}"] = (text, plan.hypothesis_id, plan.step_seq)
     for q in session.exec(select(Question).where(Question.case_id == case_id)).all():
         if (q.revision, q.created_step) not in published:
