@@ -27,7 +27,7 @@ from typer.testing import CliRunner, Result
 from investigation.store import Store
 from tests import casekit
 from tests.casekit import Case, make_case, q
-from tests.conftest import SUITE_REDIS_URL
+from tests.conftest import REDIS_URL, SUITE_REDIS_URL
 from workers.cli import app
 from workers.settings import Settings
 
@@ -333,7 +333,7 @@ def test_case_add_names_the_providers_file_in_use(tmp_path: Path,
     scripted = tmp_path / "scripted.toml"
     scripted.write_text('[[providers]]\nname = "s"\nkind = "scripted"\npath = "r.jsonl"\n')
     monkeypatch.setenv("INVESTIGATE_PROVIDERS", str(http))
-    monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/9")  # a fleet's
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", REDIS_URL)  # a fleet's
     first = invoke(*args)
     assert first.exit_code == 0, first.output
     case_id = first.stdout.strip()
@@ -355,7 +355,7 @@ def test_case_add_of_a_completed_case_says_it_is_complete(tmp_path: Path,
     """Adding again a case that already ran to its end prints what ``status`` says (the
     summary and report), not how to run it (a new user's trial saw run and dispatch)."""
     args = _case_add_args(tmp_path, monkeypatch)
-    monkeypatch.setenv("INVESTIGATE_BROKER_URL", "redis://127.0.0.1:6379/9")
+    monkeypatch.setenv("INVESTIGATE_BROKER_URL", REDIS_URL)
     first = invoke(*args)
     case_id = first.stdout.strip()
     store = Store(f"sqlite:///{tmp_path / 'home' / 'investigation.db'}")
