@@ -271,20 +271,45 @@ def _drop_null_optional_arguments(data: dict[str, Any]) -> bool:
     return bool(nulls)
 
 
+#: Characters of a schema rejection's detail spent on naming faults, below the detail's
+#: own bound (``ReplyRejected``: 500) so that "and N more" is never cut off.
+_SCHEMA_DETAIL_CHARS = 440
+
+
 def _schema_problem(exc: ValidationError) -> str:
-    """Up to three schema errors, each with its location and what was found there."""
+    """The schema errors of a reply, the most telling first: every key the schema does not
+    have, then every missing field, each group in one part, then the others with their
+    location and what was found there, as many as fit the detail; "and N more" counts
+    the rest. A small model answered ``{"hypothesis": ...}`` and was told only "assessment:
+    missing; update: missing; next: missing; and 1 more": the unexpected key, the one
+    fault that says what it did wrong, was the one left out, and it sent the same reply
+    again (a real model's user's trial)."""
+    errors = exc.errors(include_url=False)
+
+    def where(error: Any) -> str:
+        return ".".join(str(p) for p in error["loc"]) or "reply"
+
+    extra = [where(e) for e in errors if e["type"] == "extra_forbidden"]
+    missing = [where(e) for e in errors if e["type"] == "missing"]
     parts = []
-    for error in exc.errors(include_url=False)[:3]:
-        where = ".".join(str(p) for p in error["loc"]) or "reply"
-        if error["type"] == "missing":
-            parts.append(f"{where}: missing")
+    if extra:
+        parts.append(f"not in the reply schema: {', '.join(extra)}")
+    if missing:
+        parts.append(f"missing: {', '.join(missing)}")
+    for error in errors:
+        if error["type"] in ("extra_forbidden", "missing"):
             continue
         found = error.get("input")
         shown = json.dumps(found, ensure_ascii=False)[:60] if isinstance(
             found, str | int | float | bool) or found is None else type(found).__name__
-        parts.append(f"{where}: {error['msg']} (got {shown})")
-    more = exc.error_count() - len(parts)
-    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+        parts.append(f"{where(error)}: {error['msg']} (got {shown})")
+    kept: list[str] = []
+    for part in parts:
+        if kept and len("; ".join([*kept, part])) > _SCHEMA_DETAIL_CHARS:
+            break
+        kept.append(part[:_SCHEMA_DETAIL_CHARS])
+    more = len(parts) - len(kept)
+    return "; ".join(kept) + (f"; and {more} more" if more > 0 else "")
 
 
 def read_reply(text: str) -> tuple[Reply, tuple[str, ...]]:

@@ -4,6 +4,7 @@ refuses everything else with a stable code (seed 000, "Model/controller contract
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -311,3 +312,25 @@ def test_control_characters_in_text_fields_are_refused(field: str, bad: str) -> 
     data["update"]["new_questions"] = []
     data["next"]["reason"] = "done"
     assert parse_reply(_json.dumps(data)).update.note.startswith("tabs")
+
+
+def test_a_schema_rejection_names_the_unexpected_key_first() -> None:
+    """A small model answered {"hypothesis": {...}} and was told only "assessment: missing;
+    update: missing; next: missing; and 1 more": the key that was not in the schema, the
+    fault that says what it did wrong, was left out, and the model sent the same reply
+    again (a real model's user's trial)."""
+    with pytest.raises(ReplyRejected) as info:
+        parse_reply(json.dumps({"hypothesis": {"balance_units": 60}}))
+    assert info.value.detail == ("not in the reply schema: hypothesis; missing: assessment, "
+                                 "update, next")
+
+
+def test_a_schema_rejection_with_many_faults_ends_with_a_whole_count() -> None:
+    doc = {f"key{i}": i for i in range(40)}
+    doc["update"] = {"confidence": "x" * 50, "evidence_ids": 7, "note": 3,
+                     "resolve_questions": "no", "new_questions": {}}
+    with pytest.raises(ReplyRejected) as info:
+        parse_reply(json.dumps(doc))
+    detail = info.value.detail
+    assert len(detail) < 500 and re.search(r"; and \d+ more$", detail), detail
+    assert detail.startswith("not in the reply schema: key0, key1, ")
