@@ -727,9 +727,15 @@ def for_case(store: Store, case_id: str, mode: Mode = None, providers: str | Non
             :func:`shell_env`, so a command pasted into the same shell finds the same store.
         out_dir: as in :func:`advise`.
     """
+    return in_shell(advise(facts_for(store, case_id), mode, providers, replies, out_dir),
+                    env)
+
+
+def in_shell(g: Guidance, env: str | None = None) -> Guidance:
+    """``g`` with ``env`` (default :func:`shell_env`) before every command, so that a
+    command pasted into the same shell opens the same store."""
     if env is None:
         env = shell_env()
-    g = advise(facts_for(store, case_id), mode, providers, replies, out_dir)
     if not env:
         return g
     return Guidance(g.headline, tuple(Step(s.text, env + s.command if s.command else None)

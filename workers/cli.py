@@ -939,12 +939,16 @@ def status_reading(settings: Settings, store: Store,
         # A `run` in another shell of this machine: "run it again" would be LOCK_BUSY (a
         # user of a real model, whose steps take half a minute each).
         info["run_holds"] = _run_holds(settings, case_id)
+    # Each with the store's prefix, as every printed command (a real model's user pasted
+    # `status --watch` from here into a shell of another home).
     if waiting:
-        return info, guidance.dispatch_waits(case_id, info["queue"], info["queue_waiting"])
+        return info, guidance.in_shell(guidance.dispatch_waits(
+            case_id, info["queue"], info["queue_waiting"]))
     if held:
-        return info, guidance.dispatch_holds(case_id, info["dispatch_lease_s"])
+        return info, guidance.in_shell(guidance.dispatch_holds(case_id,
+                                                               info["dispatch_lease_s"]))
     if info.get("run_holds"):
-        return info, guidance.run_holds(case_id)
+        return info, guidance.in_shell(guidance.run_holds(case_id))
     return info, case_guidance(settings, store, case_id)
 
 

@@ -104,6 +104,23 @@ def _scripted_file(providers: Path | None) -> str | None:
     return guidance.scripted_file(providers)
 
 
+def _grace_text(providers: Path | None) -> str:
+    """How long the in-flight grace lasts for the model servers of ``providers``, as the
+    gateway sets it (twice the longest ``timeout_s``, and 5 s), or ``""`` when the file
+    names none or cannot be read: a real model's user was told of a grace, not of its ten
+    minutes."""
+    from investigation.config import ProvidersConfig
+    from investigation.errors import InvestigationError
+
+    try:
+        loaded = ProvidersConfig.load(providers) if providers is not None else None
+    except (InvestigationError, OSError, ValueError):  # the run read it; said nothing more
+        return ""
+    timeouts = [p.timeout_s for p in (loaded.providers if loaded else []) if p.kind == "openai"]
+    return f": {2 * max(timeouts) + 5:g} s with these providers, twice the longest " \
+        "timeout_s and 5 s" if timeouts else ""
+
+
 @_controlled
 def run(
     case_id: CaseArg,
@@ -139,11 +156,14 @@ def run(
     except KeyboardInterrupt:
         # Typer ends an interrupted command with 130 and no word (a hostile trial's 120
         # interrupts); every stage is fenced and kept, so the run continues where it was.
-        again = f"investigate run {shlex.quote(case_id)}" + (
+        from investigation.guidance import shell_env
+
+        again = f"{shell_env()}investigate run {shlex.quote(case_id)}" + (
             f" --providers {shlex.quote(str(providers))}" if providers else "")
         _fail("INTERRUPTED", f"interrupted (Ctrl-C): every stage it finished is kept; "
               f"`{again}` continues the case (a model call it interrupted is waited out "
-              "first, up to the gateway's in-flight grace)", exit_code=INTERRUPTED_EXIT)
+              "first, up to the gateway's in-flight grace"
+              f"{_grace_text(providers or settings.providers)})", exit_code=INTERRUPTED_EXIT)
     used = providers or settings.providers
     if used is not None:  # for the commands status and resume print later
         remember_providers(settings, case_id, used)

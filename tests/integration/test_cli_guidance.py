@@ -919,6 +919,27 @@ def test_status_while_a_run_of_this_machine_holds_the_case(cli: Case, tmp_path: 
     assert json.loads(invoke("status", cli.case_id, "--json").stdout)["run_holds"] is False
 
 
+def test_the_advice_while_a_run_holds_the_case_carries_the_stores_prefix(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`status --watch` was printed without INVESTIGATE_HOME= while a run held the case,
+    unlike every other printed command (a real model's user)."""
+    from workers.locks import FileCaseLock
+
+    home = tmp_path / "home"
+    case = make_case(tmp_path / "case", database_url=f"sqlite:///{home / 'investigation.db'}")
+    monkeypatch.setenv("INVESTIGATE_HOME", str(home))
+    monkeypatch.delenv("INVESTIGATE_DATABASE_URL", raising=False)
+    lock = FileCaseLock(home / "locks")
+    token = lock.acquire(case.case_id)
+    try:
+        held = invoke("status", case.case_id)
+        assert f"$ INVESTIGATE_HOME={home} investigate status {case.case_id} --watch" \
+            in held.output, held.output
+    finally:
+        lock.release(case.case_id, token)
+    case.store.dispose()
+
+
 def test_report_while_a_run_of_this_machine_holds_the_case(cli: Case, tmp_path: Path) -> None:
     """A report written while `run` worked in another shell told the reader to "run it"
     (the store's own advice): its next steps are those `status` gives in this shell."""
@@ -1077,7 +1098,9 @@ def test_an_interrupted_run_says_so_and_how_to_continue(tmp_path: Path) -> None:
         flat = " ".join(errs.split())
         assert "error INTERRUPTED: interrupted (Ctrl-C): every stage it finished is kept; " \
             f"`investigate run {case.case_id} --providers {providers}` continues the case" \
-            in flat, flat
+            " (a model call it interrupted is waited out first, up to the gateway's " \
+            "in-flight grace: 125 s with these providers, twice the longest timeout_s and " \
+            "5 s)" in flat, flat
         assert "Traceback" not in errs
         checked = subprocess.run([exe, "verify", case.case_id], env=env, capture_output=True,
                                  text=True, timeout=60, check=False)
