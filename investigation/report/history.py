@@ -29,6 +29,7 @@ from investigation.constants import ARTIFACT_RAW_RESULT
 from investigation.external_tests.coordinator import FEEDBACK_OPERATION
 from investigation.guidance import Guidance, for_case
 from investigation.llm.gateway import ATTEMPT_FAILED, ATTEMPT_REJECTED, ATTEMPT_SUCCEEDED
+from investigation.llm.types import PROVIDER_INTERRUPTED
 from investigation.loop.scheduler import FIRST_TURN, HIGHEST_CONFIDENCE
 from investigation.operations import status
 from investigation.secrets import default_masker
@@ -57,7 +58,7 @@ class StepRow:
     """One step of the case (a published checkpoint, or the step in progress).
 
     ``model_ms`` sums the recorded duration of every finished attempt of the step's model
-    calls; ``prompt_tokens``/``completion_tokens`` are ``None`` when no provider reported
+    calls (:func:`attempt_ms`: an interrupted call has none); ``prompt_tokens``/``completion_tokens`` are ``None`` when no provider reported
     them (a scripted provider reports none).
     """
 
@@ -178,6 +179,17 @@ class CaseHistory:
         return str(self.status["case_id"])
 
 
+def attempt_ms(a: LLMAttempt) -> int | None:
+    """How long attempt ``a`` waited for its server, in milliseconds, or ``None``. An
+    attempt whose call was interrupted (``PROVIDER_INTERRUPTED``: its process stopped,
+    or Ctrl-C) has no measured duration: its row is closed when the gateway gives it up,
+    after the in-flight grace, and that wait was shown as ten minutes of model time (a
+    real model's user)."""
+    if a.error_code == PROVIDER_INTERRUPTED:
+        return None
+    return _ms(a.started_at, a.finished_at)
+
+
 def _ms(start: datetime | None, end: datetime | None) -> int | None:
     if start is None or end is None:
         return None
@@ -279,7 +291,7 @@ def case_history(store: Store, case_id: str, env: str | None = None,
             at.provider_errors.append(a.error_code)
         if a.status == ATTEMPT_SUCCEEDED:
             at.model_answered = True
-        ms = _ms(a.started_at, a.finished_at)
+        ms = attempt_ms(a)
         if ms is not None:
             at.model_ms = (at.model_ms or 0) + ms
         if a.prompt_tokens is not None:
@@ -420,8 +432,7 @@ def _attempt_totals(attempts: Sequence[LLMAttempt]) -> dict[str, int | None]:
     none was reported)."""
     prompt = [a.prompt_tokens for a in attempts if a.prompt_tokens is not None]
     completion = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
-    return {"model_ms": sum(_ms(a.started_at, a.finished_at) or 0 for a in attempts)
-            if attempts else None,
+    return {"model_ms": sum(attempt_ms(a) or 0 for a in attempts) if attempts else None,
             "prompt_tokens": sum(prompt) if prompt else None,
             "completion_tokens": sum(completion) if completion else None}
 

@@ -10,6 +10,7 @@ an uninterrupted run.
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,23 @@ def test_a_process_dying_inside_a_model_request_costs_one_attempt_more(
         interrupted = s.exec(select(LLMAttempt).where(
             LLMAttempt.error_code == "PROVIDER_INTERRUPTED")).all()
     assert [a.status for a in interrupted] == ["failed"]
+    # The interrupted attempt has no measured model time: its row was closed when the
+    # gateway gave it up (after the in-flight grace, ten minutes for a real model's user).
+    from investigation.report.history import attempt_ms, case_history
+
+    assert attempt_ms(interrupted[0]) is None
+    with case.store.session() as s:  # as a real grace leaves it: ten minutes after sending
+        gone = s.get(LLMAttempt, interrupted[0].id)
+        assert gone is not None and gone.finished_at is not None
+        gone.started_at = gone.finished_at - timedelta(minutes=10)
+        s.add(gone)
+    with case.store.session() as s:
+        answered = s.exec(select(LLMAttempt).where(
+            LLMAttempt.operation_id == interrupted[0].operation_id,
+            LLMAttempt.error_code == None)).all()  # noqa: E711
+    row = next(st for st in case_history(case.store, case.case_id).steps
+               if st.seq == STEP_OF_THIRD_CALL)
+    assert (row.attempts, row.model_ms) == (2, sum(attempt_ms(a) or 0 for a in answered))
     # The third request was hypothesis 1's third call: its row says 3 calls, 4 attempts.
     assert b"| 1 | 3 | 3 |" in reference["summary"]
     # ... and its interruptions name the attempt the dead process left.
