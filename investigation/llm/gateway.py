@@ -502,8 +502,8 @@ class LLMGateway:
                         return RetryPending(op_id, until, PROVIDER_CALL_IN_FLIGHT)
                 message = (
                     f"attempt {attempt.attempt} to provider {attempt.provider!r} was stored as "
-                    "sent but no response was recorded (the process that sent it stopped: a worker, or an interrupted run); it counts as an "
-                    "attempt"
+                    "sent but no response was recorded (the process that sent it stopped: a "
+                    "worker, or an interrupted run); it counts as an attempt"
                 )
                 result = session.exec(
                     update(LLMAttempt)
