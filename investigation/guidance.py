@@ -184,17 +184,21 @@ def _q(value: str) -> str:
 
 
 def _continue(f: CaseFacts, mode: Mode, providers: str | None,
-              first: bool = False) -> list[Step]:
+              first: bool = False, fixed: bool = False) -> list[Step]:
     """How to make the case run (``first``: no step ran yet) or run again on the runtime in
-    use."""
+    use; ``fixed``: after a block its providers file caused, the file named is the one
+    that ran, to be fixed first (a real model's user, whose case blocked on
+    providers-small.toml, was offered that file again, unexplained)."""
     case = _q(f.case_id)
     run = f"investigate run {case} --providers " + (_q(providers) if providers
                                                       else "providers.toml")
     dispatch = f"investigate dispatch {case}"
     again = "run it" if first else "run it again"
     if mode == "embedded":
-        return [Step(again + ("" if providers else " (with the providers file you use)"),
-                     run)]
+        return [Step(again + ("" if not providers else
+                              " once that providers file is fixed (or name another one)"
+                              if fixed else "") + (
+                     "" if providers else " (with the providers file you use)"), run)]
     # A sweep may take the case first: `dispatch` then says LOCK_BUSY (exit 3), which a
     # fleet trial read as a failure.
     busy = "; LOCK_BUSY (exit 3) means a worker already has it"
@@ -511,12 +515,13 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
              Step("then resume the case (it keeps its count of refused replies in a row: "
                   "the next refused reply blocks it again; decision 34)",
                   f"investigate resume {case}"),
-             *_continue(f, mode, providers)))
+             *_continue(f, mode, providers, fixed=not replies)))
     if reason == BLOCK_PROVIDER_EXHAUSTED:
         return Guidance(
             f"Blocked: every attempt to reach the model failed{_why(f)}. Nothing was "
             "charged.",
-            (_reach_step(f.error_code), resume_retry, *_continue(f, mode, providers)))
+            (_reach_step(f.error_code), resume_retry,
+             *_continue(f, mode, providers, fixed=True)))
     if reason == BLOCK_PROVIDER_CONFIGURATION and f.error_code == MODEL_COST_CURRENCY_CHANGED:
         return Guidance(  # decision 180: a policy's label, not the providers file
             f"Blocked: limits.currency differs from the currency of the case's model "
@@ -539,7 +544,7 @@ def _blocked(f: CaseFacts, mode: Mode, providers: str | None, report: Step,
         return Guidance(
             f"Blocked: {what}{_why(f)}. Nothing was charged.",
             (fix, *([_script_hint(f, replies)] if script else []), resume_retry,
-             *_continue(f, mode, providers)))
+             *_continue(f, mode, providers, fixed=not script)))
     if reason == BLOCK_PROVIDER_CREDENTIALS:
         # A key variable that is not set sends nothing: no refusal (a fleet trial).
         missing = f.error_code == "PROVIDER_CREDENTIALS_MISSING"

@@ -45,6 +45,25 @@ def test_provider_blocks_give_the_exact_resume_with_a_fresh_retry_id(reason: str
     assert "PROVIDER_SERVER_ERROR: HTTP 503" in g.headline
 
 
+@pytest.mark.parametrize(("reason", "code", "fixed"), [
+    ("PROVIDER_CONFIGURATION", "PROVIDER_REQUEST_TOO_LARGE", True),
+    ("PROVIDER_EXHAUSTED", "PROVIDER_SERVER_ERROR", True),
+    ("INVALID_LLM_RESPONSES", "REPLY_SCHEMA_INVALID", True),
+    ("PROVIDER_CONFIGURATION", "PROVIDER_SCRIPT_EXHAUSTED", False),
+    ("PROVIDER_CREDENTIALS", "PROVIDER_CREDENTIALS_MISSING", False),
+])
+def test_a_block_the_providers_file_caused_says_to_run_with_it_fixed(
+        reason: str, code: str, fixed: bool) -> None:
+    """A real model's user, whose case blocked on providers-small.toml, was offered that
+    file again with no word that it is the one to fix (or replace)."""
+    g = advise(_facts(blocked_reason=reason, error_code=code), "embedded",
+               "providers-small.toml")
+    run = next(s for s in g.steps if s.command and s.command.startswith("investigate run"))
+    assert run.command == f"investigate run {CASE} --providers providers-small.toml"
+    said = "run it again once that providers file is fixed (or name another one)"
+    assert (run.text == said) is fixed, run.text
+
+
 def test_invalid_replies_point_at_the_next_script_line() -> None:
     g = advise(_facts(blocked_reason="INVALID_LLM_RESPONSES", error_code="REPLY_NOT_JSON"),
                "distributed")
