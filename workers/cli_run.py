@@ -11,7 +11,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -22,6 +22,7 @@ from workers.cli import (
     CaseArg,
     JsonOpt,
     _controlled,
+    _currency,
     _fail,
     _fleet_shell,
     _print_json,
@@ -74,10 +75,11 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
                           _shown(out_dir) if out_dir else None)
     # What the evidence amounts to, beside the outcome: a real model's run of duplicate
     # listings, each scored 0, ended COMPLETED and its user read it as a success.
-    figures = operations.status(_store(settings, existing=True), case_id)["evidence"]
+    info = operations.status(_store(settings, existing=True), case_id)
+    figures = info["evidence"]
     if as_json:
         _print_json({"case_id": case_id, "outcome": outcome.to_dict(),
-                     "evidence": figures,
+                     "evidence": figures, "model_usage": info["model_usage"],
                      "steps": [o.to_dict() for o in steps or []],
                      "summary_path": str(summary_path) if summary_path else None,
                      "report_path": str(report.resolve()) if report else None,
@@ -86,6 +88,8 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
         out.print(f"case {case_id}: {outcome_head(outcome)}", highlight=False)
         if figures["records"]:
             out.print(evidence_text(figures), highlight=False)
+        if usage := _usage_line(info, _currency(settings)):
+            out.print(usage, highlight=False)
         if summary_path is not None:
             out.print(f"summary: {summary_path}", highlight=False, soft_wrap=True)
         if report is not None:
@@ -94,6 +98,22 @@ def _finish(settings: Settings, case_id: str, outcome: Outcome,
         print_guidance(out, g)
     if code := outcome_exit(outcome):
         raise typer.Exit(code)
+
+
+def _usage_line(info: dict[str, Any], currency: str) -> str:
+    """``model usage: 12 call(s), 13 attempt(s), tokens 36210 + 790, cost 0.009527 USD``:
+    the case's whole model usage as ``status`` totals it, or ``""`` before any call (a
+    real model's user found the cost only in ``status`` and the report)."""
+    from investigation.llm.spend import cost_text, priced_total, token_cells
+
+    usage = info["model_usage"].get("hypotheses") or []
+    if not usage:
+        return ""
+    prompt, completion = token_cells(usage)
+    tokens = prompt if prompt == completion == "not reported" else f"{prompt} + {completion}"
+    return (f"model usage: {sum(u['calls'] for u in usage)} call(s), "
+            f"{sum(u['attempts'] for u in usage)} attempt(s), tokens {tokens}, cost "
+            + cost_text(priced_total(usage), info["model_usage"].get("currency") or currency))
 
 
 def _scripted_file(providers: Path | None) -> str | None:

@@ -8,6 +8,7 @@ import logging
 import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -246,3 +247,25 @@ def test_a_token_count_no_server_reported_is_a_question_mark_not_0() -> None:
     assert tokens_text(7, 3) == "7 + 3"
     assert facts_text({"prompt_tokens": 7, "completion_tokens": None}) == "; tokens 7 + ?"
     assert facts_text({"prompt_tokens": 0, "completion_tokens": 2}) == "; tokens 0 + 2"
+
+
+def test_run_ends_with_the_cases_model_usage() -> None:
+    """A real model's user found the cost only in `status` and the report: `run` ends with
+    the case's calls, tokens and cost as status totals them."""
+    from workers.cli_run import _usage_line
+
+    def entry(calls: int, prompt: int, completion: int, cost: int | None) -> dict[str, Any]:
+        return {"calls": calls, "attempts": calls + 1, "prompt_tokens": prompt,
+                "completion_tokens": completion, "prompt_tokens_reported": calls,
+                "completion_tokens_reported": calls, "tokens_reported": calls,
+                "cost_micros": cost}
+
+    info = {"model_usage": {"currency": "EUR", "hypotheses": [
+        entry(7, 21000, 400, 5_000), entry(5, 15210, 390, None)]}}
+    assert _usage_line(info, "USD") == ("model usage: 12 call(s), 14 attempt(s), tokens "
+                                        "36210 + 790, cost 0.005000 EUR")
+    assert _usage_line({"model_usage": {"hypotheses": []}}, "USD") == ""
+    unreported = {**entry(3, 0, 0, None), "prompt_tokens_reported": 0,
+                  "completion_tokens_reported": 0, "tokens_reported": 0}
+    assert _usage_line({"model_usage": {"hypotheses": [unreported]}}, "USD") == (
+        "model usage: 3 call(s), 4 attempt(s), tokens not reported, cost not priced")
