@@ -302,6 +302,9 @@ def case_history(store: Store, case_id: str, env: str | None = None,
     confidence: dict[int, list[tuple[int, str]]] = {b.hypothesis_id: [(0, "unassessed")]
                                                     for b in births}
     reviews = []
+    #: evidence id -> (ordinal, hypothesis, step recorded, evidence id)
+    recorded = {e.evidence_id: (e.ordinal, e.hypothesis_id, e.step_seq, e.evidence_id)
+                for e in evidence_rows}
     for p in plans:
         decision = jsonio.loads(p.decision_json)
         reply = decision["reply"]
@@ -320,8 +323,13 @@ def case_history(store: Store, case_id: str, env: str | None = None,
             assessment = reply.get("assessment") or {}
             planned.score = assessment.get("score")
             planned.score_reason = str(assessment.get("reason") or "")
-            assessed = assessment.get("evidence_ids") or []
-            planned.assessed_evidence = str(assessed[0]) if assessed else None
+            # The record assessed is the hypothesis's pending result, which the cited ids
+            # must include (validation), among others the model may cite first: the
+            # hypothesis's own record cited that was recorded last before this step.
+            own = [recorded[str(eid)] for eid in assessment.get("evidence_ids") or []
+                   if str(eid) in recorded and recorded[str(eid)][1] == p.hypothesis_id
+                   and recorded[str(eid)][2] < p.step_seq]
+            planned.assessed_evidence = max(own)[3] if own else None
             planned.new_questions = list(upd.get("new_questions", []))
             planned.resolved_questions = list(upd.get("resolve_questions", []))
         review = decision.get("early_diagnosis")

@@ -580,3 +580,21 @@ def test_a_repeated_query_names_the_record_it_repeats(tmp_path: Path) -> None:
         "not counted; an account&#x27;s iterations count only its queries and tests)" in html
     # The same words as summary.md.
     assert "0 new, duplicate of E1;" in summary_bytes(case.store, case.case_id).decode()
+
+
+def test_the_assessed_record_is_the_pending_one_whatever_the_model_cites_first(
+        tmp_path: Path) -> None:
+    """An assessment may cite other records beside the pending result it must include:
+    the step's "assessed" line and its refund name the record the assessment settled, not
+    the first id cited."""
+    import copy
+
+    from tests import casekit
+
+    replies = copy.deepcopy(casekit.HAPPY_REPLIES)
+    replies[3]["assessment"]["evidence_ids"] = ["E1", "E2", "E3"]  # E3: H1's pending
+    case = make_case(tmp_path / "c", replies=replies)
+    outcome = case.investigator().run(case.case_id, max_steps=10)
+    assert outcome.outcome == "COMPLETED", outcome
+    step4 = next(st for st in case_history(case.store, case.case_id).steps if st.seq == 4)
+    assert (step4.assessed_evidence, step4.score) == ("E3", 95)
