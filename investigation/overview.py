@@ -125,6 +125,17 @@ def list_cases(store: Store, state: str | None = None, limit: int = 200) -> list
     return rows
 
 
+def case_ids(store: Store, prefix: str = "", limit: int = 50) -> list[str]:
+    """The ids of the store's cases that start with ``prefix``, most recently changed
+    first, at most ``limit`` (for a shell's completion of a ``CASE`` argument)."""
+    with store.reading() as conn:
+        rows = conn.execute(select(CaseRecord.id)
+                            .where(col(CaseRecord.id).startswith(prefix, autoescape=True))
+                            .order_by(col(CaseRecord.updated_at).desc(), col(CaseRecord.id))
+                            .limit(limit)).all()
+    return [str(r[0]) for r in rows]
+
+
 @dataclass
 class FleetCounts:
     """What the store-derived gauges show (``workers/metrics.py``), at one instant."""

@@ -139,7 +139,25 @@ def _case_arg(value: str) -> str:
     return value
 
 
-CaseArg = Annotated[str, typer.Argument(metavar="CASE", help=CASE_HELP, callback=_case_arg)]
+def _complete_case(incomplete: str) -> list[str]:
+    """A shell's completion of a ``CASE`` argument: the ids of the store the settings name
+    that start with what was typed, newest first; none when the store cannot be read (a
+    completion never prints an error)."""
+    try:
+        from investigation.overview import case_ids
+
+        settings = _settings()
+        store = _store(settings, existing=True)
+        try:
+            return case_ids(store, incomplete)
+        finally:
+            store.dispose()
+    except Exception:  # whatever fails, the shell just offers nothing
+        return []
+
+
+CaseArg = Annotated[str, typer.Argument(metavar="CASE", help=CASE_HELP, callback=_case_arg,
+                                        autocompletion=_complete_case)]
 JsonOpt = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
 #: ``--json`` of a command that lists (``cases``, ``tests list``): said as what it prints
 #: (a 500-step reader parsed ``cases --json`` as the one object the help promised).

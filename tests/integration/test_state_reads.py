@@ -100,3 +100,30 @@ def test_status_says_a_step_is_in_progress_and_that_its_figures_count_it(
     investigator.stages.run(STAGES[-1], key)
     info = status(case.store, case.case_id)
     assert (info["steps"], info["evidence_count"], info["step_in_progress"]) == (1, 1, None)
+
+
+def test_a_shell_completes_a_case_argument_from_the_store(tmp_path: Path) -> None:
+    """Operators typed or pasted 21-character case ids into every command (no completion):
+    a CASE argument completes from the store the settings name, and offers nothing (no
+    error) where no store is."""
+    from typer.testing import CliRunner
+
+    from workers.cli import app
+
+    case = make_case(tmp_path / "case")
+    other = make_case(tmp_path / "other", database_url=case.store.url,
+                      interpretation={"summary": "another reading of the same report"})
+    env = {"INVESTIGATE_DATABASE_URL": case.store.url, "INVESTIGATE_HOME": str(tmp_path / "h"),
+           "_INVESTIGATE_COMPLETE": "complete_bash", "COMP_CWORD": "2"}
+    for typed, offered in [("case-", {case.case_id, other.case_id}),
+                           (case.case_id[:12], {i for i in (case.case_id, other.case_id)
+                                                if i.startswith(case.case_id[:12])}),
+                           ("case-zzz", set())]:
+        done = CliRunner().invoke(app, [], prog_name="investigate",
+                                  env={**env, "COMP_WORDS": f"investigate status {typed}"})
+        assert done.exit_code == 0 and set(done.output.split()) == offered, done.output
+    done = CliRunner().invoke(app, [], prog_name="investigate", env={
+        **env, "INVESTIGATE_DATABASE_URL": f"sqlite:///{tmp_path / 'none.db'}",
+        "COMP_WORDS": "investigate steps case-"})
+    assert done.exit_code == 0 and done.output.strip() == "", done.output
+    assert not (tmp_path / "none.db").exists()
