@@ -544,17 +544,21 @@ def verify_bindings(session: Session, case_id: str) -> int:
 def verify_figures(session: Session, case_id: str) -> int:
     """Check the figures the read commands show that no checkpoint state holds against
     the stored bytes they came from (a 500-step case's reader changed each with the
-    store's guards dropped, and ``verify`` said "intact"):
+    store's guards dropped, and ``verify`` said "intact"; decision 192):
 
-    * each evidence record's assessment score is the score the plan of the published step
-      that assessed it gave (that step's context names the record as its previous result);
-    * each question of a published step has the id, text and hypothesis its plan asked
-      (ids ``Q<n>`` in the order of the plans);
-    * each model attempt's token counts, where recorded, are the ``usage`` its stored
-      response reports, read as the gateway reads it.
+    * every assessed evidence record has the score of the plan that assessed it (the
+      plan's step's context names the record as its previous result), and every record a
+      published step assessed is assessed so; a record no plan assessed is not assessed;
+    * every question row is the question of that id a plan asked (ids ``Q<n>`` in the
+      order of the plans), with its text, hypothesis and step, and every question a
+      published step asked exists;
+    * a model attempt that did not succeed records no token counts; one that succeeded
+      records the counts its stored response reports (``usage``, read as the gateway reads
+      a chat completion), and an operation has one succeeded attempt at most.
 
     Plans and contexts are read from their artifacts, which :func:`verify_bindings` binds
-    to the chain and the model calls. Returns the number of figures checked.
+    to the chain and the model calls; the plans of a step not published yet count too
+    (its records may be written already). Returns the number of figures checked.
 
     Raises:
         InvestigationError: ``STATE_TAMPERED`` naming the first figure that differs.
@@ -569,72 +573,106 @@ def verify_figures(session: Session, case_id: str) -> int:
         art = Store.get_artifact(session, case_id, path)
         if art is None or art.sha256 != sha:
             raise tampered(f"{what} {path} does not hold the bytes recorded for it")
-        return jsonio.loads(art.data)
+        try:
+            return jsonio.loads(art.data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise tampered(f"{what} {path} is not a JSON document") from None
+
+    def figures(plan: Plan, step: str) -> tuple[int | None, list[str]]:
+        """The assessment score and the new questions of ``plan``'s accepted decision."""
+        try:
+            reply = document(plan.plan_path, plan.plan_sha256,
+                             f"the plan of {step}")["decision"]["reply"]
+            assessment, asks = reply["assessment"], reply["update"]["new_questions"]
+            score = None if assessment is None else assessment["score"]
+        except (KeyError, TypeError, IndexError):
+            raise tampered(f"the plan of {step} is not an accepted decision") from None
+        if (score is not None and (type(score) is not int or not 0 <= score <= 100)) \
+                or not isinstance(asks, list) or not all(isinstance(q, str) for q in asks):
+            raise tampered(f"the plan of {step} is not an accepted decision")
+        return score, asks
 
     checked = 0
     published = {(c.revision, c.seq) for c in session.exec(
         select(Checkpoint).where(Checkpoint.case_id == case_id)).all()}
     evidence = {e.evidence_id: e for e in session.exec(
         select(Evidence).where(Evidence.case_id == case_id)).all()}
-    asked: dict[str, tuple[str, int, int]] = {}
+    #: evidence id -> (the score a plan gave it, that plan's step, whether published)
+    scored: dict[str, tuple[int, str, bool]] = {}
+    asked: dict[str, tuple[str, int, int, bool]] = {}
     for plan in session.exec(select(Plan).where(Plan.case_id == case_id)
                              .order_by(col(Plan.revision), col(Plan.step_seq))).all():
-        if (plan.revision, plan.step_seq) not in published:
-            continue  # the step in progress, or left unfinished: nothing of it is shown yet
         step = f"step {plan.step_seq} (revision {plan.revision})"
-        try:  # the bytes are the plan's (decision 146); their shape is checked here
-            reply = document(plan.plan_path, plan.plan_sha256,
-                             f"the plan of {step}")["decision"]["reply"]
-            assessment, asks = reply["assessment"], list(reply["update"]["new_questions"])
-            score = None if assessment is None else int(assessment["score"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise tampered(f"the plan of {step} is not an accepted decision ({exc!r})") \
-                from None
+        shown = (plan.revision, plan.step_seq) in published
+        score, asks = figures(plan, step)
         if score is not None:
             context = document(ARTIFACT_CONTEXT.format(seq=plan.step_seq),
                                plan.context_sha256, f"the context of {step}")
             previous = context.get("previous_result") if isinstance(context, dict) else None
             eid = previous.get("evidence_id") if isinstance(previous, dict) else None
-            record = evidence.get(eid) if isinstance(eid, str) else None
-            if record is None or not record.assessed or record.assessment_score != score:
-                shown = "none" if record is None or not record.assessed \
-                    else record.assessment_score
-                raise tampered(f"evidence {eid}'s assessment score is {shown}, not the "
-                               f"{score} the plan of {step} gave it")
-            checked += 1
+            if not isinstance(eid, str) or eid not in evidence:
+                raise tampered(f"the record the plan of {step} assessed is not stored")
+            scored[eid] = (score, step, shown)
         for text in asks:
-            asked[f"Q{len(asked) + 1}"] = (text, plan.hypothesis_id, plan.step_seq)
-    for q in session.exec(select(Question).where(Question.case_id == case_id)).all():
-        if (q.revision, q.created_step) not in published:
-            continue
-        if asked.get(q.question_id) != (q.text, q.hypothesis_id, q.created_step):
-            raise tampered(f"question {q.question_id} (step {q.created_step}) is not the "
-                           "question its step's plan asked")
+            asked[f"Q{len(asked) + 1}"] = (text, plan.hypothesis_id, plan.step_seq, shown)
+    for eid, record in evidence.items():
+        score, step, shown = scored.get(eid, (None, "", False))
+        if record.assessed and score is None:
+            raise tampered(f"evidence {eid} is assessed ({record.assessment_score}), but no "
+                           "plan assessed it")
+        if score is not None and (record.assessed or shown) and \
+                (not record.assessed or record.assessment_score != score):
+            said = record.assessment_score if record.assessed else "not assessed"
+            raise tampered(f"evidence {eid}'s assessment score is {said}, not the {score} "
+                           f"the plan of {step} gave it")
+        checked += record.assessed
+    rows = {q.question_id: q for q in session.exec(
+        select(Question).where(Question.case_id == case_id)).all()}
+    for qid, q in rows.items():
+        text, hypothesis, created, _ = asked.get(qid, (None, None, None, False))
+        if (q.text, q.hypothesis_id, q.created_step) != (text, hypothesis, created):
+            raise tampered(f"question {qid} (step {q.created_step}) is not the question a "
+                           "plan asked")
         checked += 1
-    attempts = session.exec(
-        select(LLMAttempt).join(LLMOperation, col(LLMOperation.id) == LLMAttempt.operation_id)
-        .where(LLMOperation.case_id == case_id, col(LLMAttempt.response_path).is_not(None))
-    ).all()
-    for a in attempts:
-        if a.prompt_tokens is None and a.completion_tokens is None:
+    if missing := [qid for qid, (*_, shown) in asked.items() if shown and qid not in rows]:
+        raise tampered(f"question {missing[0]}, which a published step asked, is not stored")
+    succeeded: set[int] = set()
+    for a in session.exec(
+            select(LLMAttempt).join(LLMOperation,
+                                    col(LLMOperation.id) == LLMAttempt.operation_id)
+            .where(LLMOperation.case_id == case_id)).all():
+        which = f"attempt {a.attempt} of model operation {a.operation_id}"
+        recorded = (a.prompt_tokens, a.completion_tokens)
+        if a.status != ATTEMPT_SUCCEEDED:
+            if recorded != (None, None):  # the gateway records no counts for a failure
+                raise tampered(f"{which} did not succeed ({a.status}) yet records token "
+                               "counts")
             continue
-        assert a.response_path is not None
-        art = Store.get_artifact(session, case_id, a.response_path)
+        if a.operation_id in succeeded:
+            raise tampered(f"model operation {a.operation_id} has two succeeded attempts")
+        succeeded.add(a.operation_id)
+        art = None if a.response_path is None else \
+            Store.get_artifact(session, case_id, a.response_path)
         if art is None or art.sha256 != a.response_sha256:
-            raise tampered(f"the model response {a.response_path} does not hold the bytes "
-                           "recorded for it")
-        # As the gateway read them: a completion whole, another answer up to 1 MiB.
-        reported = spend.usage_of(art.data, None if a.status == ATTEMPT_SUCCEEDED
-                                  else spend.USAGE_MAX_BYTES)
-        for name, recorded, said in zip(("prompt", "completion"),
-                                        (a.prompt_tokens, a.completion_tokens), reported,
-                                        strict=True):
-            if recorded is not None and recorded != said:
-                raise tampered(f"attempt {a.attempt} of model operation {a.operation_id} "
-                               f"records {recorded} {name} tokens; its response "
-                               f"{a.response_path} reports {said}")
+            raise tampered(f"{which} succeeded, but its response is not stored as recorded")
+        reported = spend.usage_of(art.data, None) if _chat_completion(art.data) \
+            else (None, None)
+        if recorded != reported:
+            raise tampered(f"{which} records {recorded[0]} prompt and {recorded[1]} "
+                           f"completion tokens; its response {a.response_path} reports "
+                           f"{reported[0]} and {reported[1]}")
         checked += 1
     return checked
+
+
+def _chat_completion(raw: bytes) -> bool:
+    """Whether ``raw`` is a chat completion (a JSON object with ``choices``), whose
+    ``usage`` the gateway read; a scripted provider's stored reply line is none."""
+    try:
+        doc = jsonio.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("choices"), list)
 
 
 def verify(store: Store, case_id: str) -> dict[str, Any]:

@@ -75,9 +75,10 @@ def test_an_intact_case_verifies_its_scores_questions_and_token_counts(
         assessed = len(s.exec(select(Evidence).where(Evidence.case_id == case.case_id,
                                                      col(Evidence.assessed))).all())
         questions = len(s.exec(select(Question).where(Question.case_id == case.case_id)).all())
+        answered = len(s.exec(select(LLMAttempt).where(LLMAttempt.status == "succeeded")).all())
     report = operations.verify(case.store, case.case_id)
-    assert assessed and questions, (assessed, questions)
-    assert report["figures"] == assessed + questions, report
+    assert assessed and questions and answered == 5, (assessed, questions, answered)
+    assert report["figures"] == assessed + questions + answered, report
 
 
 #: A figure the read commands show and no checkpoint state holds, changed with the store's
@@ -111,3 +112,98 @@ def test_a_changed_figure_is_found_by_verify_and_export(tiny_case: Case, figure:
     with pytest.raises(InvestigationError) as refused:
         operations.export(case.store, case.case_id, tmp_path / "out")
     assert refused.value.code == "STATE_TAMPERED"
+
+
+def _forge(case: Case, sql: str) -> None:
+    """Run ``sql`` on the store with its guards dropped (what DDL rights allow)."""
+    from sqlalchemy import text
+
+    with unguarded(case.store), case.store.engine.begin() as conn:
+        for statement in sql.split(";"):
+            if statement.strip():
+                conn.execute(text(statement))
+
+
+def _tampered(case: Case, said: str) -> None:
+    with pytest.raises(InvestigationError) as err:
+        operations.verify(case.store, case.case_id)
+    assert err.value.code == "STATE_TAMPERED" and said in err.value.message, \
+        err.value.message
+
+
+#: A hostile trial's forgeries that verify called intact: counts on attempts that hold
+#: none (no guard needed on llm_attempt before migration 0013), a second succeeded
+#: attempt, a question moved off its published step.
+FORGED = {
+    "counts on a failed attempt": (
+        "INSERT INTO llm_attempt (operation_id, attempt, provider, request_path, "
+        "request_sha256, status, prompt_tokens, completion_tokens, started_at) SELECT "
+        "operation_id, 2, provider, request_path, request_sha256, 'failed', 777777, 1, "
+        "started_at FROM llm_attempt WHERE id = 1", "did not succeed (failed) yet records"),
+    "a succeeded attempt without its response": (
+        "UPDATE llm_attempt SET response_path = NULL WHERE id = 1",
+        "succeeded, but its response is not stored"),
+    "two succeeded attempts": (
+        "INSERT INTO llm_attempt (operation_id, attempt, provider, request_path, "
+        "request_sha256, response_path, response_sha256, status, started_at) SELECT "
+        "operation_id, 2, provider, request_path, request_sha256, response_path, "
+        "response_sha256, 'succeeded', started_at FROM llm_attempt WHERE id = 1",
+        "has two succeeded attempts"),
+    "a question moved off its step": (
+        "UPDATE question SET created_step = 99, text = 'forged' WHERE question_id = 'Q1'",
+        "question Q1 (step 99) is not the question a plan asked"),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGED))
+def test_a_forged_figure_row_is_found(tiny_case: Case, forgery: str) -> None:
+    case = _completed(tiny_case)
+    sql, said = FORGED[forgery]
+    _forge(case, sql)
+    _tampered(case, said)
+
+
+def test_a_record_scored_while_a_step_is_unpublished_is_found(tmp_path: Path) -> None:
+    """The evidence guard lets an unassessed record be assessed: on a blocked case verify
+    skipped the live rows and the figures went only from plan to record, so any score
+    passed (a hostile trial). A record no plan assessed must not be assessed."""
+    from tests import casekit
+    from tests.casekit import make_case
+
+    case = make_case(tmp_path / "c", replies=casekit.HAPPY_REPLIES[:2])
+    outcome = case.investigator().run(case.case_id, max_steps=10)
+    assert outcome.reason == "PROVIDER_CONFIGURATION", outcome  # step 3 halted mid-way
+    report = operations.verify(case.store, case.case_id)
+    assert (report["live_rows"], report["figures"]) == ("step 3 in progress", 3), report
+    with case.store.engine.begin() as conn:  # the guards let this through
+        conn.execute(update(Evidence).where(col(Evidence.evidence_id) == "E2")
+                     .values(assessed=True, assessment_score=99))
+    _tampered(case, "evidence E2 is assessed (99), but no plan assessed it")
+
+
+@pytest.mark.parametrize("score", ["1e400", "-Infinity", "[" * 5000 + "]" * 5000, "80.5",
+                                   "true", '"80"', "101"])
+def test_a_plan_document_of_the_wrong_shape_is_tampered_not_a_crash(
+        tiny_case: Case, score: str) -> None:
+    """A plan whose score is infinite or nested 5,000 deep ended verify and export with an
+    internal error (exit 5); one whose score was "80", 80.9 or true passed (a hostile
+    trial). The plan's bytes and its sha256 are replaced together, as DDL rights allow."""
+    import hashlib
+
+    from investigation.store.engine import Store
+    from investigation.store.models import Plan
+
+    case = _completed(tiny_case)
+    with case.store.session() as s:
+        plan = s.exec(select(Plan).where(Plan.step_seq == 3)).one()
+        art = Store.get_artifact(s, case.case_id, plan.plan_path)
+        assert art is not None
+    data = art.data.replace(b'"score":90', b'"score":' + score.encode())
+    assert data != art.data
+    digest = hashlib.sha256(data).hexdigest()
+    _forge(case, f"DELETE FROM artifact WHERE path = '{plan.plan_path}'")
+    with unguarded(case.store):
+        with case.store.session() as s:
+            Store.put_artifact(s, case.case_id, plan.plan_path, data)
+        _forge(case, f"UPDATE plan SET plan_sha256 = '{digest}' WHERE id = {plan.id}")
+    _tampered(case, "the plan of step 3 (revision 1)")
