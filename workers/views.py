@@ -40,12 +40,14 @@ def term(text: object) -> str:
 
 
 class Fitted:
-    """A table that never cuts a cell: drawn as ``table`` when every column fits the
-    width at the length of its longest word (cells wrap only at spaces), else as one
+    """A table that never cuts a word of a cell: drawn as ``table`` when every column can
+    be as wide as its longest word (cells and headers wrap only at spaces), else as one
     block per row, ``header: value`` lines, which fit any width. On an 80-column terminal
     the tables cut balances to "9999597…" and folded states into "BUIL DING" (a 500-step
-    case's reader). Rows are read from the table (``Column.cells``): build it, then wrap
-    it."""
+    case's reader). The widths are set here, not left to Rich, whose collapse of a table
+    too wide shrinks the widest column first, below its longest word when another column
+    had room to give (a hostile trial's "ASSESSMENT_UNE│XPECTED"). Rows are read from the
+    table (``Column.cells``): build it, then wrap it."""
 
     def __init__(self, table: Table) -> None:
         self.table = table
@@ -54,27 +56,59 @@ class Fitted:
 
     def __rich_console__(self, console: Console,
                          options: ConsoleOptions) -> Iterator[RenderableType]:
-        yield self.table if self.narrowest() <= options.max_width else Group(*self.records())
-
-    def narrowest(self) -> int:
-        """The fewest columns the table takes with no word of a cell or a header broken:
-        each column as wide as its longest word, its padding and the box's lines (Rich's
-        own measure is clamped to the width it is given, so it always "fits")."""
-        table = self.table
-        _, right, _, left = table.padding
-        widths = []
-        for i, column in enumerate(table.columns):
-            words = (w for cell in (column.header, *column.cells)
-                     for w in _cell_text(cell).plain.split())
-            edge = (left if i or table.pad_edge else 0) + \
-                (right if i < len(table.columns) - 1 or table.pad_edge else 0)
-            widths.append(max((cell_len(w) for w in words), default=0) + edge)
-        lines = (2 if table.box and table.show_edge else 0) + \
-            (len(widths) - 1 if table.box else 0)
-        return sum(widths) + lines
+        widths = self.widths(options.max_width)
+        if widths is None:
+            yield Group(*self.records())
+            return
+        for column, width in zip(self.table.columns, widths, strict=True):
+            column.width = width
+        yield self.table
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         return Measurement.get(console, options, self.table)
+
+    def _extents(self) -> tuple[list[int], list[int], list[int], int]:
+        """Per column its longest word and its longest line (content, without padding) and
+        its padding, and the box's lines."""
+        table = self.table
+        _, right, _, left = table.padding
+        words, lines, pads = [], [], []
+        for i, column in enumerate(table.columns):
+            texts = [_cell_text(cell).plain for cell in (column.header, *column.cells)]
+            words.append(max((cell_len(w) for t in texts for w in t.split()), default=0))
+            lines.append(max((cell_len(line) for t in texts for line in t.splitlines()),
+                             default=0))
+            pads.append((left if i or table.pad_edge else 0)
+                        + (right if i < len(table.columns) - 1 or table.pad_edge else 0))
+        box = (2 if table.box and table.show_edge else 0) + \
+            (len(table.columns) - 1 if table.box else 0)
+        return words, lines, pads, box
+
+    def narrowest(self) -> int:
+        """The fewest terminal columns the table takes with no word of a cell or a header
+        broken: each column as wide as its longest word, its padding and the box's lines."""
+        words, _, pads, box = self._extents()
+        return sum(words) + sum(pads) + box
+
+    def widths(self, max_width: int) -> list[int] | None:
+        """Each column's content width for a table at most ``max_width`` wide, or ``None``
+        when it cannot be drawn without breaking a word: every column gets its longest
+        word, and what is left goes to the columns whose lines are longer, in proportion
+        to what each still lacks, up to its longest line."""
+        words, lines, pads, box = self._extents()
+        spare = max_width - (sum(words) + sum(pads) + box)
+        if spare < 0:
+            return None
+        lacking = [max(0, line - word) for word, line in zip(words, lines, strict=True)]
+        wanted = sum(lacking)
+        if wanted <= spare:
+            return [word + lack for word, lack in zip(words, lacking, strict=True)]
+        given = [lack * spare // wanted for lack in lacking]
+        left = spare - sum(given)
+        for i in sorted(range(len(given)), key=lambda i: lacking[i] - given[i],
+                        reverse=True)[:left]:
+            given[i] += 1
+        return [word + more for word, more in zip(words, given, strict=True)]
 
     def records(self) -> Iterator[RenderableType]:
         """Each row as a block: its first cell after its header, in bold, then one

@@ -58,3 +58,28 @@ def test_the_narrowest_width_counts_headers_padding_and_the_box() -> None:
     bare = Table("a", "bb", box=None, pad_edge=False)
     bare.add_row("xxx yyyy", "z")
     assert Fitted(bare).narrowest() == (4 + 2) + (0 + 1) + (1 + 0)
+
+
+def test_no_width_breaks_a_word_where_rich_alone_would() -> None:
+    """Rich's own collapse of a table too wide shrinks the widest column first, below its
+    longest word while another column had room: a hostile trial saw
+    "ASSESSMENT_UNE│XPECTED" at widths 98-104 and "case-3e86436577dbc1│de" at 148-156."""
+    def table() -> Table:
+        t = Table("case", "state", "last rejection", "note")
+        t.add_row("case-3e86436577dbc1de", "BLOCKED",
+                  Text("ASSESSMENT_UNEXPECTED (step 3, 1 in a row) " * 2),
+                  "a long note of many short words " * 4)
+        return t
+
+    fitted = Fitted(table())
+    words = {w for column in table().columns for cell in (column.header, *column.cells)
+             for w in (cell.plain if isinstance(cell, Text) else str(cell)).split()}
+    broken_by_rich = False
+    for width in range(fitted.narrowest(), fitted.narrowest() + 120):
+        lines = _render(Fitted(table()), width)
+        assert max(len(line) for line in lines) <= width
+        assert lines[0].startswith("┏"), lines[:2]
+        assert all(any(w in line for line in lines) for w in words), (width, lines)
+        plain = _render(table(), width)
+        broken_by_rich |= not all(any(w in line for line in plain) for w in words)
+    assert broken_by_rich  # what the widths set here avoid
