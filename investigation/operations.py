@@ -618,11 +618,12 @@ def verify_figures(session: Session, case_id: str) -> int:
     for eid, record in evidence.items():
         score, step, shown = scored.get(eid, (None, "", False))
         if record.assessed and score is None:
-            raise tampered(f"evidence {eid} is assessed ({record.assessment_score}), but no "
-                           "plan assessed it")
+            raise tampered(f"evidence {eid} is assessed (score {record.assessment_score}), "
+                           "but no plan assessed it")
         if score is not None and (record.assessed or shown) and \
                 (not record.assessed or record.assessment_score != score):
-            said = record.assessment_score if record.assessed else "not assessed"
+            said = "not assessed" if not record.assessed else "missing" \
+                if record.assessment_score is None else record.assessment_score
             raise tampered(f"evidence {eid}'s assessment score is {said}, not the {score} "
                            f"the plan of {step} gave it")
         checked += record.assessed

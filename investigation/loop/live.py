@@ -186,9 +186,12 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
     if head_seq == 0 or head_revision != case.current_revision:
         return None
 
-    def tampered(what: str) -> InvestigationError:
+    def tampered(what: str, many: bool = False) -> InvestigationError:
+        # ``many``: a plural subject ("the questions differs" read as a slip, a hostile
+        # trial).
+        verb = "differ" if many else "differs"
         return InvestigationError("STATE_TAMPERED",
-                                  f"case {case.id}: {what} differs from checkpoint "
+                                  f"case {case.id}: {what} {verb} from checkpoint "
                                   f"{head_seq}; the store was changed outside the engine",
                                   seq=head_seq)
 
@@ -259,14 +262,14 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
             raise tampered(f"evidence {e.evidence_id}")
     if recorded_count != count - len(pending_imports) or \
             (full and recorded is not None and len(recorded_ev) != recorded_count):
-        raise tampered("the evidence records")
+        raise tampered("the evidence records", many=True)
     if since_head:
         # Index rows of a record other than the newest, and notes of a published step,
         # are refused by the store; so only these can differ from what the head counted.
         if int(second):
             raise tampered("the novelty index (evidence_key)")
         if int(third):
-            raise tampered("the audit notes (hypothesis_note)")
+            raise tampered("the audit notes (hypothesis_note)", many=True)
     else:
         _check_written_rows(s, case, head_state, rows, live if full else None,
                             pending_imports, tampered, (int(second), int(third)))
@@ -274,7 +277,7 @@ def verify_live_state(s: Session, case: CaseRecord, head_state: dict[str, Any],
     if [(q.question_id, q.hypothesis_id, q.status) for q in questions] != \
             [(q.get("question_id"), q.get("hypothesis_id"), q.get("status"))
              for q in head_state.get("questions", [])]:
-        raise tampered("the questions")
+        raise tampered("the questions", many=True)
     return LiveRows(accounts, questions, count)
 
 
@@ -309,7 +312,7 @@ def _check_written_rows(s: Session, case: CaseRecord, head_state: dict[str, Any]
                 raise tampered("the novelty index (evidence_key)")
     notes = head_state.get("notes")
     if isinstance(notes, int) and live_notes != notes:
-        raise tampered("the audit notes (hypothesis_note)")
+        raise tampered("the audit notes (hypothesis_note)", many=True)
 
 
 def _check_evidence_bytes(s: Session, case: CaseRecord, live: list[Evidence],
@@ -346,5 +349,5 @@ def _check_accounts(s: Session, case: CaseRecord, head_state: dict[str, Any], re
         if a.no_novelty_streak != rec.get("no_novelty_streak") and not imported_now:
             raise tampered(f"hypothesis {a.hypothesis_id}'s novelty streak")
     if len(recorded) != len(accounts):
-        raise tampered("the accounts")
+        raise tampered("the accounts", many=True)
     return accounts

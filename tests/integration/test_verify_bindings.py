@@ -178,7 +178,7 @@ def test_a_record_scored_while_a_step_is_unpublished_is_found(tmp_path: Path) ->
     with case.store.engine.begin() as conn:  # the guards let this through
         conn.execute(update(Evidence).where(col(Evidence.evidence_id) == "E2")
                      .values(assessed=True, assessment_score=99))
-    _tampered(case, "evidence E2 is assessed (99), but no plan assessed it")
+    _tampered(case, "evidence E2 is assessed (score 99), but no plan assessed it")
 
 
 @pytest.mark.parametrize("score", ["1e400", "-Infinity", "[" * 5000 + "]" * 5000, "80.5",
