@@ -701,8 +701,8 @@ def _walk(lines: list[tuple[int, bytes]], first_call: int, main: _World,
                + (f"the case first waits for the test feedback line {verdicts[-1].line} asks "
                   f"for ({stops}); once it is confirmed, "
                   if stops == BLOCK_AWAITING_TEST_FEEDBACK else
-                  f"the case first blocks at line {verdicts[-1].line} ({stops}); once it is "
-                  "resumed, " if stops else "")
+                  f"the case blocks at its last line, {verdicts[-1].line} ({stops}); once "
+                  "it is resumed, " if stops else "")
                + f"call {max(len(lines), first_call) + 1} finds no reply and blocks the "
                "case (PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to "
                "continue" + (f": call {first_call + 1} reads "

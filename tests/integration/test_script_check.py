@@ -225,10 +225,12 @@ def test_unreadable_line_and_a_duplicate_query(tiny_case: Case) -> None:
     assert "duplicate" in result.lines[2].detail
     assert result.lines[3].verdict == UNREADABLE
     assert result.lines[3].code == "PROVIDER_SCRIPT_UNREADABLE" and not result.ok
-    # The end says the case blocks at that last line first (it said only that call 5
-    # finds no reply, after the line's "the case blocks here": a new user's trial).
+    # The end says the case blocks at that last line (not "first": earlier lines may block
+    # too, a hostile trial read "first blocks at line 20" after 15 such lines; it said only
+    # that call 5 finds no reply, after the line's "the case blocks here": a new user's
+    # trial).
     assert result.end == (
-        "the file ends after 4 reply line(s): the case first blocks at line 4 "
+        "the file ends after 4 reply line(s): the case blocks at its last line, 4 "
         "(PROVIDER_CONFIGURATION); once it is resumed, call 5 finds no reply and blocks the "
         "case (PROVIDER_CONFIGURATION, PROVIDER_SCRIPT_EXHAUSTED); add replies to continue"), \
         result.end
@@ -236,9 +238,9 @@ def test_unreadable_line_and_a_duplicate_query(tiny_case: Case) -> None:
     # not half of the line's own note (a hostile trial read the resume advice twice).
     tiny_case.replies_path.write_text(first + "\n" + '{"bogus": true}\n' * 3)
     ends = check_script(tiny_case.store, tiny_case.case_id, tiny_case.replies_path).end
-    assert ends.startswith("the file ends after 4 reply line(s): the case first blocks at "
-                           "line 4 (INVALID_LLM_RESPONSES); once it is resumed, call 5 finds "
-                           "no reply"), ends
+    assert ends.startswith("the file ends after 4 reply line(s): the case blocks at its "
+                           "last line, 4 (INVALID_LLM_RESPONSES); once it is resumed, call 5 "
+                           "finds no reply"), ends
 
 
 def test_cli_replies_check(tiny_case: Case, tmp_path: Path,
