@@ -37,7 +37,6 @@ from investigation.evidence.figures import evidence_figures
 from investigation.lifecycle import InvestigationSession, SessionState, TerminationReason
 from investigation.llm import spend
 from investigation.loop import checkpoints, deliveries, lifecycle, live
-from investigation.loop.checkpoints import verify_chain
 from investigation.store.engine import Store
 from investigation.store.models import (
     Artifact,
@@ -419,10 +418,7 @@ def export(store: Store, case_id: str, directory: Path) -> list[str]:
             "EXPORT_TARGET_NOT_EMPTY",
             f"{directory} exists and is not an empty directory; export into a new one")
     with store.session() as s:
-        verify_chain(s, case_id)
-        verify_budget_origins(s, case_id)
-        verify_bindings(s, case_id)
-        verify_figures(s, case_id)
+        _verify_rows(s, case_id, ledgers=True)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     files = []
@@ -630,8 +626,8 @@ def verify_figures(session: Session, case_id: str) -> int:
     rows = {q.question_id: q for q in session.exec(
         select(Question).where(Question.case_id == case_id)).all()}
     for qid, q in rows.items():
-        text, hypothesis, created, _ = asked.get(qid, (None, None, None, False))
-        if (q.text, q.hypothesis_id, q.created_step) != (text, hypothesis, created):
+        plan_asked = asked.get(qid)
+        if plan_asked is None or (q.text, q.hypothesis_id, q.created_step) != plan_asked[:3]:
             raise tampered(f"question {qid} (step {q.created_step}) is not the question a "
                            "plan asked")
         checked += 1
@@ -676,6 +672,34 @@ def _chat_completion(raw: bytes) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get("choices"), list)
 
 
+def _verify_rows(s: Session, case_id: str, ledgers: bool = False
+                 ) -> tuple[CaseRecord, int, bool, int, int, int]:
+    """What ``verify`` and ``export`` check before they read the artifacts: the whole
+    chain replayed, the live rows against the head state at full depth and the ledgers
+    (unless a step is in progress; ``ledgers``: read them then too, as ``export`` always
+    did), the bindings and the figures. ``export`` read no live row, so a question deleted
+    or reopened was exported from a case ``verify`` refused (a hostile trial).
+
+    Returns ``(case, head_seq, step_in_progress, accounts_read, bindings, figures)``.
+
+    Raises:
+        InvestigationError: as :func:`verify`.
+    """
+    case = s.get(CaseRecord, case_id)
+    if case is None:
+        raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
+    head = checkpoints.replay(s, case)
+    running = s.exec(select(StageRun.stage).where(
+        StageRun.case_id == case_id, StageRun.revision == case.current_revision,
+        StageRun.step_seq == case.head_seq + 1)).first() is not None
+    if not running:
+        live.verify_live_state(s, case, head.head_state, head.head_seq, head.head_revision,
+                               full=True, recorded=head.evidence)
+    accounts = verify_budget_origins(s, case_id) if ledgers or not running else 0
+    return (case, head.head_seq, running, accounts, verify_bindings(s, case_id),
+            verify_figures(s, case_id))
+
+
 def verify(store: Store, case_id: str) -> dict[str, Any]:
     """Check a whole case from the store's bytes (``investigate verify``).
 
@@ -701,31 +725,17 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
         ``STORE_ARTIFACT_CORRUPT`` at the first fact that differs.
     """
     with store.session() as s:
-        case = s.get(CaseRecord, case_id)
-        if case is None:
-            raise InvestigationError("CASE_NOT_FOUND", f"no case {case_id}")
-        head = checkpoints.replay(s, case)
-        running = s.exec(select(StageRun.stage).where(
-            StageRun.case_id == case_id, StageRun.revision == case.current_revision,
-            StageRun.step_seq == case.head_seq + 1)).first()
-        if running is None:
-            live.verify_live_state(s, case, head.head_state, head.head_seq, head.head_revision,
-                                   full=True, recorded=head.evidence)
-            accounts = verify_budget_origins(s, case_id)
-        else:
-            accounts = 0
-        bindings = verify_bindings(s, case_id)
-        figures = verify_figures(s, case_id)
+        case, head_seq, running, accounts, bindings, figures = _verify_rows(s, case_id)
         count = total = 0
         for art in Store.artifacts(s, case_id):
             count += 1
             total += len(art.data)
-    if running is None:
+    if not running:
         rows = "checked"
     elif case.state in (CASE_CANCELLED, CASE_STOPPED):  # nothing will finish that step
         rows = f"step {case.head_seq + 1} left unfinished when the case was {case.state}"
     else:
         rows = f"step {case.head_seq + 1} in progress"
-    return {"case_id": case_id, "checkpoints": head.head_seq, "artifacts": count,
+    return {"case_id": case_id, "checkpoints": head_seq, "artifacts": count,
             "artifact_bytes": total, "budget_accounts": accounts, "bindings": bindings,
             "figures": figures, "live_rows": rows}

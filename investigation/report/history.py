@@ -326,10 +326,10 @@ def case_history(store: Store, case_id: str, env: str | None = None,
             # The record assessed is the hypothesis's pending result, which the cited ids
             # must include (validation), among others the model may cite first: the
             # hypothesis's own record cited that was recorded last before this step.
-            own = [recorded[str(eid)] for eid in assessment.get("evidence_ids") or []
+            cited_own = [recorded[str(eid)] for eid in assessment.get("evidence_ids") or []
                    if str(eid) in recorded and recorded[str(eid)][1] == p.hypothesis_id
                    and recorded[str(eid)][2] < p.step_seq]
-            planned.assessed_evidence = max(own)[3] if own else None
+            planned.assessed_evidence = max(cited_own)[3] if cited_own else None
             planned.new_questions = list(upd.get("new_questions", []))
             planned.resolved_questions = list(upd.get("resolve_questions", []))
         review = decision.get("early_diagnosis")

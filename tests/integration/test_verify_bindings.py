@@ -207,3 +207,16 @@ def test_a_plan_document_of_the_wrong_shape_is_tampered_not_a_crash(
             Store.put_artifact(s, case.case_id, plan.plan_path, data)
         _forge(case, f"UPDATE plan SET plan_sha256 = '{digest}' WHERE id = {plan.id}")
     _tampered(case, "the plan of step 3 (revision 1)")
+
+
+def test_export_checks_the_live_rows_as_verify_does(tiny_case: Case, tmp_path: Path) -> None:
+    """A question reopened with the guards dropped: verify refused the case and export
+    wrote it (export read no live row; a hostile trial)."""
+    case = _completed(tiny_case)
+    _forge(case, "UPDATE question SET status = 'open', resolved_step = NULL "
+                 "WHERE question_id = 'Q1'")
+    _tampered(case, "the questions differ from checkpoint 5")
+    with pytest.raises(InvestigationError) as refused:
+        operations.export(case.store, case.case_id, tmp_path / "out")
+    assert refused.value.code == "STATE_TAMPERED" and "questions" in refused.value.message
+    assert not (tmp_path / "out").exists()
