@@ -131,14 +131,15 @@ def _grace_text(providers: Path | None) -> str:
     minutes."""
     from investigation.config import ProvidersConfig
     from investigation.errors import InvestigationError
+    from investigation.llm.gateway import default_in_flight_grace_s
 
     try:
         loaded = ProvidersConfig.load(providers) if providers is not None else None
     except (InvestigationError, OSError, ValueError):  # the run read it; said nothing more
         return ""
     timeouts = [p.timeout_s for p in (loaded.providers if loaded else []) if p.kind == "openai"]
-    return f": {2 * max(timeouts) + 5:g} s with these providers, twice the longest " \
-        "timeout_s and 5 s" if timeouts else ""
+    return f": {default_in_flight_grace_s(timeouts):g} s with these providers, twice the " \
+        "longest timeout_s and 5 s" if timeouts else ""
 
 
 @_controlled

@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -155,6 +155,13 @@ RETRY_AFTER_CAP_S = 86_400.0
 RESPONSE_MEDIA_TYPE = "application/octet-stream"
 
 
+def default_in_flight_grace_s(timeouts: Iterable[float]) -> float:
+    """Seconds a ``sent`` attempt found by another call is waited out before it counts as
+    interrupted (:class:`LLMGateway`'s default): twice the longest provider ``timeout_s``
+    (0 for a provider without one), and 5 s."""
+    return 2 * max(timeouts, default=0.0) + 5.0
+
+
 def _utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -250,8 +257,8 @@ class LLMGateway:
         self.config = config
         self._clock = clock
         if in_flight_grace_s is None:
-            longest = max(float(getattr(p, "timeout_s", 0.0)) for p in providers)
-            in_flight_grace_s = 2 * longest + 5.0
+            in_flight_grace_s = default_in_flight_grace_s(
+                float(getattr(p, "timeout_s", 0.0)) for p in providers)
         self.in_flight_grace_s = in_flight_grace_s
 
     # -- public ------------------------------------------------------------------------------
