@@ -13,7 +13,7 @@ from sqlmodel import Session, col, func, select
 
 from investigation import jsonio
 from investigation.budget.manager import BudgetManager
-from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig
+from investigation.config import BudgetConfig, InvestigationConfig, LoopConfig, canonical_json
 from investigation.constants import (
     ARTIFACT_CONTEXT,
     ARTIFACT_SUMMARY,
@@ -546,11 +546,13 @@ def verify_figures(session: Session, case_id: str) -> int:
       plan's step's context names the record as its previous result), and every record a
       published step assessed is assessed so; a record no plan assessed is not assessed;
     * every question row is the question of that id a plan asked (ids ``Q<n>`` in the
-      order of the plans), with its text, hypothesis and step, and every question a
+      order of the plans), with its text, hypothesis and step, resolved at the step of the
+      first plan that resolved it with the evidence that plan cited, and every question a
       published step asked exists;
-    * a model attempt that did not succeed records no token counts; one that succeeded
-      records the counts its stored response reports (``usage``, read as the gateway reads
-      a chat completion), and an operation has one succeeded attempt at most.
+    * a model operation stores its attempts 1 to its count, the last one succeeded
+      exactly when the operation did; an attempt that did not succeed records no token
+      counts, one that succeeded the counts its stored response reports (``usage``, read
+      as the gateway reads a chat completion; none for a scripted reply line).
 
     Plans and contexts are read from their artifacts, which :func:`verify_bindings` binds
     to the chain and the model calls; the plans of a step not published yet count too
@@ -559,7 +561,15 @@ def verify_figures(session: Session, case_id: str) -> int:
     Raises:
         InvestigationError: ``STATE_TAMPERED`` naming the first figure that differs.
     """
-    from investigation.llm.gateway import ATTEMPT_SUCCEEDED
+    from investigation.llm.gateway import (
+        ATTEMPT_FAILED,
+        ATTEMPT_REJECTED,
+        ATTEMPT_SENT,
+        ATTEMPT_SUCCEEDED,
+        OP_SUCCEEDED,
+    )
+
+    statuses = (ATTEMPT_SENT, ATTEMPT_SUCCEEDED, ATTEMPT_FAILED, ATTEMPT_REJECTED)
 
     def tampered(what: str) -> InvestigationError:
         return InvestigationError("STATE_TAMPERED", f"case {case_id}: {what}; the store was "
@@ -574,19 +584,23 @@ def verify_figures(session: Session, case_id: str) -> int:
         except (ValueError, UnicodeDecodeError, RecursionError):
             raise tampered(f"{what} {path} is not a JSON document") from None
 
-    def figures(plan: Plan, step: str) -> tuple[int | None, list[str]]:
-        """The assessment score and the new questions of ``plan``'s accepted decision."""
+    def figures(plan: Plan, step: str) -> tuple[int | None, list[str], list[str], list[str]]:
+        """The assessment score, the new questions, the questions resolved and the
+        evidence ids cited of ``plan``'s accepted decision."""
         try:
             reply = document(plan.plan_path, plan.plan_sha256,
                              f"the plan of {step}")["decision"]["reply"]
-            assessment, asks = reply["assessment"], reply["update"]["new_questions"]
+            assessment, update = reply["assessment"], reply["update"]
+            asks, resolves, cites = (update["new_questions"], update["resolve_questions"],
+                                     update["evidence_ids"])
             score = None if assessment is None else assessment["score"]
         except (KeyError, TypeError, IndexError):
             raise tampered(f"the plan of {step} is not an accepted decision") from None
         if (score is not None and (type(score) is not int or not 0 <= score <= 100)) \
-                or not isinstance(asks, list) or not all(isinstance(q, str) for q in asks):
+                or not all(isinstance(v, list) and all(isinstance(x, str) for x in v)
+                           for v in (asks, resolves, cites)):
             raise tampered(f"the plan of {step} is not an accepted decision")
-        return score, asks
+        return score, asks, resolves, cites
 
     checked = 0
     published = {(c.revision, c.seq) for c in session.exec(
@@ -596,11 +610,15 @@ def verify_figures(session: Session, case_id: str) -> int:
     #: evidence id -> (the score a plan gave it, that plan's step, whether published)
     scored: dict[str, tuple[int, str, bool]] = {}
     asked: dict[str, tuple[str, int, int, bool]] = {}
+    #: question id -> (the step that resolved it, the evidence its plan cited, published)
+    resolved: dict[str, tuple[int, str, bool]] = {}
     for plan in session.exec(select(Plan).where(Plan.case_id == case_id)
                              .order_by(col(Plan.revision), col(Plan.step_seq))).all():
         step = f"step {plan.step_seq} (revision {plan.revision})"
         shown = (plan.revision, plan.step_seq) in published
-        score, asks = figures(plan, step)
+        score, asks, resolves, cites = figures(plan, step)
+        for qid in resolves:  # the first plan that resolves a question resolves it
+            resolved.setdefault(qid, (plan.step_seq, canonical_json(cites).decode(), shown))
         if score is not None:
             context = document(ARTIFACT_CONTEXT.format(seq=plan.step_seq),
                                plan.context_sha256, f"the context of {step}")
@@ -630,35 +648,60 @@ def verify_figures(session: Session, case_id: str) -> int:
         if plan_asked is None or (q.text, q.hypothesis_id, q.created_step) != plan_asked[:3]:
             raise tampered(f"question {qid} (step {q.created_step}) is not the question a "
                            "plan asked")
+        step_resolved, evidence_cited, shown = resolved.get(qid, (None, None, False))
+        as_resolved = (q.resolved_step, q.resolution_evidence_json) == \
+            (step_resolved, evidence_cited)
+        if q.status not in ("open", "resolved") or (q.status == "resolved" and not as_resolved) \
+                or (q.status == "open" and shown):
+            raise tampered(f"question {qid} is {q.status}"
+                           + (f" at step {q.resolved_step}" if q.status == "resolved" else "")
+                           + ", not as the plans resolved it")
         checked += 1
     if missing := [qid for qid, (*_, shown) in asked.items() if shown and qid not in rows]:
         raise tampered(f"question {missing[0]}, which a published step asked, is not stored")
-    succeeded: set[int] = set()
+    operations = {o.id: o for o in session.exec(
+        select(LLMOperation).where(LLMOperation.case_id == case_id)).all() if o.id is not None}
+    attempts: dict[int, list[LLMAttempt]] = {op_id: [] for op_id in operations}
     for a in session.exec(
             select(LLMAttempt).join(LLMOperation,
                                     col(LLMOperation.id) == LLMAttempt.operation_id)
-            .where(LLMOperation.case_id == case_id)).all():
-        which = f"attempt {a.attempt} of model operation {a.operation_id}"
-        recorded = (a.prompt_tokens, a.completion_tokens)
-        if a.status != ATTEMPT_SUCCEEDED:
-            if recorded != (None, None):  # the gateway records no counts for a failure
-                raise tampered(f"{which} did not succeed ({a.status}) yet records token "
-                               "counts")
-            continue
-        if a.operation_id in succeeded:
-            raise tampered(f"model operation {a.operation_id} has two succeeded attempts")
-        succeeded.add(a.operation_id)
-        art = None if a.response_path is None else \
-            Store.get_artifact(session, case_id, a.response_path)
-        if art is None or art.sha256 != a.response_sha256:
-            raise tampered(f"{which} succeeded, but its response is not stored as recorded")
-        reported = spend.usage_of(art.data, None) if _chat_completion(art.data) \
-            else (None, None)
-        if recorded != reported:
-            raise tampered(f"{which} records {recorded[0]} prompt and {recorded[1]} "
-                           f"completion tokens; its response {a.response_path} reports "
-                           f"{reported[0]} and {reported[1]}")
-        checked += 1
+            .where(LLMOperation.case_id == case_id)
+            .order_by(col(LLMAttempt.operation_id), col(LLMAttempt.attempt))).all():
+        attempts[a.operation_id].append(a)
+    for op_id, made in attempts.items():
+        # Attempts 1..n, n the operation's count, one succeeded (the last) exactly when
+        # the operation did: an attempt added, deleted or turned into a failure changed
+        # the counts `status` and `run` show (a hostile trial).
+        op = operations[op_id]
+        if [a.attempt for a in made] != list(range(1, op.attempts_made + 1)):
+            raise tampered(f"model operation {op_id} records {op.attempts_made} attempt(s) "
+                           f"but stores attempts {[a.attempt for a in made]}")
+        won = [a.attempt for a in made if a.status == ATTEMPT_SUCCEEDED]
+        if won != ([op.attempts_made] if op.status == OP_SUCCEEDED else []):
+            raise tampered(f"model operation {op_id} is {op.status} with succeeded "
+                           f"attempt(s) {won}")
+        for a in made:
+            which = f"attempt {a.attempt} of model operation {op_id}"
+            if a.status not in statuses:
+                raise tampered(f"{which} has the status {a.status!r}, which no attempt has")
+            recorded = (a.prompt_tokens, a.completion_tokens)
+            if a.status != ATTEMPT_SUCCEEDED:
+                if recorded != (None, None):  # the gateway records no counts for a failure
+                    raise tampered(f"{which} did not succeed ({a.status}) yet records token "
+                                   "counts")
+                continue
+            art = None if a.response_path is None else \
+                Store.get_artifact(session, case_id, a.response_path)
+            if art is None or art.sha256 != a.response_sha256:
+                raise tampered(f"{which} succeeded, but its response is not stored as "
+                               "recorded")
+            reported = spend.usage_of(art.data, None) if _chat_completion(art.data) \
+                else (None, None)
+            if recorded != reported:
+                raise tampered(f"{which} records {recorded[0]} prompt and {recorded[1]} "
+                               f"completion tokens; its response {a.response_path} reports "
+                               f"{reported[0]} and {reported[1]}")
+            checked += 1
     return checked
 
 

@@ -136,10 +136,14 @@ def _tampered(case: Case, said: str) -> None:
 #: attempt, a question moved off its published step.
 FORGED = {
     "counts on a failed attempt": (
+        "UPDATE llm_attempt SET status = 'failed', prompt_tokens = 777777 WHERE id = 1; "
+        "UPDATE llm_operation SET status = 'failed' WHERE id = 1",
+        "did not succeed (failed) yet records"),
+    "an attempt added": (
         "INSERT INTO llm_attempt (operation_id, attempt, provider, request_path, "
-        "request_sha256, status, prompt_tokens, completion_tokens, started_at) SELECT "
-        "operation_id, 2, provider, request_path, request_sha256, 'failed', 777777, 1, "
-        "started_at FROM llm_attempt WHERE id = 1", "did not succeed (failed) yet records"),
+        "request_sha256, status, started_at) SELECT operation_id, 2, provider, request_path, "
+        "request_sha256, 'failed', started_at FROM llm_attempt WHERE id = 1",
+        "model operation 1 records 1 attempt(s) but stores attempts [1, 2]"),
     "a succeeded attempt without its response": (
         "UPDATE llm_attempt SET response_path = NULL WHERE id = 1",
         "succeeded, but its response is not stored"),
@@ -148,7 +152,22 @@ FORGED = {
         "request_sha256, response_path, response_sha256, status, started_at) SELECT "
         "operation_id, 2, provider, request_path, request_sha256, response_path, "
         "response_sha256, 'succeeded', started_at FROM llm_attempt WHERE id = 1",
-        "has two succeeded attempts"),
+        "model operation 1 records 1 attempt(s) but stores attempts [1, 2]"),
+    "a succeeded attempt turned into a failure": (
+        "UPDATE llm_attempt SET status = 'failed' WHERE id = 1",
+        "model operation 1 is succeeded with succeeded attempt(s) []"),
+    "an attempt deleted": (
+        "DELETE FROM llm_attempt WHERE id = 1",
+        "not bound to the model call it names (operation 1, attempt 1)"),
+    "an attempt of no known status": (
+        "UPDATE llm_attempt SET status = 'weird' WHERE id = 2; UPDATE llm_operation SET "
+        "status = 'pending' WHERE id = 2", "has the status 'weird', which no attempt has"),
+    "a question resolved at another step": (
+        "UPDATE question SET resolved_step = 2 WHERE question_id = 'Q1'",
+        "question Q1 is resolved at step 2, not as the plans resolved it"),
+    "a question resolved by other evidence": (
+        "UPDATE question SET resolution_evidence_json = '[\"E2\"]' "
+        "WHERE question_id = 'Q1'", "question Q1 is resolved at step 4, not as the plans"),
     "a question moved off its step": (
         "UPDATE question SET created_step = 99, text = 'forged' WHERE question_id = 'Q1'",
         "question Q1 (step 99) is not the question a plan asked"),
