@@ -190,7 +190,7 @@ def unguarded(store: Store) -> Iterator[None]:
         yield
     finally:
         with store.engine.begin() as conn:
-            create_guards(conn)
+            create_guards(conn, attempts=True)
 
 
 def refused_by_store(store: Store, statement: Any) -> None:

@@ -10,6 +10,8 @@ the tables it adds, ``0008_bounded_history``):
   row is *open* (an evidence record until it is assessed, a question while it is open, a
   revision until its policy is frozen); any other change, a change of a closed row, and
   every DELETE are refused.
+* :data:`ATTEMPT_GUARDS` (migration ``0013_attempt_guard``): a model attempt may change
+  while it is ``sent``, once closed never; none is ever deleted.
 * :data:`INSERT_GUARDS` (migration ``0009_closed_history``) refuse an INSERT into the past
   of a case: an evidence record must be newer than every record of its case, a
   novelty-index row must name the case's newest record, and an audit note must belong to
@@ -25,7 +27,7 @@ made by someone who can also drop triggers is found there.
 Maintenance: SQLite names each guarded column in its trigger, and Alembic's batch mode
 recreates a table it alters (its triggers go with it). A migration that adds a column to,
 or batch-alters, a table listed here must call :func:`drop_guards` first and
-:func:`create_guards` after; ``tests/integration/test_store_guards.py`` checks that every
+:func:`create_guards` after; ``tests/integration/test_compact_store.py`` checks that every
 guard exists after the migrations on both databases.
 """
 
@@ -44,6 +46,17 @@ GUARDED_TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
     "evidence": ("NOT OLD.assessed", ("assessed", "assessment_score", "refund_units")),
     "question": ("OLD.status = 'open'", ("status", "resolved_step", "resolution_evidence_json")),
     "revision": ("OLD.policy_json IS NULL", ("policy_json", "policy_sha256")),
+}
+
+#: Guarded as :data:`GUARDED_TABLES` are, from migration ``0013_attempt_guard`` on (the
+#: migrations before it create only theirs): a model attempt is open while ``sent`` and
+#: the gateway closes it once, with its answer or failure; its counts, status and cost are
+#: what ``status`` and the report sum (a hostile trial changed them, no guard dropped).
+ATTEMPT_GUARDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "llm_attempt": ("OLD.status = 'sent'", (
+        "status", "response_path", "response_sha256", "http_status", "error_code",
+        "error_message", "prompt_tokens", "completion_tokens", "finish_reason",
+        "cost_micros", "finished_at")),
 }
 
 #: Table -> the SQL condition on ``NEW`` (the same on SQLite and PostgreSQL) under which
@@ -82,21 +95,47 @@ def _present(conn: Connection, tables: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(t for t in tables if t in existing)
 
 
-def create_guards(conn: Connection, *, inserts: bool = True) -> None:
+def create_guards(conn: Connection, *, inserts: bool = True, attempts: bool = False) -> None:
     """Create every guard of the tables that exist (idempotent on SQLite: existing
     triggers are kept).
 
     Args:
         inserts: also the :data:`INSERT_GUARDS` (migrations before ``0009`` pass
-            ``False``: they created the UPDATE and DELETE guards only)."""
+            ``False``: they created the UPDATE and DELETE guards only).
+        attempts: also the :data:`ATTEMPT_GUARDS` (``0013_attempt_guard`` and later; the
+            migrations before it call this without them, so that each creates what it
+            always did)."""
     if conn.dialect.name == "postgresql":
-        _create_postgres(conn)
+        _create_postgres(conn, GUARDED_TABLES)
         if inserts:
             _create_postgres_inserts(conn)
     else:
-        _create_sqlite(conn)
+        _create_sqlite(conn, GUARDED_TABLES)
         if inserts:
             _create_sqlite_inserts(conn)
+    if attempts:
+        create_attempt_guards(conn)
+
+
+def create_attempt_guards(conn: Connection) -> None:
+    """Create the :data:`ATTEMPT_GUARDS` only (migration ``0013``)."""
+    if conn.dialect.name == "postgresql":
+        _create_postgres(conn, ATTEMPT_GUARDS, immutable=False)
+    else:
+        _create_sqlite(conn, ATTEMPT_GUARDS, immutable=False)
+
+
+def drop_attempt_guards(conn: Connection) -> None:
+    """Drop the :data:`ATTEMPT_GUARDS` only (downgrade of ``0013``)."""
+    for table in _present(conn, tuple(ATTEMPT_GUARDS)):
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table} ON "{table}"')
+            conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_truncate '
+                                 f'ON "{table}"')
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {PREFIX}{table}_fn()")
+        else:
+            for op in ("update", "delete"):
+                conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS "{PREFIX}{table}_{op}"')
 
 
 def drop_insert_guards(conn: Connection) -> None:
@@ -114,14 +153,14 @@ def drop_guards(conn: Connection) -> None:
     """Drop every guard. For migrations that recreate a guarded table, and for tests that
     show what the replay finds when someone with DDL rights rewrites the store."""
     if conn.dialect.name == "postgresql":
-        for table in _present(conn, (*IMMUTABLE_TABLES, *GUARDED_TABLES)):
+        for table in _present(conn, (*IMMUTABLE_TABLES, *GUARDED_TABLES, *ATTEMPT_GUARDS)):
             conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table} ON "{table}"')
             conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_truncate '
                                  f'ON "{table}"')
         for table in _present(conn, tuple(INSERT_GUARDS)):
             conn.exec_driver_sql(f'DROP TRIGGER IF EXISTS {PREFIX}{table}_insert '
                                  f'ON "{table}"')
-        for table in GUARDED_TABLES:
+        for table in (*GUARDED_TABLES, *ATTEMPT_GUARDS):
             conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {PREFIX}{table}_fn()")
         for table in INSERT_GUARDS:
             conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {PREFIX}{table}_insert_fn()")
@@ -147,8 +186,9 @@ def guard_names(conn: Connection) -> set[str]:
 
 
 def expected_guard_names(dialect: str) -> set[str]:
-    """The trigger names :func:`create_guards` creates on ``dialect``."""
-    tables = (*IMMUTABLE_TABLES, *GUARDED_TABLES)
+    """The trigger names the migrations create on ``dialect`` (:func:`create_guards` with
+    ``attempts``)."""
+    tables = (*IMMUTABLE_TABLES, *GUARDED_TABLES, *ATTEMPT_GUARDS)
     inserts = {f"{PREFIX}{t}_insert" for t in INSERT_GUARDS}
     if dialect == "postgresql":
         return {f"{PREFIX}{t}" for t in tables} | {f"{PREFIX}{t}_truncate" for t in tables} \
@@ -157,13 +197,17 @@ def expected_guard_names(dialect: str) -> set[str]:
         | inserts
 
 
-def _create_sqlite(conn: Connection) -> None:
-    for table in _present(conn, IMMUTABLE_TABLES):
-        for op in ("UPDATE", "DELETE"):
-            conn.exec_driver_sql(
-                f'CREATE TRIGGER IF NOT EXISTS {PREFIX}{table}_{op.lower()} BEFORE {op} '
-                f'ON "{table}" BEGIN SELECT RAISE(ABORT, \'{_message(table)}\'); END')
-    for table, (is_open, mutable) in GUARDED_TABLES.items():
+def _create_sqlite(conn: Connection, guarded: dict[str, tuple[str, tuple[str, ...]]],
+                   immutable: bool = True) -> None:
+    """The triggers of the :data:`IMMUTABLE_TABLES` (unless ``immutable`` is false) and
+    of the ``guarded`` tables."""
+    if immutable:
+        for table in _present(conn, IMMUTABLE_TABLES):
+            for op in ("UPDATE", "DELETE"):
+                conn.exec_driver_sql(
+                    f'CREATE TRIGGER IF NOT EXISTS {PREFIX}{table}_{op.lower()} BEFORE {op} '
+                    f'ON "{table}" BEGIN SELECT RAISE(ABORT, \'{_message(table)}\'); END')
+    for table, (is_open, mutable) in guarded.items():
         columns = [r[1] for r in conn.exec_driver_sql(f'PRAGMA table_info("{table}")').all()]
         frozen = " OR ".join(f'NEW."{c}" IS NOT OLD."{c}"' for c in columns
                              if c not in mutable)
@@ -184,15 +228,18 @@ def _create_sqlite_inserts(conn: Connection) -> None:
             f"BEGIN SELECT RAISE(ABORT, '{_insert_message(table)}'); END")
 
 
-def _create_postgres(conn: Connection) -> None:
+def _create_postgres(conn: Connection, guarded: dict[str, tuple[str, tuple[str, ...]]],
+                     immutable: bool = True) -> None:
+    """As :func:`_create_sqlite`, with PL/pgSQL functions."""
     conn.exec_driver_sql(
         f"CREATE OR REPLACE FUNCTION {PREFIX}refuse() RETURNS trigger LANGUAGE plpgsql AS $$ "
         f"BEGIN RAISE EXCEPTION '{CODE}: %% rows are published facts and cannot be changed "
         "or deleted; a new fact is a new row', TG_TABLE_NAME USING ERRCODE = '55000'; "
         "END $$")
-    for table in _present(conn, IMMUTABLE_TABLES):
-        _pg_triggers(conn, table, f"{PREFIX}refuse()", "UPDATE OR DELETE")
-    for table, (is_open, mutable) in GUARDED_TABLES.items():
+    if immutable:
+        for table in _present(conn, IMMUTABLE_TABLES):
+            _pg_triggers(conn, table, f"{PREFIX}refuse()", "UPDATE OR DELETE")
+    for table, (is_open, mutable) in guarded.items():
         keep = ", ".join(f"'{c}'" for c in mutable)
         conn.exec_driver_sql(
             f"CREATE OR REPLACE FUNCTION {PREFIX}{table}_fn() RETURNS trigger "

@@ -10,4 +10,4 @@ scripts; a test holds the two equal, so a new migration updates :data:`HEAD_REVI
 from __future__ import annotations
 
 #: The id of the newest file under ``investigation/store/migrations/versions``.
-HEAD_REVISION = "0012_attempt_currency"
+HEAD_REVISION = "0013_attempt_guard"

@@ -271,6 +271,37 @@ def test_every_guard_exists_after_the_migrations(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
+def test_a_closed_model_attempt_is_refused_and_a_sent_one_closes_once(
+        backend: str, tmp_path: Path) -> None:
+    """A hostile trial changed an attempt's token counts, status and cost, which status
+    and the report sum, without dropping any guard (migration 0013_attempt_guard)."""
+    from investigation.store.models import LLMAttempt
+
+    case = make_case(tmp_path / "c", database_url=backend)
+    _run(case)
+    store = case.store
+    refused_by_store(store, update(LLMAttempt).values(prompt_tokens=1_000_000))
+    refused_by_store(store, update(LLMAttempt).values(status="failed"))
+    refused_by_store(store, update(LLMAttempt).values(cost_micros=999_999_999))
+    refused_by_store(store, delete(LLMAttempt))
+    with store.session() as s:
+        first = s.exec(select(LLMAttempt).order_by(col(LLMAttempt.id))).first()
+        assert first is not None
+        s.add(LLMAttempt(operation_id=first.operation_id, attempt=99, provider="p",
+                         request_path="r", request_sha256="s"))  # sent: open
+    with store.session() as s:  # closed once, as the gateway closes it
+        s.execute(update(LLMAttempt).where(col(LLMAttempt.attempt) == 99)
+                  .values(status="failed", error_code="X", finished_at=first.started_at))
+    refused_by_store(store, update(LLMAttempt).where(col(LLMAttempt.attempt) == 99)
+                     .values(error_code="Y"))
+    with store.session() as s:  # an open attempt's request is what was sent: fixed
+        s.add(LLMAttempt(operation_id=first.operation_id, attempt=98, provider="p",
+                         request_path="r", request_sha256="s"))
+    refused_by_store(store, update(LLMAttempt).where(col(LLMAttempt.attempt) == 98)
+                     .values(request_path="other"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=["backend"])
 def test_published_rows_are_refused_and_open_ones_change_once(backend: str,
                                                               tmp_path: Path) -> None:
     case = make_case(tmp_path / "c", database_url=backend)

@@ -32,7 +32,7 @@ from investigation.store.models import (
     LLMOperation,
     Plan,
 )
-from tests.casekit import Case, make_case
+from tests.casekit import Case, make_case, unguarded
 
 
 def fingerprint(case: Case) -> dict[str, Any]:
@@ -183,7 +183,8 @@ def test_a_process_dying_inside_a_model_request_costs_one_attempt_more(
     from investigation.report.history import attempt_ms, case_history
 
     assert attempt_ms(interrupted[0]) is None
-    with case.store.session() as s:  # as a real grace leaves it: ten minutes after sending
+    # As a real grace leaves it: ten minutes after sending (a closed attempt is guarded).
+    with unguarded(case.store), case.store.session() as s:
         gone = s.get(LLMAttempt, interrupted[0].id)
         assert gone is not None and gone.finished_at is not None
         gone.started_at = gone.finished_at - timedelta(minutes=10)
