@@ -47,7 +47,7 @@ from investigation.loop.outcome import Outcome
 from investigation.loop.prompt import build_messages
 from investigation.store import Store
 from investigation.store.models import LLMAttempt, StageRun
-from tests.casekit import HAPPY_REPLIES, Case, make_case
+from tests.casekit import HAPPY_REPLIES, Case, make_case, unguarded
 
 
 class Rig:
@@ -415,11 +415,12 @@ def test_tokens_no_server_reported_are_not_reported_not_zero(tmp_path: Path) -> 
     assert token_cells([halves]) == ("40 (1 of 3 calls)", "5 (2 of 3 calls)")
     assert token_cells([{**halves, "prompt_tokens_reported": 0, "prompt_tokens": 0}]) == \
         ("not reported", "5 (2 of 3 calls)")
-    with case.store.session() as s:
+    with unguarded(case.store), case.store.session() as s:  # a closed attempt is guarded
         s.execute(sql("UPDATE llm_attempt SET prompt_tokens = 40, completion_tokens = 5 "
                       "WHERE id = (SELECT min(id) FROM llm_attempt WHERE status = "
                       "'succeeded')"))
         s.commit()
+    with case.store.session() as s:
         hid, calls = s.execute(sql(
             "SELECT o.hypothesis_id, count(*) FROM llm_attempt a JOIN llm_operation o ON "
             "o.id = a.operation_id WHERE a.status = 'succeeded' GROUP BY o.hypothesis_id "
