@@ -195,10 +195,11 @@ def _continue(f: CaseFacts, mode: Mode, providers: str | None,
     dispatch = f"investigate dispatch {case}"
     again = "run it" if first else "run it again"
     if mode == "embedded":
-        return [Step(again + ("" if not providers else
-                              " once that providers file is fixed (or name another one)"
-                              if fixed else "") + (
-                     "" if providers else " (with the providers file you use)"), run)]
+        if not providers:
+            again += " (with the providers file you use)"
+        elif fixed:
+            again += " once that providers file is fixed (or name another one)"
+        return [Step(again, run)]
     # A sweep may take the case first: `dispatch` then says LOCK_BUSY (exit 3), which a
     # fleet trial read as a failure.
     busy = "; LOCK_BUSY (exit 3) means a worker already has it"

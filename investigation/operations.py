@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from datetime import UTC
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -561,16 +562,6 @@ def verify_figures(session: Session, case_id: str) -> int:
     Raises:
         InvestigationError: ``STATE_TAMPERED`` naming the first figure that differs.
     """
-    from investigation.llm.gateway import (
-        ATTEMPT_FAILED,
-        ATTEMPT_REJECTED,
-        ATTEMPT_SENT,
-        ATTEMPT_SUCCEEDED,
-        OP_SUCCEEDED,
-    )
-
-    statuses = (ATTEMPT_SENT, ATTEMPT_SUCCEEDED, ATTEMPT_FAILED, ATTEMPT_REJECTED)
-
     def tampered(what: str) -> InvestigationError:
         return InvestigationError("STATE_TAMPERED", f"case {case_id}: {what}; the store was "
                                   "changed outside the engine")
@@ -659,6 +650,26 @@ def verify_figures(session: Session, case_id: str) -> int:
         checked += 1
     if missing := [qid for qid, (*_, shown) in asked.items() if shown and qid not in rows]:
         raise tampered(f"question {missing[0]}, which a published step asked, is not stored")
+    return checked + _verify_attempts(session, case_id, tampered)
+
+
+def _verify_attempts(session: Session, case_id: str,
+                     tampered: Callable[[str], InvestigationError]) -> int:
+    """:func:`verify_figures`' model attempts: each operation stores attempts 1 to its
+    count, the last one succeeded exactly when the operation did (an attempt added,
+    deleted or turned into a failure changed the counts `status` and `run` show, a
+    hostile trial); an attempt that did not succeed records no token counts, one that
+    succeeded the counts its stored response reports. Returns the succeeded attempts
+    checked."""
+    from investigation.llm.gateway import (
+        ATTEMPT_FAILED,
+        ATTEMPT_REJECTED,
+        ATTEMPT_SENT,
+        ATTEMPT_SUCCEEDED,
+        OP_SUCCEEDED,
+    )
+
+    statuses = (ATTEMPT_SENT, ATTEMPT_SUCCEEDED, ATTEMPT_FAILED, ATTEMPT_REJECTED)
     operations = {o.id: o for o in session.exec(
         select(LLMOperation).where(LLMOperation.case_id == case_id)).all() if o.id is not None}
     attempts: dict[int, list[LLMAttempt]] = {op_id: [] for op_id in operations}
@@ -668,10 +679,8 @@ def verify_figures(session: Session, case_id: str) -> int:
             .where(LLMOperation.case_id == case_id)
             .order_by(col(LLMAttempt.operation_id), col(LLMAttempt.attempt))).all():
         attempts[a.operation_id].append(a)
+    checked = 0
     for op_id, made in attempts.items():
-        # Attempts 1..n, n the operation's count, one succeeded (the last) exactly when
-        # the operation did: an attempt added, deleted or turned into a failure changed
-        # the counts `status` and `run` show (a hostile trial).
         op = operations[op_id]
         if [a.attempt for a in made] != list(range(1, op.attempts_made + 1)):
             raise tampered(f"model operation {op_id} records {op.attempts_made} attempt(s) "
@@ -695,8 +704,7 @@ def verify_figures(session: Session, case_id: str) -> int:
             if art is None or art.sha256 != a.response_sha256:
                 raise tampered(f"{which} succeeded, but its response is not stored as "
                                "recorded")
-            reported = spend.usage_of(art.data, None) if _chat_completion(art.data) \
-                else (None, None)
+            reported = _completion_usage(art.data)
             if recorded != reported:
                 raise tampered(f"{which} records {recorded[0]} prompt and {recorded[1]} "
                                f"completion tokens; its response {a.response_path} reports "
@@ -705,14 +713,17 @@ def verify_figures(session: Session, case_id: str) -> int:
     return checked
 
 
-def _chat_completion(raw: bytes) -> bool:
-    """Whether ``raw`` is a chat completion (a JSON object with ``choices``), whose
-    ``usage`` the gateway read; a scripted provider's stored reply line is none."""
+def _completion_usage(raw: bytes) -> tuple[int | None, int | None]:
+    """The token counts the gateway read from a stored answer: a chat completion's (a
+    JSON object with ``choices``) ``usage``; nothing of a scripted provider's reply line
+    or any other body."""
     try:
         doc = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return False
-    return isinstance(doc, dict) and isinstance(doc.get("choices"), list)
+        return None, None
+    if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list):
+        return None, None
+    return spend.usage_in(doc)
 
 
 def _verify_rows(s: Session, case_id: str, ledgers: bool = False
@@ -757,10 +768,10 @@ def verify(store: Store, case_id: str) -> dict[str, Any]:
 
     Returns:
         ``{"case_id", "checkpoints", "artifacts", "artifact_bytes", "live_rows",
-        "budget_accounts", "bindings", "figures"}`` where ``live_rows`` is ``"checked"``, ``"step N in
-        progress"`` or, for a cancelled or stopped case, ``"step N left unfinished when the
-        case was CANCELLED"`` (or ``STOPPED``), and ``budget_accounts`` the number of accounts whose ledger was read
-        (0 while a step is in progress).
+        "budget_accounts", "bindings", "figures"}`` where ``live_rows`` is ``"checked"``,
+        ``"step N in progress"`` or, for a cancelled or stopped case, ``"step N left
+        unfinished when the case was CANCELLED"`` (or ``STOPPED``), and ``budget_accounts``
+        the number of accounts whose ledger was read (0 while a step is in progress).
 
     Raises:
         InvestigationError: ``CASE_NOT_FOUND``; ``CHECKPOINT_INVALID``,

@@ -162,22 +162,21 @@ def settled_micros(config: ProviderConfig, reserved: int | None, attempt: Attemp
     return reserved
 
 
-#: The longest answer body that is not a completion :func:`usage_of` reads (1 MiB).
-USAGE_MAX_BYTES = 1 << 20
-
-
-def usage_of(raw: bytes | None, max_bytes: int | None = USAGE_MAX_BYTES
-             ) -> tuple[int | None, int | None]:
-    """``(prompt_tokens, completion_tokens)`` of an answer body's ``usage`` (a refusal can
-    still report usage), or ``(None, None)``; counts as ``openai.parse_chat_completion``
-    reads them. ``max_bytes``: a longer body is not parsed (``None``: no
-    bound, as for a completion, which is parsed whole)."""
-    if not raw or (max_bytes is not None and len(raw) > max_bytes):
+def usage_of(raw: bytes | None) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of an answer body that is not a completion
+    (a refusal can still report usage), or ``(None, None)``."""
+    if not raw or len(raw) > 1 << 20:
         return None, None
     try:
         doc = jsonio.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None, None
+    return usage_in(doc)
+
+
+def usage_in(doc: Any) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of a parsed answer's ``usage``, or
+    ``(None, None)``; counts as ``openai.parse_chat_completion`` reads them."""
     usage = doc.get("usage") if isinstance(doc, dict) else None
     if not isinstance(usage, dict):
         return None, None

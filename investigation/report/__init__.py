@@ -44,7 +44,8 @@ def write_report(store: Store, case_id: str, path: Path, env: str | None = None,
         OSError: the file cannot be written, or ``path`` names something other than a
             regular file (a device, a FIFO, a directory).
     """
-    data = render_report(store, case_id, env, currency, guidance).encode("utf-8", "backslashreplace")
+    data = render_report(store, case_id, env, currency, guidance).encode(
+        "utf-8", "backslashreplace")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, data)
     return len(data)

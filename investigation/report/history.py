@@ -58,8 +58,9 @@ class StepRow:
     """One step of the case (a published checkpoint, or the step in progress).
 
     ``model_ms`` sums the recorded duration of every finished attempt of the step's model
-    calls (:func:`attempt_ms`: an interrupted call has none); ``prompt_tokens``/``completion_tokens`` are ``None`` when no provider reported
-    them (a scripted provider reports none).
+    calls (:func:`attempt_ms`: an interrupted call has none);
+    ``prompt_tokens``/``completion_tokens`` are ``None`` when no provider reported them (a
+    scripted provider reports none).
     """
 
     seq: int
@@ -302,9 +303,7 @@ def case_history(store: Store, case_id: str, env: str | None = None,
     confidence: dict[int, list[tuple[int, str]]] = {b.hypothesis_id: [(0, "unassessed")]
                                                     for b in births}
     reviews = []
-    #: evidence id -> (ordinal, hypothesis, step recorded, evidence id)
-    recorded = {e.evidence_id: (e.ordinal, e.hypothesis_id, e.step_seq, e.evidence_id)
-                for e in evidence_rows}
+    recorded = {e.evidence_id: e for e in evidence_rows}
     for p in plans:
         decision = jsonio.loads(p.decision_json)
         reply = decision["reply"]
@@ -326,10 +325,11 @@ def case_history(store: Store, case_id: str, env: str | None = None,
             # The record assessed is the hypothesis's pending result, which the cited ids
             # must include (validation), among others the model may cite first: the
             # hypothesis's own record cited that was recorded last before this step.
-            cited_own = [recorded[str(eid)] for eid in assessment.get("evidence_ids") or []
-                   if str(eid) in recorded and recorded[str(eid)][1] == p.hypothesis_id
-                   and recorded[str(eid)][2] < p.step_seq]
-            planned.assessed_evidence = max(cited_own)[3] if cited_own else None
+            cited = [recorded.get(str(eid)) for eid in assessment.get("evidence_ids") or []]
+            mine = [e for e in cited if e is not None and e.hypothesis_id == p.hypothesis_id
+                    and e.step_seq < p.step_seq]
+            planned.assessed_evidence = max(mine, key=lambda e: e.ordinal).evidence_id \
+                if mine else None
             planned.new_questions = list(upd.get("new_questions", []))
             planned.resolved_questions = list(upd.get("resolve_questions", []))
         review = decision.get("early_diagnosis")

@@ -365,6 +365,9 @@ def test_case_add_of_a_completed_case_says_it_is_complete(tmp_path: Path,
                                      f'path = "{replies}"\n')
     ran = invoke("run", case_id, "--providers", str(tmp_path / "p.toml"))
     assert ran.exit_code == 0, ran.output
+    # It ends with the case's model usage (a real model's user found it only in status).
+    assert "model usage: 5 call(s), 5 attempt(s), tokens not reported, cost not priced" \
+        in ran.output, ran.output
     again = invoke(*args)
     assert again.exit_code == 0 and again.stdout.strip() == case_id
     assert "already registered" in again.stderr
